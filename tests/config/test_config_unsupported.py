@@ -1,0 +1,122 @@
+"""DeepSpeed keys for features zengine lacks: refused when they change results, else named as ignored."""
+import warnings
+
+import pytest
+
+from zengine.config import UNSUPPORTED_KEYS, ConfigError, ConfigWarning, ZengineConfig, load_config
+from zengine.config.load import _known_paths
+from zengine.config.unsupported import CHANGES_RESULTS, IGNORABLE
+
+BASE = {"train_micro_batch_size_per_gpu": 2}
+
+
+def _nest(path, value):
+    config = dict(BASE)
+    *parents, name = path.split(".")
+    node = config
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[name] = value
+    if path.startswith("zero_optimization.offload_optimizer"):
+        config["zero_optimization"]["stage"] = 2
+    if path.startswith("optimizer."):
+        config["optimizer"]["type"] = "AdamW"
+    return config
+
+
+def _load(config):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(config, 1)
+    return cfg, [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+
+
+def test_table_is_consistent():
+    paths = [entry.path for entry in UNSUPPORTED_KEYS]
+    assert len(paths) == len(set(paths))
+    implemented = {".".join(path) for path in _known_paths(ZengineConfig)}
+    for entry in UNSUPPORTED_KEYS:
+        assert entry.effect in (CHANGES_RESULTS, IGNORABLE)
+        assert entry.path not in implemented, entry.path
+        assert (entry.inert is not None) == (entry.effect == CHANGES_RESULTS), entry.path
+
+
+@pytest.mark.parametrize("path", [e.path for e in UNSUPPORTED_KEYS if e.effect == IGNORABLE])
+def test_ignorable_keys_are_accepted_and_named(path):
+    cfg, notes = _load(_nest(path, {"enabled": True}))
+    assert path in cfg.ignored_keys
+    assert len(notes) == 1 and path in notes[0] and "ignores" in notes[0]
+
+
+@pytest.mark.parametrize("path,value", [
+    ("amp", {"enabled": True, "opt_level": "O1"}),
+    ("pipeline", {"stages": 2}),
+    ("sparse_attention", {"mode": "fixed"}),
+    ("torch_autocast", {"enabled": True}),
+    ("elasticity", {"enabled": True}),
+    ("curriculum_learning", {"enabled": True}),
+    ("data_efficiency", {"enabled": True}),
+    ("compression_training", {"weight_quantization": {}}),
+    ("communication_data_type", "fp16"),
+    ("prescale_gradients", True),
+    ("gradient_predivide_factor", 2.0),
+    ("sparse_gradients", True),
+    ("data_types", {"grad_accum_dtype": "bf16"}),
+    ("tensor_parallel", {"autotp_size": 2}),
+    ("fp16.fp16_master_weights_and_grads", True),
+    ("bf16.bf16_master_weights_and_grads", True),
+    ("zero_optimization.zero_quantized_weights", True),
+    ("zero_optimization.zero_quantized_gradients", True),
+    ("zero_optimization.zero_hpz_partition_size", 8),
+    ("zero_optimization.mics_shard_size", 4),
+])
+def test_result_changing_keys_are_refused(path, value):
+    with pytest.raises(ConfigError) as info:
+        load_config(_nest(path, value), 1)
+    message = str(info.value)
+    assert f"{path}: zengine does not implement DeepSpeed's" in message and "remove the key" in message
+
+
+@pytest.mark.parametrize("path,value", [
+    ("amp", {"enabled": False, "opt_level": "O1"}),
+    ("torch_autocast", {"enabled": False}),
+    ("elasticity", {"enabled": False}),
+    ("curriculum_learning", {}),
+    ("prescale_gradients", False),
+    ("gradient_predivide_factor", 1.0),
+    ("communication_data_type", None),
+    ("sparse_gradients", False),
+    ("data_types", {"grad_accum_dtype": "fp32"}),
+    ("zero_optimization.zero_quantized_weights", False),
+    ("zero_optimization.zero_hpz_partition_size", 1),
+    ("bfloat16.bf16_master_weights_and_grads", False),
+])
+def test_result_changing_keys_accepted_when_inert(path, value):
+    cfg, notes = _load(_nest(path, value))
+    expected = path.replace("bfloat16", "bf16")
+    assert expected in cfg.ignored_keys and any(expected in note for note in notes)
+
+
+def test_every_result_changing_key_is_inert_at_deepspeed_default():
+    for entry in UNSUPPORTED_KEYS:
+        if entry.effect == CHANGES_RESULTS:
+            assert entry.inert(None) or entry.inert({"enabled": False}) or entry.inert(False) \
+                or entry.inert(1) or entry.inert(-1), entry.path
+
+
+def test_refusal_hint_says_how_to_disable():
+    with pytest.raises(ConfigError, match='set "enabled": false'):
+        load_config(_nest("amp", {"enabled": True}), 1)
+    with pytest.raises(ConfigError, match="set it to false"):
+        load_config(_nest("prescale_gradients", True), 1)
+
+
+def test_one_warning_names_every_ignored_key():
+    config = {**BASE, "tensorboard": {"enabled": True}, "wandb": {"enabled": False}, "flops_profiler": {},
+              "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 2, "round_robin_gradients": True, "ignore_unused_parameters": True}}
+    cfg, notes = _load(config)
+    assert len(notes) == 1
+    for key in ("tensorboard", "wandb", "flops_profiler", "zero_allow_untested_optimizer",
+                "zero_optimization.round_robin_gradients", "zero_optimization.ignore_unused_parameters"):
+        assert key in notes[0] and key in cfg.ignored_keys

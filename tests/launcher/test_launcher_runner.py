@@ -1,0 +1,281 @@
+"""Launch planning, torchrun/ssh command construction and input errors (no processes started)."""
+import argparse
+import shlex
+import socket
+
+import pytest
+
+from zengine.launcher.args import add_config_arguments
+from zengine.launcher.entry import target_argv
+from zengine.launcher.runner import (
+    LaunchError,
+    build_parser,
+    check_args,
+    exported_env,
+    main,
+    plan_launch,
+    read_env_file,
+    ssh_command,
+    torchrun_argv,
+    worker_env,
+)
+
+HOSTS = {"worker-0": 4, "worker-1": 4, "worker-2": 2}
+
+
+def parse(*argv):
+    return build_parser().parse_args(list(argv))
+
+
+def slots(plan):
+    return {node.host: list(node.slots) for node in plan.nodes}
+
+
+# --- options -----------------------------------------------------------------
+
+
+def test_script_args_are_left_untouched():
+    args = parse("--num_procs", "2", "train.py", "--num_gpus", "7", "--", "-x", "--local_rank=9")
+    assert args.num_gpus == 2
+    assert args.user_script == "train.py"
+    assert args.user_args == ["--num_gpus", "7", "--", "-x", "--local_rank=9"]
+
+
+def test_defaults():
+    args = parse("train.py")
+    assert (args.master_port, args.max_restarts, args.master_addr) == (29500, 0, None)
+    assert (args.num_gpus, args.num_nodes, args.node_rank) == (None, None, None)
+    assert args.no_local_rank is False and args.user_args == []
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num_gpus", "0"], "--num_gpus must be at least 1"),
+        (["--num_nodes", "0"], "--num_nodes must be at least 1"),
+        (["--max_restarts", "-1"], "--max_restarts must be at least 0"),
+        (["--master_port", "70000"], "--master_port must be in 1..65535"),
+        (["--include", "localhost:0", "--exclude", "localhost:1"], "cannot be used together"),
+        (["--include", "localhost:0", "--num_gpus", "1"], "do not combine them with --num_gpus"),
+    ],
+)
+def test_check_args_rejects(tmp_path, argv, message):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(LaunchError, match=message):
+        check_args(parse(*argv, str(script)))
+
+
+def test_check_args_missing_script(tmp_path):
+    with pytest.raises(LaunchError, match="training script .*nope.py' not found"):
+        check_args(parse(str(tmp_path / "nope.py")))
+    check_args(parse("--module", "some.module"))  # modules are not files
+
+
+# --- planning: this machine ----------------------------------------------------
+
+
+def test_cpu_machine_defaults_to_one_process():
+    plan = plan_launch(parse("t.py"), None, local_slot_count=16, gpus_present=False)
+    assert not plan.remote and plan.num_nodes == 1
+    assert plan.nodes[0].slots == (0,)
+    assert (plan.master_addr, plan.master_port) == ("127.0.0.1", 29500)
+
+
+def test_gpu_machine_defaults_to_every_gpu():
+    plan = plan_launch(parse("t.py"), None, local_slot_count=8, gpus_present=True)
+    assert plan.nodes[0].nproc == 8
+
+
+def test_num_procs_on_cpu_is_not_bounded_by_cores():
+    plan = plan_launch(parse("--num_procs", "6", "t.py"), None, local_slot_count=2, gpus_present=False)
+    assert plan.nodes[0].slots == tuple(range(6))
+
+
+def test_num_gpus_beyond_local_gpus_rejected():
+    with pytest.raises(LaunchError, match="only 2 GPU"):
+        plan_launch(parse("--num_gpus", "4", "t.py"), None, local_slot_count=2, gpus_present=True)
+
+
+def test_include_and_exclude_on_this_machine():
+    plan = plan_launch(parse("--include", "localhost:1,3", "t.py"), None, 4, True)
+    assert plan.nodes[0].slots == (1, 3)
+    plan = plan_launch(parse("--exclude", "localhost:0", "t.py"), None, 4, True)
+    assert plan.nodes[0].slots == (1, 2, 3)
+    with pytest.raises(ValueError, match="has no slot 4"):
+        plan_launch(parse("--include", "localhost:4", "t.py"), None, 4, True)
+
+
+def test_manual_multi_node():
+    args = parse("--num_nodes", "3", "--node_rank", "2", "--master_addr", "10.0.0.1", "--num_gpus", "2", "t.py")
+    plan = plan_launch(args, None, 2, True)
+    assert (plan.num_nodes, plan.nodes[0].node_rank, plan.master_addr) == (3, 2, "10.0.0.1")
+    assert not plan.remote
+    assert torchrun_argv(plan, plan.nodes[0], args)[:4] == ["--nnodes", "3", "--node_rank", "2"]
+
+
+def test_node_rank_must_be_below_num_nodes():
+    with pytest.raises(LaunchError, match="--node_rank 2 must be less than --num_nodes 2"):
+        plan_launch(parse("--num_nodes", "2", "--node_rank", "2", "--master_addr", "h", "t.py"), None, 1, False)
+
+
+def test_manual_multi_node_needs_master_addr():
+    with pytest.raises(LaunchError, match="same --master_addr"):
+        plan_launch(parse("--num_nodes", "2", "--node_rank", "1", "t.py"), None, 1, False)
+
+
+# --- planning: hostfile ---------------------------------------------------------
+
+
+def test_hostfile_plan_uses_every_host_first_is_master():
+    plan = plan_launch(parse("t.py"), HOSTS, 0, False)
+    assert plan.remote and plan.num_nodes == 3 and plan.master_addr == "worker-0"
+    assert [n.node_rank for n in plan.nodes] == [0, 1, 2]
+    assert slots(plan) == {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1, 2, 3], "worker-2": [0, 1]}
+
+
+def test_hostfile_num_nodes_and_num_gpus_take_the_first():
+    plan = plan_launch(parse("--num_nodes", "2", "--num_gpus", "3", "t.py"), HOSTS, 0, False)
+    assert slots(plan) == {"worker-0": [0, 1, 2], "worker-1": [0, 1, 2]}
+    with pytest.raises(LaunchError, match="only 3 host"):
+        plan_launch(parse("--num_nodes", "4", "t.py"), HOSTS, 0, False)
+    with pytest.raises(LaunchError, match="host 'worker-2' has only 2 slot"):
+        plan_launch(parse("--num_gpus", "3", "t.py"), HOSTS, 0, False)
+
+
+def test_hostfile_include_and_master_addr_override():
+    plan = plan_launch(parse("--include", "worker-1:2,3@worker-2", "--master_addr", "10.1.1.1", "t.py"), HOSTS, 0, False)
+    assert slots(plan) == {"worker-1": [2, 3], "worker-2": [0, 1]}
+    assert plan.master_addr == "10.1.1.1" and plan.nodes[0].node_rank == 0
+
+
+def test_single_local_host_in_hostfile_runs_here():
+    plan = plan_launch(parse("--include", "me:1", "t.py"), {"me": 2, "other": 2}, 0, False, lambda h: h == "me")
+    assert not plan.remote and plan.nodes[0].slots == (1,)
+    remote = plan_launch(parse("--include", "other", "t.py"), {"me": 2, "other": 2}, 0, False, lambda h: h == "me")
+    assert remote.remote and remote.master_addr == "other"
+
+
+# --- environment for workers ------------------------------------------------------
+
+
+def test_worker_env():
+    plan = plan_launch(parse("--include", "localhost:1,3", "--no_local_rank", "t.py"), None, 4, True)
+    env = worker_env(plan.nodes[0], parse("--no_local_rank", "t.py"), ["4", "5", "6", "7"])
+    assert env == {"ZENGINE_NO_LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "5,7"}
+    plan = plan_launch(parse("--num_gpus", "2", "t.py"), None, 4, True)
+    assert worker_env(plan.nodes[0], parse("t.py"), ["0", "1", "2", "3"]) == {}
+    cpu = plan_launch(parse("--include", "localhost:1", "t.py"), None, 4, False)
+    assert worker_env(cpu.nodes[0], parse("--module", "m"), None) == {"ZENGINE_RUN_MODULE": "1"}
+
+
+def test_local_torchrun_argv():
+    args = parse("--num_procs", "2", "--master_port", "1234", "--max_restarts", "3", "train.py", "a", "--b")
+    plan = plan_launch(args, None, 1, False)
+    assert torchrun_argv(plan, plan.nodes[0], args) == [
+        "--nnodes", "1", "--node_rank", "0", "--nproc_per_node", "2",
+        "--rdzv_backend", "static", "--master_addr", "127.0.0.1", "--master_port", "1234",
+        "--max_restarts", "3", "-m", "zengine.launcher.entry", "train.py", "a", "--b",
+    ]
+
+
+def test_exported_env_and_env_files(tmp_path):
+    home_file = tmp_path / ".deepspeed_env"
+    home_file.write_text("# cluster settings\nNCCL_IB_DISABLE=1\nMY_FLAG=a=b\n\n")
+    cwd_file = tmp_path / ".zengine_env"
+    cwd_file.write_text("MY_FLAG=override\n")
+    environ = {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/src", "PATH": "/bin", "HOME": "/root", "SECRET": "x"}
+    assert exported_env(environ, [str(home_file), str(cwd_file)]) == {
+        "NCCL_DEBUG": "INFO", "PYTHONPATH": "/src", "PATH": "/bin",
+        "NCCL_IB_DISABLE": "1", "MY_FLAG": "override",
+    }
+    bad = tmp_path / "bad_env"
+    bad.write_text("GOOD=1\nnot a pair\n")
+    with pytest.raises(LaunchError, match=r"bad_env, line 2: expected KEY=VALUE"):
+        read_env_file(str(bad))
+
+
+def test_ssh_commands():
+    args = parse("--include", "worker-0:0,1@worker-1:2,3", "--master_port", "6000", "--no_local_rank",
+                 "--ssh_port", "2222", "train.py", "--name", "two words")
+    plan = plan_launch(args, HOSTS, 0, False)
+    exports = {"NCCL_DEBUG": "INFO", "PATH": "/usr/bin"}
+    commands = [ssh_command(plan, n, args, exports, "/data/my job", "/usr/bin/python3") for n in plan.nodes]
+    assert [c[:4] for c in commands] == [["ssh", "-p", "2222", "worker-0"], ["ssh", "-p", "2222", "worker-1"]]
+    assert commands[1][4] == (
+        "cd '/data/my job' && env NCCL_DEBUG=INFO PATH=/usr/bin ZENGINE_NO_LOCAL_RANK=1 "
+        "CUDA_VISIBLE_DEVICES=2,3 /usr/bin/python3 -u -m torch.distributed.run "
+        "--nnodes 2 --node_rank 1 --nproc_per_node 2 --rdzv_backend static "
+        "--master_addr worker-0 --master_port 6000 --max_restarts 0 "
+        "-m zengine.launcher.entry train.py --name 'two words'"
+    )
+    # The remote shell splits it back into the same words.
+    words = shlex.split(commands[0][4])
+    assert words[words.index("zengine.launcher.entry") + 1:] == ["train.py", "--name", "two words"]
+    assert "CUDA_VISIBLE_DEVICES=0,1" not in words  # slots 0..n-1 need no narrowing
+    assert words[words.index("--node_rank") + 1] == "0"
+
+
+# --- main: errors before anything starts ------------------------------------------------
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("")
+    return str(path)
+
+
+def run_main_error(capsys, *argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_main_errors(capsys, tmp_path, script):
+    assert "training script 'missing.py' not found" in run_main_error(capsys, "missing.py")
+    assert "--num_gpus must be at least 1" in run_main_error(capsys, "--num_gpus", "0", script)
+    assert "hostfile" in run_main_error(capsys, "--hostfile", str(tmp_path / "nohosts"), script)
+    assert "not found" in run_main_error(capsys, "--hostfile", str(tmp_path / "nohosts"), script)
+    assert "cannot be used together" in run_main_error(capsys, "-i", "localhost", "-e", "localhost:0", script)
+    assert "has no slot 100000" in run_main_error(capsys, "--include", "localhost:100000", script)
+    assert "must be less than --num_nodes" in run_main_error(
+        capsys, "--num_nodes", "2", "--node_rank", "5", "--master_addr", "h", script)
+
+
+def test_main_hostfile_errors(capsys, tmp_path, script):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("a slots=2\na slots=2\n")
+    assert "line 2: host 'a' is listed twice" in run_main_error(capsys, "-H", str(hostfile), script)
+    hostfile.write_text("a slots=2\nb slots=2\n")
+    assert "unknown host 'c'" in run_main_error(capsys, "-H", str(hostfile), "-i", "c", script)
+    assert "--node_rank is for starting nodes by hand" in run_main_error(
+        capsys, "-H", str(hostfile), "--node_rank", "0", script)
+
+
+def test_main_rejects_busy_master_port(capsys, script):
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert f"--master_port {port} is already in use" in run_main_error(
+            capsys, "--master_port", str(port), script)
+
+
+# --- the script side ---------------------------------------------------------------------
+
+
+def test_add_config_arguments():
+    parser = argparse.ArgumentParser()
+    assert add_config_arguments(parser) is parser
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json", "--zengine_config", "z.json"])
+    assert (args.deepspeed, args.deepspeed_config, args.zengine_config) == (True, "ds.json", "z.json")
+    defaults = parser.parse_args([])
+    assert (defaults.deepspeed, defaults.deepspeed_config, defaults.zengine_config) == (False, None, None)
+    assert not hasattr(defaults, "local_rank")  # as in DeepSpeed, the script declares it
+
+
+def test_entry_argv():
+    assert target_argv("t.py", ["a"], {"LOCAL_RANK": "3"}) == ["t.py", "--local_rank=3", "a"]
+    assert target_argv("t.py", ["a"], {"LOCAL_RANK": "3", "ZENGINE_NO_LOCAL_RANK": "1"}) == ["t.py", "a"]

@@ -1,0 +1,74 @@
+"""Test models and the single-process torch reference they are checked against."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, HIDDEN, SEQ = 37, 23, 41, 5
+
+
+class EdgeNet(nn.Module):
+    """Tied embedding/head, a frozen layer, an unused layer, odd sizes no world size divides."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.fc1 = nn.Linear(DIM, HIDDEN)
+        self.frozen = nn.Linear(HIDDEN, HIDDEN)
+        self.frozen.requires_grad_(False)
+        self.fc2 = nn.Linear(HIDDEN, DIM)
+        self.unused = nn.Linear(DIM, 7)
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        h = torch.relu(self.fc1(h))
+        h = torch.tanh(self.frozen(h))
+        h = self.norm(self.fc2(h))
+        logits = self.head(h)
+        return F.cross_entropy(logits.float().view(-1, VOCAB), y.view(-1))
+
+
+def edge_param_groups(model: nn.Module, lr: float) -> list[dict]:
+    """Two groups with their own hyper-parameters: matrices with decay, vectors without and a larger lr."""
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": lr * 2}]
+
+
+def make_batches(steps: int, global_batch: int, seed: int = 1234):
+    """Deterministic token batches: a list of (x, y) of shape [global_batch, SEQ]."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, VOCAB, (global_batch, SEQ), generator=g)
+        out.append((x, (x * 7 + 3) % VOCAB))
+    return out
+
+
+def micro_batch(batch, rank: int, world: int, micro: int, m: int):
+    """Rank ``rank``'s ``m``-th micro-batch of a global batch."""
+    x, y = batch
+    lo = (m * world + rank) * micro
+    return x[lo:lo + micro], y[lo:lo + micro]
+
+
+def reference_run(model: nn.Module, batches, lr: float, clip: float):
+    """Plain torch: AdamW on the global batch, clipping by global norm. Returns (losses, params by name)."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(edge_param_groups(model, lr), lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}

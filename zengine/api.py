@@ -1,0 +1,59 @@
+"""``zengine.initialize``: build an Engine from a model and a DeepSpeed-style config."""
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from .config import load_config
+from .distributed import Placement, init_distributed
+from .engine import Engine
+
+
+def _config_source(config, config_params, args) -> Any:
+    given = [c for c in (config, config_params) if c is not None]
+    from_args = None
+    if args is not None:
+        for attr in ("zengine_config", "deepspeed_config"):
+            if getattr(args, attr, None):
+                from_args = getattr(args, attr)
+                break
+    if len(given) > 1:
+        raise ValueError("zengine.initialize: pass the config once, as config= or config_params=, not both")
+    if given and from_args is not None:
+        raise ValueError(f"zengine.initialize: a config was passed both in the call and in args "
+                         f"({from_args!r}); keep one")
+    source = given[0] if given else from_args
+    if source is None:
+        raise ValueError("zengine.initialize: no config; pass config= (a path or a dict) or set "
+                         "--deepspeed_config/--zengine_config in args")
+    return source
+
+
+def initialize(model: nn.Module, config: Any = None, model_parameters: Optional[Iterable] = None,
+               optimizer: Any = None, lr_scheduler: Any = None, training_data: Optional[torch.utils.data.Dataset] = None,
+               args: Any = None, dist_init_required: Optional[bool] = None, config_params: Any = None,
+               collate_fn=None, **unsupported: Any):
+    """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+    See shared/API.md for each argument. The config is validated before any
+    work starts; the process group is initialised when it is not yet.
+    """
+    if unsupported:
+        raise TypeError(f"zengine.initialize: unsupported argument(s) {sorted(unsupported)} "
+                        "(zengine has no model/pipeline parallelism)")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"zengine.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
+    source = _config_source(config, config_params, args)
+    local_rank = getattr(args, "local_rank", None) if args is not None else None
+    if local_rank is not None and local_rank >= 0 and "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(local_rank)
+    if dist_init_required is not False:
+        init_distributed()
+    placement = Placement.current()
+    cfg = load_config(source, placement.world_size)
+    engine = Engine(model, cfg, placement, model_parameters=model_parameters, optimizer=optimizer,
+                    lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

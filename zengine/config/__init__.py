@@ -1,0 +1,47 @@
+"""zengine's config: DeepSpeed's JSON keys as validated pydantic models.
+
+    cfg = load_config("configs/zero2.json", world_size=4)   # raises ConfigError listing every problem
+    print(format_config(cfg))                               # key.path = value, * where changed
+
+``models`` holds the typed sections, ``unsupported`` the DeepSpeed keys zengine
+knows but does not implement, ``batch`` the batch-size rule, ``load`` reading
+and error messages, ``report`` the log rendering.
+"""
+from .batch import BatchSizes, resolve_batch_sizes
+from .load import ConfigError, ConfigWarning, load_config
+from .models import (
+    SUPPORTED_OPTIMIZERS,
+    SUPPORTED_SCHEDULERS,
+    AioConfig,
+    BF16Config,
+    FP16Config,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZengineConfig,
+    ZeroConfig,
+)
+from .report import format_config
+from .unsupported import UNSUPPORTED_KEYS
+
+__all__ = [
+    "AioConfig",
+    "BF16Config",
+    "BatchSizes",
+    "ConfigError",
+    "ConfigWarning",
+    "FP16Config",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OptimizerConfig",
+    "SUPPORTED_OPTIMIZERS",
+    "SUPPORTED_SCHEDULERS",
+    "SchedulerConfig",
+    "UNSUPPORTED_KEYS",
+    "ZengineConfig",
+    "ZeroConfig",
+    "format_config",
+    "load_config",
+    "resolve_batch_sizes",
+]

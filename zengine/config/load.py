@@ -1,0 +1,243 @@
+"""``load_config``: read a JSON file or dict, validate it, resolve the batch sizes.
+
+Every problem found in a config is collected and raised as one ``ConfigError``
+with one line per problem, each starting with the key path, so a user fixes
+the whole file in one pass, before any process group or model work starts.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+import re
+import typing
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Type, Union
+
+from pydantic import BaseModel, ValidationError
+
+from .batch import GAS, MICRO, TBS, resolve_batch_sizes
+from .models import BF16Config, FP16Config, ZengineConfig, precision_problem
+from .unsupported import screen, unsupported_keys_under
+
+ConfigSource = Union[str, "os.PathLike[str]", Mapping]
+
+_AUTO_HINT = ('; "auto" is a placeholder that the Hugging Face Trainer fills in, '
+              "so give a value when the config is used without it")
+# A model validator's message line: "relative.key.path: text".
+_KEYED_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): (.*)$")
+
+
+class ConfigError(ValueError):
+    """A config that zengine cannot train with; the message lists every problem."""
+
+
+class ConfigWarning(UserWarning):
+    """A config key was accepted but zengine does not act on it."""
+
+
+def load_config(config: ConfigSource, world_size: int) -> ZengineConfig:
+    """Read, validate and resolve a DeepSpeed-style config.
+
+    ``config`` is a path to a JSON file or a dict (not modified).
+    ``world_size`` is the data-parallel world size that the batch rule uses.
+    Raises ``ConfigError`` listing every problem. Keys that zengine accepts
+    without acting on them are named in one ``ConfigWarning``.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"load_config: world_size must be a positive int, got {world_size!r}")
+    source, raw = _read(config)
+    problems, ignored = screen(raw)
+    cfg: Optional[ZengineConfig] = None
+    with warnings.catch_warnings(record=True) as deprecations:
+        warnings.simplefilter("always", DeprecationWarning)
+        try:
+            cfg = ZengineConfig.model_validate(raw)
+        except ValidationError as error:
+            problems.extend(_describe(error))
+            problems.extend(_precision_problem(raw, problems))
+    batch = _batch_keys(cfg, raw)
+    resolved = None
+    if batch is not None:
+        try:
+            resolved = resolve_batch_sizes(*batch, world_size)
+        except ValueError as error:
+            problems.extend(str(error).splitlines())
+    if problems:
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        raise ConfigError(f"invalid zengine config {source} ({count}):\n" + "\n".join(f"  {p}" for p in problems))
+    assert cfg is not None and resolved is not None
+    cfg.train_batch_size = resolved.train_batch_size
+    cfg.train_micro_batch_size_per_gpu = resolved.train_micro_batch_size_per_gpu
+    cfg.gradient_accumulation_steps = resolved.gradient_accumulation_steps
+    cfg._derived_batch_keys = resolved.derived
+    cfg._ignored_keys = tuple(ignored)
+    cfg._world_size = world_size
+    for caught in deprecations:
+        warnings.warn(f"{source}: {caught.message}", ConfigWarning, stacklevel=2)
+    if ignored:
+        warnings.warn(f"{source}: zengine accepts but ignores these DeepSpeed keys: {', '.join(ignored)}",
+                      ConfigWarning, stacklevel=2)
+    return cfg
+
+
+def _read(config: Any) -> Tuple[str, Dict[str, Any]]:
+    """Return ``(a name for messages, a private copy of the raw dict)``."""
+    if isinstance(config, Mapping):
+        return "<dict>", copy.deepcopy(dict(config))
+    if not isinstance(config, (str, os.PathLike)):
+        raise ConfigError(f"config must be a path to a JSON file or a dict, got {type(config).__name__}")
+    path = Path(os.fspath(config))
+    if not path.exists():
+        hint = " (this looks like JSON text; pass json.loads(text) or a file path)" \
+            if str(config).lstrip().startswith("{") else ""
+        raise ConfigError(f"config file not found: {path}{hint}")
+    if path.is_dir():
+        raise ConfigError(f"config path is a directory, not a JSON file: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read config file {path}: {error}") from error
+    try:
+        raw = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"malformed JSON in {path} at line {error.lineno}, column {error.colno}: "
+                          f"{error.msg}") from None
+    except _DuplicateKey as error:
+        raise ConfigError(f"{path}: key {error.key!r} appears twice in the same object") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the config must be a JSON object ({{...}}), "
+                          f"got a JSON {_json_kind(raw)}")
+    return str(path), raw
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _no_duplicate_keys(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
+    result: Dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+def _json_kind(value: Any) -> str:
+    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
+
+
+def _batch_keys(cfg: Optional[ZengineConfig], raw: Dict[str, Any]) -> Optional[Tuple[Optional[int], ...]]:
+    """The three batch keys to resolve, or None when a type error was already reported for one."""
+    if cfg is not None:
+        return cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    values = []
+    for key in (TBS, MICRO, GAS):
+        value = raw.get(key)
+        if value is None or value == "auto":
+            values.append(None)
+        elif isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            values.append(value)
+        else:
+            return None
+    return tuple(values)
+
+
+def _precision_problem(raw: Dict[str, Any], found: List[str]) -> List[str]:
+    """The fp16-and-bf16 check, which pydantic skips when any other field failed."""
+    try:
+        problem = precision_problem(FP16Config.model_validate(raw.get("fp16") or {}),
+                                    BF16Config.model_validate(raw.get("bf16", raw.get("bfloat16")) or {}))
+    except ValidationError:
+        return []
+    return [problem] if problem and problem not in found else []
+
+
+def _describe(error: ValidationError) -> List[str]:
+    """One line per pydantic error, each starting with the full key path."""
+    lines = []
+    for item in error.errors():
+        loc = tuple(str(part) for part in item["loc"])
+        path = ".".join(loc)
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key{_suggest(loc[:-1], loc[-1])}")
+        elif item["type"] == "missing":
+            lines.append(f"{path}: required key is missing")
+        elif item["type"] in ("value_error", "assertion_error") and "error" in item.get("ctx", {}):
+            lines.extend(_keyed_lines(path, str(item["ctx"]["error"]), item.get("input")))
+        else:
+            lines.append(f"{path or 'config'}: {item['msg']}{_got(item)}")
+    return lines
+
+
+def _keyed_lines(path: str, message: str, value: Any) -> Iterator[str]:
+    for line in message.splitlines():
+        match = _KEYED_LINE.match(line)
+        if match:
+            yield f"{_join(path, match.group(1))}: {match.group(2)}"
+        else:
+            yield f"{path or 'config'}: {line}{_AUTO_HINT if value == 'auto' else ''}"
+
+
+def _got(item: Dict[str, Any]) -> str:
+    if "input" not in item:
+        return ""
+    value = item["input"]
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f" (got {text}){_AUTO_HINT if value == 'auto' else ''}"
+
+
+def _join(*parts: str) -> str:
+    return ".".join(part for part in parts if part)
+
+
+def _model_at(loc: Tuple[str, ...]) -> Optional[Type[BaseModel]]:
+    """The config model that holds the keys at dotted location ``loc``."""
+    model: Optional[Type[BaseModel]] = ZengineConfig
+    for part in loc:
+        field = model.model_fields.get(part) if model else None
+        model = _model_type(field.annotation) if field else None
+    return model
+
+
+def _model_type(annotation: Any) -> Optional[Type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_type(arg)
+        if found:
+            return found
+    return None
+
+
+def _known_paths(model: Type[BaseModel], prefix: Tuple[str, ...] = ()) -> Iterator[Tuple[str, ...]]:
+    for name, field in model.model_fields.items():
+        yield prefix + (name,)
+        sub = _model_type(field.annotation)
+        if sub:
+            yield from _known_paths(sub, prefix + (name,))
+
+
+def _suggest(parent: Tuple[str, ...], key: str) -> str:
+    """``"; did you mean 'X'?"`` for a near miss, else ``""``."""
+    elsewhere = [path for path in _known_paths(ZengineConfig) if path[-1] == key and path[:-1] != parent]
+    if elsewhere:
+        return f"; did you mean {'.'.join(elsewhere[0])!r}?"
+    model = _model_at(parent)
+    candidates = list(model.model_fields) if model else []
+    candidates += list(getattr(model, "DEPRECATED_KEYS", {}))
+    candidates += unsupported_keys_under(".".join(parent))
+    by_lower = {name.lower(): name for name in candidates}
+    close = difflib.get_close_matches(key.lower(), list(by_lower), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {by_lower[close[0]]!r}?"
+    if parent and parent[-1] in ("optimizer", "scheduler"):
+        return f"; {parent[-1]} settings such as {key!r} go under '{_join(*parent)}.params'"
+    return ""

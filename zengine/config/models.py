@@ -1,0 +1,397 @@
+"""Typed, validated models of a zengine (DeepSpeed-compatible) JSON config.
+
+Every model forbids unknown keys and re-validates on assignment. Key names,
+meanings and defaults follow DeepSpeed's config. Cross-field checks raise one
+``ValueError`` whose lines each start with the key path, relative to the
+model, followed by ``": "``; ``load.py`` prefixes the model's own path.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import warnings
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Dict, Literal, Optional, Tuple
+
+import torch
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+SUPPORTED_OPTIMIZERS: Tuple[str, ...] = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "CPUAdam", "DeepSpeedCPUAdam")
+"""``optimizer.type`` values zengine can build (matched case-insensitively)."""
+
+SUPPORTED_SCHEDULERS: Tuple[str, ...] = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+"""``scheduler.type`` values zengine can build (matched case-insensitively)."""
+
+# DeepSpeed optimizers zengine does not build, named so the error says so.
+_DEEPSPEED_ONLY_OPTIMIZERS = ("Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lion", "MuAdam", "MuAdamW",
+                              "MuSGD", "Muon")
+
+
+def _whole_number(value: Any) -> Any:
+    """Accept 500000000, 5e8, "5e8" or "500_000_000" as the int 500000000."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a whole number, not a boolean ({value!r})")
+    if isinstance(value, int):
+        return value
+    number = value
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return int(text)
+        except ValueError:
+            pass
+        try:
+            number = float(text.replace("_", ""))
+        except ValueError:
+            raise ValueError(f'expected a whole number such as 500000000, 5e8 or "5e8"; got {value!r}') from None
+    if isinstance(number, float) and math.isfinite(number) and number.is_integer():
+        return int(number)
+    raise ValueError(f'expected a whole number such as 500000000, 5e8 or "5e8"; got {value!r}')
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, not a boolean ({value!r})")
+    return value
+
+
+def _auto_is_unset(value: Any) -> Any:
+    """Hugging Face configs write "auto" for a batch key the Trainer fills in."""
+    return None if value == "auto" else _not_bool(value)
+
+
+Size = Annotated[int, BeforeValidator(_whole_number), Field(ge=0)]
+"""A count of elements or bytes; 0 is meaningful (e.g. no persistence)."""
+PositiveSize = Annotated[int, BeforeValidator(_whole_number), Field(ge=1)]
+"""A buffer or bucket size, which must hold at least one element."""
+Count = Annotated[int, BeforeValidator(_not_bool), Field(ge=1)]
+"""A small positive count (buffers, threads, steps)."""
+BatchSize = Annotated[Optional[Annotated[int, Field(ge=1)]], BeforeValidator(_auto_is_unset)]
+"""A batch key; None (or "auto") until ``load_config`` resolves it."""
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class _Section(BaseModel):
+    """Base of every config model: strict keys, checked assignment, finite floats."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def _canonical_type(value: Any, supported: Tuple[str, ...], kind: str, elsewhere: Tuple[str, ...] = ()) -> str:
+    """Return the canonical spelling of ``value`` among ``supported``."""
+    if not isinstance(value, str):
+        raise ValueError(f"the {kind} type must be a string such as {supported[0]!r}; got {value!r}")
+    by_lower = {name.lower(): name for name in supported}
+    if value.lower() in by_lower:
+        return by_lower[value.lower()]
+    known = ", ".join(supported)
+    article = "an" if kind[0] in "aeiou" else "a"
+    if value.lower() in {name.lower() for name in elsewhere}:
+        raise ValueError(f"{value!r} is a DeepSpeed {kind} that zengine does not implement; use one of {known}")
+    close = difflib.get_close_matches(value.lower(), list(by_lower), n=1, cutoff=0.6)
+    hint = f"; did you mean {by_lower[close[0]]!r}?" if close else ""
+    raise ValueError(f"{value!r} is not {article} {kind} zengine can build (one of {known}){hint}")
+
+
+class OptimizerConfig(_Section):
+    """The optimizer zengine builds when ``initialize`` is given none."""
+
+    type: str = Field(description="Optimizer name, one of SUPPORTED_OPTIMIZERS, matched case-insensitively "
+                                  "and stored in its canonical spelling.")
+    params: Dict[str, Any] = Field(default_factory=dict,
+                                   description="Keyword arguments for the optimizer (lr, betas, eps, "
+                                               "weight_decay...), checked when the optimizer is built.")
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _known_type(cls, value: Any) -> str:
+        return _canonical_type(value, SUPPORTED_OPTIMIZERS, "optimizer", _DEEPSPEED_ONLY_OPTIMIZERS)
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _null_params(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+
+class SchedulerConfig(_Section):
+    """The learning-rate scheduler zengine builds when ``initialize`` is given none."""
+
+    type: str = Field(description="Scheduler name, one of SUPPORTED_SCHEDULERS, matched case-insensitively "
+                                  "and stored in its canonical spelling.")
+    params: Dict[str, Any] = Field(default_factory=dict,
+                                   description="Keyword arguments for the scheduler (warmup_num_steps...), "
+                                               "checked when the scheduler is built.")
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _known_type(cls, value: Any) -> str:
+        return _canonical_type(value, SUPPORTED_SCHEDULERS, "scheduler")
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _null_params(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+
+class FP16Config(_Section):
+    """float16 mixed precision with loss scaling."""
+
+    enabled: bool = Field(False, description="Compute in float16, keeping fp32 master weights.")
+    loss_scale: float = Field(0.0, ge=0, description="Static loss scale; 0 selects dynamic loss scaling.")
+    initial_scale_power: int = Field(16, ge=0, description="Dynamic scaling starts at 2**initial_scale_power.")
+    loss_scale_window: Count = Field(1000, description="Steps without overflow before the dynamic scale doubles.")
+    hysteresis: Count = Field(2, description="Overflows tolerated before the dynamic scale is halved.")
+    consecutive_hysteresis: bool = Field(False, description="Refill the hysteresis budget after every step "
+                                                            "without overflow.")
+    min_loss_scale: float = Field(1.0, gt=0, description="The dynamic scale never drops below this value.")
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """True when fp16 is on and the loss scale adapts to overflows."""
+        return self.enabled and self.loss_scale == 0
+
+    @property
+    def initial_dynamic_scale(self) -> float:
+        """The loss scale that dynamic scaling starts from."""
+        return float(2 ** self.initial_scale_power)
+
+
+class BF16Config(_Section):
+    """bfloat16 mixed precision (no loss scaling needed)."""
+
+    enabled: bool = Field(False, description="Compute in bfloat16, keeping fp32 master weights.")
+
+
+class OffloadOptimizerConfig(_Section):
+    """Where optimizer states live and the optimizer step runs (stages 1-3)."""
+
+    device: OffloadDevice = Field("none", description='"none" keeps states on the device; "cpu" or "nvme" '
+                                                      'moves them there and steps on the CPU.')
+    nvme_path: Optional[Path] = Field(None, description="Directory for swapped states; required with nvme.")
+    pin_memory: bool = Field(False, description="Use page-locked host buffers for faster copies.")
+    buffer_count: Count = Field(4, description="Host buffers in the NVMe swap pool; at least the number of "
+                                               "tensors per parameter the optimizer keeps.")
+    fast_init: bool = Field(False, description="Skip writing initial optimizer states to NVMe.")
+
+    @property
+    def enabled(self) -> bool:
+        """True when optimizer states leave the accelerator."""
+        return self.device != "none"
+
+
+class OffloadParamConfig(_Section):
+    """Where stage-3 parameter shards live between uses."""
+
+    device: OffloadDevice = Field("none", description='"none" keeps shards on the device; "cpu" or "nvme" '
+                                                      'moves them there.')
+    nvme_path: Optional[Path] = Field(None, description="Directory for swapped parameters; required with nvme.")
+    pin_memory: bool = Field(False, description="Use page-locked host buffers for faster copies.")
+    buffer_count: Count = Field(5, description="Buffers in the NVMe parameter swap pool.")
+    buffer_size: PositiveSize = Field(100_000_000, description="Elements per NVMe parameter swap buffer.")
+    max_in_cpu: Size = Field(1_000_000_000, description="Parameter elements kept in CPU memory with NVMe "
+                                                        "offload.")
+
+    @property
+    def enabled(self) -> bool:
+        """True when parameter shards leave the accelerator."""
+        return self.device != "none"
+
+
+class ZeroConfig(_Section):
+    """ZeRO partitioning: what is sharded across data-parallel ranks, and how it communicates."""
+
+    DEPRECATED_KEYS: ClassVar[Dict[str, str]] = {
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        "cpu_offload": "offload_optimizer",
+        "cpu_offload_param": "offload_param",
+    }
+
+    stage: int = Field(0, ge=0, le=3, description="0: plain data parallel; 1: shard optimizer states; "
+                                                  "2: also gradients; 3: also parameters.")
+    contiguous_gradients: bool = Field(True, description="Copy gradients into one contiguous buffer as they "
+                                                         "are produced, avoiding fragmentation.")
+    overlap_comm: bool = Field(False, description="Overlap gradient reduction with the backward pass. "
+                                                  "Default: true at stage 3, false otherwise.")
+    reduce_scatter: bool = Field(True, description="Reduce gradients with reduce-scatter rather than "
+                                                   "all-reduce.")
+    reduce_bucket_size: PositiveSize = Field(500_000_000, description="Elements reduced in one collective.")
+    allgather_partitions: bool = Field(True, description="Gather updated shards with all-gather rather than "
+                                                         "a series of broadcasts.")
+    allgather_bucket_size: PositiveSize = Field(500_000_000, description="Elements all-gathered in one "
+                                                                         "collective.")
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig,
+                                                      description="Optimizer state offload (stages 1-3).")
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig,
+                                              description="Parameter offload (stage 3 only).")
+    sub_group_size: PositiveSize = Field(1_000_000_000, description="Elements the optimizer steps at a time "
+                                                                    "when offloaded (tiles the update).")
+    stage3_prefetch_bucket_size: Size = Field(50_000_000, description="Parameter elements fetched ahead of "
+                                                                      "use; 0 disables prefetch.")
+    stage3_param_persistence_threshold: Size = Field(100_000, description="Parameters with fewer elements stay "
+                                                                          "whole on every rank.")
+    stage3_max_live_parameters: Size = Field(1_000_000_000, description="Gathered parameter elements allowed "
+                                                                        "at once before releasing.")
+    stage3_max_reuse_distance: Size = Field(1_000_000_000, description="Keep a gathered parameter if it is "
+                                                                       "used again within this many elements.")
+    stage3_gather_16bit_weights_on_model_save: bool = Field(False, description="Gather the full 16-bit "
+                                                                               "weights when saving the model.")
+    stage3_debug_fetch_order: bool = Field(False, description=(
+        "zengine only: every rank records the sequence of stage-3 parameter fetches of the first step and "
+        "the ranks compare them, naming the first parameter where they diverge. A diverging order "
+        "deadlocks the all-gathers, so this turns a hang into an error. Costs one extra collective."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _map_deprecated(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for old, new in cls.DEPRECATED_KEYS.items():
+            if old not in data:
+                continue
+            if new in data:
+                raise ValueError(f"{old}: deprecated spelling of {new!r}; give only one of them")
+            value = data.pop(old)
+            warnings.warn(f"zero_optimization.{old} is deprecated; use zero_optimization.{new}",
+                          DeprecationWarning, stacklevel=2)
+            if old.startswith("cpu_offload"):
+                if value:
+                    data[new] = {"device": "cpu"}
+            else:
+                data[new] = value
+        for section in ("offload_optimizer", "offload_param"):
+            if section in data and data[section] is None:
+                del data[section]
+        if data.get("overlap_comm") is None:
+            data["overlap_comm"] = _stage_of(data) == 3
+        return data
+
+    @model_validator(mode="after")
+    def _offload_matches_stage(self) -> "ZeroConfig":
+        problems = []
+        if self.offload_param.enabled and self.stage < 3:
+            problems.append(f"offload_param.device: parameter offload ({self.offload_param.device!r}) needs "
+                            f"stage 3; stage is {self.stage}")
+        if self.offload_optimizer.enabled and self.stage == 0:
+            problems.append(f"offload_optimizer.device: optimizer offload ({self.offload_optimizer.device!r}) "
+                            f"needs stage 1, 2 or 3; stage is 0")
+        for name in ("offload_optimizer", "offload_param"):
+            if getattr(self, name).device == "nvme" and getattr(self, name).nvme_path is None:
+                problems.append(f'{name}.nvme_path: device "nvme" needs nvme_path, a directory on the NVMe drive')
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
+def _stage_of(data: Dict[str, Any]) -> Optional[int]:
+    try:
+        return int(data.get("stage", 0))
+    except (TypeError, ValueError):
+        return None
+
+
+class AioConfig(_Section):
+    """Asynchronous file I/O used by NVMe offload."""
+
+    block_size: PositiveSize = Field(1_048_576, description="Bytes per I/O request.")
+    queue_depth: Count = Field(8, description="I/O requests in flight.")
+    thread_count: Count = Field(1, description="I/O threads per rank.")
+    single_submit: bool = Field(False, description="Submit requests one at a time rather than in batches.")
+    overlap_events: bool = Field(True, description="Overlap request submission with completion handling.")
+
+
+def precision_problem(fp16: FP16Config, bf16: BF16Config) -> Optional[str]:
+    """The message for fp16 and bf16 both enabled, else None. ``load_config`` also
+    calls it when other sections fail, so this problem is never hidden by them."""
+    if fp16.enabled and bf16.enabled:
+        return "fp16.enabled: fp16 and bf16 are both enabled; enable at most one"
+    return None
+
+
+class ZengineConfig(_Section):
+    """A whole training config. Build it with ``load_config``, which also resolves the batch sizes."""
+
+    DEPRECATED_KEYS: ClassVar[Dict[str, str]] = {"bfloat16": "bf16"}
+    SECTIONS: ClassVar[Tuple[str, ...]] = ("fp16", "bf16", "zero_optimization", "aio")
+
+    train_batch_size: BatchSize = Field(None, description="Samples per optimizer step over all data-parallel "
+                                                          "ranks: micro batch * accumulation steps * world size.")
+    train_micro_batch_size_per_gpu: BatchSize = Field(None, description="Samples per forward/backward on one "
+                                                                        "rank.")
+    gradient_accumulation_steps: BatchSize = Field(None, description="Micro batches accumulated per optimizer "
+                                                                     "step.")
+    optimizer: Optional[OptimizerConfig] = Field(None, description="Optimizer to build; None when the script "
+                                                                   "passes its own.")
+    scheduler: Optional[SchedulerConfig] = Field(None, description="LR scheduler to build; None for a constant "
+                                                                   "LR or one the script passes.")
+    fp16: FP16Config = Field(default_factory=FP16Config, description="float16 mixed precision.")
+    bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 mixed precision.")
+    gradient_clipping: float = Field(0.0, ge=0, description="Clip the global gradient norm to this; 0 disables "
+                                                            "clipping.")
+    steps_per_print: Count = Field(10, description="Log progress every this many optimizer steps.")
+    wall_clock_breakdown: bool = Field(False, description="Time forward, backward and step and log the "
+                                                          "breakdown.")
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and its "
+                                                                                  "settings.")
+    aio: AioConfig = Field(default_factory=AioConfig, description="Async I/O for NVMe offload.")
+
+    _ignored_keys: Tuple[str, ...] = PrivateAttr(default=())
+    _derived_batch_keys: Tuple[str, ...] = PrivateAttr(default=())
+    _world_size: Optional[int] = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _map_legacy(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = {key: value for key, value in data.items() if not (key in cls.SECTIONS and value is None)}
+        if "bfloat16" in data:
+            if "bf16" in data:
+                raise ValueError("bfloat16: deprecated spelling of 'bf16'; give only one of them")
+            warnings.warn("bfloat16 is deprecated; use bf16", DeprecationWarning, stacklevel=2)
+            data["bf16"] = data.pop("bfloat16")
+        if isinstance(data.get("zero_optimization"), bool):
+            # DeepSpeed's oldest form: "zero_optimization": true meant stage 1.
+            data["zero_optimization"] = {"stage": int(data["zero_optimization"])}
+        return data
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> "ZengineConfig":
+        problem = precision_problem(self.fp16, self.bf16)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of forward and backward: bfloat16, float16 or float32."""
+        if self.bf16.enabled:
+            return torch.bfloat16
+        if self.fp16.enabled:
+            return torch.float16
+        return torch.float32
+
+    @property
+    def offload_optimizer_enabled(self) -> bool:
+        """True when optimizer states are offloaded to CPU or NVMe."""
+        return self.zero_optimization.offload_optimizer.enabled
+
+    @property
+    def offload_param_enabled(self) -> bool:
+        """True when stage-3 parameter shards are offloaded to CPU or NVMe."""
+        return self.zero_optimization.offload_param.enabled
+
+    @property
+    def ignored_keys(self) -> Tuple[str, ...]:
+        """DeepSpeed keys ``load_config`` accepted but zengine does not act on."""
+        return self._ignored_keys
+
+    @property
+    def derived_batch_keys(self) -> Tuple[str, ...]:
+        """Batch keys ``load_config`` computed from the others and the world size."""
+        return self._derived_batch_keys
+
+    @property
+    def world_size(self) -> Optional[int]:
+        """The data-parallel world size the batch sizes were resolved for."""
+        return self._world_size

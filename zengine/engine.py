@@ -1,0 +1,252 @@
+"""The Engine: wraps a model and drives forward, backward and the boundary step.
+
+The engine only orchestrates. What differs between ZeRO stages lives in the
+stage optimizer (``zero/``); precision in ``precision.py`` and
+``loss_scaler.py``; optimizers and schedules in ``optim/``.
+
+One training step through the modules:
+
+    engine(batch)          -> precision.cast_floating -> module.forward
+    engine.backward(loss)  -> loss * scale / gas -> autograd; gradient hooks
+                              hand each gradient to the stage's gradient store
+                              (zero/grads.py), which reduces buckets as they fill
+    engine.step()          -> at the boundary: ZeroOptimizer.step (norm, overflow,
+                              clip, torch optimizer on fp32 shards, write-back,
+                              gather), then the LR schedule; else count the micro-step
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from .config import ZengineConfig, format_config
+from .distributed import Placement
+from .loss_scaler import make_loss_scaler
+from .optim import build_optimizer, build_scheduler
+from .precision import cast_floating, cast_module
+from .zero import build_zero_optimizer
+
+logger = logging.getLogger("zengine")
+
+
+class Engine(nn.Module):
+    """A model wrapped for ZeRO data-parallel training (see shared/API.md for the members)."""
+
+    def __init__(self, model: nn.Module, config: ZengineConfig, placement: Placement,
+                 model_parameters: Optional[Iterable] = None, optimizer: Any = None, lr_scheduler: Any = None,
+                 training_data: Optional[torch.utils.data.Dataset] = None, collate_fn=None):
+        super().__init__()
+        self.config = config
+        self.placement = placement
+        self.module = model
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self._no_sync = False
+        self._step_applied = True
+        self._last_report = (time.perf_counter(), 0)
+        if placement.rank == 0:
+            logger.info("zengine config (* = changed from default):\n%s", format_config(config))
+
+        cast_module(model, config.compute_dtype, placement.device)
+        named_groups = _named_param_groups(model, model_parameters, optimizer)
+        self.scaler = make_loss_scaler(config.fp16)
+        self.optimizer = build_zero_optimizer(
+            config.zero_optimization, named_groups, _optimizer_factory(optimizer, config),
+            self.scaler, config.gradient_clipping, config.compute_dtype, placement.device,
+            placement.rank, placement.world_size)
+        self.lr_scheduler = _make_scheduler(lr_scheduler, config, self.optimizer)
+        self.training_dataloader = (_make_dataloader(training_data, config, placement, collate_fn)
+                                    if training_data is not None else None)
+
+    # -- placement and config accessors ---------------------------------------------------------
+    @property
+    def global_rank(self) -> int:
+        return self.placement.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.placement.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.placement.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.placement.device
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next ``step()`` completes a global batch."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """Norm of the whole unscaled gradient before clipping, at the last boundary."""
+        return self.optimizer.global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    # -- training -------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        dtype = self.config.compute_dtype
+        return self.module(*cast_floating(args, dtype), **cast_floating(kwargs, dtype))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradients accumulate locally, with no communication, until the context exits."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of ``loss`` scaled for fp16 and divided by the accumulation steps."""
+        factor = self.scaler.scale / self.gradient_accumulation_steps()
+        scaled = loss.float() * factor if factor != 1.0 else loss
+        self.optimizer.begin_backward(self.is_gradient_accumulation_boundary(), self._no_sync)
+        scaled.backward(retain_graph=retain_graph)
+        self.optimizer.end_backward()
+        return loss
+
+    def step(self) -> None:
+        """At a boundary: the optimizer step and the LR schedule; else count the micro-step."""
+        if self._no_sync:
+            raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the context first "
+                               "so that the accumulated gradients are reduced")
+        if self.is_gradient_accumulation_boundary():
+            self._step_applied = self.optimizer.step()
+            if self._step_applied and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            if self.global_steps % self.config.steps_per_print == 0:
+                self._report()
+        self.micro_steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients (the engine also does this after every boundary step)."""
+        self.optimizer.zero_grad()
+
+    def _report(self) -> None:
+        now = time.perf_counter()
+        t0, s0 = self._last_report
+        self._last_report = (now, self.global_steps)
+        if self.global_rank == 0:
+            rate = (self.global_steps - s0) / max(now - t0, 1e-9)
+            logger.info("step=%d lr=%s loss_scale=%g grad_norm=%.4g steps/s=%.3f skipped=%s", self.global_steps,
+                        [round(lr, 8) for lr in self.get_lr()], self.loss_scale,
+                        self.get_global_grad_norm() or 0.0, rate, not self._step_applied)
+
+    # -- accounting -----------------------------------------------------------------------------
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds, by kind, counted from the tensors themselves.
+
+        ``parameters`` covers the flat compute-dtype buffers and any parameter
+        outside them (frozen ones); ``gradients`` the gradient buffers or
+        shards; ``master_weights`` fp32 masters stored apart from the
+        parameters; ``optimizer_states`` the wrapped optimizer's tensors.
+        """
+        kinds = self.optimizer.memory_tensors()
+        kinds["parameters"] = kinds["parameters"] + list(self.module.parameters())
+        kinds["buffers"] = list(self.module.buffers())
+        seen: set[int] = set()
+        out = {}
+        for kind in ("parameters", "gradients", "master_weights", "optimizer_states", "buffers"):
+            total = 0
+            for t in kinds[kind]:
+                storage = t.untyped_storage()
+                if storage.data_ptr() in seen or storage.nbytes() == 0:
+                    continue
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+            out[kind] = total
+        return out
+
+
+def _named_param_groups(model: nn.Module, model_parameters, client_optimizer) -> list:
+    """(name, parameter) pairs and hyper-parameters of each param group; frozen and repeated ones left out."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    if isinstance(client_optimizer, torch.optim.Optimizer):
+        raw = client_optimizer.param_groups
+    elif model_parameters is None:
+        raw = [{"params": list(model.parameters())}]
+    else:
+        items = list(model_parameters)
+        raw = items if items and isinstance(items[0], dict) else [{"params": items}]
+    groups, seen = [], set()
+    for group in raw:
+        params = group["params"]
+        params = [params] if torch.is_tensor(params) else list(params)
+        named = []
+        for p in params:
+            if id(p) not in names:
+                raise ValueError("zengine.initialize: model_parameters holds a tensor that is not a parameter of "
+                                 "the model; pass model.parameters() or param groups built from them")
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                named.append((names[id(p)], p))
+        groups.append((named, {k: v for k, v in group.items() if k != "params"}))
+    return groups
+
+
+def _optimizer_factory(client_optimizer, config: ZengineConfig):
+    """A function from the flat shard param groups to the wrapped torch optimizer."""
+    if isinstance(client_optimizer, torch.optim.Optimizer):
+        def rebind(groups):
+            # Keep the caller's optimizer object (and any scheduler built on it): point its groups at the shards.
+            for mine, theirs in zip(groups, client_optimizer.param_groups):
+                theirs["params"] = mine["params"]
+            client_optimizer.state.clear()
+            return client_optimizer
+        return rebind
+    if client_optimizer is not None:
+        if not callable(client_optimizer):
+            raise TypeError("zengine.initialize: optimizer must be a torch.optim.Optimizer or a callable(params)")
+        return client_optimizer
+    if config.optimizer is None:
+        raise ValueError("zengine.initialize: no optimizer; pass optimizer= or add an \"optimizer\" section "
+                         "to the config")
+    return lambda groups: build_optimizer(config.optimizer.type, config.optimizer.params, groups)
+
+
+def _make_scheduler(lr_scheduler, config: ZengineConfig, optimizer):
+    if lr_scheduler is not None:
+        return lr_scheduler if hasattr(lr_scheduler, "step") else lr_scheduler(optimizer)
+    if config.scheduler is not None:
+        return build_scheduler(config.scheduler.type, config.scheduler.params, optimizer)
+    return None
+
+
+def _make_dataloader(data, config: ZengineConfig, placement: Placement, collate_fn):
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    sampler = DistributedSampler(data, num_replicas=placement.world_size, rank=placement.rank)
+    return DataLoader(data, batch_size=config.train_micro_batch_size_per_gpu, sampler=sampler,
+                      collate_fn=collate_fn, drop_last=True)

@@ -1,0 +1,216 @@
+"""Where gradients live and how they are reduced across ranks.
+
+``FullGradients`` (stages 0 and 1): every rank keeps a full flat gradient
+buffer, the parameters' ``.grad`` are views into it, and buckets are
+all-reduced from gradient hooks as soon as all their parameters are ready,
+so communication overlaps the rest of backward.
+
+``ShardedGradients`` (stage 2): each gradient is copied into a bucket buffer
+as soon as autograd produces it and freed; a full bucket is reduced and each
+rank keeps only the part that falls in its shard. At most
+``MAX_BUCKETS_IN_FLIGHT`` buckets exist at once, so no rank ever holds the
+whole gradient.
+
+Buckets launch strictly in bucket order on every rank: collectives are
+matched by order, so a bucket waiting for a parameter that this rank did not
+use holds back the ones after it until the end of backward.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional
+
+import torch
+
+from .. import comm
+from .flat_group import FlatParamGroup
+from .layout import Bucket, gradient_buckets, intersect
+
+MAX_BUCKETS_IN_FLIGHT = 2
+
+
+class _BucketQueue:
+    """Readiness tracking for one group's buckets; launches them in order."""
+
+    def __init__(self, group: FlatParamGroup, bucket_numel: int):
+        self.buckets = gradient_buckets(group.layout, bucket_numel)
+        self.bucket_of = {}
+        for b in self.buckets:
+            for i in b.params:
+                self.bucket_of[i] = b.index
+        self.reset()
+
+    def reset(self) -> None:
+        self.missing = [len(b.params) for b in self.buckets]
+        self.next = 0
+
+    def mark_ready(self, param_index: int) -> list[Bucket]:
+        """Count one parameter in; returns the buckets that may launch now, in order."""
+        self.missing[self.bucket_of[param_index]] -= 1
+        return self.pop_ready()
+
+    def pop_ready(self, flush: bool = False) -> list[Bucket]:
+        out = []
+        while self.next < len(self.buckets) and (flush or self.missing[self.next] == 0):
+            out.append(self.buckets[self.next])
+            self.next += 1
+        return out
+
+
+class FullGradients:
+    """Full gradient buffers, all-reduced bucket by bucket (stages 0 and 1)."""
+
+    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, comm_group=None):
+        self.groups = groups
+        self.comm_group = comm_group
+        # [padded] compute dtype per group; the parameters' .grad are views into it.
+        self.flat_grads = [torch.zeros_like(g.flat) for g in groups]
+        self.queues = [_BucketQueue(g, bucket_numel) for g in groups]
+        self.works: list = []
+        self.sync = True
+        self._attach_views()
+
+    def _attach_views(self) -> None:
+        for g, buf in zip(self.groups, self.flat_grads):
+            for p, span in zip(g.params, g.layout.spans):
+                p.grad = buf.narrow(0, span.offset, span.numel).view(span.shape)
+
+    def begin_backward(self, boundary: bool, no_sync: bool) -> None:
+        # Accumulation micro-steps add into the full buffers locally; only the boundary reduces.
+        self.sync = boundary and not no_sync
+
+    def on_grad(self, gi: int, pi: int) -> None:
+        g = self.groups[gi]
+        p, span = g.params[pi], g.layout.spans[pi]
+        view = self.flat_grads[gi].narrow(0, span.offset, span.numel)
+        if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+            # Someone replaced .grad (e.g. zero_grad(set_to_none=True)): fold it back into the buffer.
+            if p.grad is not None:
+                view.add_(p.grad.reshape(-1))
+            p.grad = view.view(span.shape)
+        if self.sync:
+            for bucket in self.queues[gi].mark_ready(pi):
+                self._launch(gi, bucket)
+
+    def _launch(self, gi: int, bucket: Bucket) -> None:
+        piece = self.flat_grads[gi][bucket.start:bucket.end]
+        self.works.append(comm.all_reduce_sum(piece, self.comm_group, async_op=True))
+
+    def end_backward(self) -> None:
+        if self.sync:
+            for gi, q in enumerate(self.queues):
+                for bucket in q.pop_ready(flush=True):
+                    self._launch(gi, bucket)
+                q.reset()
+        for w in self.works:
+            w.wait()
+        self.works = []
+
+    def grad_slice(self, gi: int, lo: int, hi: int) -> torch.Tensor:
+        """The summed gradient of flat range [lo, hi) of group gi (a view)."""
+        return self.flat_grads[gi][lo:hi]
+
+    def zero(self) -> None:
+        for buf in self.flat_grads:
+            buf.zero_()
+        self._attach_views()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.flat_grads)
+
+
+class ShardedGradients:
+    """Gradient shards, filled by reducing one bucket at a time during backward (stage 2)."""
+
+    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, use_reduce: bool, comm_group=None):
+        self.groups = groups
+        self.comm_group = comm_group
+        self.use_reduce = use_reduce  # reduce to owners (NCCL) rather than all-reduce then slice (gloo)
+        # [shard_numel] compute dtype per group.
+        self.shards = [torch.zeros(g.layout.shard_numel, dtype=g.flat.dtype, device=g.flat.device) for g in groups]
+        self.queues = [_BucketQueue(g, bucket_numel) for g in groups]
+        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self.copied: set[tuple[int, int]] = set()
+        self.in_flight: deque = deque()
+        self.sync = True
+        for g in groups:
+            for p in g.params:
+                p.grad = None
+
+    def begin_backward(self, boundary: bool, no_sync: bool) -> None:
+        # Every micro-step reduces into the shards (no full gradient is kept), except under no_sync.
+        self.sync = not no_sync
+
+    def _buffer(self, gi: int, bucket: Bucket) -> torch.Tensor:
+        key = (gi, bucket.index)
+        buf = self.buffers.get(key)
+        if buf is None:
+            buf = torch.zeros(bucket.numel, dtype=self.shards[gi].dtype, device=self.shards[gi].device)
+            self.buffers[key] = buf  # [bucket.numel] compute dtype
+        return buf
+
+    def _copy_in(self, gi: int, pi: int) -> None:
+        g = self.groups[gi]
+        p, span = g.params[pi], g.layout.spans[pi]
+        bucket = self.queues[gi].buckets[self.queues[gi].bucket_of[pi]]
+        buf = self._buffer(gi, bucket)
+        buf.narrow(0, span.offset - bucket.start, span.numel).copy_(p.grad.reshape(-1))
+        p.grad = None
+        self.copied.add((gi, pi))
+
+    def on_grad(self, gi: int, pi: int) -> None:
+        if not self.sync:
+            return  # no_sync: autograd keeps accumulating into .grad
+        self._copy_in(gi, pi)
+        for bucket in self.queues[gi].mark_ready(pi):
+            self._launch(gi, bucket)
+
+    def _launch(self, gi: int, bucket: Bucket) -> None:
+        g = self.groups[gi]
+        for pi in bucket.params:  # gradients left from no_sync micro-steps and not produced again
+            if (gi, pi) not in self.copied and g.params[pi].grad is not None:
+                self._copy_in(gi, pi)
+        while len(self.in_flight) >= MAX_BUCKETS_IN_FLIGHT:
+            self._complete(*self.in_flight.popleft())
+        buf = self._buffer(gi, bucket)
+        if self.use_reduce:
+            works = []
+            for owner, lo, hi in g.layout.owner_ranges((bucket.start, bucket.end)):
+                piece = buf[lo - bucket.start:hi - bucket.start]
+                works.append(comm.reduce_sum_to(piece, owner, self.comm_group, async_op=True))
+        else:
+            works = [comm.all_reduce_sum(buf, self.comm_group, async_op=True)]
+        self.in_flight.append((gi, bucket, works))
+
+    def _complete(self, gi: int, bucket: Bucket, works: list) -> None:
+        for w in works:
+            if w is not None:
+                w.wait()
+        g = self.groups[gi]
+        buf = self.buffers.pop((gi, bucket.index))
+        lo0, hi0 = g.owned
+        piece = intersect((bucket.start, bucket.end), (lo0, hi0))
+        if piece:
+            lo, hi = piece
+            self.shards[gi][lo - lo0:hi - lo0].add_(buf[lo - bucket.start:hi - bucket.start])
+
+    def end_backward(self) -> None:
+        if self.sync:
+            for gi, q in enumerate(self.queues):
+                for bucket in q.pop_ready(flush=True):
+                    self._launch(gi, bucket)
+                q.reset()
+            self.copied.clear()
+        while self.in_flight:
+            self._complete(*self.in_flight.popleft())
+
+    def grad_slice(self, gi: int, lo: int, hi: int) -> torch.Tensor:
+        lo0 = self.groups[gi].owned[0]
+        return self.shards[gi][lo - lo0:hi - lo0]
+
+    def zero(self) -> None:
+        for s in self.shards:
+            s.zero_()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.shards) + list(self.buffers.values())

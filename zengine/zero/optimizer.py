@@ -1,0 +1,200 @@
+"""The ZeRO optimizer for stages 0-2: master weights, the boundary step, write-back.
+
+A stage is a composition, chosen once:
+
+    stage 0: replicated master (num_shards = 1) + FullGradients
+    stage 1: sharded master    (num_shards = W) + FullGradients
+    stage 2: sharded master    (num_shards = W) + ShardedGradients
+
+Every stage runs the same boundary step (``ZeroOptimizer.step``):
+
+1. finish the reduction (``grads.end_backward`` already waited on it);
+2. build each group's fp32 master gradient from the summed gradient, times
+   ``1 / (world * loss_scale)`` (one pass; a view, no copy, in fp32);
+3. one all-reduce of [sum of squares over this rank's part, used flags]:
+   the global norm before clipping, overflow, and which parameters got a
+   gradient on any rank;
+4. on overflow (fp16), skip; else clip, step the wrapped torch optimizer on
+   the flat master shards (parameters no rank used are restored, as torch
+   DDP leaves them), write the master back into the compute-dtype
+   parameters and gather them in buckets of ``allgather_bucket_size``.
+
+The wrapped optimizer is any ``torch.optim.Optimizer``; it sees one flat
+fp32 parameter per group, so its state is sharded with the master.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..loss_scaler import LossScaler
+from .flat_group import FlatParamGroup
+from .layout import chunk_ranges, intersect
+
+
+class ZeroOptimizer:
+    """Owns the flat groups, their fp32 masters, the gradient store and the wrapped optimizer."""
+
+    def __init__(self, groups: list[FlatParamGroup], grads, make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+                 scaler: LossScaler, clip: float, allgather_bucket_numel: int, world: int, rank: int, comm_group=None):
+        self.groups = groups
+        self.grads = grads
+        self.scaler = scaler
+        self.clip = clip
+        self.allgather_bucket_numel = int(allgather_bucket_numel)
+        self.world, self.rank, self.comm_group = world, rank, comm_group
+        self.masters = [self._make_master(g) for g in groups]  # [owned numel] fp32 each
+        self.shard_params = [nn.Parameter(m, requires_grad=True) for m in self.masters]
+        self.optimizer = make_optimizer([{**g.hyper, "params": [sp]} for g, sp in zip(groups, self.shard_params)])
+        self.global_grad_norm: Optional[float] = None
+        self.hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, gi, pi))
+                      for gi, g in enumerate(groups) for pi, p in enumerate(g.params)]
+
+    # -- construction ---------------------------------------------------------------------------
+    @staticmethod
+    def _make_master(g: FlatParamGroup) -> torch.Tensor:
+        owned = g.owned_params()
+        if owned.dtype == torch.float32:
+            return owned  # fp32 compute: the master is the parameters' own storage
+        return owned.detach().float()
+
+    # -- torch.optim.Optimizer look-alike -------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the accumulated gradients (the engine does this after every boundary step)."""
+        self.grads.zero()
+        for g in self.groups:
+            g.used = [False] * len(g.params)
+        for sp in self.shard_params:
+            sp.grad = None
+
+    # -- backward -------------------------------------------------------------------------------
+    def _on_grad(self, gi: int, pi: int, param: torch.Tensor) -> None:
+        self.groups[gi].used[pi] = True
+        self.grads.on_grad(gi, pi)
+
+    def begin_backward(self, boundary: bool, no_sync: bool) -> None:
+        self.grads.begin_backward(boundary, no_sync)
+
+    def end_backward(self) -> None:
+        self.grads.end_backward()
+
+    # -- the boundary step ----------------------------------------------------------------------
+    def _norm_range(self, g: FlatParamGroup) -> tuple[int, int]:
+        """The part of the flat range whose squares this rank sums (split even when replicated)."""
+        if g.layout.num_shards > 1:
+            return g.owned
+        per = math.ceil(g.layout.padded_numel / self.world)
+        return min(self.rank * per, g.layout.padded_numel), min((self.rank + 1) * per, g.layout.padded_numel)
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        factor = 1.0 / (self.world * self.scaler.scale)
+        out = []
+        for gi, g in enumerate(self.groups):
+            lo, hi = g.owned
+            summed = self.grads.grad_slice(gi, lo, hi)
+            grad = summed if summed.dtype == torch.float32 else summed.float()  # [owned] fp32
+            if factor != 1.0:
+                grad.mul_(factor)
+            out.append(grad)
+        return out
+
+    def step(self) -> bool:
+        """Run the boundary step; returns False when it was skipped for an fp16 overflow."""
+        master_grads = self._master_grads()
+        sq = torch.zeros((), dtype=torch.float64)
+        for g, grad in zip(self.groups, master_grads):
+            lo, hi = self._norm_range(g)
+            o = g.owned[0]
+            if hi > lo:
+                sq += torch.linalg.vector_norm(grad[lo - o:hi - o]).double() ** 2
+        used = [float(u) for g in self.groups for u in g.used]
+        stats = torch.tensor([sq.item()] + used, dtype=torch.float64)
+        if self.world > 1:
+            comm.all_reduce_sum(stats, self.comm_group)
+        norm = math.sqrt(stats[0].item()) if math.isfinite(stats[0].item()) else float("inf")
+        self.global_grad_norm = norm
+        if self.scaler.dynamic and not math.isfinite(norm):
+            self.scaler.update(True)
+            self.zero_grad()
+            return False
+        if self.clip > 0:
+            coef = self.clip / (norm + 1e-6)
+            if coef < 1.0:
+                for grad in master_grads:
+                    grad.mul_(coef)
+        for sp, grad in zip(self.shard_params, master_grads):
+            sp.grad = grad
+        unused = self._unused_ranges(stats[1:])
+        saved = self._save(unused) if unused else None
+        self.optimizer.step()
+        if saved:
+            self._restore(saved)
+        self._write_back()
+        self.scaler.update(False)
+        self.zero_grad()
+        return True
+
+    # -- parameters no rank used keep their values and optimizer state --------------------------
+    def _unused_ranges(self, used_counts: torch.Tensor) -> list[tuple[int, int, int]]:
+        """(group, lo, hi) in master coordinates for every unused parameter piece this rank owns."""
+        out, k = [], 0
+        for gi, g in enumerate(self.groups):
+            o0, o1 = g.owned
+            for span in g.layout.spans:
+                if used_counts[k].item() == 0:
+                    piece = intersect((span.offset, span.end), (o0, o1))
+                    if piece:
+                        out.append((gi, piece[0] - o0, piece[1] - o0))
+                k += 1
+        return out
+
+    def _state_tensors(self, gi: int) -> list[torch.Tensor]:
+        sp = self.shard_params[gi]
+        state = self.optimizer.state.get(sp, {})
+        return [sp.data] + [t for t in state.values() if torch.is_tensor(t) and t.shape == sp.shape]
+
+    def _save(self, ranges):
+        return [(gi, lo, hi, [t[lo:hi].clone() for t in self._state_tensors(gi)]) for gi, lo, hi in ranges]
+
+    def _restore(self, saved) -> None:
+        for gi, lo, hi, copies in saved:
+            for t, c in zip(self._state_tensors(gi), copies):
+                t[lo:hi].copy_(c)
+
+    # -- write-back and gather ------------------------------------------------------------------
+    def _write_back(self) -> None:
+        for g, master in zip(self.groups, self.masters):
+            owned = g.owned_params()
+            if owned.data_ptr() != master.data_ptr():
+                owned.copy_(master)
+            if g.layout.num_shards > 1:
+                shard = g.layout.shard_numel
+                per_rank = max(1, self.allgather_bucket_numel // self.world)
+                for lo, hi in chunk_ranges(shard, per_rank):
+                    comm.gather_strided(g.flat, shard, lo, hi, self.rank, self.world, self.comm_group)
+
+    # -- accounting -----------------------------------------------------------------------------
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this optimizer holds, by kind (for the engine's memory breakdown)."""
+        masters = [m for g, m in zip(self.groups, self.masters) if m.data_ptr() != g.owned_params().data_ptr()]
+        states = [t for sp in self.shard_params for t in self.optimizer.state.get(sp, {}).values()
+                  if torch.is_tensor(t) and t.numel() > 1]
+        return {"parameters": [g.flat for g in self.groups], "gradients": self.grads.tensors(),
+                "master_weights": masters, "optimizer_states": states}

@@ -1,0 +1,37 @@
+"""Choose a stage's parts from the config: the one place where stages differ.
+
+See ``optimizer.py`` for the table of what each stage is made of.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..loss_scaler import LossScaler
+from .flat_group import FlatParamGroup
+from .grads import FullGradients, ShardedGradients
+from .optimizer import ZeroOptimizer
+
+
+def build_zero_optimizer(zero_cfg, named_groups: Sequence[tuple[list[tuple[str, nn.Parameter]], dict]],
+                         make_optimizer: Callable, scaler: LossScaler, clip: float, dtype: torch.dtype,
+                         device: torch.device, rank: int, world: int, comm_group=None) -> ZeroOptimizer:
+    """Flatten each group's trainable parameters and assemble the optimizer for ``zero_cfg.stage``.
+
+    ``named_groups`` holds, per optimizer param group, its (name, parameter)
+    pairs and its hyper-parameters.
+    """
+    stage = zero_cfg.stage
+    if stage not in (0, 1, 2):
+        raise NotImplementedError(f"zero_optimization.stage={stage} is not available in this build")
+    num_shards = 1 if stage == 0 else world
+    groups = [FlatParamGroup(named, hyper, num_shards, rank, dtype, device) for named, hyper in named_groups]
+    if stage == 2:
+        use_reduce = zero_cfg.reduce_scatter and torch.distributed.get_backend(comm_group) != "gloo"
+        grads = ShardedGradients(groups, zero_cfg.reduce_bucket_size, use_reduce, comm_group)
+    else:
+        grads = FullGradients(groups, zero_cfg.reduce_bucket_size, comm_group)
+    return ZeroOptimizer(groups, grads, make_optimizer, scaler, clip, zero_cfg.allgather_bucket_size,
+                         world, rank, comm_group)
