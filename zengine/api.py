@@ -50,10 +50,13 @@ def initialize(model: nn.Module, config: Any = None, model_parameters: Optional[
     local_rank = getattr(args, "local_rank", None) if args is not None else None
     if local_rank is not None and local_rank >= 0 and "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = str(local_rank)
+    # Validate before any work, the process group included: the world size is known from the launcher.
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else int(
+        os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))))
+    cfg = load_config(source, world)
     if dist_init_required is not False:
         init_distributed()
     placement = Placement.current()
-    cfg = load_config(source, placement.world_size)
     engine = Engine(model, cfg, placement, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -17,7 +17,6 @@ One training step through the modules:
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from typing import Any, Iterable, Optional
 
@@ -26,12 +25,13 @@ from torch import nn
 
 from .config import ZengineConfig, format_config
 from .distributed import Placement
+from .log import setup_logging
 from .loss_scaler import make_loss_scaler
 from .optim import build_optimizer, build_scheduler
 from .precision import cast_floating, cast_module
 from .zero import build_zero_optimizer
 
-logger = logging.getLogger("zengine")
+logger = setup_logging()
 
 
 class Engine(nn.Module):
