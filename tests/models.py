@@ -58,17 +58,25 @@ def micro_batch(batch, rank: int, world: int, micro: int, m: int):
     return x[lo:lo + micro], y[lo:lo + micro]
 
 
-def reference_run(model: nn.Module, batches, lr: float, clip: float):
-    """Plain torch: AdamW on the global batch, clipping by global norm. Returns (losses, params by name)."""
+def reference_run(model: nn.Module, batches, lr: float, clip: float, make_optimizer=None, make_scheduler=None,
+                  norms: list = None):
+    """Plain torch on the global batch: AdamW (or ``make_optimizer(groups)``), clipping by the global
+    norm, an optional scheduler. Returns (losses, params by name); appends each step's norm to ``norms``."""
     model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(edge_param_groups(model, lr), lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    groups = edge_param_groups(model, lr)
+    opt = make_optimizer(groups) if make_optimizer else torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    sched = make_scheduler(opt) if make_scheduler else None
     losses = []
     for x, y in batches:
         opt.zero_grad(set_to_none=True)
         loss = model(x, y)
         loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
+        with_grad = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(with_grad, clip if clip > 0 else float("inf"))
+        if norms is not None:
+            norms.append(norm.item())
         opt.step()
+        if sched is not None:
+            sched.step()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -237,7 +237,8 @@ def _optimizer_factory(client_optimizer, config: ZengineConfig):
 
 def _make_scheduler(lr_scheduler, config: ZengineConfig, optimizer):
     if lr_scheduler is not None:
-        return lr_scheduler if hasattr(lr_scheduler, "step") else lr_scheduler(optimizer)
+        # A callable gets the wrapped torch optimizer (as in DeepSpeed), so torch's own schedulers work.
+        return lr_scheduler if hasattr(lr_scheduler, "step") else lr_scheduler(optimizer.optimizer)
     if config.scheduler is not None:
         return build_scheduler(config.scheduler.type, config.scheduler.params, optimizer)
     return None

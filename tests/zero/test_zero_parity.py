@@ -40,7 +40,7 @@ def train(stage, precision, gas, seed=0):
     batches = make_batches(STEPS, MICRO * gas * world)
     engine, *_ = zengine.initialize(model=model, config=engine_config(stage, precision, gas, world),
                                     model_parameters=edge_param_groups(model, LR))
-    losses = []
+    losses, norms = [], []
     for batch in batches:
         total = torch.zeros(())
         for m in range(gas):
@@ -51,13 +51,15 @@ def train(stage, precision, gas, seed=0):
             total += loss.detach().float()
         dist.all_reduce(total)
         losses.append(total.item() / (world * gas))
+        norms.append(engine.get_global_grad_norm())
     params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    return losses, params, init, batches
+    return losses, params, init, batches, norms
 
 
 def check_parity(stage, precision, gas):
-    losses, params, init, batches = train(stage, precision, gas)
-    ref_losses, ref_params = reference_run(init, batches, LR, CLIP)
+    losses, params, init, batches, norms = train(stage, precision, gas)
+    ref_norms = []
+    ref_losses, ref_params = reference_run(init, batches, LR, CLIP, norms=ref_norms)
     p_tol, move_tol, l_tol = TOLERANCE[precision]
     start = {n: p.detach() for n, p in init.named_parameters()}
     moved = sum(((ref_params[n] - start[n]) ** 2).sum() for n in ref_params).sqrt().item()
@@ -68,6 +70,8 @@ def check_parity(stage, precision, gas):
     assert p_tol is None or worst <= p_tol, f"stage {stage} {precision} gas {gas}: max param error {worst:.3g}"
     for s, (a, b) in enumerate(zip(losses, ref_losses)):
         assert abs(a - b) <= l_tol * abs(b), f"stage {stage} {precision} gas {gas} step {s}: loss {a} vs {b}"
+    if precision == "fp32":  # the global norm over all shards, before clipping, as torch computes it
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
     # frozen and unused parameters keep their initial values exactly (as torch DDP leaves them)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     for name in ("frozen.weight", "unused.weight", "unused.bias"):
