@@ -216,9 +216,9 @@ def _named_param_groups(model: nn.Module, model_parameters, client_optimizer) ->
 
 
 def _optimizer_factory(client_optimizer, config: ZengineConfig):
-    """A function from the flat shard param groups to the wrapped torch optimizer."""
+    """A function (flat shard param groups, cpu_offload) -> the wrapped torch optimizer."""
     if isinstance(client_optimizer, torch.optim.Optimizer):
-        def rebind(groups):
+        def rebind(groups, cpu_offload=False):
             # Keep the caller's optimizer object (and any scheduler built on it): point its groups at the shards.
             for mine, theirs in zip(groups, client_optimizer.param_groups):
                 theirs["params"] = mine["params"]
@@ -228,11 +228,12 @@ def _optimizer_factory(client_optimizer, config: ZengineConfig):
     if client_optimizer is not None:
         if not callable(client_optimizer):
             raise TypeError("zengine.initialize: optimizer must be a torch.optim.Optimizer or a callable(params)")
-        return client_optimizer
+        return lambda groups, cpu_offload=False: client_optimizer(groups)
     if config.optimizer is None:
         raise ValueError("zengine.initialize: no optimizer; pass optimizer= or add an \"optimizer\" section "
                          "to the config")
-    return lambda groups: build_optimizer(config.optimizer.type, config.optimizer.params, groups)
+    return lambda groups, cpu_offload=False: build_optimizer(config.optimizer.type, config.optimizer.params, groups,
+                                                              cpu_offload=cpu_offload)
 
 
 def _make_scheduler(lr_scheduler, config: ZengineConfig, optimizer):

@@ -16,7 +16,7 @@ STEPS, MICRO, LR, CLIP = 6, 2, 1e-2, 0.5
 TOLERANCE = {"fp32": (1e-5, 1e-5, 1e-5), "bf16": (None, 0.15, 1.5e-2), "fp16": (None, 0.06, 1.5e-2)}
 
 
-def engine_config(stage, precision, gas, world):
+def engine_config(stage, precision, gas, world, offload=False):
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,
@@ -25,6 +25,8 @@ def engine_config(stage, precision, gas, world):
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 200},
         "steps_per_print": 1000,
     }
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     if precision == "fp16":
@@ -32,13 +34,13 @@ def engine_config(stage, precision, gas, world):
     return cfg
 
 
-def train(stage, precision, gas, seed=0):
+def train(stage, precision, gas, offload=False, seed=0):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     model = EdgeNet()
     init = copy.deepcopy(model)
     batches = make_batches(STEPS, MICRO * gas * world)
-    engine, *_ = zengine.initialize(model=model, config=engine_config(stage, precision, gas, world),
+    engine, *_ = zengine.initialize(model=model, config=engine_config(stage, precision, gas, world, offload),
                                     model_parameters=edge_param_groups(model, LR))
     losses, norms = [], []
     for batch in batches:
@@ -56,8 +58,8 @@ def train(stage, precision, gas, seed=0):
     return losses, params, init, batches, norms
 
 
-def check_parity(stage, precision, gas):
-    losses, params, init, batches, norms = train(stage, precision, gas)
+def check_parity(stage, precision, gas, offload=False):
+    losses, params, init, batches, norms = train(stage, precision, gas, offload)
     ref_norms = []
     ref_losses, ref_params = reference_run(init, batches, LR, CLIP, norms=ref_norms)
     p_tol, move_tol, l_tol = TOLERANCE[precision]
@@ -90,3 +92,11 @@ CASES = [(s, p, g) for s in (0, 1, 2) for p in ("fp32", "bf16", "fp16") for g in
 def test_parity_matrix(world):
     cases = CASES if world in (2, 3) else [c for c in CASES if c[1] == "fp32" or c[2] == 3]
     spawn(parity_matrix, world, cases)
+
+
+OFFLOAD_CASES = [(1, "fp32", 1, True), (1, "bf16", 3, True), (2, "fp32", 3, True), (2, "bf16", 1, True)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cpu_optimizer_offload_parity(world):
+    spawn(parity_matrix, world, OFFLOAD_CASES)

@@ -122,12 +122,14 @@ class FullGradients:
 class ShardedGradients:
     """Gradient shards, filled by reducing one bucket at a time during backward (stage 2)."""
 
-    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, use_reduce: bool, comm_group=None):
+    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, use_reduce: bool, placement, comm_group=None):
         self.groups = groups
         self.comm_group = comm_group
         self.use_reduce = use_reduce  # reduce to owners (NCCL) rather than all-reduce then slice (gloo)
-        # [shard_numel] compute dtype per group.
-        self.shards = [torch.zeros(g.layout.shard_numel, dtype=g.flat.dtype, device=g.flat.device) for g in groups]
+        # [shard_numel] per group: compute dtype on the device, or fp32 in (pinned) CPU memory when the
+        # optimizer is offloaded, so that each reduced bucket lands in the CPU shard during backward.
+        dtype = torch.float32 if placement.cpu_optimizer else None
+        self.shards = [placement.empty(g.layout.shard_numel, dtype or g.flat.dtype, g.flat.device) for g in groups]
         self.queues = [_BucketQueue(g, bucket_numel) for g in groups]
         self.buffers: dict[tuple[int, int], torch.Tensor] = {}
         self.copied: set[tuple[int, int]] = set()
@@ -192,7 +194,7 @@ class ShardedGradients:
         piece = intersect((bucket.start, bucket.end), (lo0, hi0))
         if piece:
             lo, hi = piece
-            self.shards[gi][lo - lo0:hi - lo0].add_(buf[lo - bucket.start:hi - bucket.start])
+            self.shards[gi][lo - lo0:hi - lo0].add_(buf[lo - bucket.start:hi - bucket.start].to(self.shards[gi].device))
 
     def end_backward(self) -> None:
         if self.sync:

@@ -34,34 +34,29 @@ from torch import nn
 from .. import comm
 from ..loss_scaler import LossScaler
 from .flat_group import FlatParamGroup
+from .offload import DevicePlacement
 from .layout import chunk_ranges, intersect
 
 
 class ZeroOptimizer:
     """Owns the flat groups, their fp32 masters, the gradient store and the wrapped optimizer."""
 
-    def __init__(self, groups: list[FlatParamGroup], grads, make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+    def __init__(self, groups: list[FlatParamGroup], grads, placement: DevicePlacement,
+                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
                  scaler: LossScaler, clip: float, allgather_bucket_numel: int, world: int, rank: int, comm_group=None):
         self.groups = groups
+        self.placement = placement
         self.grads = grads
         self.scaler = scaler
         self.clip = clip
         self.allgather_bucket_numel = int(allgather_bucket_numel)
         self.world, self.rank, self.comm_group = world, rank, comm_group
-        self.masters = [self._make_master(g) for g in groups]  # [owned numel] fp32 each
+        self.masters = [placement.make_master(g.owned_params()) for g in groups]  # [owned numel] fp32 each
         self.shard_params = [nn.Parameter(m, requires_grad=True) for m in self.masters]
         self.optimizer = make_optimizer([{**g.hyper, "params": [sp]} for g, sp in zip(groups, self.shard_params)])
         self.global_grad_norm: Optional[float] = None
         self.hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, gi, pi))
                       for gi, g in enumerate(groups) for pi, p in enumerate(g.params)]
-
-    # -- construction ---------------------------------------------------------------------------
-    @staticmethod
-    def _make_master(g: FlatParamGroup) -> torch.Tensor:
-        owned = g.owned_params()
-        if owned.dtype == torch.float32:
-            return owned  # fp32 compute: the master is the parameters' own storage
-        return owned.detach().float()
 
     # -- torch.optim.Optimizer look-alike -------------------------------------------------------
     @property
@@ -106,10 +101,13 @@ class ZeroOptimizer:
     def _master_grads(self) -> list[torch.Tensor]:
         factor = 1.0 / (self.world * self.scaler.scale)
         out = []
-        for gi, g in enumerate(self.groups):
+        for gi, (g, master) in enumerate(zip(self.groups, self.masters)):
             lo, hi = g.owned
             summed = self.grads.grad_slice(gi, lo, hi)
-            grad = summed if summed.dtype == torch.float32 else summed.float()  # [owned] fp32
+            if summed.dtype == torch.float32 and summed.device == master.device:
+                grad = summed  # [owned] fp32, a view: no copy
+            else:
+                grad = torch.empty_like(master).copy_(summed)  # [owned] fp32 where the master lives
             if factor != 1.0:
                 grad.mul_(factor)
             out.append(grad)

@@ -12,6 +12,7 @@ from torch import nn
 from ..loss_scaler import LossScaler
 from .flat_group import FlatParamGroup
 from .grads import FullGradients, ShardedGradients
+from .offload import make_placement
 from .optimizer import ZeroOptimizer
 
 
@@ -21,17 +22,19 @@ def build_zero_optimizer(zero_cfg, named_groups: Sequence[tuple[list[tuple[str, 
     """Flatten each group's trainable parameters and assemble the optimizer for ``zero_cfg.stage``.
 
     ``named_groups`` holds, per optimizer param group, its (name, parameter)
-    pairs and its hyper-parameters.
+    pairs and its hyper-parameters. ``make_optimizer(groups, cpu_offload)``
+    builds the wrapped optimizer over the flat master shards.
     """
     stage = zero_cfg.stage
     if stage not in (0, 1, 2):
         raise NotImplementedError(f"zero_optimization.stage={stage} is not available in this build")
     num_shards = 1 if stage == 0 else world
+    placement = make_placement(zero_cfg.offload_optimizer)
     groups = [FlatParamGroup(named, hyper, num_shards, rank, dtype, device) for named, hyper in named_groups]
     if stage == 2:
         use_reduce = zero_cfg.reduce_scatter and torch.distributed.get_backend(comm_group) != "gloo"
-        grads = ShardedGradients(groups, zero_cfg.reduce_bucket_size, use_reduce, comm_group)
+        grads = ShardedGradients(groups, zero_cfg.reduce_bucket_size, use_reduce, placement, comm_group)
     else:
         grads = FullGradients(groups, zero_cfg.reduce_bucket_size, comm_group)
-    return ZeroOptimizer(groups, grads, make_optimizer, scaler, clip, zero_cfg.allgather_bucket_size,
-                         world, rank, comm_group)
+    return ZeroOptimizer(groups, grads, placement, lambda g: make_optimizer(g, placement.cpu_optimizer), scaler,
+                         clip, zero_cfg.allgather_bucket_size, world, rank, comm_group)
