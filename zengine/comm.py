@@ -43,25 +43,6 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
-def gather_shards(full: torch.Tensor, shard_numel: int, rank: int, world: int, group=None, async_op: bool = False) -> list:
-    """Fill ``full`` ([world * shard_numel]) from each rank's slice of it.
-
-    Rank ``r`` must already hold its own slice ``full[r*shard_numel:(r+1)*shard_numel]``.
-    Returns the pending works when ``async_op``.
-    """
-    if world == 1:
-        return []
-    if is_gloo(group):
-        works = []
-        for src in range(world):
-            piece = full.narrow(0, src * shard_numel, shard_numel)
-            works.append(dist.broadcast(piece, src=_global_rank(src, group), group=group, async_op=async_op))
-        return [w for w in works if w is not None]
-    mine = full.narrow(0, rank * shard_numel, shard_numel)
-    work = dist.all_gather_into_tensor(full, mine, group=group, async_op=async_op)
-    return [work] if work is not None else []
-
-
 def gather_strided(full: torch.Tensor, shard_numel: int, lo: int, hi: int, rank: int, world: int, group=None) -> None:
     """Gather the sub-range ``[lo, hi)`` of every rank's shard of ``full`` (one all-gather bucket)."""
     if world == 1 or hi <= lo:

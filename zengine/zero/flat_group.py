@@ -13,7 +13,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .layout import FlatLayout
+from .. import comm
+from .layout import FlatLayout, chunk_ranges, intersect
 
 
 class FlatParamGroup:
@@ -45,6 +46,37 @@ class FlatParamGroup:
         lo, hi = self.owned
         return self.flat[lo:hi]
 
-    def param_ranges(self, indices: Sequence[int]) -> list[tuple[int, int]]:
-        """Flat ranges of the given parameters."""
-        return [(self.layout.spans[i].offset, self.layout.spans[i].end) for i in indices]
+    def master_pieces(self) -> list[tuple[int, int, int]]:
+        """(param index, lo, hi): where each parameter's owned elements sit in the master shard."""
+        o0, o1 = self.owned
+        out = []
+        for i, span in enumerate(self.layout.spans):
+            piece = intersect((span.offset, span.end), (o0, o1))
+            if piece:
+                out.append((i, piece[0] - o0, piece[1] - o0))
+        return out
+
+    def norm_range(self, world: int) -> tuple[int, int]:
+        """The part of the master (gradient) whose squares this rank adds to the global norm.
+
+        Sharded: all of it. Replicated (stage 0): an even split, so that each
+        rank does 1/world of the work and the all-reduce adds up the whole.
+        """
+        if self.layout.num_shards > 1:
+            return 0, self.layout.shard_numel
+        n = self.layout.padded_numel
+        per = -(-n // world)
+        return min(self.rank * per, n), min((self.rank + 1) * per, n)
+
+    def publish(self, bucket_numel: int, comm_group=None) -> None:
+        """After the step: fill the other ranks' slices of ``flat`` from their owners, bucket by bucket."""
+        if self.layout.num_shards == 1:
+            return
+        world = self.layout.num_shards
+        shard = self.layout.shard_numel
+        for lo, hi in chunk_ranges(shard, max(1, bucket_numel // world)):
+            comm.gather_strided(self.flat, shard, lo, hi, self.rank, world, comm_group)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The parameter storage this group holds (for memory accounting)."""
+        return [self.flat]

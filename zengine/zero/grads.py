@@ -106,8 +106,9 @@ class FullGradients:
             w.wait()
         self.works = []
 
-    def grad_slice(self, gi: int, lo: int, hi: int) -> torch.Tensor:
-        """The summed gradient of flat range [lo, hi) of group gi (a view)."""
+    def owned_grad(self, gi: int) -> torch.Tensor:
+        """The summed gradient over group gi's owned range (a view)."""
+        lo, hi = self.groups[gi].owned
         return self.flat_grads[gi][lo:hi]
 
     def zero(self) -> None:
@@ -206,9 +207,9 @@ class ShardedGradients:
         while self.in_flight:
             self._complete(*self.in_flight.popleft())
 
-    def grad_slice(self, gi: int, lo: int, hi: int) -> torch.Tensor:
-        lo0 = self.groups[gi].owned[0]
-        return self.shards[gi][lo - lo0:hi - lo0]
+    def owned_grad(self, gi: int) -> torch.Tensor:
+        """The summed gradient shard of group gi."""
+        return self.shards[gi]
 
     def zero(self) -> None:
         for s in self.shards:

@@ -33,9 +33,8 @@ from torch import nn
 
 from .. import comm
 from ..loss_scaler import LossScaler
-from .flat_group import FlatParamGroup
+from .flat_group import FlatParamGroup  # or any group with the same interface (stage 3's)
 from .offload import DevicePlacement
-from .layout import chunk_ranges, intersect
 
 
 class ZeroOptimizer:
@@ -91,19 +90,11 @@ class ZeroOptimizer:
         self.grads.end_backward()
 
     # -- the boundary step ----------------------------------------------------------------------
-    def _norm_range(self, g: FlatParamGroup) -> tuple[int, int]:
-        """The part of the flat range whose squares this rank sums (split even when replicated)."""
-        if g.layout.num_shards > 1:
-            return g.owned
-        per = math.ceil(g.layout.padded_numel / self.world)
-        return min(self.rank * per, g.layout.padded_numel), min((self.rank + 1) * per, g.layout.padded_numel)
-
     def _master_grads(self) -> list[torch.Tensor]:
         factor = 1.0 / (self.world * self.scaler.scale)
         out = []
         for gi, (g, master) in enumerate(zip(self.groups, self.masters)):
-            lo, hi = g.owned
-            summed = self.grads.grad_slice(gi, lo, hi)
+            summed = self.grads.owned_grad(gi)
             if summed.dtype == torch.float32 and summed.device == master.device:
                 grad = summed  # [owned] fp32, a view: no copy
             else:
@@ -118,10 +109,9 @@ class ZeroOptimizer:
         master_grads = self._master_grads()
         sq = torch.zeros((), dtype=torch.float64)
         for g, grad in zip(self.groups, master_grads):
-            lo, hi = self._norm_range(g)
-            o = g.owned[0]
+            lo, hi = g.norm_range(self.world)
             if hi > lo:
-                sq += torch.linalg.vector_norm(grad[lo - o:hi - o]).double() ** 2
+                sq += torch.linalg.vector_norm(grad[lo:hi]).double() ** 2
         used = [float(u) for g in self.groups for u in g.used]
         stats = torch.tensor([sq.item()] + used, dtype=torch.float64)
         if self.world > 1:
@@ -153,14 +143,12 @@ class ZeroOptimizer:
     def _unused_ranges(self, used_counts: torch.Tensor) -> list[tuple[int, int, int]]:
         """(group, lo, hi) in master coordinates for every unused parameter piece this rank owns."""
         out, k = [], 0
+        unused = used_counts.eq(0).tolist()
         for gi, g in enumerate(self.groups):
-            o0, o1 = g.owned
-            for span in g.layout.spans:
-                if used_counts[k].item() == 0:
-                    piece = intersect((span.offset, span.end), (o0, o1))
-                    if piece:
-                        out.append((gi, piece[0] - o0, piece[1] - o0))
-                k += 1
+            for pi, lo, hi in g.master_pieces():
+                if unused[k + pi]:
+                    out.append((gi, lo, hi))
+            k += len(g.params)
         return out
 
     def _state_tensors(self, gi: int) -> list[torch.Tensor]:
@@ -182,11 +170,7 @@ class ZeroOptimizer:
             owned = g.owned_params()
             if owned.data_ptr() != master.data_ptr():
                 owned.copy_(master)
-            if g.layout.num_shards > 1:
-                shard = g.layout.shard_numel
-                per_rank = max(1, self.allgather_bucket_numel // self.world)
-                for lo, hi in chunk_ranges(shard, per_rank):
-                    comm.gather_strided(g.flat, shard, lo, hi, self.rank, self.world, self.comm_group)
+            g.publish(self.allgather_bucket_numel, self.comm_group)
 
     # -- accounting -----------------------------------------------------------------------------
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -194,5 +178,5 @@ class ZeroOptimizer:
         masters = [m for g, m in zip(self.groups, self.masters) if m.data_ptr() != g.owned_params().data_ptr()]
         states = [t for sp in self.shard_params for t in self.optimizer.state.get(sp, {}).values()
                   if torch.is_tensor(t) and t.numel() > 1]
-        return {"parameters": [g.flat for g in self.groups], "gradients": self.grads.tensors(),
+        return {"parameters": [t for g in self.groups for t in g.tensors()], "gradients": self.grads.tensors(),
                 "master_weights": masters, "optimizer_states": states}

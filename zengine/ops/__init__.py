@@ -1,0 +1,33 @@
+"""Compiled CPU kernels and their Python front ends.
+
+- ``CPUAdam`` (alias ``DeepSpeedCPUAdam``) and ``adam_step_``: SIMD Adam/AdamW over fp32
+  shards, optionally writing bf16/fp16 copies of the updated parameters in the same pass.
+- ``flatten`` / ``unflatten_into``: threaded copies between tensor lists and flat buffers.
+- ``unscale_and_norm_``: gradient unscale + sum of squares + non-finite check in one pass.
+
+The kernels live in ``csrc/`` and are declared in ``ops.py``; ``builder.py`` builds them on
+first use (or uses the ones ``ZENGINE_BUILD_OPS=1`` installed) and falls back to torch, with
+one warning, where they cannot be built. Importing this package builds nothing.
+``zengine-report`` shows what is built.
+"""
+from .adam import CPUAdam, DeepSpeedCPUAdam, adam_step_, simd_path, simd_paths
+from .builder import build_all, get_builder, load_op
+from .flatten import flatten, unflatten_into
+from .grad import GradStats, unscale_and_norm_
+from .ops import ALL_OPS
+
+__all__ = [
+    "CPUAdam",
+    "DeepSpeedCPUAdam",
+    "adam_step_",
+    "simd_path",
+    "simd_paths",
+    "flatten",
+    "unflatten_into",
+    "GradStats",
+    "unscale_and_norm_",
+    "load_op",
+    "get_builder",
+    "build_all",
+    "ALL_OPS",
+]

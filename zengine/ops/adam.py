@@ -1,0 +1,239 @@
+"""Adam / AdamW on CPU: ``adam_step_`` over one fp32 shard, and the ``CPUAdam`` optimizer.
+
+The compiled ``cpu_adam`` kernel (csrc/adam/cpu_adam.cpp) updates parameter, first and
+second moment in one pass over memory and can write the updated parameters a second time,
+as fp32, bf16 or fp16, in that same pass (``copy_out``): the mixed-precision offload path
+(fp32 master shard on CPU -> compute-dtype shard) needs no separate conversion sweep.
+
+Where the kernel cannot be used (not built, or a tensor that is not a contiguous CPU fp32
+tensor) the same arithmetic runs as torch ops, in the same order and rounding (see
+``_torch_adam_step_``), so results do not depend on which path ran. Against
+``torch.optim.AdamW`` / ``Adam`` they agree to float rounding (the order of a few operations
+differs).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable
+
+import torch
+
+from .builder import load_op
+
+__all__ = ["CPUAdam", "DeepSpeedCPUAdam", "adam_step_", "simd_paths", "simd_path"]
+
+# Codes of the kernel's CopyOut enum (csrc/adam/cpu_adam.h).
+_COPY_OUT_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+# Codes of the kernel's SimdPath enum (csrc/includes/dispatch.h).
+_SIMD_CODES = {None: -1, "auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
+
+
+def simd_paths() -> list[str]:
+    """SIMD paths the kernel can run on this CPU, widest first ([] without the kernel)."""
+    kernel = load_op("cpu_adam")
+    return list(kernel.simd_paths()) if kernel is not None else []
+
+
+def simd_path() -> str | None:
+    """The path the kernel takes when none is named (``ZENGINE_SIMD`` or the widest one)."""
+    kernel = load_op("cpu_adam")
+    return kernel.simd_path() if kernel is not None else None
+
+
+def _kernel_can_step(param: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    return all(
+        t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
+        for t in (param, *others)
+    )
+
+
+def _coefficients(lr, beta1, beta2, weight_decay, step, bias_correction) -> dict[str, float]:
+    """The per-step scalars, in double, exactly as the kernel computes them (make_coeffs)."""
+    bc1 = 1.0 - beta1**step if bias_correction else 1.0
+    bc2 = 1.0 - beta2**step if bias_correction else 1.0
+    return dict(
+        one_minus_beta1=1.0 - beta1,
+        one_minus_beta2=1.0 - beta2,
+        inv_sqrt_bc2=1.0 / math.sqrt(bc2),
+        param_scale=1.0 - lr * weight_decay,
+        neg_step_size=-(lr / bc1),
+    )
+
+
+@torch.no_grad()
+def _torch_adam_step_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
+                      bias_correction, adamw_mode, copy_out) -> None:
+    """The kernel's arithmetic as torch ops: same operations, same order, same fp32 roundings.
+
+    Each op below is one IEEE operation per element with its scalar rounded to fp32 once, as
+    in the kernel; no ``alpha=``/``value=`` arguments, which torch may fuse into one rounding.
+    torch's fp32 ``sqrt`` on CPU is not correctly rounded (about 1 in 6 results is 1 ulp
+    off), so the square root is taken in float64 and rounded once, which matches the
+    kernel's correctly rounded fp32 square root in all but vanishingly rare cases.
+    """
+    c = _coefficients(lr, beta1, beta2, weight_decay, step, bias_correction)
+    grad = grad.to(param.dtype)
+    if weight_decay != 0.0 and not adamw_mode:
+        grad = grad + param * weight_decay
+    exp_avg.add_((grad - exp_avg).mul_(c["one_minus_beta1"]))
+    exp_avg_sq.mul_(beta2).add_((grad * grad).mul_(c["one_minus_beta2"]))
+    denom = exp_avg_sq.to(torch.float64).sqrt_().to(param.dtype).mul_(c["inv_sqrt_bc2"]).add_(eps)
+    if weight_decay != 0.0 and adamw_mode:
+        param.mul_(c["param_scale"])
+    param.add_(exp_avg.div(denom).mul_(c["neg_step_size"]))
+    if copy_out is not None:
+        copy_out.copy_(param.view_as(copy_out))
+
+
+@torch.no_grad()
+def adam_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    copy_out: torch.Tensor | None = None,
+    simd: str | None = None,
+    num_threads: int | None = None,
+) -> None:
+    """One Adam (``adamw_mode=False``: L2) or AdamW step over one shard, in place.
+
+    Args:
+        param, grad, exp_avg, exp_avg_sq: tensors of equal numel; the kernel runs when all are
+            contiguous fp32 CPU tensors, otherwise the torch ops of the same math do.
+        step: this step's number, 1 for the first (bias correction uses it).
+        copy_out: also write the updated ``param`` here, same numel, fp32/bf16/fp16; in the
+            same pass when it is a contiguous CPU tensor, else by a ``copy_`` afterwards
+            (for a device tensor, pass a pinned CPU one instead and copy it yourself to overlap).
+        simd: ``"avx512"``, ``"avx2"`` or ``"scalar"`` to force a path (error if the CPU lacks
+            it); None: ``ZENGINE_SIMD``, else the widest the CPU has.
+        num_threads: OpenMP threads; default ``torch.get_num_threads()``.
+    """
+    beta1, beta2 = betas
+    n = param.numel()
+    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("copy_out", copy_out)):
+        if t is not None and t.numel() != n:
+            raise ValueError(f"adam_step_: {name} has {t.numel()} elements, param has {n}")
+    fused_copy = copy_out is not None and copy_out.dtype in _COPY_OUT_CODES and copy_out.device.type == "cpu" \
+        and copy_out.is_contiguous()
+    kernel = load_op("cpu_adam") if _kernel_can_step(param, grad, exp_avg, exp_avg_sq) else None
+    if kernel is None:
+        _torch_adam_step_(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                          weight_decay=weight_decay, step=step, bias_correction=bias_correction,
+                          adamw_mode=adamw_mode, copy_out=copy_out)
+        return
+    if simd not in _SIMD_CODES:
+        raise ValueError(f"simd must be one of {sorted(k for k in _SIMD_CODES if k)} or None, got {simd!r}")
+    kernel.adam_step(
+        param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n,
+        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), int(step),
+        bool(bias_correction), bool(adamw_mode),
+        copy_out.data_ptr() if fused_copy else 0, _COPY_OUT_CODES[copy_out.dtype] if fused_copy else 0,
+        num_threads if num_threads is not None else torch.get_num_threads(),
+        _SIMD_CODES[simd],
+    )
+    if copy_out is not None and not fused_copy:
+        copy_out.copy_(param.view_as(copy_out), non_blocking=copy_out.device.type != "cpu")
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam/AdamW for CPU parameters on the compiled SIMD kernel (DeepSpeed's ``DeepSpeedCPUAdam``).
+
+    Same arguments and results as ``torch.optim.AdamW`` (``adamw_mode=True``, decoupled weight
+    decay) or ``torch.optim.Adam`` (``adamw_mode=False``, L2), to float rounding, plus
+    ``bias_correction=False``. Each of these may also be set per param group. State per
+    parameter: ``step`` (a float tensor, as torch keeps it), ``exp_avg``, ``exp_avg_sq``; a
+    state dict loads into ``torch.optim.AdamW`` and back.
+
+    ``step_with_copy(copy_out)`` also writes the updated parameters into other tensors
+    (bf16/fp16/fp32) in the same pass over memory. Parameters that are not contiguous fp32
+    CPU tensors, or a machine where the kernel cannot be built, take the torch ops of the same
+    arithmetic (one warning names the reason).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw_mode: bool = True,
+        bias_correction: bool = True,
+    ):
+        if not 0.0 <= float(lr):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"Invalid beta parameters: {betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
+                        bias_correction=bias_correction)
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A state dict saved by torch's Adam/AdamW loads too: its groups lack our two options.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("adamw_mode", group.get("decoupled_weight_decay", True))
+            group.setdefault("bias_correction", True)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """One optimizer step over every parameter that has a gradient."""
+        return self._step(closure, {})
+
+    @torch.no_grad()
+    def step_with_copy(self, copy_out: Mapping[torch.Tensor, torch.Tensor],
+                       closure: Callable[[], float] | None = None):
+        """One step that also writes each updated parameter into ``copy_out[param]``.
+
+        ``copy_out`` maps a parameter (by identity) to a tensor of the same numel in fp32, bf16
+        or fp16; parameters not in it are only stepped. For a contiguous CPU target the kernel
+        writes it in the same pass; any other target gets a ``copy_`` after the step.
+        """
+        by_id = {id(p): out for p, out in copy_out.items()}
+        return self._step(closure, by_id)
+
+    def _step(self, closure, copy_out_by_id: dict[int, torch.Tensor]):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise RuntimeError("CPUAdam does not support sparse gradients")
+                state = self.state[param]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                step = int(state["step"]) + 1
+                if isinstance(state["step"], torch.Tensor):
+                    state["step"].fill_(step)
+                else:
+                    state["step"] = step
+                adam_step_(
+                    param, param.grad, state["exp_avg"], state["exp_avg_sq"],
+                    step=step, lr=float(group["lr"]), betas=(beta1, beta2), eps=group["eps"],
+                    weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
+                    bias_correction=group["bias_correction"], copy_out=copy_out_by_id.get(id(param)),
+                )
+        return loss
+
+
+DeepSpeedCPUAdam = CPUAdam

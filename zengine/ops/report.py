@@ -1,0 +1,110 @@
+"""``zengine-report``: the environment the compiled ops see, and where each op stands.
+
+    zengine-report            # versions, CPU features, op status (builds nothing)
+    zengine-report --build    # also build every op that is not built yet, and time it
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+__all__ = ["main", "collect"]
+
+_SIMD_FLAGS = ("avx512f", "avx2", "fma", "f16c", "avx", "sse4_2", "neon", "asimd")
+
+
+def _first_line(cmd: list[str]) -> str:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"not found ({err.__class__.__name__})"
+    lines = (out.stdout or out.stderr).strip().splitlines()
+    return lines[0] if lines else f"exit code {out.returncode}"
+
+
+def _cpu_features() -> tuple[str, list[str]]:
+    try:
+        import cpuinfo
+    except ImportError:
+        return platform.processor() or platform.machine(), ["(py-cpuinfo not installed)"]
+    info = cpuinfo.get_cpu_info()
+    flags = set(info.get("flags", []))
+    return info.get("brand_raw", platform.machine()), [f for f in _SIMD_FLAGS if f in flags]
+
+
+def collect() -> dict[str, object]:
+    """Everything the report prints, as a dict (for tests and tools)."""
+    import torch
+
+    from .adam import simd_path, simd_paths
+    from .builder import cache_dir, csrc_dir, get_builder
+    from .ops import ALL_OPS
+
+    brand, flags = _cpu_features()
+    compiler = os.environ.get("CXX", "c++")
+    ninja = shutil.which("ninja")
+    report: dict[str, object] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "compiler": f"{compiler}: {_first_line([compiler, '--version']) if shutil.which(compiler) else 'not found'}",
+        "ninja": _first_line([ninja, "--version"]) if ninja else "not found",
+        "cpu": brand,
+        "cpu_features": flags,
+        "csrc": str(csrc_dir()) if csrc_dir() else "not found",
+        "cache": str(cache_dir()),
+        "ZENGINE_SIMD": os.environ.get("ZENGINE_SIMD", "(unset)"),
+        "ZENGINE_DISABLE_OPS": os.environ.get("ZENGINE_DISABLE_OPS", "(unset)"),
+        "ops": {},
+    }
+    for spec in ALL_OPS:
+        status = get_builder(spec.name).status()
+        report["ops"][spec.name] = (status.state.value, status.detail, spec.description)
+    if report["ops"]["cpu_adam"][0] in ("built", "prebuilt"):
+        report["simd_paths"] = ", ".join(simd_paths())
+        try:
+            report["simd_path"] = simd_path()
+        except RuntimeError as err:  # e.g. ZENGINE_SIMD names a path the CPU lacks
+            report["simd_path"] = f"error: {err}"
+    return report
+
+
+def _print(report: dict[str, object]) -> None:
+    width = 22
+    for key, value in report.items():
+        if key == "ops":
+            continue
+        if isinstance(value, list):
+            value = " ".join(value)
+        print(f"{key:<{width}} {value}")
+    print()
+    print(f"{'op':<14} {'status':<14} detail")
+    for name, (state, detail, description) in report["ops"].items():
+        print(f"{name:<14} {state:<14} {detail}")
+        print(f"{'':<14} {'':<14} ({description})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zengine-report", description=__doc__.splitlines()[0])
+    parser.add_argument("--build", action="store_true", help="build every op that is not built yet, timing each")
+    args = parser.parse_args(argv)
+    if args.build:
+        from .builder import get_builder
+        from .ops import ALL_OPS
+
+        for spec in ALL_OPS:
+            start = time.perf_counter()
+            ok = get_builder(spec.name).load() is not None
+            print(f"{spec.name}: {'ready' if ok else 'unavailable'} in {time.perf_counter() - start:.1f} s")
+        print()
+    _print(collect())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
