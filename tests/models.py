@@ -11,7 +11,8 @@ VOCAB, DIM, HIDDEN, SEQ = 37, 23, 41, 5
 
 
 class EdgeNet(nn.Module):
-    """Tied embedding/head, a frozen layer, an unused layer, odd sizes no world size divides."""
+    """Tied embedding/head, a frozen layer, an unused layer, odd sizes no world size divides, a module
+    called twice per forward, and a parameter used outside its module (``F.linear`` on ``emb.weight``)."""
 
     def __init__(self):
         super().__init__()
@@ -22,6 +23,7 @@ class EdgeNet(nn.Module):
         self.fc2 = nn.Linear(HIDDEN, DIM)
         self.unused = nn.Linear(DIM, 7)
         self.norm = nn.LayerNorm(DIM)
+        self.mix = nn.Linear(DIM, DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.emb.weight  # tied
 
@@ -30,7 +32,8 @@ class EdgeNet(nn.Module):
         h = torch.relu(self.fc1(h))
         h = torch.tanh(self.frozen(h))
         h = self.norm(self.fc2(h))
-        logits = self.head(h)
+        h = h + self.mix(torch.tanh(self.mix(h)))  # the same module twice
+        logits = self.head(h) + 0.5 * F.linear(h, self.emb.weight)  # a parameter used outside its module
         return F.cross_entropy(logits.float().view(-1, VOCAB), y.view(-1))
 
 

@@ -54,10 +54,11 @@ class Engine(nn.Module):
             logger.info("zengine config (* = changed from default):\n%s", format_config(config))
 
         cast_module(model, config.compute_dtype, placement.device)
+        _broadcast_from_rank0(model, placement.world_size)
         named_groups = _named_param_groups(model, model_parameters, optimizer)
         self.scaler = make_loss_scaler(config.fp16)
         self.optimizer = build_zero_optimizer(
-            config.zero_optimization, named_groups, _optimizer_factory(optimizer, config),
+            model, config.zero_optimization, named_groups, _optimizer_factory(optimizer, config),
             self.scaler, config.gradient_clipping, config.compute_dtype, placement.device,
             placement.rank, placement.world_size)
         self.lr_scheduler = _make_scheduler(lr_scheduler, config, self.optimizer)
@@ -114,7 +115,8 @@ class Engine(nn.Module):
     # -- training -------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         dtype = self.config.compute_dtype
-        return self.module(*cast_floating(args, dtype), **cast_floating(kwargs, dtype))
+        with self.optimizer.forward_context():
+            return self.module(*cast_floating(args, dtype), **cast_floating(kwargs, dtype))
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -148,6 +150,19 @@ class Engine(nn.Module):
             if self.global_steps % self.config.steps_per_print == 0:
                 self._report()
         self.micro_steps += 1
+
+    def summon_full_params(self, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False,
+                           with_grads: bool = False):
+        """Context manager: inside it ``engine.module``'s parameters are whole.
+
+        With ``writeback`` changes made inside persist into the shards and fp32
+        masters; ``rank0_only`` gathers on rank 0 only (others see empty
+        tensors); ``offload_to_cpu`` gathers into CPU memory. Also the fast
+        path for many forwards without backward (generation) at stage 3:
+        inside ``summon_full_params(writeback=False)`` the forward hooks find
+        every parameter gathered and move nothing.
+        """
+        return self.optimizer.summon(writeback, rank0_only, offload_to_cpu, with_grads)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the engine also does this after every boundary step)."""
@@ -187,6 +202,20 @@ class Engine(nn.Module):
                 total += storage.nbytes()
             out[kind] = total
         return out
+
+
+def _broadcast_from_rank0(model: nn.Module, world: int) -> None:
+    """Start every replica from rank 0's parameters and buffers (ranks may have initialised differently).
+
+    Parameters already partitioned by ``zero.Init`` are skipped: Init made them consistent.
+    """
+    if world == 1:
+        return
+    from .zero.stage3.param import lookup
+
+    with torch.no_grad():
+        for t in [p for p in model.parameters() if lookup(p) is None] + list(model.buffers()):
+            torch.distributed.broadcast(t.data, src=0)
 
 
 def _named_param_groups(model: nn.Module, model_parameters, client_optimizer) -> list:

@@ -78,12 +78,12 @@ def _torch_adam_step_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps
         grad = grad + param * weight_decay
     exp_avg.add_((grad - exp_avg).mul_(c["one_minus_beta1"]))
     exp_avg_sq.mul_(beta2).add_((grad * grad).mul_(c["one_minus_beta2"]))
-    denom = exp_avg_sq.to(torch.float64).sqrt_().to(param.dtype).mul_(c["inv_sqrt_bc2"]).add_(eps)
+    denom = torch.sqrt(exp_avg_sq.to(torch.float64)).to(param.dtype).mul_(c["inv_sqrt_bc2"]).add_(eps)
     if weight_decay != 0.0 and adamw_mode:
         param.mul_(c["param_scale"])
     param.add_(exp_avg.div(denom).mul_(c["neg_step_size"]))
     if copy_out is not None:
-        copy_out.copy_(param.view_as(copy_out))
+        copy_out.copy_(param.reshape(copy_out.shape))
 
 
 @torch.no_grad()
@@ -107,8 +107,9 @@ def adam_step_(
     """One Adam (``adamw_mode=False``: L2) or AdamW step over one shard, in place.
 
     Args:
-        param, grad, exp_avg, exp_avg_sq: tensors of equal numel; the kernel runs when all are
-            contiguous fp32 CPU tensors, otherwise the torch ops of the same math do.
+        param, grad, exp_avg, exp_avg_sq: tensors of equal numel; the kernel runs when param and
+            the moments are contiguous fp32 CPU tensors and grad is on the CPU (converted to
+            contiguous fp32 first if it is not), otherwise the torch ops of the same math do.
         step: this step's number, 1 for the first (bias correction uses it).
         copy_out: also write the updated ``param`` here, same numel, fp32/bf16/fp16; in the
             same pass when it is a contiguous CPU tensor, else by a ``copy_`` afterwards
@@ -122,16 +123,20 @@ def adam_step_(
     for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("copy_out", copy_out)):
         if t is not None and t.numel() != n:
             raise ValueError(f"adam_step_: {name} has {t.numel()} elements, param has {n}")
+    if simd not in _SIMD_CODES:
+        raise ValueError(f"simd must be one of {sorted(k for k in _SIMD_CODES if k)} or None, got {simd!r}")
     fused_copy = copy_out is not None and copy_out.dtype in _COPY_OUT_CODES and copy_out.device.type == "cpu" \
         and copy_out.is_contiguous()
-    kernel = load_op("cpu_adam") if _kernel_can_step(param, grad, exp_avg, exp_avg_sq) else None
+    kernel = None
+    if _kernel_can_step(param, exp_avg, exp_avg_sq) and grad.device.type == "cpu":
+        kernel = load_op("cpu_adam")
+    if kernel is not None and not _kernel_can_step(grad):
+        grad = grad.to(torch.float32).contiguous()  # e.g. a bf16 gradient: one conversion pass
     if kernel is None:
         _torch_adam_step_(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                           weight_decay=weight_decay, step=step, bias_correction=bias_correction,
                           adamw_mode=adamw_mode, copy_out=copy_out)
         return
-    if simd not in _SIMD_CODES:
-        raise ValueError(f"simd must be one of {sorted(k for k in _SIMD_CODES if k)} or None, got {simd!r}")
     kernel.adam_step(
         param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n,
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), int(step),
@@ -141,7 +146,7 @@ def adam_step_(
         _SIMD_CODES[simd],
     )
     if copy_out is not None and not fused_copy:
-        copy_out.copy_(param.view_as(copy_out), non_blocking=copy_out.device.type != "cpu")
+        copy_out.copy_(param.reshape(copy_out.shape), non_blocking=copy_out.device.type != "cpu")
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -151,7 +156,7 @@ class CPUAdam(torch.optim.Optimizer):
     decay) or ``torch.optim.Adam`` (``adamw_mode=False``, L2), to float rounding, plus
     ``bias_correction=False``. Each of these may also be set per param group. State per
     parameter: ``step`` (a float tensor, as torch keeps it), ``exp_avg``, ``exp_avg_sq``; a
-    state dict loads into ``torch.optim.AdamW`` and back.
+    state dict saved by ``torch.optim.Adam``/``AdamW`` loads into CPUAdam and carries on.
 
     ``step_with_copy(copy_out)`` also writes the updated parameters into other tensors
     (bf16/fp16/fp32) in the same pass over memory. Parameters that are not contiguous fp32

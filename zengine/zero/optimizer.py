@@ -24,6 +24,7 @@ fp32 parameter per group, so its state is sharded with the master.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from functools import partial
 from typing import Any, Callable, Optional
@@ -88,6 +89,10 @@ class ZeroOptimizer:
 
     def end_backward(self) -> None:
         self.grads.end_backward()
+
+    def forward_context(self):
+        """What the engine's forward runs inside (stage 3 gathers parameters there)."""
+        return contextlib.nullcontext()
 
     # -- the boundary step ----------------------------------------------------------------------
     def _master_grads(self) -> list[torch.Tensor]:
@@ -171,6 +176,24 @@ class ZeroOptimizer:
             if owned.data_ptr() != master.data_ptr():
                 owned.copy_(master)
             g.publish(self.allgather_bucket_numel, self.comm_group)
+
+    # -- full parameters on request -------------------------------------------------------------
+    @contextlib.contextmanager
+    def summon(self, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False,
+               with_grads: bool = False):
+        """Stages 0-2 keep parameters whole (and stages 0-1 their gradients): with ``writeback`` changes go
+        into the fp32 masters, else they are undone on exit."""
+        snapshot = None if writeback else [[t.clone() for t in g.tensors()] for g in self.groups]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for g, master in zip(self.groups, self.masters):
+                    if snapshot is not None:
+                        for t, saved in zip(g.tensors(), snapshot.pop(0)):
+                            t.copy_(saved)
+                    elif master.data_ptr() != g.owned_params().data_ptr():
+                        master.copy_(g.owned_params())
 
     # -- accounting -----------------------------------------------------------------------------
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:

@@ -16,7 +16,7 @@ from .offload import make_placement
 from .optimizer import ZeroOptimizer
 
 
-def build_zero_optimizer(zero_cfg, named_groups: Sequence[tuple[list[tuple[str, nn.Parameter]], dict]],
+def build_zero_optimizer(module: nn.Module, zero_cfg, named_groups: Sequence[tuple[list[tuple[str, nn.Parameter]], dict]],
                          make_optimizer: Callable, scaler: LossScaler, clip: float, dtype: torch.dtype,
                          device: torch.device, rank: int, world: int, comm_group=None) -> ZeroOptimizer:
     """Flatten each group's trainable parameters and assemble the optimizer for ``zero_cfg.stage``.
@@ -26,8 +26,10 @@ def build_zero_optimizer(zero_cfg, named_groups: Sequence[tuple[list[tuple[str, 
     builds the wrapped optimizer over the flat master shards.
     """
     stage = zero_cfg.stage
-    if stage not in (0, 1, 2):
-        raise NotImplementedError(f"zero_optimization.stage={stage} is not available in this build")
+    if stage == 3:
+        from .stage3.optimizer import Stage3Optimizer
+        return Stage3Optimizer(module, zero_cfg, named_groups, make_optimizer, scaler, clip, dtype, device, rank,
+                               world, comm_group)
     num_shards = 1 if stage == 0 else world
     placement = make_placement(zero_cfg.offload_optimizer)
     groups = [FlatParamGroup(named, hyper, num_shards, rank, dtype, device) for named, hyper in named_groups]

@@ -1,0 +1,428 @@
+"""Step time and per-rank memory of ZeRO implementations side by side, on CPU gloo ranks.
+
+    python benchmarks/bench_zero.py [--warmup 3] [--steps 4] [--rounds 2] [--contenders ddp,zengine-2,...]
+
+The model is ``zengine.models.bench20m()`` (about 21M parameters: 4 layers,
+d_model 512, seq 128), trained in fp32 with AdamW on the same byte windows,
+micro batch 4 per rank. Contenders:
+
+- ``ddp``: torch DistributedDataParallel + torch.optim.AdamW(fused=True)
+- ``zero-redundancy``: DDP + torch ZeroRedundancyOptimizer(AdamW, fused=True)
+- ``zengine-0/1/2``: zengine with its config-built AdamW (torch's fused AdamW on CPU)
+- ``deepspeed-1/2``: DeepSpeed ZeRO with DS_ACCELERATOR=cpu, given the same torch
+  fused AdamW as a client optimizer; skipped with a note when ``import deepspeed`` fails.
+
+Every contender runs in fresh processes (torch.multiprocessing spawn, one
+process group each). With ``--rounds R`` the contenders run R times in
+alternating order, and the step-time median is taken over every round's timed
+steps, because absolute times drift on a shared machine. The table goes to
+stdout and to ``benchmarks/results/zero_<date>.md``. The first DeepSpeed run on
+a machine JIT-builds DeepSpeed's shared-memory comm op (about 100 s, cached in
+~/.cache/torch_extensions afterwards).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from zengine.models import GPT, ByteWindows, bench20m  # noqa: E402
+
+MB = 1024 * 1024
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
+MICRO_BATCH = 4
+BUCKET = 50_000_000  # default reduce/all-gather bucket (elements) for zengine and DeepSpeed alike
+
+
+# -- what each contender is ---------------------------------------------------------------------
+@dataclass
+class Trainer:
+    """One contender, built in a worker. A training step is ``loss = forward_backward(x, y)`` then
+    ``optimizer_step()``; ``state_bytes()``, called between the two, counts the model states this rank
+    holds at that moment, when gradients and optimizer states are both alive."""
+
+    forward_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizer_step: Callable[[], None]
+    state_bytes: Callable[[], int]
+    note: str = ""
+
+
+def unique_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or not torch.is_tensor(t):
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+
+
+def torch_adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+
+
+def torch_steps(ddp, opt):
+    """forward_backward and optimizer_step of a DDP-wrapped model and its optimizer."""
+    def forward_backward(x, y):
+        loss = ddp(x, y)
+        loss.backward()
+        return loss
+
+    def optimizer_step():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return forward_backward, optimizer_step
+
+
+def torch_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    params = list(model.parameters())
+    return unique_bytes([*params, *(p.grad for p in params), *optimizer_state_tensors(opt)])
+
+
+def build_ddp(model: torch.nn.Module, bucket: int) -> Trainer:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    opt = torch_adamw(ddp.parameters())
+    return Trainer(*torch_steps(ddp, opt), lambda: torch_state_bytes(model, opt),
+                   "params + grads + AdamW state; DDP's reducer buckets not counted")
+
+
+def build_zero_redundancy(model: torch.nn.Module, bucket: int) -> Trainer:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, betas=BETAS,
+                                  eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+    return Trainer(*torch_steps(ddp, opt), lambda: torch_state_bytes(model, opt.optim),
+                   "params + grads + this rank's AdamW state; DDP's reducer buckets not counted")
+
+
+def zero_config(stage: int, bucket: int) -> dict:
+    """The config zengine and DeepSpeed both get (DeepSpeed's optimizer section is ignored: it gets
+    a client optimizer)."""
+    return {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY}},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10 ** 9,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+    }
+
+
+def build_zengine(stage: int):
+    def build(model: torch.nn.Module, bucket: int) -> Trainer:
+        import zengine
+
+        engine, optimizer, _, _ = zengine.initialize(model=model, config=zero_config(stage, bucket))
+        inner = getattr(optimizer, "optimizer", optimizer)
+        fused = getattr(inner, "defaults", {}).get("fused")
+
+        def forward_backward(x, y):
+            loss = engine(x, y)
+            engine.backward(loss)
+            return loss
+
+        return Trainer(forward_backward, engine.step, lambda: sum(engine.memory_breakdown().values()),
+                       f"engine.memory_breakdown(); optimizer {type(inner).__name__}(fused={fused})")
+    return build
+
+
+def tensors_reachable(obj, depth: int = 4, seen=None) -> list[torch.Tensor]:
+    """Tensors held by ``obj``'s attributes, lists and dicts, ``depth`` levels down."""
+    seen = set() if seen is None else seen
+    if torch.is_tensor(obj):
+        return [obj]
+    if depth < 0 or id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None), torch.nn.Module)):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        children = list(obj.values()) + [k for k in obj if torch.is_tensor(k)]
+    elif isinstance(obj, (list, tuple, set)):
+        children = list(obj)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("deepspeed", "torch.optim")):
+        children = list(vars(obj).values())
+    else:
+        return []
+    return [t for child in children for t in tensors_reachable(child, depth - 1, seen)]
+
+
+def build_deepspeed(stage: int):
+    def build(model: torch.nn.Module, bucket: int) -> Trainer:
+        import deepspeed
+
+        config = {k: v for k, v in zero_config(stage, bucket).items() if k != "optimizer"}
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch_adamw(model.parameters()),
+                                                       config=config)
+
+        def forward_backward(x, y):
+            loss = engine(x, y)
+            engine.backward(loss)
+            return loss
+
+        def state_bytes():
+            params = list(engine.module.parameters())
+            return unique_bytes([*params, *(p.grad for p in params), *tensors_reachable(optimizer)])
+
+        return Trainer(forward_backward, engine.step, state_bytes,
+                       "params + grads + every tensor reachable from the ZeRO optimizer (4 levels of attributes)")
+    return build
+
+
+CONTENDERS: dict[str, tuple[Callable, str]] = {
+    # name: (builder, which ZeRO memory formula applies)
+    "ddp": (build_ddp, "ddp"),
+    "zero-redundancy": (build_zero_redundancy, "os"),
+    "zengine-0": (build_zengine(0), "ddp"),
+    "zengine-1": (build_zengine(1), "os"),
+    "zengine-2": (build_zengine(2), "os+g"),
+    "deepspeed-1": (build_deepspeed(1), "os"),
+    "deepspeed-2": (build_deepspeed(2), "os+g"),
+}
+
+
+def formula_bytes(kind: str, numel: int, world: int) -> float:
+    """ZeRO paper's per-rank model-state bytes for fp32 Adam (params 4, grads 4, Adam moments 8 per element)."""
+    return {"ddp": 16 * numel, "os": 8 * numel + 8 * numel / world, "os+g": 4 * numel + 12 * numel / world}[kind]
+
+
+FORMULA_TEXT = {"ddp": "16Ψ", "os": "8Ψ+8Ψ/W", "os+g": "4Ψ+12Ψ/W"}
+
+
+# -- one worker ----------------------------------------------------------------------------------
+def batch_for(dataset: ByteWindows, step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s micro-batch of global step ``step``: the same windows for every contender."""
+    first = (step * world + rank) * MICRO_BATCH
+    items = [dataset[(first + j) % len(dataset)] for j in range(MICRO_BATCH)]
+    return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+
+
+def worker(rank: int, name: str, world: int, port: int, warmup: int, steps: int, bucket: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    result = {"rank": rank}
+    try:
+        # A rank that fails leaves its peer in a collective: time out rather than hang the launcher.
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
+        if name.startswith(("zengine", "deepspeed")):
+            __import__(name.split("-")[0])  # the library's own import is not the training's memory
+        baseline_rss = psutil.Process().memory_info().rss
+        torch.manual_seed(0)
+        cfg = bench20m()
+        model = GPT(cfg)
+        numel = sum(p.numel() for p in model.parameters())
+        dataset = ByteWindows(cfg.seq_len)
+        trainer = CONTENDERS[name][0](model, bucket)
+        times, cpu_times, state_bytes = [], [], 0
+        loss = None
+        for i in range(warmup + steps):
+            x, y = batch_for(dataset, i, rank, world)
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = trainer.forward_backward(x, y)
+            t1, c1 = time.perf_counter(), time.process_time()
+            if i == warmup + steps - 1:
+                state_bytes = trainer.state_bytes()  # outside the timed spans
+            t2, c2 = time.perf_counter(), time.process_time()
+            trainer.optimizer_step()
+            times.append(t1 - t0 + time.perf_counter() - t2)
+            cpu_times.append(c1 - c0 + time.process_time() - c2)
+        # A step ends on a rank when its last collective does; take the slower rank's time per step.
+        step_times = torch.tensor(times[warmup:], dtype=torch.float64)
+        dist.all_reduce(step_times, op=dist.ReduceOp.MAX)
+        step_cpu = torch.tensor(cpu_times[warmup:], dtype=torch.float64)
+        dist.all_reduce(step_cpu, op=dist.ReduceOp.MAX)
+        final_loss = loss.detach().double().clone()
+        dist.all_reduce(final_loss)
+        result.update(
+            step_times=step_times.tolist(), cpu_times=step_cpu.tolist(), final_loss=final_loss.item() / world,
+            numel=numel, state_bytes=state_bytes, note=trainer.note, baseline_rss=baseline_rss,
+            peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        result["error"] = traceback.format_exc(limit=6)
+    Path(out_dir, f"{name}.{rank}.json").write_text(json.dumps(result))
+
+
+# -- the launcher --------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_contender(name: str, args: argparse.Namespace) -> list[dict]:
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            mp.spawn(worker, args=(name, args.world, free_port(), args.warmup, args.steps, args.bucket, out_dir),
+                     nprocs=args.world, join=True)
+        except Exception as err:  # a crashed process: keep what the others wrote
+            print(f"  {name}: a worker failed: {err}", file=sys.stderr)
+        results = []
+        for rank in range(args.world):
+            path = Path(out_dir, f"{name}.{rank}.json")
+            results.append(json.loads(path.read_text()) if path.exists() else {"rank": rank, "error": "no result"})
+    return results
+
+
+def deepspeed_status() -> tuple[bool, str]:
+    """Whether ``import deepspeed`` works in a fresh process, and its version or error."""
+    proc = subprocess.run([sys.executable, "-c", "import deepspeed; print(deepspeed.__version__)"],
+                          capture_output=True, text=True, env=os.environ.copy(), timeout=300)
+    if proc.returncode == 0:
+        return True, proc.stdout.strip().splitlines()[-1]
+    return False, (proc.stderr.strip().splitlines() or ["unknown error"])[-1]
+
+
+def per_rank(values) -> str:
+    return "/".join(f"{v / MB:.0f}" for v in values)
+
+
+def summarize(runs: dict[str, list[list[dict]]], args, notes: list[str]) -> str:
+    """The markdown report: a header with the settings, the table, then notes."""
+    numel = next((r[0]["numel"] for rs in runs.values() for r in rs if "numel" in r[0]), 0)
+    ok = {n: rounds for n, rounds in runs.items() if not any("error" in r for rs in rounds for r in rs)}
+    median = {n: statistics.median(t for rs in rounds for t in rs[0]["step_times"]) for n, rounds in ok.items()}
+    best = {n: min(statistics.median(rs[0]["step_times"]) for rs in rounds) for n, rounds in ok.items()}
+    cpu = {n: statistics.median(t for rs in rounds for t in rs[0]["cpu_times"]) for n, rounds in ok.items()}
+    loss = {n: rounds[-1][0]["final_loss"] for n, rounds in ok.items()}
+    table = ["| contender | median step (s) | × DDP | best round (s) | × DDP (best) | CPU s/step | × DDP (CPU) "
+             "| peak RSS per rank (MB) | peak − RSS after imports (MB) | model states per rank (MB) "
+             "| ZeRO formula (MB) | final loss | Δ loss vs DDP |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = []
+    for name, rounds in runs.items():
+        if name not in ok:
+            error = next(r["error"] for rs in rounds for r in rs if "error" in r)
+            table.append(f"| {name} | failed |" + " |" * 11)
+            lines.append(f"- {name} failed:\n\n```\n{error.strip()}\n```")
+            continue
+        ratio = f"{median[name] / median['ddp']:.2f}" if "ddp" in ok else "n/a"
+        best_ratio = f"{best[name] / best['ddp']:.2f}" if "ddp" in ok else "n/a"
+        cpu_ratio = f"{cpu[name] / cpu['ddp']:.2f}" if "ddp" in ok else "n/a"
+        delta = f"{loss[name] - loss['ddp']:+.1e}" if "ddp" in ok else "n/a"
+        peak = per_rank(max(rs[r]["peak_rss"] for rs in rounds) for r in range(args.world))
+        growth = per_rank(max(rs[r]["peak_rss"] - rs[r]["baseline_rss"] for rs in rounds) for r in range(args.world))
+        states = per_rank(rounds[-1][r]["state_bytes"] for r in range(args.world))
+        kind = CONTENDERS[name][1]
+        formula = f"{formula_bytes(kind, numel, args.world) / MB:.0f} ({FORMULA_TEXT[kind]})"
+        table.append(f"| {name} | {median[name]:.3f} | {ratio} | {best[name]:.3f} | {best_ratio} | {cpu[name]:.3f} "
+                     f"| {cpu_ratio} | {peak} | {growth} "
+                     f"| {states} | {formula} | {loss[name]:.6f} | {delta} |")
+        lines.append(f"- {name}: model states = {rounds[-1][0]['note']}.")
+    header = [
+        f"# ZeRO step time and memory, {datetime.datetime.now():%Y-%m-%d %H:%M}",
+        "",
+        f"Model: bench20m() GPT, Ψ = {numel:,} parameters, fp32; the same byte windows for every contender, "
+        f"micro batch {MICRO_BATCH} × seq {bench20m().seq_len}; {args.world} gloo ranks × 1 thread. "
+        f"AdamW lr {LR}, betas {BETAS}, eps {EPS}, weight_decay {WEIGHT_DECAY}; no clipping, no LR schedule. "
+        "Every contender steps torch's fused AdamW: the torch peers and DeepSpeed get "
+        "torch.optim.AdamW(fused=True), and zengine's config builder picks the same on CPU.",
+        "",
+        f"{args.warmup} warm-up + {args.steps} timed steps per round, {args.rounds} round(s) in alternating order, "
+        "fresh processes each time. Step time: the slower rank's, median over all rounds' timed steps; "
+        "best round: the lowest of the per-round medians (the least disturbed by other load). "
+        "CPU s/step: the process's CPU time per step (all threads, slower rank), less sensitive than wall time "
+        "to other load on the machine. Model states are counted between backward and the optimizer step, "
+        "when gradients and optimizer states are both alive; formulas are the ZeRO paper's for fp32 Adam "
+        "(4 bytes of parameter, 4 of gradient, 8 of Adam moments per element). Peak RSS: getrusage maxrss, "
+        f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}. zengine and DeepSpeed: "
+        f"reduce_bucket_size = allgather_bucket_size = {args.bucket:,} elements; DDP: its default buckets.",
+        "",
+        f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs, "
+        f"load average at the end {os.getloadavg()[0]:.1f}.",
+        "",
+    ]
+    return "\n".join(header + table + ["", "Notes:", ""] + notes + lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per round")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=2, help="times every contender runs, interleaved")
+    parser.add_argument("--world", type=int, default=2, help="gloo ranks")
+    parser.add_argument("--bucket", type=float, default=BUCKET,
+                        help="reduce_bucket_size and allgather_bucket_size (elements) for zengine and DeepSpeed")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset of "
+                        + ", ".join(CONTENDERS))
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the markdown table")
+    args = parser.parse_args()
+    args.bucket = int(args.bucket)
+    names = [n.strip() for n in args.contenders.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown:
+        parser.error(f"unknown contender(s) {unknown}; choose from {list(CONTENDERS)}")
+
+    # Set before the workers start: freed blocks above 64 KiB go back to the OS, so RSS follows live memory;
+    # DeepSpeed runs on its CPU accelerator.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    notes = []
+    if any(n.startswith("deepspeed") for n in names):
+        ok, info = deepspeed_status()
+        if ok:
+            notes.append(f"- DeepSpeed {info} (DS_ACCELERATOR=cpu), ZeRO with a client torch fused AdamW. "
+                         "It keeps its fp32 master partition as a copy even for an fp32 model (+4Ψ/W over the "
+                         "formula), and its gradient bucket buffer is counted too.")
+        else:
+            names = [n for n in names if not n.startswith("deepspeed")]
+            notes.append(f"- DeepSpeed skipped: `import deepspeed` failed ({info}).")
+
+    runs: dict[str, list[list[dict]]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            t0 = time.perf_counter()
+            runs[name].append(run_contender(name, args))
+            res = runs[name][-1][0]
+            status = "error" if "error" in res else f"median {statistics.median(res['step_times']):.3f} s"
+            print(f"round {r + 1}/{args.rounds} {name}: {status} ({time.perf_counter() - t0:.0f} s)",
+                  file=sys.stderr, flush=True)
+
+    report = summarize(runs, args, notes)
+    print(report)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"zero_{datetime.date.today():%Y-%m-%d}.md"
+    path.write_text(report)
+    print(f"written to {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Train a tiny byte-level GPT on the repository's own text with zengine.
+
+    zengine --num_procs 2 examples/train_gpt.py --deepspeed_config configs/zero2.json [--steps N]
+
+Rank 0 prints, every ``--print_every`` optimizer steps: the mean loss of those
+steps over all ranks, the tokens per second of the whole job, and each rank's
+model-state memory (``engine.memory_breakdown()``) beside its resident set size.
+The training loop is the one a DeepSpeed script has: ``loss = engine(x, y)``,
+``engine.backward(loss)``, ``engine.step()``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+
+import zengine
+from zengine.models import GPT, ByteWindows, tiny
+
+MB = 1024 * 1024
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
+    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps to run")
+    parser.add_argument("--print_every", type=int, default=100, help="optimizer steps between reports")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="override the config's peak learning rate (optimizer lr and the scheduler's "
+                             "warmup_max_lr); the default run uses the config file as it is")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the model's initial weights")
+    zengine.add_config_arguments(parser)
+    args = parser.parse_args()
+    if not (args.deepspeed_config or args.zengine_config):
+        parser.error("pass --deepspeed_config PATH (e.g. configs/zero2.json)")
+    return args
+
+
+def load_config(args: argparse.Namespace):
+    """The config path as given, or its contents with the peak learning rate replaced by ``--lr``."""
+    path = args.zengine_config or args.deepspeed_config
+    if args.lr is None:
+        return path
+    with open(path) as f:
+        config = json.load(f)
+    config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
+    scheduler_params = config.get("scheduler", {}).get("params", {})
+    for key in ("warmup_max_lr", "cycle_max_lr"):
+        if key in scheduler_params:
+            scheduler_params[key] = args.lr
+    return config
+
+
+def gather_memory(engine) -> list[dict]:
+    """Every rank's model-state bytes by kind and its resident set size (a collective)."""
+    mine = dict(engine.memory_breakdown(), rss=psutil.Process().memory_info().rss)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def mean_over_ranks(total: torch.Tensor, count: int) -> float:
+    """Mean of per-step losses summed in ``total`` over ``count`` steps on every rank."""
+    total = total.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / (count * dist.get_world_size())
+
+
+def format_memory(memory: list[dict]) -> str:
+    states = " ".join(f"r{r} {sum(v for k, v in m.items() if k != 'rss') / MB:.2f}" for r, m in enumerate(memory))
+    rss = " ".join(f"r{r} {m['rss'] / MB:.0f}" for r, m in enumerate(memory))
+    return f"model states MB {states} | RSS MB {rss}"
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(args.seed)  # every rank builds the same initial weights
+    model_cfg = tiny()
+    model = GPT(model_cfg)
+    dataset = ByteWindows(model_cfg.seq_len)
+    engine, _, loader, _ = zengine.initialize(model=model, config=load_config(args), training_data=dataset)
+    rank = dist.get_rank()
+    tokens_per_step = engine.train_batch_size() * model_cfg.seq_len
+    if rank == 0:
+        print(f"GPT {model_cfg}: {sum(p.numel() for p in model.parameters()):,} parameters; "
+              f"{len(dataset)} windows of {len(dataset.tokens):,} bytes; ZeRO stage "
+              f"{engine.zero_optimization_stage()}, world size {engine.world_size}, "
+              f"{engine.train_batch_size()} sequences per step, {torch.get_num_threads()} thread(s) per rank",
+              flush=True)
+
+    loss_sum, loss_count, first_loss, last_loss = torch.zeros(()), 0, None, None
+    start = last_time = time.perf_counter()
+    step = last_step = epoch = 0
+    while engine.global_steps < args.steps:
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            x, y = x.to(engine.device), y.to(engine.device)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach().float().cpu()
+            loss_count += 1
+            if engine.global_steps == step:
+                continue  # a micro-step inside a gradient accumulation: no optimizer step yet
+            step = engine.global_steps
+            if step % args.print_every == 0 or step == args.steps or step == 1:
+                mean_loss = mean_over_ranks(loss_sum, loss_count)
+                memory = gather_memory(engine)
+                now = time.perf_counter()
+                rate = (step - last_step) * tokens_per_step / (now - last_time)
+                first_loss = mean_loss if first_loss is None else first_loss
+                last_loss = mean_loss
+                if rank == 0:
+                    print(f"step {step:5d} | loss {mean_loss:.4f} | {rate:8,.0f} tok/s | lr {engine.get_lr()[0]:.2e} "
+                          f"| {format_memory(memory)}", flush=True)
+                loss_sum.zero_()
+                loss_count, last_step, last_time = 0, step, time.perf_counter()
+            if step >= args.steps:
+                break
+        epoch += 1
+
+    memory = gather_memory(engine)
+    if rank == 0:
+        elapsed = time.perf_counter() - start
+        print(f"done: {engine.global_steps} steps in {elapsed:.1f} s; loss {first_loss:.3f} -> {last_loss:.3f}")
+        print("model-state bytes by rank: " + "; ".join(
+            f"r{r} " + ", ".join(f"{k} {v / MB:.2f} MB" for k, v in m.items() if k != "rss")
+            for r, m in enumerate(memory)), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

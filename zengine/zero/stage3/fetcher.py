@@ -1,0 +1,220 @@
+"""Gathering and releasing stage-3 parameters: on demand, ahead of use, and checked across ranks.
+
+``Fetcher.fetch(params, tag)`` makes the parameters whole (one collective
+for all of them: each rank contributes its chunks, packed rank-major);
+``release`` frees them again. Both are called by the module hooks
+(``hooks.py``) in the same order on every rank.
+
+Prefetch: the first step records the sequence of fetches (the trace). Later
+steps follow it: after fetching unit k, the next units are gathered
+asynchronously, up to ``stage3_prefetch_bucket_size`` elements ahead and
+never beyond ``stage3_max_live_parameters`` gathered elements. A parameter
+released after forward is kept when the trace says it is fetched again
+within ``stage3_max_reuse_distance`` elements (and the live limit allows).
+When a step departs from the trace (a dynamic model), prefetch stops for the
+rest of the step and fetching is on demand; this is logged once.
+
+Debug (``stage3_debug_fetch_order``): before each fetch the ranks compare a
+hash of what they are about to gather; if they differ, every rank raises an
+error naming the fetch on each rank, instead of hanging in the collective.
+"""
+from __future__ import annotations
+
+import logging
+import zlib
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ... import comm
+from .param import ParamState, ShardedParam
+
+logger = logging.getLogger("zengine")
+
+
+class FetchOrderError(RuntimeError):
+    """Ranks tried to gather different parameters at the same point: their programs diverged."""
+
+
+class _Pending:
+    """An asynchronous gather in flight: its staging buffer and works."""
+
+    def __init__(self, params: list[ShardedParam], staging: torch.Tensor, works: list):
+        self.params, self.staging, self.works = params, staging, works
+
+
+class Fetcher:
+    """Gathers and releases sharded parameters for the hooks; keeps the live-element count."""
+
+    def __init__(self, zero_cfg, world: int, rank: int, comm_group=None):
+        self.world, self.rank, self.comm_group = world, rank, comm_group
+        self.prefetch_numel = int(zero_cfg.stage3_prefetch_bucket_size)
+        self.max_live = int(zero_cfg.stage3_max_live_parameters)
+        self.max_reuse = int(zero_cfg.stage3_max_reuse_distance)
+        self.debug = bool(getattr(zero_cfg, "stage3_debug_fetch_order", False))
+        self.live_numel = 0          # elements of non-persistent parameters gathered now
+        self.peak_live_numel = 0     # the most seen since the last reset_peak()
+        self.trace: Optional[list[tuple[str, tuple[int, ...]]]] = None  # recorded on the first step
+        self._recording: list = []
+        self._record = False
+        self._pos = 0
+        self._following = False
+        self._warned_dynamic = False
+        self._pending: dict[int, _Pending] = {}  # id(ShardedParam) -> its in-flight gather
+        self._seq = 0
+
+    # -- the step's frame -----------------------------------------------------------------------
+    def begin_step(self, training: bool) -> None:
+        """A forward starts. Training steps record (first) or follow the trace; others fetch on demand."""
+        self._pos = 0
+        self._seq = 0
+        self._recording = []
+        self._record = training and self.trace is None
+        self._following = training and self.trace is not None
+
+    def end_step(self) -> None:
+        """Backward is over: keep the first step's sequence as the trace; drain stray prefetches."""
+        if self._record and self._recording:
+            self.trace = self._recording
+        self._recording = []
+        self._record = self._following = False
+        for pending in list({id(p): p for p in self._pending.values()}.values()):
+            self._finish(pending)
+
+    # -- fetch and release ----------------------------------------------------------------------
+    def fetch(self, params: Sequence[ShardedParam], tag: str) -> None:
+        """Make ``params`` whole; ranks must call this in the same order."""
+        self._note(params, tag)
+        todo = [sp for sp in params if sp.state is ParamState.SHARDED and id(sp) not in self._pending]
+        waiting = {id(self._pending[id(sp)]): self._pending[id(sp)] for sp in params if id(sp) in self._pending}
+        for pending in waiting.values():
+            self._finish(pending)
+        if todo:
+            if self.debug:
+                self._check_order(todo, tag)
+            self._finish(self._start(todo))
+        for sp in params:
+            if not sp.persistent:
+                sp.holders += 1
+        self._prefetch_ahead()
+
+    def release(self, params: Sequence[ShardedParam], force: bool = False) -> None:
+        """Drop a hold on each parameter; free it when nobody holds it (or when ``force``)."""
+        for sp in params:
+            if sp.state is not ParamState.GATHERED or sp.persistent or sp.pinned:
+                continue
+            sp.holders = 0 if force else max(0, sp.holders - 1)
+            if sp.holders == 0 and (force or not self._reused_soon(sp)):
+                sp.free()
+                self.live_numel -= sp.full.numel()
+
+    def gather_now(self, params: Sequence[ShardedParam]) -> None:
+        """Re-gather parameters that are already whole (after the step updated their shards)."""
+        if params:
+            self._finish(self._start(list(params), refresh=True))
+
+    # -- collectives ----------------------------------------------------------------------------
+    def _start(self, params: list[ShardedParam], refresh: bool = False) -> _Pending:
+        total = sum(sp.chunk for sp in params)
+        dtype, device = params[0].full.dtype, params[0].full.device
+        staging = torch.empty(self.world, total, dtype=dtype, device=device)  # [world, sum of chunks]
+        col = 0
+        for sp in params:
+            staging[self.rank, col:col + sp.chunk].copy_(sp.shard)
+            col += sp.chunk
+        if self.world == 1:
+            works = []
+        elif comm.is_gloo(self.comm_group):
+            works = [comm.broadcast(staging[r], src=r, group=self.comm_group, async_op=True) for r in range(self.world)]
+        else:
+            works = [dist.all_gather_into_tensor(staging.view(-1), staging[self.rank].clone(), group=self.comm_group,
+                                                 async_op=True)]
+        pending = _Pending(params, staging, works)
+        if not refresh:
+            for sp in params:
+                self._pending[id(sp)] = pending
+        return pending
+
+    def _finish(self, pending: _Pending) -> None:
+        for w in pending.works:
+            w.wait()
+        col = 0
+        for sp in pending.params:
+            self._pending.pop(id(sp), None)
+            was_sharded = sp.state is ParamState.SHARDED
+            sp.allocate().copy_(pending.staging[:, col:col + sp.chunk])
+            col += sp.chunk
+            if was_sharded:
+                sp.state = ParamState.GATHERED
+                if not sp.persistent:
+                    self.live_numel += sp.full.numel()
+        self.peak_live_numel = max(self.peak_live_numel, self.live_numel + self._pending_numel())
+        pending.works = []
+
+    def _pending_numel(self) -> int:
+        unique = {id(p): p for p in self._pending.values()}
+        return sum(sp.full.numel() for p in unique.values() for sp in p.params)
+
+    # -- the trace: record, follow, prefetch, reuse ---------------------------------------------
+    def _note(self, params: Sequence[ShardedParam], tag: str) -> None:
+        key = (tag, tuple(id(sp) for sp in params))
+        if self._record:
+            self._recording.append((key, list(params)))
+            return
+        if not self._following:
+            return
+        if self._pos < len(self.trace) and self.trace[self._pos][0] == key:
+            self._pos += 1
+            return
+        self._following = False
+        if not self._warned_dynamic:
+            self._warned_dynamic = True
+            if self.rank == 0:
+                logger.info("stage 3: module order changed from the recorded trace at %r; fetching on demand", tag)
+
+    def _prefetch_ahead(self) -> None:
+        if not self._following or self.prefetch_numel <= 0:
+            return
+        budget = self.prefetch_numel - self._pending_numel()
+        pos = self._pos
+        while pos < len(self.trace) and budget > 0:
+            _, params = self.trace[pos]
+            todo = [sp for sp in params if sp.state is ParamState.SHARDED and id(sp) not in self._pending]
+            size = sum(sp.full.numel() for sp in todo)
+            if todo:
+                if size > budget or self.live_numel + self._pending_numel() + size > self.max_live:
+                    break
+                if self.debug:
+                    self._check_order(todo, self.trace[pos][0][0] + " (prefetch)")
+                self._start(todo)
+                budget -= size
+            pos += 1
+
+    def _reused_soon(self, sp: ShardedParam) -> bool:
+        """True when the trace fetches ``sp`` again within max_reuse_distance elements and the live limit allows."""
+        if not self._following or self.max_reuse <= 0:
+            return False
+        distance = 0
+        for _, params in self.trace[self._pos:]:
+            if any(p is sp for p in params):
+                return self.live_numel <= self.max_live and distance <= self.max_reuse
+            distance += sum(p.numel for p in params)
+            if distance > self.max_reuse:
+                return False
+        return False
+
+    # -- debug ----------------------------------------------------------------------------------
+    def _check_order(self, params: list[ShardedParam], tag: str) -> None:
+        self._seq += 1
+        label = f"#{self._seq} {tag} [{', '.join(sp.name for sp in params)}]"
+        digest = torch.tensor([zlib.crc32(label.encode())], dtype=torch.int64)
+        everyone = [torch.zeros_like(digest) for _ in range(self.world)]
+        dist.all_gather(everyone, digest, group=self.comm_group)
+        if any(int(d) != int(digest) for d in everyone):
+            labels: list = [None] * self.world
+            dist.all_gather_object(labels, label, group=self.comm_group)
+            lines = "\n".join(f"  rank {r}: {lab}" for r, lab in enumerate(labels))
+            raise FetchOrderError(f"stage 3: ranks diverged at parameter fetch {self._seq}; each rank was about "
+                                  f"to gather:\n{lines}\nThe ranks ran different modules (data-dependent control "
+                                  f"flow?); every rank must run the same modules in the same order.")

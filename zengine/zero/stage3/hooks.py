@@ -1,0 +1,144 @@
+"""Module hooks that fetch a module's parameters before it runs and release them after.
+
+Forward: a pre-hook gathers the module's own parameters (not its
+children's); a post-hook releases them and, when autograd is recording,
+hooks the outputs so that the same parameters are gathered again just
+before the module's backward. A parameter's full data is freed again as
+soon as its gradient is done (``grads.py``), frozen ones at the end of
+backward.
+
+Parameters used outside their module (``F.linear(x, self.emb.weight)``) are
+caught by a torch-function mode that is active during the engine's forward:
+an op that receives a sharded parameter gathers it first, the running
+module releases it when it finishes, and the op's outputs are hooked to
+gather it again for backward.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from .fetcher import Fetcher
+from .param import ParamState, ShardedParam, lookup
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(out)
+    return [t for t in leaves if torch.is_tensor(t) and t.requires_grad]
+
+
+class ModuleHooks:
+    """Fetch/release hooks on every module that owns parameters, plus the external-use mode."""
+
+    def __init__(self, module: nn.Module, fetcher: Fetcher):
+        self.fetcher = fetcher
+        self.units: dict[nn.Module, list[ShardedParam]] = {}
+        self.names: dict[nn.Module, str] = {}
+        self.frames: list[list[ShardedParam]] = []  # externals fetched while each running module runs
+        self.running: list[set[int]] = []  # ids of the parameters of each running module
+        self.enabled = True
+        self.internal = False  # our own tensor work inside hooks is not an external use
+        self.handles = []
+        for name, m in module.named_modules():
+            unit = [sp for p in m._parameters.values() if p is not None and (sp := lookup(p)) is not None]
+            if not unit:
+                continue
+            self.units[m] = unit
+            self.names[m] = name or "<root>"
+            self.handles.append(m.register_forward_pre_hook(self._pre_forward))
+            self.handles.append(m.register_forward_hook(self._post_forward))
+
+    def _pre_forward(self, m: nn.Module, args) -> None:
+        if not self.enabled:
+            return
+        with self._own_work():
+            self.fetcher.fetch(self.units[m], self.names[m])
+        self.frames.append([])
+        self.running.append({id(sp) for sp in self.units[m]})
+
+    def _post_forward(self, m: nn.Module, args, out) -> None:
+        if not self.enabled:
+            return
+        externals = self.frames.pop() if self.frames else []
+        if self.running:
+            self.running.pop()
+        unit = self.units[m]
+        with self._own_work():
+            self.fetcher.release(unit + externals)
+        if torch.is_grad_enabled():
+            self._fetch_before_backward(out, unit, self.names[m] + " (backward)")
+
+    def _fetch_before_backward(self, out: Any, unit: list[ShardedParam], tag: str) -> None:
+        done = []
+
+        def fetch(grad):
+            if not done:
+                done.append(True)
+                self.fetcher.fetch(unit, tag)
+            return None
+
+        for t in _tensors(out):
+            t.register_hook(fetch)
+
+    @contextlib.contextmanager
+    def _own_work(self):
+        previous, self.internal = self.internal, True
+        try:
+            yield
+        finally:
+            self.internal = previous
+
+    def is_external(self, sp: ShardedParam) -> bool:
+        """True when no running module owns ``sp`` (so no module hook covers its backward)."""
+        return not any(id(sp) in ids for ids in self.running)
+
+    def external_use(self, params: list[ShardedParam], func, args, kwargs):
+        """Run ``func`` that reads sharded parameters outside their module's forward."""
+        tag = "external " + ",".join(sp.name for sp in params)
+        with self._own_work():
+            self.fetcher.fetch(params, tag)
+        out = func(*args, **kwargs)
+        if self.frames:
+            self.frames[-1].extend(params)
+        else:
+            with self._own_work():
+                self.fetcher.release(params)
+        if torch.is_grad_enabled():
+            self._fetch_before_backward(out, params, tag + " (backward)")
+        return out
+
+    def mode(self) -> "ExternalParamMode":
+        return ExternalParamMode(self)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+class ExternalParamMode(TorchFunctionMode):
+    """Gathers sharded parameters that an op receives while they are not gathered."""
+
+    def __init__(self, hooks: ModuleHooks):
+        super().__init__()
+        self.hooks = hooks
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.hooks.enabled and not self.hooks.internal:
+            # Every external use is fetched (a no-op when gathered) and hooked for backward, gathered or
+            # not: backward may reach this op after the parameter was released again.
+            found = []
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, nn.Parameter):
+                    sp = lookup(a)
+                    if sp is not None and sp not in found and self.hooks.is_external(sp):
+                        found.append(sp)
+            if found:
+                return self.hooks.external_use(found, func, args, kwargs)
+        return func(*args, **kwargs)

@@ -1,0 +1,132 @@
+"""The stage-3 optimizer: parameters sharded too, gathered by module hooks.
+
+The boundary step is ``ZeroOptimizer.step`` unchanged; what stage 3 adds is
+who holds the parameters (``ShardedParam``), how gradients reach the shards
+(``Stage3Gradients``), and the hooks and fetcher that make parameters whole
+only while a module runs.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..offload import make_placement
+from ..optimizer import ZeroOptimizer
+from .fetcher import Fetcher
+from .grads import Stage3Gradients
+from .group import ShardedParamGroup
+from .hooks import ModuleHooks
+from .param import ParamState, ShardedParam, lookup, register
+
+
+class Stage3Optimizer(ZeroOptimizer):
+    """ZeroOptimizer over stage-3 groups, with the hooks that gather parameters on demand."""
+
+    def __init__(self, module: nn.Module, zero_cfg, named_groups: Sequence, make_optimizer: Callable, scaler,
+                 clip: float, dtype: torch.dtype, device: torch.device, rank: int, world: int, comm_group=None):
+        placement = make_placement(zero_cfg.offload_optimizer)
+        self.module = module
+        self.fetcher = Fetcher(zero_cfg, world, rank, comm_group)
+        self.all_sharded: list[ShardedParam] = []
+        for name, p in module.named_parameters():
+            sp = lookup(p)
+            if sp is None:
+                sp = ShardedParam(name, p, world, rank)
+                register(sp)
+            sp.name = name
+            sp.owner = self
+            sp.persistent = p.numel() <= zero_cfg.stage3_param_persistence_threshold
+            self.all_sharded.append(sp)
+        groups = [ShardedParamGroup([lookup(p) for _, p in named], hyper, dtype, device, self.fetcher.gather_now)
+                  for named, hyper in named_groups]
+        in_groups = {id(sp) for g in groups for sp in g.sharded}
+        self.frozen = ShardedParamGroup([sp for sp in self.all_sharded if id(sp) not in in_groups], {}, dtype, device,
+                                        self.fetcher.gather_now)
+        for sp in self.all_sharded:
+            if not sp.persistent and sp.state is ParamState.GATHERED:
+                sp.free()
+        grads = Stage3Gradients(groups, zero_cfg.reduce_bucket_size, world, rank, placement,
+                                lambda sp: self.fetcher.release([sp], force=True), comm_group)
+        super().__init__(groups, grads, placement, lambda g: make_optimizer(g, placement.cpu_optimizer), scaler,
+                         clip, zero_cfg.allgather_bucket_size, world, rank, comm_group)
+        self.hooks = ModuleHooks(module, self.fetcher)
+
+    # -- forward and backward -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def forward_context(self):
+        self.fetcher.begin_step(torch.is_grad_enabled() and self.module.training)
+        with self.hooks.mode():
+            yield
+
+    def end_backward(self) -> None:
+        super().end_backward()
+        self.release_all()
+        self.fetcher.end_step()
+
+    def release_all(self) -> None:
+        """Free every gathered parameter that is not persistent or held by a context."""
+        self.fetcher.release([sp for sp in self.all_sharded if sp.state is ParamState.GATHERED], force=True)
+
+    # -- full parameters on request -------------------------------------------------------------
+    def sync_masters(self) -> None:
+        """Copy the compute-dtype shards into separate fp32 masters (after shards were written)."""
+        with torch.no_grad():
+            for g, master in zip(self.groups, self.masters):
+                if master.data_ptr() != g.shard_flat.data_ptr():
+                    master.copy_(g.shard_flat)
+
+    @contextlib.contextmanager
+    def full_params(self, params: Sequence[ShardedParam], modifier_rank=None, writeback: bool = False,
+                    rank0_only: bool = False, offload_to_cpu: bool = False):
+        """Gather ``params`` whole for the duration; see Engine.summon_full_params and zero.GatheredParameters."""
+        params = list(params)
+        self.fetcher.gather_now([sp for sp in params if sp.state is ParamState.GATHERED])
+        self.fetcher.fetch([sp for sp in params if sp.state is ParamState.SHARDED], "gathered parameters")
+        for sp in params:
+            sp.pinned = True
+        saved = {}
+        if offload_to_cpu or rank0_only:
+            for sp in params:
+                saved[id(sp)] = sp.param.data
+                keep = (not rank0_only) or self.rank == 0
+                sp.param.data = (sp.param.data.to("cpu", copy=True) if offload_to_cpu else sp.param.data) if keep \
+                    else torch.empty(0, dtype=sp.full.dtype, device=sp.full.device)
+        try:
+            yield
+        finally:
+            if saved:
+                for sp in params:
+                    view = saved[id(sp)]
+                    if writeback and (not rank0_only or self.rank == 0) and offload_to_cpu:
+                        view.copy_(sp.param.data)
+                    sp.param.data = view
+            if modifier_rank is not None:
+                for sp in params:
+                    dist.broadcast(sp.full, src=modifier_rank, group=self.comm_group)
+            if modifier_rank is not None or writeback:
+                if rank0_only and writeback and modifier_rank is None:
+                    for sp in params:
+                        dist.broadcast(sp.full, src=0, group=self.comm_group)
+                for sp in params:
+                    sp.write_back_full()
+                self.sync_masters()
+            for sp in params:
+                sp.pinned = False
+            self.fetcher.release(params, force=True)
+
+    def summon(self, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False,
+               with_grads: bool = False):
+        if with_grads:
+            raise NotImplementedError("summon_full_params(with_grads=True) is not available at stage 3 yet: "
+                                      "gradients exist only as shards; read them with with_grads=False")
+        return self.full_params(self.all_sharded, writeback=writeback, rank0_only=rank0_only,
+                                offload_to_cpu=offload_to_cpu)
+
+    def memory_tensors(self):
+        kinds = super().memory_tensors()
+        kinds["parameters"] = kinds["parameters"] + self.frozen.tensors()
+        return kinds

@@ -1,0 +1,105 @@
+"""One stage-3 parameter: its shard, its full storage, and whether it is gathered.
+
+Each parameter is split into ``world`` equal chunks of its flattened
+elements (the last padded); rank r keeps chunk r. When gathered, the
+parameter's ``.data`` is a view into a full buffer ``[world * chunk]``. On
+release the storage is freed (resized to 0) and the parameter shows an
+empty tensor; the next fetch re-allocates it and points the parameter back,
+before any backward that saved the parameter runs.
+Writes into the full buffer go through the buffer, never through the
+parameter, so they do not bump the parameter's version counter.
+
+Which parameters are sharded is kept in a table of ours (``registry``), not
+in attributes on ``nn.Parameter``.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+class ParamState(enum.Enum):
+    SHARDED = "sharded"    # only this rank's chunk exists; the full storage is freed
+    GATHERED = "gathered"  # the full parameter is in memory
+
+
+class ShardedParam:
+    """A parameter sharded across the data-parallel ranks."""
+
+    def __init__(self, name: str, param: nn.Parameter, world: int, rank: int):
+        self.name = name
+        self._param = weakref.ref(param)
+        self.shape = tuple(param.shape)
+        self.numel = param.numel()
+        self.world, self.rank = world, rank
+        self.chunk = max(1, math.ceil(self.numel / world))
+        self.valid = max(0, min(self.chunk, self.numel - rank * self.chunk))  # real elements in my chunk
+        self.shard: Optional[torch.Tensor] = None  # [chunk] compute dtype, a view into its group's shard buffer
+        self.full = torch.empty(world * self.chunk, dtype=param.dtype, device=param.device)  # [world*chunk]
+        self.state = ParamState.GATHERED
+        self.holders = 0        # forward-time fetches not yet released
+        self.persistent = False  # small parameters stay gathered (stage3_param_persistence_threshold)
+        self.pinned = False      # held gathered by summon_full_params / GatheredParameters
+        with torch.no_grad():
+            self.full.narrow(0, 0, self.numel).copy_(param.detach().reshape(-1))
+            self.full.narrow(0, self.numel, self.full.numel() - self.numel).zero_()
+        self._empty = torch.empty(0, dtype=param.dtype, device=param.device)  # what a released parameter shows
+        param.data = self._view()
+
+    def _view(self) -> torch.Tensor:
+        return self.full.narrow(0, 0, self.numel).view(self.shape)
+
+    @property
+    def param(self) -> nn.Parameter:
+        return self._param()
+
+    @property
+    def full_nbytes(self) -> int:
+        return self.full.numel() * self.full.element_size()
+
+    def attach_shard(self, shard: torch.Tensor) -> None:
+        """Point at this rank's chunk inside a group buffer and fill it from the full data."""
+        self.shard = shard
+        with torch.no_grad():
+            shard.copy_(self.full.narrow(0, self.rank * self.chunk, self.chunk))
+
+    def allocate(self) -> torch.Tensor:
+        """Re-allocate the full storage (contents undefined) and return the [world, chunk] view to fill."""
+        storage = self.full.untyped_storage()
+        if storage.nbytes() != self.full_nbytes:
+            storage.resize_(self.full_nbytes)
+            self.param.data = self._view()
+        return self.full.view(self.world, self.chunk)
+
+    def free(self) -> None:
+        """Drop the full storage; the parameter shows an empty tensor (as under DeepSpeed) until fetched."""
+        self.param.data = self._empty
+        self.full.untyped_storage().resize_(0)
+        self.state = ParamState.SHARDED
+        self.holders = 0
+
+    def write_back_full(self) -> None:
+        """Copy this rank's chunk of the (modified) full data into the shard."""
+        with torch.no_grad():
+            self.shard.copy_(self.full.narrow(0, self.rank * self.chunk, self.chunk))
+
+
+# Sharded parameters by id(parameter): consulted by the hooks and zero.GatheredParameters. An entry
+# goes away with its parameter (ShardedParam holds the parameter weakly).
+registry: dict[int, ShardedParam] = {}
+
+
+def register(sp: ShardedParam) -> None:
+    registry[id(sp.param)] = sp
+    weakref.finalize(sp.param, registry.pop, id(sp.param), None)
+
+
+def lookup(t) -> Optional[ShardedParam]:
+    """The ShardedParam of a parameter, or None."""
+    sp = registry.get(id(t))
+    return sp if sp is not None and sp.param is t else None
