@@ -3,7 +3,40 @@
 Compiled kernels in ``csrc/`` are built just in time on first use; set
 ``ZENGINE_BUILD_OPS=1`` to build them ahead of time at install.
 """
+import importlib.util
+import os
+import sys
+
 from setuptools import find_packages, setup
+
+
+def compiled_ops():
+    """(ext_modules, cmdclass): the ops declared in zengine/ops/ops.py when ZENGINE_BUILD_OPS=1,
+    else nothing (they are then built just in time on first use). The build needs the installed
+    torch: ``ZENGINE_BUILD_OPS=1 pip install --no-build-isolation .``"""
+    if os.environ.get("ZENGINE_BUILD_OPS", "0") in ("", "0"):
+        return [], {}
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    # ops.py imports only the standard library; load it without importing the zengine package.
+    spec = importlib.util.spec_from_file_location("zengine_op_specs", os.path.join("zengine", "ops", "ops.py"))
+    specs = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = specs  # dataclasses look their module up there
+    spec.loader.exec_module(specs)
+    extensions = [
+        CppExtension(
+            name=op.prebuilt_module,
+            sources=[os.path.join("csrc", source) for source in op.sources],
+            include_dirs=[os.path.abspath(os.path.join("csrc", folder)) for folder in op.include_dirs],
+            extra_compile_args=list(op.cflags),
+            extra_link_args=list(op.ldflags),
+        )
+        for op in specs.ALL_OPS
+    ]
+    return extensions, {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = compiled_ops()
 
 setup(
     name="zengine",
@@ -24,6 +57,9 @@ setup(
     entry_points={
         "console_scripts": [
             "zengine=zengine.launcher.runner:main",
+            "zengine-report=zengine.ops.report:main",
         ]
     },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
 )

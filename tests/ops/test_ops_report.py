@@ -1,0 +1,23 @@
+"""zengine-report: versions, CPU features and every op's status."""
+from __future__ import annotations
+
+from zengine.ops import ALL_OPS
+from zengine.ops.report import collect, main
+
+
+def test_report_lists_every_op(capsys):
+    assert main([]) == 0
+    text = capsys.readouterr().out
+    for key in ("torch", "compiler", "ninja", "cpu_features"):
+        assert key in text
+    for spec in ALL_OPS:
+        assert spec.name in text
+
+
+def test_collect_states(monkeypatch):
+    monkeypatch.setenv("ZENGINE_DISABLE_OPS", "unscale_norm")
+    report = collect()
+    states = {name: state for name, (state, _, _) in report["ops"].items()}
+    assert set(states) == {spec.name for spec in ALL_OPS}
+    assert states["unscale_norm"] in ("disabled", "built", "prebuilt")  # already loaded ones stay loaded
+    assert all(s in ("prebuilt", "built", "can be built", "disabled", "unavailable") for s in states.values())
