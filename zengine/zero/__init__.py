@@ -1,4 +1,6 @@
-"""ZeRO stages: shard arithmetic, flat groups, gradient stores and the stage optimizer."""
+"""ZeRO stages: shard arithmetic, flat groups, gradient stores, the stage optimizers, and the
+stage-3 helpers of the public API (``zengine.zero.Init``, ``zengine.zero.GatheredParameters``)."""
+from .init import GatheredParameters, Init
 from .stages import build_zero_optimizer
 
-__all__ = ["build_zero_optimizer"]
+__all__ = ["GatheredParameters", "Init", "build_zero_optimizer"]

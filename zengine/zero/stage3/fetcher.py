@@ -192,13 +192,18 @@ class Fetcher:
             pos += 1
 
     def _reused_soon(self, sp: ShardedParam) -> bool:
-        """True when the trace fetches ``sp`` again within max_reuse_distance elements and the live limit allows."""
+        """True when the trace fetches ``sp`` again within max_reuse_distance elements, and keeping it
+        still leaves room under max_live_parameters for the next unit to be fetched."""
         if not self._following or self.max_reuse <= 0:
             return False
+        upcoming = self.trace[self._pos:]
+        next_size = sum(p.full.numel() for p in upcoming[0][1] if p.state is ParamState.SHARDED) if upcoming else 0
+        if self.live_numel + self._pending_numel() + next_size > self.max_live:
+            return False
         distance = 0
-        for _, params in self.trace[self._pos:]:
+        for _, params in upcoming:
             if any(p is sp for p in params):
-                return self.live_numel <= self.max_live and distance <= self.max_reuse
+                return distance <= self.max_reuse
             distance += sum(p.numel for p in params)
             if distance > self.max_reuse:
                 return False

@@ -27,7 +27,7 @@ class ShardedParamGroup:
         for sp in self.sharded:
             self.offsets.append(offset)
             offset += sp.chunk
-        self.shard_numel = max(offset, 1)
+        self.shard_numel = offset
         self.shard_flat = torch.zeros(self.shard_numel, dtype=dtype, device=device)  # [sum of chunks] compute dtype
         for sp, off in zip(self.sharded, self.offsets):
             sp.attach_shard(self.shard_flat.narrow(0, off, sp.chunk))

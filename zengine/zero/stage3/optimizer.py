@@ -39,6 +39,8 @@ class Stage3Optimizer(ZeroOptimizer):
                 register(sp)
             sp.name = name
             sp.owner = self
+            if sp.state is ParamState.SHARDED:  # partitioned by zero.Init: gather in the compute dtype
+                sp.retype(dtype, device)
             sp.persistent = p.numel() <= zero_cfg.stage3_param_persistence_threshold
             self.all_sharded.append(sp)
         groups = [ShardedParamGroup([lookup(p) for _, p in named], hyper, dtype, device, self.fetcher.gather_now)

@@ -63,10 +63,24 @@ class ShardedParam:
         return self.full.numel() * self.full.element_size()
 
     def attach_shard(self, shard: torch.Tensor) -> None:
-        """Point at this rank's chunk inside a group buffer and fill it from the full data."""
-        self.shard = shard
+        """Point at this rank's chunk inside a group buffer and fill it (from the full data, or from the
+        chunk it held before when it was already sharded, e.g. by zero.Init)."""
         with torch.no_grad():
-            shard.copy_(self.full.narrow(0, self.rank * self.chunk, self.chunk))
+            if self.state is ParamState.SHARDED:
+                shard.copy_(self.shard)
+            else:
+                shard.copy_(self.full.narrow(0, self.rank * self.chunk, self.chunk))
+        self.shard = shard
+
+    def retype(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Gather into ``dtype`` on ``device`` from now on (a sharded parameter adopted by an engine)."""
+        if self.full.dtype == dtype and self.full.device == device:
+            return
+        assert self.state is ParamState.SHARDED, "retype a gathered parameter"
+        self.full = torch.empty(self.world * self.chunk, dtype=dtype, device=device)
+        self.full.untyped_storage().resize_(0)
+        self._empty = torch.empty(0, dtype=dtype, device=device)
+        self.param.data = self._empty
 
     def allocate(self) -> torch.Tensor:
         """Re-allocate the full storage (contents undefined) and return the [world, chunk] view to fill."""

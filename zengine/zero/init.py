@@ -1,0 +1,123 @@
+"""``zero.Init`` and ``zero.GatheredParameters``: stage-3 parameters outside the engine's hooks.
+
+``Init`` partitions each module's parameters as soon as the module's
+constructor returns, so that a model is never whole on any rank: building
+it holds about one layer in full plus the shards. Parameters are broadcast
+from rank 0 before they are cut, so every rank's shards agree.
+
+``GatheredParameters`` gathers given parameters for a block of code; with
+``modifier_rank=r`` what rank r wrote is copied into every rank's shard (and
+the engine's fp32 masters) on exit. Outside stage 3 it does nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .stage3.fetcher import Fetcher
+from .stage3.param import ParamState, ShardedParam, lookup, register
+
+
+def _subclasses(cls):
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo.extend(c.__subclasses__())
+    return out
+
+
+class Init:
+    """Context manager: modules built inside have their parameters partitioned as they are created."""
+
+    def __init__(self, config=None, enabled: bool = True, **_ignored):
+        self.enabled = enabled
+        self._patched: list = []
+        self._depth: dict[int, int] = {}
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        from ..distributed import init_distributed
+
+        init_distributed()
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        for cls in _subclasses(nn.Module):
+            if "__init__" in cls.__dict__:
+                original = cls.__dict__["__init__"]
+                self._patched.append((cls, original))
+                cls.__init__ = self._wrap(original)
+        return self
+
+    def __exit__(self, *exc):
+        for cls, original in reversed(self._patched):
+            cls.__init__ = original
+        self._patched = []
+        return False
+
+    def _wrap(self, original):
+        init = self
+
+        def __init__(module, *args, **kwargs):
+            key = id(module)
+            init._depth[key] = init._depth.get(key, 0) + 1
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                init._depth[key] -= 1
+            if init._depth[key] == 0:  # the outermost constructor of this object has returned
+                del init._depth[key]
+                init._partition(module)
+
+        __init__.__wrapped__ = original
+        return __init__
+
+    def _partition(self, module: nn.Module) -> None:
+        for name, p in module._parameters.items():
+            if p is None or lookup(p) is not None:
+                continue
+            with torch.no_grad():
+                dist.broadcast(p.data, src=0)
+            sp = ShardedParam(name, p, self.world, self.rank)
+            register(sp)
+            sp.attach_shard(torch.empty(sp.chunk, dtype=p.dtype, device=p.device))  # [chunk]
+            sp.free()
+
+
+def _standalone_fetcher() -> Fetcher:
+    cfg = SimpleNamespace(stage3_prefetch_bucket_size=0, stage3_max_live_parameters=10**18,
+                          stage3_max_reuse_distance=0, stage3_debug_fetch_order=False)
+    return Fetcher(cfg, dist.get_world_size(), dist.get_rank())
+
+
+@contextlib.contextmanager
+def GatheredParameters(params, modifier_rank: Optional[int] = None, enabled: bool = True):
+    """Gather ``params`` (a parameter or an iterable of them) in full for the block; see the module doc."""
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    sharded = [sp for sp in (lookup(p) for p in params) if sp is not None]
+    if not enabled or not sharded:
+        yield
+        return
+    owner = getattr(sharded[0], "owner", None)
+    if owner is not None:
+        with owner.full_params(sharded, modifier_rank=modifier_rank):
+            yield
+        return
+    fetcher = _standalone_fetcher()  # parameters partitioned by Init, not yet in an engine
+    todo = [sp for sp in sharded if sp.state is ParamState.SHARDED]
+    fetcher.fetch(todo, "GatheredParameters")
+    try:
+        yield
+    finally:
+        if modifier_rank is not None:
+            for sp in todo:
+                dist.broadcast(sp.full, src=modifier_rank)
+                sp.write_back_full()
+        for sp in todo:
+            sp.free()
