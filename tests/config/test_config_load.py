@@ -87,7 +87,7 @@ def test_shipped_stage_configs(name):
     cfg = load_config(REPO / "configs" / name, 2)
     assert cfg.zero_optimization.stage == int(name[4])
     assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (16, 1)
-    assert cfg.zero_optimization.reduce_bucket_size == 50_000_000
+    assert cfg.zero_optimization.reduce_bucket_size == 5_000_000  # ~DDP's 25 MB buckets: overlap on small models
     assert cfg.optimizer.type == "AdamW" and cfg.scheduler.type == "WarmupLR"
 
 

@@ -12,8 +12,8 @@ from models import EdgeNet, edge_param_groups, make_batches, micro_batch, refere
 STEPS, MICRO, LR, CLIP = 6, 2, 1e-2, 0.5
 # Against the fp32 reference: (max abs parameter error, error of the parameters' movement relative to
 # the reference's movement, relative loss error). 16-bit runs differ from fp32 by their precision:
-# measured here at up to 9% of the movement for bf16 and 4% for fp16.
-TOLERANCE = {"fp32": (1e-5, 1e-5, 1e-5), "bf16": (None, 0.15, 1.5e-2), "fp16": (None, 0.06, 1.5e-2)}
+# measured here at up to 9% of the movement for bf16 and 4% for fp16, losses within 1.6% and 0.9%.
+TOLERANCE = {"fp32": (1e-5, 1e-5, 1e-5), "bf16": (None, 0.15, 3e-2), "fp16": (None, 0.06, 1.5e-2)}
 
 
 def engine_config(stage, precision, gas, world, offload=False):
