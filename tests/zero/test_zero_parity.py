@@ -45,6 +45,8 @@ def train(stage, precision, gas, offload=False, seed=0):
     batches = make_batches(STEPS, MICRO * gas * world)
     engine, *_ = zengine.initialize(model=model, config=engine_config(stage, precision, gas, world, offload),
                                     model_parameters=edge_param_groups(model, LR))
+    if offload:  # the offloaded step runs on the compiled CPUAdam (or its torch fallback, same class)
+        assert type(engine.optimizer.optimizer).__name__ == "CPUAdam"
     losses, norms = [], []
     for batch in batches:
         total = torch.zeros(())

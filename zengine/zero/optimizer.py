@@ -136,10 +136,15 @@ class ZeroOptimizer:
             sp.grad = grad
         unused = self._unused_ranges(stats[1:])
         saved = self._save(unused) if unused else None
-        self.optimizer.step()
+        copy_out = self._copy_out_targets() if not saved else {}
+        if copy_out:
+            # CPUAdam writes the updated master into the compute-dtype parameters in the same pass.
+            self.optimizer.step_with_copy(copy_out)
+        else:
+            self.optimizer.step()
         if saved:
             self._restore(saved)
-        self._write_back()
+        self._write_back(skip_copy=bool(copy_out))
         self.scaler.update(False)
         self.zero_grad()
         return True
@@ -170,10 +175,17 @@ class ZeroOptimizer:
                 t[lo:hi].copy_(c)
 
     # -- write-back and gather ------------------------------------------------------------------
-    def _write_back(self) -> None:
+    def _copy_out_targets(self) -> dict:
+        """Shard param -> compute-dtype parameter slice, where the optimizer can write it while stepping."""
+        if not hasattr(self.optimizer, "step_with_copy"):
+            return {}
+        return {sp: g.owned_params() for sp, g, m in zip(self.shard_params, self.groups, self.masters)
+                if m.data_ptr() != g.owned_params().data_ptr()}
+
+    def _write_back(self, skip_copy: bool = False) -> None:
         for g, master in zip(self.groups, self.masters):
             owned = g.owned_params()
-            if owned.data_ptr() != master.data_ptr():
+            if not skip_copy and owned.data_ptr() != master.data_ptr():
                 owned.copy_(master)
             g.publish(self.allgather_bucket_numel, self.comm_group)
 
