@@ -20,7 +20,7 @@ def run(stage):
     init = copy.deepcopy(model)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
            "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 300}}
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0}}
     engine, *_ = zengine.initialize(model=model, config=cfg, model_parameters=edge_param_groups(model, LR))
     calls = []
     for name in ("all_reduce_sum", "reduce_sum_to", "broadcast"):
@@ -31,7 +31,9 @@ def run(stage):
         with engine.no_sync():
             x, y = micro_batch(batch, rank, world, 2, 0)
             engine.backward(engine(x, y))
-        assert calls == [], f"communication inside no_sync: {calls}"
+        # no gradient communication; stage 3 still gathers parameters (broadcasts on gloo) to compute
+        grad_calls = [c for c in calls if c != "broadcast" or stage < 3]
+        assert grad_calls == [], f"communication inside no_sync: {grad_calls}"
         engine.step()
         x, y = micro_batch(batch, rank, world, 2, 1)
         engine.backward(engine(x, y))
@@ -41,10 +43,11 @@ def run(stage):
         with engine.no_sync():
             engine.step()
     _, ref = reference_run(init, batches, LR, clip=0.0)
-    worst = max((p.detach() - ref[n]).abs().max().item() for n, p in engine.module.named_parameters())
+    with engine.summon_full_params(writeback=False):
+        worst = max((p.detach() - ref[n]).abs().max().item() for n, p in engine.module.named_parameters())
     assert worst < 1e-5, worst
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_no_sync_accumulates_locally(stage):
     spawn(run, 3, stage)

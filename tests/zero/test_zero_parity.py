@@ -100,7 +100,8 @@ def test_parity_matrix(world):
     spawn(parity_matrix, world, cases)
 
 
-OFFLOAD_CASES = [(1, "fp32", 1, True), (1, "bf16", 3, True), (2, "fp32", 3, True), (2, "bf16", 1, True)]
+OFFLOAD_CASES = [(1, "fp32", 1, True), (1, "bf16", 3, True), (2, "fp32", 3, True), (2, "bf16", 1, True),
+                 (3, "fp32", 1, True), (3, "bf16", 3, True)]
 
 
 @pytest.mark.parametrize("world", [2, 3])
