@@ -16,7 +16,8 @@ def measure(stage, precision):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(a, b, bias=False) for a, b in SHAPES])
     cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 4000}, "bf16": {"enabled": precision == "bf16"}}
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 4000,
+                                                  "stage3_param_persistence_threshold": 0}, "bf16": {"enabled": precision == "bf16"}}
     engine, *_ = zengine.initialize(model=model, config=cfg)
     engine.backward(engine(torch.ones(4, 64)).float().pow(2).mean())
     engine.step()
@@ -29,6 +30,12 @@ def measure(stage, precision):
 
 
 def expected(stage, precision, world):
+    half = 2 if precision == "bf16" else 4
+    if stage == 3:  # every parameter split in world chunks: 16 bytes per element of this rank's chunks
+        owned = sum(-(-a * b // world) for a, b in SHAPES)
+        return {"parameters": half * owned, "gradients": half * owned,
+                "master_weights": 4 * owned if precision == "bf16" else 0, "optimizer_states": 8 * owned,
+                "buffers": 0}
     shards = 1 if stage == 0 else world
     n = padded_size(PSI, shards)
     half = 2 if precision == "bf16" else 4
@@ -48,7 +55,7 @@ def all_cases(cases):
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_bytes_per_rank_match_zero_formulas(world):
-    cases = [(s, p) for s in (0, 1, 2) for p in ("fp32", "bf16")]
+    cases = [(s, p) for s in (0, 1, 2, 3) for p in ("fp32", "bf16")]
     results = spawn(all_cases, world, cases)
     for rank_results in results:
         for (stage, precision), held in zip(cases, rank_results):
@@ -59,3 +66,4 @@ def test_bytes_per_rank_match_zero_formulas(world):
     assert fp32[0] == pytest.approx(16 * n, rel=world / n + 1e-3)
     assert fp32[1] == pytest.approx((8 + 8 / world) * n, rel=2 * world / n + 1e-3)
     assert fp32[2] == pytest.approx((4 + 12 / world) * n, rel=2 * world / n + 1e-3)
+    assert fp32[3] == pytest.approx(16 / world * n, rel=2 * world / n + 1e-3)
