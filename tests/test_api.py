@@ -65,3 +65,14 @@ def test_deepspeed_training_loop_runs_unchanged():
     results = spawn(deepspeed_style_loop, 2, "configs/zero2.json")
     (losses, lr), _ = results
     assert len(losses) == 4 and lr[0] > 0
+
+
+def test_unimplemented_offloads_are_refused_by_name():
+    model = nn.Linear(3, 3)
+    for section, key in (("offload_param", "offload_param"), ("offload_optimizer", "nvme")):
+        cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {}},
+               "zero_optimization": {"stage": 3, section: {"device": "nvme" if key == "nvme" else "cpu",
+                                                           "nvme_path": "/tmp"}}}
+        with pytest.raises(ConfigError, match=key):
+            zengine.initialize(model=model, config=cfg)
+    assert not dist.is_initialized()

@@ -32,6 +32,21 @@ def _config_source(config, config_params, args) -> Any:
     return source
 
 
+def _refuse_unimplemented(cfg) -> None:
+    """Valid DeepSpeed settings whose feature zengine does not have yet: refused before any work."""
+    from .config import ConfigError
+
+    zero = cfg.zero_optimization
+    problems = []
+    if zero.offload_param is not None and zero.offload_param.device != "none":
+        problems.append("zero_optimization.offload_param.device: parameter offload is not implemented yet; "
+                        "remove offload_param (optimizer offload to cpu is available)")
+    if zero.offload_optimizer is not None and zero.offload_optimizer.device == "nvme":
+        problems.append("zero_optimization.offload_optimizer.device: 'nvme' is not implemented yet; use 'cpu'")
+    if problems:
+        raise ConfigError("zengine config asks for features this version lacks:\n" + "\n".join(problems))
+
+
 def initialize(model: nn.Module, config: Any = None, model_parameters: Optional[Iterable] = None,
                optimizer: Any = None, lr_scheduler: Any = None, training_data: Optional[torch.utils.data.Dataset] = None,
                args: Any = None, dist_init_required: Optional[bool] = None, config_params: Any = None,
@@ -54,6 +69,7 @@ def initialize(model: nn.Module, config: Any = None, model_parameters: Optional[
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else int(
         os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))))
     cfg = load_config(source, world)
+    _refuse_unimplemented(cfg)
     if dist_init_required is not False:
         init_distributed()
     placement = Placement.current()

@@ -1,0 +1,129 @@
+"""``meta.json``: what a checkpoint holds, described without any layout.
+
+Written by rank 0 last, after every rank's file is on disk, so a checkpoint
+directory with a valid ``meta.json`` is complete. It names every parameter
+(shape, dtype, whether it was trained, and so has an fp32 master) and every
+buffer, lists the model's ``state_dict`` keys (tied parameters point at one
+source), records the engine's counters, the size and header checksum of each
+file, and the piece index: for each parameter, which rank file holds which
+elements. A loader reads it first and opens only the files it needs.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..zero.stage3.param import lookup
+from .tensorfile import CheckpointFileError, FileInfo
+
+FORMAT = "zengine-checkpoint"
+VERSION = 1
+META = "meta.json"
+STATE = "state.pt"  # rank 0: optimizer hyper-parameters and scalars, scheduler, scaler, RNG, client_state
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint was saved from a model with other parameter names or shapes."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def describe_model(module: nn.Module, trained_names: set[str]) -> dict[str, Any]:
+    """Parameters (name -> shape, dtype, trained), persistent buffers, and the state_dict keys in order.
+
+    Stage-3 parameters show an empty tensor when released: their shape and dtype come from their ShardedParam.
+    """
+    params = {}
+    for name, p in module.named_parameters():
+        sp = lookup(p)
+        shape, dtype = (sp.shape, sp.full.dtype) if sp is not None else (tuple(p.shape), p.dtype)
+        params[name] = {"shape": list(shape), "dtype": dtype_name(dtype), "trained": name in trained_names}
+    param_names = {id(p): n for n, p in module.named_parameters()}
+    buffer_names = {id(b): n for n, b in module.named_buffers()}
+    buffers, keys = {}, []
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        pre = f"{prefix}." if prefix else ""
+        for n, p in m._parameters.items():
+            if p is not None:
+                keys.append([pre + n, "param", param_names[id(p)]])
+        for n, b in m._buffers.items():
+            if b is not None and n not in m._non_persistent_buffers_set:
+                source = buffer_names[id(b)]
+                buffers[source] = {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
+                keys.append([pre + n, "buffer", source])
+    return {"params": params, "buffers": buffers, "state_dict": keys}
+
+
+def check_same_model(meta: dict[str, Any], model: dict[str, Any], where: str) -> None:
+    """Raise CheckpointMismatchError listing every parameter or buffer that is missing, extra, or reshaped."""
+    problems = []
+    for kind in ("params", "buffers"):
+        saved, ours = meta[kind], model[kind]
+        label = "parameter" if kind == "params" else "buffer"
+        missing = [n for n in ours if n not in saved]
+        extra = [n for n in saved if n not in ours]
+        if missing:
+            problems.append(f"{label}s of the model missing from the checkpoint: {', '.join(missing)}")
+        if extra:
+            problems.append(f"{label}s in the checkpoint that the model does not have: {', '.join(extra)}")
+        for n in ours:
+            if n in saved and list(saved[n]["shape"]) != list(ours[n]["shape"]):
+                problems.append(f"{label} {n}: shape {tuple(saved[n]['shape'])} in the checkpoint, "
+                                f"{tuple(ours[n]['shape'])} in the model")
+    if problems:
+        raise CheckpointMismatchError(f"checkpoint {where} was saved from a different model:\n  "
+                                      + "\n  ".join(problems))
+
+
+def file_info(meta: dict[str, Any], name: str) -> FileInfo:
+    entry = meta["files"][name]
+    return FileInfo(entry["size"], entry["crc"])
+
+
+def write_meta(directory: str, meta: dict[str, Any]) -> None:
+    path = os.path.join(directory, META)
+    with open(path, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_meta(directory: str) -> dict[str, Any]:
+    """The checkpoint's meta.json; CheckpointFileError naming it when it is missing or unreadable."""
+    path = os.path.join(directory, META)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointFileError(f"checkpoint file {path} is missing or corrupt ({e}): the save that wrote "
+                                  f"{directory} did not finish, or the directory is not a zengine checkpoint") from e
+    if meta.get("format") != FORMAT or meta.get("version", 0) > VERSION:
+        raise CheckpointFileError(f"checkpoint file {path}: not a zengine checkpoint of version <= {VERSION}")
+    return meta
+
+
+def check_files(directory: str, meta: dict[str, Any]) -> None:
+    """Every file the checkpoint lists exists with its recorded size (cheap: no data is read)."""
+    for name, entry in meta["files"].items():
+        path = os.path.join(directory, name)
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            raise CheckpointFileError(f"checkpoint file {path} is missing") from None
+        if size != entry["size"]:
+            raise CheckpointFileError(f"checkpoint file {path} is {size} bytes but was written with "
+                                      f"{entry['size']}: it is truncated or was modified")
