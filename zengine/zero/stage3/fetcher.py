@@ -31,6 +31,7 @@ from ... import comm
 from .param import ParamState, ShardedParam
 
 logger = logging.getLogger("zengine")
+_LABEL_BYTES = 1024
 
 
 class FetchOrderError(RuntimeError):
@@ -217,8 +218,13 @@ class Fetcher:
         everyone = [torch.zeros_like(digest) for _ in range(self.world)]
         dist.all_gather(everyone, digest, group=self.comm_group)
         if any(int(d) != int(digest) for d in everyone):
-            labels: list = [None] * self.world
-            dist.all_gather_object(labels, label, group=self.comm_group)
+            # Exchange the labels as fixed-size byte tensors (all_gather_object would need numpy).
+            raw = label.encode()[:_LABEL_BYTES]
+            mine = torch.zeros(_LABEL_BYTES, dtype=torch.uint8)
+            mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+            gathered = [torch.zeros_like(mine) for _ in range(self.world)]
+            dist.all_gather(gathered, mine, group=self.comm_group)
+            labels = [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in gathered]
             lines = "\n".join(f"  rank {r}: {lab}" for r, lab in enumerate(labels))
             raise FetchOrderError(f"stage 3: ranks diverged at parameter fetch {self._seq}; each rank was about "
                                   f"to gather:\n{lines}\nThe ranks ran different modules (data-dependent control "
