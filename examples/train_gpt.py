@@ -59,9 +59,12 @@ def load_config(args: argparse.Namespace):
 def gather_memory(engine) -> list[dict]:
     """Every rank's model-state bytes by kind and its resident set size (a collective)."""
     mine = dict(engine.memory_breakdown(), rss=psutil.Process().memory_info().rss)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    keys = sorted(mine)
+    # A tensor all-gather rather than all_gather_object, which needs numpy (not a dependency).
+    local = torch.tensor([float(mine[k]) for k in keys], dtype=torch.float64)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return [{k: int(v) for k, v in zip(keys, t.tolist())} for t in gathered]
 
 
 def mean_over_ranks(total: torch.Tensor, count: int) -> float:
