@@ -23,6 +23,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from . import checkpoint
 from .config import ZengineConfig, format_config
 from .distributed import Placement
 from .log import setup_logging
@@ -177,6 +178,24 @@ class Engine(nn.Module):
             logger.info("step=%d lr=%s loss_scale=%g grad_norm=%.4g steps/s=%.3f skipped=%s", self.global_steps,
                         [round(lr, 8) for lr in self.get_lr()], self.loss_scale,
                         self.get_global_grad_norm() or 0.0, rate, not self._step_applied)
+
+    # -- checkpoints (zengine/checkpoint/) ------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                        save_latest: bool = True) -> bool:
+        """Collective: write a sharded checkpoint to ``save_dir/tag`` (default tag ``global_step<N>``)
+        atomically, then record ``tag`` in ``save_dir/latest``. Every rank writes only what it holds."""
+        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """Collective: load ``load_dir/tag`` (default: ``latest``), saved by any world size and stage.
+        Returns ``(path, client_state)``, or ``(None, None)`` with a warning when there is none."""
+        return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                          load_module_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Collective: rank 0 writes the full model's state_dict in the compute dtype, module by module."""
+        return checkpoint.save_16bit_model(self, save_dir, save_filename)
 
     # -- accounting -----------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:

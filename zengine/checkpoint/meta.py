@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..zero.stage3.param import lookup
-from .tensorfile import CheckpointFileError, FileInfo
+from .errors import CheckpointFileError, CheckpointMismatchError
+from .tensorfile import FileInfo
 
 FORMAT = "zengine-checkpoint"
 VERSION = 1
@@ -28,10 +29,6 @@ STATE = "state.pt"  # rank 0: optimizer hyper-parameters and scalars, scheduler,
 
 def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
-
-
-class CheckpointMismatchError(ValueError):
-    """The checkpoint was saved from a model with other parameter names or shapes."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

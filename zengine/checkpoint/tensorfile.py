@@ -16,6 +16,7 @@ no more than one chunk beyond the tensor it fills, and nothing stays mapped.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
+
+from .errors import CheckpointFileError
 
 BLOCK = 4 << 20   # bytes covered by one checksum
 CHUNK = 16 << 20  # bytes moved per read or write call (a multiple of BLOCK)
@@ -36,10 +39,6 @@ DTYPES = {
 }
 DTYPE_OF = {name: dtype for dtype, name in DTYPES.items()}
 _CRC_KEY, _USER_KEY = "zengine.crc32", "zengine.meta"
-
-
-class CheckpointFileError(RuntimeError):
-    """A checkpoint file is missing, truncated or corrupt; the message names the file."""
 
 
 @dataclass(frozen=True)
@@ -73,16 +72,24 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous uint8 CPU tensor, without a copy. Not ``Tensor.numpy()``: that marks the
+    storage as not resizable for good, and stage 3 resizes parameter storage to free it."""
+    return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
+
+
 class TensorFileWriter:
     """Writes the tensors of ``specs``, in that order, to ``path``; ``close()`` returns the FileInfo."""
 
-    def __init__(self, path: str, specs: Sequence[TensorSpec], metadata: Optional[dict[str, Any]] = None):
+    def __init__(self, path: str, specs: Sequence[TensorSpec], metadata: Optional[dict[str, Any]] = None,
+                 plain_metadata: Optional[dict[str, str]] = None):
         for spec in specs:
             if spec.dtype not in DTYPES:
                 raise TypeError(f"{path}: cannot store {spec.key} of dtype {spec.dtype}")
         self.path = path
         self.specs = list(specs)
         self.metadata = metadata or {}
+        self.plain_metadata = plain_metadata or {}  # string pairs for other readers ({"format": "pt"})
         self._next = 0
         self._crcs: dict[str, list[int]] = {}
         offsets, end = {}, 0
@@ -98,7 +105,8 @@ class TensorFileWriter:
     def _header(self) -> bytes:
         crcs = {s.key: ",".join(f"{c:08x}" for c in self._crcs.get(s.key, [0] * _blocks(s.nbytes)))
                 for s in self.specs}
-        body = {"__metadata__": {_CRC_KEY: json.dumps(crcs), _USER_KEY: json.dumps(self.metadata)}}
+        body = {"__metadata__": {**self.plain_metadata, _CRC_KEY: json.dumps(crcs),
+                                 _USER_KEY: json.dumps(self.metadata)}}
         for s in self.specs:
             body[s.key] = {"dtype": DTYPES[s.dtype], "shape": list(s.shape), "data_offsets": list(self._offsets[s.key])}
         raw = json.dumps(body, separators=(",", ":")).encode()
@@ -114,8 +122,8 @@ class TensorFileWriter:
         data = _as_bytes(tensor)
         crcs = []
         for lo in range(0, data.numel(), CHUNK):
-            chunk = data[lo:lo + CHUNK]
-            host = chunk.cpu().numpy() if chunk.device.type != "cpu" else chunk.numpy()
+            chunk = data[lo:lo + CHUNK].cpu()  # a view when on the host already
+            host = _host_bytes(chunk)
             write_bytes(self._file, host)
             crcs.extend(zlib.crc32(host[b:b + BLOCK]) for b in range(0, len(host), BLOCK))
         self._crcs[key] = crcs

@@ -59,7 +59,8 @@ class TorchFileWriter:
     def write(self, key: str, tensor: torch.Tensor) -> None:
         t = tensor.detach().contiguous().cpu()
         ref = _StorageRef(str(len(self._entries)), t.dtype, t.numel())
-        self._zip.write_record(f"data/{ref.key}", t.untyped_storage(), t.numel() * t.element_size())
+        # By address: the tensor may be a view into a larger storage (a flat parameter buffer).
+        self._zip.write_record(f"data/{ref.key}", t.data_ptr(), t.numel() * t.element_size())
         self._entries[key] = _TensorRef(ref, t.shape)
 
     def alias(self, key: str, other: str) -> None:

@@ -120,82 +120,59 @@ class FullGradients:
         return list(self.flat_grads)
 
 
-class ShardedGradients:
-    """Gradient shards, filled by reducing one bucket at a time during backward (stage 2)."""
+class ShardReducer:
+    """Shared machinery of the stores that keep only gradient shards (stages 2 and 3).
 
-    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, use_reduce: bool, placement, comm_group=None):
-        self.groups = groups
+    Subclasses say how a gradient is copied into its bucket buffer (``_copy_in``),
+    how a full bucket is reduced (``_reduce``, returning the pending works and
+    anything ``_accumulate`` needs) and how the rank's part is added into its
+    shard (``_accumulate``). Buckets launch in order, at most
+    ``MAX_BUCKETS_IN_FLIGHT`` at a time; every micro-step reduces (no full
+    gradient is kept) except under ``no_sync``, where autograd keeps
+    accumulating into ``.grad`` until the next synchronised backward.
+    """
+
+    def __init__(self, queues: list[_BucketQueue], shards: list[torch.Tensor], comm_group=None):
+        self.queues = queues
+        self.shards = shards  # [this rank's part] per group: compute dtype, or fp32 CPU when offloaded
         self.comm_group = comm_group
-        self.use_reduce = use_reduce  # reduce to owners (NCCL) rather than all-reduce then slice (gloo)
-        # [shard_numel] per group: compute dtype on the device, or fp32 in (pinned) CPU memory when the
-        # optimizer is offloaded, so that each reduced bucket lands in the CPU shard during backward.
-        dtype = torch.float32 if placement.cpu_optimizer else None
-        self.shards = [placement.empty(g.layout.shard_numel, dtype or g.flat.dtype, g.flat.device) for g in groups]
-        self.queues = [_BucketQueue(g, bucket_numel) for g in groups]
         self.buffers: dict[tuple[int, int], torch.Tensor] = {}
         self.copied: set[tuple[int, int]] = set()
         self.in_flight: deque = deque()
         self.sync = True
-        for g in groups:
-            for p in g.params:
-                p.grad = None
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
-        # Every micro-step reduces into the shards (no full gradient is kept), except under no_sync.
         self.sync = not no_sync
 
-    def _buffer(self, gi: int, bucket: Bucket) -> torch.Tensor:
-        key = (gi, bucket.index)
-        buf = self.buffers.get(key)
-        if buf is None:
-            buf = torch.zeros(bucket.numel, dtype=self.shards[gi].dtype, device=self.shards[gi].device)
-            self.buffers[key] = buf  # [bucket.numel] compute dtype
-        return buf
+    def _bucket_of(self, gi: int, pi: int) -> Bucket:
+        q = self.queues[gi]
+        return q.buckets[q.bucket_of[pi]]
 
-    def _copy_in(self, gi: int, pi: int) -> None:
-        g = self.groups[gi]
-        p, span = g.params[pi], g.layout.spans[pi]
-        bucket = self.queues[gi].buckets[self.queues[gi].bucket_of[pi]]
-        buf = self._buffer(gi, bucket)
-        buf.narrow(0, span.offset - bucket.start, span.numel).copy_(p.grad.reshape(-1))
-        p.grad = None
-        self.copied.add((gi, pi))
+    def _grad(self, gi: int, pi: int) -> Optional[torch.Tensor]:
+        raise NotImplementedError
 
     def on_grad(self, gi: int, pi: int) -> None:
         if not self.sync:
-            return  # no_sync: autograd keeps accumulating into .grad
+            return
         self._copy_in(gi, pi)
+        self.copied.add((gi, pi))
         for bucket in self.queues[gi].mark_ready(pi):
             self._launch(gi, bucket)
 
     def _launch(self, gi: int, bucket: Bucket) -> None:
-        g = self.groups[gi]
         for pi in bucket.params:  # gradients left from no_sync micro-steps and not produced again
-            if (gi, pi) not in self.copied and g.params[pi].grad is not None:
+            if (gi, pi) not in self.copied and self._grad(gi, pi) is not None:
                 self._copy_in(gi, pi)
         while len(self.in_flight) >= MAX_BUCKETS_IN_FLIGHT:
             self._complete(*self.in_flight.popleft())
-        buf = self._buffer(gi, bucket)
-        if self.use_reduce:
-            works = []
-            for owner, lo, hi in g.layout.owner_ranges((bucket.start, bucket.end)):
-                piece = buf[lo - bucket.start:hi - bucket.start]
-                works.append(comm.reduce_sum_to(piece, owner, self.comm_group, async_op=True))
-        else:
-            works = [comm.all_reduce_sum(buf, self.comm_group, async_op=True)]
-        self.in_flight.append((gi, bucket, works))
+        works, extra = self._reduce(gi, bucket, self._buffer(gi, bucket))
+        self.in_flight.append((gi, bucket, works, extra))
 
-    def _complete(self, gi: int, bucket: Bucket, works: list) -> None:
+    def _complete(self, gi: int, bucket: Bucket, works: list, extra) -> None:
         for w in works:
             if w is not None:
                 w.wait()
-        g = self.groups[gi]
-        buf = self.buffers.pop((gi, bucket.index))
-        lo0, hi0 = g.owned
-        piece = intersect((bucket.start, bucket.end), (lo0, hi0))
-        if piece:
-            lo, hi = piece
-            self.shards[gi][lo - lo0:hi - lo0].add_(buf[lo - bucket.start:hi - bucket.start].to(self.shards[gi].device))
+        self._accumulate(gi, bucket, self.buffers.pop((gi, bucket.index)), extra)
 
     def end_backward(self) -> None:
         if self.sync:
@@ -217,3 +194,51 @@ class ShardedGradients:
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self.shards) + list(self.buffers.values())
+
+
+class ShardedGradients(ShardReducer):
+    """Stage 2: buckets are contiguous flat ranges; each rank keeps the part inside its shard."""
+
+    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, use_reduce: bool, placement, comm_group=None):
+        self.groups = groups
+        self.use_reduce = use_reduce  # reduce to owners (NCCL) rather than all-reduce then slice (gloo)
+        dtype = torch.float32 if placement.cpu_optimizer else None
+        shards = [placement.empty(g.layout.shard_numel, dtype or g.flat.dtype, g.flat.device) for g in groups]
+        super().__init__([_BucketQueue(g, bucket_numel) for g in groups], shards, comm_group)
+        for g in groups:
+            for p in g.params:
+                p.grad = None
+
+    def _grad(self, gi: int, pi: int) -> Optional[torch.Tensor]:
+        return self.groups[gi].params[pi].grad
+
+    def _buffer(self, gi: int, bucket: Bucket) -> torch.Tensor:
+        key = (gi, bucket.index)
+        if key not in self.buffers:
+            flat = self.groups[gi].flat
+            self.buffers[key] = torch.zeros(bucket.numel, dtype=flat.dtype, device=flat.device)  # [bucket] compute
+        return self.buffers[key]
+
+    def _copy_in(self, gi: int, pi: int) -> None:
+        g = self.groups[gi]
+        p, span = g.params[pi], g.layout.spans[pi]
+        bucket = self._bucket_of(gi, pi)
+        self._buffer(gi, bucket).narrow(0, span.offset - bucket.start, span.numel).copy_(p.grad.reshape(-1))
+        p.grad = None
+
+    def _reduce(self, gi: int, bucket: Bucket, buf: torch.Tensor):
+        if not self.use_reduce:
+            return [comm.all_reduce_sum(buf, self.comm_group, async_op=True)], None
+        works = []
+        for owner, lo, hi in self.groups[gi].layout.owner_ranges((bucket.start, bucket.end)):
+            piece = buf[lo - bucket.start:hi - bucket.start]
+            works.append(comm.reduce_sum_to(piece, owner, self.comm_group, async_op=True))
+        return works, None
+
+    def _accumulate(self, gi: int, bucket: Bucket, buf: torch.Tensor, extra) -> None:
+        lo0, hi0 = self.groups[gi].owned
+        piece = intersect((bucket.start, bucket.end), (lo0, hi0))
+        if piece:
+            lo, hi = piece
+            shard = self.shards[gi]
+            shard[lo - lo0:hi - lo0].add_(buf[lo - bucket.start:hi - bucket.start].to(shard.device))

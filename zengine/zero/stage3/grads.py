@@ -10,14 +10,13 @@ data as soon as its gradient is done (nothing in backward needs it after).
 """
 from __future__ import annotations
 
-from collections import deque
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ... import comm
-from ..grads import MAX_BUCKETS_IN_FLIGHT, _BucketQueue
+from ..grads import ShardReducer, _BucketQueue
 from ..layout import Bucket, FlatLayout
 from .group import ShardedParamGroup
 from .param import ShardedParam
@@ -30,40 +29,39 @@ class _ChunkView:
         self.layout = FlatLayout([sp.name for sp in group.sharded], [(sp.chunk,) for sp in group.sharded], 1)
 
 
-class Stage3Gradients:
-    """Gradient shards, filled by reducing rank-major buckets during backward."""
+class Stage3Gradients(ShardReducer):
+    """Stage 3: rank-major bucket buffers; each rank keeps its row."""
 
     def __init__(self, groups: list[ShardedParamGroup], bucket_numel: int, world: int, rank: int, placement,
                  after_grad: Callable[[ShardedParam], None], comm_group=None):
-        self.groups, self.world, self.rank, self.comm_group = groups, world, rank, comm_group
+        self.groups, self.world, self.rank = groups, world, rank
         self.after_grad = after_grad  # releases the parameter's full data
         self.use_reduce_scatter = dist.get_backend(comm_group) != "gloo"
         dtype = torch.float32 if placement.cpu_optimizer else None
-        self.shards = [placement.empty(g.shard_numel, dtype or g.shard_flat.dtype, g.shard_flat.device)
-                       for g in groups]  # [sum of chunks] per group
+        shards = [placement.empty(g.shard_numel, dtype or g.shard_flat.dtype, g.shard_flat.device) for g in groups]
         # Buckets count chunk elements; a bucket of c chunk elements moves world * c elements.
-        self.queues = [_BucketQueue(_ChunkView(g), max(1, bucket_numel // world)) for g in groups]
-        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
-        self.copied: set[tuple[int, int]] = set()
-        self.in_flight: deque = deque()
-        self.sync = True
+        super().__init__([_BucketQueue(_ChunkView(g), max(1, bucket_numel // world)) for g in groups], shards,
+                         comm_group)
 
-    def begin_backward(self, boundary: bool, no_sync: bool) -> None:
-        self.sync = not no_sync
+    def on_grad(self, gi: int, pi: int) -> None:
+        super().on_grad(gi, pi)
+        self.after_grad(self.groups[gi].sharded[pi])
+
+    def _grad(self, gi: int, pi: int) -> Optional[torch.Tensor]:
+        return self.groups[gi].sharded[pi].param.grad
 
     def _buffer(self, gi: int, bucket: Bucket) -> torch.Tensor:
         key = (gi, bucket.index)
         if key not in self.buffers:
-            g = self.groups[gi]
-            self.buffers[key] = torch.zeros(self.world, bucket.numel, dtype=g.shard_flat.dtype,
-                                            device=g.shard_flat.device)  # [world, bucket chunks] compute dtype
+            flat = self.groups[gi].shard_flat
+            self.buffers[key] = torch.zeros(self.world, bucket.numel, dtype=flat.dtype,
+                                            device=flat.device)  # [world, bucket chunks] compute dtype
         return self.buffers[key]
 
     def _copy_in(self, gi: int, pi: int) -> None:
         g = self.groups[gi]
         sp = g.sharded[pi]
-        q = self.queues[gi]
-        bucket = q.buckets[q.bucket_of[pi]]
+        bucket = self._bucket_of(gi, pi)
         col = g.offsets[pi] - bucket.start
         grad = sp.param.grad.reshape(-1)
         dst = self._buffer(gi, bucket)[:, col:col + sp.chunk]  # [world, chunk]
@@ -73,55 +71,14 @@ class Stage3Gradients:
         if tail:
             dst[full_rows, :tail].copy_(grad[full_rows * sp.chunk:])
         sp.param.grad = None
-        self.copied.add((gi, pi))
 
-    def on_grad(self, gi: int, pi: int) -> None:
-        sp = self.groups[gi].sharded[pi]
-        if self.sync:
-            self._copy_in(gi, pi)
-            for bucket in self.queues[gi].mark_ready(pi):
-                self._launch(gi, bucket)
-        self.after_grad(sp)
-
-    def _launch(self, gi: int, bucket: Bucket) -> None:
-        g = self.groups[gi]
-        for pi in bucket.params:
-            if (gi, pi) not in self.copied and g.sharded[pi].param.grad is not None:
-                self._copy_in(gi, pi)
-        while len(self.in_flight) >= MAX_BUCKETS_IN_FLIGHT:
-            self._complete(*self.in_flight.popleft())
-        buf = self._buffer(gi, bucket)
+    def _reduce(self, gi: int, bucket: Bucket, buf: torch.Tensor):
         if self.use_reduce_scatter:
             out = torch.empty(bucket.numel, dtype=buf.dtype, device=buf.device)
-            work = dist.reduce_scatter_tensor(out, buf.view(-1), group=self.comm_group, async_op=True)
-        else:
-            out = None
-            work = comm.all_reduce_sum(buf, self.comm_group, async_op=True)
-        self.in_flight.append((gi, bucket, work, out))
+            return [dist.reduce_scatter_tensor(out, buf.view(-1), group=self.comm_group, async_op=True)], out
+        return [comm.all_reduce_sum(buf, self.comm_group, async_op=True)], None
 
-    def _complete(self, gi: int, bucket: Bucket, work, out) -> None:
-        work.wait()
-        buf = self.buffers.pop((gi, bucket.index))
+    def _accumulate(self, gi: int, bucket: Bucket, buf: torch.Tensor, out) -> None:
         mine = out if out is not None else buf[self.rank]
         shard = self.shards[gi]
         shard[bucket.start:bucket.end].add_(mine.to(shard.device))
-
-    def end_backward(self) -> None:
-        if self.sync:
-            for gi, q in enumerate(self.queues):
-                for bucket in q.pop_ready(flush=True):
-                    self._launch(gi, bucket)
-                q.reset()
-            self.copied.clear()
-        while self.in_flight:
-            self._complete(*self.in_flight.popleft())
-
-    def owned_grad(self, gi: int) -> torch.Tensor:
-        return self.shards[gi]
-
-    def zero(self) -> None:
-        for s in self.shards:
-            s.zero_()
-
-    def tensors(self) -> list[torch.Tensor]:
-        return list(self.shards) + list(self.buffers.values())

@@ -1,0 +1,150 @@
+"""The full fp32 ``state_dict`` from a sharded checkpoint, in one process, with no process group.
+
+Whatever stage and world size saved it, each parameter is assembled from its
+pieces in the rank files (the fp32 master of a trained parameter; the saved
+value, cast to fp32, of an untrained one); buffers come as saved. Parameters
+are produced one at a time, so ``convert_zero_checkpoint_to_fp32_state_dict``
+(the ``zengine-to-fp32`` command) holds about one tensor at a time: it
+streams each into the output file (a torch file, or safetensors when the name
+ends in ``.safetensors``) before assembling the next.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Iterator, Optional, Union
+
+import torch
+
+from . import atomic, meta as meta_mod
+from .holdings import Holding
+from .pieces import Piece
+from .reader import CheckpointReader
+from .tensorfile import TensorFileWriter, TensorSpec
+from .torchfile import TorchFileWriter
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A state_dict key that is the same tensor as an earlier key (tied parameters)."""
+
+    of: str
+
+
+def checkpoint_directory(checkpoint_dir: str, tag: Optional[str] = None) -> str:
+    """The directory of one checkpoint: ``checkpoint_dir/tag`` (tag default: ``latest``), or
+    ``checkpoint_dir`` itself when it is a checkpoint directory."""
+    if tag is None and os.path.isfile(os.path.join(checkpoint_dir, meta_mod.META)):
+        return checkpoint_dir
+    if tag is None:
+        tag = atomic.read_latest(checkpoint_dir)
+        if tag is None:
+            raise FileNotFoundError(f"no '{atomic.LATEST}' file in {checkpoint_dir}: pass the tag of the checkpoint")
+    directory = atomic.resolve(checkpoint_dir, str(tag))
+    if directory is None:
+        raise FileNotFoundError(f"there is no checkpoint {tag!r} in {checkpoint_dir}")
+    return directory
+
+
+def _assemble(reader: CheckpointReader, kind: str, source: str) -> torch.Tensor:
+    if kind == "buffer":
+        return reader.read_buffer(source)
+    shape = reader.meta["params"][source]["shape"]
+    numel = math.prod(shape)
+    out = torch.empty(numel, dtype=torch.float32)
+    reader.fill(Holding(out, [Piece(source, 0, numel, 0)]), ("master", "param"))
+    return out.view(shape)
+
+
+def _entries(reader: CheckpointReader) -> Iterator[tuple[str, Union[torch.Tensor, Alias]]]:
+    first: dict[str, str] = {}
+    for key, kind, source in reader.meta["state_dict"]:
+        if (kind, source) in first:
+            yield key, Alias(first[(kind, source)])
+        else:
+            first[(kind, source)] = key
+            yield key, _assemble(reader, kind, source)
+
+
+def iter_fp32_state_dict(checkpoint_dir: str, tag: Optional[str] = None
+                         ) -> Iterator[tuple[str, Union[torch.Tensor, Alias]]]:
+    """(key, fp32 tensor) in the model's state_dict order, one at a time; a tied key yields an Alias."""
+    with CheckpointReader(checkpoint_directory(checkpoint_dir, tag)) as reader:
+        yield from _entries(reader)
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[str] = None
+                                             ) -> "collections.OrderedDict[str, torch.Tensor]":
+    """The model's full fp32 state_dict from a sharded checkpoint (any stage, any world size).
+
+    ``checkpoint_dir`` is the ``save_dir`` of ``engine.save_checkpoint`` (``tag`` default: the one in
+    ``latest``) or a checkpoint directory itself. Tied parameters share one tensor, as in the model.
+    """
+    out: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
+    for key, value in iter_fp32_state_dict(checkpoint_dir, tag):
+        out[key] = out[value.of] if isinstance(value, Alias) else value
+    return out
+
+
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str, tag: Optional[str] = None):
+    """Load the fp32 weights of a checkpoint into a plain (unwrapped) ``model`` on the CPU; returns the model."""
+    model = model.cpu()
+    model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag), strict=True)
+    return model
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_file: str, tag: Optional[str] = None
+                                               ) -> None:
+    """Write the fp32 state_dict to ``output_file``, streaming one tensor at a time.
+
+    ``*.safetensors``: the safetensors format (tied keys are written as copies, as safetensors has no
+    shared tensors); anything else: a ``torch.save`` file (tied keys share one storage). The file
+    appears under its name only once complete.
+    """
+    directory = checkpoint_directory(checkpoint_dir, tag)
+    tmp = f"{output_file}.tmp-{secrets.token_hex(4)}"
+    try:
+        with CheckpointReader(directory) as reader:
+            if output_file.endswith(".safetensors"):
+                _write_safetensors(reader, tmp)
+            else:
+                _write_torch(reader, tmp)
+        os.replace(tmp, output_file)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _write_torch(reader: CheckpointReader, path: str) -> None:
+    writer = TorchFileWriter(path)
+    try:
+        for key, value in _entries(reader):
+            if isinstance(value, Alias):
+                writer.alias(key, value.of)
+            else:
+                writer.write(key, value)
+                del value
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _write_safetensors(reader: CheckpointReader, path: str) -> None:
+    meta = reader.meta
+    specs = []
+    for key, kind, source in meta["state_dict"]:
+        entry = meta["params" if kind == "param" else "buffers"][source]
+        dtype = torch.float32 if kind == "param" else meta_mod.dtype_of(entry["dtype"])
+        specs.append(TensorSpec(key, dtype, tuple(entry["shape"])))
+    writer = TensorFileWriter(path, specs, plain_metadata={"format": "pt"})
+    try:
+        for key, kind, source in meta["state_dict"]:
+            writer.write(key, _assemble(reader, kind, source))
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise

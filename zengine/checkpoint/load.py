@@ -1,0 +1,134 @@
+"""``engine.load_checkpoint``: each rank reads the saved pieces that overlap what it holds now.
+
+The engine's layout (world size, stage, offload) may differ from the one that
+saved: a rank asks its groups for its pieces (``holdings.py``), and the
+reader fills each from whichever rank files hold those elements, so nothing is
+gathered and a rank reads only what it holds. Two phases:
+
+1. read (no collective): meta.json checked against the model, then the fp32
+   masters, the optimizer states, the untrained parameters and the buffers
+   are read in place; any failure on any rank is reported on every rank
+   before phase 2, so no rank is left waiting in a collective;
+2. write back: the compute-dtype parameters from the masters, then each
+   group's ``publish`` (stages 1-2 gather the flat buffer, stage 3 refreshes
+   the parameters that stay whole); counters, loss scaler, LR scheduler and
+   this rank's RNG states.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from . import atomic, collectives, holdings, meta as meta_mod, rng
+from .errors import CheckpointError, CheckpointMismatchError
+from .holdings import Holding
+from .reader import CheckpointReader
+
+
+def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+    """Collective: load ``load_dir/tag`` (default: the tag in ``load_dir/latest``) into ``engine``.
+
+    Returns ``(checkpoint directory, client_state)``, or ``(None, None)`` with a warning when there is
+    no such checkpoint. ``load_module_only`` loads the parameters and buffers alone.
+    """
+    if tag is None:
+        tag = atomic.read_latest(load_dir)
+        if tag is None:
+            warnings.warn(f"load_checkpoint: no '{atomic.LATEST}' file in {load_dir}, so no checkpoint was loaded; "
+                          f"pass tag= to load a given one", stacklevel=3)
+            return None, None
+    directory = atomic.resolve(load_dir, str(tag))
+    if directory is None:
+        warnings.warn(f"load_checkpoint: there is no checkpoint {tag!r} in {load_dir}; nothing was loaded",
+                      stacklevel=3)
+        return None, None
+
+    opt, rank = engine.optimizer, engine.global_rank
+    with_optimizer = load_optimizer_states and not load_module_only
+    failure = None
+    try:
+        state = _read(engine, directory, with_optimizer)
+    except Exception as e:  # reported on every rank before any collective of phase 2
+        failure = e
+    errors = collectives.all_gather(None if failure is None else f"rank {rank}: {failure}", opt.comm_group)
+    if failure is not None:
+        raise failure
+    if any(errors):
+        raise CheckpointError(f"load_checkpoint: {directory} could not be loaded:\n  "
+                              + "\n  ".join(e for e in errors if e))
+
+    _write_back(opt)
+    opt.zero_grad()
+    if not load_module_only:
+        meta = state["meta"]
+        engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
+        engine.global_samples = meta["global_samples"]
+        if set(state["loss_scaler"]) == set(engine.scaler.state_dict()):  # the same kind of scaler
+            engine.scaler.load_state_dict(state["loss_scaler"])
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if rank < len(state["rng"]):  # new ranks of a larger world keep their own generators
+            rng.restore(state["rng"][rank])
+    return directory, state["client_state"]
+
+
+def _read(engine, directory: str, with_optimizer: bool) -> dict[str, Any]:
+    """Phase 1: check the checkpoint and read this rank's share of it in place; state.pt with the meta."""
+    opt, module = engine.optimizer, engine.module
+    with CheckpointReader(directory) as reader:
+        meta = reader.meta
+        meta_mod.check_same_model(meta, meta_mod.describe_model(module, holdings.trained_names(opt)), directory)
+        state = reader.read_state()
+        if with_optimizer and state["optimizer"] and len(state["optimizer"]) != len(opt.groups):
+            raise CheckpointMismatchError(f"checkpoint {directory} has {len(state['optimizer'])} optimizer param "
+                                          f"groups, the engine {len(opt.groups)}")
+        for gi, master in enumerate(holdings.masters(opt, engine.world_size, saving=False)):
+            reader.fill(master, ("master", "param"))
+            if with_optimizer:
+                _load_optimizer_group(reader, opt, gi, master, state["optimizer"][gi])
+        for held in holdings.untrained(module, opt, engine.global_rank, engine.world_size, saving=False):
+            reader.fill(held, ("param", "master"))
+        for name, b in holdings.buffers(module).items():
+            reader.buffer_into(name, b.data)
+    state["meta"] = meta
+    return state
+
+
+def _load_optimizer_group(reader: CheckpointReader, opt, gi: int, master: Holding, saved: dict[str, Any]) -> None:
+    """The wrapped optimizer's state for group ``gi``: per-element tensors re-sliced to this rank's
+    pieces (zeros where the checkpoint has none), scalars (``step``) as saved; and the hyper-parameters."""
+    # torch keeps ``step`` on the host unless the optimizer is capturable or fused
+    on_device = saved["hyper"].get("capturable") or saved["hyper"].get("fused")
+    state = {}
+    for key in saved["keys"]:
+        if key in saved["scalars"]:
+            value = saved["scalars"][key]
+            if torch.is_tensor(value):
+                value = value.to(master.buffer.device) if on_device else value.clone()
+            state[key] = value
+        else:
+            tensor = torch.zeros_like(master.buffer)
+            reader.fill(Holding(tensor, master.pieces), (f"state.{key}",), required=False)
+            state[key] = tensor
+    shard = opt.shard_params[gi]
+    if state:
+        opt.optimizer.state[shard] = state
+    else:
+        opt.optimizer.state.pop(shard, None)
+    opt.optimizer.param_groups[gi].update(saved["hyper"])
+
+
+def _write_back(opt) -> None:
+    """Phase 2: the compute-dtype parameters from the loaded masters, published to the ranks that need them."""
+    with torch.no_grad():
+        for g, master in zip(opt.groups, opt.masters):
+            owned = g.owned_params()
+            if owned.data_ptr() != master.data_ptr():
+                owned.copy_(master)
+            g.publish(opt.allgather_bucket_numel, opt.comm_group)
+        frozen = getattr(opt, "frozen", None)
+        if frozen is not None:
+            frozen.publish(opt.allgather_bucket_numel, opt.comm_group)

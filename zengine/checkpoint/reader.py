@@ -1,0 +1,85 @@
+"""Reading a checkpoint directory piece by piece: for loading into an engine and for the offline export.
+
+``CheckpointReader(directory)`` reads and checks ``meta.json`` (every listed
+file present with its recorded size), opens a rank file only when a piece is
+first needed from it, and fills a ``Holding`` from whichever saved pieces
+overlap its pieces, whatever the layout that wrote them. Every byte read is
+verified against its block checksum (tensorfile.py).
+"""
+from __future__ import annotations
+
+import io
+import os
+import zlib
+from typing import Any, Sequence
+
+import torch
+
+from . import meta as meta_mod
+from .errors import CheckpointFileError
+from .holdings import Holding
+from .pieces import overlaps
+from .tensorfile import TensorFileReader
+
+
+class CheckpointReader:
+    """One checkpoint directory, its meta and its lazily opened rank files."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.meta = meta_mod.read_meta(directory)
+        meta_mod.check_files(directory, self.meta)
+        self._files: dict[int, TensorFileReader] = {}
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def file(self, rank: int) -> TensorFileReader:
+        if rank not in self._files:
+            name = meta_mod.rank_file(rank)
+            self._files[rank] = TensorFileReader(os.path.join(self.directory, name), meta_mod.file_info(self.meta, name))
+        return self._files[rank]
+
+    def fill(self, holding: Holding, kinds: Sequence[str], required: bool = True) -> None:
+        """Fill each piece of ``holding`` from saved entries ``<kind>/<name>`` (the first kind a file has).
+
+        ``required``: every element must be found (a master, a parameter); else missing ones stay as
+        they are (optimizer state of a parameter that was frozen when the checkpoint was saved).
+        """
+        for piece in holding.pieces:
+            found = 0
+            for rank, lo, hi, at in overlaps(piece, self.meta["pieces"].get(piece.name, [])):
+                f = self.file(rank)
+                key = next((k for k in (f"{kind}/{piece.name}" for kind in kinds) if k in f), None)
+                if key is not None:
+                    f.read_into(key, lo, hi, holding.view(piece).narrow(0, at, hi - lo))
+                    found += hi - lo
+            if required and found != piece.numel:
+                raise CheckpointFileError(f"checkpoint {self.directory} holds {found} of the {piece.numel} elements "
+                                          f"[{piece.start}, {piece.end}) of {piece.name}")
+
+    def buffer_into(self, name: str, dst: torch.Tensor) -> None:
+        """Buffers are saved whole by rank 0."""
+        self.file(0).read_into(f"buffer/{name}", 0, dst.numel(), dst.view(-1))
+
+    def read_buffer(self, name: str) -> torch.Tensor:
+        return self.file(0).read(f"buffer/{name}")
+
+    def read_state(self) -> dict[str, Any]:
+        """state.pt, verified against its size and checksum in meta.json."""
+        path = os.path.join(self.directory, meta_mod.STATE)
+        entry = self.meta["files"][meta_mod.STATE]
+        with open(path, "rb") as f:
+            raw = f.read()
+        if len(raw) != entry["size"] or zlib.crc32(raw) != entry["crc"]:
+            raise CheckpointFileError(f"checkpoint file {path} fails its checksum (corrupt or truncated)")
+        # Our own file, verified: it holds client_state, which may be any picklable object.
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)

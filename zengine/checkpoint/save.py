@@ -1,0 +1,147 @@
+"""``engine.save_checkpoint``: every rank writes the pieces it holds; rank 0 publishes atomically.
+
+    save_dir/<tag>/
+        rank_00000.safetensors ...  per rank: the pieces it holds of each fp32 master, of each per-element
+                                    optimizer state and of the untrained parameters; rank 0 adds the buffers
+        state.pt                    rank 0: optimizer hyper-parameters and scalar state, LR scheduler, loss
+                                    scaler, every rank's RNG states, client_state
+        meta.json                   written last (see meta.py)
+    save_dir/latest                 the tag
+
+No rank gathers anything: each writes its own memory as it is (a device
+tensor goes to the host one chunk at a time). The three steps, each ended by
+a collective so that all ranks agree on success or failure:
+
+1. rank 0 creates the staging directory ``.tmp-<tag>-<random>`` (atomic.py);
+2. every rank writes and fsyncs its file; any error (a full disk) on any rank
+   makes rank 0 remove the staging directory and every rank raise;
+3. rank 0 writes state.pt and meta.json, renames the directory into place
+   and updates ``latest``.
+"""
+from __future__ import annotations
+
+import io
+import os
+import zlib
+from typing import Any, Optional
+
+import torch
+
+from . import atomic, collectives, holdings, meta as meta_mod, rng
+from .errors import CheckpointSaveError
+from .tensorfile import write_tensor_file
+
+
+def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                    save_latest: bool = True) -> bool:
+    """Collective: write a checkpoint of ``engine`` to ``save_dir/tag``; see the module doc."""
+    opt, group = engine.optimizer, engine.optimizer.comm_group
+    rank = engine.global_rank
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    tags = collectives.all_gather(tag, group)
+    if len(set(tags)) > 1:
+        raise ValueError(f"save_checkpoint: every rank must pass the same tag; got {tags} (by rank)")
+
+    staging, error = None, None
+    if rank == 0:
+        try:
+            staging = atomic.make_staging_dir(save_dir, tag)
+        except OSError as e:
+            error = f"cannot create a directory in {save_dir}: {e}"
+    staging, error = collectives.broadcast((staging, error), group)
+    if error:
+        raise CheckpointSaveError(f"save_checkpoint: {error}")
+
+    path = os.path.join(staging, meta_mod.rank_file(rank))
+    try:
+        entries, pieces, state_keys = _rank_entries(engine)
+        info = write_tensor_file(path, entries, {"rank": rank, "pieces": pieces})
+        mine = {"size": info.size, "crc": info.header_crc, "pieces": pieces, "keys": state_keys,
+                "rng": rng.capture()}
+    except Exception as e:  # a full disk, a permission: reported on every rank below
+        mine = {"error": f"rank {rank} writing {path}: {type(e).__name__}: {e}"}
+    everyone = collectives.all_gather(mine, group)
+    errors = [r["error"] for r in everyone if "error" in r]
+
+    if rank == 0:
+        if not errors:
+            try:
+                _publish(engine, staging, save_dir, tag, client_state, everyone, save_latest)
+            except Exception as e:
+                errors = [f"rank 0: {type(e).__name__}: {e}"]
+        if errors:
+            atomic.discard(staging)
+    errors = collectives.broadcast(errors, group)
+    if errors:
+        raise CheckpointSaveError(f"save_checkpoint: could not write checkpoint {tag!r} in {save_dir}; the previous "
+                                  f"checkpoint and 'latest' are untouched:\n  " + "\n  ".join(errors))
+    return True
+
+
+def _rank_entries(engine) -> tuple[list, dict, list]:
+    """(key, tensor view) pairs this rank writes, the pieces index {name: [start, end]}, and the per-element
+    optimizer state keys."""
+    opt, rank, world = engine.optimizer, engine.global_rank, engine.world_size
+    entries, pieces, state_keys = [], {}, []
+    for gi, master in enumerate(holdings.masters(opt, world, saving=True)):
+        states = holdings.elementwise_state(opt, gi)
+        state_keys += [k for k in states if k not in state_keys]
+        for p in master.pieces:
+            pieces[p.name] = [p.start, p.end]
+            entries.append((f"master/{p.name}", master.view(p)))
+            entries += [(f"state.{k}/{p.name}", t.narrow(0, p.offset, p.numel)) for k, t in states.items()]
+    for held in holdings.untrained(engine.module, opt, rank, world, saving=True):
+        for p in held.pieces:
+            pieces[p.name] = [p.start, p.end]
+            entries.append((f"param/{p.name}", held.view(p)))
+    if rank == 0:
+        entries += [(f"buffer/{n}", b) for n, b in holdings.buffers(engine.module).items()]
+    return entries, pieces, state_keys
+
+
+def _engine_state(engine, client_state, rng_states) -> dict[str, Any]:
+    opt = engine.optimizer
+    groups = []
+    for gi, shard in enumerate(opt.shard_params):
+        state = opt.optimizer.state.get(shard, {})
+        elementwise = holdings.elementwise_state(opt, gi)
+        groups.append({
+            "hyper": {k: v for k, v in opt.optimizer.param_groups[gi].items() if k != "params"},
+            "keys": list(state),  # in the optimizer's order
+            "scalars": {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
+                        for k, v in state.items() if k not in elementwise},
+        })
+    return {"optimizer": groups,
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "loss_scaler": engine.scaler.state_dict(),
+            "rng": rng_states,
+            "client_state": client_state if client_state is not None else {}}
+
+
+def _publish(engine, staging: str, save_dir: str, tag: str, client_state, everyone: list, save_latest: bool):
+    """Rank 0: state.pt and meta.json into the staging directory, then rename it into place."""
+    buf = io.BytesIO()
+    torch.save(_engine_state(engine, client_state, [r["rng"] for r in everyone]), buf)
+    raw = buf.getvalue()
+    with open(os.path.join(staging, meta_mod.STATE), "wb") as f:
+        f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    files = {meta_mod.rank_file(r): {"size": info["size"], "crc": info["crc"]} for r, info in enumerate(everyone)}
+    files[meta_mod.STATE] = {"size": len(raw), "crc": zlib.crc32(raw)}
+    index: dict[str, list] = {}
+    for r, info in enumerate(everyone):
+        for name, (start, end) in info["pieces"].items():
+            index.setdefault(name, []).append([r, start, end])
+    keys = []
+    for info in everyone:
+        keys += [k for k in info["keys"] if k not in keys]
+    meta = {"format": meta_mod.FORMAT, "version": meta_mod.VERSION, "tag": tag, "world_size": engine.world_size,
+            "zero_stage": engine.zero_optimization_stage(),
+            "compute_dtype": meta_mod.dtype_name(engine.config.compute_dtype),
+            "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+            "global_samples": engine.global_samples,
+            **meta_mod.describe_model(engine.module, holdings.trained_names(engine.optimizer)),
+            "optimizer_state_keys": keys, "files": files, "pieces": index}
+    meta_mod.write_meta(staging, meta)
+    atomic.publish(staging, save_dir, tag, save_latest)
