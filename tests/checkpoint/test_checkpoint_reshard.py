@@ -1,0 +1,51 @@
+"""A checkpoint saved by W ranks at stage S continues at W' ranks and stage S' (offload too) with the numbers of a
+run that never changed: checked against the single-process torch reference over the whole run."""
+import os
+
+import pytest
+import torch
+
+from checkpoint_runs import CLIP, LR, BufferedNet, as_lists, batches, config, full_params, make_engine, train
+from harness import spawn
+from models import reference_run
+
+STEPS, STOP = 6, 3
+
+
+def save_after(path: str, stage: int) -> list:
+    engine = make_engine(config(stage), seed=0)
+    losses = train(engine, batches(STEPS)[:STOP])
+    engine.save_checkpoint(path)
+    return losses
+
+
+def continue_from(path: str, targets) -> list:
+    out = []
+    for stage, offload in targets:
+        engine = make_engine(config(stage, offload=offload), seed=1)
+        engine.load_checkpoint(path)
+        assert engine.global_steps == STOP
+        losses = train(engine, batches(STEPS)[STOP:])
+        out.append({"losses": losses, "params": as_lists(full_params(engine))})
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("reshard"))
+    losses = spawn(save_after, 2, path, 1)[0]
+    torch.manual_seed(0)
+    ref_losses, ref_params = reference_run(BufferedNet(), batches(STEPS), LR, CLIP)
+    assert losses == pytest.approx(ref_losses[:STOP], rel=1e-5)
+    return path, ref_losses, ref_params
+
+
+# (world, [(stage, optimizer offload)]): one process group per world size
+@pytest.mark.parametrize("world,targets", [(3, [(3, False), (2, True)]), (1, [(0, False)])])
+def test_reshard_continues(saved, world, targets):
+    path, ref_losses, ref_params = saved
+    for (stage, offload), result in zip(targets, spawn(continue_from, world, path, targets)[0]):
+        where = f"W=2 stage 1 -> W={world} stage {stage}{' offload' if offload else ''}"
+        assert result["losses"] == pytest.approx(ref_losses[STOP:], rel=1e-5), where
+        worst = max((torch.tensor(result["params"][n]) - p).abs().max().item() for n, p in ref_params.items())
+        assert worst <= 1e-5, f"{where}: max parameter error {worst:.3g}"
