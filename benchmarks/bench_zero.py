@@ -8,9 +8,13 @@ micro batch 4 per rank. Contenders:
 
 - ``ddp``: torch DistributedDataParallel + torch.optim.AdamW(fused=True)
 - ``zero-redundancy``: DDP + torch ZeroRedundancyOptimizer(AdamW, fused=True)
-- ``zengine-0/1/2``: zengine with its config-built AdamW (torch's fused AdamW on CPU)
-- ``deepspeed-1/2``: DeepSpeed ZeRO with DS_ACCELERATOR=cpu, given the same torch
+- ``zengine-0/1/2/3``: zengine with its config-built AdamW (torch's fused AdamW on CPU)
+- ``fsdp2``: torch ``fully_shard`` (FSDP2) on each transformer block, then on the root,
+  over a CPU device mesh (gloo), + torch.optim.AdamW(fused=True) on the DTensor parameters
+- ``deepspeed-1/2/3``: DeepSpeed ZeRO with DS_ACCELERATOR=cpu, given the same torch
   fused AdamW as a client optimizer; skipped with a note when ``import deepspeed`` fails.
+
+zengine-3 and deepspeed-3 get the same stage-3 settings (``STAGE3``: DeepSpeed's defaults).
 
 Every contender runs in fresh processes (torch.multiprocessing spawn, one
 process group each). With ``--rounds R`` the contenders run R times in
@@ -53,6 +57,9 @@ MB = 1024 * 1024
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
 MICRO_BATCH = 4
 BUCKET = 50_000_000  # default reduce/all-gather bucket (elements) for zengine and DeepSpeed alike
+# Stage-3 settings for zengine-3 and deepspeed-3 alike (DeepSpeed's defaults, which are zengine's too).
+STAGE3 = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
+          "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000}
 
 
 # -- what each contender is ---------------------------------------------------------------------
@@ -66,6 +73,9 @@ class Trainer:
     optimizer_step: Callable[[], None]
     state_bytes: Callable[[], int]
     note: str = ""
+    # Elements of whole (gathered) parameters this rank holds when state_bytes() is called; 0 unless the
+    # contender shards parameters (stage 3, FSDP2) and then keeps some whole (persistent small ones).
+    gathered_numel: Callable[[], int] = lambda: 0
 
 
 def unique_bytes(tensors) -> int:
@@ -88,6 +98,14 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
 
 def torch_adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+
+
+def whole_param_numel(model: torch.nn.Module) -> int:
+    """Elements of the parameters that are whole on this rank right now. A released zengine-3 or DeepSpeed-3
+    parameter shows an empty tensor; an FSDP2 parameter is registered as a sharded DTensor while resharded."""
+    from torch.distributed.tensor import DTensor
+
+    return sum(p.numel() for p in model.parameters() if not isinstance(p, DTensor))
 
 
 def torch_steps(ddp, opt):
@@ -139,7 +157,8 @@ def zero_config(stage: int, bucket: int) -> dict:
                       "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY}},
         "gradient_clipping": 0.0,
         "steps_per_print": 10 ** 9,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                              **(STAGE3 if stage == 3 else {})},
     }
 
 
@@ -156,8 +175,18 @@ def build_zengine(stage: int):
             engine.backward(loss)
             return loss
 
-        return Trainer(forward_backward, engine.step, lambda: sum(engine.memory_breakdown().values()),
-                       f"engine.memory_breakdown(); optimizer {type(inner).__name__}(fused={fused})")
+        trainer = Trainer(forward_backward, engine.step, lambda: sum(engine.memory_breakdown().values()),
+                          f"engine.memory_breakdown(); optimizer {type(inner).__name__}(fused={fused})",
+                          lambda: whole_param_numel(model))
+        fetcher = getattr(engine.optimizer, "fetcher", None)  # stage 3: the engine's own gather accounting
+        if fetcher is not None:
+            def state_bytes():
+                trainer.note = (f"engine.memory_breakdown(); optimizer {type(inner).__name__}(fused={fused}); "
+                                f"most gathered at once during the step (engine accounting, persistent ones "
+                                f"left out): {fetcher.peak_live_numel:,} elements")
+                return sum(engine.memory_breakdown().values())
+            trainer.state_bytes = state_bytes
+        return trainer
     return build
 
 
@@ -195,11 +224,40 @@ def build_deepspeed(stage: int):
 
         def state_bytes():
             params = list(engine.module.parameters())
-            return unique_bytes([*params, *(p.grad for p in params), *tensors_reachable(optimizer)])
+            shards = [p.ds_tensor for p in params if getattr(p, "ds_tensor", None) is not None]  # stage 3
+            return unique_bytes([*params, *shards, *(p.grad for p in params), *tensors_reachable(optimizer)])
 
         return Trainer(forward_backward, engine.step, state_bytes,
-                       "params + grads + every tensor reachable from the ZeRO optimizer (4 levels of attributes)")
+                       "params" + (" (whole ones) + their partitions (ds_tensor)" if stage == 3 else "")
+                       + " + grads + every tensor reachable from the ZeRO optimizer (4 levels of attributes)",
+                       lambda: whole_param_numel(engine.module))
     return build
+
+
+def build_fsdp2(model: torch.nn.Module, bucket: int) -> Trainer:
+    """FSDP2: fully_shard each transformer block (one all-gather / reduce-scatter unit each), then the root
+    (embeddings, tied head, final norm). Defaults otherwise: fp32, reshard after forward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch_adamw(model.parameters())
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def state_bytes():
+        params = list(model.parameters())
+        return unique_bytes([local(t) for t in [*params, *(p.grad for p in params), *optimizer_state_tensors(opt)]
+                             if t is not None])
+
+    return Trainer(*torch_steps(model, opt), state_bytes,
+                   "local shards of params + grads + AdamW state (DTensor.to_local()); whole parameters if any",
+                   lambda: whole_param_numel(model))
 
 
 CONTENDERS: dict[str, tuple[Callable, str]] = {
@@ -209,17 +267,22 @@ CONTENDERS: dict[str, tuple[Callable, str]] = {
     "zengine-0": (build_zengine(0), "ddp"),
     "zengine-1": (build_zengine(1), "os"),
     "zengine-2": (build_zengine(2), "os+g"),
+    "zengine-3": (build_zengine(3), "p+os+g"),
+    "fsdp2": (build_fsdp2, "p+os+g"),
     "deepspeed-1": (build_deepspeed(1), "os"),
     "deepspeed-2": (build_deepspeed(2), "os+g"),
+    "deepspeed-3": (build_deepspeed(3), "p+os+g"),
 }
 
 
-def formula_bytes(kind: str, numel: int, world: int) -> float:
-    """ZeRO paper's per-rank model-state bytes for fp32 Adam (params 4, grads 4, Adam moments 8 per element)."""
-    return {"ddp": 16 * numel, "os": 8 * numel + 8 * numel / world, "os+g": 4 * numel + 12 * numel / world}[kind]
+def formula_bytes(kind: str, numel: int, world: int, gathered: int = 0) -> float:
+    """ZeRO paper's per-rank model-state bytes for fp32 Adam (params 4, grads 4, Adam moments 8 per element);
+    with parameters partitioned too (stage 3), plus 4 bytes per element of the parameters held whole."""
+    return {"ddp": 16 * numel, "os": 8 * numel + 8 * numel / world, "os+g": 4 * numel + 12 * numel / world,
+            "p+os+g": 16 * numel / world + 4 * gathered}[kind]
 
 
-FORMULA_TEXT = {"ddp": "16Ψ", "os": "8Ψ+8Ψ/W", "os+g": "4Ψ+12Ψ/W"}
+FORMULA_TEXT = {"ddp": "16Ψ", "os": "8Ψ+8Ψ/W", "os+g": "4Ψ+12Ψ/W", "p+os+g": "16Ψ/W+4·gathered"}
 
 
 # -- one worker ----------------------------------------------------------------------------------
@@ -247,7 +310,7 @@ def worker(rank: int, name: str, world: int, port: int, warmup: int, steps: int,
         numel = sum(p.numel() for p in model.parameters())
         dataset = ByteWindows(cfg.seq_len)
         trainer = CONTENDERS[name][0](model, bucket)
-        times, cpu_times, state_bytes = [], [], 0
+        times, cpu_times, state_bytes, gathered_numel = [], [], 0, 0
         loss = None
         for i in range(warmup + steps):
             x, y = batch_for(dataset, i, rank, world)
@@ -256,6 +319,7 @@ def worker(rank: int, name: str, world: int, port: int, warmup: int, steps: int,
             t1, c1 = time.perf_counter(), time.process_time()
             if i == warmup + steps - 1:
                 state_bytes = trainer.state_bytes()  # outside the timed spans
+                gathered_numel = trainer.gathered_numel()
             t2, c2 = time.perf_counter(), time.process_time()
             trainer.optimizer_step()
             times.append(t1 - t0 + time.perf_counter() - t2)
@@ -269,8 +333,8 @@ def worker(rank: int, name: str, world: int, port: int, warmup: int, steps: int,
         dist.all_reduce(final_loss)
         result.update(
             step_times=step_times.tolist(), cpu_times=step_cpu.tolist(), final_loss=final_loss.item() / world,
-            numel=numel, state_bytes=state_bytes, note=trainer.note, baseline_rss=baseline_rss,
-            peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            numel=numel, state_bytes=state_bytes, gathered_numel=gathered_numel, note=trainer.note,
+            baseline_rss=baseline_rss, peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         dist.barrier()
         dist.destroy_process_group()
     except Exception:
@@ -339,7 +403,10 @@ def summarize(runs: dict[str, list[list[dict]]], args, notes: list[str]) -> str:
         growth = per_rank(max(rs[r]["peak_rss"] - rs[r]["baseline_rss"] for rs in rounds) for r in range(args.world))
         states = per_rank(rounds[-1][r]["state_bytes"] for r in range(args.world))
         kind = CONTENDERS[name][1]
-        formula = f"{formula_bytes(kind, numel, args.world) / MB:.0f} ({FORMULA_TEXT[kind]})"
+        gathered = rounds[-1][0].get("gathered_numel", 0)
+        formula = f"{formula_bytes(kind, numel, args.world, gathered) / MB:.0f} ({FORMULA_TEXT[kind]})"
+        if kind == "p+os+g":
+            formula = formula[:-1] + f", {gathered:,} gathered)"
         table.append(f"| {name} | {median[name]:.3f} | {ratio} | {best[name]:.3f} | {best_ratio} | {cpu[name]:.3f} "
                      f"| {cpu_ratio} | {peak} | {growth} "
                      f"| {states} | {formula} | {loss[name]:.6f} | {delta} |")
@@ -359,9 +426,15 @@ def summarize(runs: dict[str, list[list[dict]]], args, notes: list[str]) -> str:
         "CPU s/step: the process's CPU time per step (all threads, slower rank), less sensitive than wall time "
         "to other load on the machine. Model states are counted between backward and the optimizer step, "
         "when gradients and optimizer states are both alive; formulas are the ZeRO paper's for fp32 Adam "
-        "(4 bytes of parameter, 4 of gradient, 8 of Adam moments per element). Peak RSS: getrusage maxrss, "
+        "(4 bytes of parameter, 4 of gradient, 8 of Adam moments per element); with parameters partitioned "
+        "too (zengine-3, fsdp2, deepspeed-3) it is 16Ψ/W plus 4 bytes per element of the parameters whole on "
+        "the rank at that moment (\"gathered\": the small ones kept whole under "
+        "stage3_param_persistence_threshold). Peak RSS: getrusage maxrss, "
         f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}. zengine and DeepSpeed: "
-        f"reduce_bucket_size = allgather_bucket_size = {args.bucket:,} elements; DDP: its default buckets.",
+        f"reduce_bucket_size = allgather_bucket_size = {args.bucket:,} elements; DDP: its default buckets. "
+        "zengine-3 and deepspeed-3: " + ", ".join(f"{k} {v:,}" for k, v in STAGE3.items()) + " (DeepSpeed's "
+        "defaults). fsdp2: fully_shard per transformer block and on the root, its defaults otherwise "
+        "(fp32, reshard after forward).",
         "",
         f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs, "
         f"load average at the end {os.getloadavg()[0]:.1f}.",
