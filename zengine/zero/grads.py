@@ -137,12 +137,31 @@ class ShardReducer:
         self.shards = shards  # [this rank's part] per group: compute dtype, or fp32 CPU when offloaded
         self.comm_group = comm_group
         self.buffers: dict[tuple[int, int], torch.Tensor] = {}
+        # Released bucket storage, reused by the next bucket of the same backward: a fresh large
+        # allocation for every bucket costs page faults on first touch. At most
+        # MAX_BUCKETS_IN_FLIGHT + 1 of them exist, so still no whole gradient.
+        self._free: list[torch.Tensor] = []
         self.copied: set[tuple[int, int]] = set()
         self.in_flight: deque = deque()
         self.sync = True
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
         self.sync = not no_sync
+
+    def _new_buffer(self, key: tuple[int, int], shape: tuple, like: torch.Tensor) -> torch.Tensor:
+        """A zeroed bucket buffer of ``shape``, carved from released storage when one is big enough."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        for i, store in enumerate(self._free):
+            if store.numel() >= numel and store.dtype == like.dtype and store.device == like.device:
+                self._free.pop(i)
+                buf = store[:numel].view(shape).zero_()
+                break
+        else:
+            buf = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.buffers[key] = buf
+        return buf
 
     def _bucket_of(self, gi: int, pi: int) -> Bucket:
         q = self.queues[gi]
@@ -172,7 +191,10 @@ class ShardReducer:
         for w in works:
             if w is not None:
                 w.wait()
-        self._accumulate(gi, bucket, self.buffers.pop((gi, bucket.index)), extra)
+        buf = self.buffers.pop((gi, bucket.index))
+        self._accumulate(gi, bucket, buf, extra)
+        base = buf._base if buf._base is not None else buf
+        self._free.append(base.view(-1))
 
     def end_backward(self) -> None:
         if self.sync:
@@ -183,6 +205,7 @@ class ShardReducer:
             self.copied.clear()
         while self.in_flight:
             self._complete(*self.in_flight.popleft())
+        self._free = []  # reused within a backward; nothing beyond the shards is held between steps
 
     def owned_grad(self, gi: int) -> torch.Tensor:
         """The summed gradient shard of group gi."""
@@ -193,7 +216,7 @@ class ShardReducer:
             s.zero_()
 
     def tensors(self) -> list[torch.Tensor]:
-        return list(self.shards) + list(self.buffers.values())
+        return list(self.shards) + list(self.buffers.values()) + self._free
 
 
 class ShardedGradients(ShardReducer):
@@ -215,8 +238,7 @@ class ShardedGradients(ShardReducer):
     def _buffer(self, gi: int, bucket: Bucket) -> torch.Tensor:
         key = (gi, bucket.index)
         if key not in self.buffers:
-            flat = self.groups[gi].flat
-            self.buffers[key] = torch.zeros(bucket.numel, dtype=flat.dtype, device=flat.device)  # [bucket] compute
+            self._new_buffer(key, (bucket.numel,), self.groups[gi].flat)  # [bucket] compute dtype
         return self.buffers[key]
 
     def _copy_in(self, gi: int, pi: int) -> None:

@@ -53,9 +53,7 @@ class Stage3Gradients(ShardReducer):
     def _buffer(self, gi: int, bucket: Bucket) -> torch.Tensor:
         key = (gi, bucket.index)
         if key not in self.buffers:
-            flat = self.groups[gi].shard_flat
-            self.buffers[key] = torch.zeros(self.world, bucket.numel, dtype=flat.dtype,
-                                            device=flat.device)  # [world, bucket chunks] compute dtype
+            self._new_buffer(key, (self.world, bucket.numel), self.groups[gi].shard_flat)  # [world, chunks]
         return self.buffers[key]
 
     def _copy_in(self, gi: int, pi: int) -> None:
