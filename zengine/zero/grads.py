@@ -235,6 +235,33 @@ class ShardedGradients(ShardReducer):
     def _grad(self, gi: int, pi: int) -> Optional[torch.Tensor]:
         return self.groups[gi].params[pi].grad
 
+    # Autograd accumulates in place into a .grad that already exists. So the next buckets' buffers are
+    # made ahead of time and their parameters' .grad pointed into them: gradients then land in the
+    # bucket directly, without a fresh allocation per parameter and a copy. ARMED_AHEAD buckets per
+    # group are armed beyond those in flight, so memory stays a few buckets.
+    ARMED_AHEAD = 2
+
+    def begin_backward(self, boundary: bool, no_sync: bool) -> None:
+        super().begin_backward(boundary, no_sync)
+        if self.sync:
+            for gi in range(len(self.groups)):
+                for index in range(self.ARMED_AHEAD):
+                    self._arm(gi, index)
+
+    def _arm(self, gi: int, index: int) -> None:
+        buckets = self.queues[gi].buckets
+        if index >= len(buckets) or (gi, index) in self.buffers:
+            return
+        bucket = buckets[index]
+        buf = self._buffer(gi, bucket)
+        g = self.groups[gi]
+        for pi in bucket.params:
+            p, span = g.params[pi], g.layout.spans[pi]
+            view = buf.narrow(0, span.offset - bucket.start, span.numel).view(span.shape)
+            if p.grad is not None:  # accumulated under no_sync
+                view.copy_(p.grad)
+            p.grad = view
+
     def _buffer(self, gi: int, bucket: Bucket) -> torch.Tensor:
         key = (gi, bucket.index)
         if key not in self.buffers:
@@ -245,10 +272,13 @@ class ShardedGradients(ShardReducer):
         g = self.groups[gi]
         p, span = g.params[pi], g.layout.spans[pi]
         bucket = self._bucket_of(gi, pi)
-        self._buffer(gi, bucket).narrow(0, span.offset - bucket.start, span.numel).copy_(p.grad.reshape(-1))
+        dst = self._buffer(gi, bucket).narrow(0, span.offset - bucket.start, span.numel)
+        if p.grad.data_ptr() != dst.data_ptr():  # not armed: autograd made a fresh tensor
+            dst.copy_(p.grad.reshape(-1))
         p.grad = None
 
     def _reduce(self, gi: int, bucket: Bucket, buf: torch.Tensor):
+        self._arm(gi, bucket.index + self.ARMED_AHEAD)
         if not self.use_reduce:
             return [comm.all_reduce_sum(buf, self.comm_group, async_op=True)], None
         works = []
