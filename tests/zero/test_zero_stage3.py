@@ -183,6 +183,24 @@ def full_params_run():
     return sizes, loss_eval, loss_fast, bias.tolist()
 
 
+def grads_run():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Stack(n=2)
+    ref = copy.deepcopy(model)
+    engine, *_ = zengine.initialize(model=model, config=stage3_config())
+    x = torch.randn(4 * world, DIM, generator=torch.Generator().manual_seed(3))
+    engine.backward(engine(x[rank * 4:(rank + 1) * 4]))
+    ref(x).backward()
+    with engine.summon_full_params(with_grads=True, writeback=False):
+        worst = max((p.grad - q.grad).abs().max().item() for p, q in zip(engine.module.parameters(), ref.parameters()))
+    return worst
+
+
+def test_summon_full_params_with_grads():
+    assert max(spawn(grads_run, 3)) < 1e-6
+
+
 def test_gathered_parameters_and_summon_full_params():
     (sizes0, e0, f0, b0), (sizes1, e1, f1, b1) = spawn(full_params_run, 2)
     assert all(s > 0 for s in sizes0) and all(s == 0 for s in sizes1)  # rank0_only

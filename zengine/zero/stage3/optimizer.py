@@ -120,13 +120,32 @@ class Stage3Optimizer(ZeroOptimizer):
                 sp.pinned = False
             self.fetcher.release(params, force=True)
 
+    @contextlib.contextmanager
     def summon(self, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False,
                with_grads: bool = False):
-        if with_grads:
-            raise NotImplementedError("summon_full_params(with_grads=True) is not available at stage 3 yet: "
-                                      "gradients exist only as shards; read them with with_grads=False")
-        return self.full_params(self.all_sharded, writeback=writeback, rank0_only=rank0_only,
-                                offload_to_cpu=offload_to_cpu)
+        with self.full_params(self.all_sharded, writeback=writeback, rank0_only=rank0_only,
+                              offload_to_cpu=offload_to_cpu):
+            if with_grads:
+                self._gather_grads()
+            try:
+                yield
+            finally:
+                if with_grads:
+                    for g in self.groups:
+                        for p in g.params:
+                            p.grad = None
+
+    def _gather_grads(self) -> None:
+        """Give every trainable parameter its whole reduced gradient (the mean over ranks, unscaled)."""
+        factor = 1.0 / (self.world * self.scaler.scale)
+        for gi, g in enumerate(self.groups):
+            shard = self.grads.owned_grad(gi)
+            for sp, off in zip(g.sharded, g.offsets):
+                staging = torch.empty(self.world, sp.chunk, dtype=shard.dtype, device=shard.device)  # [world, chunk]
+                staging[self.rank].copy_(shard[off:off + sp.chunk])
+                for r in range(self.world):
+                    dist.broadcast(staging[r], src=r, group=self.comm_group)
+                sp.param.grad = (staging.view(-1)[:sp.numel] * factor).view(sp.shape).to(sp.full.dtype)
 
     def memory_tensors(self):
         kinds = super().memory_tensors()
