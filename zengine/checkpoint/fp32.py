@@ -49,24 +49,35 @@ def checkpoint_directory(checkpoint_dir: str, tag: Optional[str] = None) -> str:
     return directory
 
 
-def _assemble(reader: CheckpointReader, kind: str, source: str) -> torch.Tensor:
+def _assemble(reader: CheckpointReader, kind: str, source: str, scratch: Optional[torch.Tensor] = None
+              ) -> torch.Tensor:
+    """One state_dict entry: a buffer as saved, a parameter in fp32 (in ``scratch`` when given)."""
     if kind == "buffer":
         return reader.read_buffer(source)
     shape = reader.meta["params"][source]["shape"]
     numel = math.prod(shape)
-    out = torch.empty(numel, dtype=torch.float32)
+    out = scratch[:numel] if scratch is not None else torch.empty(numel, dtype=torch.float32)
     reader.fill(Holding(out, [Piece(source, 0, numel, 0)]), ("master", "param"))
     return out.view(shape)
 
 
-def _entries(reader: CheckpointReader) -> Iterator[tuple[str, Union[torch.Tensor, Alias]]]:
+def _scratch(reader: CheckpointReader) -> torch.Tensor:
+    """One fp32 buffer for the largest parameter, reused for every parameter by the streaming writers
+    (so the allocator never has to find room for a new large tensor while the last one is in flight)."""
+    largest = max((math.prod(p["shape"]) for p in reader.meta["params"].values()), default=0)
+    return torch.empty(largest, dtype=torch.float32)
+
+
+def _entries(reader: CheckpointReader, scratch: Optional[torch.Tensor] = None
+             ) -> Iterator[tuple[str, Union[torch.Tensor, Alias]]]:
+    """(key, tensor or Alias) in state_dict order; with ``scratch``, each parameter is valid only until the next."""
     first: dict[str, str] = {}
     for key, kind, source in reader.meta["state_dict"]:
         if (kind, source) in first:
             yield key, Alias(first[(kind, source)])
         else:
             first[(kind, source)] = key
-            yield key, _assemble(reader, kind, source)
+            yield key, _assemble(reader, kind, source, scratch)
 
 
 def iter_fp32_state_dict(checkpoint_dir: str, tag: Optional[str] = None
@@ -121,12 +132,11 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_file:
 def _write_torch(reader: CheckpointReader, path: str) -> None:
     writer = TorchFileWriter(path)
     try:
-        for key, value in _entries(reader):
+        for key, value in _entries(reader, _scratch(reader)):
             if isinstance(value, Alias):
                 writer.alias(key, value.of)
             else:
                 writer.write(key, value)
-                del value
         writer.close()
     except BaseException:
         writer.abort()
@@ -141,9 +151,10 @@ def _write_safetensors(reader: CheckpointReader, path: str) -> None:
         dtype = torch.float32 if kind == "param" else meta_mod.dtype_of(entry["dtype"])
         specs.append(TensorSpec(key, dtype, tuple(entry["shape"])))
     writer = TensorFileWriter(path, specs, plain_metadata={"format": "pt"})
+    scratch = _scratch(reader)
     try:
         for key, kind, source in meta["state_dict"]:
-            writer.write(key, _assemble(reader, kind, source))
+            writer.write(key, _assemble(reader, kind, source, scratch))
         writer.close()
     except BaseException:
         writer.abort()

@@ -9,7 +9,6 @@ frozen group's shard at stage 3. Buffers are whole on every rank.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,17 @@ class Holding:
 
     def view(self, piece: Piece) -> torch.Tensor:
         return self.buffer.narrow(0, piece.offset, piece.numel)
+
+
+def zero_gaps(buffer: torch.Tensor, pieces: list[Piece]) -> None:
+    """Zero the elements of ``buffer`` that no piece covers (shard padding)."""
+    pos = 0
+    for p in sorted(pieces, key=lambda p: p.offset):
+        if p.offset > pos:
+            buffer[pos:p.offset].zero_()
+        pos = max(pos, p.offset + p.numel)
+    if pos < buffer.numel():
+        buffer[pos:].zero_()
 
 
 def group_names(group) -> list[str]:
@@ -72,7 +82,3 @@ def buffers(module: nn.Module) -> dict[str, torch.Tensor]:
             if b is not None and n not in m._non_persistent_buffers_set:
                 out.setdefault(f"{prefix}.{n}" if prefix else n, b)
     return out
-
-
-def numel(shape) -> int:
-    return math.prod(shape)

@@ -102,6 +102,8 @@ def _load_optimizer_group(reader: CheckpointReader, opt, gi: int, master: Holdin
     pieces (zeros where the checkpoint has none), scalars (``step``) as saved; and the hyper-parameters."""
     # torch keeps ``step`` on the host unless the optimizer is capturable or fused
     on_device = saved["hyper"].get("capturable") or saved["hyper"].get("fused")
+    shard = opt.shard_params[gi]
+    current = opt.optimizer.state.get(shard, {})
     state = {}
     for key in saved["keys"]:
         if key in saved["scalars"]:
@@ -109,11 +111,14 @@ def _load_optimizer_group(reader: CheckpointReader, opt, gi: int, master: Holdin
             if torch.is_tensor(value):
                 value = value.to(master.buffer.device) if on_device else value.clone()
             state[key] = value
-        else:
-            tensor = torch.zeros_like(master.buffer)
+        else:  # read in place into the tensor the optimizer has, else into a new one
+            tensor = current.get(key)
+            if not (torch.is_tensor(tensor) and tensor.shape == master.buffer.shape
+                    and tensor.dtype == master.buffer.dtype and tensor.device == master.buffer.device):
+                tensor = torch.empty_like(master.buffer)
+            holdings.zero_gaps(tensor, master.pieces)
             reader.fill(Holding(tensor, master.pieces), (f"state.{key}",), required=False)
             state[key] = tensor
-    shard = opt.shard_params[gi]
     if state:
         opt.optimizer.state[shard] = state
     else:

@@ -23,7 +23,7 @@ from ..zero.layout import FlatLayout, intersect
 
 @dataclass(frozen=True)
 class Piece:
-    """Elements ``[start, end)`` of the flattened parameter ``name`` sit at ``buffer[offset : offset + end - start]``."""
+    """Elements ``[start, end)`` of the flattened parameter ``name``, at ``buffer[offset : offset + end - start]``."""
 
     name: str
     start: int

@@ -45,26 +45,31 @@ class CheckpointReader:
     def file(self, rank: int) -> TensorFileReader:
         if rank not in self._files:
             name = meta_mod.rank_file(rank)
-            self._files[rank] = TensorFileReader(os.path.join(self.directory, name), meta_mod.file_info(self.meta, name))
+            path = os.path.join(self.directory, name)
+            self._files[rank] = TensorFileReader(path, meta_mod.file_info(self.meta, name))
         return self._files[rank]
 
     def fill(self, holding: Holding, kinds: Sequence[str], required: bool = True) -> None:
         """Fill each piece of ``holding`` from saved entries ``<kind>/<name>`` (the first kind a file has).
 
-        ``required``: every element must be found (a master, a parameter); else missing ones stay as
-        they are (optimizer state of a parameter that was frozen when the checkpoint was saved).
+        ``required``: every element must be found (a master, a parameter); else a piece not wholly
+        found is zeroed first (optimizer state of a parameter that was frozen when the checkpoint was saved).
         """
         for piece in holding.pieces:
-            found = 0
+            sources = []
             for rank, lo, hi, at in overlaps(piece, self.meta["pieces"].get(piece.name, [])):
                 f = self.file(rank)
                 key = next((k for k in (f"{kind}/{piece.name}" for kind in kinds) if k in f), None)
                 if key is not None:
-                    f.read_into(key, lo, hi, holding.view(piece).narrow(0, at, hi - lo))
-                    found += hi - lo
-            if required and found != piece.numel:
-                raise CheckpointFileError(f"checkpoint {self.directory} holds {found} of the {piece.numel} elements "
-                                          f"[{piece.start}, {piece.end}) of {piece.name}")
+                    sources.append((f, key, lo, hi, at))
+            found = sum(hi - lo for _, _, lo, hi, _ in sources)
+            if found != piece.numel:
+                if required:
+                    raise CheckpointFileError(f"checkpoint {self.directory} holds {found} of the {piece.numel} "
+                                              f"elements [{piece.start}, {piece.end}) of {piece.name}")
+                holding.view(piece).zero_()
+            for f, key, lo, hi, at in sources:
+                f.read_into(key, lo, hi, holding.view(piece).narrow(0, at, hi - lo))
 
     def buffer_into(self, name: str, dst: torch.Tensor) -> None:
         """Buffers are saved whole by rank 0."""

@@ -35,7 +35,7 @@ from .tensorfile import write_tensor_file
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                     save_latest: bool = True) -> bool:
     """Collective: write a checkpoint of ``engine`` to ``save_dir/tag``; see the module doc."""
-    opt, group = engine.optimizer, engine.optimizer.comm_group
+    group = engine.optimizer.comm_group
     rank = engine.global_rank
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     tags = collectives.all_gather(tag, group)

@@ -167,6 +167,17 @@ def write_tensor_file(path: str, tensors: Iterable[tuple[str, torch.Tensor]],
         raise
 
 
+def _read_exact(f, view: memoryview) -> int:
+    """Fill ``view`` from ``f``; fewer bytes only at the end of the file."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
 def _blocks(nbytes: int) -> int:
     return -(-nbytes // BLOCK)
 
@@ -182,7 +193,7 @@ class TensorFileReader:
     def __init__(self, path: str, expect: Optional[FileInfo] = None):
         self.path = path
         try:
-            self._file = open(path, "rb")
+            self._file = open(path, "rb", buffering=0)  # ranged reads go straight into our buffer
         except OSError as e:
             raise CheckpointFileError(f"checkpoint file {path} cannot be opened: {e}") from e
         size = os.fstat(self._file.fileno()).st_size
@@ -226,34 +237,44 @@ class TensorFileReader:
     def read_into(self, key: str, lo: int, hi: int, dst: torch.Tensor) -> None:
         """Copy elements [lo, hi) of the flattened tensor ``key`` into the 1-D ``dst`` (cast and moved as needed).
 
-        Reads whole checksum blocks, at most CHUNK bytes at a time, and verifies each.
+        Reads whole checksum blocks, at most CHUNK bytes at a time, and verifies each. Blocks that lie
+        wholly inside the range go straight into ``dst`` when it is a contiguous host tensor of the
+        stored dtype; the rest (partial blocks at the ends, a cast, a device) pass through a scratch buffer.
         """
         dtype, _, begin, end = self.entries[key]
-        item = _itemsize(dtype)
+        item, nbytes = _itemsize(dtype), end - begin
         want_lo, want_hi = lo * item, hi * item
-        if want_hi > end - begin or hi < lo or dst.numel() != hi - lo:
+        if want_hi > nbytes or hi < lo or dst.numel() != hi - lo:
             raise ValueError(f"{self.path}: {key}[{lo}:{hi}] is out of range or does not fit {tuple(dst.shape)}")
-        crcs = self._crcs.get(key)
+        direct = dst.device.type == "cpu" and dst.dtype == dtype and dst.is_contiguous() and dst.dim() == 1
+        dst_bytes = dst.view(torch.uint8) if direct and dtype != torch.uint8 else dst
+        inner_end = want_hi if want_hi == nbytes else (want_hi // BLOCK) * BLOCK  # whole blocks end here
+        last = min(-(-want_hi // BLOCK) * BLOCK, nbytes)  # the end of the last block needed
         pos = (want_lo // BLOCK) * BLOCK
         while pos < want_hi:
-            stop = min(pos + CHUNK, end - begin)
-            buf = bytearray(stop - pos)
-            self._file.seek(self._data_start + begin + pos)
-            got = self._file.readinto(buf)
-            if got != len(buf):
-                raise CheckpointFileError(f"checkpoint file {self.path} is truncated inside {key}")
-            if crcs is not None:
-                self._verify(key, crcs, pos, buf)
-            a, b = max(want_lo, pos), min(want_hi, stop)
-            if b > a:
-                src = torch.frombuffer(buf, dtype=torch.uint8, count=b - a, offset=a - pos).view(dtype)
+            if direct and want_lo <= pos < inner_end:
+                stop = min(pos + CHUNK, inner_end)
+                self._read_verified(key, pos, dst_bytes[pos - want_lo:stop - want_lo])
+            else:
+                stop = min(pos + (BLOCK if direct else CHUNK), last)
+                scratch = torch.empty(stop - pos, dtype=torch.uint8)  # not zero-filled: it is read over
+                self._read_verified(key, pos, scratch)
+                a, b = max(want_lo, pos), min(want_hi, stop)
                 out = (a - want_lo) // item
-                dst[out:out + src.numel()].copy_(src)
+                dst[out:out + (b - a) // item].copy_(scratch[a - pos:b - pos].view(dtype))
             pos = stop
 
-    def _verify(self, key: str, crcs: list[int], pos: int, buf: bytearray) -> None:
-        view = memoryview(buf)
-        for b in range(0, len(buf), BLOCK):
+    def _read_verified(self, key: str, pos: int, target: torch.Tensor) -> None:
+        """Read bytes [pos, pos + len) of ``key``'s data (block-aligned) into the uint8 host tensor ``target``."""
+        _, _, begin, _ = self.entries[key]
+        view = _host_bytes(target)
+        self._file.seek(self._data_start + begin + pos)
+        if _read_exact(self._file, view) != len(view):
+            raise CheckpointFileError(f"checkpoint file {self.path} is truncated inside {key}")
+        crcs = self._crcs.get(key)
+        if crcs is None:
+            return
+        for b in range(0, len(view), BLOCK):
             block = (pos + b) // BLOCK
             if block >= len(crcs) or zlib.crc32(view[b:b + BLOCK]) != crcs[block]:
                 raise CheckpointFileError(f"checkpoint file {self.path}: {key} fails its checksum at byte "

@@ -58,9 +58,12 @@ class TorchFileWriter:
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         t = tensor.detach().contiguous().cpu()
+        nbytes = t.numel() * t.element_size()
+        start = t.storage_offset() * t.element_size()
+        # A view into a larger storage (a flat parameter buffer, a reused scratch): its own bytes only.
+        storage = t.untyped_storage()[start:start + nbytes]
         ref = _StorageRef(str(len(self._entries)), t.dtype, t.numel())
-        # By address: the tensor may be a view into a larger storage (a flat parameter buffer).
-        self._zip.write_record(f"data/{ref.key}", t.data_ptr(), t.numel() * t.element_size())
+        self._zip.write_record(f"data/{ref.key}", storage, nbytes)
         self._entries[key] = _TensorRef(ref, t.shape)
 
     def alias(self, key: str, other: str) -> None:

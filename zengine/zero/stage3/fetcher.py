@@ -63,6 +63,7 @@ class Fetcher:
         self._following = False
         self._warned_dynamic = False
         self._pending: dict[int, _Pending] = {}  # id(ShardedParam) -> its in-flight gather
+        self._free_staging: list[torch.Tensor] = []  # released staging storage, reused within a step
         self._seq = 0
 
     # -- the step's frame -----------------------------------------------------------------------
@@ -82,6 +83,7 @@ class Fetcher:
         self._record = self._following = False
         for pending in list({id(p): p for p in self._pending.values()}.values()):
             self._finish(pending)
+        self._free_staging = []
 
     # -- fetch and release ----------------------------------------------------------------------
     def fetch(self, params: Sequence[ShardedParam], tag: str) -> None:
@@ -114,12 +116,17 @@ class Fetcher:
         """Re-gather parameters that are already whole (after the step updated their shards)."""
         if params:
             self._finish(self._start(list(params), refresh=True))
+            self.drop_staging()
+
+    def drop_staging(self) -> None:
+        """Free the staging storage kept for reuse (outside a training step nothing should linger)."""
+        self._free_staging = []
 
     # -- collectives ----------------------------------------------------------------------------
     def _start(self, params: list[ShardedParam], refresh: bool = False) -> _Pending:
         total = sum(sp.chunk for sp in params)
         dtype, device = params[0].full.dtype, params[0].full.device
-        staging = torch.empty(self.world, total, dtype=dtype, device=device)  # [world, sum of chunks]
+        staging = self._staging(total, dtype, device)  # [world, sum of chunks]
         col = 0
         for sp in params:
             staging[self.rank, col:col + sp.chunk].copy_(sp.shard)
@@ -152,6 +159,16 @@ class Fetcher:
                     self.live_numel += sp.full.numel()
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel + self._pending_numel())
         pending.works = []
+        self._free_staging.append(pending.staging.view(-1))
+        pending.staging = None
+
+    def _staging(self, total: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A [world, total] buffer carved from released staging storage when one fits (no fresh pages)."""
+        need = self.world * total
+        for i, store in enumerate(self._free_staging):
+            if store.numel() >= need and store.dtype == dtype and store.device == device:
+                return self._free_staging.pop(i)[:need].view(self.world, total)
+        return torch.empty(self.world, total, dtype=dtype, device=device)
 
     def _pending_numel(self) -> int:
         unique = {id(p): p for p in self._pending.values()}

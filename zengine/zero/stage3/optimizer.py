@@ -119,6 +119,7 @@ class Stage3Optimizer(ZeroOptimizer):
             for sp in params:
                 sp.pinned = False
             self.fetcher.release(params, force=True)
+            self.fetcher.drop_staging()
 
     @contextlib.contextmanager
     def summon(self, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False,
