@@ -58,6 +58,7 @@ setup(
         "console_scripts": [
             "zengine=zengine.launcher.runner:main",
             "zengine-report=zengine.ops.report:main",
+            "zengine-to-fp32=zengine.checkpoint.to_fp32:main",
         ]
     },
     ext_modules=ext_modules,

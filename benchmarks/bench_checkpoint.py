@@ -169,7 +169,8 @@ def main() -> None:
         write_bw, read_bw = disk_bandwidth(tmp, res["bytes"])
         exports = []
         for layers in args.export_layers:
-            path = os.path.join(tmp, "main", "round0") if layers == args.layers else os.path.join(tmp, f"export{layers}")
+            name = os.path.join("main", "round0") if layers == args.layers else f"export{layers}"
+            path = os.path.join(tmp, name)
             exports.append((layers, export_peak(path, os.path.join(tmp, "export.pt"))))
     report(args, res, write_bw, read_bw, exports)
 
@@ -194,7 +195,8 @@ def report(args, res, write_bw, read_bw, exports) -> None:
         "| operation | seconds | MiB/s | x disk sequential |",
         "|---|---|---|---|",
         f"| disk sequential write + fsync | {size / write_bw:.2f} | {write_bw / MB:,.0f} | 1.00 |",
-        f"| save_checkpoint ({args.world} ranks) | {save:.2f} | {size / save / MB:,.0f} | {size / save / write_bw:.2f} |",
+        f"| save_checkpoint ({args.world} ranks) | {save:.2f} | {size / save / MB:,.0f} | "
+        f"{size / save / write_bw:.2f} |",
         f"| disk sequential read (cold) | {size / read_bw:.2f} | {read_bw / MB:,.0f} | 1.00 |",
         f"| load_checkpoint ({args.world} ranks, cold) | {load:.2f} | {size / load / MB:,.0f} | "
         f"{size / load / read_bw:.2f} |",

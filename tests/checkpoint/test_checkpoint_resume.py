@@ -3,7 +3,6 @@ bit for bit (losses, parameters, fp32 masters, counters, learning rate, loss sca
 import os
 
 import torch
-import torch.distributed as dist
 
 from checkpoint_runs import batches, config, full_params, make_engine, train
 from harness import spawn

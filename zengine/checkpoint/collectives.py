@@ -1,9 +1,39 @@
-"""The few object collectives a checkpoint needs (a single process needs none)."""
+"""The few object collectives a checkpoint needs (a single process needs none).
+
+Objects travel pickled in uint8 tensors. torch's own ``all_gather_object`` and
+``broadcast_object_list`` would need numpy, which is not a dependency.
+"""
 from __future__ import annotations
 
+import ctypes
+import pickle
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+
+def _encode(obj: Any) -> torch.Tensor:
+    data = pickle.dumps(obj)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+
+
+def _decode(t: torch.Tensor, n: int) -> Any:
+    t = t[:n].contiguous()
+    return pickle.loads(ctypes.string_at(t.data_ptr(), n))
+
+
+def _all_gather_objects(obj: Any, group) -> list:
+    mine = _encode(obj)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=group)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:mine.numel()] = mine
+    out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(out, padded, group=group)
+    return [_decode(t, int(n)) for t, n in zip(out, sizes)]
 
 
 def _world(group) -> int:
@@ -14,16 +44,12 @@ def all_gather(obj: Any, group=None) -> list:
     """Every rank's ``obj``, indexed by rank."""
     if _world(group) == 1:
         return [obj]
-    out = [None] * _world(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    return _all_gather_objects(obj, group)
 
 
 def broadcast(obj: Any, group=None) -> Any:
     """The group's first rank's ``obj`` on every rank."""
     if _world(group) == 1:
         return obj
-    box = [obj]
-    src = 0 if group is None or group is dist.GroupMember.WORLD else dist.get_global_rank(group, 0)
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+    rank = dist.get_rank(group)
+    return _all_gather_objects(obj if rank == 0 else None, group)[0]
