@@ -129,11 +129,7 @@ def _load_optimizer_group(reader: CheckpointReader, opt, gi: int, master: Holdin
 def _write_back(opt) -> None:
     """Phase 2: the compute-dtype parameters from the loaded masters, published to the ranks that need them."""
     with torch.no_grad():
-        for g, master in zip(opt.groups, opt.masters):
-            owned = g.owned_params()
-            if owned.data_ptr() != master.data_ptr():
-                owned.copy_(master)
-            g.publish(opt.allgather_bucket_numel, opt.comm_group)
+        opt.write_back()
         frozen = getattr(opt, "frozen", None)
         if frozen is not None:
             frozen.publish(opt.allgather_bucket_numel, opt.comm_group)

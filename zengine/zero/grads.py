@@ -57,6 +57,14 @@ class _BucketQueue:
         return out
 
 
+def _launch_remaining(queues: list[_BucketQueue], launch) -> None:
+    """End of a synchronised backward: launch every bucket not launched yet, in order, and reset."""
+    for gi, q in enumerate(queues):
+        for bucket in q.pop_ready(flush=True):
+            launch(gi, bucket)
+        q.reset()
+
+
 class FullGradients:
     """Full gradient buffers, all-reduced bucket by bucket (stages 0 and 1)."""
 
@@ -98,10 +106,7 @@ class FullGradients:
 
     def end_backward(self) -> None:
         if self.sync:
-            for gi, q in enumerate(self.queues):
-                for bucket in q.pop_ready(flush=True):
-                    self._launch(gi, bucket)
-                q.reset()
+            _launch_remaining(self.queues, self._launch)
         for w in self.works:
             w.wait()
         self.works = []
@@ -198,10 +203,7 @@ class ShardReducer:
 
     def end_backward(self) -> None:
         if self.sync:
-            for gi, q in enumerate(self.queues):
-                for bucket in q.pop_ready(flush=True):
-                    self._launch(gi, bucket)
-                q.reset()
+            _launch_remaining(self.queues, self._launch)
             self.copied.clear()
         while self.in_flight:
             self._complete(*self.in_flight.popleft())

@@ -144,7 +144,7 @@ class ZeroOptimizer:
             self.optimizer.step()
         if saved:
             self._restore(saved)
-        self._write_back(skip_copy=bool(copy_out))
+        self.write_back(skip_copy=bool(copy_out))
         self.scaler.update(False)
         self.zero_grad()
         return True
@@ -182,7 +182,8 @@ class ZeroOptimizer:
         return {sp: g.owned_params() for sp, g, m in zip(self.shard_params, self.groups, self.masters)
                 if m.data_ptr() != g.owned_params().data_ptr()}
 
-    def _write_back(self, skip_copy: bool = False) -> None:
+    def write_back(self, skip_copy: bool = False) -> None:
+        """The compute-dtype parameters from the fp32 masters, published to the ranks that need them."""
         for g, master in zip(self.groups, self.masters):
             owned = g.owned_params()
             if not skip_copy and owned.data_ptr() != master.data_ptr():
