@@ -28,11 +28,6 @@ def all_reduce_sum(tensor: torch.Tensor, group=None, async_op: bool = False) -> 
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def all_reduce_max(tensor: torch.Tensor, group=None) -> None:
-    """Element-wise maximum of ``tensor`` over the group, in place."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-
-
 def reduce_sum_to(tensor: torch.Tensor, dst: int, group=None, async_op: bool = False) -> Work:
     """Sum ``tensor`` over the group into rank ``dst`` (others keep garbage)."""
     return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
@@ -43,17 +38,37 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
+def gather_rows(rows: list, rank: int, group=None, async_op: bool = False) -> list:
+    """Fill ``rows[r]`` on every rank from rank r's own ``rows[r]`` (an all-gather into given views).
+
+    gloo: one broadcast per owner (measured about three times faster than its all_gather);
+    otherwise the backend's all_gather. Returns the pending works when ``async_op``.
+    """
+    if len(rows) == 1:
+        return []
+    if is_gloo(group):
+        works = [dist.broadcast(row, src=_global_rank(r, group), group=group, async_op=async_op)
+                 for r, row in enumerate(rows)]
+    else:
+        works = [dist.all_gather(rows, rows[rank].clone(), group=group, async_op=async_op)]
+    return [w for w in works if w is not None]
+
+
 def gather_strided(full: torch.Tensor, shard_numel: int, lo: int, hi: int, rank: int, world: int, group=None) -> None:
     """Gather the sub-range ``[lo, hi)`` of every rank's shard of ``full`` (one all-gather bucket)."""
     if world == 1 or hi <= lo:
         return
-    pieces = [full.narrow(0, r * shard_numel + lo, hi - lo) for r in range(world)]
-    if is_gloo(group):
-        works = [dist.broadcast(p, src=_global_rank(r, group), group=group, async_op=True) for r, p in enumerate(pieces)]
-        for w in works:
-            w.wait()
-    else:
-        dist.all_gather(pieces, pieces[rank].clone(), group=group)
+    gather_rows([full.narrow(0, r * shard_numel + lo, hi - lo) for r in range(world)], rank, group)
+
+
+def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False) -> Work:
+    """Sum ``full`` ([world * n]) over the group; this rank keeps its n-element part in ``out``."""
+    return dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_gather(outs: list, tensor: torch.Tensor, group=None) -> None:
+    """Every rank's ``tensor`` into ``outs`` (small control messages)."""
+    dist.all_gather(outs, tensor, group=group)
 
 
 def _global_rank(group_rank: int, group) -> int:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from . import checkpoint
+from . import comm
 from .config import ZengineConfig, format_config
 from .distributed import Placement
 from .log import setup_logging
@@ -234,7 +235,7 @@ def _broadcast_from_rank0(model: nn.Module, world: int) -> None:
 
     with torch.no_grad():
         for t in [p for p in model.parameters() if lookup(p) is None] + list(model.buffers()):
-            torch.distributed.broadcast(t.data, src=0)
+            comm.broadcast(t.data, 0)
 
 
 def _named_param_groups(model: nn.Module, model_parameters, client_optimizer) -> list:

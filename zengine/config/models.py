@@ -93,44 +93,37 @@ def _canonical_type(value: Any, supported: Tuple[str, ...], kind: str, elsewhere
     raise ValueError(f"{value!r} is not {article} {kind} zengine can build (one of {known}){hint}")
 
 
-class OptimizerConfig(_Section):
-    """The optimizer zengine builds when ``initialize`` is given none."""
+class _NamedSection(_Section):
+    """A ``{"type": name, "params": {...}}`` section: the name is checked here, the params when built."""
 
-    type: str = Field(description="Optimizer name, one of SUPPORTED_OPTIMIZERS, matched case-insensitively "
-                                  "and stored in its canonical spelling.")
+    type: str = Field(description="Name, matched case-insensitively and stored in its canonical spelling.")
     params: Dict[str, Any] = Field(default_factory=dict,
-                                   description="Keyword arguments for the optimizer (lr, betas, eps, "
-                                               "weight_decay...), checked when the optimizer is built.")
+                                   description="Keyword arguments, checked when the object is built.")
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _null_params(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+
+class OptimizerConfig(_NamedSection):
+    """The optimizer zengine builds when ``initialize`` is given none (type: one of SUPPORTED_OPTIMIZERS;
+    params: lr, betas, eps, weight_decay...)."""
 
     @field_validator("type", mode="before")
     @classmethod
     def _known_type(cls, value: Any) -> str:
         return _canonical_type(value, SUPPORTED_OPTIMIZERS, "optimizer", _DEEPSPEED_ONLY_OPTIMIZERS)
 
-    @field_validator("params", mode="before")
-    @classmethod
-    def _null_params(cls, value: Any) -> Any:
-        return {} if value is None else value
 
-
-class SchedulerConfig(_Section):
-    """The learning-rate scheduler zengine builds when ``initialize`` is given none."""
-
-    type: str = Field(description="Scheduler name, one of SUPPORTED_SCHEDULERS, matched case-insensitively "
-                                  "and stored in its canonical spelling.")
-    params: Dict[str, Any] = Field(default_factory=dict,
-                                   description="Keyword arguments for the scheduler (warmup_num_steps...), "
-                                               "checked when the scheduler is built.")
+class SchedulerConfig(_NamedSection):
+    """The learning-rate scheduler zengine builds when ``initialize`` is given none (type: one of
+    SUPPORTED_SCHEDULERS; params: warmup_num_steps...)."""
 
     @field_validator("type", mode="before")
     @classmethod
     def _known_type(cls, value: Any) -> str:
         return _canonical_type(value, SUPPORTED_SCHEDULERS, "scheduler")
-
-    @field_validator("params", mode="before")
-    @classmethod
-    def _null_params(cls, value: Any) -> Any:
-        return {} if value is None else value
 
 
 class FP16Config(_Section):

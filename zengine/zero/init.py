@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 from types import SimpleNamespace
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import comm
 from .stage3.fetcher import Fetcher
 from .stage3.param import ParamState, ShardedParam, lookup, register
 
@@ -82,7 +83,7 @@ class Init:
             if p is None or lookup(p) is not None:
                 continue
             with torch.no_grad():
-                dist.broadcast(p.data, src=0)
+                comm.broadcast(p.data, 0)
             sp = ShardedParam(name, p, self.world, self.rank)
             register(sp)
             sp.attach_shard(torch.empty(sp.chunk, dtype=p.dtype, device=p.device))  # [chunk]
@@ -117,7 +118,7 @@ def GatheredParameters(params, modifier_rank: Optional[int] = None, enabled: boo
     finally:
         if modifier_rank is not None:
             for sp in todo:
-                dist.broadcast(sp.full, src=modifier_rank)
+                comm.broadcast(sp.full, modifier_rank)
                 sp.write_back_full()
         for sp in todo:
             sp.free()

@@ -25,7 +25,6 @@ import zlib
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ... import comm
 from .param import ParamState, ShardedParam
@@ -131,13 +130,7 @@ class Fetcher:
         for sp in params:
             staging[self.rank, col:col + sp.chunk].copy_(sp.shard)
             col += sp.chunk
-        if self.world == 1:
-            works = []
-        elif comm.is_gloo(self.comm_group):
-            works = [comm.broadcast(staging[r], src=r, group=self.comm_group, async_op=True) for r in range(self.world)]
-        else:
-            works = [dist.all_gather_into_tensor(staging.view(-1), staging[self.rank].clone(), group=self.comm_group,
-                                                 async_op=True)]
+        works = comm.gather_rows(list(staging.unbind(0)), self.rank, self.comm_group, async_op=True)
         pending = _Pending(params, staging, works)
         if not refresh:
             for sp in params:
@@ -233,14 +226,14 @@ class Fetcher:
         label = f"#{self._seq} {tag} [{', '.join(sp.name for sp in params)}]"
         digest = torch.tensor([zlib.crc32(label.encode())], dtype=torch.int64)
         everyone = [torch.zeros_like(digest) for _ in range(self.world)]
-        dist.all_gather(everyone, digest, group=self.comm_group)
+        comm.all_gather(everyone, digest, self.comm_group)
         if any(int(d) != int(digest) for d in everyone):
             # Exchange the labels as fixed-size byte tensors (all_gather_object would need numpy).
             raw = label.encode()[:_LABEL_BYTES]
             mine = torch.zeros(_LABEL_BYTES, dtype=torch.uint8)
             mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
             gathered = [torch.zeros_like(mine) for _ in range(self.world)]
-            dist.all_gather(gathered, mine, group=self.comm_group)
+            comm.all_gather(gathered, mine, self.comm_group)
             labels = [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in gathered]
             lines = "\n".join(f"  rank {r}: {lab}" for r, lab in enumerate(labels))
             raise FetchOrderError(f"stage 3: ranks diverged at parameter fetch {self._seq}; each rank was about "

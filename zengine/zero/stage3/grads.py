@@ -73,7 +73,7 @@ class Stage3Gradients(ShardReducer):
     def _reduce(self, gi: int, bucket: Bucket, buf: torch.Tensor):
         if self.use_reduce_scatter:
             out = torch.empty(bucket.numel, dtype=buf.dtype, device=buf.device)
-            return [dist.reduce_scatter_tensor(out, buf.view(-1), group=self.comm_group, async_op=True)], out
+            return [comm.reduce_scatter(out, buf.view(-1), self.comm_group, async_op=True)], out
         return [comm.all_reduce_sum(buf, self.comm_group, async_op=True)], None
 
     def _accumulate(self, gi: int, bucket: Bucket, buf: torch.Tensor, out) -> None:

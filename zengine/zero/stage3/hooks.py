@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .fetcher import Fetcher
-from .param import ParamState, ShardedParam, lookup
+from .param import ShardedParam, lookup
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:

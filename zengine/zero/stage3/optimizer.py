@@ -11,9 +11,9 @@ import contextlib
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ... import comm
 from ..offload import make_placement
 from ..optimizer import ZeroOptimizer
 from .fetcher import Fetcher
@@ -108,11 +108,11 @@ class Stage3Optimizer(ZeroOptimizer):
                     sp.param.data = view
             if modifier_rank is not None:
                 for sp in params:
-                    dist.broadcast(sp.full, src=modifier_rank, group=self.comm_group)
+                    comm.broadcast(sp.full, modifier_rank, self.comm_group)
             if modifier_rank is not None or writeback:
                 if rank0_only and writeback and modifier_rank is None:
                     for sp in params:
-                        dist.broadcast(sp.full, src=0, group=self.comm_group)
+                        comm.broadcast(sp.full, 0, self.comm_group)
                 for sp in params:
                     sp.write_back_full()
                 self.sync_masters()
@@ -144,8 +144,7 @@ class Stage3Optimizer(ZeroOptimizer):
             for sp, off in zip(g.sharded, g.offsets):
                 staging = torch.empty(self.world, sp.chunk, dtype=shard.dtype, device=shard.device)  # [world, chunk]
                 staging[self.rank].copy_(shard[off:off + sp.chunk])
-                for r in range(self.world):
-                    dist.broadcast(staging[r], src=r, group=self.comm_group)
+                comm.gather_rows(list(staging.unbind(0)), self.rank, self.comm_group)
                 sp.param.grad = (staging.view(-1)[:sp.numel] * factor).view(sp.shape).to(sp.full.dtype)
 
     def memory_tensors(self):
