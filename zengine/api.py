@@ -41,8 +41,6 @@ def _refuse_unimplemented(cfg) -> None:
     if zero.offload_param is not None and zero.offload_param.device != "none":
         problems.append("zero_optimization.offload_param.device: parameter offload is not implemented yet; "
                         "remove offload_param (optimizer offload to cpu is available)")
-    if zero.offload_optimizer is not None and zero.offload_optimizer.device == "nvme":
-        problems.append("zero_optimization.offload_optimizer.device: 'nvme' is not implemented yet; use 'cpu'")
     if problems:
         raise ConfigError("zengine config asks for features this version lacks:\n" + "\n".join(problems))
 

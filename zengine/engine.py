@@ -62,7 +62,7 @@ class Engine(nn.Module):
         self.optimizer = build_zero_optimizer(
             model, config.zero_optimization, named_groups, _optimizer_factory(optimizer, config),
             self.scaler, config.gradient_clipping, config.compute_dtype, placement.device,
-            placement.rank, placement.world_size)
+            placement.rank, placement.world_size, aio_cfg=config.aio)
         self.lr_scheduler = _make_scheduler(lr_scheduler, config, self.optimizer)
         self.training_dataloader = (_make_dataloader(training_data, config, placement, collate_fn)
                                     if training_data is not None else None)

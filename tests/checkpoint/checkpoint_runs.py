@@ -1,6 +1,9 @@
 """Shared by the checkpoint tests: a model with buffers, engine configs, and a training loop."""
 from __future__ import annotations
 
+import os
+import tempfile
+
 import torch
 import torch.distributed as dist
 
@@ -19,7 +22,7 @@ class BufferedNet(EdgeNet):
         self.register_buffer("scratch", torch.zeros(2), persistent=False)
 
 
-def config(stage: int, precision: str = "fp32", offload: bool = False, scheduler: bool = False) -> dict:
+def config(stage: int, precision: str = "fp32", offload: bool | str = False, scheduler: bool = False) -> dict:
     world = dist.get_world_size()
     cfg = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
@@ -29,7 +32,11 @@ def config(stage: int, precision: str = "fp32", offload: bool = False, scheduler
                               "stage3_param_persistence_threshold": 30, "stage3_prefetch_bucket_size": 1500},
         "steps_per_print": 1000,
     }
-    if offload:
+    if offload == "nvme":  # Adam's moments swapped to a file, in 700-element chunks through 2 buffers
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "buffer_count": 2,
+                                                         "nvme_path": os.path.join(tempfile.gettempdir(), "zswap")}
+        cfg["zero_optimization"]["sub_group_size"] = 700
+    elif offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if scheduler:
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": LR,

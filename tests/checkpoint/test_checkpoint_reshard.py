@@ -55,11 +55,11 @@ def saved(tmp_path_factory):
 
 
 # (world, [(stage, optimizer offload)]): one process group per world size
-@pytest.mark.parametrize("world,targets", [(3, [(3, False), (2, True)]), (1, [(0, False)])])
+@pytest.mark.parametrize("world,targets", [(3, [(3, False), (2, True), (3, "nvme")]), (1, [(0, False), (2, "nvme")])])
 def test_reshard_continues(saved, world, targets):
     path, ref_losses, ref_params = saved
     for (stage, offload), result in zip(targets, spawn(continue_from, world, path, targets)[0]):
-        where = f"W=2 stage 1 -> W={world} stage {stage}{' offload' if offload else ''}"
+        where = f"W=2 stage 1 -> W={world} stage {stage}{f' offload {offload}' if offload else ''}"
         assert result["losses"] == pytest.approx(ref_losses[STOP:], rel=1e-5), where
         worst = max((torch.tensor(result["params"][n]) - p).abs().max().item() for n, p in ref_params.items())
         assert worst <= 1e-5, f"{where}: max parameter error {worst:.3g}"

@@ -10,8 +10,8 @@ from harness import spawn
 STEPS, STOP = 5, 2
 
 
-def resume_case(root: str, stage: int, precision: str) -> dict:
-    cfg = config(stage, precision, scheduler=True)
+def resume_case(root: str, stage: int, precision: str, offload=False) -> dict:
+    cfg = config(stage, precision, offload, scheduler=True)
     data = batches(STEPS)
     whole = make_engine(cfg, seed=0)
     whole.module.scale.add_(1.0)  # a buffer that differs from a fresh model's
@@ -20,7 +20,7 @@ def resume_case(root: str, stage: int, precision: str) -> dict:
     first = make_engine(cfg, seed=0)
     first.module.scale.add_(1.0)
     train(first, data[:STOP])
-    path = os.path.join(root, f"stage{stage}-{precision}")
+    path = os.path.join(root, f"stage{stage}-{precision}-{offload}")
     first.save_checkpoint(path, client_state={"epoch": 7})
 
     second = make_engine(cfg, seed=1)  # other initial weights: everything must come from the checkpoint
@@ -41,11 +41,12 @@ def resume_matrix(root: str, cases) -> list:
     return [(case, resume_case(root, *case)) for case in cases]
 
 
-CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16"), (3, "bf16"), (1, "fp16")]
+CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16"), (3, "bf16"), (1, "fp16"),
+         (1, "fp32", "nvme"), (2, "bf16", "nvme"), (3, "fp32", "nvme")]
 
 
 def test_resume_is_exact(tmp_path):
     for case, result in spawn(resume_matrix, 2, str(tmp_path), CASES)[0]:
         client = result.pop("client")
         assert client == {"epoch": 7}, case
-        assert all(result.values()), f"stage {case[0]} {case[1]}: differs in {[k for k, v in result.items() if not v]}"
+        assert all(result.values()), f"{case}: differs in {[k for k, v in result.items() if not v]}"

@@ -1,5 +1,7 @@
 """Stages 0-2 x fp32/bf16/fp16 x accumulation 1 and 3 against a single-process torch reference."""
 import copy
+import os
+import tempfile
 
 import pytest
 import torch
@@ -28,7 +30,11 @@ def engine_config(stage, precision, gas, world, offload=False):
                               "stage3_max_live_parameters": 4000, "stage3_max_reuse_distance": 1000},
         "steps_per_print": 1000,
     }
-    if offload:
+    if offload == "nvme":  # moments swapped through 3 buffers of 1024-element chunks: many chunks per group
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "buffer_count": 3,
+                                                         "nvme_path": os.path.join(tempfile.gettempdir(), "zswap")}
+        cfg["zero_optimization"]["sub_group_size"] = 1000
+    elif offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -46,7 +52,7 @@ def train(stage, precision, gas, offload=False, seed=0):
     engine, *_ = zengine.initialize(model=model, config=engine_config(stage, precision, gas, world, offload),
                                     model_parameters=edge_param_groups(model, LR))
     if offload:  # the offloaded step runs on the compiled CPUAdam (or its torch fallback, same class)
-        assert type(engine.optimizer.optimizer).__name__ == "CPUAdam"
+        assert type(engine.optimizer.optimizer).__name__ == ("SwappedAdam" if offload == "nvme" else "CPUAdam")
     losses, norms = [], []
     for batch in batches:
         total = torch.zeros(())
@@ -107,3 +113,12 @@ OFFLOAD_CASES = [(1, "fp32", 1, True), (1, "bf16", 3, True), (2, "fp32", 3, True
 @pytest.mark.parametrize("world", [2, 3])
 def test_cpu_optimizer_offload_parity(world):
     spawn(parity_matrix, world, OFFLOAD_CASES)
+
+
+NVME_CASES = [(1, "fp32", 1, "nvme"), (2, "bf16", 3, "nvme"), (2, "fp32", 1, "nvme"), (3, "fp32", 3, "nvme"),
+              (3, "bf16", 1, "nvme")]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_nvme_optimizer_offload_parity(world):
+    spawn(parity_matrix, world, NVME_CASES)

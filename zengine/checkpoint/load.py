@@ -50,7 +50,8 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optim
     with_optimizer = load_optimizer_states and not load_module_only
     failure = None
     try:
-        state = _read(engine, directory, with_optimizer)
+        with opt.states_resident():
+            state = _read(engine, directory, with_optimizer)
     except Exception as e:  # reported on every rank before any collective of phase 2
         failure = e
     errors = collectives.all_gather(None if failure is None else f"rank {rank}: {failure}", opt.comm_group)

@@ -52,6 +52,14 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     if error:
         raise CheckpointSaveError(f"save_checkpoint: {error}")
 
+    with engine.optimizer.states_resident():
+        _write(engine, staging, save_dir, tag, client_state, save_latest)
+    return True
+
+
+def _write(engine, staging: str, save_dir: str, tag: str, client_state, save_latest: bool) -> None:
+    """The rank files, then (rank 0) the shared files and the publishing rename; errors on any rank raise on all."""
+    group, rank = engine.optimizer.comm_group, engine.global_rank
     path = os.path.join(staging, meta_mod.rank_file(rank))
     try:
         entries, pieces, state_keys = _rank_entries(engine)
@@ -75,7 +83,6 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     if errors:
         raise CheckpointSaveError(f"save_checkpoint: could not write checkpoint {tag!r} in {save_dir}; the previous "
                                   f"checkpoint and 'latest' are untouched:\n  " + "\n  ".join(errors))
-    return True
 
 
 def _rank_entries(engine) -> tuple[list, dict, list]:

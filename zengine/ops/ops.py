@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["OpSpec", "CPU_ADAM", "FLATTEN", "UNSCALE_NORM", "ALL_OPS", "COMMON_CFLAGS", "COMMON_LDFLAGS"]
+__all__ = ["OpSpec", "CPU_ADAM", "FLATTEN", "UNSCALE_NORM", "ASYNC_IO", "ALL_OPS", "COMMON_CFLAGS", "COMMON_LDFLAGS"]
 
 # -O3 and no -g keep builds small and fast; -ffp-contract=off keeps a*b+c as two roundings
 # so every SIMD path gives the scalar path's bits; no -march: each SIMD path carries its
@@ -61,4 +61,11 @@ UNSCALE_NORM = OpSpec(
     include_dirs=("includes", "norm"),
 )
 
-ALL_OPS: tuple[OpSpec, ...] = (CPU_ADAM, FLATTEN, UNSCALE_NORM)
+ASYNC_IO = OpSpec(
+    name="async_io",
+    sources=("aio/async_io.cpp", "aio/bindings.cpp"),
+    description="thread pool of pread/pwrite blocks for NVMe swapping (asynchronous file I/O)",
+    include_dirs=("includes", "aio"),
+)
+
+ALL_OPS: tuple[OpSpec, ...] = (CPU_ADAM, FLATTEN, UNSCALE_NORM, ASYNC_IO)

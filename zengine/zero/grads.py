@@ -137,9 +137,10 @@ class ShardReducer:
     accumulating into ``.grad`` until the next synchronised backward.
     """
 
-    def __init__(self, queues: list[_BucketQueue], shards: list[torch.Tensor], comm_group=None):
+    def __init__(self, queues: list[_BucketQueue], shards: list[torch.Tensor], copies, comm_group=None):
         self.queues = queues
         self.shards = shards  # [this rank's part] per group: compute dtype, or fp32 CPU when offloaded
+        self.copies = copies  # adds reduced pieces into the shards, wherever they live (transfer.py)
         self.comm_group = comm_group
         self.buffers: dict[tuple[int, int], torch.Tensor] = {}
         # Released bucket storage, reused by the next bucket of the same backward: a fresh large
@@ -207,6 +208,7 @@ class ShardReducer:
             self.copied.clear()
         while self.in_flight:
             self._complete(*self.in_flight.popleft())
+        self.copies.settle()
         self._free = []  # reused within a backward; nothing beyond the shards is held between steps
 
     def owned_grad(self, gi: int) -> torch.Tensor:
@@ -229,7 +231,7 @@ class ShardedGradients(ShardReducer):
         self.use_reduce = use_reduce  # reduce to owners (NCCL) rather than all-reduce then slice (gloo)
         dtype = torch.float32 if placement.cpu_optimizer else None
         shards = [placement.empty(g.layout.shard_numel, dtype or g.flat.dtype, g.flat.device) for g in groups]
-        super().__init__([_BucketQueue(g, bucket_numel) for g in groups], shards, comm_group)
+        super().__init__([_BucketQueue(g, bucket_numel) for g in groups], shards, placement.copies, comm_group)
         for g in groups:
             for p in g.params:
                 p.grad = None
@@ -294,5 +296,4 @@ class ShardedGradients(ShardReducer):
         piece = intersect((bucket.start, bucket.end), (lo0, hi0))
         if piece:
             lo, hi = piece
-            shard = self.shards[gi]
-            shard[lo - lo0:hi - lo0].add_(buf[lo - bucket.start:hi - bucket.start].to(shard.device))
+            self.copies.accumulate(self.shards[gi][lo - lo0:hi - lo0], buf[lo - bucket.start:hi - bucket.start])

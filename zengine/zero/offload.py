@@ -8,11 +8,14 @@ step runs on the CPU with the compiled CPUAdam; the updated parameters go
 back to the device in the compute dtype.
 
 The rest of the engine never asks which placement it has: it asks the
-placement for tensors, and cross-device copies follow from where they live.
+placement for tensors, and for its ``copies`` (``transfer.py``) to move data
+between the compute device and where the shards live.
 """
 from __future__ import annotations
 
 import torch
+
+from .transfer import HostCopies, make_copies
 
 
 class DevicePlacement:
@@ -20,12 +23,19 @@ class DevicePlacement:
 
     cpu_optimizer = False
 
+    def __init__(self):
+        self.copies = HostCopies()  # shards live with the parameters: nothing crosses
+
     def master_device(self, device: torch.device) -> torch.device:
         return device
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed buffer for master-side state (masters, master gradients)."""
         return torch.zeros(numel, dtype=dtype, device=self.master_device(device))
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer that steps the master shards (NVMe offload swaps its states)."""
+        return optimizer
 
     def make_master(self, owned: torch.Tensor) -> torch.Tensor:
         """The fp32 master of a rank's owned parameter slice; fp32 parameters on the same device are shared."""
@@ -41,8 +51,9 @@ class CPUPlacement(DevicePlacement):
 
     cpu_optimizer = True
 
-    def __init__(self, offload_cfg):
+    def __init__(self, offload_cfg, device: torch.device):
         self.pin = bool(offload_cfg.pin_memory) and torch.cuda.is_available()
+        self.copies = make_copies(device)
 
     def master_device(self, device: torch.device) -> torch.device:
         return torch.device("cpu")
@@ -51,12 +62,37 @@ class CPUPlacement(DevicePlacement):
         return torch.zeros(numel, dtype=dtype, pin_memory=self.pin)
 
 
-def make_placement(offload_cfg) -> DevicePlacement:
-    """The placement for an ``OffloadOptimizerConfig``."""
-    device = getattr(offload_cfg, "device", "none") if offload_cfg is not None else "none"
-    if device == "cpu":
-        return CPUPlacement(offload_cfg)
-    if device == "nvme":
-        raise NotImplementedError("zero_optimization.offload_optimizer.device='nvme' is not available yet; "
-                                  "use 'cpu' or 'none'")
+class NVMePlacement(CPUPlacement):
+    """As ``CPUPlacement``, with Adam's moments swapped to a file under ``nvme_path`` (``swap.py``)."""
+
+    def __init__(self, zero_cfg, device: torch.device, aio_cfg=None):
+        offload_cfg = zero_cfg.offload_optimizer
+        super().__init__(offload_cfg, device)
+        self.directory = str(offload_cfg.nvme_path)
+        self.chunk = int(zero_cfg.sub_group_size)
+        self.buffer_count = int(offload_cfg.buffer_count)
+        self.aio_cfg = aio_cfg
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        from ..ops.aio import AsyncIO
+        from .swap import StateSwapper, SwappedAdam
+
+        block = getattr(self.aio_cfg, "block_size", 1 << 20)
+        threads = getattr(self.aio_cfg, "thread_count", 1)
+
+        def swapper_for(numels):
+            return StateSwapper(numels, self.directory, self.chunk, self.buffer_count, AsyncIO(block, threads),
+                                self.pin)
+
+        return SwappedAdam.replacing(optimizer, swapper_for)
+
+
+def make_placement(zero_cfg, device: torch.device, aio_cfg=None) -> DevicePlacement:
+    """The placement that ``zero_cfg.offload_optimizer`` asks for, for parameters computed on ``device``."""
+    offload_cfg = zero_cfg.offload_optimizer
+    target = getattr(offload_cfg, "device", "none") if offload_cfg is not None else "none"
+    if target == "cpu":
+        return CPUPlacement(offload_cfg, device)
+    if target == "nvme":
+        return NVMePlacement(zero_cfg, device, aio_cfg)
     return DevicePlacement()

@@ -53,7 +53,8 @@ class ZeroOptimizer:
         self.world, self.rank, self.comm_group = world, rank, comm_group
         self.masters = [placement.make_master(g.owned_params()) for g in groups]  # [owned numel] fp32 each
         self.shard_params = [nn.Parameter(m, requires_grad=True) for m in self.masters]
-        self.optimizer = make_optimizer([{**g.hyper, "params": [sp]} for g, sp in zip(groups, self.shard_params)])
+        self.optimizer = placement.wrap_optimizer(
+            make_optimizer([{**g.hyper, "params": [sp]} for g, sp in zip(groups, self.shard_params)]))
         self.global_grad_norm: Optional[float] = None
         self.hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, gi, pi))
                       for gi, g in enumerate(groups) for pi, p in enumerate(g.params)]
@@ -138,8 +139,11 @@ class ZeroOptimizer:
         saved = self._save(unused) if unused else None
         copy_out = self._copy_out_targets() if not saved else {}
         if copy_out:
-            # CPUAdam writes the updated master into the compute-dtype parameters in the same pass.
+            # CPUAdam writes the updated master into the compute-dtype parameters in the same pass
+            # (on a GPU, into pinned staging that the placement's copies then upload).
+            self.placement.copies.before_step()
             self.optimizer.step_with_copy(copy_out)
+            self.placement.copies.after_step()
         else:
             self.optimizer.step()
         if saved:
@@ -167,6 +171,10 @@ class ZeroOptimizer:
         return [sp.data] + [t for t in state.values() if torch.is_tensor(t) and t.shape == sp.shape]
 
     def _save(self, ranges):
+        keep = getattr(self.optimizer, "keep_unchanged", None)  # states it holds elsewhere (NVMe swap)
+        if keep is not None:
+            for gi, lo, hi in ranges:
+                keep(self.shard_params[gi], lo, hi)
         return [(gi, lo, hi, [t[lo:hi].clone() for t in self._state_tensors(gi)]) for gi, lo, hi in ranges]
 
     def _restore(self, saved) -> None:
@@ -179,7 +187,9 @@ class ZeroOptimizer:
         """Shard param -> compute-dtype parameter slice, where the optimizer can write it while stepping."""
         if not hasattr(self.optimizer, "step_with_copy"):
             return {}
-        return {sp: g.owned_params() for sp, g, m in zip(self.shard_params, self.groups, self.masters)
+        copies = self.placement.copies
+        return {sp: copies.copy_out_target(gi, g.owned_params())
+                for gi, (sp, g, m) in enumerate(zip(self.shard_params, self.groups, self.masters))
                 if m.data_ptr() != g.owned_params().data_ptr()}
 
     def write_back(self, skip_copy: bool = False) -> None:
@@ -208,11 +218,18 @@ class ZeroOptimizer:
                     elif master.data_ptr() != g.owned_params().data_ptr():
                         master.copy_(g.owned_params())
 
+    def states_resident(self):
+        """A context inside which every optimizer state tensor is in ``optimizer.state`` (checkpoints
+        use it; NVMe offload reads the swapped moments in for its duration)."""
+        resident = getattr(self.optimizer, "states_in_memory", None)
+        return resident() if resident is not None else contextlib.nullcontext()
+
     # -- accounting -----------------------------------------------------------------------------
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this optimizer holds, by kind (for the engine's memory breakdown)."""
         masters = [m for g, m in zip(self.groups, self.masters) if m.data_ptr() != g.owned_params().data_ptr()]
         states = [t for sp in self.shard_params for t in self.optimizer.state.get(sp, {}).values()
                   if torch.is_tensor(t) and t.numel() > 1]
+        states += getattr(self.optimizer, "host_buffers", list)()  # the NVMe swap buffers
         return {"parameters": [t for g in self.groups for t in g.tensors()], "gradients": self.grads.tensors(),
                 "master_weights": masters, "optimizer_states": states}

@@ -18,20 +18,21 @@ from .optimizer import ZeroOptimizer
 
 def build_zero_optimizer(module: nn.Module, zero_cfg, named_groups: Sequence[tuple[list[tuple[str, nn.Parameter]], dict]],
                          make_optimizer: Callable, scaler: LossScaler, clip: float, dtype: torch.dtype,
-                         device: torch.device, rank: int, world: int, comm_group=None) -> ZeroOptimizer:
+                         device: torch.device, rank: int, world: int, comm_group=None, aio_cfg=None) -> ZeroOptimizer:
     """Flatten each group's trainable parameters and assemble the optimizer for ``zero_cfg.stage``.
 
     ``named_groups`` holds, per optimizer param group, its (name, parameter)
     pairs and its hyper-parameters. ``make_optimizer(groups, cpu_offload)``
-    builds the wrapped optimizer over the flat master shards.
+    builds the wrapped optimizer over the flat master shards. ``aio_cfg`` (the
+    ``aio`` section) sets the file I/O of NVMe offload.
     """
     stage = zero_cfg.stage
     if stage == 3:
         from .stage3.optimizer import Stage3Optimizer
         return Stage3Optimizer(module, zero_cfg, named_groups, make_optimizer, scaler, clip, dtype, device, rank,
-                               world, comm_group)
+                               world, comm_group, aio_cfg)
     num_shards = 1 if stage == 0 else world
-    placement = make_placement(zero_cfg.offload_optimizer)
+    placement = make_placement(zero_cfg, device, aio_cfg)
     groups = [FlatParamGroup(named, hyper, num_shards, rank, dtype, device) for named, hyper in named_groups]
     if stage == 2:
         use_reduce = zero_cfg.reduce_scatter and torch.distributed.get_backend(comm_group) != "gloo"

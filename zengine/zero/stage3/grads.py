@@ -41,7 +41,7 @@ class Stage3Gradients(ShardReducer):
         shards = [placement.empty(g.shard_numel, dtype or g.shard_flat.dtype, g.shard_flat.device) for g in groups]
         # Buckets count chunk elements; a bucket of c chunk elements moves world * c elements.
         super().__init__([_BucketQueue(_ChunkView(g), max(1, bucket_numel // world)) for g in groups], shards,
-                         comm_group)
+                         placement.copies, comm_group)
 
     def on_grad(self, gi: int, pi: int) -> None:
         super().on_grad(gi, pi)
@@ -78,5 +78,4 @@ class Stage3Gradients(ShardReducer):
 
     def _accumulate(self, gi: int, bucket: Bucket, buf: torch.Tensor, out) -> None:
         mine = out if out is not None else buf[self.rank]
-        shard = self.shards[gi]
-        shard[bucket.start:bucket.end].add_(mine.to(shard.device))
+        self.copies.accumulate(self.shards[gi][bucket.start:bucket.end], mine)

@@ -27,8 +27,9 @@ class Stage3Optimizer(ZeroOptimizer):
     """ZeroOptimizer over stage-3 groups, with the hooks that gather parameters on demand."""
 
     def __init__(self, module: nn.Module, zero_cfg, named_groups: Sequence, make_optimizer: Callable, scaler,
-                 clip: float, dtype: torch.dtype, device: torch.device, rank: int, world: int, comm_group=None):
-        placement = make_placement(zero_cfg.offload_optimizer)
+                 clip: float, dtype: torch.dtype, device: torch.device, rank: int, world: int, comm_group=None,
+                 aio_cfg=None):
+        placement = make_placement(zero_cfg, device, aio_cfg)
         self.module = module
         self.fetcher = Fetcher(zero_cfg, world, rank, comm_group)
         self.all_sharded: list[ShardedParam] = []

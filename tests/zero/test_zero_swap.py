@@ -1,0 +1,144 @@
+"""NVMe offload of Adam's moments: SwappedAdam steps exactly as CPUAdam while host memory holds only its
+buffers; the file holds the moments; checkpoints see them; unused ranges keep theirs."""
+import os
+import struct
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zengine
+from harness import spawn
+from models import EdgeNet
+from zengine.ops import CPUAdam
+from zengine.ops.aio import AsyncIO
+from zengine.zero.swap import StateSwapper, SwappedAdam
+
+SIZES = [5000, 1, 3071, 12000]  # chunks of 1024: tails, a one-element parameter, many chunks each
+HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, adamw_mode=True, bias_correction=True)
+
+
+def _pair(tmp_path, buffer_count, chunk=1024):
+    torch.manual_seed(0)
+    ref = [torch.randn(n) for n in SIZES]
+    mine = [p.clone() for p in ref]
+    plain = CPUAdam([{"params": ref[:2]}, {"params": ref[2:], "lr": 3e-3}], **HYPER)
+    swapped = SwappedAdam.replacing(
+        CPUAdam([{"params": mine[:2]}, {"params": mine[2:], "lr": 3e-3}], **HYPER),
+        lambda numels: StateSwapper(numels, str(tmp_path), chunk, buffer_count, AsyncIO(1 << 14, 2)))
+    return ref, mine, plain, swapped
+
+
+def _grads(params_a, params_b, seed):
+    torch.manual_seed(seed)
+    for a, b in zip(params_a, params_b):
+        a.grad = torch.randn_like(a)
+        b.grad = a.grad.clone()
+
+
+@pytest.mark.parametrize("buffer_count", [2, 3, 5])
+def test_swapped_adam_equals_cpu_adam_bit_for_bit(tmp_path, buffer_count):
+    ref, mine, plain, swapped = _pair(tmp_path, buffer_count)
+    outs = [torch.zeros(n, dtype=torch.bfloat16) for n in SIZES]
+    for step in range(8):
+        _grads(ref, mine, step)
+        if step == 3:  # a parameter without a gradient is skipped, as CPUAdam skips it
+            ref[1].grad = mine[1].grad = None
+        plain.step()
+        swapped.step_with_copy(dict(zip(mine, outs)))
+    assert all(torch.equal(a, b) for a, b in zip(ref, mine))
+    assert all(torch.equal(o, p.to(torch.bfloat16)) for o, p in zip(outs, mine))  # written in the same pass
+    # host memory: the buffers only, not the 2 x 4 bytes per element of the moments
+    held = sum(b.numel() * 4 for b in swapped.host_buffers())
+    assert held == buffer_count * 2 * 1024 * 4 < 2 * 4 * sum(SIZES)
+    assert all(set(swapped.state[p]) == {"step"} for p in mine)
+    with swapped.states_in_memory():
+        for a, b in zip(ref, mine):
+            assert torch.equal(plain.state[a]["exp_avg"], swapped.state[b]["exp_avg"])
+            assert torch.equal(plain.state[a]["exp_avg_sq"], swapped.state[b]["exp_avg_sq"])
+            assert int(plain.state[a]["step"]) == int(swapped.state[b]["step"])
+
+
+def test_the_file_holds_the_moments(tmp_path):
+    ref, mine, plain, swapped = _pair(tmp_path, 3)
+    for step in range(2):
+        _grads(ref, mine, step)
+        plain.step()
+        swapped.step()
+    chunk = swapped.swapper.chunks[3][2]  # the third chunk of the 12000-element parameter
+    # read it with plain buffered I/O through a second descriptor (the file is unlinked, and O_DIRECT)
+    fd = os.open(f"/proc/self/fd/{swapped.swapper.file.fd}", os.O_RDONLY)
+    try:
+        raw = os.pread(fd, 2 * chunk.padded * 4, chunk.offset)
+    finally:
+        os.close(fd)
+    values = torch.tensor(struct.unpack(f"{2 * chunk.padded}f", raw))
+    n = chunk.hi - chunk.lo
+    assert torch.equal(values[:n], plain.state[ref[3]]["exp_avg"][chunk.lo:chunk.hi])
+    assert torch.equal(values[chunk.padded:chunk.padded + n], plain.state[ref[3]]["exp_avg_sq"][chunk.lo:chunk.hi])
+
+
+def test_changes_made_in_memory_go_back_to_the_file(tmp_path):
+    ref, mine, plain, swapped = _pair(tmp_path, 2)
+    _grads(ref, mine, 0)
+    plain.step()
+    swapped.step()
+    with swapped.states_in_memory():  # what a checkpoint load does
+        for a, b in zip(ref, mine):
+            plain.state[a]["exp_avg"].mul_(3.0)
+            swapped.state[b]["exp_avg"].mul_(3.0)
+    assert all(set(swapped.state[p]) == {"step"} for p in mine)
+    _grads(ref, mine, 1)
+    plain.step()
+    swapped.step()
+    assert all(torch.equal(a, b) for a, b in zip(ref, mine))
+
+
+def test_kept_ranges_keep_their_moments(tmp_path):
+    ref, mine, plain, swapped = _pair(tmp_path, 3)
+    _grads(ref, mine, 0)
+    swapped.step()
+    with swapped.states_in_memory():
+        before = [(swapped.state[p]["exp_avg"].clone(), swapped.state[p]["exp_avg_sq"].clone()) for p in mine]
+    _grads(ref, mine, 1)
+    swapped.keep_unchanged(mine[3], 1000, 2100)  # across a chunk boundary
+    swapped.step()
+    with swapped.states_in_memory():
+        m, v = swapped.state[mine[3]]["exp_avg"], swapped.state[mine[3]]["exp_avg_sq"]
+        assert torch.equal(m[1000:2100], before[3][0][1000:2100]) and torch.equal(v[1000:2100], before[3][1][1000:2100])
+        assert not torch.equal(m[:1000], before[3][0][:1000])  # the rest moved
+    _grads(ref, mine, 2)
+    swapped.step()  # the request lasts one step only
+    with swapped.states_in_memory():
+        assert not torch.equal(swapped.state[mine[3]]["exp_avg"][1000:2100], before[3][0][1000:2100])
+
+
+def test_nvme_needs_adam():
+    with pytest.raises(ValueError, match="needs optimizer.type Adam, AdamW or CPUAdam; got SGD"):
+        SwappedAdam.replacing(torch.optim.SGD([torch.zeros(3)], lr=0.1), None)
+
+
+def nvme_memory(stage: int) -> dict:
+    torch.manual_seed(0)
+    model = EdgeNet()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": stage, "sub_group_size": 1024,
+                                 "offload_optimizer": {"device": "nvme", "buffer_count": 2,
+                                                       "nvme_path": os.path.join(tempfile.gettempdir(), "zswap")}},
+           "steps_per_print": 1000}
+    engine, *_ = zengine.initialize(model=model, config=cfg)
+    x = torch.randint(0, 37, (2, 5))
+    engine.backward(engine(x, x))
+    engine.step()
+    kinds = engine.optimizer.memory_tensors()
+    shard = sum(m.numel() for m in engine.optimizer.masters)
+    return {"states": sum(t.numel() * t.element_size() for t in kinds["optimizer_states"]), "shard": shard,
+            "world": dist.get_world_size()}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_host_holds_only_the_swap_buffers(stage):
+    for r in spawn(nvme_memory, 2, stage):
+        assert r["states"] == 2 * 2 * 1024 * 4  # two buffers of [exp_avg | exp_avg_sq] for 1024 elements
+        assert r["shard"] > 1024  # ... while the shard's moments would take 8 x shard bytes

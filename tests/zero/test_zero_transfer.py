@@ -1,0 +1,85 @@
+"""Offloaded gradients reach the host shard during backward; the CUDA side-stream copies (GPU only)."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zengine
+from harness import spawn
+from zengine.zero.transfer import HostCopies, StreamCopies, make_copies
+
+LAYERS, WIDTH = 6, 16
+
+
+def _config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300,
+                                  "stage3_param_persistence_threshold": 0,
+                                  "offload_optimizer": {"device": "cpu"}},
+            "steps_per_print": 1000}
+
+
+def streamed_during_backward(stage: int) -> tuple[int, int]:
+    """(non-zero gradient-shard elements when the first layer's gradient is computed, after backward)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    engine, *_ = zengine.initialize(model=model, config=_config(stage))
+    shards = engine.optimizer.grads.shards
+    assert all(s.device.type == "cpu" and s.dtype == torch.float32 for s in shards)
+    seen = []
+    first = engine.module[0].weight
+    # A tensor hook runs when autograd computes the gradient, before it is handed to the engine: the
+    # first layer's gradient comes last in backward, so the later layers' buckets are done by then.
+    first.register_hook(lambda g: seen.append(sum(int(s.count_nonzero()) for s in shards)) or g)
+    torch.manual_seed(1 + dist.get_rank())
+    x = torch.randn(4, WIDTH)
+    loss = engine(x).square().mean()
+    engine.backward(loss)
+    after = sum(int(s.count_nonzero()) for s in shards)
+    return seen[0], after
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradients_reach_the_host_shard_during_backward(stage):
+    results = spawn(streamed_during_backward, 2, stage)
+    during = sum(r[0] for r in results)
+    after = sum(r[1] for r in results)
+    total = LAYERS * (WIDTH * WIDTH + WIDTH)
+    assert after == total  # every gradient element landed in exactly one rank's fp32 shard
+    # Buckets of ~300 elements and at most two in flight: most of the later layers were already added.
+    assert 0.4 * total < during < total
+
+
+def test_cpu_device_copies_nothing():
+    copies = make_copies(torch.device("cpu"))
+    assert type(copies) is HostCopies
+    shard = torch.zeros(5)
+    piece = torch.arange(5, dtype=torch.bfloat16)
+    copies.accumulate(shard, piece)
+    copies.accumulate(shard, piece)
+    copies.settle()
+    assert shard.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+    owned = torch.zeros(3, dtype=torch.bfloat16)
+    assert copies.copy_out_target(0, owned) is owned  # CPUAdam writes the parameters in place
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stream_copies_on_cuda():
+    device = torch.device("cuda", torch.cuda.current_device())
+    copies = make_copies(device)
+    assert isinstance(copies, StreamCopies)
+    shard = torch.zeros(1 << 20, pin_memory=True)
+    bucket = torch.empty(1 << 20, dtype=torch.bfloat16, device=device)
+    for k in range(4):  # the compute stream rewrites the bucket right after each download is queued
+        bucket.fill_(k + 1)
+        copies.accumulate(shard, bucket)
+    copies.settle()
+    assert torch.all(shard == 10.0)
+    owned = torch.zeros(1 << 20, dtype=torch.bfloat16, device=device)
+    for k in range(3):
+        copies.before_step()
+        target = copies.copy_out_target(0, owned)
+        assert target.device.type == "cpu" and target.is_pinned() and target.dtype == torch.bfloat16
+        target.fill_(k + 1)
+        copies.after_step()
+        assert torch.all(owned == k + 1).item()  # the compute stream waited for the upload

@@ -1,0 +1,120 @@
+"""Copies between the compute device and the host memory that holds offloaded shards.
+
+With ``offload_optimizer.device = "cpu"`` two streams of data cross between
+the device and the host every step:
+
+- down: each reduced gradient bucket's piece of this rank's shard, added
+  into the fp32 gradient shard in host memory (during backward);
+- up: the updated parameters in the compute dtype, written by CPUAdam in the
+  same pass as the step, copied into the device's parameter shard.
+
+``HostCopies`` is for a compute device that *is* the host (this CPU-only
+machine): the pieces are added in place and CPUAdam writes the parameters
+directly, so nothing is copied at all.
+
+``StreamCopies`` is for a CUDA device. Downloads run on a side stream into
+pinned staging buffers, so backward keeps computing while they travel; the
+host adds a piece into the shard once its copy is done (polled as later
+buckets arrive, all of them by ``settle()`` at the end of backward). Uploads
+run on a side stream from pinned staging that CPUAdam wrote; the compute
+stream waits for them on the device (not the host) before anything reads the
+parameters, and the host waits for the previous upload before CPUAdam writes
+the staging again.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class HostCopies:
+    """The compute device is the host: add in place, write parameters directly."""
+
+    def accumulate(self, shard_slice: torch.Tensor, piece: torch.Tensor) -> None:
+        """Add a reduced gradient piece into (a slice of) the fp32 shard."""
+        shard_slice.add_(piece)
+
+    def settle(self) -> None:
+        """Every ``accumulate`` so far has landed in its shard."""
+
+    def copy_out_target(self, gi: int, owned: torch.Tensor) -> torch.Tensor:
+        """Where the optimizer writes group ``gi``'s updated compute-dtype parameters."""
+        return owned
+
+    def before_step(self) -> None:
+        """Called before the optimizer writes the copy-out targets."""
+
+    def after_step(self) -> None:
+        """Called after it wrote them: make the device parameters current."""
+
+
+class StreamCopies(HostCopies):
+    """A CUDA compute device: side-stream copies through pinned host staging."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.side = torch.cuda.Stream(device=device)
+        # (done event, pinned [n] staging, fp32 [n] shard slice) in launch order
+        self.pending: deque = deque()
+        self.staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # gi -> (pinned [owned] compute dtype, device view)
+        self.uploaded: torch.cuda.Event | None = None
+
+    def accumulate(self, shard_slice: torch.Tensor, piece: torch.Tensor) -> None:
+        if piece.device.type != "cuda":
+            shard_slice.add_(piece)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        staging = torch.empty(piece.shape, dtype=piece.dtype, pin_memory=True)  # [n] compute dtype, host
+        self.side.wait_stream(compute)  # the piece is final on the compute stream
+        with torch.cuda.stream(self.side):
+            staging.copy_(piece, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.side)
+        # The bucket buffer is reused by later buckets: the compute stream must not write it before
+        # the copy has read it. This is a device-side wait; the host goes on with backward.
+        compute.wait_event(done)
+        self.pending.append((done, staging, shard_slice))
+        self._drain(block=False)
+
+    def _drain(self, block: bool) -> None:
+        while self.pending and (block or self.pending[0][0].query()):
+            done, staging, shard_slice = self.pending.popleft()
+            done.synchronize()
+            shard_slice.add_(staging)
+
+    def settle(self) -> None:
+        self._drain(block=True)
+
+    def copy_out_target(self, gi: int, owned: torch.Tensor) -> torch.Tensor:
+        if owned.device.type != "cuda":
+            return owned
+        held = self.staging.get(gi)
+        if held is None or held[1].data_ptr() != owned.data_ptr() or held[0].numel() != owned.numel():
+            held = (torch.empty(owned.numel(), dtype=owned.dtype, pin_memory=True), owned)
+            self.staging[gi] = held
+        return held[0]
+
+    def before_step(self) -> None:
+        if self.uploaded is not None:  # CPUAdam is about to overwrite the staging the last upload read
+            self.uploaded.synchronize()
+            self.uploaded = None
+
+    def after_step(self) -> None:
+        if not self.staging:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(compute)  # nothing on the device still reads the old parameters
+        with torch.cuda.stream(self.side):
+            for pinned, owned in self.staging.values():
+                owned.view(-1).copy_(pinned, non_blocking=True)
+            self.uploaded = torch.cuda.Event()
+            self.uploaded.record(self.side)
+        compute.wait_event(self.uploaded)  # the all-gather and the next forward see the new values
+
+
+def make_copies(device: torch.device) -> HostCopies:
+    """The copy strategy between ``device`` and host memory."""
+    if device.type == "cuda":
+        return StreamCopies(device)
+    return HostCopies()
