@@ -69,10 +69,12 @@ def test_deepspeed_training_loop_runs_unchanged():
 
 def test_unimplemented_offloads_are_refused_by_name():
     model = nn.Linear(3, 3)
-    for section, key in (("offload_param", "offload_param"), ("offload_optimizer", "nvme")):
+    cases = [({"offload_param": {"device": "nvme", "nvme_path": "/tmp"},
+               "offload_optimizer": {"device": "cpu"}}, "offload_param.device: parameter offload to 'nvme'"),
+             ({"offload_param": {"device": "cpu"}}, "needs the optimizer on the host too")]
+    for zero, message in cases:
         cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {}},
-               "zero_optimization": {"stage": 3, section: {"device": "nvme" if key == "nvme" else "cpu",
-                                                           "nvme_path": "/tmp"}}}
-        with pytest.raises(ConfigError, match=key):
+               "zero_optimization": {"stage": 3, **zero}}
+        with pytest.raises(ConfigError, match=message):
             zengine.initialize(model=model, config=cfg)
     assert not dist.is_initialized()

@@ -30,12 +30,14 @@ def engine_config(stage, precision, gas, world, offload=False):
                               "stage3_max_live_parameters": 4000, "stage3_max_reuse_distance": 1000},
         "steps_per_print": 1000,
     }
-    if offload == "nvme":  # moments swapped through 3 buffers of 1024-element chunks: many chunks per group
+    if offload in ("nvme", "param+nvme"):  # moments swapped through 3 buffers of 1024-element chunks
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "buffer_count": 3,
                                                          "nvme_path": os.path.join(tempfile.gettempdir(), "zswap")}
         cfg["zero_optimization"]["sub_group_size"] = 1000
     elif offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload in ("param", "param+nvme"):  # stage 3: parameter shards in host memory too
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     if precision == "fp16":
@@ -52,7 +54,7 @@ def train(stage, precision, gas, offload=False, seed=0):
     engine, *_ = zengine.initialize(model=model, config=engine_config(stage, precision, gas, world, offload),
                                     model_parameters=edge_param_groups(model, LR))
     if offload:  # the offloaded step runs on the compiled CPUAdam (or its torch fallback, same class)
-        assert type(engine.optimizer.optimizer).__name__ == ("SwappedAdam" if offload == "nvme" else "CPUAdam")
+        assert type(engine.optimizer.optimizer).__name__ == ("SwappedAdam" if "nvme" in str(offload) else "CPUAdam")
     losses, norms = [], []
     for batch in batches:
         total = torch.zeros(())
@@ -116,9 +118,9 @@ def test_cpu_optimizer_offload_parity(world):
 
 
 NVME_CASES = [(1, "fp32", 1, "nvme"), (2, "bf16", 3, "nvme"), (2, "fp32", 1, "nvme"), (3, "fp32", 3, "nvme"),
-              (3, "bf16", 1, "nvme")]
+              (3, "bf16", 1, "nvme"), (3, "fp32", 1, "param"), (3, "bf16", 3, "param"), (3, "fp32", 3, "param+nvme")]
 
 
 @pytest.mark.parametrize("world", [1, 3])
-def test_nvme_optimizer_offload_parity(world):
+def test_nvme_and_param_offload_parity(world):
     spawn(parity_matrix, world, NVME_CASES)

@@ -1,4 +1,6 @@
 """Offloaded gradients reach the host shard during backward; the CUDA side-stream copies (GPU only)."""
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -83,3 +85,36 @@ def test_stream_copies_on_cuda():
         target.fill_(k + 1)
         copies.after_step()
         assert torch.all(owned == k + 1).item()  # the compute stream waited for the upload
+
+
+def offload_on_cuda(offload_param: bool) -> dict:
+    from models import EdgeNet, edge_param_groups, make_batches, micro_batch, reference_run
+    torch.manual_seed(0)
+    model = EdgeNet()
+    init = copy.deepcopy(model)
+    batches = make_batches(4, 2)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "gradient_clipping": 0.5,
+           "zero_optimization": {"stage": 3, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0,
+                                 "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+           "steps_per_print": 1000}
+    if offload_param:
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+    engine, *_ = zengine.initialize(model=model, config=cfg, model_parameters=edge_param_groups(model, 1e-2))
+    assert engine.device.type == "cuda"
+    shards = [g.shard_flat for g in engine.optimizer.groups]
+    assert all((s.device.type == "cpu" and s.is_pinned()) == offload_param for s in shards)
+    for batch in batches:
+        x, y = micro_batch(batch, 0, 1, 2, 0)
+        engine.backward(engine(x.to(engine.device), y.to(engine.device)))
+        engine.step()
+    with engine.summon_full_params(writeback=False):
+        params = {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}
+    _, ref = reference_run(init, batches, 1e-2, 0.5)
+    return max((params[n] - ref[n]).abs().max().item() for n in ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("offload_param", [False, True])
+def test_stage3_offload_on_cuda_matches_the_reference(offload_param):
+    assert spawn(offload_on_cuda, 1, offload_param)[0] <= 1e-5

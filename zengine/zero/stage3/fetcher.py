@@ -128,7 +128,7 @@ class Fetcher:
         staging = self._staging(total, dtype, device)  # [world, sum of chunks]
         col = 0
         for sp in params:
-            staging[self.rank, col:col + sp.chunk].copy_(sp.shard)
+            staging[self.rank, col:col + sp.chunk].copy_(sp.shard, non_blocking=True)  # from the host with offload_param
             col += sp.chunk
         works = comm.gather_rows(list(staging.unbind(0)), self.rank, self.comm_group, async_op=True)
         pending = _Pending(params, staging, works)

@@ -53,7 +53,8 @@ class Stage3Gradients(ShardReducer):
     def _buffer(self, gi: int, bucket: Bucket) -> torch.Tensor:
         key = (gi, bucket.index)
         if key not in self.buffers:
-            self._new_buffer(key, (self.world, bucket.numel), self.groups[gi].shard_flat)  # [world, chunks]
+            # [world, chunks] on the compute device in the compute dtype, like the gathered parameters
+            self._new_buffer(key, (self.world, bucket.numel), self.groups[gi].sharded[0].full)
         return self.buffers[key]
 
     def _copy_in(self, gi: int, pi: int) -> None:

@@ -18,7 +18,7 @@ class ShardedParamGroup:
     """This rank's chunks of one param group's trainable parameters, end to end in ``shard_flat``."""
 
     def __init__(self, sharded: Sequence[ShardedParam], hyper: dict[str, Any], dtype: torch.dtype,
-                 device: torch.device, refresh: Callable[[list[ShardedParam]], None]):
+                 device: torch.device, refresh: Callable[[list[ShardedParam]], None], pin: bool = False):
         self.sharded = list(sharded)
         self.params = [sp.param for sp in self.sharded]
         self.hyper = hyper
@@ -28,7 +28,8 @@ class ShardedParamGroup:
             self.offsets.append(offset)
             offset += sp.chunk
         self.shard_numel = offset
-        self.shard_flat = torch.zeros(self.shard_numel, dtype=dtype, device=device)  # [sum of chunks] compute dtype
+        # [sum of chunks] compute dtype; on the host with offload_param (pinned on a GPU machine)
+        self.shard_flat = torch.zeros(self.shard_numel, dtype=dtype, device=device, pin_memory=pin)
         for sp, off in zip(self.sharded, self.offsets):
             sp.attach_shard(self.shard_flat.narrow(0, off, sp.chunk))
         self.used = [False] * len(self.params)

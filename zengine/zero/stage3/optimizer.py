@@ -44,11 +44,16 @@ class Stage3Optimizer(ZeroOptimizer):
                 sp.retype(dtype, device)
             sp.persistent = p.numel() <= zero_cfg.stage3_param_persistence_threshold
             self.all_sharded.append(sp)
-        groups = [ShardedParamGroup([lookup(p) for _, p in named], hyper, dtype, device, self.fetcher.gather_now)
-                  for named, hyper in named_groups]
+        # offload_param: the shards live in host memory; the fetcher copies each up as it gathers, and
+        # CPUAdam writes the updated shard in place.
+        offload = zero_cfg.offload_param.device == "cpu"
+        shard_device = torch.device("cpu") if offload else device
+        pin = offload and bool(zero_cfg.offload_param.pin_memory) and torch.cuda.is_available()
+        groups = [ShardedParamGroup([lookup(p) for _, p in named], hyper, dtype, shard_device, self.fetcher.gather_now,
+                                    pin) for named, hyper in named_groups]
         in_groups = {id(sp) for g in groups for sp in g.sharded}
-        self.frozen = ShardedParamGroup([sp for sp in self.all_sharded if id(sp) not in in_groups], {}, dtype, device,
-                                        self.fetcher.gather_now)
+        self.frozen = ShardedParamGroup([sp for sp in self.all_sharded if id(sp) not in in_groups], {}, dtype,
+                                        shard_device, self.fetcher.gather_now, pin)
         for sp in self.all_sharded:
             if not sp.persistent and sp.state is ParamState.GATHERED:
                 sp.free()
