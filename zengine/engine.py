@@ -195,7 +195,18 @@ class Engine(nn.Module):
                                           load_module_only)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """Collective: rank 0 writes the full model's state_dict in the compute dtype, module by module."""
+        """Collective: rank 0 writes the full model's state_dict in the compute dtype, module by module.
+
+        At stage 3 this needs ``stage3_gather_16bit_weights_on_model_save`` (as in DeepSpeed): without
+        it nothing is written and False is returned, with a warning naming the key.
+        """
+        zero = self.config.zero_optimization
+        if zero.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
+            if self.global_rank == 0:
+                logger.warning("save_16bit_model: nothing saved: at stage 3 the full 16-bit weights are gathered "
+                               "only with zero_optimization.stage3_gather_16bit_weights_on_model_save true (as in "
+                               "DeepSpeed); set it, or export a checkpoint with zengine-to-fp32")
+            return False
         return checkpoint.save_16bit_model(self, save_dir, save_filename)
 
     # -- accounting -----------------------------------------------------------------------------

@@ -25,13 +25,18 @@ CASES = [(3, "fp32"), (0, "fp32"), (2, "bf16")]
 def save_cases(root: str) -> None:
     save_wide(os.path.join(root, "wide"))
     for stage, precision in CASES:
-        engine = make_engine(config(stage, precision), seed=0)
+        cfg = config(stage, precision)
+        cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+        engine = make_engine(cfg, seed=0)
         engine.module.scale.add_(2.0)
         train(engine, batches(2))
         path = os.path.join(root, f"{stage}-{precision}")
         engine.save_checkpoint(path)
-        engine.save_16bit_model(path, "model16.bin")
-        engine.save_16bit_model(path, "model16.safetensors")
+        assert engine.save_16bit_model(path, "model16.bin") and engine.save_16bit_model(path, "model16.safetensors")
+        if stage == 3:  # as in DeepSpeed, stage 3 gathers 16-bit weights for saving only when asked to
+            engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save = False
+            assert engine.save_16bit_model(path, "not-saved.bin") is False
+            assert not os.path.exists(os.path.join(path, "not-saved.bin"))
         params = full_params(engine)
         if dist.get_rank() == 0:
             torch.save({"params": params, "state_dict_keys": list(BufferedNet().state_dict())},
