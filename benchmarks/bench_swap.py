@@ -6,6 +6,8 @@ A swapped step reads and writes both moments (8 + 8 bytes per parameter) and run
 them; with reads ahead and writes behind, its time should approach that of the I/O alone. The
 run measures, on the same file, buffers and thread pool (O_DIRECT where the filesystem allows):
 
+- ``disk alone``: the moment bytes written, then read back, in 16 MiB requests four at a time,
+  no compute and no pipeline: what the drive gives this pool;
 - ``I/O alone``: read every chunk, then write every chunk back, no compute, one request in
   flight at a time per direction, as the swapper issues them: the disk's limit for this step;
 - ``CPUAdam, moments in memory``: the compute alone;
@@ -32,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from zengine.ops import CPUAdam  # noqa: E402
-from zengine.ops.aio import AsyncIO  # noqa: E402
+from zengine.ops.aio import AsyncIO, aligned_empty  # noqa: E402
 from zengine.zero.swap import StateSwapper, SwappedAdam  # noqa: E402
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -53,8 +55,8 @@ def _timed(fn, steps: int) -> float:
     return statistics.median(times)
 
 
-def _swapped(param, directory, chunk, buffers, threads, compiled) -> SwappedAdam:
-    io = AsyncIO(1 << 20, threads, use_kernel=compiled)
+def _swapped(param, directory, chunk, buffers, threads, depth, compiled) -> SwappedAdam:
+    io = AsyncIO(1 << 20, threads, depth, use_kernel=compiled)
     opt = SwappedAdam.replacing(CPUAdam([param], **HYPER),
                                 lambda numels: StateSwapper(numels, directory, chunk, buffers, io))
     return opt
@@ -70,6 +72,26 @@ def io_alone(opt: SwappedAdam) -> float:
     return run
 
 
+def disk_alone(opt: SwappedAdam, request_bytes: int = 16 << 20, in_flight: int = 4):
+    """The drive's own pace for the same bytes: write the whole moment region, then read it back,
+    ``request_bytes`` per request with ``in_flight`` requests queued (no pipeline, no compute)."""
+    sw = opt.swapper
+    total = sw.file.size
+    bufs = [aligned_empty(request_bytes // 4) for _ in range(in_flight)]
+
+    def run():
+        for write in (True, False):
+            pending = []
+            for k, off in enumerate(range(0, total - total % request_bytes, request_bytes)):
+                if len(pending) == in_flight:
+                    pending.pop(0).wait()
+                buf = bufs[k % in_flight]
+                pending.append(sw.io.write(buf, sw.file, off) if write else sw.io.read(buf, sw.file, off))
+            for r in pending:
+                r.wait()
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--params", default="32M")
@@ -81,22 +103,27 @@ def main() -> None:
     torch.manual_seed(0)
     param = torch.randn(n)
     param.grad = torch.randn(n) * 1e-3
-    settings = [(1 << 22, 4, 1, True), (1 << 24, 4, 1, True), (1 << 22, 4, 2, True), (1 << 22, 2, 1, True),
-                (1 << 22, 4, 1, False)]
+    # (sub_group_size, buffer_count, aio.thread_count, aio.queue_depth, compiled pool); the first is the default
+    settings = [(1 << 22, 4, 1, 8, True), (1 << 24, 4, 1, 8, True), (1 << 22, 4, 1, 1, True), (1 << 22, 4, 1, 2, True),
+                (1 << 22, 2, 1, 8, True), (1 << 22, 4, 1, 8, False)]
     rows: dict[str, list[float]] = {}
     plain = CPUAdam([param], **HYPER)
     for _ in range(args.rounds):
         rows.setdefault("CPUAdam, moments in memory", []).append(_timed(plain.step, args.steps))
-        for chunk, buffers, threads, compiled in settings:
-            opt = _swapped(param, args.dir, chunk, buffers, threads, compiled)
+        for chunk, buffers, threads, depth, compiled in settings:
+            opt = _swapped(param, args.dir, chunk, buffers, threads, depth, compiled)
             opt.step()  # the moments exist on disk from here on
-            label = (f"sub_group {chunk >> 20}M, {buffers} buffers, {threads} I/O thread(s), "
+            label = (f"sub_group {chunk >> 20}M, {buffers} buffers, {threads}x{depth} blocks in flight, "
                      f"{'compiled pool' if compiled else 'Python threads'}")
+            if (chunk, buffers, threads, depth, compiled) == settings[0]:  # once per round: the drive, same pool
+                rows.setdefault("disk alone (16 MiB requests, 4 queued, 8 blocks in flight)", []).append(
+                    _timed(disk_alone(opt), args.steps))
             rows.setdefault(f"I/O alone ({label})", []).append(_timed(io_alone(opt), args.steps))
             rows.setdefault(f"SwappedAdam ({label})", []).append(_timed(opt.step, args.steps))
             direct = opt.swapper.file.direct
             opt.swapper.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
+    disk = next(k for k in med if k.startswith("disk alone"))
     lines = [f"# NVMe swap of Adam's moments, {datetime.datetime.now():%Y-%m-%d %H:%M}", "",
              f"- {n / 1e6:.1f}M fp32 parameters, moments {2 * 4 * n / 2**20:.0f} MiB on {args.dir} "
              f"({'O_DIRECT' if direct else 'page cache'}); torch threads {torch.get_num_threads()}; "
@@ -107,6 +134,8 @@ def main() -> None:
         if k.startswith("SwappedAdam"):
             ratio = f"{med['I/O alone' + k[len('SwappedAdam'):]] / v:.2f}"
         moved = f"{16 * n / v / 1e9:.2f}" if not k.startswith("CPUAdam") else "-"
+        if k.startswith("SwappedAdam"):
+            ratio += f" (disk alone / step {med[disk] / v:.2f})"
         lines.append(f"| {k} | {v:.3f} | {moved} | {ratio} |")
     text = "\n".join(lines) + "\n"
     print(text)

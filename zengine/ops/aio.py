@@ -105,11 +105,18 @@ class IORequest:
 
 
 class AsyncIO:
-    """A pool of I/O threads (``aio.thread_count``) moving ``aio.block_size`` bytes per block."""
+    """Moves ``block_size`` bytes per block with ``thread_count * queue_depth`` blocks in flight.
 
-    def __init__(self, block_size: int = 1 << 20, thread_count: int = 1, use_kernel: bool = True):
+    DeepSpeed's ``aio`` keys mean: ``thread_count`` submitting threads, each keeping
+    ``queue_depth`` requests outstanding. Here every outstanding block is a pool thread asleep
+    in ``pread``/``pwrite``, so the pool has ``thread_count * queue_depth`` workers: the same
+    number of requests reach the drive.
+    """
+
+    def __init__(self, block_size: int = 1 << 20, thread_count: int = 1, queue_depth: int = 1,
+                 use_kernel: bool = True):
         self.block_size = int(block_size)
-        self.thread_count = max(1, int(thread_count))
+        self.thread_count = max(1, int(thread_count)) * max(1, int(queue_depth))
         self._kernel = load_op("async_io") if use_kernel else None
         self._handle: Optional[int] = None
         self._executor: Optional[ThreadPoolExecutor] = None

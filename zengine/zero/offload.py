@@ -77,12 +77,13 @@ class NVMePlacement(CPUPlacement):
         from ..ops.aio import AsyncIO
         from .swap import StateSwapper, SwappedAdam
 
-        block = getattr(self.aio_cfg, "block_size", 1 << 20)
-        threads = getattr(self.aio_cfg, "thread_count", 1)
+        aio = self.aio_cfg
+        block = aio.block_size if aio is not None else 1 << 20
+        threads, depth = (aio.thread_count, aio.queue_depth) if aio is not None else (1, 8)
 
         def swapper_for(numels):
-            return StateSwapper(numels, self.directory, self.chunk, self.buffer_count, AsyncIO(block, threads),
-                                self.pin)
+            return StateSwapper(numels, self.directory, self.chunk, self.buffer_count,
+                                AsyncIO(block, threads, depth), self.pin)
 
         return SwappedAdam.replacing(optimizer, swapper_for)
 
