@@ -260,3 +260,13 @@ def test_no_warning_for_a_clean_config():
 def test_warning_category():
     with pytest.warns(ConfigWarning, match="tensorboard"):
         load_config(_with(tensorboard={"enabled": True}), 1)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.json")))
+def test_shipped_configs_load(name):
+    """Every config in configs/ is valid as shipped, and asks for what its name says."""
+    cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs" / name), world_size=2)
+    assert cfg.zero_optimization.stage == int(name[4])  # zero<stage>...json
+    if "nvme" in name:
+        assert cfg.zero_optimization.offload_optimizer.device == "nvme"
+        assert cfg.zero_optimization.offload_param.device == "cpu"
