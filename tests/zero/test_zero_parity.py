@@ -117,7 +117,7 @@ def test_cpu_optimizer_offload_parity(world):
     spawn(parity_matrix, world, OFFLOAD_CASES)
 
 
-NVME_CASES = [(1, "fp32", 1, "nvme"), (2, "bf16", 3, "nvme"), (2, "fp32", 1, "nvme"), (3, "fp32", 3, "nvme"),
+NVME_CASES = [(1, "fp32", 1, "nvme"), (2, "bf16", 3, "nvme"), (2, "fp16", 3, "nvme"), (2, "fp32", 1, "nvme"), (3, "fp32", 3, "nvme"),
               (3, "bf16", 1, "nvme"), (3, "fp32", 1, "param"), (3, "bf16", 3, "param"), (3, "fp32", 3, "param+nvme")]
 
 

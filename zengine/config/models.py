@@ -286,11 +286,13 @@ def _stage_of(data: Dict[str, Any]) -> Optional[int]:
 class AioConfig(_Section):
     """Asynchronous file I/O used by NVMe offload."""
 
-    block_size: PositiveSize = Field(1_048_576, description="Bytes per I/O request.")
-    queue_depth: Count = Field(8, description="I/O requests in flight.")
-    thread_count: Count = Field(1, description="I/O threads per rank.")
-    single_submit: bool = Field(False, description="Submit requests one at a time rather than in batches.")
-    overlap_events: bool = Field(True, description="Overlap request submission with completion handling.")
+    block_size: PositiveSize = Field(1_048_576, description="Bytes per I/O block.")
+    queue_depth: Count = Field(8, description="Blocks each I/O thread keeps in flight.")
+    thread_count: Count = Field(1, description="I/O threads per rank (thread_count x queue_depth blocks in flight).")
+    single_submit: bool = Field(False, description="DeepSpeed's libaio batching switch; accepted, no effect "
+                                                   "(each block is its own request here).")
+    overlap_events: bool = Field(True, description="DeepSpeed's libaio overlap switch; accepted, no effect "
+                                                   "(submission and completion always overlap here).")
 
 
 def precision_problem(fp16: FP16Config, bf16: BF16Config) -> Optional[str]:

@@ -147,8 +147,9 @@ class SwappedAdam(CPUAdam):
     def replacing(cls, optimizer: torch.optim.Optimizer, swapper_for) -> "SwappedAdam":
         """A SwappedAdam with ``optimizer``'s groups and hyper-parameters (it must be a CPUAdam)."""
         if not isinstance(optimizer, CPUAdam):
-            raise ValueError(f"offload_optimizer.device 'nvme' swaps Adam's moments and needs optimizer.type "
-                             f"Adam, AdamW or CPUAdam; got {type(optimizer).__name__}")
+            raise ValueError(f"offload_optimizer.device 'nvme' swaps Adam's moments and needs CPUAdam: optimizer.type "
+                             f"Adam, AdamW or CPUAdam in the config, or a zengine.ops.CPUAdam passed as the client "
+                             f"optimizer; got {type(optimizer).__name__}")
         return cls(optimizer.param_groups, optimizer.defaults, swapper_for)
 
     def keep_unchanged(self, param: torch.Tensor, lo: int, hi: int) -> None:
