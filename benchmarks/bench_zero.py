@@ -147,10 +147,16 @@ def build_zero_redundancy(model: torch.nn.Module, bucket: int) -> Trainer:
                    "params + grads + this rank's AdamW state; DDP's reducer buckets not counted")
 
 
-def zero_config(stage: int, bucket: int) -> dict:
-    """The config zengine and DeepSpeed both get (DeepSpeed's optimizer section is ignored: it gets
-    a client optimizer)."""
-    return {
+# Optimizer offload variants: where Adam's states go (None: on the device, which is the CPU here too).
+OFFLOAD = {None: None, "cpu": {"device": "cpu"},
+           "nvme": {"device": "nvme", "nvme_path": os.path.join(tempfile.gettempdir(), "zengine_bench_nvme"),
+                    "buffer_count": 4}}
+
+
+def zero_config(stage: int, bucket: int, offload: str | None = None) -> dict:
+    """The config zengine and DeepSpeed both get (DeepSpeed's optimizer section is ignored unless it
+    offloads: it gets a client optimizer)."""
+    cfg = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW",
@@ -160,13 +166,17 @@ def zero_config(stage: int, bucket: int) -> dict:
         "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                               **(STAGE3 if stage == 3 else {})},
     }
+    if offload is not None:
+        cfg["zero_optimization"]["offload_optimizer"] = OFFLOAD[offload]
+        cfg["zero_optimization"]["sub_group_size"] = 2 ** 20  # NVMe: 4 buffers x 8 B x 1M elements = 32 MiB
+    return cfg
 
 
-def build_zengine(stage: int):
+def build_zengine(stage: int, offload: str | None = None):
     def build(model: torch.nn.Module, bucket: int) -> Trainer:
         import zengine
 
-        engine, optimizer, _, _ = zengine.initialize(model=model, config=zero_config(stage, bucket))
+        engine, optimizer, _, _ = zengine.initialize(model=model, config=zero_config(stage, bucket, offload))
         inner = getattr(optimizer, "optimizer", optimizer)
         fused = getattr(inner, "defaults", {}).get("fused")
 
@@ -209,13 +219,17 @@ def tensors_reachable(obj, depth: int = 4, seen=None) -> list[torch.Tensor]:
     return [t for child in children for t in tensors_reachable(child, depth - 1, seen)]
 
 
-def build_deepspeed(stage: int):
+def build_deepspeed(stage: int, offload: str | None = None):
     def build(model: torch.nn.Module, bucket: int) -> Trainer:
         import deepspeed
 
-        config = {k: v for k, v in zero_config(stage, bucket).items() if k != "optimizer"}
-        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch_adamw(model.parameters()),
-                                                       config=config)
+        if offload is None:
+            config = {k: v for k, v in zero_config(stage, bucket).items() if k != "optimizer"}
+            engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch_adamw(model.parameters()),
+                                                           config=config)
+        else:  # offload wants DeepSpeed's own CPU Adam, built from the config's optimizer section
+            engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                           config=zero_config(stage, bucket, offload))
 
         def forward_backward(x, y):
             loss = engine(x, y)
@@ -272,6 +286,10 @@ CONTENDERS: dict[str, tuple[Callable, str]] = {
     "deepspeed-1": (build_deepspeed(1), "os"),
     "deepspeed-2": (build_deepspeed(2), "os+g"),
     "deepspeed-3": (build_deepspeed(3), "p+os+g"),
+    # optimizer offload (the "device" is the CPU here, so the formulas are unchanged except for NVMe)
+    "zengine-2-offload": (build_zengine(2, "cpu"), "os+g"),
+    "zengine-2-nvme": (build_zengine(2, "nvme"), "os+g-nvme"),
+    "deepspeed-2-offload": (build_deepspeed(2, "cpu"), "os+g"),
 }
 
 
@@ -279,10 +297,12 @@ def formula_bytes(kind: str, numel: int, world: int, gathered: int = 0) -> float
     """ZeRO paper's per-rank model-state bytes for fp32 Adam (params 4, grads 4, Adam moments 8 per element);
     with parameters partitioned too (stage 3), plus 4 bytes per element of the parameters held whole."""
     return {"ddp": 16 * numel, "os": 8 * numel + 8 * numel / world, "os+g": 4 * numel + 12 * numel / world,
-            "p+os+g": 16 * numel / world + 4 * gathered}[kind]
+            "p+os+g": 16 * numel / world + 4 * gathered,
+            "os+g-nvme": 4 * numel + 4 * numel / world}[kind]
 
 
-FORMULA_TEXT = {"ddp": "16Ψ", "os": "8Ψ+8Ψ/W", "os+g": "4Ψ+12Ψ/W", "p+os+g": "16Ψ/W+4·gathered"}
+FORMULA_TEXT = {"ddp": "16Ψ", "os": "8Ψ+8Ψ/W", "os+g": "4Ψ+12Ψ/W", "p+os+g": "16Ψ/W+4·gathered",
+                "os+g-nvme": "4Ψ+4Ψ/W (+swap buffers; moments on disk)"}
 
 
 # -- one worker ----------------------------------------------------------------------------------
@@ -472,7 +492,8 @@ def main() -> None:
         if ok:
             notes.append(f"- DeepSpeed {info} (DS_ACCELERATOR=cpu), ZeRO with a client torch fused AdamW. "
                          "It keeps its fp32 master partition as a copy even for an fp32 model (+4Ψ/W over the "
-                         "formula), and its gradient bucket buffer is counted too.")
+                         "formula), and its gradient bucket buffer is counted too. deepspeed-2-offload instead builds its "
+                         "own DeepSpeedCPUAdam from the config's optimizer section (offload_optimizer cpu).")
         else:
             names = [n for n in names if not n.startswith("deepspeed")]
             notes.append(f"- DeepSpeed skipped: `import deepspeed` failed ({info}).")
