@@ -57,9 +57,8 @@ def _timed(fn, steps: int) -> float:
 
 def _swapped(param, directory, chunk, buffers, threads, depth, compiled) -> SwappedAdam:
     io = AsyncIO(1 << 20, threads, depth, use_kernel=compiled)
-    opt = SwappedAdam.replacing(CPUAdam([param], **HYPER),
-                                lambda numels: StateSwapper(numels, directory, chunk, buffers, io))
-    return opt
+    return SwappedAdam.replacing(CPUAdam([param], **HYPER),
+                                 lambda numels: StateSwapper(numels, directory, chunk, buffers, io))
 
 
 def io_alone(opt: SwappedAdam) -> float:

@@ -210,35 +210,47 @@ class CPUAdam(torch.optim.Optimizer):
         by_id = {id(p): out for p, out in copy_out.items()}
         return self._step(closure, by_id)
 
-    def _step(self, closure, copy_out_by_id: dict[int, torch.Tensor]):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _step(self, closure, copy_out_by_id: Mapping[int, torch.Tensor]):
+        loss = self._run_closure(closure)
+        for group, param, state, step in self._due():
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            adam_step_(param, param.grad, state["exp_avg"], state["exp_avg_sq"], step=step,
+                       copy_out=copy_out_by_id.get(id(param)), **self._hyper(group))
+        return loss
+
+    @staticmethod
+    def _run_closure(closure):
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def _due(self):
+        """(group, param, state, step number) for every parameter with a gradient, its step counted in ``state``."""
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for param in group["params"]:
                 if param.grad is None:
                     continue
                 if param.grad.is_sparse:
                     raise RuntimeError("CPUAdam does not support sparse gradients")
                 state = self.state[param]
-                if len(state) == 0:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                if "step" not in state:
+                    state["step"] = torch.tensor(0.0)  # a tensor, as torch keeps it (an int if loaded so)
                 step = int(state["step"]) + 1
-                if isinstance(state["step"], torch.Tensor):
+                if torch.is_tensor(state["step"]):
                     state["step"].fill_(step)
                 else:
                     state["step"] = step
-                adam_step_(
-                    param, param.grad, state["exp_avg"], state["exp_avg_sq"],
-                    step=step, lr=float(group["lr"]), betas=(beta1, beta2), eps=group["eps"],
+                yield group, param, state, step
+
+    @staticmethod
+    def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+        """``adam_step_``'s keyword arguments from a param group."""
+        return dict(lr=float(group["lr"]), betas=tuple(group["betas"]), eps=group["eps"],
                     weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
-                    bias_correction=group["bias_correction"], copy_out=copy_out_by_id.get(id(param)),
-                )
-        return loss
+                    bias_correction=group["bias_correction"])
 
 
 DeepSpeedCPUAdam = CPUAdam

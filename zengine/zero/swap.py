@@ -139,6 +139,7 @@ class SwappedAdam(CPUAdam):
     def __init__(self, param_groups, defaults: dict, swapper_for: Callable[[list[int]], StateSwapper]):
         super().__init__(param_groups, **defaults)
         self._params = [p for g in self.param_groups for p in g["params"]]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
         self.swapper = swapper_for([p.numel() for p in self._params])
         self._on_disk: set[int] = set()  # indices of parameters whose moments the file holds
         self._keep: dict[int, list[tuple[int, int]]] = {}
@@ -154,49 +155,29 @@ class SwappedAdam(CPUAdam):
 
     def keep_unchanged(self, param: torch.Tensor, lo: int, hi: int) -> None:
         """This step must leave the moments of ``param[lo:hi]`` as they are (nobody used those elements)."""
-        self._keep.setdefault(self._index(param), []).append((lo, hi))
-
-    def _index(self, param: torch.Tensor) -> int:
-        for i, p in enumerate(self._params):
-            if p is param:
-                return i
-        raise KeyError("not a parameter of this optimizer")
+        self._keep.setdefault(self._index[id(param)], []).append((lo, hi))
 
     def _step(self, closure, copy_out_by_id: Mapping[int, torch.Tensor]):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        hyper, jobs = {}, []
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                i = self._index(param)
-                state = self.state[param]
-                if "step" not in state:
-                    state["step"] = torch.tensor(0.0)
-                step = int(state["step"]) + 1
-                state["step"].fill_(step)
-                hyper[i] = (group, step, param, copy_out_by_id.get(id(param)))
-                jobs += self.swapper.chunks[i]
+        loss = self._run_closure(closure)
+        due, jobs = {}, []
+        for group, param, _, step in self._due():
+            i = self._index[id(param)]
+            due[i] = (self._hyper(group), step, param, copy_out_by_id.get(id(param)))
+            jobs += self.swapper.chunks[i]
         keep, self._keep = self._keep, {}
 
         def compute(c: Chunk, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-            group, step, param, out = hyper[c.index]
+            hyper, step, param, out = due[c.index]
             saved = [(lo, hi, exp_avg[lo - c.lo:hi - c.lo].clone(), exp_avg_sq[lo - c.lo:hi - c.lo].clone())
                      for lo, hi in _overlaps(keep.get(c.index, ()), c.lo, c.hi)]
             adam_step_(param.data[c.lo:c.hi], param.grad[c.lo:c.hi], exp_avg, exp_avg_sq, step=step,
-                       lr=float(group["lr"]), betas=tuple(group["betas"]), eps=group["eps"],
-                       weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
-                       bias_correction=group["bias_correction"],
-                       copy_out=out.view(-1)[c.lo:c.hi] if out is not None else None)
+                       copy_out=out.view(-1)[c.lo:c.hi] if out is not None else None, **hyper)
             for lo, hi, m, v in saved:
                 exp_avg[lo - c.lo:hi - c.lo].copy_(m)
                 exp_avg_sq[lo - c.lo:hi - c.lo].copy_(v)
 
         self.swapper.stream(jobs, lambda c: c.index not in self._on_disk, compute)
-        self._on_disk.update(hyper)
+        self._on_disk.update(due)
         return loss
 
     @contextlib.contextmanager

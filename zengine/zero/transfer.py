@@ -89,11 +89,9 @@ class StreamCopies(HostCopies):
     def copy_out_target(self, gi: int, owned: torch.Tensor) -> torch.Tensor:
         if owned.device.type != "cuda":
             return owned
-        held = self.staging.get(gi)
-        if held is None or held[1].data_ptr() != owned.data_ptr() or held[0].numel() != owned.numel():
-            held = (torch.empty(owned.numel(), dtype=owned.dtype, pin_memory=True), owned)
-            self.staging[gi] = held
-        return held[0]
+        if gi not in self.staging:  # a group's parameter shard never moves: one staging buffer each
+            self.staging[gi] = (torch.empty(owned.numel(), dtype=owned.dtype, pin_memory=True), owned)
+        return self.staging[gi][0]
 
     def before_step(self) -> None:
         if self.uploaded is not None:  # CPUAdam is about to overwrite the staging the last upload read
