@@ -70,3 +70,11 @@ def test_an_io_error_names_the_file(tmp_path, kind):
 def test_swap_file_reservation_fails_clearly_when_the_disk_cannot_hold_it(tmp_path):
     with pytest.raises(OSError, match="cannot reserve .* MiB for NVMe swap"):
         SwapFile(tmp_path, 1 << 62)
+
+
+def test_swap_file_in_an_unusable_directory_names_it(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError, match="cannot create an NVMe swap file in .*a-file/swap.*nvme_path must name a "
+                                      "writable directory"):
+        SwapFile(blocker / "swap", ALIGN)

@@ -44,8 +44,12 @@ class SwapFile:
     before training, rather than midway."""
 
     def __init__(self, directory: str | os.PathLike, size: int, direct: bool = True, prefix: str = "zengine-swap-"):
-        os.makedirs(directory, exist_ok=True)
-        fd, path = tempfile.mkstemp(prefix=prefix, dir=directory)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd, path = tempfile.mkstemp(prefix=prefix, dir=directory)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot create an NVMe swap file in {directory}: {e.strerror}; nvme_path must "
+                                   f"name a writable directory") from e
         os.close(fd)
         self.path = path
         self.direct = False
