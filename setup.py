@@ -49,6 +49,9 @@ setup(
     install_requires=[
         "torch>=2.4,<2.14",
         "pydantic>=2.0,<3",
+        # Config files are read with hjson, as DeepSpeed reads them (// and # comments, trailing
+        # commas); a maintained parser rather than a hand-written one.
+        "hjson>=3.0,<4",
         "psutil",
         "py-cpuinfo",
         "ninja",

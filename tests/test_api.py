@@ -23,7 +23,7 @@ def test_bad_config_is_refused_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match="nope.json"):
         zengine.initialize(model=model, config=str(missing))
     broken = tmp_path / "broken.json"
-    broken.write_text('{"train_batch_size": 8,\n  "fp16": {enabled: true}}')
+    broken.write_text('{"train_batch_size": 8,\n  "fp16": {"enabled": true}]}')  # a bracket that closes nothing
     with pytest.raises(ConfigError, match="line 2"):
         zengine.initialize(model=model, config=str(broken))
     assert not dist.is_initialized(), "the process group was started before the config was checked"

@@ -40,9 +40,9 @@ def test_directory_is_rejected(tmp_path):
 
 def test_malformed_json_reports_line_and_column(tmp_path):
     path = tmp_path / "bad.json"
-    path.write_text('{\n  "train_batch_size": 8,\n  "fp16": {"enabled": true,}\n}\n')
+    path.write_text('{\n  "train_batch_size": 8,\n  "fp16": {"enabled" true}\n}\n')
     message = _error(path)
-    assert str(path) in message and "line 3, column 28" in message
+    assert str(path) in message and "line 3, column 22" in message
 
 
 def test_duplicate_keys_are_rejected(tmp_path):

@@ -68,9 +68,14 @@ def test_optimizer_types_case_insensitive(name):
     assert OptimizerConfig(type=name.upper()).params == {}
 
 
+REQUIRED_SCHEDULER_PARAMS = {"WarmupDecayLR": {"total_num_steps": 100}, "WarmupCosineLR": {"total_num_steps": 100},
+                             "OneCycle": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1}}
+
+
 @pytest.mark.parametrize("name", SUPPORTED_SCHEDULERS)
 def test_scheduler_types_case_insensitive(name):
-    assert SchedulerConfig(type=name.lower(), params=None).type == name
+    params = REQUIRED_SCHEDULER_PARAMS.get(name)
+    assert SchedulerConfig(type=name.lower(), params=params).type == name
 
 
 def test_compute_dtype_and_offload_properties():

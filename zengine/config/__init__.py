@@ -3,9 +3,11 @@
     cfg = load_config("configs/zero2.json", world_size=4)   # raises ConfigError listing every problem
     print(format_config(cfg))                               # key.path = value, * where changed
 
-``models`` holds the typed sections, ``unsupported`` the DeepSpeed keys zengine
+``models`` holds the typed sections (the optimizer and scheduler params checked
+with ``zengine.optim``'s rules), ``unsupported`` the DeepSpeed keys zengine
 knows but does not implement, ``batch`` the batch-size rule, ``load`` reading
-and error messages, ``report`` the log rendering.
+(JSON, or hjson's comments and trailing commas as DeepSpeed accepts them) and
+error messages, ``report`` the log rendering.
 """
 from .batch import BatchSizes, resolve_batch_sizes
 from .load import ConfigError, ConfigWarning, load_config

@@ -1,14 +1,16 @@
 """``load_config``: read a JSON file or dict, validate it, resolve the batch sizes.
 
-Every problem found in a config is collected and raised as one ``ConfigError``
-with one line per problem, each starting with the key path, so a user fixes
-the whole file in one pass, before any process group or model work starts.
+Files are read with hjson, as DeepSpeed reads them, so ``//``, ``#`` and ``/* */``
+comments and trailing commas are accepted; plain JSON reads exactly as with
+``json``. Every problem found in a config is collected and raised as one
+``ConfigError`` with one line per problem, each starting with the key path, so
+a user fixes the whole file in one pass, before any process group or model work
+starts.
 """
 from __future__ import annotations
 
 import copy
 import difflib
-import json
 import os
 import re
 import typing
@@ -17,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Type, Union
 
+import hjson
 from pydantic import BaseModel, ValidationError
 
 from .batch import GAS, MICRO, TBS, resolve_batch_sizes
@@ -25,8 +28,10 @@ from .unsupported import screen, unsupported_keys_under
 
 ConfigSource = Union[str, "os.PathLike[str]", Mapping]
 
-_AUTO_HINT = ('; "auto" is a placeholder that the Hugging Face Trainer fills in, '
-              "so give a value when the config is used without it")
+_AUTO_HINT = ('; "auto" values are filled in by the Hugging Face Trainer integration, not by zengine '
+              "(nor by DeepSpeed itself), so write the value here")
+_UNQUOTED_HINT = ("; a value written without quotes runs to the end of its line in a config file (hjson), "
+                  "comma included: check the quotes")
 # A model validator's message line: "relative.key.path: text".
 _KEYED_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): (.*)$")
 
@@ -42,7 +47,8 @@ class ConfigWarning(UserWarning):
 def load_config(config: ConfigSource, world_size: int) -> ZengineConfig:
     """Read, validate and resolve a DeepSpeed-style config.
 
-    ``config`` is a path to a JSON file or a dict (not modified).
+    ``config`` is a path to a JSON file (comments and trailing commas allowed, as DeepSpeed
+    allows them) or a dict (not modified).
     ``world_size`` is the data-parallel world size that the batch rule uses.
     Raises ``ConfigError`` listing every problem. Keys that zengine accepts
     without acting on them are named in one ``ConfigWarning``.
@@ -101,9 +107,11 @@ def _read(config: Any) -> Tuple[str, Dict[str, Any]]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"cannot read config file {path}: {error}") from error
+    if not text.strip():
+        raise ConfigError(f"config file is empty: {path}")
     try:
-        raw = json.loads(text, object_pairs_hook=_no_duplicate_keys)
-    except json.JSONDecodeError as error:
+        raw = _plain(hjson.loads(text, object_pairs_hook=_no_duplicate_keys, parse_float=_Decimal))
+    except hjson.HjsonDecodeError as error:
         raise ConfigError(f"malformed JSON in {path} at line {error.lineno}, column {error.colno}: "
                           f"{error.msg}") from None
     except _DuplicateKey as error:
@@ -112,6 +120,32 @@ def _read(config: Any) -> Tuple[str, Dict[str, Any]]:
         raise ConfigError(f"{path}: the config must be a JSON object ({{...}}), "
                           f"got a JSON {_json_kind(raw)}")
     return str(path), raw
+
+
+class _Decimal:
+    """A number written with a fraction or an exponent, until ``_plain`` makes it a float.
+
+    hjson turns an integral decimal into an int (2.0 -> 2), which would let ``"train_batch_size": 2.0``
+    pass as an int; it does so when ``int(x) == x``, which never holds for this class."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __int__(self) -> int:
+        return 0
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every ``_Decimal`` made a float, as ``json`` would have read it."""
+    if isinstance(value, _Decimal):
+        return float(value.text)
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value
 
 
 class _DuplicateKey(Exception):
@@ -177,12 +211,31 @@ def _describe(error: ValidationError) -> List[str]:
 
 
 def _keyed_lines(path: str, message: str, value: Any) -> Iterator[str]:
+    """The lines of a validator's message under ``path``; ``value`` is what the validator got,
+    a line ``"key.path: text"`` is about the value at that relative key path."""
     for line in message.splitlines():
         match = _KEYED_LINE.match(line)
         if match:
-            yield f"{_join(path, match.group(1))}: {match.group(2)}"
+            yield f"{_join(path, match.group(1))}: {match.group(2)}{_hint(_value_at(value, match.group(1)))}"
         else:
-            yield f"{path or 'config'}: {line}{_AUTO_HINT if value == 'auto' else ''}"
+            yield f"{path or 'config'}: {line}{_hint(value)}"
+
+
+def _value_at(value: Any, dotted: str) -> Any:
+    for key in dotted.split("."):
+        if not isinstance(value, Mapping) or key not in value:
+            return None
+        value = value[key]
+    return value
+
+
+def _hint(value: Any) -> str:
+    """What a refused value probably means, for two values a person writes on purpose."""
+    if isinstance(value, str) and value == "auto":
+        return _AUTO_HINT
+    if isinstance(value, str) and value.rstrip().endswith(","):
+        return _UNQUOTED_HINT
+    return ""
 
 
 def _got(item: Dict[str, Any]) -> str:
@@ -191,7 +244,7 @@ def _got(item: Dict[str, Any]) -> str:
     value = item["input"]
     text = repr(value)
     text = text if len(text) <= 60 else text[:57] + "..."
-    return f" (got {text}){_AUTO_HINT if value == 'auto' else ''}"
+    return f" (got {text}){_hint(value)}"
 
 
 def _join(*parts: str) -> str:

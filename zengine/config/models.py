@@ -4,6 +4,15 @@ Every model forbids unknown keys and re-validates on assignment. Key names,
 meanings and defaults follow DeepSpeed's config. Cross-field checks raise one
 ``ValueError`` whose lines each start with the key path, relative to the
 model, followed by ``": "``; ``load.py`` prefixes the model's own path.
+
+Types are strict where JSON's are easy to confuse: a flag takes only true or
+false (not 1, not "yes"), and an integer key refuses a boolean and a float
+(``"stage": true`` and ``"train_batch_size": 2.0`` are errors), while a
+decimal key takes any number but a boolean (``"gradient_clipping": 1`` is
+fine). Sizes keep DeepSpeed's spellings (5e8, "5e8"); an integer or decimal
+written as a string ("8", "1.0") is read as before. The ``optimizer`` and
+``scheduler`` params are checked against the rules the builders in
+``zengine.optim`` apply, so they fail here, before any process group starts.
 """
 from __future__ import annotations
 
@@ -11,15 +20,18 @@ import difflib
 import math
 import warnings
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Dict, Literal, Optional, Tuple
+from typing import Annotated, Any, ClassVar, Dict, List, Literal, Optional, Tuple
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool, ValidationError,
+                      field_validator, model_validator)
+
+from zengine.optim import SCHEDULER_NAMES, optimizer_param_problems, scheduler_param_problems
 
 SUPPORTED_OPTIMIZERS: Tuple[str, ...] = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "CPUAdam", "DeepSpeedCPUAdam")
 """``optimizer.type`` values zengine can build (matched case-insensitively)."""
 
-SUPPORTED_SCHEDULERS: Tuple[str, ...] = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+SUPPORTED_SCHEDULERS: Tuple[str, ...] = SCHEDULER_NAMES
 """``scheduler.type`` values zengine can build (matched case-insensitively)."""
 
 # DeepSpeed optimizers zengine does not build, named so the error says so.
@@ -55,16 +67,34 @@ def _not_bool(value: Any) -> Any:
     return value
 
 
+def _integer(value: Any) -> Any:
+    """Refuse a boolean or a float where an int is expected (pydantic would take true as 1 and
+    2.0 as 2); a string must spell an int ("8")."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected an integer, not a boolean ({value!r})")
+    if isinstance(value, float):
+        raise ValueError(f"expected an integer, not a decimal number ({value!r})")
+    if isinstance(value, str) and not value.strip().lstrip("+-").isdigit():
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
 def _auto_is_unset(value: Any) -> Any:
     """Hugging Face configs write "auto" for a batch key the Trainer fills in."""
-    return None if value == "auto" else _not_bool(value)
+    return None if value == "auto" else _integer(value)
 
 
+Integer = Annotated[int, BeforeValidator(_integer)]
+"""An int: not a boolean, not a float (even 2.0)."""
+Number = Annotated[float, BeforeValidator(_not_bool)]
+"""A decimal number; an int is welcome, a boolean is not."""
+Flag = StrictBool
+"""true or false, nothing else (not 1, not "yes")."""
 Size = Annotated[int, BeforeValidator(_whole_number), Field(ge=0)]
 """A count of elements or bytes; 0 is meaningful (e.g. no persistence)."""
 PositiveSize = Annotated[int, BeforeValidator(_whole_number), Field(ge=1)]
 """A buffer or bucket size, which must hold at least one element."""
-Count = Annotated[int, BeforeValidator(_not_bool), Field(ge=1)]
+Count = Annotated[int, BeforeValidator(_integer), Field(ge=1)]
 """A small positive count (buffers, threads, steps)."""
 BatchSize = Annotated[Optional[Annotated[int, Field(ge=1)]], BeforeValidator(_auto_is_unset)]
 """A batch key; None (or "auto") until ``load_config`` resolves it."""
@@ -75,6 +105,40 @@ class _Section(BaseModel):
     """Base of every config model: strict keys, checked assignment, finite floats."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @classmethod
+    def _prepare(cls, data: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
+        """Rewrite older DeepSpeed spellings in ``data`` (a private copy of the raw section).
+        Returns the data to validate and the problems met on the way, ``"key: text"`` lines
+        that are reported together with the section's other problems."""
+        return data, []
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _prepare_then_validate(cls, data: Any, handler: Any) -> Any:
+        """``_prepare``, then the fields; a wrap validator rather than a "before" one so that a
+        problem met while rewriting (two spellings of one key) does not hide the field problems."""
+        problems: List[str] = []
+        if isinstance(data, dict):
+            data, problems = cls._prepare(dict(data))
+        try:
+            section = handler(data)
+        except ValidationError as error:
+            if not problems:
+                raise
+            raise _with_problems(error, data, problems) from None
+        if problems:
+            raise ValueError("\n".join(problems))
+        return section
+
+
+def _with_problems(error: ValidationError, data: Any, problems: List[str]) -> ValidationError:
+    """``error`` with ``problems`` added as one more error of the section itself."""
+    details = [{"type": item["type"], "loc": item["loc"], "input": item["input"],
+                **({"ctx": item["ctx"]} if "ctx" in item else {})} for item in error.errors()]
+    details.append({"type": "value_error", "loc": (), "input": data,
+                    "ctx": {"error": ValueError("\n".join(problems))}})
+    return ValidationError.from_exception_data(error.title, details)
 
 
 def _canonical_type(value: Any, supported: Tuple[str, ...], kind: str, elsewhere: Tuple[str, ...] = ()) -> str:
@@ -94,16 +158,24 @@ def _canonical_type(value: Any, supported: Tuple[str, ...], kind: str, elsewhere
 
 
 class _NamedSection(_Section):
-    """A ``{"type": name, "params": {...}}`` section: the name is checked here, the params when built."""
+    """A ``{"type": name, "params": {...}}`` section: the name and the params are both checked
+    here, the params with the rules of the builder that will use them."""
 
     type: str = Field(description="Name, matched case-insensitively and stored in its canonical spelling.")
     params: Dict[str, Any] = Field(default_factory=dict,
-                                   description="Keyword arguments, checked when the object is built.")
+                                   description="Keyword arguments of the named type, checked against the "
+                                               "parameters it takes and their types and ranges.")
 
     @field_validator("params", mode="before")
     @classmethod
     def _null_params(cls, value: Any) -> Any:
         return {} if value is None else value
+
+
+def _raise_param_problems(problems: List[Tuple[str, str]]) -> None:
+    """Raise the ``(key, text)`` problems of a section's params, one ``params.<key>: text`` line each."""
+    if problems:
+        raise ValueError("\n".join(f"params.{key}: {text}" for key, text in problems))
 
 
 class OptimizerConfig(_NamedSection):
@@ -115,6 +187,11 @@ class OptimizerConfig(_NamedSection):
     def _known_type(cls, value: Any) -> str:
         return _canonical_type(value, SUPPORTED_OPTIMIZERS, "optimizer", _DEEPSPEED_ONLY_OPTIMIZERS)
 
+    @model_validator(mode="after")
+    def _valid_params(self) -> "OptimizerConfig":
+        _raise_param_problems(optimizer_param_problems(self.type, self.params))
+        return self
+
 
 class SchedulerConfig(_NamedSection):
     """The learning-rate scheduler zengine builds when ``initialize`` is given none (type: one of
@@ -125,18 +202,34 @@ class SchedulerConfig(_NamedSection):
     def _known_type(cls, value: Any) -> str:
         return _canonical_type(value, SUPPORTED_SCHEDULERS, "scheduler")
 
+    @model_validator(mode="after")
+    def _valid_params(self) -> "SchedulerConfig":
+        _raise_param_problems(scheduler_param_problems(self.type, self.params))
+        return self
+
+
+class NonFiniteGradientsConfig(_Section):
+    """What a boundary step does when the global gradient norm is NaN or Inf (zengine's own key)."""
+
+    skip: Flag = Field(True, description="Skip the step on every rank (counted, logged); false applies it "
+                                         "anyway in fp32/bf16 (fp16 with dynamic scaling always skips).")
+    max_consecutive_skips: Integer = Field(50, ge=0, description="Raise, naming the first parameter whose "
+                                           "gradient is non-finite, after this many skipped steps in a row; "
+                                           "0 never raises.")
+    warn_every: Count = Field(100, description="Log the first skip, then every this many skips.")
+
 
 class FP16Config(_Section):
     """float16 mixed precision with loss scaling."""
 
-    enabled: bool = Field(False, description="Compute in float16, keeping fp32 master weights.")
-    loss_scale: float = Field(0.0, ge=0, description="Static loss scale; 0 selects dynamic loss scaling.")
-    initial_scale_power: int = Field(16, ge=0, description="Dynamic scaling starts at 2**initial_scale_power.")
+    enabled: Flag = Field(False, description="Compute in float16, keeping fp32 master weights.")
+    loss_scale: Number = Field(0.0, ge=0, description="Static loss scale; 0 selects dynamic loss scaling.")
+    initial_scale_power: Integer = Field(16, ge=0, description="Dynamic scaling starts at 2**initial_scale_power.")
     loss_scale_window: Count = Field(1000, description="Steps without overflow before the dynamic scale doubles.")
     hysteresis: Count = Field(2, description="Overflows tolerated before the dynamic scale is halved.")
-    consecutive_hysteresis: bool = Field(False, description="Refill the hysteresis budget after every step "
+    consecutive_hysteresis: Flag = Field(False, description="Refill the hysteresis budget after every step "
                                                             "without overflow.")
-    min_loss_scale: float = Field(1.0, gt=0, description="The dynamic scale never drops below this value.")
+    min_loss_scale: Number = Field(1.0, gt=0, description="The dynamic scale never drops below this value.")
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -152,7 +245,7 @@ class FP16Config(_Section):
 class BF16Config(_Section):
     """bfloat16 mixed precision (no loss scaling needed)."""
 
-    enabled: bool = Field(False, description="Compute in bfloat16, keeping fp32 master weights.")
+    enabled: Flag = Field(False, description="Compute in bfloat16, keeping fp32 master weights.")
 
 
 class OffloadOptimizerConfig(_Section):
@@ -161,10 +254,10 @@ class OffloadOptimizerConfig(_Section):
     device: OffloadDevice = Field("none", description='"none" keeps states on the device; "cpu" or "nvme" '
                                                       'moves them there and steps on the CPU.')
     nvme_path: Optional[Path] = Field(None, description="Directory for swapped states; required with nvme.")
-    pin_memory: bool = Field(False, description="Use page-locked host buffers for faster copies.")
+    pin_memory: Flag = Field(False, description="Use page-locked host buffers for faster copies.")
     buffer_count: Count = Field(4, description="Host buffers in the NVMe swap pool; at least the number of "
                                                "tensors per parameter the optimizer keeps.")
-    fast_init: bool = Field(False, description="Skip writing initial optimizer states to NVMe.")
+    fast_init: Flag = Field(False, description="Skip writing initial optimizer states to NVMe.")
 
     @property
     def enabled(self) -> bool:
@@ -178,7 +271,7 @@ class OffloadParamConfig(_Section):
     device: OffloadDevice = Field("none", description='"none" keeps shards on the device; "cpu" or "nvme" '
                                                       'moves them there.')
     nvme_path: Optional[Path] = Field(None, description="Directory for swapped parameters; required with nvme.")
-    pin_memory: bool = Field(False, description="Use page-locked host buffers for faster copies.")
+    pin_memory: Flag = Field(False, description="Use page-locked host buffers for faster copies.")
     buffer_count: Count = Field(5, description="Buffers in the NVMe parameter swap pool.")
     buffer_size: PositiveSize = Field(100_000_000, description="Elements per NVMe parameter swap buffer.")
     max_in_cpu: Size = Field(1_000_000_000, description="Parameter elements kept in CPU memory with NVMe "
@@ -199,16 +292,16 @@ class ZeroConfig(_Section):
         "cpu_offload_param": "offload_param",
     }
 
-    stage: int = Field(0, ge=0, le=3, description="0: plain data parallel; 1: shard optimizer states; "
-                                                  "2: also gradients; 3: also parameters.")
-    contiguous_gradients: bool = Field(True, description="Copy gradients into one contiguous buffer as they "
+    stage: Integer = Field(0, ge=0, le=3, description="0: plain data parallel; 1: shard optimizer states; "
+                                                      "2: also gradients; 3: also parameters.")
+    contiguous_gradients: Flag = Field(True, description="Copy gradients into one contiguous buffer as they "
                                                          "are produced, avoiding fragmentation.")
-    overlap_comm: bool = Field(False, description="Overlap gradient reduction with the backward pass. "
+    overlap_comm: Flag = Field(False, description="Overlap gradient reduction with the backward pass. "
                                                   "Default: true at stage 3, false otherwise.")
-    reduce_scatter: bool = Field(True, description="Reduce gradients with reduce-scatter rather than "
+    reduce_scatter: Flag = Field(True, description="Reduce gradients with reduce-scatter rather than "
                                                    "all-reduce.")
     reduce_bucket_size: PositiveSize = Field(500_000_000, description="Elements reduced in one collective.")
-    allgather_partitions: bool = Field(True, description="Gather updated shards with all-gather rather than "
+    allgather_partitions: Flag = Field(True, description="Gather updated shards with all-gather rather than "
                                                          "a series of broadcasts.")
     allgather_bucket_size: PositiveSize = Field(500_000_000, description="Elements all-gathered in one "
                                                                          "collective.")
@@ -226,25 +319,26 @@ class ZeroConfig(_Section):
                                                                         "at once before releasing.")
     stage3_max_reuse_distance: Size = Field(1_000_000_000, description="Keep a gathered parameter if it is "
                                                                        "used again within this many elements.")
-    stage3_gather_16bit_weights_on_model_save: bool = Field(False, description="Gather the full 16-bit "
+    stage3_gather_16bit_weights_on_model_save: Flag = Field(False, description="Gather the full 16-bit "
                                                                                "weights when saving the model.")
-    stage3_debug_fetch_order: bool = Field(False, description=(
+    stage3_debug_fetch_order: Flag = Field(False, description=(
         "zengine only: every rank records the sequence of stage-3 parameter fetches of the first step and "
         "the ranks compare them, naming the first parameter where they diverge. A diverging order "
         "deadlocks the all-gathers, so this turns a hang into an error. Costs one extra collective."))
 
-    @model_validator(mode="before")
     @classmethod
-    def _map_deprecated(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
+    def _prepare(cls, data: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
+        problems = []
         for old, new in cls.DEPRECATED_KEYS.items():
             if old not in data:
                 continue
-            if new in data:
-                raise ValueError(f"{old}: deprecated spelling of {new!r}; give only one of them")
             value = data.pop(old)
+            if new in data:
+                problems.append(f"{old}: deprecated spelling of {new!r}; give only one of them")
+                continue
+            if old.startswith("cpu_offload") and not isinstance(value, bool):
+                problems.append(f"{old}: expected true or false, got {value!r}")
+                continue
             warnings.warn(f"zero_optimization.{old} is deprecated; use zero_optimization.{new}",
                           DeprecationWarning, stacklevel=2)
             if old.startswith("cpu_offload"):
@@ -257,7 +351,7 @@ class ZeroConfig(_Section):
                 del data[section]
         if data.get("overlap_comm") is None:
             data["overlap_comm"] = _stage_of(data) == 3
-        return data
+        return data, problems
 
     @model_validator(mode="after")
     def _offload_matches_stage(self) -> "ZeroConfig":
@@ -289,9 +383,9 @@ class AioConfig(_Section):
     block_size: PositiveSize = Field(1_048_576, description="Bytes per I/O block.")
     queue_depth: Count = Field(8, description="Blocks each I/O thread keeps in flight.")
     thread_count: Count = Field(1, description="I/O threads per rank (thread_count x queue_depth blocks in flight).")
-    single_submit: bool = Field(False, description="DeepSpeed's libaio batching switch; accepted, no effect "
+    single_submit: Flag = Field(False, description="DeepSpeed's libaio batching switch; accepted, no effect "
                                                    "(each block is its own request here).")
-    overlap_events: bool = Field(True, description="DeepSpeed's libaio overlap switch; accepted, no effect "
+    overlap_events: Flag = Field(True, description="DeepSpeed's libaio overlap switch; accepted, no effect "
                                                    "(submission and completion always overlap here).")
 
 
@@ -321,10 +415,15 @@ class ZengineConfig(_Section):
                                                                    "LR or one the script passes.")
     fp16: FP16Config = Field(default_factory=FP16Config, description="float16 mixed precision.")
     bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 mixed precision.")
-    gradient_clipping: float = Field(0.0, ge=0, description="Clip the global gradient norm to this; 0 disables "
-                                                            "clipping.")
+    gradient_clipping: Number = Field(0.0, ge=0, description="Clip the global gradient norm to this; 0 "
+                                                             "disables clipping.")
     steps_per_print: Count = Field(10, description="Log progress every this many optimizer steps.")
-    wall_clock_breakdown: bool = Field(False, description="Time forward, backward and step and log the "
+    comm_timeout: Number = Field(300.0, gt=0, description=(
+        "zengine only: seconds a collective operation of the process group may wait for the other ranks "
+        "before it fails, so a rank that died or diverged ends the run with an error instead of a hang."))
+    nonfinite_gradients: NonFiniteGradientsConfig = Field(default_factory=NonFiniteGradientsConfig, description=(
+        "zengine only: skip, count and report steps whose gradient is NaN/Inf; stop after too many in a row."))
+    wall_clock_breakdown: Flag = Field(False, description="Time forward, backward and step and log the "
                                                           "breakdown.")
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and its "
                                                                                   "settings.")
@@ -334,21 +433,21 @@ class ZengineConfig(_Section):
     _derived_batch_keys: Tuple[str, ...] = PrivateAttr(default=())
     _world_size: Optional[int] = PrivateAttr(default=None)
 
-    @model_validator(mode="before")
     @classmethod
-    def _map_legacy(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
+    def _prepare(cls, data: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
+        problems = []
         data = {key: value for key, value in data.items() if not (key in cls.SECTIONS and value is None)}
         if "bfloat16" in data:
+            legacy = data.pop("bfloat16")
             if "bf16" in data:
-                raise ValueError("bfloat16: deprecated spelling of 'bf16'; give only one of them")
-            warnings.warn("bfloat16 is deprecated; use bf16", DeprecationWarning, stacklevel=2)
-            data["bf16"] = data.pop("bfloat16")
+                problems.append("bfloat16: deprecated spelling of 'bf16'; give only one of them")
+            else:
+                warnings.warn("bfloat16 is deprecated; use bf16", DeprecationWarning, stacklevel=2)
+                data["bf16"] = legacy
         if isinstance(data.get("zero_optimization"), bool):
             # DeepSpeed's oldest form: "zero_optimization": true meant stage 1.
             data["zero_optimization"] = {"stage": int(data["zero_optimization"])}
-        return data
+        return data, problems
 
     @model_validator(mode="after")
     def _one_precision(self) -> "ZengineConfig":

@@ -1,7 +1,9 @@
 """Optimizers and learning-rate schedules built from the config's ``optimizer`` and
-``scheduler`` sections, with DeepSpeed's names and meanings."""
+``scheduler`` sections, with DeepSpeed's names and meanings. ``optimizer_param_problems`` and
+``scheduler_param_problems`` check a section's params without building it (``load_config`` uses
+them); ``params`` holds the rules both they and the builders apply."""
 
-from zengine.optim.builder import OPTIMIZER_NAMES, build_optimizer
+from zengine.optim.builder import OPTIMIZER_NAMES, build_optimizer, optimizer_param_problems
 from zengine.optim.schedulers import (
     SCHEDULER_NAMES,
     LRRangeTest,
@@ -11,6 +13,7 @@ from zengine.optim.schedulers import (
     WarmupDecayLR,
     WarmupLR,
     build_scheduler,
+    scheduler_param_problems,
 )
 
 __all__ = [
@@ -24,4 +27,6 @@ __all__ = [
     "WarmupLR",
     "build_optimizer",
     "build_scheduler",
+    "optimizer_param_problems",
+    "scheduler_param_problems",
 ]

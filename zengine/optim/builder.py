@@ -12,8 +12,10 @@
   ``RMSprop``, ... taking that class's own keyword arguments.
 
 The config's params are defaults: a param group that carries its own ``lr``, ``weight_decay``,
-``betas``, ... keeps it. Every error names the key path (``optimizer.params.<key>``) and, for a
-near miss, the key that was probably meant.
+``betas``, ... keeps it. The keys a type accepts are its constructor's keyword arguments (plus
+DeepSpeed's Adam keys), each checked by one ``Rule`` (``params.py``); ``load_config`` applies the
+same rules through ``optimizer_param_problems`` before any work starts. Every error names the key
+path (``optimizer.params.<key>``) and, for a near miss, the key that was probably meant.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["build_optimizer", "OPTIMIZER_NAMES"]
+from zengine.optim.params import ANY, FLAG, NUMBER, NUMBERS, Rule, param_problems
+
+__all__ = ["build_optimizer", "optimizer_param_problems", "OPTIMIZER_NAMES"]
 
 # Adam spellings handled here rather than by name lookup in torch.optim.
 _ADAM = "adam"
@@ -60,11 +64,25 @@ _HIDDEN_TORCH_ADAM_KEYS = ("decoupled_weight_decay",)
 # Torch implementation options that CPUAdam has no counterpart for.
 _TORCH_ONLY_ADAM_KEYS = ("foreach", "maximize", "capturable", "differentiable", "fused")
 
-# Lower bounds checked here so the message names the key; torch checks the rest.
-_NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay", "alpha")
+# Ranges of the numeric keys, checked here so the message names the key; torch checks the rest.
+# eps divides, so 0 is refused although torch accepts it.
+_NUMBER_RULES: dict[str, Rule] = {
+    "lr": Rule(NUMBER, minimum=0),
+    "eps": Rule(NUMBER, minimum=0, above_minimum=True),
+    "weight_decay": Rule(NUMBER, minimum=0),
+    "momentum": Rule(NUMBER, minimum=0),
+    "dampening": Rule(NUMBER, minimum=0),
+    "lr_decay": Rule(NUMBER, minimum=0),
+    "alpha": Rule(NUMBER, minimum=0),
+    "initial_accumulator_value": Rule(NUMBER, minimum=0),
+}
+_BETAS = Rule(NUMBERS, length=2, minimum=0, below=1)
 
 # Torch's tri-state implementation switches: true, false, or null for torch's own choice.
 _OPTIONAL_FLAGS = ("foreach", "fused")
+
+# Keys that belong elsewhere in the config, with where they go.
+_MISPLACED = {"max_grad_norm": "is not an optimizer parameter; use the top-level 'gradient_clipping' key"}
 
 _FUSED_DEVICE_TYPES = ("cpu", "cuda")
 
@@ -108,43 +126,111 @@ def build_optimizer(
         ValueError: an unknown type, or an unknown, mistyped or out-of-range parameter; the
             message names ``optimizer.type`` or ``optimizer.params.<key>``.
     """
+    name = _checked_type(type_name)
+    display, rules = _param_rules(name)
+    params = dict(params or {})
+    problems = _problems(name, display, rules, params)
+    if problems:
+        raise ValueError("\n".join(f"optimizer.params.{key} {text}" for key, text in problems))
+    kwargs = {key: rules[key].parse(value) for key, value in params.items()}
+    groups = _copy_groups(param_groups)
+    if _is_adam(name):
+        return _build_adam(name, kwargs, groups, cpu_offload, given=params)
+    return _construct(_TORCH_CLASSES[name], groups, kwargs)
+
+
+def optimizer_param_problems(type_name: str, params: dict) -> list[tuple[str, str]]:
+    """Every problem build_optimizer would find in ``params`` for the optimizer ``type_name``,
+    as ``(key, text)`` pairs (see ``params.py``), found without building anything.
+
+    Raises:
+        ValueError: ``type_name`` is not an optimizer build_optimizer knows.
+    """
+    name = _checked_type(type_name)
+    return _problems(name, *_param_rules(name), params)
+
+
+def _problems(name: str, display: str, rules: dict[str, Rule], params: dict) -> list[tuple[str, str]]:
+    problems = [(key, _MISPLACED[key]) for key in params if key in _MISPLACED]
+    rest = {key: value for key, value in params.items() if key not in _MISPLACED}
+    problems += param_problems(rest, rules, f"the {display} optimizer")
+    if _is_adam(name):
+        problems += _adam_problems(params)
+    return problems
+
+
+def _checked_type(type_name: Any) -> str:
+    """The lower-cased name of an optimizer build_optimizer knows; raises ValueError for others."""
     if not isinstance(type_name, str):
         raise ValueError(f"optimizer.type must be a string, got {type_name!r}")
-    params = dict(params or {})
-    if "max_grad_norm" in params:
-        raise ValueError(
-            "optimizer.params.max_grad_norm is not an optimizer parameter; "
-            "use the top-level 'gradient_clipping' key"
-        )
-    groups = _copy_groups(param_groups)
     name = type_name.lower()
-    if name in (_ADAM, _ADAMW) or name in _CPU_ADAM_NAMES:
-        return _build_adam(name, params, groups, cpu_offload)
     if name in _DEEPSPEED_ONLY:
         raise ValueError(
             f"optimizer.type {type_name!r}: DeepSpeed's {_DEEPSPEED_ONLY[name]} optimizer is not "
             f"available in zengine; supported: {', '.join(OPTIMIZER_NAMES)}"
         )
-    if name not in _TORCH_CLASSES:
+    if not _is_adam(name) and name not in _TORCH_CLASSES:
         raise ValueError(_unknown_type_message(type_name))
-    cls = _TORCH_CLASSES[name]
-    kwargs = _check_params(cls.__name__, params, _constructor_defaults(cls))
-    return _construct(cls, groups, kwargs)
+    return name
 
 
-def _build_adam(name: str, params: dict, groups: list[dict], cpu_offload: bool) -> torch.optim.Optimizer:
-    torch_defaults = _constructor_defaults(torch.optim.Adam)
-    for key in _HIDDEN_TORCH_ADAM_KEYS:
-        torch_defaults.pop(key, None)
-    display = {_ADAM: "Adam", _ADAMW: "AdamW"}.get(name, "CPUAdam")
-    kwargs = _check_params(display, params, {**torch_defaults, **_DEEPSPEED_ADAM_KEYS})
+def _is_adam(name: str) -> bool:
+    return name in (_ADAM, _ADAMW) or name in _CPU_ADAM_NAMES
 
+
+def _param_rules(name: str) -> tuple[str, dict[str, Rule]]:
+    """``(display name, {key: rule})`` for a known lower-cased optimizer name: the keyword
+    arguments of its torch constructor (for the Adam family, torch's Adam plus DeepSpeed's keys),
+    each with the rule its default and name imply."""
+    if _is_adam(name):
+        defaults = _constructor_defaults(torch.optim.Adam)
+        for key in _HIDDEN_TORCH_ADAM_KEYS:
+            defaults.pop(key, None)
+        defaults.update(_DEEPSPEED_ADAM_KEYS)
+        display = {_ADAM: "Adam", _ADAMW: "AdamW"}.get(name, "CPUAdam")
+    else:
+        cls = _TORCH_CLASSES[name]
+        defaults, display = _constructor_defaults(cls), cls.__name__
+    return display, {key: _rule_for(key, default) for key, default in defaults.items()}
+
+
+def _rule_for(key: str, default: Any) -> Rule:
+    """The rule of one keyword argument, from its name and the type of its default."""
+    if key in _OPTIONAL_FLAGS:
+        return Rule(FLAG, nullable=True)
+    if isinstance(default, bool):
+        return Rule(FLAG)
+    if key == "betas":
+        return _BETAS
+    if isinstance(default, tuple):
+        # An entry whose default is None (Adafactor's eps) may stay None.
+        return Rule(NUMBERS, length=len(default), null_entries=tuple(i for i, d in enumerate(default) if d is None))
+    if isinstance(default, (int, float)) or key == "lr":
+        return _NUMBER_RULES.get(key, Rule(NUMBER))
+    return Rule(ANY)
+
+
+def _adam_problems(params: dict) -> list[tuple[str, str]]:
+    """Problems of DeepSpeed's Adam keys that no single-key rule sees."""
+    problems = []
+    modes = [params[key] for key in ("adam_w_mode", "adamw_mode") if isinstance(params.get(key), bool)]
+    if len(set(modes)) > 1:
+        problems.append(("adam_w_mode", "disagrees with adamw_mode (CPUAdam's spelling of the same switch); "
+                                        "give one of them"))
+    if params.get("fp32_optimizer_states") is False:
+        problems.append(("fp32_optimizer_states", "must be true: only fp32 optimizer states are supported"))
+    return problems
+
+
+def _build_adam(name: str, kwargs: dict, groups: list[dict], cpu_offload: bool,
+                given: dict) -> torch.optim.Optimizer:
+    """``kwargs``: the checked params; ``given``: the params as written, to tell a key the
+    config set from a default."""
     torch_adam = kwargs.pop("torch_adam", False)
     decoupled = _adam_w_mode(kwargs) or name == _ADAMW  # DeepSpeed: type AdamW is always decoupled
     bias_correction = kwargs.pop("bias_correction", True)
     kwargs.pop("set_grad_none", None)
-    if not kwargs.pop("fp32_optimizer_states", True):
-        raise ValueError("optimizer.params.fp32_optimizer_states: only true (fp32 optimizer states) is supported")
+    kwargs.pop("fp32_optimizer_states", None)  # only true passes optimizer_param_problems
 
     wants_kernel = (name in _CPU_ADAM_NAMES or cpu_offload) and not torch_adam
     if wants_kernel or not bias_correction:
@@ -167,17 +253,16 @@ def _build_adam(name: str, params: dict, groups: list[dict], cpu_offload: bool) 
     try:
         return _construct(cls, groups, kwargs)
     except RuntimeError:
-        if not kwargs.pop("fused", False) or "fused" in params:
+        if not kwargs.pop("fused", False) or "fused" in given:
             raise
         return _construct(cls, groups, kwargs)
 
 
 def _adam_w_mode(kwargs: dict) -> bool:
-    """Read ``adam_w_mode`` (or CPUAdam's spelling ``adamw_mode``); both given must agree."""
-    modes = {key: kwargs.pop(key) for key in ("adam_w_mode", "adamw_mode") if key in kwargs}
-    if len(set(modes.values())) > 1:
-        raise ValueError("optimizer.params.adam_w_mode and optimizer.params.adamw_mode disagree; give one of them")
-    return next(iter(modes.values()), True)
+    """Read ``adam_w_mode`` (or CPUAdam's spelling ``adamw_mode``); optimizer_param_problems
+    has already refused the two disagreeing."""
+    modes = [kwargs.pop(key) for key in ("adam_w_mode", "adamw_mode") if key in kwargs]
+    return modes[0] if modes else True
 
 
 def _build_cpu_adam(kernel: type, groups: list[dict], kwargs: dict, decoupled: bool, bias_correction: bool):
@@ -252,61 +337,11 @@ def _constructor_defaults(cls: type) -> dict[str, Any]:
     }
 
 
-def _check_params(display: str, params: dict, defaults: dict[str, Any]) -> dict[str, Any]:
-    """Check ``params`` against the known keys; the type each key takes follows its default."""
-    checked = {}
-    for key, value in params.items():
-        if key not in defaults:
-            raise ValueError(_unknown_key_message(f"optimizer.params.{key}", key, defaults, display))
-        checked[key] = _check_value(f"optimizer.params.{key}", value, defaults[key])
-    return checked
-
-
-def _check_value(path: str, value: Any, default: Any) -> Any:
-    key = path.rsplit(".", 1)[-1]
-    if key in _OPTIONAL_FLAGS and value is None:
-        return value
-    if isinstance(default, bool) or key in _OPTIONAL_FLAGS:
-        if not isinstance(value, bool):
-            raise ValueError(f"{path} must be true or false, got {value!r}")
-        return value
-    if isinstance(default, tuple):
-        # An entry whose default is None (Adafactor's eps) may stay None.
-        if (
-            not isinstance(value, (list, tuple))
-            or len(value) != len(default)
-            or not all(_is_number(v) or (v is None and d is None) for v, d in zip(value, default))
-        ):
-            raise ValueError(f"{path} must be a list of {len(default)} numbers, got {value!r}")
-        if key == "betas" and not all(0.0 <= beta < 1.0 for beta in value):
-            raise ValueError(f"{path} must lie in [0, 1), got {value!r}")
-        return tuple(None if v is None else float(v) for v in value)
-    if isinstance(default, (int, float)) or path.endswith(".lr"):
-        if not _is_number(value):
-            raise ValueError(f"{path} must be a number, got {value!r}")
-        if key in _NON_NEGATIVE and value < 0:
-            raise ValueError(f"{path} must be >= 0, got {value!r}")
-        return value
-    return value
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _construct(cls: type, groups: list[dict], kwargs: dict) -> torch.optim.Optimizer:
     try:
         return cls(groups, **kwargs)
     except ValueError as err:
         raise ValueError(f"optimizer.params ({cls.__name__}): {err}") from None
-
-
-def _unknown_key_message(path: str, key: str, known: Iterable[str], display: str) -> str:
-    message = f"{path} is not a parameter of the {display} optimizer"
-    close = difflib.get_close_matches(key, list(known), n=1)
-    if close:
-        message += f"; did you mean {close[0]!r}?"
-    return message + f" (known: {', '.join(sorted(known))})"
 
 
 def _unknown_type_message(type_name: str) -> str:

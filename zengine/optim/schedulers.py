@@ -9,10 +9,15 @@ This is DeepSpeed's timing, first steps included.
 
 A schedule only needs ``optimizer.param_groups`` (a list of dicts holding ``"lr"``), so it works
 on a torch optimizer, the engine's wrapper around one, or any object with that attribute.
+
+Every constructor parameter has one ``Rule`` in ``PARAM_RULES`` (``params.py``): the constructors
+check their arguments with it, and ``scheduler_param_problems`` checks a config's params with it
+(names and required keys taken from the constructor signatures) before anything is built.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import math
@@ -20,6 +25,8 @@ import warnings
 from typing import Any
 
 import torch
+
+from zengine.optim.params import CHOICE, FLAG, INTEGER, NUMBER, ParamProblem, Rule, param_problems
 
 __all__ = [
     "LRSchedule",
@@ -30,11 +37,48 @@ __all__ = [
     "LRRangeTest",
     "ScheduleParamError",
     "build_scheduler",
+    "scheduler_param_problems",
+    "PARAM_RULES",
     "SCHEDULER_NAMES",
 ]
 
 WARMUP_LOG = "log"
 WARMUP_LINEAR = "linear"
+
+_LR = Rule(NUMBER, minimum=0, per_group=True)
+_STEPS = Rule(INTEGER, minimum=0)
+_STEP_SIZE = Rule(INTEGER, minimum=1)
+
+PARAM_RULES: dict[str, Rule] = {
+    "last_batch_iteration": Rule(INTEGER, minimum=-1),
+    # WarmupLR, WarmupDecayLR, WarmupCosineLR
+    "warmup_min_lr": _LR,
+    "warmup_max_lr": _LR,
+    "warmup_num_steps": _STEPS,
+    "warmup_type": Rule(CHOICE, choices=(WARMUP_LOG, WARMUP_LINEAR)),
+    "total_num_steps": _STEP_SIZE,
+    "warmup_min_ratio": Rule(NUMBER, minimum=0),
+    "cos_min_ratio": Rule(NUMBER, minimum=0),
+    # OneCycle
+    "cycle_min_lr": _LR,
+    "cycle_max_lr": _LR,
+    "decay_lr_rate": Rule(NUMBER),
+    "cycle_first_step_size": _STEP_SIZE,
+    "cycle_second_step_size": _STEP_SIZE,
+    "cycle_first_stair_count": _STEPS,
+    "cycle_second_stair_count": _STEPS,
+    "decay_step_size": _STEPS,
+    "cycle_momentum": Rule(FLAG),
+    "cycle_min_mom": Rule(NUMBER, minimum=0, per_group=True),
+    "cycle_max_mom": Rule(NUMBER, minimum=0, per_group=True),
+    "decay_mom_rate": Rule(NUMBER),
+    # LRRangeTest
+    "lr_range_test_min_lr": _LR,
+    "lr_range_test_step_size": _STEP_SIZE,
+    "lr_range_test_step_rate": Rule(NUMBER),
+    "lr_range_test_staircase": Rule(FLAG),
+}
+"""The values each schedule parameter takes, by name (a name means the same in every schedule)."""
 
 
 class ScheduleParamError(ValueError):
@@ -54,7 +98,7 @@ class LRSchedule:
         if not isinstance(getattr(optimizer, "param_groups", None), list):
             raise TypeError(f"{type(optimizer).__name__} has no param_groups list to schedule")
         self.optimizer = optimizer
-        self.last_batch_iteration = _check_int("last_batch_iteration", last_batch_iteration, minimum=-1)
+        self.last_batch_iteration = _checked("last_batch_iteration", last_batch_iteration)
         self._last_lr: list[float] = []
 
     def get_lr(self) -> list[float]:
@@ -91,11 +135,10 @@ class LRSchedule:
     def _per_group(self, key: str, value: Any) -> list[float]:
         """One number for every group, from a number or a list with one entry per group."""
         count = len(self.optimizer.param_groups)
-        values = list(value) if isinstance(value, (list, tuple)) else [value] * count
+        checked = _checked(key, value)
+        values = checked if isinstance(checked, list) else [checked] * count
         if len(values) != count:
             raise ScheduleParamError(key, f"has {len(values)} entries but the optimizer has {count} param groups")
-        for entry in values:
-            _check_number(key, entry)
         return [float(entry) for entry in values]
 
 
@@ -133,8 +176,8 @@ class WarmupLR(LRSchedule):
         self.min_lrs = self._per_group("warmup_min_lr", warmup_min_lr)
         self.max_lrs = self._per_group("warmup_max_lr", warmup_max_lr)
         # log(w) divides, so DeepSpeed warms up over at least 2 steps.
-        self.warmup_num_steps = max(2, _check_int("warmup_num_steps", warmup_num_steps, minimum=0))
-        self.warmup_type = _check_warmup_type(warmup_type)
+        self.warmup_num_steps = max(2, _checked("warmup_num_steps", warmup_num_steps))
+        self.warmup_type = _checked("warmup_type", warmup_type)
         self._apply()
 
     def get_lr(self) -> list[float]:
@@ -172,7 +215,7 @@ class WarmupDecayLR(WarmupLR):
         warmup_type: str = WARMUP_LOG,
         last_batch_iteration: int = -1,
     ):
-        self.total_num_steps = _check_int("total_num_steps", total_num_steps, minimum=0)
+        self.total_num_steps = _checked("total_num_steps", total_num_steps)
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
         _warn_if_warmup_exceeds_total(self.total_num_steps, self.warmup_num_steps)
 
@@ -213,11 +256,11 @@ class WarmupCosineLR(LRSchedule):
         last_batch_iteration: int = -1,
     ):
         super().__init__(optimizer, last_batch_iteration)
-        self.total_num_steps = _check_int("total_num_steps", total_num_steps, minimum=0)
-        self.warmup_min_ratio = _check_number("warmup_min_ratio", warmup_min_ratio, minimum=0.0)
-        self.cos_min_ratio = _check_number("cos_min_ratio", cos_min_ratio, minimum=0.0)
-        self.warmup_num_steps = max(2, _check_int("warmup_num_steps", warmup_num_steps, minimum=0))
-        self.warmup_type = _check_warmup_type(warmup_type)
+        self.total_num_steps = _checked("total_num_steps", total_num_steps)
+        self.warmup_min_ratio = float(_checked("warmup_min_ratio", warmup_min_ratio))
+        self.cos_min_ratio = float(_checked("cos_min_ratio", cos_min_ratio))
+        self.warmup_num_steps = max(2, _checked("warmup_num_steps", warmup_num_steps))
+        self.warmup_type = _checked("warmup_type", warmup_type)
         _warn_if_warmup_exceeds_total(self.total_num_steps, self.warmup_num_steps)
         self.base_lrs = [_as_float(group["lr"]) for group in self.optimizer.param_groups]
         self._apply()
@@ -292,24 +335,24 @@ class OneCycle(LRSchedule):
         super().__init__(optimizer, last_batch_iteration)
         self.min_lrs = self._per_group("cycle_min_lr", cycle_min_lr)
         self.max_lrs = self._per_group("cycle_max_lr", cycle_max_lr)
-        self.decay_lr_rate = _check_number("decay_lr_rate", decay_lr_rate)
-        self.first_step_size = float(_check_int("cycle_first_step_size", cycle_first_step_size, minimum=1))
+        self.decay_lr_rate = float(_checked("decay_lr_rate", decay_lr_rate))
+        self.first_step_size = float(_checked("cycle_first_step_size", cycle_first_step_size))
         if cycle_second_step_size is None:
             self.second_step_size = self.first_step_size
         else:
-            self.second_step_size = float(_check_int("cycle_second_step_size", cycle_second_step_size, minimum=1))
+            self.second_step_size = float(_checked("cycle_second_step_size", cycle_second_step_size))
         self.total_size = self.first_step_size + self.second_step_size
         self.step_ratio = self.first_step_size / self.total_size
-        self.first_stair_count = _check_int("cycle_first_stair_count", cycle_first_stair_count, minimum=0)
+        self.first_stair_count = _checked("cycle_first_stair_count", cycle_first_stair_count)
         if cycle_second_stair_count is None:
             self.second_stair_count = self.first_stair_count
         else:
-            self.second_stair_count = _check_int("cycle_second_stair_count", cycle_second_stair_count, minimum=0)
-        self.decay_step_size = _check_int("decay_step_size", decay_step_size, minimum=0)
+            self.second_stair_count = _checked("cycle_second_stair_count", cycle_second_stair_count)
+        self.decay_step_size = _checked("decay_step_size", decay_step_size)
         self.min_moms = self._per_group("cycle_min_mom", cycle_min_mom)
         self.max_moms = self._per_group("cycle_max_mom", cycle_max_mom)
-        self.decay_mom_rate = _check_number("decay_mom_rate", decay_mom_rate)
-        self.momentum_keys = self._momentum_keys() if _check_bool("cycle_momentum", cycle_momentum) else []
+        self.decay_mom_rate = float(_checked("decay_mom_rate", decay_mom_rate))
+        self.momentum_keys = self._momentum_keys() if _checked("cycle_momentum", cycle_momentum) else []
         self.cycle_momentum = bool(self.momentum_keys)
         self._apply()
 
@@ -402,9 +445,9 @@ class LRRangeTest(LRSchedule):
     ):
         super().__init__(optimizer, last_batch_iteration)
         self.min_lrs = self._per_group("lr_range_test_min_lr", lr_range_test_min_lr)
-        self.step_size = _check_int("lr_range_test_step_size", lr_range_test_step_size, minimum=1)
-        self.step_rate = _check_number("lr_range_test_step_rate", lr_range_test_step_rate)
-        self.staircase = _check_bool("lr_range_test_staircase", lr_range_test_staircase)
+        self.step_size = _checked("lr_range_test_step_size", lr_range_test_step_size)
+        self.step_rate = float(_checked("lr_range_test_step_rate", lr_range_test_step_rate))
+        self.staircase = _checked("lr_range_test_staircase", lr_range_test_staircase)
         self._apply()
 
     def get_lr(self) -> list[float]:
@@ -422,33 +465,55 @@ SCHEDULER_NAMES: tuple[str, ...] = tuple(cls.__name__ for cls in _SCHEDULES.valu
 """The ``scheduler.type`` values build_scheduler accepts (matched case-insensitively)."""
 
 
+def _declared_params(cls: type[LRSchedule]) -> dict[str, Rule]:
+    """The config params ``cls`` takes: its constructor's parameters, each with its rule from
+    PARAM_RULES, required when it has no default and nullable when its default is None."""
+    rules = {}
+    for name, parameter in inspect.signature(cls.__init__).parameters.items():
+        if name in ("self", "optimizer"):
+            continue
+        rule = PARAM_RULES[name]  # a KeyError here at import: a new parameter needs its rule
+        if parameter.default is inspect.Parameter.empty:
+            rule = dataclasses.replace(rule, required=True)
+        elif parameter.default is None:
+            rule = dataclasses.replace(rule, nullable=True)
+        rules[name] = rule
+    return rules
+
+
+_PARAMS: dict[str, dict[str, Rule]] = {name: _declared_params(cls) for name, cls in _SCHEDULES.items()}
+
+
 def build_scheduler(type_name: str, params: dict | None, optimizer: Any) -> LRSchedule:
     """Build the schedule the config's ``scheduler`` section names, over ``optimizer``.
 
     Raises:
-        ValueError: an unknown type, or a parameter that is unknown, missing, mistyped or out
-            of range; the message names ``scheduler.type`` or ``scheduler.params.<key>``.
+        ValueError: an unknown type, or parameters that are unknown, missing, mistyped or out
+            of range (all of them, one per line); the message names ``scheduler.type`` or
+            ``scheduler.params.<key>``.
     """
-    if not isinstance(type_name, str) or type_name.lower() not in _SCHEDULES:
-        raise ValueError(_unknown_type_message(type_name))
-    cls = _SCHEDULES[type_name.lower()]
     params = dict(params or {})
-    signature = inspect.signature(cls.__init__)
-    accepted = {name: p for name, p in signature.parameters.items() if name not in ("self", "optimizer")}
-    for key in params:
-        if key not in accepted:
-            message = f"scheduler.params.{key} is not a parameter of {cls.__name__}"
-            close = difflib.get_close_matches(key, list(accepted), n=1)
-            if close:
-                message += f"; did you mean {close[0]!r}?"
-            raise ValueError(message + f" (known: {', '.join(accepted)})")
-    for key, parameter in accepted.items():
-        if parameter.default is inspect.Parameter.empty and key not in params:
-            raise ValueError(f"scheduler.params.{key} is required by {cls.__name__}")
+    problems = scheduler_param_problems(type_name, params)
+    cls = _SCHEDULES[type_name.lower()]
+    if problems:
+        raise ValueError("\n".join(f"scheduler.params.{key} {text} ({cls.__name__})" for key, text in problems))
     try:
         return cls(optimizer, **params)
     except ScheduleParamError as err:
         raise ValueError(f"scheduler.params.{err.key} {err.problem} ({cls.__name__})") from None
+
+
+def scheduler_param_problems(type_name: str, params: dict) -> list[tuple[str, str]]:
+    """Every problem build_scheduler would find in ``params`` for the schedule ``type_name``
+    without an optimizer, as ``(key, text)`` pairs (see ``params.py``). Only the length of a
+    per-group list is left to the build, which knows the param groups.
+
+    Raises:
+        ValueError: ``type_name`` is not a schedule build_scheduler knows.
+    """
+    if not isinstance(type_name, str) or type_name.lower() not in _SCHEDULES:
+        raise ValueError(_unknown_type_message(type_name))
+    return param_problems(params, _PARAMS[type_name.lower()], _SCHEDULES[type_name.lower()].__name__)
 
 
 def _unknown_type_message(type_name: Any) -> str:
@@ -484,32 +549,9 @@ def _as_float(value: Any) -> float:
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
-def _check_warmup_type(value: Any) -> str:
-    if value not in (WARMUP_LOG, WARMUP_LINEAR):
-        raise ScheduleParamError("warmup_type", f"must be {WARMUP_LOG!r} or {WARMUP_LINEAR!r}, got {value!r}")
-    return value
-
-
-def _check_int(key: str, value: Any, minimum: int) -> int:
-    """An integer >= minimum; an integral float (a step count computed in Python) is accepted."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ScheduleParamError(key, f"must be an integer, got {value!r}")
-    if value < minimum:
-        raise ScheduleParamError(key, f"must be >= {minimum}, got {value}")
-    return value
-
-
-def _check_number(key: str, value: Any, minimum: float | None = None) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ScheduleParamError(key, f"must be a number, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ScheduleParamError(key, f"must be >= {minimum}, got {value}")
-    return float(value)
-
-
-def _check_bool(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ScheduleParamError(key, f"must be true or false, got {value!r}")
-    return value
+def _checked(key: str, value: Any) -> Any:
+    """``value`` of the constructor parameter ``key`` as its rule in PARAM_RULES parses it."""
+    try:
+        return PARAM_RULES[key].parse(value)
+    except ParamProblem as problem:
+        raise ScheduleParamError(key, str(problem)) from None
