@@ -1,8 +1,11 @@
-"""Hostfile parsing and --include/--exclude resolution (pure, no processes)."""
+"""Hostfile parsing, --include/--exclude resolution and the host name check (no processes)."""
+import socket
+
 import pytest
 
 from zengine.launcher.hostfile import (
     HostfileError,
+    check_hosts_resolve,
     parse_filter,
     parse_hostfile,
     parse_hostfile_lines,
@@ -114,3 +117,32 @@ def test_unknown_host_and_slot_rejected():
 def test_filter_leaving_nothing_rejected():
     with pytest.raises(HostfileError, match="leaves no slots"):
         resolve_resources({"a": 1}, exclude="a")
+
+
+def getaddrinfo(host):
+    return socket.getaddrinfo(host, None)
+
+
+def test_hostfile_remembers_lines():
+    hosts = parse_hostfile_lines(["# cluster", "a slots=1", "", "b slots=2"], source="hf")
+    assert hosts == {"a": 1, "b": 2} and hosts.lines == {"a": 2, "b": 4}
+    assert hosts.where("b") == "hf, line 4"
+
+
+def test_unresolvable_hosts_are_named_with_their_lines():
+    hosts = parse_hostfile_lines(["localhost slots=1", "no-such-host.invalid slots=2", "127.0.0.1 slots=1",
+                                  "::1 slots=1", "also-not.invalid slots=1"], source="hf")
+    check_hosts_resolve(["localhost", "127.0.0.1", "::1"], hosts, getaddrinfo)  # names and IP literals pass
+    with pytest.raises(HostfileError) as err:
+        check_hosts_resolve(list(hosts), hosts, getaddrinfo)
+    message = str(err.value)
+    assert "2 hosts of the job do not resolve" in message and "--exclude" in message, message
+    assert "hf, line 2: host 'no-such-host.invalid' does not resolve (" in message, message
+    assert "hf, line 5: host 'also-not.invalid' does not resolve (" in message, message
+    assert "localhost'" not in message and "127.0.0.1" not in message, message
+
+
+def test_resolution_checks_only_the_names_given():
+    asked = []
+    check_hosts_resolve(["b"], {"a": 1, "b": 1}, asked.append)
+    assert asked == ["b"]

@@ -3,8 +3,11 @@ import argparse
 import shlex
 import socket
 
+import subprocess
+
 import pytest
 
+from zengine.launcher import runner
 from zengine.launcher.args import add_config_arguments
 from zengine.launcher.entry import target_argv
 from zengine.launcher.runner import (
@@ -252,6 +255,57 @@ def test_main_hostfile_errors(capsys, tmp_path, script):
     assert "unknown host 'c'" in run_main_error(capsys, "-H", str(hostfile), "-i", "c", script)
     assert "--node_rank is for starting nodes by hand" in run_main_error(
         capsys, "-H", str(hostfile), "--node_rank", "0", script)
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """The ssh commands main() would start, recorded instead of run."""
+    commands = []
+
+    def run_remote(cmds):
+        commands.extend(cmds)
+        return 0
+
+    monkeypatch.setattr(runner, "run_remote", run_remote)
+    return commands
+
+
+def test_main_unresolvable_host_fails_before_ssh(capsys, tmp_path, script, started, monkeypatch):
+    composed = []
+    monkeypatch.setattr(runner, "ssh_command", lambda *a: composed.append(a) or ["ssh"])
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# cluster\nlocalhost slots=1\nno-such-host.invalid slots=2\n")
+    err = run_main_error(capsys, "-H", str(hostfile), script)
+    assert f"{hostfile}, line 3: host 'no-such-host.invalid' does not resolve" in err, err
+    assert "localhost'" not in err and composed == [] and started == []
+    # --include decides the hosts: naming the bad one fails the same way
+    err = run_main_error(capsys, "-H", str(hostfile), "-i", "no-such-host.invalid:1", script)
+    assert "line 3: host 'no-such-host.invalid' does not resolve" in err and started == []
+
+
+def test_main_checks_only_the_hosts_it_runs_on(tmp_path, script, started):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\nno-such-host.invalid slots=1\n")
+    assert main(["-H", str(hostfile), "--exclude", "no-such-host.invalid", script]) == 0
+    assert [c[1] for c in started] == ["localhost", "127.0.0.1"]
+
+
+def test_ssh_config_decides_which_name_must_resolve(monkeypatch):
+    """An ssh alias is checked through its HostName; a host behind a ProxyJump is resolved elsewhere."""
+    config = {"alias": "hostname 127.0.0.1\nport 22\n", "typo": "hostname no-such-host.invalid\n",
+              "inner": "hostname no-such-host.invalid\nproxyjump bastion\n"}
+
+    def ssh_g(argv, **kwargs):
+        assert argv[:2] == ["ssh", "-G"] and kwargs["stdin"] is subprocess.DEVNULL
+        return subprocess.CompletedProcess(argv, 0, config[argv[2]], "")
+
+    monkeypatch.setattr(runner.subprocess, "run", ssh_g)
+    runner.resolve_for_ssh("alias")
+    runner.resolve_for_ssh("inner")
+    with pytest.raises(socket.gaierror):
+        runner.resolve_for_ssh("typo")
+    with pytest.raises(socket.gaierror):
+        runner.resolve_for_ssh("-oProxyCommand=x")  # never handed to ssh as an option
 
 
 def test_main_rejects_busy_master_port(capsys, script):

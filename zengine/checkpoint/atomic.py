@@ -7,16 +7,29 @@ then replace ``latest`` through a temporary file and ``os.replace``. A crash
 at any point leaves the previous checkpoint and ``latest`` as they were;
 between the two renames ``<tag>`` is briefly absent, and ``resolve`` then
 finds it under its trash name.
+
+A killed save leaves its staging directory behind; the next save of any tag
+removes every such leftover (``make_staging_dir``). ``find`` is how a load
+turns ``save_dir`` and a tag (or ``latest``) into a directory, with an error
+that says which of them is missing.
 """
 from __future__ import annotations
 
 import glob
 import os
+import re
 import secrets
 import shutil
 from typing import Optional
 
+from ..log import logger
+from .errors import CheckpointFileError, CheckpointNotFoundError
+
 LATEST = "latest"
+STAGING_PREFIX, TRASH_PREFIX = ".tmp-", ".trash-"
+# what make_staging_dir and publish name their directories: the prefix, the tag, 8 random hex digits
+_PROTOCOL_NAME = re.compile(r"\.(tmp|trash)-.+-[0-9a-f]{8}")
+_STAGING_NAME = re.compile(re.escape(STAGING_PREFIX) + r".+-[0-9a-f]{8}")
 
 
 def fsync_dir(path: str) -> None:
@@ -28,12 +41,34 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def is_protocol_name(tag: str) -> bool:
+    """Whether ``tag`` has the form of a staging or trash directory name, which the protocol reserves."""
+    return _PROTOCOL_NAME.fullmatch(tag) is not None
+
+
+def remove_stale_staging(save_dir: str) -> list[str]:
+    """Remove the staging directories that killed saves left in ``save_dir`` (of any tag); return their names.
+
+    Called by the writer (rank 0) just before it creates its own staging directory, so the save in
+    progress keeps its files; one job saves into a directory at a time.
+    """
+    removed = []
+    for name in sorted(os.listdir(save_dir)):
+        path = os.path.join(save_dir, name)
+        if _STAGING_NAME.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
 def make_staging_dir(save_dir: str, tag: str) -> str:
-    """Create ``save_dir/.tmp-<tag>-<random>`` (removing what crashed saves of the same tag left)."""
+    """Create ``save_dir/.tmp-<tag>-<random>``, first removing what killed saves (of any tag) left."""
     os.makedirs(save_dir, exist_ok=True)
-    for stale in glob.glob(os.path.join(glob.escape(save_dir), f".tmp-{glob.escape(tag)}-*")):
-        shutil.rmtree(stale, ignore_errors=True)
-    path = os.path.join(save_dir, f".tmp-{tag}-{secrets.token_hex(4)}")
+    removed = remove_stale_staging(save_dir)
+    if removed:
+        logger.info(f"save_checkpoint: removed {len(removed)} folder(s) that interrupted saves left in "
+                    f"{save_dir}: {', '.join(removed)}")
+    path = os.path.join(save_dir, f"{STAGING_PREFIX}{tag}-{secrets.token_hex(4)}")
     os.mkdir(path)
     return path
 
@@ -48,7 +83,7 @@ def publish(staging: str, save_dir: str, tag: str, save_latest: bool = True) -> 
     final = os.path.join(save_dir, tag)
     trash = None
     if os.path.exists(final):
-        trash = os.path.join(save_dir, f".trash-{tag}-{secrets.token_hex(4)}")
+        trash = os.path.join(save_dir, f"{TRASH_PREFIX}{tag}-{secrets.token_hex(4)}")
         os.rename(final, trash)
     os.rename(staging, final)
     fsync_dir(save_dir)
@@ -84,5 +119,34 @@ def resolve(save_dir: str, tag: str) -> Optional[str]:
     final = os.path.join(save_dir, tag)
     if os.path.isdir(final):
         return final
-    trashed = sorted(glob.glob(os.path.join(glob.escape(save_dir), f".trash-{glob.escape(tag)}-*")))
+    trashed = sorted(glob.glob(os.path.join(glob.escape(save_dir), f"{TRASH_PREFIX}{glob.escape(tag)}-*")))
     return trashed[-1] if trashed else None
+
+
+def find(load_dir: str, tag: Optional[str] = None) -> str:
+    """The directory of checkpoint ``tag`` in ``load_dir`` (default: the tag ``latest`` names).
+
+    Raises CheckpointNotFoundError when ``load_dir``, its ``latest`` (tag None) or the tag's directory does
+    not exist, and CheckpointFileError when ``latest`` is empty (a save never leaves it so).
+    """
+    if not os.path.isdir(load_dir):
+        raise CheckpointNotFoundError(f"checkpoint directory {load_dir} does not exist")
+    latest = os.path.join(load_dir, LATEST)
+    if tag is None:
+        tag = read_latest(load_dir)
+        if tag is None:
+            raise CheckpointNotFoundError(f"{latest} does not exist, so there is no latest checkpoint in "
+                                          f"{load_dir}; pass tag= to load a given one")
+        if not tag:
+            raise CheckpointFileError(f"{latest} is empty: it should hold the tag of the checkpoint to load; "
+                                      f"write the tag into it, or pass tag=")
+        directory = resolve(load_dir, tag)
+        if directory is None:
+            raise CheckpointNotFoundError(f"{latest} names checkpoint {tag!r}, but {os.path.join(load_dir, tag)} "
+                                          f"does not exist; pass the tag of a checkpoint that does")
+        return directory
+    directory = resolve(load_dir, str(tag))
+    if directory is None:
+        raise CheckpointNotFoundError(f"there is no checkpoint {tag!r} in {load_dir}: "
+                                      f"{os.path.join(load_dir, str(tag))} does not exist")
+    return directory

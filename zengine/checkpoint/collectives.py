@@ -1,7 +1,9 @@
 """The few object collectives a checkpoint needs (a single process needs none).
 
-Objects travel pickled in uint8 tensors. torch's own ``all_gather_object`` and
-``broadcast_object_list`` would need numpy, which is not a dependency.
+Objects travel pickled in uint8 tensors, on the device the group's backend
+takes (``comm.message_device``: the CPU with gloo, the GPU with NCCL). torch's
+own ``all_gather_object`` and ``broadcast_object_list`` would need numpy,
+which is not a dependency.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .. import comm
 
 
 def _encode(obj: Any) -> torch.Tensor:
@@ -25,15 +29,13 @@ def _decode(t: torch.Tensor, n: int) -> Any:
 
 def _all_gather_objects(obj: Any, group) -> list:
     mine = _encode(obj)
-    world = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=group)
-    longest = max(int(s) for s in sizes)
+    device = comm.message_device(group)
+    sizes = comm.all_gather_small(torch.tensor([mine.numel()], dtype=torch.int64).to(device), group).view(-1).tolist()
+    longest = max(sizes)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[:mine.numel()] = mine
-    out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(out, padded, group=group)
-    return [_decode(t, int(n)) for t, n in zip(out, sizes)]
+    out = comm.all_gather_small(padded.to(device), group).cpu()  # [world, longest] uint8
+    return [_decode(t, n) for t, n in zip(out, sizes)]
 
 
 def _world(group) -> int:

@@ -5,8 +5,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded."""
 
 
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """There is no checkpoint where a load looked: the load directory, its ``latest`` file or the tag's
+    directory does not exist; the message names the path. ``load_checkpoint(..., missing_ok=True)``
+    returns ``(None, None)`` instead of raising this (and only this)."""
+
+
 class CheckpointFileError(CheckpointError):
-    """A checkpoint file is missing, truncated or corrupt; the message names the file."""
+    """A checkpoint file is missing, truncated, corrupt or edited; the message names the file."""
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):

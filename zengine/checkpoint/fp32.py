@@ -36,17 +36,11 @@ class Alias:
 
 def checkpoint_directory(checkpoint_dir: str, tag: Optional[str] = None) -> str:
     """The directory of one checkpoint: ``checkpoint_dir/tag`` (tag default: ``latest``), or
-    ``checkpoint_dir`` itself when it is a checkpoint directory."""
+    ``checkpoint_dir`` itself when it is a checkpoint directory. CheckpointNotFoundError (a
+    FileNotFoundError) when there is none."""
     if tag is None and os.path.isfile(os.path.join(checkpoint_dir, meta_mod.META)):
         return checkpoint_dir
-    if tag is None:
-        tag = atomic.read_latest(checkpoint_dir)
-        if tag is None:
-            raise FileNotFoundError(f"no '{atomic.LATEST}' file in {checkpoint_dir}: pass the tag of the checkpoint")
-    directory = atomic.resolve(checkpoint_dir, str(tag))
-    if directory is None:
-        raise FileNotFoundError(f"there is no checkpoint {tag!r} in {checkpoint_dir}")
-    return directory
+    return atomic.find(checkpoint_dir, tag)
 
 
 def _assemble(reader: CheckpointReader, kind: str, source: str, scratch: Optional[torch.Tensor] = None

@@ -1,5 +1,10 @@
 """``engine.load_checkpoint``: each rank reads the saved pieces that overlap what it holds now.
 
+First the ranks agree on the checkpoint directory: each looks for it
+(``atomic.find``) and all compare what they found, so that every rank loads
+the same one or every rank raises the same error (a missing directory,
+``latest`` or tag; with ``missing_ok`` that alone returns ``(None, None)``).
+
 The engine's layout (world size, stage, offload) may differ from the one that
 saved: a rank asks its groups for its pieces (``holdings.py``), and the
 reader fills each from whichever rank files hold those elements, so nothing is
@@ -16,34 +21,34 @@ gathered and a rank reads only what it holds. Two phases:
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Optional
 
 import torch
 
+from ..log import logger
 from . import atomic, collectives, holdings, meta as meta_mod, rng
-from .errors import CheckpointError, CheckpointMismatchError
+from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 from .holdings import Holding
 from .reader import CheckpointReader
 
 
 def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False, missing_ok: bool = False):
     """Collective: load ``load_dir/tag`` (default: the tag in ``load_dir/latest``) into ``engine``.
 
-    Returns ``(checkpoint directory, client_state)``, or ``(None, None)`` with a warning when there is
-    no such checkpoint. ``load_module_only`` loads the parameters and buffers alone.
+    Returns ``(checkpoint directory, client_state)``. When there is no checkpoint there (no ``load_dir``,
+    no ``latest``, no such tag) it raises CheckpointNotFoundError, or with ``missing_ok`` returns
+    ``(None, None)``; an empty ``latest`` or a damaged checkpoint raises either way.
+    ``load_module_only`` loads the parameters and buffers alone.
     """
-    if tag is None:
-        tag = atomic.read_latest(load_dir)
-        if tag is None:
-            warnings.warn(f"load_checkpoint: no '{atomic.LATEST}' file in {load_dir}, so no checkpoint was loaded; "
-                          f"pass tag= to load a given one", stacklevel=3)
-            return None, None
-    directory = atomic.resolve(load_dir, str(tag))
-    if directory is None:
-        warnings.warn(f"load_checkpoint: there is no checkpoint {tag!r} in {load_dir}; nothing was loaded",
-                      stacklevel=3)
+    try:
+        directory = _agree_on_directory(engine, load_dir, tag)
+    except CheckpointNotFoundError as e:
+        if not missing_ok:
+            raise CheckpointNotFoundError(f"load_checkpoint: {e}; pass missing_ok=True to start without "
+                                          f"a checkpoint when there is none") from None
+        if engine.global_rank == 0:
+            logger.info(f"load_checkpoint: nothing loaded (missing_ok=True): {e}")
         return None, None
 
     opt, rank = engine.optimizer, engine.global_rank
@@ -74,6 +79,25 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optim
         if rank < len(state["rng"]):  # new ranks of a larger world keep their own generators
             rng.restore(state["rng"][rank])
     return directory, state["client_state"]
+
+
+def _agree_on_directory(engine, load_dir: str, tag: Optional[str]) -> str:
+    """The checkpoint directory every rank found; else on every rank the error they all met, or a
+    CheckpointError listing what each rank found when they differ (never a CheckpointNotFoundError then)."""
+    try:
+        mine, failure = atomic.find(load_dir, tag), None
+    except Exception as e:  # compared below, so that no rank goes on alone into a collective
+        mine, failure = None, e
+    found = collectives.all_gather((mine, None if failure is None else (type(failure).__name__, str(failure))),
+                                   engine.optimizer.comm_group)
+    if all(f == found[0] for f in found):
+        if failure is not None:
+            raise failure
+        return mine
+    seen = [d if err is None else err[1] for d, err in found]
+    raise CheckpointError(f"load_checkpoint: the ranks do not find the same checkpoint for {load_dir!r} "
+                          f"(tag {tag!r}); each must see the same files:\n  "
+                          + "\n  ".join(f"rank {r}: {what}" for r, what in enumerate(seen)))
 
 
 def _read(engine, directory: str, with_optimizer: bool) -> dict[str, Any]:

@@ -7,23 +7,31 @@ buffer, lists the model's ``state_dict`` keys (tied parameters point at one
 source), records the engine's counters, the size and header checksum of each
 file, and the piece index: for each parameter, which rank file holds which
 elements. A loader reads it first and opens only the files it needs.
+
+meta.json checks itself: ``meta_crc`` is the CRC-32 of the rest of its
+content in canonical JSON (sorted keys, no spaces), so an edited value (say
+``global_steps``) is refused by name, while the file's layout may change.
+Version 1 (before the checksum) is still read, with a warning.
 """
 from __future__ import annotations
 
 import json
 import os
+import zlib
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..log import logger
 from ..zero.stage3.param import lookup
 from .errors import CheckpointFileError, CheckpointMismatchError
 from .tensorfile import FileInfo
 
 FORMAT = "zengine-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: meta.json carries its own checksum
 META = "meta.json"
+CHECKSUM = "meta_crc"
 STATE = "state.pt"  # rank 0: optimizer hyper-parameters and scalars, scheduler, scaler, RNG, client_state
 
 
@@ -91,8 +99,16 @@ def file_info(meta: dict[str, Any], name: str) -> FileInfo:
     return FileInfo(entry["size"], entry["crc"])
 
 
+def _checksum(meta: dict[str, Any]) -> int:
+    """CRC-32 of ``meta`` without its checksum, in canonical JSON (what json.load gives back hashes the same)."""
+    body = {k: v for k, v in meta.items() if k != CHECKSUM}
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
 def write_meta(directory: str, meta: dict[str, Any]) -> None:
     path = os.path.join(directory, META)
+    meta = json.loads(json.dumps(meta))  # tuples to lists, as a reader will see them
+    meta[CHECKSUM] = _checksum(meta)
     with open(path, "w") as f:
         json.dump(meta, f, indent=1)
         f.flush()
@@ -100,7 +116,7 @@ def write_meta(directory: str, meta: dict[str, Any]) -> None:
 
 
 def read_meta(directory: str) -> dict[str, Any]:
-    """The checkpoint's meta.json; CheckpointFileError naming it when it is missing or unreadable."""
+    """The checkpoint's meta.json; CheckpointFileError naming it when it is missing, unreadable or edited."""
     path = os.path.join(directory, META)
     try:
         with open(path) as f:
@@ -108,8 +124,18 @@ def read_meta(directory: str) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise CheckpointFileError(f"checkpoint file {path} is missing or corrupt ({e}): the save that wrote "
                                   f"{directory} did not finish, or the directory is not a zengine checkpoint") from e
-    if meta.get("format") != FORMAT or meta.get("version", 0) > VERSION:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version", 0) > VERSION:
         raise CheckpointFileError(f"checkpoint file {path}: not a zengine checkpoint of version <= {VERSION}")
+    if CHECKSUM in meta:
+        if meta[CHECKSUM] != _checksum(meta):
+            raise CheckpointFileError(f"checkpoint file {path} fails its checksum: it was edited or corrupted after "
+                                      f"the save; restore it from a copy, or load another checkpoint")
+    elif meta.get("version", 0) >= 2:
+        raise CheckpointFileError(f"checkpoint file {path} has no '{CHECKSUM}', which version {meta['version']} "
+                                  f"always writes: it was edited after the save")
+    else:
+        logger.warning(f"checkpoint file {path} is of version {meta.get('version')}, written before meta.json "
+                       f"carried a checksum: its content is not verified")
     return meta
 
 

@@ -12,7 +12,8 @@ No rank gathers anything: each writes its own memory as it is (a device
 tensor goes to the host one chunk at a time). The three steps, each ended by
 a collective so that all ranks agree on success or failure:
 
-1. rank 0 creates the staging directory ``.tmp-<tag>-<random>`` (atomic.py);
+1. rank 0 removes the staging directories that killed saves left (of any
+   tag) and creates its own, ``.tmp-<tag>-<random>`` (atomic.py);
 2. every rank writes and fsyncs its file; any error (a full disk) on any rank
    makes rank 0 remove the staging directory and every rank raise;
 3. rank 0 writes state.pt and meta.json, renames the directory into place
@@ -41,6 +42,9 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     tags = collectives.all_gather(tag, group)
     if len(set(tags)) > 1:
         raise ValueError(f"save_checkpoint: every rank must pass the same tag; got {tags} (by rank)")
+    if tag == atomic.LATEST or atomic.is_protocol_name(tag):
+        raise ValueError(f"save_checkpoint: tag {tag!r} is reserved: saves write '{atomic.LATEST}' and remove "
+                         f"folders named like {atomic.STAGING_PREFIX}<tag>-<8 hex digits>; choose another tag")
 
     staging, error = None, None
     if rank == 0:

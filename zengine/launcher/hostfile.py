@@ -1,6 +1,8 @@
 """Hostfiles and the ``--include`` / ``--exclude`` slot filters, in DeepSpeed's formats.
 
-Pure functions: nothing here starts a process or touches the network.
+Pure functions, but for :func:`check_hosts_resolve`, which asks a resolver
+(passed in) whether each host has an address, so that a misspelled host fails
+before any ssh starts.
 
 A hostfile lists one machine per line with the number of slots (accelerators,
 or processes on a CPU machine) it offers::
@@ -20,7 +22,7 @@ hostfile order, to its sorted list of slot indices.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 HOST_SEP = "@"
 SLOTS_START = ":"
@@ -33,13 +35,26 @@ class HostfileError(ValueError):
     """A hostfile or a slot filter that cannot be understood or satisfied."""
 
 
-def parse_hostfile_lines(lines: Iterable[str], source: str = "<hostfile>") -> dict[str, int]:
+class Hostfile(dict):
+    """``{hostname: slot_count}`` in file order that remembers where each host is listed, for messages."""
+
+    def __init__(self, source: str):
+        super().__init__()
+        self.source = source
+        self.lines: dict[str, int] = {}  # host -> line number
+
+    def where(self, host: str) -> str:
+        """``"<file>, line <n>"`` for a listed host."""
+        return f"{self.source}, line {self.lines[host]}"
+
+
+def parse_hostfile_lines(lines: Iterable[str], source: str = "<hostfile>") -> Hostfile:
     """Parse hostfile text into ``{hostname: slot_count}`` in file order.
 
     ``source`` names the file in error messages, which also give the line number.
     """
-    hosts: dict[str, int] = {}
-    first_seen: dict[str, int] = {}
+    hosts = Hostfile(source)
+    first_seen = hosts.lines
     for lineno, raw in enumerate(lines, start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -68,7 +83,7 @@ def parse_hostfile_lines(lines: Iterable[str], source: str = "<hostfile>") -> di
     return hosts
 
 
-def parse_hostfile(path: str) -> dict[str, int]:
+def parse_hostfile(path: str) -> Hostfile:
     """Read and parse the hostfile at ``path``; see :func:`parse_hostfile_lines`."""
     if not os.path.isfile(path):
         raise HostfileError(f"hostfile {path!r} not found")
@@ -153,3 +168,28 @@ def resolve_resources(
     if not resolved:
         raise HostfileError(f"{option} {include or exclude!r} leaves no slots to run on")
     return resolved
+
+
+def check_hosts_resolve(
+    names: Iterable[str], hosts: Mapping[str, int], resolve: Callable[[str], object]
+) -> None:
+    """Raise HostfileError naming each of ``names`` for which ``resolve`` raises OSError.
+
+    ``resolve`` is e.g. ``lambda host: socket.getaddrinfo(host, None)`` ('localhost' and IP
+    literals pass without a lookup). ``hosts`` (a :class:`Hostfile`) gives each name's line.
+    """
+    problems = []
+    for host in names:
+        try:
+            resolve(host)
+        except (OSError, UnicodeError) as e:  # UnicodeError: a name that cannot even be encoded
+            where = hosts.where(host) if isinstance(hosts, Hostfile) and host in hosts.lines else "hostfile"
+            reason = getattr(e, "strerror", None) or str(e)
+            problems.append(f"{where}: host {host!r} does not resolve ({reason})")
+    if problems:
+        raise HostfileError(
+            ("a host of the job does" if len(problems) == 1 else f"{len(problems)} hosts of the job do")
+            + " not resolve to an address, so nothing was started; correct the name in the hostfile "
+            "or leave the host out with --exclude:\n  "
+            + "\n  ".join(problems)
+        )

@@ -8,6 +8,8 @@ decides what to run where:
    anything starts);
 2. :func:`plan_launch` turns them, the hostfile and the local device count
    into a :class:`LaunchPlan`: which hosts, which slots on each, who is master;
+   on several machines every host of the plan must resolve to an address
+   (:func:`resolve_for_ssh`), else the launch stops there, naming it;
 3. one machine: torchrun runs in this process (:func:`run_local`), with each
    rank started as ``-m zengine.launcher.entry script args`` (see ``entry.py``);
    several machines: one ``ssh HOST "cd CWD && env ... python -m
@@ -33,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from zengine.launcher.entry import NO_LOCAL_RANK_ENV, RUN_MODULE_ENV
-from zengine.launcher.hostfile import HostfileError, parse_hostfile, resolve_resources
+from zengine.launcher.hostfile import HostfileError, check_hosts_resolve, parse_hostfile, resolve_resources
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -127,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Restart all workers up to this many times after a failure (default 0).",
     )
     p.add_argument(
+        "--comm_timeout", type=float, default=None,
+        help="Seconds a collective may wait for the other ranks before every rank fails with an error "
+             "(overrides the config's comm_timeout; default: the config's, 300).",
+    )
+    p.add_argument(
         "--no_local_rank", action="store_true",
         help="Do not pass --local_rank=N to the script (LOCAL_RANK is still set).",
     )
@@ -150,6 +157,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise LaunchError(f"--node_rank must be at least 0, got {args.node_rank}")
     if args.max_restarts < 0:
         raise LaunchError(f"--max_restarts must be at least 0, got {args.max_restarts}")
+    if args.comm_timeout is not None and not args.comm_timeout > 0:
+        raise LaunchError(f"--comm_timeout must be a positive number of seconds, got {args.comm_timeout}")
     if not 0 < args.master_port < 65536:
         raise LaunchError(f"--master_port must be in 1..65535, got {args.master_port}")
     if args.include and args.exclude:
@@ -278,6 +287,8 @@ def worker_env(
         env[NO_LOCAL_RANK_ENV] = "1"
     if args.module:
         env[RUN_MODULE_ENV] = "1"
+    if args.comm_timeout is not None:
+        env["ZENGINE_COMM_TIMEOUT"] = repr(float(args.comm_timeout))
     # Rank i uses device i; narrow the visible devices only when the chosen
     # slots are not already 0..n-1.
     if visible_devices is not None and list(node.slots) != list(range(node.nproc)):
@@ -346,6 +357,35 @@ def ssh_command(
     )
     port = ["-p", str(args.ssh_port)] if args.ssh_port is not None else []
     return ["ssh", *port, node.host, remote]
+
+
+def _ssh_destination(host: str) -> str | None:
+    """The name ssh connects to for ``host`` (an ssh config alias becomes its HostName), read with
+    ``ssh -G``, which only prints the configuration; None when ssh goes through a ProxyJump or
+    ProxyCommand, which resolve the name elsewhere. Without a working ``ssh -G``: ``host``."""
+    if host.startswith("-"):  # not a host name, and never an option for ssh
+        return host
+    try:
+        shown = subprocess.run(["ssh", "-G", host], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                               timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return host
+    if shown.returncode != 0:
+        return host
+    options: dict[str, str] = {}
+    for line in shown.stdout.splitlines():
+        key, _, value = line.partition(" ")
+        options.setdefault(key.lower(), value.strip())
+    if options.get("proxyjump", "none") != "none" or options.get("proxycommand", "none") != "none":
+        return None
+    return options.get("hostname", host)
+
+
+def resolve_for_ssh(host: str) -> None:
+    """Raise OSError (``socket.gaierror``) when ssh would find no address for ``host`` from here."""
+    destination = _ssh_destination(host)
+    if destination is not None:
+        socket.getaddrinfo(destination, None)
 
 
 def _is_local_host(host: str) -> bool:
@@ -454,6 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         local_slots = gpu_count or os.cpu_count() or 1
         plan = plan_launch(args, hosts, local_slots, gpu_count > 0, _is_local_host)
         if plan.remote:
+            check_hosts_resolve([n.host for n in plan.nodes], hosts, resolve_for_ssh)
             cwd = os.getcwd()
             exports = exported_env(os.environ, default_env_files(cwd))
             commands = [ssh_command(plan, n, args, exports, cwd, sys.executable) for n in plan.nodes]
