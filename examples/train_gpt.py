@@ -11,7 +11,7 @@ The training loop is the one a DeepSpeed script has: ``loss = engine(x, y)``,
 from __future__ import annotations
 
 import argparse
-import json
+import hjson  # DeepSpeed-style config files may hold comments and trailing commas
 import sys
 import time
 
@@ -47,7 +47,7 @@ def load_config(args: argparse.Namespace):
     if args.lr is None:
         return path
     with open(path) as f:
-        config = json.load(f)
+        config = dict(hjson.load(f))
     config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
     scheduler_params = config.get("scheduler", {}).get("params", {})
     for key in ("warmup_max_lr", "cycle_max_lr"):
@@ -59,9 +59,12 @@ def load_config(args: argparse.Namespace):
 def gather_memory(engine) -> list[dict]:
     """Every rank's model-state bytes by kind and its resident set size (a collective)."""
     mine = dict(engine.memory_breakdown(), rss=psutil.Process().memory_info().rss)
+    if engine.device.type == "cuda":
+        mine["gpu_peak"] = torch.cuda.max_memory_allocated(engine.device)
     keys = sorted(mine)
-    # A tensor all-gather rather than all_gather_object, which needs numpy (not a dependency).
-    local = torch.tensor([float(mine[k]) for k in keys], dtype=torch.float64)
+    # A tensor all-gather rather than all_gather_object (which needs numpy), on the engine's device:
+    # NCCL takes only CUDA tensors.
+    local = torch.tensor([float(mine[k]) for k in keys], dtype=torch.float64).to(engine.device)
     gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
     return [{k: int(v) for k, v in zip(keys, t.tolist())} for t in gathered]
@@ -69,15 +72,18 @@ def gather_memory(engine) -> list[dict]:
 
 def mean_over_ranks(total: torch.Tensor, count: int) -> float:
     """Mean of per-step losses summed in ``total`` over ``count`` steps on every rank."""
-    total = total.detach().clone()
+    total = total.detach().clone()  # on the engine's device (NCCL takes only CUDA tensors)
     dist.all_reduce(total)
     return total.item() / (count * dist.get_world_size())
 
 
 def format_memory(memory: list[dict]) -> str:
-    states = " ".join(f"r{r} {sum(v for k, v in m.items() if k != 'rss') / MB:.2f}" for r, m in enumerate(memory))
+    states = " ".join(f"r{r} {sum(v for k, v in m.items() if k not in ('rss', 'gpu_peak')) / MB:.2f}"
+                      for r, m in enumerate(memory))
     rss = " ".join(f"r{r} {m['rss'] / MB:.0f}" for r, m in enumerate(memory))
-    return f"model states MB {states} | RSS MB {rss}"
+    gpu = " | GPU peak MB " + " ".join(f"r{r} {m['gpu_peak'] / MB:.0f}" for r, m in enumerate(memory)) \
+        if "gpu_peak" in memory[0] else ""
+    return f"model states MB {states} | RSS MB {rss}{gpu}"
 
 
 def main() -> None:
@@ -96,7 +102,8 @@ def main() -> None:
               f"{engine.train_batch_size()} sequences per step, {torch.get_num_threads()} thread(s) per rank",
               flush=True)
 
-    loss_sum, loss_count, first_loss, last_loss = torch.zeros(()), 0, None, None
+    # Summed on the device: no host read per step, only when progress is printed.
+    loss_sum, loss_count, first_loss, last_loss = torch.zeros((), device=engine.device), 0, None, None
     start = last_time = time.perf_counter()
     step = last_step = epoch = 0
     while engine.global_steps < args.steps:
@@ -106,7 +113,7 @@ def main() -> None:
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-            loss_sum += loss.detach().float().cpu()
+            loss_sum += loss.detach().float()
             loss_count += 1
             if engine.global_steps == step:
                 continue  # a micro-step inside a gradient accumulation: no optimizer step yet
@@ -132,7 +139,7 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         print(f"done: {engine.global_steps} steps in {elapsed:.1f} s; loss {first_loss:.3f} -> {last_loss:.3f}")
         print("model-state bytes by rank: " + "; ".join(
-            f"r{r} " + ", ".join(f"{k} {v / MB:.2f} MB" for k, v in m.items() if k != "rss")
+            f"r{r} " + ", ".join(f"{k} {v / MB:.2f} MB" for k, v in m.items() if k not in ("rss", "gpu_peak"))
             for r, m in enumerate(memory)), flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any, Iterable, Optional
 
 import torch
@@ -30,6 +31,21 @@ def _config_source(config, config_params, args) -> Any:
         raise ValueError("zengine.initialize: no config; pass config= (a path or a dict) or set "
                          "--deepspeed_config/--zengine_config in args")
     return source
+
+
+def comm_timeout(cfg) -> timedelta:
+    """The collectives' timeout: the launcher's ``--comm_timeout`` (``ZENGINE_COMM_TIMEOUT``) when given,
+    else the config's ``comm_timeout``."""
+    raw = os.environ.get("ZENGINE_COMM_TIMEOUT")
+    if raw:
+        try:
+            seconds = float(raw)
+        except ValueError:
+            raise ValueError(f"ZENGINE_COMM_TIMEOUT={raw!r}: expected a number of seconds") from None
+        if seconds <= 0:
+            raise ValueError(f"ZENGINE_COMM_TIMEOUT={raw!r}: must be positive")
+        return timedelta(seconds=seconds)
+    return timedelta(seconds=cfg.comm_timeout)
 
 
 def _refuse_unimplemented(cfg) -> None:
@@ -72,7 +88,7 @@ def initialize(model: nn.Module, config: Any = None, model_parameters: Optional[
     cfg = load_config(source, world)
     _refuse_unimplemented(cfg)
     if dist_init_required is not False:
-        init_distributed()
+        init_distributed(timeout=comm_timeout(cfg))
     placement = Placement.current()
     engine = Engine(model, cfg, placement, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)

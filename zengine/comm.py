@@ -5,8 +5,14 @@ patch them and the choice of collective per backend lives in one place.
 The choice follows measurement, not names: on gloo (CPU) a broadcast from
 each owner moves a sharded buffer to every rank about three times faster
 than ``all_gather``, and ``all_reduce`` is faster than ``reduce_scatter``
-(see shared/MEASURED.md and benchmarks/); NCCL prefers the native
-all-gather and reduce-scatter.
+(see shared/MEASURED.md and benchmarks/); NCCL takes the native tensor
+collectives on flat buffers (``all_gather_single`` / ``reduce_scatter_single``,
+named ``*_into_tensor`` / ``*_tensor`` before torch 2.13).
+
+Every tensor handed to a collective is checked against what its group's
+backend can communicate (NCCL: CUDA only), so that a tensor made on the
+wrong device fails here, naming the collective, rather than deep inside the
+backend or, worse, on a GPU cluster only.
 """
 from __future__ import annotations
 
@@ -15,42 +21,75 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .distributed import BACKEND_DEVICE_TYPES
+
 Work = Optional[dist.Work]
+
+# torch 2.13 renamed the flat-buffer collectives; older versions have only the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class WrongDeviceError(RuntimeError):
+    """A tensor was handed to a collective on a device its process group's backend cannot communicate."""
+
+
+def backend(group=None) -> str:
+    """The group's backend name ("gloo", "nccl", ...)."""
+    return dist.get_backend(group)
 
 
 def is_gloo(group=None) -> bool:
     """True when the group's backend is gloo (the CPU path)."""
-    return dist.get_backend(group) == "gloo"
+    return backend(group) == "gloo"
+
+
+def check_devices(what: str, group, *tensors: torch.Tensor) -> None:
+    """Raise ``WrongDeviceError`` when a tensor is on a device the group's backend does not take."""
+    allowed = BACKEND_DEVICE_TYPES.get(backend(group))
+    if allowed is None:
+        return
+    for t in tensors:
+        if t.device.type not in allowed:
+            raise WrongDeviceError(f"zengine.comm.{what}: a {t.device.type} tensor {tuple(t.shape)} {t.dtype} was "
+                                   f"given to the {backend(group)} backend, which takes {'/'.join(allowed)} "
+                                   f"tensors; it must be made on the compute device")
 
 
 def all_reduce_sum(tensor: torch.Tensor, group=None, async_op: bool = False) -> Work:
     """Sum ``tensor`` in place over the group."""
+    check_devices("all_reduce_sum", group, tensor)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def reduce_sum_to(tensor: torch.Tensor, dst: int, group=None, async_op: bool = False) -> Work:
     """Sum ``tensor`` over the group into rank ``dst`` (others keep garbage)."""
+    check_devices("reduce_sum_to", group, tensor)
     return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False) -> Work:
     """Copy ``tensor`` from rank ``src`` to every rank of the group."""
+    check_devices("broadcast", group, tensor)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
-def gather_rows(rows: list, rank: int, group=None, async_op: bool = False) -> list:
-    """Fill ``rows[r]`` on every rank from rank r's own ``rows[r]`` (an all-gather into given views).
+def all_gather_rows(rows: torch.Tensor, rank: int, group=None, async_op: bool = False) -> list:
+    """Fill row r of ``rows`` ([world, n], contiguous) on every rank from rank r's own row r.
 
     gloo: one broadcast per owner (measured about three times faster than its all_gather);
-    otherwise the backend's all_gather. Returns the pending works when ``async_op``.
+    otherwise one flat all-gather in place (this rank's row is the input). Returns the pending
+    works when ``async_op``.
     """
-    if len(rows) == 1:
+    if rows.shape[0] == 1:
         return []
+    check_devices("all_gather_rows", group, rows)
     if is_gloo(group):
         works = [dist.broadcast(row, src=_global_rank(r, group), group=group, async_op=async_op)
-                 for r, row in enumerate(rows)]
+                 for r, row in enumerate(rows.unbind(0))]
     else:
-        works = [dist.all_gather(rows, rows[rank].clone(), group=group, async_op=async_op)]
+        assert rows.is_contiguous(), "all_gather_rows needs one contiguous [world, n] buffer"
+        works = [_all_gather_flat(rows.view(-1), rows[rank], group=group, async_op=async_op)]
     return [w for w in works if w is not None]
 
 
@@ -58,17 +97,47 @@ def gather_strided(full: torch.Tensor, shard_numel: int, lo: int, hi: int, rank:
     """Gather the sub-range ``[lo, hi)`` of every rank's shard of ``full`` (one all-gather bucket)."""
     if world == 1 or hi <= lo:
         return
-    gather_rows([full.narrow(0, r * shard_numel + lo, hi - lo) for r in range(world)], rank, group)
+    rows = full.narrow(0, 0, world * shard_numel).view(world, shard_numel)[:, lo:hi]  # [world, hi - lo]
+    check_devices("gather_strided", group, full)
+    if is_gloo(group):  # each row is contiguous: one broadcast per owner
+        for r in range(world):
+            dist.broadcast(rows[r], src=_global_rank(r, group), group=group)
+    elif rows.is_contiguous():  # the whole shard in one bucket: gather straight into the parameters
+        all_gather_rows(rows, rank, group)
+    else:
+        staging = torch.empty(world, hi - lo, dtype=full.dtype, device=full.device)  # [world, hi - lo]
+        staging[rank].copy_(rows[rank])
+        all_gather_rows(staging, rank, group)
+        rows.copy_(staging)
 
 
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False) -> Work:
     """Sum ``full`` ([world * n]) over the group; this rank keeps its n-element part in ``out``."""
-    return dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    check_devices("reduce_scatter", group, out, full)
+    return _reduce_scatter_flat(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def all_gather(outs: list, tensor: torch.Tensor, group=None) -> None:
-    """Every rank's ``tensor`` into ``outs`` (small control messages)."""
-    dist.all_gather(outs, tensor, group=group)
+def message_device(group=None) -> torch.device:
+    """Where small host-side messages (checkpoint metadata, errors) travel for ``group``: the CPU,
+    unless the backend takes only CUDA tensors (NCCL), then this process's current CUDA device."""
+    if "cpu" in BACKEND_DEVICE_TYPES.get(backend(group), ("cpu",)):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def all_gather_small(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked by rank, ``[world, *tensor.shape]`` (small control messages).
+
+    The message travels on ``tensor``'s device: make it on the compute device.
+    """
+    check_devices("all_gather_small", group, tensor)
+    world = dist.get_world_size(group)
+    out = torch.empty((world, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    if is_gloo(group):
+        dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=group)
+    else:
+        _all_gather_flat(out.view(-1), tensor.contiguous().view(-1), group=group)
+    return out
 
 
 def _global_rank(group_rank: int, group) -> int:

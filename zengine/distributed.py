@@ -1,4 +1,12 @@
-"""Process-group set-up and this process's placement (rank, device)."""
+"""Process-group set-up and this process's placement (rank, device).
+
+The compute device is decided once, here, from the process group's backend
+(``resolve_device``): NCCL computes on ``cuda:LOCAL_RANK``; gloo on the CPU
+unless the caller asks otherwise with ``ZENGINE_DEVICE`` (``cpu``, ``cuda``
+or ``cuda:N``). Nothing else in the engine looks at whether CUDA happens to
+be visible: every tensor the engine makes is made on ``Placement.device`` or,
+for host-side work (offload, swap, checkpoints), on the CPU by design.
+"""
 from __future__ import annotations
 
 import os
@@ -18,9 +26,40 @@ _LAUNCHER_ENV = {
 }
 
 
+DEVICE_ENV = "ZENGINE_DEVICE"
+# The device types each backend's collectives take. torch's "fake" backend (no communication at all)
+# stands in for NCCL in the CPU guard tests (tests/test_device_guard.py), where the compute device is
+# "meta": a device that is not the host, as a GPU is not, on which every host read raises.
+BACKEND_DEVICE_TYPES = {"nccl": ("cuda",), "gloo": ("cpu", "cuda"), "fake": ("cuda", "meta")}
+
+
+def resolve_device(backend: Optional[str], local_rank: int, requested: Optional[str] = None) -> torch.device:
+    """The compute device for a rank: ``requested`` (else ``$ZENGINE_DEVICE``) when given, else from the
+    backend (NCCL: ``cuda:local_rank``; anything else: CPU). Refuses a device the backend cannot
+    communicate on, or a CUDA device that is not there, naming what to change."""
+    requested = requested or os.environ.get(DEVICE_ENV) or None
+    if requested is None:
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    else:
+        device = torch.device(requested)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", local_rank)
+    allowed = BACKEND_DEVICE_TYPES.get(backend or "", None)
+    if allowed is not None and device.type not in allowed:
+        raise RuntimeError(f"zengine: the {backend} backend cannot communicate {device.type} tensors "
+                           f"({DEVICE_ENV}={requested!r}); use gloo for CPU training (init_distributed('gloo'))")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.index >= count:
+            raise RuntimeError(f"zengine: this rank would compute on {device} but {count} CUDA device(s) are "
+                               f"visible; start at most {count} process(es) per node (--num_gpus {count}), or "
+                               f"train on the CPU with gloo ({DEVICE_ENV}=cpu)")
+    return device
+
+
 @dataclass(frozen=True)
 class Placement:
-    """Where this process sits: global rank, local rank, world size and device."""
+    """Where this process sits: global rank, local rank, world size and compute device."""
 
     rank: int
     local_rank: int
@@ -28,12 +67,14 @@ class Placement:
     device: torch.device
 
     @classmethod
-    def current(cls) -> "Placement":
+    def current(cls, device: Optional[str] = None) -> "Placement":
+        """This process's placement in the default process group (world size 1 without one); the device
+        from ``resolve_device`` unless ``device`` names one."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
-        return cls(rank, local, world, device)
+        backend = dist.get_backend() if dist.is_initialized() else None
+        return cls(rank, local, world, resolve_device(backend, local, device))
 
 
 def _free_port() -> int:
@@ -47,7 +88,9 @@ def init_distributed(dist_backend: Optional[str] = None, timeout: Optional[timed
 
     Reads torchrun/elastic variables, else SLURM or OpenMPI ones; a single
     process with none of them runs as world size 1. The backend is NCCL when
-    CUDA is available and gloo otherwise, unless ``dist_backend`` names one.
+    CUDA is available and gloo otherwise, unless ``dist_backend`` names one
+    (or ``ZENGINE_DEVICE=cpu`` asks for CPU training, which means gloo).
+    ``timeout`` bounds every collective (the config's ``comm_timeout``).
     """
     if dist.is_initialized():
         return
@@ -64,8 +107,10 @@ def init_distributed(dist_backend: Optional[str] = None, timeout: Optional[timed
                 "launch with `zengine` or torchrun, or export MASTER_ADDR and MASTER_PORT")
         os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ.setdefault("MASTER_PORT", str(_free_port()) if os.environ["WORLD_SIZE"] == "1" else "29500")
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    wants_cpu = os.environ.get(DEVICE_ENV, "").startswith("cpu")
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() and not wants_cpu else "gloo")
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = resolve_device(backend, int(os.environ["LOCAL_RANK"]))  # a clear error when there is no such GPU
+        torch.cuda.set_device(device)
     kwargs = {"timeout": timeout} if timeout is not None else {}
     dist.init_process_group(backend=backend, **kwargs)

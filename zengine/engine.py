@@ -7,7 +7,8 @@ stage optimizer (``zero/``); precision in ``precision.py`` and
 One training step through the modules:
 
     engine(batch)          -> precision.cast_floating -> module.forward
-    engine.backward(loss)  -> loss * scale / gas -> autograd; gradient hooks
+    engine.backward(loss)  -> loss * scale / gas -> autograd (a plain loss.backward()
+                              is bracketed and scaled too: backward.py); gradient hooks
                               hand each gradient to the stage's gradient store
                               (zero/grads.py), which reduces buckets as they fill
     engine.step()          -> at the boundary: ZeroOptimizer.step (norm, overflow,
@@ -25,6 +26,7 @@ from torch import nn
 
 from . import checkpoint
 from . import comm
+from .backward import BackwardTracker
 from .config import ZengineConfig, format_config
 from .distributed import Placement
 from .log import setup_logging
@@ -32,6 +34,8 @@ from .loss_scaler import make_loss_scaler
 from .optim import build_optimizer, build_scheduler
 from .precision import cast_floating, cast_module
 from .zero import build_zero_optimizer
+from .zero.nonfinite import NonFinitePolicy
+from .zero.optimizer import StepOutcome
 
 logger = setup_logging()
 
@@ -51,6 +55,9 @@ class Engine(nn.Module):
         self.global_samples = 0
         self._no_sync = False
         self._step_applied = True
+        self.skipped_steps = 0  # boundary steps skipped for a non-finite gradient (DeepSpeed's name)
+        self._backward_since_step = False
+        self._warned_idle_step = False
         self._last_report = (time.perf_counter(), 0)
         if placement.rank == 0:
             logger.info("zengine config (* = changed from default):\n%s", format_config(config))
@@ -63,6 +70,11 @@ class Engine(nn.Module):
             model, config.zero_optimization, named_groups, _optimizer_factory(optimizer, config),
             self.scaler, config.gradient_clipping, config.compute_dtype, placement.device,
             placement.rank, placement.world_size, aio_cfg=config.aio)
+        nonfinite = config.nonfinite_gradients
+        self.optimizer.nonfinite = NonFinitePolicy(nonfinite.skip, nonfinite.max_consecutive_skips,
+                                                   nonfinite.warn_every, placement.rank)
+        self._backward = BackwardTracker(self._begin_backward, self.optimizer.end_backward, self._grad_factor)
+        self.optimizer.before_grad = self._backward.on_param_grad
         self.lr_scheduler = _make_scheduler(lr_scheduler, config, self.optimizer)
         self.training_dataloader = (_make_dataloader(training_data, config, placement, collate_fn)
                                     if training_data is not None else None)
@@ -118,7 +130,10 @@ class Engine(nn.Module):
     def forward(self, *args, **kwargs):
         dtype = self.config.compute_dtype
         with self.optimizer.forward_context():
-            return self.module(*cast_floating(args, dtype), **cast_floating(kwargs, dtype))
+            out = self.module(*cast_floating(args, dtype), **cast_floating(kwargs, dtype))
+        if torch.is_grad_enabled():
+            self._backward.hook_outputs(out)  # so that a plain loss.backward() is scaled and bracketed
+        return out
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -130,21 +145,47 @@ class Engine(nn.Module):
             self._no_sync = previous
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backward of ``loss`` scaled for fp16 and divided by the accumulation steps."""
-        factor = self.scaler.scale / self.gradient_accumulation_steps()
+        """Backward of ``loss`` scaled for fp16 and divided by the accumulation steps.
+
+        A plain ``loss.backward()`` on a loss computed from the engine's outputs gives the same
+        gradients (see ``backward.py``); several backward calls before one ``step()`` add up, as
+        one backward of the summed losses would.
+        """
+        factor = self._grad_factor()
         scaled = loss.float() * factor if factor != 1.0 else loss
-        self.optimizer.begin_backward(self.is_gradient_accumulation_boundary(), self._no_sync)
-        scaled.backward(retain_graph=retain_graph)
-        self.optimizer.end_backward()
+        with self._backward.explicit():
+            scaled.backward(retain_graph=retain_graph)
         return loss
 
+    def _grad_factor(self) -> float:
+        return self.scaler.scale / self.gradient_accumulation_steps()
+
+    def _begin_backward(self) -> None:
+        self._backward_since_step = True
+        self.optimizer.begin_backward(self.is_gradient_accumulation_boundary(), self._no_sync)
+
     def step(self) -> None:
-        """At a boundary: the optimizer step and the LR schedule; else count the micro-step."""
+        """At a boundary: the optimizer step and the LR schedule; else count the micro-step.
+
+        A boundary step is skipped (``was_step_applied()`` False) when the gradient is not finite on any
+        rank; a ``step()`` with no backward since the last one does nothing and is not counted.
+        """
         if self._no_sync:
             raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the context first "
                                "so that the accumulated gradients are reduced")
-        if self.is_gradient_accumulation_boundary():
-            self._step_applied = self.optimizer.step()
+        self._backward.check_step()
+        boundary = self.is_gradient_accumulation_boundary()
+        if not boundary and not self._backward_since_step:
+            self._warn_idle_step()
+            return
+        self._backward_since_step = False
+        if boundary:
+            outcome = self.optimizer.step(self.micro_steps)
+            if outcome is StepOutcome.NO_BACKWARD:  # on every rank: nothing happened, nothing is counted
+                self._warn_idle_step()
+                return
+            self._step_applied = outcome is StepOutcome.APPLIED
+            self.skipped_steps = self.optimizer.nonfinite.skipped
             if self._step_applied and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.global_steps += 1
@@ -152,6 +193,13 @@ class Engine(nn.Module):
             if self.global_steps % self.config.steps_per_print == 0:
                 self._report()
         self.micro_steps += 1
+
+    def _warn_idle_step(self) -> None:
+        self._step_applied = False
+        if not self._warned_idle_step and self.global_rank == 0:
+            self._warned_idle_step = True
+            logger.warning("zengine: engine.step() with no backward since the last step(): nothing to apply; "
+                           "it is not counted (call engine.backward(loss) or loss.backward() first)")
 
     def summon_full_params(self, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False,
                            with_grads: bool = False):
@@ -188,11 +236,16 @@ class Engine(nn.Module):
         return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        missing_ok: bool = False):
         """Collective: load ``load_dir/tag`` (default: ``latest``), saved by any world size and stage.
-        Returns ``(path, client_state)``, or ``(None, None)`` with a warning when there is none."""
+
+        Returns ``(path, client_state)``. A missing ``load_dir``, ``latest`` or tag raises
+        ``CheckpointNotFoundError`` on every rank, unless ``missing_ok=True``: then it returns
+        ``(None, None)`` (DeepSpeed's value) and logs it. A damaged checkpoint (a failed checksum, a
+        truncated file, an edited meta.json) or an empty ``latest`` raises either way."""
         return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                                          load_module_only)
+                                          load_module_only, missing_ok)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Collective: rank 0 writes the full model's state_dict in the compute dtype, module by module.

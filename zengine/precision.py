@@ -20,7 +20,20 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
 
 
 def cast_module(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Move the module to ``device`` with floating parameters and buffers in ``dtype``."""
-    module.to(device=device)
-    if dtype != torch.float32:
-        module.to(dtype=dtype)
+    """Move the module to ``device`` with floating parameters and buffers in ``dtype``.
+
+    Parameters keep their identity (their ``.data`` moves), so param groups built from them stay
+    valid; unlike ``module.to`` this also works on tensor subclasses such as the fake CUDA tensors
+    of the CPU guard tests.
+    """
+    def moved(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+
+    with torch.no_grad():
+        for m in module.modules():
+            for p in m._parameters.values():
+                if p is not None and (p.device != device or (p.is_floating_point() and p.dtype != dtype)):
+                    p.data = moved(p.data)
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = moved(b)

@@ -77,6 +77,10 @@ class FlatParamGroup:
         for lo, hi in chunk_ranges(shard, max(1, bucket_numel // world)):
             comm.gather_strided(self.flat, shard, lo, hi, self.rank, world, comm_group)
 
+    def param_names(self) -> list[str]:
+        """The parameters' names, in ``params`` order."""
+        return list(self.names)
+
     def tensors(self) -> list[torch.Tensor]:
         """The parameter storage this group holds (for memory accounting)."""
         return [self.flat]

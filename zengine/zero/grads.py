@@ -3,7 +3,11 @@
 ``FullGradients`` (stages 0 and 1): every rank keeps a full flat gradient
 buffer, the parameters' ``.grad`` are views into it, and buckets are
 all-reduced from gradient hooks as soon as all their parameters are ready,
-so communication overlaps the rest of backward.
+so communication overlaps the rest of backward. A second synchronised
+backward before the step (``backward(l1); backward(l2)``) first divides the
+already summed buffer by the world size, so that its all-reduce adds each
+rank's new gradient to the old sum once, not W times (the sum of W equal
+copies of sum/W), as DDP's averaging does implicitly.
 
 ``ShardedGradients`` (stage 2): each gradient is copied into a bucket buffer
 as soon as autograd produces it and freed; a full bucket is reduced and each
@@ -76,6 +80,8 @@ class FullGradients:
         self.queues = [_BucketQueue(g, bucket_numel) for g in groups]
         self.works: list = []
         self.sync = True
+        self.world = torch.distributed.get_world_size(comm_group)
+        self.reduced = False  # the buffers hold a sum over ranks (a synchronised backward ran since zero())
         self._attach_views()
 
     def _attach_views(self) -> None:
@@ -86,6 +92,10 @@ class FullGradients:
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
         # Accumulation micro-steps add into the full buffers locally; only the boundary reduces.
         self.sync = boundary and not no_sync
+        if self.sync and self.reduced and self.world > 1:
+            for buf in self.flat_grads:  # see the module doc: re-reducing a sum must not multiply it
+                buf.div_(self.world)
+        self.reduced = self.reduced or self.sync
 
     def on_grad(self, gi: int, pi: int) -> None:
         g = self.groups[gi]
@@ -119,6 +129,7 @@ class FullGradients:
     def zero(self) -> None:
         for buf in self.flat_grads:
             buf.zero_()
+        self.reduced = False
         self._attach_views()
 
     def tensors(self) -> list[torch.Tensor]:

@@ -46,8 +46,11 @@ class Init:
             return self
         from ..distributed import init_distributed
 
+        from ..distributed import Placement
+
         init_distributed()
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.device = Placement.current().device  # parameters are cut where the engine will compute with them
         for cls in _subclasses(nn.Module):
             if "__init__" in cls.__dict__:
                 original = cls.__dict__["__init__"]
@@ -83,6 +86,8 @@ class Init:
             if p is None or lookup(p) is not None:
                 continue
             with torch.no_grad():
+                if p.device != self.device:
+                    p.data = p.data.to(self.device)
                 comm.broadcast(p.data, 0)
             sp = ShardedParam(name, p, self.world, self.rank)
             register(sp)
@@ -90,10 +95,10 @@ class Init:
             sp.free()
 
 
-def _standalone_fetcher() -> Fetcher:
+def _standalone_fetcher(device: torch.device) -> Fetcher:
     cfg = SimpleNamespace(stage3_prefetch_bucket_size=0, stage3_max_live_parameters=10**18,
                           stage3_max_reuse_distance=0, stage3_debug_fetch_order=False)
-    return Fetcher(cfg, dist.get_world_size(), dist.get_rank())
+    return Fetcher(cfg, dist.get_world_size(), dist.get_rank(), device)
 
 
 @contextlib.contextmanager
@@ -110,7 +115,7 @@ def GatheredParameters(params, modifier_rank: Optional[int] = None, enabled: boo
         with owner.full_params(sharded, modifier_rank=modifier_rank):
             yield
         return
-    fetcher = _standalone_fetcher()  # parameters partitioned by Init, not yet in an engine
+    fetcher = _standalone_fetcher(sharded[0].full.device)  # parameters partitioned by Init, not yet in an engine
     todo = [sp for sp in sharded if sp.state is ParamState.SHARDED]
     fetcher.fetch(todo, "GatheredParameters")
     try:

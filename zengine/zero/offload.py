@@ -52,7 +52,7 @@ class CPUPlacement(DevicePlacement):
     cpu_optimizer = True
 
     def __init__(self, offload_cfg, device: torch.device):
-        self.pin = bool(offload_cfg.pin_memory) and torch.cuda.is_available()
+        self.pin = bool(offload_cfg.pin_memory) and device.type == "cuda"  # pinned only to copy to a GPU
         self.copies = make_copies(device)
 
     def master_device(self, device: torch.device) -> torch.device:

@@ -11,13 +11,16 @@ Every stage runs the same boundary step (``ZeroOptimizer.step``):
 1. finish the reduction (``grads.end_backward`` already waited on it);
 2. build each group's fp32 master gradient from the summed gradient, times
    ``1 / (world * loss_scale)`` (one pass; a view, no copy, in fp32);
-3. one all-reduce of [sum of squares over this rank's part, used flags]:
-   the global norm before clipping, overflow, and which parameters got a
-   gradient on any rank;
-4. on overflow (fp16), skip; else clip, step the wrapped torch optimizer on
-   the flat master shards (parameters no rank used are restored, as torch
-   DDP leaves them), write the master back into the compute-dtype
-   parameters and gather them in buckets of ``allgather_bucket_size``.
+3. one all-reduce of the step's control values (``step_stats.py``: sum of
+   squares over this rank's part, whether it ran a backward, its micro-step
+   count, used flags) on the compute device, read on the host once: the
+   global norm before clipping, overflow, ranks out of step, and which
+   parameters got a gradient on any rank;
+4. when the norm is not finite, skip (``nonfinite.py``); else clip, step
+   the wrapped torch optimizer on the flat master shards (parameters no rank
+   used are restored, as torch DDP leaves them), write the master back into
+   the compute-dtype parameters and gather them in buckets of
+   ``allgather_bucket_size``.
 
 The wrapped optimizer is any ``torch.optim.Optimizer``; it sees one flat
 fp32 parameter per group, so its state is sharded with the master.
@@ -25,6 +28,7 @@ fp32 parameter per group, so its state is sharded with the master.
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 from functools import partial
 from typing import Any, Callable, Optional
@@ -32,10 +36,19 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .. import comm
 from ..loss_scaler import LossScaler
 from .flat_group import FlatParamGroup  # or any group with the same interface (stage 3's)
+from .nonfinite import NonFinitePolicy
 from .offload import DevicePlacement
+from .step_stats import first_nonfinite, gather_stats
+
+
+class StepOutcome(enum.Enum):
+    """What a boundary step did."""
+
+    APPLIED = "applied"
+    SKIPPED = "skipped"          # the gradient was not finite (nonfinite.py)
+    NO_BACKWARD = "no_backward"  # no rank ran a backward since the last step: nothing to do
 
 
 class ZeroOptimizer:
@@ -43,8 +56,15 @@ class ZeroOptimizer:
 
     def __init__(self, groups: list[FlatParamGroup], grads, placement: DevicePlacement,
                  make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
-                 scaler: LossScaler, clip: float, allgather_bucket_numel: int, world: int, rank: int, comm_group=None):
+                 scaler: LossScaler, clip: float, allgather_bucket_numel: int, world: int, rank: int,
+                 device: torch.device, comm_group=None):
         self.groups = groups
+        self.device = device  # the compute device: the step's control values are reduced there
+        self.nonfinite = NonFinitePolicy(rank=rank)  # the engine replaces it with the configured one
+        # Called before each parameter gradient is handled: the engine opens its backward bracket there when
+        # a plain loss.backward() reached a parameter first (backward.py).
+        self.before_grad: Callable[[], None] = lambda: None
+        self._had_backward = False  # since the last boundary step
         self.placement = placement
         self.grads = grads
         self.scaler = scaler
@@ -82,10 +102,12 @@ class ZeroOptimizer:
 
     # -- backward -------------------------------------------------------------------------------
     def _on_grad(self, gi: int, pi: int, param: torch.Tensor) -> None:
+        self.before_grad()
         self.groups[gi].used[pi] = True
         self.grads.on_grad(gi, pi)
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
+        self._had_backward = True
         self.grads.begin_backward(boundary, no_sync)
 
     def end_backward(self) -> None:
@@ -110,32 +132,46 @@ class ZeroOptimizer:
             out.append(grad)
         return out
 
-    def step(self) -> bool:
-        """Run the boundary step; returns False when it was skipped for an fp16 overflow."""
-        master_grads = self._master_grads()
-        sq = torch.zeros((), dtype=torch.float64)
+    def _sq_norm(self, master_grads: list[torch.Tensor]) -> torch.Tensor:
+        """Sum of squares of this rank's part of the gradient: a 0-dim float64 where the gradients are."""
+        parts = []
         for g, grad in zip(self.groups, master_grads):
             lo, hi = g.norm_range(self.world)
             if hi > lo:
-                sq += torch.linalg.vector_norm(grad[lo:hi]).double() ** 2
-        used = [float(u) for g in self.groups for u in g.used]
-        stats = torch.tensor([sq.item()] + used, dtype=torch.float64)
-        if self.world > 1:
-            comm.all_reduce_sum(stats, self.comm_group)
-        norm = math.sqrt(stats[0].item()) if math.isfinite(stats[0].item()) else float("inf")
-        self.global_grad_norm = norm
-        if self.scaler.dynamic and not math.isfinite(norm):
-            self.scaler.update(True)
+                parts.append(torch.linalg.vector_norm(grad[lo:hi], dtype=torch.float64).square())
+        if not parts:
+            return torch.zeros((), dtype=torch.float64, device=self.placement.master_device(self.device))
+        return torch.stack([p.to(parts[0].device) for p in parts]).sum()
+
+    def step(self, micro_step: int = 0) -> StepOutcome:
+        """Run the boundary step. ``micro_step`` is the engine's count, compared across ranks."""
+        master_grads = self._master_grads()
+        used = [u for g in self.groups for u in g.used]
+        stats = gather_stats(self._sq_norm(master_grads), self._had_backward, micro_step, used, self.device,
+                             self.world, self.rank, self.comm_group)
+        self._had_backward = False
+        if stats.ranks_with_backward == 0:
             self.zero_grad()
-            return False
-        if self.clip > 0:
+            return StepOutcome.NO_BACKWARD
+        norm = stats.norm
+        self.global_grad_norm = norm
+        finite = math.isfinite(norm)
+        if not finite and self.scaler.dynamic:
+            self.scaler.update(True)
+        if not self.nonfinite.applies(finite, norm, self.scaler.dynamic,
+                                      lambda: first_nonfinite(self.groups, master_grads, self.device, self.world,
+                                                              self.comm_group),
+                                      f"; loss scale now {self.scaler.scale:g}" if self.scaler.dynamic else ""):
+            self.zero_grad()
+            return StepOutcome.SKIPPED
+        if self.clip > 0 and finite:
             coef = self.clip / (norm + 1e-6)
             if coef < 1.0:
                 for grad in master_grads:
                     grad.mul_(coef)
         for sp, grad in zip(self.shard_params, master_grads):
             sp.grad = grad
-        unused = self._unused_ranges(stats[1:])
+        unused = self._unused_ranges(stats.used_counts)
         saved = self._save(unused) if unused else None
         copy_out = self._copy_out_targets() if not saved else {}
         if copy_out:
@@ -149,15 +185,16 @@ class ZeroOptimizer:
         if saved:
             self._restore(saved)
         self.write_back(skip_copy=bool(copy_out))
-        self.scaler.update(False)
+        if finite:
+            self.scaler.update(False)
         self.zero_grad()
-        return True
+        return StepOutcome.APPLIED
 
     # -- parameters no rank used keep their values and optimizer state --------------------------
-    def _unused_ranges(self, used_counts: torch.Tensor) -> list[tuple[int, int, int]]:
+    def _unused_ranges(self, used_counts: list[float]) -> list[tuple[int, int, int]]:
         """(group, lo, hi) in master coordinates for every unused parameter piece this rank owns."""
         out, k = [], 0
-        unused = used_counts.eq(0).tolist()
+        unused = [c == 0 for c in used_counts]
         for gi, g in enumerate(self.groups):
             for pi, lo, hi in g.master_pieces():
                 if unused[k + pi]:

@@ -40,4 +40,4 @@ def build_zero_optimizer(module: nn.Module, zero_cfg, named_groups: Sequence[tup
     else:
         grads = FullGradients(groups, zero_cfg.reduce_bucket_size, comm_group)
     return ZeroOptimizer(groups, grads, placement, lambda g: make_optimizer(g, placement.cpu_optimizer), scaler,
-                         clip, zero_cfg.allgather_bucket_size, world, rank, comm_group)
+                         clip, zero_cfg.allgather_bucket_size, world, rank, device, comm_group)

@@ -12,6 +12,9 @@ the device and the host every step:
 machine): the pieces are added in place and CPUAdam writes the parameters
 directly, so nothing is copied at all.
 
+``BlockingCopies`` is for any other device (an accelerator without CUDA
+streams): plain copies through host staging, in order.
+
 ``StreamCopies`` is for a CUDA device. Downloads run on a side stream into
 pinned staging buffers, so backward keeps computing while they travel; the
 host adds a piece into the shard once its copy is done (polled as later
@@ -47,6 +50,27 @@ class HostCopies:
 
     def after_step(self) -> None:
         """Called after it wrote them: make the device parameters current."""
+
+
+class BlockingCopies(HostCopies):
+    """A compute device other than the host, without side streams: plain copies, in order."""
+
+    def __init__(self):
+        self.staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # gi -> (host [owned] compute dtype, device view)
+
+    def accumulate(self, shard_slice: torch.Tensor, piece: torch.Tensor) -> None:
+        shard_slice.add_(piece.to(shard_slice.device))
+
+    def copy_out_target(self, gi: int, owned: torch.Tensor) -> torch.Tensor:
+        if owned.device.type == "cpu":
+            return owned
+        if gi not in self.staging:
+            self.staging[gi] = (torch.empty(owned.numel(), dtype=owned.dtype, device="cpu"), owned)
+        return self.staging[gi][0]
+
+    def after_step(self) -> None:
+        for host, owned in self.staging.values():
+            owned.view(-1).copy_(host)
 
 
 class StreamCopies(HostCopies):
@@ -115,4 +139,6 @@ def make_copies(device: torch.device) -> HostCopies:
     """The copy strategy between ``device`` and host memory."""
     if device.type == "cuda":
         return StreamCopies(device)
-    return HostCopies()
+    if device.type == "cpu":
+        return HostCopies()
+    return BlockingCopies()

@@ -47,8 +47,9 @@ class _Pending:
 class Fetcher:
     """Gathers and releases sharded parameters for the hooks; keeps the live-element count."""
 
-    def __init__(self, zero_cfg, world: int, rank: int, comm_group=None):
+    def __init__(self, zero_cfg, world: int, rank: int, device: torch.device, comm_group=None):
         self.world, self.rank, self.comm_group = world, rank, comm_group
+        self.device = device  # the compute device: the debug check's messages travel there
         self.prefetch_numel = int(zero_cfg.stage3_prefetch_bucket_size)
         self.max_live = int(zero_cfg.stage3_max_live_parameters)
         self.max_reuse = int(zero_cfg.stage3_max_reuse_distance)
@@ -130,7 +131,7 @@ class Fetcher:
         for sp in params:
             staging[self.rank, col:col + sp.chunk].copy_(sp.shard, non_blocking=True)  # from the host with offload_param
             col += sp.chunk
-        works = comm.gather_rows(list(staging.unbind(0)), self.rank, self.comm_group, async_op=True)
+        works = comm.all_gather_rows(staging, self.rank, self.comm_group, async_op=True)
         pending = _Pending(params, staging, works)
         if not refresh:
             for sp in params:
@@ -224,16 +225,14 @@ class Fetcher:
     def _check_order(self, params: list[ShardedParam], tag: str) -> None:
         self._seq += 1
         label = f"#{self._seq} {tag} [{', '.join(sp.name for sp in params)}]"
-        digest = torch.tensor([zlib.crc32(label.encode())], dtype=torch.int64)
-        everyone = [torch.zeros_like(digest) for _ in range(self.world)]
-        comm.all_gather(everyone, digest, self.comm_group)
-        if any(int(d) != int(digest) for d in everyone):
+        digest = torch.tensor([zlib.crc32(label.encode())], dtype=torch.int64).to(self.device)
+        everyone = comm.all_gather_small(digest, self.comm_group).view(-1).tolist()  # a debug mode: a host read is fine
+        if any(d != everyone[self.rank] for d in everyone):
             # Exchange the labels as fixed-size byte tensors (all_gather_object would need numpy).
             raw = label.encode()[:_LABEL_BYTES]
             mine = torch.zeros(_LABEL_BYTES, dtype=torch.uint8)
             mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-            gathered = [torch.zeros_like(mine) for _ in range(self.world)]
-            comm.all_gather(gathered, mine, self.comm_group)
+            gathered = comm.all_gather_small(mine.to(self.device), self.comm_group).cpu()
             labels = [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in gathered]
             lines = "\n".join(f"  rank {r}: {lab}" for r, lab in enumerate(labels))
             raise FetchOrderError(f"stage 3: ranks diverged at parameter fetch {self._seq}; each rank was about "

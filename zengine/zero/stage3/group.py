@@ -54,5 +54,9 @@ class ShardedParamGroup:
         if live:
             self._refresh(live)
 
+    def param_names(self) -> list[str]:
+        """The parameters' names, in ``params`` order."""
+        return [sp.name for sp in self.sharded]
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.shard_flat] + [sp.full for sp in self.sharded if sp.state is ParamState.GATHERED]

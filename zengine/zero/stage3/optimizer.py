@@ -31,7 +31,7 @@ class Stage3Optimizer(ZeroOptimizer):
                  aio_cfg=None):
         placement = make_placement(zero_cfg, device, aio_cfg)
         self.module = module
-        self.fetcher = Fetcher(zero_cfg, world, rank, comm_group)
+        self.fetcher = Fetcher(zero_cfg, world, rank, device, comm_group)
         self.all_sharded: list[ShardedParam] = []
         for name, p in module.named_parameters():
             sp = lookup(p)
@@ -47,8 +47,8 @@ class Stage3Optimizer(ZeroOptimizer):
         # offload_param: the shards live in host memory; the fetcher copies each up as it gathers, and
         # CPUAdam writes the updated shard in place.
         offload = zero_cfg.offload_param.device == "cpu"
-        shard_device = torch.device("cpu") if offload else device
-        pin = offload and bool(zero_cfg.offload_param.pin_memory) and torch.cuda.is_available()
+        shard_device = torch.device("cpu") if offload else device  # host memory by design with offload_param
+        pin = offload and bool(zero_cfg.offload_param.pin_memory) and device.type == "cuda"  # pinned for copies up
         groups = [ShardedParamGroup([lookup(p) for _, p in named], hyper, dtype, shard_device, self.fetcher.gather_now,
                                     pin) for named, hyper in named_groups]
         in_groups = {id(sp) for g in groups for sp in g.sharded}
@@ -60,7 +60,7 @@ class Stage3Optimizer(ZeroOptimizer):
         grads = Stage3Gradients(groups, zero_cfg.reduce_bucket_size, world, rank, placement,
                                 lambda sp: self.fetcher.release([sp], force=True), comm_group)
         super().__init__(groups, grads, placement, lambda g: make_optimizer(g, placement.cpu_optimizer), scaler,
-                         clip, zero_cfg.allgather_bucket_size, world, rank, comm_group)
+                         clip, zero_cfg.allgather_bucket_size, world, rank, device, comm_group)
         self.hooks = ModuleHooks(module, self.fetcher)
 
     # -- forward and backward -------------------------------------------------------------------
@@ -150,7 +150,7 @@ class Stage3Optimizer(ZeroOptimizer):
             for sp, off in zip(g.sharded, g.offsets):
                 staging = torch.empty(self.world, sp.chunk, dtype=shard.dtype, device=shard.device)  # [world, chunk]
                 staging[self.rank].copy_(shard[off:off + sp.chunk])
-                comm.gather_rows(list(staging.unbind(0)), self.rank, self.comm_group)
+                comm.all_gather_rows(staging, self.rank, self.comm_group)
                 sp.param.grad = (staging.view(-1)[:sp.numel] * factor).view(sp.shape).to(sp.full.dtype)
 
     def memory_tensors(self):

@@ -1,0 +1,99 @@
+"""What the ranks agree on at a boundary step, in one all-reduce and one host read.
+
+Every boundary step sums one small float64 vector over the ranks, on the
+compute device (NCCL takes only CUDA tensors):
+
+    [0]   sum of squares of this rank's part of the unscaled gradient
+    [1]   1 if this rank ran a backward since the last step, else 0
+    [2]   this rank's micro-step count       (the fingerprint:
+    [3]   its square                          all ranks equal iff W * [3] == [2]^2)
+    [4:]  1 per parameter this rank gave a gradient, else 0
+
+The engine reads it back once (``sync.read_to_host``): the global norm,
+overflow, whether the ranks are in step, and which parameters no rank used
+all come from that single read. The failure paths (ranks out of step, a
+parameter whose gradient went non-finite) run one more collective to name
+the culprits; every rank reaches the same conclusion from the same sums, so
+they take those paths together.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import comm, sync
+
+_HEADER = 4
+
+
+class RanksOutOfStepError(RuntimeError):
+    """The ranks reached a boundary step at different micro-steps (one skipped or repeated a step)."""
+
+
+@dataclass
+class StepStats:
+    """The summed vector, read on the host."""
+
+    sq_norm: float
+    ranks_with_backward: int
+    used_counts: list[float]  # per parameter, in group order: how many ranks gave it a gradient
+
+    @property
+    def norm(self) -> float:
+        return math.sqrt(self.sq_norm) if self.sq_norm >= 0 else float("nan")
+
+
+def gather_stats(sq_norm: torch.Tensor, had_backward: bool, micro_step: int, used: list[bool],
+                 device: torch.device, world: int, rank: int, comm_group=None) -> StepStats:
+    """Sum the step's control values over the ranks and read them once; raise when ranks are out of step.
+
+    ``sq_norm`` is a 0-dim float64 tensor wherever the gradients live (the host with offload).
+    """
+    head = torch.tensor([0.0, float(had_backward), float(micro_step), float(micro_step) ** 2] + [float(u) for u in used],
+                        dtype=torch.float64)
+    stats = head.to(device, non_blocking=True)  # [4 + params] float64 on the compute device
+    stats[0:1].copy_(sq_norm.reshape(1), non_blocking=True)
+    if world > 1:
+        comm.all_reduce_sum(stats, comm_group)
+    values = sync.read_to_host(stats)
+    if world > 1 and world * values[3] != values[2] ** 2:
+        _raise_out_of_step(micro_step, bool(had_backward), device, rank, comm_group)
+    ranks_with_backward = int(round(values[1]))
+    if 0 < ranks_with_backward < world:
+        _raise_out_of_step(micro_step, bool(had_backward), device, rank, comm_group)
+    return StepStats(values[0], ranks_with_backward, values[_HEADER:])
+
+
+def _raise_out_of_step(micro_step: int, had_backward: bool, device: torch.device, rank: int, comm_group) -> None:
+    mine = torch.tensor([micro_step, int(had_backward)], dtype=torch.int64).to(device)
+    everyone = comm.all_gather_small(mine, comm_group).cpu().tolist()
+    lines = "\n".join(f"  rank {r}: micro-step {m}{'' if b else ', no backward since the last step'}"
+                      for r, (m, b) in enumerate(everyone))
+    raise RanksOutOfStepError(
+        f"zengine: ranks reached the optimizer step out of step (rank {rank} noticed it first on this rank's "
+        f"view):\n{lines}\nEvery rank must run the same number of forward/backward/step calls; a rank that "
+        f"skipped or repeated a batch trains on mismatched data. Check data loaders of unequal length and "
+        f"per-rank conditions around engine.backward()/engine.step().")
+
+
+def first_nonfinite(groups, master_grads: list[torch.Tensor], device: torch.device, world: int,
+                    comm_group=None) -> str:
+    """The name of the first parameter (in group order) whose gradient is not finite on any rank."""
+    flags = []
+    for g, grad in zip(groups, master_grads):
+        bad = [0.0] * len(g.params)
+        for pi, lo, hi in g.master_pieces():
+            if hi > lo and not bool(torch.isfinite(grad[lo:hi]).all()):
+                bad[pi] = 1.0
+        flags.extend(bad)
+    t = torch.tensor(flags, dtype=torch.float64).to(device)
+    if world > 1:
+        comm.all_reduce_sum(t, comm_group)
+    counts = t.cpu().tolist()
+    names = [n for g in groups for n in g.param_names()]
+    for name, c in zip(names, counts):
+        if c > 0:
+            return name
+    return "<none found: the non-finite value came from the norm itself>"
