@@ -42,7 +42,7 @@ class Stage3Optimizer(ZeroOptimizer):
             sp.owner = self
             if sp.state is ParamState.SHARDED:  # partitioned by zero.Init: gather in the compute dtype
                 sp.retype(dtype, device)
-            sp.persistent = p.numel() <= zero_cfg.stage3_param_persistence_threshold
+            sp.persistent = sp.numel <= zero_cfg.stage3_param_persistence_threshold  # p is empty when Init sharded it
             self.all_sharded.append(sp)
         # offload_param: the shards live in host memory; the fetcher copies each up as it gathers, and
         # CPUAdam writes the updated shard in place.
