@@ -8,7 +8,9 @@
 4. ranks out of step raise ``RanksOutOfStepError`` on every rank, naming each rank's micro-step;
 5. ``step()`` with no backward since the last one does nothing and is not counted.
 
-Each spawned run covers every case of one stage (or every stage) to save process start-up time.
+Each spawned run covers every case of one stage (or every stage) to save process start-up time. Two
+engine bugs found here are marked xfail(strict=True), with the reason: a rank that skips a whole
+micro-step is not caught as out of step, and stage 3 cannot backward twice through a retained graph.
 """
 import math
 import re
