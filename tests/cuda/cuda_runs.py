@@ -19,8 +19,9 @@ What is checked (each against the plain torch reference computed on the SAME dev
   or a huge loss scale) is skipped: parameters, masters and optimizer states unchanged, the loss
   scale halved, ``was_step_applied()`` False; the next step applies.
 - ``init_case``: a model built inside ``zengine.zero.Init`` has its shards on the device, trains
-  like the reference; ``GatheredParameters(modifier_rank=0)`` writes land in the shards (before
-  the engine, and after it: then in the fp32 masters too).
+  like the reference, and does not stay gathered between steps (persistence threshold 0);
+  ``GatheredParameters(modifier_rank=0)`` writes land in the shards (before the engine, and after
+  it: then in the fp32 masters too).
 - ``checkpoint_roundtrip``: a checkpoint saved on the device loads on two CPU gloo ranks and the
   run continues with the losses of an uninterrupted run on the device; and the other way round.
 """
@@ -109,18 +110,30 @@ def spawn_backend(fn, world_size: int, backend: str, *args, env: dict | None = N
     for p in procs:
         p.start()
     out, errors = {}, []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
+        while len(out) < world_size and not errors:
             try:
-                rank, ok, value = results.get(timeout=timeout)
+                rank, ok, value = results.get(timeout=5)
             except queue_mod.Empty:
-                errors.append(f"timed out after {timeout}s waiting for ranks {sorted(set(range(world_size)) - set(out))}")
-                break
+                # A rank that died without a result (a segfault, a CUDA abort) is reported now, not at the timeout.
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+                if dead:
+                    try:  # its result may still be in the pipe
+                        rank, ok, value = results.get(timeout=5)
+                    except queue_mod.Empty:
+                        errors.append(f"ranks died without a result (rank, exit code): {dead}")
+                        break
+                elif time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout}s waiting for ranks "
+                                  f"{sorted(set(range(world_size)) - set(out))}")
+                    break
+                else:
+                    continue
             if ok:
                 out[rank] = value
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
-                break
     finally:
         for p in procs:
             p.join(timeout=10 if not errors else 1)
@@ -140,6 +153,16 @@ def expected_device(device: str) -> torch.device:
     return d
 
 
+def plain_gpu_numerics(device: str) -> None:
+    """On CUDA: fp32 matmuls in full fp32 (no TF32) and 16-bit matmuls accumulated in fp32, so that the
+    comparison with the reference measures the engine, not the GEMM settings."""
+    if torch.device(device).type != "cuda":
+        return
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+
+
 def on_device(batches, device: torch.device):
     return [(x.to(device), y.to(device)) for x, y in batches]
 
@@ -155,14 +178,25 @@ def peak_bytes(device: torch.device):
 
 
 def _guard(fn, *args) -> dict:
-    """Run one case; an exception becomes a failure of that case (the others still run)."""
+    """Run one case as ``fn(*args, errors)``; an exception becomes a failure of that case, kept with the
+    failures it had found before (the other cases still run)."""
     start = time.perf_counter()
+    errors: list = []
     try:
-        out = fn(*args)
+        out = fn(*args, errors)
     except Exception:
-        out = {"errors": [f"raised:\n{traceback.format_exc()}"]}
+        out = {"errors": errors + [f"raised:\n{traceback.format_exc()}"]}
     out["seconds"] = round(time.perf_counter() - start, 3)
     return out
+
+
+def wrong_device(engine, device: torch.device, errors: list) -> bool:
+    """True (and a failure recorded) when the engine does not compute on ``device``: the case stops there,
+    as its inputs are made on ``device``."""
+    if engine.device == device:
+        return False
+    errors.append(f"engine.device is {engine.device}, expected {device}: the case stops here")
+    return True
 
 
 def case_id(case) -> str:
@@ -263,7 +297,7 @@ def full_params(engine) -> dict:
 def run_steps(engine, batches, gas: int, device: torch.device, errors: list, offload: str, watch=None):
     """One optimizer step per batch (``gas`` micro-steps each); (mean losses, global norms)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    losses, norms = [], []
+    losses, norms, placement = [], [], []
     for s, batch in enumerate(batches):
         total = torch.zeros((), device=device)
         for m in range(gas):
@@ -278,7 +312,14 @@ def run_steps(engine, batches, gas: int, device: torch.device, errors: list, off
         norms.append(engine.get_global_grad_norm())
         if not engine.was_step_applied():
             errors.append(f"step {s}: not applied (global norm {norms[-1]})")
-        check_placement(engine, device, offload, errors, f"after step {s}")
+        check_placement(engine, device, offload, placement, f"after step {s}")
+    seen, unique = set(), []
+    for e in placement:  # each placement problem once, at the first step it showed
+        key = e.split(": ", 1)[-1]
+        if key not in seen:
+            seen.add(key)
+            unique.append(e)
+    errors += unique
     if watch is not None and watch.bad:
         errors.append(f"during forward: parameters not on {device} or not whole: {sorted(watch.bad)[:6]}")
     return losses, norms
@@ -318,7 +359,7 @@ def compare_with_reference(what: str, params: dict, losses: list, norms: list, i
 
 
 # -- stage x precision x offload x accumulation ------------------------------------------------
-def parity_case(case, device: str, nvme_dir: str) -> dict:
+def parity_case(case, device: str, nvme_dir: str, errors: list) -> dict:
     """case = (stage, precision, offload, gas, all_used). ``all_used`` freezes EdgeNet's unused layer so
     that every trained parameter gets a gradient: the offloaded step then writes the parameters in the
     same pass (CPUAdam's copy-out, uploaded through pinned staging on CUDA) instead of restoring the
@@ -335,7 +376,8 @@ def parity_case(case, device: str, nvme_dir: str) -> dict:
     batches = on_device(make_batches(STEPS, MICRO * gas * world), dev)
     engine, *_ = zengine.initialize(model=model, config=engine_config(stage, precision, gas, offload, nvme_dir, world),
                                     model_parameters=edge_param_groups(model, LR))
-    errors = []
+    if wrong_device(engine, dev, errors):
+        return {"errors": errors}
     check_placement(engine, dev, offload, errors, "after initialize")
     if offload != "none":
         expected = "SwappedAdam" if "nvme" in offload else "CPUAdam"
@@ -373,7 +415,7 @@ def _differences(a: dict, b: dict) -> list:
     return out
 
 
-def overflow_case(case, device: str, nvme_dir: str) -> dict:
+def overflow_case(case, device: str, nvme_dir: str, errors: list) -> dict:
     """case = (stage, offload, how): how = "inf" (an Inf injected into fc1.weight's gradient) or "scale"
     (the loss scale raised to 2**40 for one step). fp16 with hysteresis 1: the first overflow halves."""
     stage, offload, how = case
@@ -385,7 +427,8 @@ def overflow_case(case, device: str, nvme_dir: str) -> dict:
     cfg["fp16"]["hysteresis"] = 1
     engine, *_ = zengine.initialize(model=model, config=cfg, model_parameters=edge_param_groups(model, LR))
     batches = on_device(make_batches(3, MICRO * world), dev)
-    errors = []
+    if wrong_device(engine, dev, errors):
+        return {"errors": errors}
 
     def step(batch):
         x, y = micro_batch(batch, rank, world, MICRO, 0)
@@ -457,13 +500,12 @@ def _master_slice(engine, sp):
     return None
 
 
-def init_case(case, device: str, nvme_dir: str) -> dict:
+def init_case(case, device: str, nvme_dir: str, errors: list) -> dict:
     """case = (precision, offload): stage 3, a model built inside zero.Init."""
     precision, offload = case
     dev = expected_device(device)
     reset_peak(dev)
     world, rank = dist.get_world_size(), dist.get_rank()
-    errors = []
     torch.manual_seed(0)
     with zengine.zero.Init():
         model = EdgeNet()
@@ -497,6 +539,8 @@ def init_case(case, device: str, nvme_dir: str) -> dict:
     batches = on_device(make_batches(INIT_STEPS, MICRO * world), dev)
     cfg = engine_config(3, precision, 1, offload, nvme_dir, world)
     engine, *_ = zengine.initialize(model=model, config=cfg, model_parameters=init_param_groups(model, LR))
+    if wrong_device(engine, dev, errors):
+        return {"errors": errors}
     check_placement(engine, dev, offload, errors, "after initialize")
     watch = ForwardWatch(engine.module, dev)
     losses, norms = run_steps(engine, batches, 1, dev, errors, offload, watch)
@@ -504,6 +548,9 @@ def init_case(case, device: str, nvme_dir: str) -> dict:
     opt = engine.optimizer  # with stage3_param_persistence_threshold 0 nothing should stay gathered
     persistent = sorted(s.name for s in opt.all_sharded if s.persistent)
     gathered = sorted(s.name for s in opt.all_sharded if s.state is ParamState.GATHERED)
+    if persistent or gathered:  # Init-built parameters show empty tensors: judged by their real size
+        errors.append(f"stage3_param_persistence_threshold 0: persistent {persistent}, still gathered after the "
+                      f"steps {gathered}; expected none (the model would stay whole on every GPU)")
     failures, measured = compare_with_reference(f"init-{precision}-{offload}", full_params(engine), losses, norms,
                                                 init, batches, precision, dev)
     errors += failures
@@ -539,8 +586,7 @@ def run_groups(plan: dict, device: str, tmp: str) -> dict:
     """Run every case of ``plan`` ({"parity": [...], "overflow": [...], "init": [...]}) in this process.
 
     Returns {group: {case id: result}} plus "process": what this process computed on."""
-    if torch.device(device).type == "cuda":
-        torch.set_float32_matmul_precision("highest")  # no TF32: the reference is plain fp32
+    plain_gpu_numerics(device)
     dev = expected_device(device)
     runners = {"parity": parity_case, "overflow": overflow_case, "init": init_case}
     out = {}
@@ -640,8 +686,7 @@ def ckpt_load(root: str, cases, device: str) -> dict:
 
 def device_side(dev_root: str, cpu_root: str, cases, device: str) -> dict:
     """The device process: save its own checkpoints, and load the CPU ranks' ones."""
-    if torch.device(device).type == "cuda":
-        torch.set_float32_matmul_precision("highest")
+    plain_gpu_numerics(device)
     return {"saved": ckpt_save(dev_root, cases, device), "loaded": ckpt_load(cpu_root, cases, device)}
 
 
@@ -675,9 +720,32 @@ def checkpoint_in_this_process(root: str, cases, device: str) -> dict:
     return checkpoint_sequence(root, cases, device, here, here)
 
 
+def placement_probe() -> dict:
+    """The placement checks can fail: a CPU engine (stage 3, optimizer offloaded) checked against the
+    right expectations, and against another device, with and without offload (on the CPU itself host
+    and device are one, so the offload expectations are told apart on the stand-in device "meta")."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = EdgeNet()
+    engine, *_ = zengine.initialize(model=model, config=engine_config(3, "bf16", 1, "cpu", "", world),
+                                    model_parameters=edge_param_groups(model, LR))
+    cpu, other = torch.device("cpu"), torch.device("meta")
+    right, wrong_dev, wrong_offload = [], [], []
+    watch_right, watch_wrong = ForwardWatch(engine.module, cpu), ForwardWatch(engine.module, other)
+    x, y = micro_batch(make_batches(1, MICRO * world)[0], rank, world, MICRO, 0)
+    engine.backward(engine(x, y))
+    engine.step()
+    check_placement(engine, cpu, "cpu", right, "probe")
+    check_placement(engine, other, "cpu", wrong_dev, "probe")
+    check_placement(engine, other, "none", wrong_offload, "probe")  # masters, states, grads, shards all on "meta"
+    return {"right": right + sorted(watch_right.bad), "wrong_device": wrong_dev, "watch_wrong": sorted(watch_wrong.bad),
+            "wrong_offload": wrong_offload, "stops": wrong_device(engine, other, [])}
+
+
 def cpu_smoke(plan: dict, tmp: str, ckpt_cases) -> dict:
-    """The CPU smoke test's one process: ``run_groups`` on the CPU and the checkpoint sequence."""
-    return {"groups": run_groups(plan, "cpu", tmp),
+    """The CPU smoke test's one process: ``run_groups`` on the CPU, the placement probe and the checkpoint
+    sequence."""
+    return {"groups": run_groups(plan, "cpu", tmp), "probe": placement_probe(),
             "checkpoint": checkpoint_in_this_process(os.path.join(tmp, "ckpt"), ckpt_cases, "cpu")}
 
 

@@ -9,6 +9,7 @@
 """
 import copy
 
+import pytest
 import torch
 
 from cuda_runs import (CLIP, DEVICE_ENV, LR, STEPS, case_id, checkpoint_failures, ckpt_id, compare_with_reference,
@@ -39,6 +40,15 @@ def test_cuda_suite_helpers_pass_on_the_cpu(tmp_path):
     assert parity["max_param_error"] <= 1e-5 and parity["off_over_moved"] <= 1e-5, parity
     overflow = groups["overflow"]["s1-none-inf"]
     assert overflow["scale_after"] == overflow["scale_before"] / 2, overflow
+
+    probe = out["probe"]  # the placement checks can fail
+    assert probe["right"] == [] and probe["stops"], probe
+    assert any("engine.device is cpu, expected meta" in e for e in probe["wrong_device"]), probe
+    assert any("module parameters off meta" in e for e in probe["wrong_device"]), probe
+    assert probe["watch_wrong"], probe
+    for what in ("fp32 master", "optimizer state", "gradient buffer", "stage-3 parameter shard"):
+        assert any(what in e for e in probe["wrong_offload"]), (what, probe)
+    assert not any("fp32 master" in e or "optimizer state" in e for e in probe["wrong_device"]), probe
 
     results = out["checkpoint"]
     for case in SMOKE_CHECKPOINT_CASES:
@@ -73,10 +83,19 @@ def test_the_reference_check_can_fail():
     assert any("unused.bias changed" in e for e in errors) and any("losses" in e for e in errors), errors
 
 
-def test_gloo_ranks_compute_on_the_cpu_even_where_cuda_is_visible():
-    for rank, out in enumerate(spawn(stays_on_cpu, 2)):
+@pytest.fixture(scope="module")
+def gloo_ranks():
+    return spawn(stays_on_cpu, 2)
+
+
+def test_gloo_ranks_compute_on_the_cpu_even_where_cuda_is_visible(gloo_ranks):
+    for rank, out in enumerate(gloo_ranks):
         assert out["placement_default"] == "cpu" and out["placement_env_cpu"] == "cpu", (rank, out)
         for name, engine in out["engines"].items():
             assert engine["engine"] == "cpu" and engine["errors"] == [], (rank, name, engine)
+
+
+def test_gloo_training_makes_no_cuda_context(gloo_ranks):
+    for rank, out in enumerate(gloo_ranks):
         assert not out["cuda_initialized_before"] and not out["cuda_initialized_after"], \
-            f"rank {rank}: a gloo (CPU) run initialised CUDA"
+            f"rank {rank}: a gloo (CPU) run initialised CUDA (a pinned buffer, a .cuda(), a CUDA stream or event?)"

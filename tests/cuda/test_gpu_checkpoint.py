@@ -14,10 +14,11 @@ from cuda_runs import checkpoint_failures, checkpoint_roundtrip, ckpt_id
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 # (stage, precision, optimizer offload when saving, when loading); each side at its own world size. The last
-# two change the optimizer between save and load: CPUAdam (host) <-> torch's fused AdamW (on the GPU, whose
-# ``step`` must be a device tensor there).
+# two change the optimizer between save and load: torch's fused AdamW <-> CPUAdam (host). Loaded on the GPU,
+# a fused AdamW needs its ``step`` on the GPU, and a checkpoint written by CPUAdam does not say "fused":
+# that case comes last, so that a CUDA error there cannot spoil the other cases of the GPU process.
 CASES = [(2, "fp32", "none", "none"), (3, "fp32", "cpu", "cpu"), (1, "bf16", "none", "none"),
-         (0, "fp16", "none", "none"), (2, "fp32", "cpu", "none"), (3, "fp32", "none", "cpu")]
+         (0, "fp16", "none", "none"), (3, "fp32", "none", "cpu"), (2, "fp32", "cpu", "none")]
 
 
 @pytest.fixture(scope="module")

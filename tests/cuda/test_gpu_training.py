@@ -80,14 +80,3 @@ def test_peak_gpu_memory_is_recorded(gpu):
     for k, v in recorded.items():
         print(f"  {k}: {v}")
     assert recorded and all(v > 0 for v in recorded.values()), peaks
-
-
-@pytest.mark.xfail(reason="zengine/zero/stage3/optimizer.py:45 tests p.numel() <= stage3_param_persistence_threshold, "
-                          "but a parameter partitioned by zero.Init shows an empty tensor (numel 0) there, so every "
-                          "Init-built parameter becomes persistent and stays gathered after its first use",
-                   strict=False)
-@pytest.mark.parametrize("case", INIT_CASES[:1], ids=case_id)
-def test_init_built_parameters_are_released_after_the_step(gpu, case):
-    result = gpu["init"][case_id(case)]
-    assert result["persistent"] == [] and result["gathered_after_step"] == [], \
-        f"threshold 0: persistent {result['persistent']}, gathered after the step {result['gathered_after_step']}"
