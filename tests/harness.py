@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import queue as queue_mod
 import socket
+import time
 import traceback
 
 import torch
@@ -24,12 +25,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, results):
+def _worker(rank, world_size, port, backend, env, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    for key, value in (env or {}).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         out = fn(*args)
         results.put((rank, True, out))
     except BaseException:  # report everything, including assertion failures, to the parent
@@ -39,28 +47,44 @@ def _worker(rank, world_size, port, fn, args, results):
             dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args, timeout: float = 300.0) -> list:
-    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the per-rank results."""
+def spawn(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo", env: dict | None = None) -> list:
+    """Run ``fn(*args)`` on ``world_size`` ranks; return the per-rank results.
+
+    ``backend`` "nccl" puts rank r on cuda:r (tests/cuda); ``env`` overrides each rank's environment
+    (a None value removes the variable). A rank that dies without a result (a segfault, a CUDA abort)
+    is reported within seconds, not at the timeout.
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, env, fn, args, results), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
     out, errors = {}, []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
+        while len(out) < world_size and not errors:
             try:
-                rank, ok, value = results.get(timeout=timeout)
+                rank, ok, value = results.get(timeout=min(5.0, timeout))
             except queue_mod.Empty:
-                errors.append(f"timed out after {timeout}s waiting for ranks {sorted(set(range(world_size)) - set(out))}")
-                break
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+                if dead:
+                    try:  # its result may still be in the pipe
+                        rank, ok, value = results.get(timeout=5)
+                    except queue_mod.Empty:
+                        errors.append(f"ranks died without a result (rank, exit code): {dead}")
+                        break
+                elif time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout}s waiting for ranks "
+                                  f"{sorted(set(range(world_size)) - set(out))}")
+                    break
+                else:
+                    continue
             if ok:
                 out[rank] = value
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
-                break
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)

@@ -77,9 +77,9 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
 def all_gather_rows(rows: torch.Tensor, rank: int, group=None, async_op: bool = False) -> list:
     """Fill row r of ``rows`` ([world, n], contiguous) on every rank from rank r's own row r.
 
-    gloo: one broadcast per owner (measured about three times faster than its all_gather);
-    otherwise one flat all-gather in place (this rank's row is the input). Returns the pending
-    works when ``async_op``.
+    gloo: one broadcast per owner (measured about three times faster than its all_gather; each row
+    must be contiguous, the rows need not be); otherwise one flat all-gather in place (this rank's
+    row is the input). Returns the pending works when ``async_op``.
     """
     if rows.shape[0] == 1:
         return []
@@ -98,11 +98,9 @@ def gather_strided(full: torch.Tensor, shard_numel: int, lo: int, hi: int, rank:
     if world == 1 or hi <= lo:
         return
     rows = full.narrow(0, 0, world * shard_numel).view(world, shard_numel)[:, lo:hi]  # [world, hi - lo]
-    check_devices("gather_strided", group, full)
-    if is_gloo(group):  # each row is contiguous: one broadcast per owner
-        for r in range(world):
-            dist.broadcast(rows[r], src=_global_rank(r, group), group=group)
-    elif rows.is_contiguous():  # the whole shard in one bucket: gather straight into the parameters
+    # gloo broadcasts row by row (each row is contiguous); a flat all-gather needs the rows end to end,
+    # as they are when the bucket is the whole shard: then it gathers straight into the parameters.
+    if is_gloo(group) or rows.is_contiguous():
         all_gather_rows(rows, rank, group)
     else:
         staging = torch.empty(world, hi - lo, dtype=full.dtype, device=full.device)  # [world, hi - lo]

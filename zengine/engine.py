@@ -176,15 +176,16 @@ class Engine(nn.Module):
         self._backward.check_step()
         boundary = self.is_gradient_accumulation_boundary()
         if not boundary and not self._backward_since_step:
+            self._step_applied = False
             self._warn_idle_step()
             return
         self._backward_since_step = False
         if boundary:
             outcome = self.optimizer.step(self.micro_steps)
+            self._step_applied = outcome is StepOutcome.APPLIED
             if outcome is StepOutcome.NO_BACKWARD:  # on every rank: nothing happened, nothing is counted
                 self._warn_idle_step()
                 return
-            self._step_applied = outcome is StepOutcome.APPLIED
             self.skipped_steps = self.optimizer.nonfinite.skipped
             if self._step_applied and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -195,7 +196,6 @@ class Engine(nn.Module):
         self.micro_steps += 1
 
     def _warn_idle_step(self) -> None:
-        self._step_applied = False
         if not self._warned_idle_step and self.global_rank == 0:
             self._warned_idle_step = True
             logger.warning("zengine: engine.step() with no backward since the last step(): nothing to apply; "

@@ -30,18 +30,15 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
-import queue as queue_mod
 import sys
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import zengine
-from harness import free_port
-from harness import spawn as spawn_gloo
+from harness import spawn
 from models import EdgeNet, edge_param_groups, make_batches, micro_batch, reference_run
 from zengine.zero.stage3.param import ParamState, lookup
 
@@ -73,75 +70,9 @@ DEVICE_ENV = {"ZENGINE_DEVICE": None}
 
 
 # -- processes ---------------------------------------------------------------------------------
-def _backend_worker(rank, world_size, port, backend, env, fn, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    for key, value in (env or {}).items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    torch.set_num_threads(1)
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
-        out = fn(*args)
-        results.put((rank, True, out))
-    except BaseException:  # report everything, including assertion failures, to the parent
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def spawn_backend(fn, world_size: int, backend: str, *args, env: dict | None = None, timeout: float = 900.0) -> list:
-    """``harness.spawn`` for any backend: ``fn(*args)`` on ``world_size`` ranks in fresh processes.
-
-    With ``nccl`` rank r computes on cuda:r (``torch.cuda.set_device(r)`` before the process group).
-    ``env`` overrides each rank's environment (a None value removes the variable). Returns the
-    per-rank results; a failure on any rank raises with that rank's traceback.
-    """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_backend_worker, args=(r, world_size, port, backend, env, fn, args, results),
-                         daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    out, errors = {}, []
-    deadline = time.monotonic() + timeout
-    try:
-        while len(out) < world_size and not errors:
-            try:
-                rank, ok, value = results.get(timeout=5)
-            except queue_mod.Empty:
-                # A rank that died without a result (a segfault, a CUDA abort) is reported now, not at the timeout.
-                dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
-                if dead:
-                    try:  # its result may still be in the pipe
-                        rank, ok, value = results.get(timeout=5)
-                    except queue_mod.Empty:
-                        errors.append(f"ranks died without a result (rank, exit code): {dead}")
-                        break
-                elif time.monotonic() > deadline:
-                    errors.append(f"timed out after {timeout}s waiting for ranks "
-                                  f"{sorted(set(range(world_size)) - set(out))}")
-                    break
-                else:
-                    continue
-            if ok:
-                out[rank] = value
-            else:
-                errors.append(f"rank {rank} failed:\n{value}")
-    finally:
-        for p in procs:
-            p.join(timeout=10 if not errors else 1)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [out[r] for r in range(world_size)]
+    """``harness.spawn`` on ``backend`` (nccl: rank r on cuda:r), with a device-side default timeout."""
+    return spawn(fn, world_size, *args, timeout=timeout, backend=backend, env=env)
 
 
 # -- small helpers -----------------------------------------------------------------------------
@@ -709,7 +640,7 @@ def checkpoint_roundtrip(root: str, cases, device: str, backend: str, timeout: f
     ``device`` (NCCL on cuda:0 on a GPU machine)."""
     return checkpoint_sequence(
         root, cases, device,
-        on_cpu=lambda fn, *args: spawn_gloo(fn, CPU_WORLD, *args)[0],
+        on_cpu=lambda fn, *args: spawn(fn, CPU_WORLD, *args)[0],
         on_device=lambda fn, *args: spawn_backend(fn, 1, backend, *args, env=DEVICE_ENV, timeout=timeout)[0])
 
 

@@ -58,11 +58,9 @@ def gather_stats(sq_norm: torch.Tensor, had_backward: bool, micro_step: int, use
     if world > 1:
         comm.all_reduce_sum(stats, comm_group)
     values = sync.read_to_host(stats)
-    if world > 1 and world * values[3] != values[2] ** 2:
-        _raise_out_of_step(micro_step, bool(had_backward), device, rank, comm_group)
     ranks_with_backward = int(round(values[1]))
-    if 0 < ranks_with_backward < world:
-        _raise_out_of_step(micro_step, bool(had_backward), device, rank, comm_group)
+    if world * values[3] != values[2] ** 2 or 0 < ranks_with_backward < world:  # equal counts iff W*sum(s^2) = sum(s)^2
+        _raise_out_of_step(micro_step, had_backward, device, rank, comm_group)
     return StepStats(values[0], ranks_with_backward, values[_HEADER:])
 
 
