@@ -78,3 +78,32 @@ def test_unimplemented_offloads_are_refused_by_name():
         with pytest.raises(ConfigError, match=message):
             zengine.initialize(model=model, config=cfg)
     assert not dist.is_initialized()
+
+
+def _frozen_model():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    net.requires_grad_(False)
+    return net
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: nn.ReLU(), "has no parameters"),
+    (_frozen_model, "none of the model's 4 parameters requires grad"),
+])
+def test_model_with_nothing_to_train_is_refused_before_any_work(make, match):
+    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(ValueError, match=match):
+        zengine.initialize(model=make(), config=config)
+    assert not dist.is_initialized(), "the process group was started before the model was checked"
+
+
+def _frozen_param_groups():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    net[0].requires_grad_(False)
+    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(ValueError, match="hold no parameter that requires grad"):
+        zengine.initialize(model=net, config=config, model_parameters=net[0].parameters())
+
+
+def test_model_parameters_all_frozen_are_refused():
+    spawn(_frozen_param_groups, 1)

@@ -64,6 +64,17 @@ def _refuse_unimplemented(cfg) -> None:
         raise ConfigError("zengine config asks for features this version lacks:\n" + "\n".join(problems))
 
 
+def _refuse_untrainable(model: nn.Module) -> None:
+    """A model with nothing to train is a mistake (everything frozen, or built empty): say so before any work."""
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(f"zengine.initialize: the model ({type(model).__name__}) has no parameters; there is "
+                         "nothing to train. Pass the model after its layers are built")
+    if not any(p.requires_grad for p in params):
+        raise ValueError(f"zengine.initialize: none of the model's {len(params)} parameters requires grad (all "
+                         "frozen); unfreeze the ones to train (p.requires_grad_(True)) before initialize")
+
+
 def initialize(model: nn.Module, config: Any = None, model_parameters: Optional[Iterable] = None,
                optimizer: Any = None, lr_scheduler: Any = None, training_data: Optional[torch.utils.data.Dataset] = None,
                args: Any = None, dist_init_required: Optional[bool] = None, config_params: Any = None,
@@ -78,6 +89,7 @@ def initialize(model: nn.Module, config: Any = None, model_parameters: Optional[
                         "(zengine has no model/pipeline parallelism)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"zengine.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
+    _refuse_untrainable(model)
     source = _config_source(config, config_params, args)
     local_rank = getattr(args, "local_rank", None) if args is not None else None
     if local_rank is not None and local_rank >= 0 and "LOCAL_RANK" not in os.environ:

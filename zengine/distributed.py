@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .shutdown import created_process_group
+
 # Environment variables of other launchers, mapped onto torchrun's names.
 _LAUNCHER_ENV = {
     "OMPI_COMM_WORLD_RANK": "RANK", "OMPI_COMM_WORLD_SIZE": "WORLD_SIZE",
@@ -114,3 +116,4 @@ def init_distributed(dist_backend: Optional[str] = None, timeout: Optional[timed
         torch.cuda.set_device(device)
     kwargs = {"timeout": timeout} if timeout is not None else {}
     dist.init_process_group(backend=backend, **kwargs)
+    created_process_group()  # and so destroyed at exit (shutdown.py)

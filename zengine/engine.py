@@ -26,6 +26,7 @@ from torch import nn
 
 from . import checkpoint
 from . import comm
+from . import shutdown
 from .backward import BackwardTracker
 from .config import ZengineConfig, format_config
 from .distributed import Placement
@@ -78,6 +79,8 @@ class Engine(nn.Module):
         self.lr_scheduler = _make_scheduler(lr_scheduler, config, self.optimizer)
         self.training_dataloader = (_make_dataloader(training_data, config, placement, collate_fn)
                                     if training_data is not None else None)
+        self._destroyed = False
+        shutdown.track(self)  # destroy() runs at exit if the script does not call it
 
     # -- placement and config accessors ---------------------------------------------------------
     @property
@@ -128,6 +131,7 @@ class Engine(nn.Module):
 
     # -- training -------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self._check_alive("forward")
         dtype = self.config.compute_dtype
         with self.optimizer.forward_context():
             out = self.module(*cast_floating(args, dtype), **cast_floating(kwargs, dtype))
@@ -151,6 +155,7 @@ class Engine(nn.Module):
         gradients (see ``backward.py``); several backward calls before one ``step()`` add up, as
         one backward of the summed losses would.
         """
+        self._check_alive("backward")
         factor = self._grad_factor()
         scaled = loss.float() * factor if factor != 1.0 else loss
         with self._backward.explicit():
@@ -170,6 +175,7 @@ class Engine(nn.Module):
         A boundary step is skipped (``was_step_applied()`` False) when the gradient is not finite on any
         rank; a ``step()`` with no backward since the last one does nothing and is not counted.
         """
+        self._check_alive("step")
         if self._no_sync:
             raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the context first "
                                "so that the accumulated gradients are reduced")
@@ -194,6 +200,24 @@ class Engine(nn.Module):
             if self.global_steps % self.config.steps_per_print == 0:
                 self._report()
         self.micro_steps += 1
+
+    def destroy(self) -> None:
+        """Finish the collectives in flight and release what the engine runs besides the model: the
+        gradient and (stage 3) module hooks, NVMe swap files and their I/O threads.
+
+        The engine cannot train after this; the process group stays (it is the script's, or
+        zengine's to close at exit). Runs by itself at exit when the script does not call it
+        (``shutdown.py``). Calling it twice does nothing.
+        """
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self.optimizer.close()
+
+    def _check_alive(self, what: str) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"engine.{what}(): the engine was destroyed (engine.destroy()); build a new one "
+                               "with zengine.initialize to train again")
 
     def _warn_idle_step(self) -> None:
         if not self._warned_idle_step and self.global_rank == 0:
@@ -325,6 +349,9 @@ def _named_param_groups(model: nn.Module, model_parameters, client_optimizer) ->
                 seen.add(id(p))
                 named.append((names[id(p)], p))
         groups.append((named, {k: v for k, v in group.items() if k != "params"}))
+    if not any(named for named, _ in groups):
+        raise ValueError("zengine.initialize: model_parameters (or the optimizer's param groups) hold no parameter "
+                         "that requires grad; there is nothing to train. Pass the trainable parameters")
     return groups
 
 

@@ -117,6 +117,10 @@ class FullGradients:
     def end_backward(self) -> None:
         if self.sync:
             _launch_remaining(self.queues, self._launch)
+        self.drain()
+
+    def drain(self) -> None:
+        """Wait for every reduction in flight, launching nothing new."""
         for w in self.works:
             w.wait()
         self.works = []
@@ -217,10 +221,14 @@ class ShardReducer:
         if self.sync:
             _launch_remaining(self.queues, self._launch)
             self.copied.clear()
+        self.drain()
+        self._free = []  # reused within a backward; nothing beyond the shards is held between steps
+
+    def drain(self) -> None:
+        """Wait for every reduction and copy in flight, launching nothing new."""
         while self.in_flight:
             self._complete(*self.in_flight.popleft())
         self.copies.settle()
-        self._free = []  # reused within a backward; nothing beyond the shards is held between steps
 
     def owned_grad(self, gi: int) -> torch.Tensor:
         """The summed gradient shard of group gi."""

@@ -76,7 +76,7 @@ class ZeroOptimizer:
         self.optimizer = placement.wrap_optimizer(
             make_optimizer([{**g.hyper, "params": [sp]} for g, sp in zip(groups, self.shard_params)]))
         self.global_grad_norm: Optional[float] = None
-        self.hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, gi, pi))
+        self.grad_hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, gi, pi))
                       for gi, g in enumerate(groups) for pi, p in enumerate(g.params)]
 
     # -- torch.optim.Optimizer look-alike -------------------------------------------------------
@@ -116,6 +116,16 @@ class ZeroOptimizer:
     def forward_context(self):
         """What the engine's forward runs inside (stage 3 gathers parameters there)."""
         return contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Finish every collective in flight and release files and I/O threads (``Engine.destroy``)."""
+        self.grads.drain()
+        close = getattr(self.optimizer, "close", None)  # NVMe swapping owns a file and I/O threads
+        if close is not None:
+            close()
+        for hook in self.grad_hooks:
+            hook.remove()
+        self.grad_hooks = []
 
     # -- the boundary step ----------------------------------------------------------------------
     def _master_grads(self) -> list[torch.Tensor]:

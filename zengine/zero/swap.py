@@ -126,6 +126,8 @@ class StateSwapper:
                     request.wait()
 
     def close(self) -> None:
+        """Stop the I/O threads and close the swap file (the moments are gone after this)."""
+        self.io.close()
         self.file.close()
 
 
@@ -211,6 +213,10 @@ class SwappedAdam(CPUAdam):
                 self.swapper.stream(self.swapper.chunks[i], lambda c: True, put)
                 self._on_disk.add(i)
                 state.setdefault("step", torch.tensor(0.0))
+
+    def close(self) -> None:
+        """Release the swap file and its I/O threads; the optimizer cannot step after this."""
+        self.swapper.close()
 
     def host_buffers(self) -> list[torch.Tensor]:
         """The host memory the moments take: the swap buffers."""

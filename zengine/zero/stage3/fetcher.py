@@ -81,6 +81,10 @@ class Fetcher:
             self.trace = self._recording
         self._recording = []
         self._record = self._following = False
+        self.drain()
+
+    def drain(self) -> None:
+        """Finish every gather in flight (a prefetch nobody used) and drop the staging storage."""
         for pending in list({id(p): p for p in self._pending.values()}.values()):
             self._finish(pending)
         self._free_staging = []

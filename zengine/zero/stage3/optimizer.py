@@ -61,19 +61,24 @@ class Stage3Optimizer(ZeroOptimizer):
                                 lambda sp: self.fetcher.release([sp], force=True), comm_group)
         super().__init__(groups, grads, placement, lambda g: make_optimizer(g, placement.cpu_optimizer), scaler,
                          clip, zero_cfg.allgather_bucket_size, world, rank, device, comm_group)
-        self.hooks = ModuleHooks(module, self.fetcher)
+        self.module_hooks = ModuleHooks(module, self.fetcher)
 
     # -- forward and backward -------------------------------------------------------------------
     @contextlib.contextmanager
     def forward_context(self):
         self.fetcher.begin_step(torch.is_grad_enabled() and self.module.training)
-        with self.hooks.mode():
+        with self.module_hooks.mode():
             yield
 
     def end_backward(self) -> None:
         super().end_backward()
         self.release_all()
         self.fetcher.end_step()
+
+    def close(self) -> None:
+        super().close()
+        self.fetcher.drain()
+        self.module_hooks.remove()
 
     def release_all(self) -> None:
         """Free every gathered parameter that is not persistent or held by a context."""
