@@ -127,7 +127,7 @@ class HostReads:
     """Replaces ``zengine.sync.read_to_host``: counts reads, returns values of a healthy step.
 
     The values follow ``zero/step_stats.py``: a finite norm, every rank ran a backward, equal
-    micro-step fingerprints, every parameter used on every rank.
+    micro-step fingerprints, gradients reduced, every parameter used on every rank.
     """
 
     def __init__(self, world: int):
@@ -136,7 +136,7 @@ class HostReads:
 
     def __call__(self, t: torch.Tensor) -> list[float]:
         self.count += 1
-        return [1.0, float(self.world), 0.0, 0.0] + [float(self.world)] * (t.numel() - 4)
+        return [1.0, float(self.world), 0.0, 0.0, 0.0] + [float(self.world)] * (t.numel() - 5)
 
     @contextlib.contextmanager
     def installed(self):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from datetime import timedelta
 from typing import Any, Iterable, Optional
 
@@ -46,6 +47,18 @@ def comm_timeout(cfg) -> timedelta:
             raise ValueError(f"ZENGINE_COMM_TIMEOUT={raw!r}: must be positive")
         return timedelta(seconds=seconds)
     return timedelta(seconds=cfg.comm_timeout)
+
+
+def _apply_timeout_to_existing_group(cfg) -> None:
+    """The script started the process group itself: its timeout stands unless the config or the
+    launcher asks for one (``comm_timeout`` set explicitly, or ``--comm_timeout``)."""
+    if "comm_timeout" not in cfg.model_fields_set and not os.environ.get("ZENGINE_COMM_TIMEOUT"):
+        return
+    try:
+        torch.distributed.distributed_c10d._set_pg_timeout(comm_timeout(cfg))
+    except Exception as err:  # an old torch or a backend without it: say so, keep going
+        warnings.warn(f"zengine: could not apply comm_timeout to the existing process group ({err}); "
+                      "pass timeout= to init_process_group instead")
 
 
 def _refuse_unimplemented(cfg) -> None:
@@ -99,7 +112,9 @@ def initialize(model: nn.Module, config: Any = None, model_parameters: Optional[
         os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))))
     cfg = load_config(source, world)
     _refuse_unimplemented(cfg)
-    if dist_init_required is not False:
+    if torch.distributed.is_initialized():
+        _apply_timeout_to_existing_group(cfg)
+    elif dist_init_required is not False:
         init_distributed(timeout=comm_timeout(cfg))
     placement = Placement.current()
     engine = Engine(model, cfg, placement, model_parameters=model_parameters, optimizer=optimizer,

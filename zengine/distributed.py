@@ -32,21 +32,42 @@ DEVICE_ENV = "ZENGINE_DEVICE"
 # The device types each backend's collectives take. torch's "fake" backend (no communication at all)
 # stands in for NCCL in the CPU guard tests (tests/test_device_guard.py), where the compute device is
 # "meta": a device that is not the host, as a GPU is not, on which every host read raises.
-BACKEND_DEVICE_TYPES = {"nccl": ("cuda",), "gloo": ("cpu", "cuda"), "fake": ("cuda", "meta")}
+BACKEND_DEVICE_TYPES = {"nccl": ("cuda",), "gloo": ("cpu", "cuda"), "fake": ("cuda", "meta"), "xccl": ("xpu",)}
+
+
+def backend_device_types(backend: Optional[str]) -> Optional[tuple[str, ...]]:
+    """The device types a backend communicates, or None when unknown. A per-device backend string
+    (``"cpu:gloo,cuda:nccl"``) takes each device type it names."""
+    if not backend:
+        return None
+    if ":" in backend:
+        return tuple(pair.split(":", 1)[0].strip() for pair in backend.split(",") if ":" in pair)
+    return BACKEND_DEVICE_TYPES.get(backend)
+
+
+def _default_device_type(backend: Optional[str]) -> str:
+    """The compute device a backend means when nothing is requested: its accelerator, else the CPU."""
+    types = backend_device_types(backend) or ("cpu",)
+    if "cpu" in types and backend in ("gloo", "mpi"):
+        return "cpu"  # gloo (and MPI) can drive CUDA tensors, but choosing them is the caller's (ZENGINE_DEVICE)
+    accelerators = [t for t in types if t not in ("cpu", "meta")]
+    return accelerators[0] if accelerators else "cpu"
 
 
 def resolve_device(backend: Optional[str], local_rank: int, requested: Optional[str] = None) -> torch.device:
     """The compute device for a rank: ``requested`` (else ``$ZENGINE_DEVICE``) when given, else from the
-    backend (NCCL: ``cuda:local_rank``; anything else: CPU). Refuses a device the backend cannot
-    communicate on, or a CUDA device that is not there, naming what to change."""
+    backend (NCCL, or a per-device backend naming an accelerator: that accelerator's device
+    ``local_rank``; gloo and unknown backends: CPU). Refuses a device the backend cannot communicate on,
+    or a CUDA device that is not there, naming what to change."""
     requested = requested or os.environ.get(DEVICE_ENV) or None
     if requested is None:
-        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+        kind = _default_device_type(backend)
+        device = torch.device("cpu") if kind == "cpu" else torch.device(kind, local_rank)
     else:
         device = torch.device(requested)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", local_rank)
-    allowed = BACKEND_DEVICE_TYPES.get(backend or "", None)
+        if device.type not in ("cpu", "meta") and device.index is None:
+            device = torch.device(device.type, local_rank)
+    allowed = backend_device_types(backend)
     if allowed is not None and device.type not in allowed:
         raise RuntimeError(f"zengine: the {backend} backend cannot communicate {device.type} tensors "
                            f"({DEVICE_ENV}={requested!r}); use gloo for CPU training (init_distributed('gloo'))")

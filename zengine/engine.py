@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from typing import Any, Iterable, Optional
 
 import torch
@@ -26,6 +27,7 @@ from torch import nn
 
 from . import checkpoint
 from . import comm
+from . import diagnose
 from . import shutdown
 from .backward import BackwardTracker
 from .config import ZengineConfig, format_config
@@ -81,6 +83,8 @@ class Engine(nn.Module):
                                     if training_data is not None else None)
         self._destroyed = False
         shutdown.track(self)  # destroy() runs at exit if the script does not call it
+        me = weakref.ref(self)  # a failed collective reports these counters (diagnose.py)
+        diagnose.track_progress(lambda: (me().global_steps, me().micro_steps) if me() is not None else (0, 0))
 
     # -- placement and config accessors ---------------------------------------------------------
     @property

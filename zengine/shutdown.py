@@ -36,18 +36,21 @@ import weakref
 
 import torch.distributed as dist
 
+from . import diagnose
+
 # How long the backend's worker threads get the GIL at exit. They are already waiting for it
 # when there is anything to free (their collectives completed before the last Python call
 # returned), so a few milliseconds are plenty; 50 ms is small beside any process start-up.
 _DRAIN_SECONDS = 0.05
 
 _engines: "weakref.WeakSet" = weakref.WeakSet()
-_state = {"registered": False, "owns_group": False}
+_state = {"registered": False, "owns_group": False, "tracked": False}
 
 
 def track(engine) -> None:
     """Have ``engine.destroy()`` run at exit if the script does not call it."""
     _engines.add(engine)
+    _state["tracked"] = True
     _register()
 
 
@@ -69,6 +72,7 @@ def shutdown() -> None:
     failure = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
     if failure is not None:
         if dist.is_available() and dist.is_initialized():
+            diagnose.linger_before_exit()
             _exit_now(130 if isinstance(failure, KeyboardInterrupt) else 1)
         return
     for engine in list(_engines):
@@ -76,14 +80,32 @@ def shutdown() -> None:
             engine.destroy()
         except Exception:  # exiting anyway; a failure here must not hide the script's own outcome
             pass
-    if _state["owns_group"] and dist.is_available() and dist.is_initialized():
+    grouped = dist.is_available() and dist.is_initialized()
+    store = diagnose.default_store() if grouped else None
+    rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
+    if grouped and world > 1 and store is not None and _engines_ran():
+        # Leave this rank's record before the group goes, so that a peer left waiting in a collective
+        # (it ran more steps) can say why; the check itself reads the peers' records afterwards.
+        diagnose.publish(store, rank, diagnose.current("exited"))
+    if _state["owns_group"] and grouped:
         try:
             dist.destroy_process_group()
         except Exception:
             pass
     _state["owns_group"] = False
+    if grouped and world > 1 and store is not None and _engines_ran():
+        problem = diagnose.check_clean_exit(store, rank, world)
+        if problem is not None:
+            print(problem, file=sys.stderr)
+            time.sleep(diagnose.LINGER_SECONDS)  # the failed rank is printing its own account: let it finish
+            _exit_now(1)
     gc.collect()  # engines and works caught in reference cycles, freed while the GIL can still be shared
     time.sleep(_DRAIN_SECONDS)  # releases the GIL: worker threads waiting on it finish their frees now
+
+
+def _engines_ran() -> bool:
+    """True when this process trained with an engine (so its step counts mean something)."""
+    return _state["tracked"]
 
 
 def _exit_now(status: int) -> None:

@@ -51,3 +51,39 @@ def run(stage):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_no_sync_accumulates_locally(stage):
     spawn(run, 3, stage)
+
+
+def boundary_under_no_sync(stage, gas):
+    """Every backward of the global batch, the boundary one included, under no_sync; step() outside.
+    The step must reduce what no backward did (not step each rank on its local gradient, nor skip it)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = EdgeNet()
+    init = copy.deepcopy(model)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zengine.initialize(model=model, config=cfg, model_parameters=edge_param_groups(model, LR))
+    batches = make_batches(3, 2 * gas * world)
+    for i, batch in enumerate(batches):
+        for m in range(gas):
+            x, y = micro_batch(batch, rank, world, 2, m)
+            if i == 1 and m == 0:  # one micro-step synchronised, the boundary one not
+                engine.backward(engine(x, y))
+            else:
+                with engine.no_sync():
+                    engine.backward(engine(x, y))
+            engine.step()
+        assert engine.was_step_applied()
+    assert engine.global_steps == len(batches)
+    _, ref = reference_run(init, batches, LR, clip=0.0)
+    with engine.summon_full_params(writeback=False):
+        worst = max((p.detach() - ref[n]).abs().max().item() for n, p in engine.module.named_parameters())
+    assert worst < 1e-5, f"stage {stage} gas {gas}: {worst}"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_step_after_a_boundary_backward_under_no_sync_reduces(stage):
+    spawn(boundary_under_no_sync, 2, stage, 2)
+    if stage in (0, 2):
+        spawn(boundary_under_no_sync, 3, stage, 1)

@@ -5,12 +5,11 @@
    and a model output the engine cannot look into is refused by name when the factor is not 1;
 3. a NaN loss (on one rank or all) skips the step on every rank; too many in a row raise naming a
    parameter; ``nonfinite_gradients.skip: false`` applies it;
-4. ranks out of step raise ``RanksOutOfStepError`` on every rank, naming each rank's micro-step;
+4. ranks out of step at a boundary raise ``RanksOutOfStepError`` on every rank, naming each rank's
+   micro-step (a rank that skips a whole step: ``tests/test_diagnose.py``);
 5. ``step()`` with no backward since the last one does nothing and is not counted.
 
-Each spawned run covers every case of one stage (or every stage) to save process start-up time. Two
-engine bugs found here are marked xfail(strict=True), with the reason: a rank that skips a whole
-micro-step is not caught as out of step, and stage 3 cannot backward twice through a retained graph.
+Each spawned run covers every case of one stage (or every stage) to save process start-up time.
 """
 import math
 import re
@@ -142,21 +141,11 @@ def two_backwards_matrix(stages, gases, retain=True):
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_two_backwards_before_one_step_add_up(stage):
-    # stage 3: the retain_graph variant is test_stage3_backward_twice_through_a_retained_graph (an engine bug)
-    spawn(two_backwards_matrix, 2, [stage], [1, 2], stage != 3)
+    spawn(two_backwards_matrix, 2, [stage], [1, 2])
 
 
 def test_two_backwards_before_one_step_add_up_three_ranks():
     spawn(two_backwards_matrix, 3, [1], [1, 2])
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "engine bug: zengine/zero/stage3/hooks.py ModuleHooks._fetch_before_backward gathers a module's parameters "
-    "before its backward only once per forward (the `done` flag is never reset), so a second backward through a "
-    "retained graph runs on parameters freed after the first one: RuntimeError 'setStorage: sizes [37, 23] ... "
-    "out of bounds for storage of size 0'"))
-def test_stage3_backward_twice_through_a_retained_graph():
-    spawn(two_backwards_matrix, 2, [3], [1])
 
 
 # -- 2. plain loss.backward() then engine.step() --------------------------------------------------
@@ -319,36 +308,7 @@ def test_nan_loss_skips_on_every_rank(stage):
 
 
 # -- 4. ranks out of step -------------------------------------------------------------------------
-def skip_one_micro_step(stage, steps=4, skipped=2):
-    """Rank 1 skips its whole micro-step ``skipped`` (forward, backward and step); rank 0 does not."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    engine = make_engine(stage, "fp32", 1)
-    try:
-        for i, batch in enumerate(make_batches(steps, MICRO * world)):
-            if rank == 1 and i == skipped:
-                continue
-            x, y = micro_batch(batch, rank, world, MICRO, 0)
-            engine.backward(engine(x, y))
-            engine.step()
-    except Exception as e:  # noqa: BLE001 - each rank reports what it raised
-        return type(e).__name__, str(e)
-    return None, f"rank {rank} finished {engine.global_steps} steps without an error"
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "engine bug: RanksOutOfStepError is never raised here. The micro-step fingerprint is compared in the "
-    "boundary step's all-reduce, but gradient collectives run earlier, in backward, and pair rank 1's "
-    "step 3 with rank 0's step 2, both at micro-step 2: the counts agree. Rank 1 then finishes without an "
-    "error, and rank 0 fails in its last backward with gloo's 'Connection closed by peer' (or waits for the "
-    "collective timeout when rank 1 stays alive)."))
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_rank_skipping_a_micro_step_raises_out_of_step(stage):
-    results = spawn(skip_one_micro_step, 2, stage, timeout=60)
-    for rank, (kind, message) in enumerate(results):
-        assert kind == "RanksOutOfStepError", f"rank {rank}: {kind}: {message}"
-        assert "rank 0" in message and "rank 1" in message, message
-
-
+# A rank that skips a whole step is caught when the ranks' ends differ: tests/test_diagnose.py.
 def one_rank_without_backward(stages):
     """Rank 1 calls step() with no backward at a boundary where rank 0 did one (under no_sync, so that no
     gradient collective is left unmatched): the step's all-reduce sees it and every rank raises."""
@@ -377,7 +337,7 @@ def test_rank_without_backward_at_step_raises_out_of_step():
     for rank, messages in enumerate(results):
         for stage, message in zip(stages, messages):
             assert message is not None, f"stage {stage}: rank {rank} did not raise RanksOutOfStepError"
-            assert "rank 0: micro-step 1\n" in message, message
+            assert "rank 0: micro-step 1, its last backward under no_sync\n" in message, message
             assert "rank 1: micro-step 1, no backward since the last step" in message, message
 
 

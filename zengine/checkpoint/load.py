@@ -125,8 +125,10 @@ def _read(engine, directory: str, with_optimizer: bool) -> dict[str, Any]:
 def _load_optimizer_group(reader: CheckpointReader, opt, gi: int, master: Holding, saved: dict[str, Any]) -> None:
     """The wrapped optimizer's state for group ``gi``: per-element tensors re-sliced to this rank's
     pieces (zeros where the checkpoint has none), scalars (``step``) as saved; and the hyper-parameters."""
-    # torch keeps ``step`` on the host unless the optimizer is capturable or fused
-    on_device = saved["hyper"].get("capturable") or saved["hyper"].get("fused")
+    # torch keeps ``step`` on the host unless the optimizer is capturable or fused: this engine's optimizer
+    # decides, not the saving one's (a checkpoint saved on CPU loads into a fused GPU optimizer)
+    group = opt.optimizer.param_groups[gi]
+    on_device = bool(group.get("capturable") or group.get("fused"))
     shard = opt.shard_params[gi]
     current = opt.optimizer.state.get(shard, {})
     state = {}

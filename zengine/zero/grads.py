@@ -81,7 +81,8 @@ class FullGradients:
         self.works: list = []
         self.sync = True
         self.world = torch.distributed.get_world_size(comm_group)
-        self.reduced = False  # the buffers hold a sum over ranks (a synchronised backward ran since zero())
+        self.reduced = False  # the buffers hold a sum over ranks (a synchronised backward ran last)
+        self.unreduced = False  # a backward without reduction (accumulation, no_sync) added local gradients
         self._attach_views()
 
     def _attach_views(self) -> None:
@@ -92,10 +93,13 @@ class FullGradients:
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
         # Accumulation micro-steps add into the full buffers locally; only the boundary reduces.
         self.sync = boundary and not no_sync
-        if self.sync and self.reduced and self.world > 1:
-            for buf in self.flat_grads:  # see the module doc: re-reducing a sum must not multiply it
+        if self.reduced and self.world > 1:
+            # Local gradients are about to be added to a sum over ranks, to be reduced again later: keep
+            # the old sum as this rank's 1/W share so that the next reduction counts it once (module doc).
+            for buf in self.flat_grads:
                 buf.div_(self.world)
-        self.reduced = self.reduced or self.sync
+        self.reduced = False
+        self.unreduced = not self.sync and self.world > 1  # one rank: the local sum is the sum
 
     def on_grad(self, gi: int, pi: int) -> None:
         g = self.groups[gi]
@@ -118,6 +122,17 @@ class FullGradients:
         if self.sync:
             _launch_remaining(self.queues, self._launch)
         self.drain()
+        if self.sync:
+            self.reduced, self.unreduced = True, False
+
+    def reduce_pending(self) -> None:
+        """Reduce gradients that backwards without reduction left local (the last backward before the
+        boundary ran under ``no_sync``): the step must see the sum over ranks."""
+        if self.unreduced and self.world == 1:
+            self.unreduced = False  # one rank: the local sum is the sum
+        elif self.unreduced:
+            self.begin_backward(True, False)
+            self.end_backward()
 
     def drain(self) -> None:
         """Wait for every reduction in flight, launching nothing new."""
@@ -133,7 +148,7 @@ class FullGradients:
     def zero(self) -> None:
         for buf in self.flat_grads:
             buf.zero_()
-        self.reduced = False
+        self.reduced = self.unreduced = False
         self._attach_views()
 
     def tensors(self) -> list[torch.Tensor]:
@@ -165,9 +180,17 @@ class ShardReducer:
         self.copied: set[tuple[int, int]] = set()
         self.in_flight: deque = deque()
         self.sync = True
+        self.unreduced = False  # a backward under no_sync left gradients in .grad, not reduced yet
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
         self.sync = not no_sync
+        self.unreduced = self.unreduced or no_sync
+
+    def reduce_pending(self) -> None:
+        """Reduce the gradients backwards under ``no_sync`` left in ``.grad``: the step must see them."""
+        if self.unreduced:
+            self.begin_backward(True, False)
+            self.end_backward()
 
     def _new_buffer(self, key: tuple[int, int], shape: tuple, like: torch.Tensor) -> torch.Tensor:
         """A zeroed bucket buffer of ``shape``, carved from released storage when one is big enough."""
@@ -221,6 +244,7 @@ class ShardReducer:
         if self.sync:
             _launch_remaining(self.queues, self._launch)
             self.copied.clear()
+            self.unreduced = False
         self.drain()
         self._free = []  # reused within a backward; nothing beyond the shards is held between steps
 

@@ -155,10 +155,16 @@ class ZeroOptimizer:
 
     def step(self, micro_step: int = 0) -> StepOutcome:
         """Run the boundary step. ``micro_step`` is the engine's count, compared across ranks."""
-        master_grads = self._master_grads()
+        unreduced = self.grads.unreduced  # the boundary backward ran under no_sync: no sum over ranks yet
+        master_grads = self._master_grads() if not unreduced else []  # (it scales the summed gradient in place)
         used = [u for g in self.groups for u in g.used]
         stats = gather_stats(self._sq_norm(master_grads), self._had_backward, micro_step, used, self.device,
-                             self.world, self.rank, self.comm_group)
+                             self.world, self.rank, self.comm_group, unreduced=unreduced)
+        if stats.ranks_unreduced:  # every rank's boundary backward ran under no_sync: reduce now (rare)
+            self.grads.reduce_pending()
+            master_grads = self._master_grads()
+            stats = gather_stats(self._sq_norm(master_grads), self._had_backward, micro_step, used, self.device,
+                                 self.world, self.rank, self.comm_group)
         self._had_backward = False
         if stats.ranks_with_backward == 0:
             self.zero_grad()

@@ -7,7 +7,8 @@ compute device (NCCL takes only CUDA tensors):
     [1]   1 if this rank ran a backward since the last step, else 0
     [2]   this rank's micro-step count       (the fingerprint:
     [3]   its square                          all ranks equal iff W * [3] == [2]^2)
-    [4:]  1 per parameter this rank gave a gradient, else 0
+    [4]   1 if this rank's gradients are not reduced yet (its last backward ran under no_sync)
+    [5:]  1 per parameter this rank gave a gradient, else 0
 
 The engine reads it back once (``sync.read_to_host``): the global norm,
 overflow, whether the ranks are in step, and which parameters no rank used
@@ -24,12 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import comm, sync
+from ..diagnose import RanksOutOfStepError
 
-_HEADER = 4
-
-
-class RanksOutOfStepError(RuntimeError):
-    """The ranks reached a boundary step at different micro-steps (one skipped or repeated a step)."""
+_HEADER = 5
 
 
 @dataclass
@@ -38,6 +36,7 @@ class StepStats:
 
     sq_norm: float
     ranks_with_backward: int
+    ranks_unreduced: int      # ranks whose gradients are still local (then sq_norm is not the global one)
     used_counts: list[float]  # per parameter, in group order: how many ranks gave it a gradient
 
     @property
@@ -46,29 +45,32 @@ class StepStats:
 
 
 def gather_stats(sq_norm: torch.Tensor, had_backward: bool, micro_step: int, used: list[bool],
-                 device: torch.device, world: int, rank: int, comm_group=None) -> StepStats:
+                 device: torch.device, world: int, rank: int, comm_group=None, unreduced: bool = False) -> StepStats:
     """Sum the step's control values over the ranks and read them once; raise when ranks are out of step.
 
     ``sq_norm`` is a 0-dim float64 tensor wherever the gradients live (the host with offload).
     """
-    head = torch.tensor([0.0, float(had_backward), float(micro_step), float(micro_step) ** 2] + [float(u) for u in used],
-                        dtype=torch.float64)
+    head = torch.tensor([0.0, float(had_backward), float(micro_step), float(micro_step) ** 2, float(unreduced)]
+                        + [float(u) for u in used], dtype=torch.float64)
     stats = head.to(device, non_blocking=True)  # [4 + params] float64 on the compute device
     stats[0:1].copy_(sq_norm.reshape(1), non_blocking=True)
     if world > 1:
         comm.all_reduce_sum(stats, comm_group)
     values = sync.read_to_host(stats)
-    ranks_with_backward = int(round(values[1]))
-    if world * values[3] != values[2] ** 2 or 0 < ranks_with_backward < world:  # equal counts iff W*sum(s^2) = sum(s)^2
-        _raise_out_of_step(micro_step, had_backward, device, rank, comm_group)
-    return StepStats(values[0], ranks_with_backward, values[_HEADER:])
+    ranks_with_backward, ranks_unreduced = int(round(values[1])), int(round(values[4]))
+    if (world * values[3] != values[2] ** 2 or 0 < ranks_with_backward < world  # equal counts iff W*sum(s^2) = sum(s)^2
+            or 0 < ranks_unreduced < world):
+        _raise_out_of_step(micro_step, had_backward, unreduced, device, rank, comm_group)
+    return StepStats(values[0], ranks_with_backward, ranks_unreduced, values[_HEADER:])
 
 
-def _raise_out_of_step(micro_step: int, had_backward: bool, device: torch.device, rank: int, comm_group) -> None:
-    mine = torch.tensor([micro_step, int(had_backward)], dtype=torch.int64).to(device)
+def _raise_out_of_step(micro_step: int, had_backward: bool, unreduced: bool, device: torch.device, rank: int,
+                       comm_group) -> None:
+    mine = torch.tensor([micro_step, int(had_backward), int(unreduced)], dtype=torch.int64).to(device)
     everyone = comm.all_gather_small(mine, comm_group).cpu().tolist()
     lines = "\n".join(f"  rank {r}: micro-step {m}{'' if b else ', no backward since the last step'}"
-                      for r, (m, b) in enumerate(everyone))
+                      f"{', its last backward under no_sync' if u else ''}"
+                      for r, (m, b, u) in enumerate(everyone))
     raise RanksOutOfStepError(
         f"zengine: ranks reached the optimizer step out of step (rank {rank} noticed it first on this rank's "
         f"view):\n{lines}\nEvery rank must run the same number of forward/backward/step calls; a rank that "

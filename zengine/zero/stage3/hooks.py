@@ -43,6 +43,7 @@ class ModuleHooks:
         self.running: list[set[int]] = []  # ids of the parameters of each running module
         self.enabled = True
         self.internal = False  # our own tensor work inside hooks is not an external use
+        self.backward_count = 0  # backwards finished so far (end_backward); a retained graph runs again
         self.handles = []
         for name, m in module.named_modules():
             unit = [sp for p in m._parameters.values() if p is not None and (sp := lookup(p)) is not None]
@@ -74,11 +75,11 @@ class ModuleHooks:
             self._fetch_before_backward(out, unit, self.names[m] + " (backward)")
 
     def _fetch_before_backward(self, out: Any, unit: list[ShardedParam], tag: str) -> None:
-        done = []
+        fetched_in = [-1]  # the backward that fetched for this output: once per backward, however many outputs
 
         def fetch(grad):
-            if not done:
-                done.append(True)
+            if fetched_in[0] != self.backward_count:
+                fetched_in[0] = self.backward_count
                 self.fetcher.fetch(unit, tag)
             return None
 
@@ -114,6 +115,10 @@ class ModuleHooks:
 
     def mode(self) -> "ExternalParamMode":
         return ExternalParamMode(self)
+
+    def backward_done(self) -> None:
+        """A backward ended: a later backward through a retained graph fetches again."""
+        self.backward_count += 1
 
     def remove(self) -> None:
         for h in self.handles:

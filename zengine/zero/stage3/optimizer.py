@@ -74,6 +74,7 @@ class Stage3Optimizer(ZeroOptimizer):
         super().end_backward()
         self.release_all()
         self.fetcher.end_step()
+        self.module_hooks.backward_done()
 
     def close(self) -> None:
         super().close()
@@ -153,7 +154,9 @@ class Stage3Optimizer(ZeroOptimizer):
         for gi, g in enumerate(self.groups):
             shard = self.grads.owned_grad(gi)
             for sp, off in zip(g.sharded, g.offsets):
-                staging = torch.empty(self.world, sp.chunk, dtype=shard.dtype, device=shard.device)  # [world, chunk]
+                # [world, chunk] on the compute device: with optimizer offload the shard is on the host,
+                # and NCCL gathers only device tensors
+                staging = torch.empty(self.world, sp.chunk, dtype=shard.dtype, device=self.device)
                 staging[self.rank].copy_(shard[off:off + sp.chunk])
                 comm.all_gather_rows(staging, self.rank, self.comm_group)
                 sp.param.grad = (staging.view(-1)[:sp.numel] * factor).view(sp.shape).to(sp.full.dtype)
