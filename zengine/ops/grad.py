@@ -15,7 +15,7 @@ import torch
 
 from .builder import load_op
 
-__all__ = ["GradStats", "unscale_and_norm_"]
+__all__ = ["GradStats", "sum_of_squares", "unscale_and_norm_"]
 
 # Elements per chunk of the torch fallback: bounds its float64 temporary.
 _FALLBACK_CHUNK = 1 << 22
@@ -42,6 +42,32 @@ def _torch_sum_sq_(grad: torch.Tensor, inv_scale: float) -> float:
         chunk = flat[start:start + _FALLBACK_CHUNK].to(torch.float64)
         total += float(torch.dot(chunk, chunk))
     return total
+
+
+@torch.no_grad()
+def sum_of_squares(t: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of ``t`` as a 0-dim float64 tensor on ``t``'s device, with no host read and
+    no full-size temporary (``vector_norm(t, dtype=float64)`` converts the whole tensor first: twice
+    an fp32 gradient shard's bytes, the largest transient of a step).
+
+    Contiguous fp32 CPU tensors: the compiled ``unscale_norm`` op (one threaded pass); else float64
+    chunks of a bounded size, summed on the device.
+    """
+    flat = t.reshape(-1)
+    if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
+        kernel = load_op("unscale_norm")
+        if kernel is not None:
+            from .adam import _SIMD_CODES
+
+            value = kernel.unscale_sum_squares(flat.data_ptr(), flat.numel(), 1.0, torch.get_num_threads(),
+                                               _SIMD_CODES[None])
+            return torch.tensor(value, dtype=torch.float64)
+    chunk = max(_FALLBACK_CHUNK, -(-flat.numel() // 64))  # at most 64 pieces: few kernels on a GPU
+    parts = [torch.linalg.vector_norm(flat[i:i + chunk], dtype=torch.float64).square()
+             for i in range(0, flat.numel(), chunk)]
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=t.device)
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
 
 @torch.no_grad()

@@ -27,8 +27,12 @@ class FlatParamGroup:
         self.hyper = hyper  # the group's own hyper-parameters (lr, weight_decay, ...)
         self.layout = FlatLayout(self.names, [tuple(p.shape) for p in self.params], num_shards)
         self.rank = rank
-        self.flat = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)  # [padded] compute dtype
+        # [padded] compute dtype. Made empty and filled parameter by parameter, each parameter's old storage
+        # freed as soon as it is copied: the pages of the buffer are touched one parameter at a time, so the
+        # rank never holds the model twice (a zeroed buffer would be touched whole at once).
+        self.flat = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
         with torch.no_grad():
+            self.flat[self.layout.numel:].zero_()  # the padding
             for p, span in zip(self.params, self.layout.spans):
                 view = self.flat.narrow(0, span.offset, span.numel)
                 view.copy_(p.detach().reshape(-1))

@@ -11,9 +11,12 @@ copies of sum/W), as DDP's averaging does implicitly.
 
 ``ShardedGradients`` (stage 2): each gradient is copied into a bucket buffer
 as soon as autograd produces it and freed; a full bucket is reduced and each
-rank keeps only the part that falls in its shard. At most
-``MAX_BUCKETS_IN_FLIGHT`` buckets exist at once, so no rank ever holds the
-whole gradient.
+rank keeps only the part that falls in its shard. At most ``in_flight``
+buckets are being reduced at once (2 with ``overlap_comm``, else 1) and one
+more is armed ahead (see ``ARMED_AHEAD``), so no rank ever holds the whole
+gradient: the gradient transient of a step is about ``in_flight + 2``
+buckets of ``reduce_bucket_size`` elements (the last one is autograd's fresh
+gradient of the parameter in hand).
 
 Buckets launch strictly in bucket order on every rank: collectives are
 matched by order, so a bucket waiting for a parameter that this rank did not
@@ -30,7 +33,12 @@ from .. import comm
 from .flat_group import FlatParamGroup
 from .layout import Bucket, gradient_buckets, intersect
 
-MAX_BUCKETS_IN_FLIGHT = 2
+
+
+def buckets_in_flight(overlap_comm: bool) -> int:
+    """Buckets reduced at once: two let one reduction overlap the next bucket's (on a GPU, where waiting
+    only orders streams); one is the least memory. Measured on CPU gloo: the same step time."""
+    return 2 if overlap_comm else 1
 
 
 class _BucketQueue:
@@ -162,20 +170,22 @@ class ShardReducer:
     how a full bucket is reduced (``_reduce``, returning the pending works and
     anything ``_accumulate`` needs) and how the rank's part is added into its
     shard (``_accumulate``). Buckets launch in order, at most
-    ``MAX_BUCKETS_IN_FLIGHT`` at a time; every micro-step reduces (no full
+    ``in_flight`` at a time; every micro-step reduces (no full
     gradient is kept) except under ``no_sync``, where autograd keeps
     accumulating into ``.grad`` until the next synchronised backward.
     """
 
-    def __init__(self, queues: list[_BucketQueue], shards: list[torch.Tensor], copies, comm_group=None):
+    def __init__(self, queues: list[_BucketQueue], shards: list[torch.Tensor], copies, comm_group=None,
+                 in_flight: int = 1):
         self.queues = queues
+        self.in_flight_limit = max(1, int(in_flight))
         self.shards = shards  # [this rank's part] per group: compute dtype, or fp32 CPU when offloaded
         self.copies = copies  # adds reduced pieces into the shards, wherever they live (transfer.py)
         self.comm_group = comm_group
         self.buffers: dict[tuple[int, int], torch.Tensor] = {}
         # Released bucket storage, reused by the next bucket of the same backward: a fresh large
         # allocation for every bucket costs page faults on first touch. At most
-        # MAX_BUCKETS_IN_FLIGHT + 1 of them exist, so still no whole gradient.
+        # in_flight + ARMED_AHEAD of them exist, so still no whole gradient.
         self._free: list[torch.Tensor] = []
         self.copied: set[tuple[int, int]] = set()
         self.in_flight: deque = deque()
@@ -226,7 +236,7 @@ class ShardReducer:
         for pi in bucket.params:  # gradients left from no_sync micro-steps and not produced again
             if (gi, pi) not in self.copied and self._grad(gi, pi) is not None:
                 self._copy_in(gi, pi)
-        while len(self.in_flight) >= MAX_BUCKETS_IN_FLIGHT:
+        while len(self.in_flight) >= self.in_flight_limit:
             self._complete(*self.in_flight.popleft())
         works, extra = self._reduce(gi, bucket, self._buffer(gi, bucket))
         self.in_flight.append((gi, bucket, works, extra))
@@ -269,12 +279,14 @@ class ShardReducer:
 class ShardedGradients(ShardReducer):
     """Stage 2: buckets are contiguous flat ranges; each rank keeps the part inside its shard."""
 
-    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, use_reduce: bool, placement, comm_group=None):
+    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, use_reduce: bool, placement, comm_group=None,
+                 in_flight: int = 1):
         self.groups = groups
         self.use_reduce = use_reduce  # reduce to owners (NCCL) rather than all-reduce then slice (gloo)
         dtype = torch.float32 if placement.cpu_optimizer else None
         shards = [placement.empty(g.layout.shard_numel, dtype or g.flat.dtype, g.flat.device) for g in groups]
-        super().__init__([_BucketQueue(g, bucket_numel) for g in groups], shards, placement.copies, comm_group)
+        super().__init__([_BucketQueue(g, bucket_numel) for g in groups], shards, placement.copies, comm_group,
+                         in_flight)
         for g in groups:
             for p in g.params:
                 p.grad = None
@@ -286,7 +298,7 @@ class ShardedGradients(ShardReducer):
     # made ahead of time and their parameters' .grad pointed into them: gradients then land in the
     # bucket directly, without a fresh allocation per parameter and a copy. ARMED_AHEAD buckets per
     # group are armed beyond those in flight, so memory stays a few buckets.
-    ARMED_AHEAD = 2
+    ARMED_AHEAD = 1
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
         super().begin_backward(boundary, no_sync)

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ..loss_scaler import LossScaler
+from ..ops.grad import sum_of_squares
 from .flat_group import FlatParamGroup  # or any group with the same interface (stage 3's)
 from .nonfinite import NonFinitePolicy
 from .offload import DevicePlacement
@@ -148,7 +149,7 @@ class ZeroOptimizer:
         for g, grad in zip(self.groups, master_grads):
             lo, hi = g.norm_range(self.world)
             if hi > lo:
-                parts.append(torch.linalg.vector_norm(grad[lo:hi], dtype=torch.float64).square())
+                parts.append(sum_of_squares(grad[lo:hi]))
         if not parts:
             return torch.zeros((), dtype=torch.float64, device=self.placement.master_device(self.device))
         return torch.stack([p.to(parts[0].device) for p in parts]).sum()

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..loss_scaler import LossScaler
 from .flat_group import FlatParamGroup
-from .grads import FullGradients, ShardedGradients
+from .grads import FullGradients, ShardedGradients, buckets_in_flight
 from .offload import make_placement
 from .optimizer import ZeroOptimizer
 
@@ -36,7 +36,8 @@ def build_zero_optimizer(module: nn.Module, zero_cfg, named_groups: Sequence[tup
     groups = [FlatParamGroup(named, hyper, num_shards, rank, dtype, device) for named, hyper in named_groups]
     if stage == 2:
         use_reduce = zero_cfg.reduce_scatter and torch.distributed.get_backend(comm_group) != "gloo"
-        grads = ShardedGradients(groups, zero_cfg.reduce_bucket_size, use_reduce, placement, comm_group)
+        grads = ShardedGradients(groups, zero_cfg.reduce_bucket_size, use_reduce, placement, comm_group,
+                                 buckets_in_flight(zero_cfg.overlap_comm))
     else:
         grads = FullGradients(groups, zero_cfg.reduce_bucket_size, comm_group)
     return ZeroOptimizer(groups, grads, placement, lambda g: make_optimizer(g, placement.cpu_optimizer), scaler,

@@ -33,7 +33,7 @@ class Stage3Gradients(ShardReducer):
     """Stage 3: rank-major bucket buffers; each rank keeps its row."""
 
     def __init__(self, groups: list[ShardedParamGroup], bucket_numel: int, world: int, rank: int, placement,
-                 after_grad: Callable[[ShardedParam], None], comm_group=None):
+                 after_grad: Callable[[ShardedParam], None], comm_group=None, in_flight: int = 2):
         self.groups, self.world, self.rank = groups, world, rank
         self.after_grad = after_grad  # releases the parameter's full data
         self.use_reduce_scatter = dist.get_backend(comm_group) != "gloo"
@@ -41,7 +41,7 @@ class Stage3Gradients(ShardReducer):
         shards = [placement.empty(g.shard_numel, dtype or g.shard_flat.dtype, g.shard_flat.device) for g in groups]
         # Buckets count chunk elements; a bucket of c chunk elements moves world * c elements.
         super().__init__([_BucketQueue(_ChunkView(g), max(1, bucket_numel // world)) for g in groups], shards,
-                         placement.copies, comm_group)
+                         placement.copies, comm_group, in_flight)
 
     def on_grad(self, gi: int, pi: int) -> None:
         super().on_grad(gi, pi)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ... import comm
+from ..grads import buckets_in_flight
 from ..offload import make_placement
 from ..optimizer import ZeroOptimizer
 from .fetcher import Fetcher
@@ -58,7 +59,8 @@ class Stage3Optimizer(ZeroOptimizer):
             if not sp.persistent and sp.state is ParamState.GATHERED:
                 sp.free()
         grads = Stage3Gradients(groups, zero_cfg.reduce_bucket_size, world, rank, placement,
-                                lambda sp: self.fetcher.release([sp], force=True), comm_group)
+                                lambda sp: self.fetcher.release([sp], force=True), comm_group,
+                                buckets_in_flight(zero_cfg.overlap_comm))
         super().__init__(groups, grads, placement, lambda g: make_optimizer(g, placement.cpu_optimizer), scaler,
                          clip, zero_cfg.allgather_bucket_size, world, rank, device, comm_group)
         self.module_hooks = ModuleHooks(module, self.fetcher)
