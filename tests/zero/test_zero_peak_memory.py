@@ -16,6 +16,7 @@ from torch import nn
 
 import zengine
 from harness import spawn
+from zengine.estimate import estimate
 
 LAYERS, WIDTH = 12, 2048  # 50M parameters: 201 MB, so that fixed costs (code, op libraries) are noise
 PSI = LAYERS * WIDTH * WIDTH
@@ -47,11 +48,9 @@ def _peaks(stage: int):
         _reset_peak()
 
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+    model = _model()
     phase("build")
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}}
-    engine, *_ = zengine.initialize(model=model, config=config)
+    engine, *_ = zengine.initialize(model=model, config=_config(stage))
     phase("initialize")
     for _ in range(3):
         engine.backward(engine(torch.randn(2, WIDTH)).pow(2).mean())
@@ -62,6 +61,15 @@ def _peaks(stage: int):
     return phases, counted
 
 
+def _model() -> nn.Module:
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+
+
+def _config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}}
+
+
 FORMULA = {0: lambda w: 4.0, 1: lambda w: 2.0 + 2.0 / w, 2: lambda w: 1.0 + 3.0 / w}  # fp32 Adam, in units of 4Ψ
 
 
@@ -69,6 +77,8 @@ FORMULA = {0: lambda w: 4.0, 1: lambda w: 2.0 + 2.0 / w, 2: lambda w: 1.0 + 3.0 
 def test_peak_follows_the_formula(stage):
     world = 2
     formula = FORMULA[stage](world)
+    predicted = estimate(_model(), _config(stage), world)  # zengine.estimate, before any training
+    assert predicted.device_states / UNIT == pytest.approx(formula, rel=1e-3)
     for rank, (phases, counted) in enumerate(spawn(_peaks, world, stage)):
         assert counted == pytest.approx(formula, rel=1e-3), (rank, counted)
         worst = max(peak for _, peak in phases.values())
@@ -80,3 +90,5 @@ def test_peak_follows_the_formula(stage):
         assert worst <= formula * 1.10 + 0.15, report
         # the model is never held twice while it is flattened into the engine's buffers
         assert phases["initialize"][1] <= phases["initialize"][0] + 0.15, report
+        # the estimator's peak (states + transients) is within 10% of the peak measured
+        assert predicted.peak_device / UNIT == pytest.approx(worst, rel=0.10), (predicted.format(), report)

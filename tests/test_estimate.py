@@ -1,0 +1,63 @@
+"""zengine.estimate: the ZeRO formulas per stage, precision and offload, and the step's transients."""
+import subprocess
+import sys
+
+import pytest
+from torch import nn
+
+from zengine.estimate import all_choices, estimate, main
+
+PSI = 8_000_000
+
+
+def _cfg(stage, **zero):
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage, **zero}}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_model_states_follow_the_zero_formulas(world):
+    per = {0: 16 * PSI, 1: 8 * PSI + 8 * PSI / world, 2: 4 * PSI + 12 * PSI / world, 3: 16 * PSI / world}
+    for stage, expected in per.items():
+        est = estimate(PSI, _cfg(stage), world)
+        assert est.device_states == pytest.approx(expected, rel=1e-6), (stage, est.format())
+        assert est.host_states == 0
+    # bf16: 2 bytes of parameter and gradient, 4 of fp32 master, 8 of moments
+    bf16 = {**_cfg(2), "bf16": {"enabled": True}}
+    assert estimate(PSI, bf16, world).device_states == pytest.approx(2 * PSI + 14 * PSI / world, rel=1e-6)
+
+
+def test_offload_moves_states_to_the_host():
+    world = 4
+    cpu = estimate(PSI, _cfg(2, offload_optimizer={"device": "cpu"}), world)
+    assert cpu.device == {"parameters": 4 * PSI}
+    assert cpu.host_states == 16 * PSI // world  # fp32 gradient shard, master, moments
+    both = estimate(PSI, _cfg(3, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"}), world)
+    assert both.device_states == 0 and both.host_states == 20 * PSI // world
+    nvme = estimate(PSI, _cfg(2, offload_optimizer={"device": "nvme", "nvme_path": "/tmp", "buffer_count": 4},
+                              sub_group_size=1_000_000), world)
+    assert nvme.host["optimizer swap buffers"] == 4 * 2 * 4 * 1_000_000  # buffers, not the moments
+
+
+def test_transients_are_bounded_by_their_keys():
+    model = nn.Sequential(nn.Linear(1000, 1000, bias=False), nn.Linear(1000, 10, bias=False), nn.LayerNorm(10))
+    numel = sum(p.numel() for p in model.parameters())
+    est = estimate(model, _cfg(2, reduce_bucket_size=100_000, overlap_comm=False), 2)
+    assert est.transients == {"autograd gradient": 4 * 1_000_000, "gradient buckets": 4 * 100_000 * 2}
+    est3 = estimate(model, _cfg(3, reduce_bucket_size=100_000, stage3_max_live_parameters=300_000,
+                                stage3_prefetch_bucket_size=50_000), 2)
+    assert est3.transients["gathered parameters"] == 4 * 300_000
+    assert est3.transients["prefetch staging"] == 4 * 50_000
+    assert est3.device["persistent parameters"] == 4 * (10_000 + 20) // 2  # small ones kept whole
+    assert est3.device["parameters"] == 4 * -(-numel // 2)
+
+
+def test_every_choice_and_the_command_line(capsys):
+    choices = all_choices(PSI, 8)
+    assert [(e.stage, e.label) for e in choices][:3] == [(0, "fp32"), (1, "fp32"), (1, "fp32, optimizer on cpu")]
+    assert len(choices) == 8
+    assert main(["--params", "8e6", "--world", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("ZeRO stage") == 8 and "optimizer on cpu, parameters on cpu" in out
+    done = subprocess.run([sys.executable, "-m", "zengine.estimate", "--params", "1.3e9", "--gpus", "8",
+                           "--config", "configs/zero3.json"], capture_output=True, text=True)
+    assert done.returncode == 0 and "ZeRO stage 3, 8 rank(s)" in done.stdout, done.stderr

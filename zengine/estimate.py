@@ -1,0 +1,197 @@
+"""How much memory a rank will need, before training: model states and the transients of a step.
+
+    from zengine.estimate import estimate
+    print(estimate(model, "configs/zero2.json", world_size=8).format())
+
+    python -m zengine.estimate --params 1.3e9 --world 8                 # every stage and offload choice
+    python -m zengine.estimate --params 1.3e9 --world 8 --config ds.json  # that config only
+
+Model states follow the ZeRO formulas for each stage, precision and offload (per element: parameters
+in the compute dtype, gradients in the compute dtype or fp32 where offloaded, fp32 masters unless
+the fp32 parameters serve as their own, 8 bytes of Adam moments), sharded over ``world_size`` ranks
+as the stage says. On top come the transients this engine has during a step, each bounded by a
+config key (``reduce_bucket_size`` and the buckets in flight, ``stage3_max_live_parameters``,
+``stage3_prefetch_bucket_size``) or by the largest parameter (autograd's fresh gradient of the
+parameter in hand). Activations are the model's and are not counted.
+
+"device" is the compute device and "host" the CPU memory that offload uses; on a CPU-only run they
+are the same memory and add up.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+from torch import nn
+
+from .config import ZengineConfig, load_config
+from .zero.grads import ShardedGradients, buckets_in_flight
+from .zero.swap import MAX_CHUNK
+
+GiB = 1 << 30
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes one rank holds, by kind and place; ``peak_*`` adds the step's transients."""
+
+    world_size: int
+    stage: int
+    device: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+    transients: dict[str, int] = field(default_factory=dict)  # on the compute device
+    label: str = ""
+
+    @property
+    def device_states(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_states(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def peak_device(self) -> int:
+        """Model states on the compute device plus the largest set of transients alive at once."""
+        return self.device_states + sum(self.transients.values())
+
+    def format(self) -> str:
+        """A few lines: per kind, then the totals."""
+        lines = [f"ZeRO stage {self.stage}, {self.world_size} rank(s){' (' + self.label + ')' if self.label else ''}:"]
+        for where, kinds in (("device", self.device), ("host", self.host), ("transient", self.transients)):
+            shown = ", ".join(f"{k} {v / GiB:.2f}" for k, v in kinds.items() if v)
+            if shown:
+                lines.append(f"  {where:9s} GiB: {shown}")
+        lines.append(f"  per rank: device {self.device_states / GiB:.2f} GiB of states, peak "
+                     f"{self.peak_device / GiB:.2f} GiB with transients; host {self.host_states / GiB:.2f} GiB")
+        return "\n".join(lines)
+
+
+def _numels(model: Union[nn.Module, int, float, Sequence[int]]) -> list[int]:
+    if isinstance(model, nn.Module):
+        return [p.numel() for p in model.parameters() if p.requires_grad]
+    if isinstance(model, (int, float)):
+        return [int(model)]
+    return [int(n) for n in model]
+
+
+def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = None, world_size: int = 1,
+             largest_param: Optional[int] = None) -> MemoryEstimate:
+    """Per-rank memory for training ``model`` (a module, a parameter count, or the parameters' sizes)
+    with ``config`` (a path, a dict or a ``ZengineConfig``; default: zengine's defaults, stage 0, fp32)
+    on ``world_size`` ranks. ``largest_param`` (elements) defaults to the largest parameter given."""
+    cfg = config if isinstance(config, ZengineConfig) else load_config(
+        config if config is not None else {"train_micro_batch_size_per_gpu": 1}, world_size)
+    zero = cfg.zero_optimization
+    numels = _numels(model)
+    psi = sum(numels)
+    w = max(1, int(world_size))
+    stage = zero.stage
+    share = math.ceil(psi / w)  # this rank's shard of a flat buffer (padding aside)
+    half = 2 if cfg.compute_dtype.itemsize == 2 else 4
+    offload_opt = zero.offload_optimizer.device if zero.offload_optimizer.enabled else "none"
+    offload_par = zero.offload_param.device if zero.offload_param.enabled else "none"
+    persistent = sum(n for n in numels if n < zero.stage3_param_persistence_threshold) if stage == 3 else 0
+
+    est = MemoryEstimate(w, stage, label=f"{'bf16/fp16' if half == 2 else 'fp32'}"
+                                          f"{', optimizer on ' + offload_opt if offload_opt != 'none' else ''}"
+                                          f"{', parameters on ' + offload_par if offload_par != 'none' else ''}")
+    sharded_opt = share if stage >= 1 else psi  # elements of masters and moments this rank keeps
+    # parameters
+    if stage < 3:
+        est.device["parameters"] = half * psi
+    else:
+        whole = half * persistent * (w - 1) // w  # small parameters kept whole on every rank
+        (est.host if offload_par == "cpu" else est.device)["parameters"] = half * share
+        est.device["persistent parameters"] = whole
+    # gradients
+    grad_elems = psi if stage < 2 else share
+    if offload_opt != "none" and stage >= 2:
+        est.host["gradients"] = 4 * share  # fp32 shard where the optimizer steps
+    else:
+        est.device["gradients"] = half * grad_elems
+        if offload_opt != "none":
+            est.host["gradients"] = 4 * share
+    # fp32 masters: the fp32 parameters serve as their own unless the optimizer moved away
+    if offload_opt != "none":
+        est.host["master weights"] = 4 * sharded_opt
+    elif half != 4:
+        est.device["master weights"] = 4 * sharded_opt
+    # Adam moments
+    if offload_opt == "nvme":
+        chunk = min(int(zero.sub_group_size), MAX_CHUNK, max(1, sharded_opt))
+        est.host["optimizer swap buffers"] = int(zero.offload_optimizer.buffer_count) * 2 * 4 * chunk
+    elif offload_opt == "cpu":
+        est.host["optimizer states"] = 8 * sharded_opt
+    else:
+        est.device["optimizer states"] = 8 * sharded_opt
+    # transients of a step
+    largest = int(largest_param) if largest_param is not None else max(numels, default=0)
+    est.transients["autograd gradient"] = half * largest
+    bucket = min(int(zero.reduce_bucket_size), psi)
+    if stage == 2:
+        est.transients["gradient buckets"] = half * bucket * (buckets_in_flight(zero.overlap_comm)
+                                                               + ShardedGradients.ARMED_AHEAD)
+    if stage == 3:
+        est.transients["gradient buckets"] = half * bucket * buckets_in_flight(zero.overlap_comm)
+        est.transients["gathered parameters"] = half * min(int(zero.stage3_max_live_parameters), psi)
+        est.transients["prefetch staging"] = half * min(int(zero.stage3_prefetch_bucket_size), psi)
+    return est
+
+
+def all_choices(model, world_size: int, base: Optional[dict] = None,
+                largest_param: Optional[int] = None) -> list[MemoryEstimate]:
+    """Every stage and offload choice for ``model`` on ``world_size`` ranks (DeepSpeed's estimator table)."""
+    base = dict(base or {"train_micro_batch_size_per_gpu": 1})
+    out = []
+    for stage, offloads in ((0, [{}]), (1, [{}, {"offload_optimizer": {"device": "cpu"}}]),
+                            (2, [{}, {"offload_optimizer": {"device": "cpu"}}]),
+                            (3, [{}, {"offload_optimizer": {"device": "cpu"}},
+                                 {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}])):
+        for extra in offloads:
+            zero = {**base.get("zero_optimization", {}), "stage": stage, **extra}
+            out.append(estimate(model, {**base, "zero_optimization": zero}, world_size, largest_param))
+    return out
+
+
+def estimate_zero2_model_states_mem_needs_all_live(model: nn.Module, num_gpus_per_node: int = 1,
+                                                   num_nodes: int = 1) -> list[MemoryEstimate]:
+    """DeepSpeed's name: print (and return) the stage-1/2 choices for ``model``."""
+    return _print([e for e in all_choices(model, num_gpus_per_node * num_nodes) if e.stage == 2])
+
+
+def estimate_zero3_model_states_mem_needs_all_live(model: nn.Module, num_gpus_per_node: int = 1,
+                                                   num_nodes: int = 1) -> list[MemoryEstimate]:
+    """DeepSpeed's name: print (and return) the stage-3 choices for ``model``."""
+    return _print([e for e in all_choices(model, num_gpus_per_node * num_nodes) if e.stage == 3])
+
+
+def _print(estimates: list[MemoryEstimate]) -> list[MemoryEstimate]:
+    for e in estimates:
+        print(e.format())
+    return estimates
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zengine.estimate", description=__doc__.split("\n")[0])
+    parser.add_argument("--params", type=float, required=True, help="trainable parameters (e.g. 1.3e9)")
+    parser.add_argument("--largest", type=float, default=None,
+                        help="elements of the largest parameter (default: assume the embedding, params / 20)")
+    parser.add_argument("--world", type=int, default=None, help="ranks in all (default: gpus x nodes)")
+    parser.add_argument("--gpus", type=int, default=1, help="ranks per node")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes")
+    parser.add_argument("--config", default=None, help="a DeepSpeed/zengine config: estimate that one only")
+    args = parser.parse_args(argv)
+    world = args.world or args.gpus * args.nodes
+    largest = int(args.largest) if args.largest else int(args.params) // 20
+    if args.config:
+        _print([estimate(int(args.params), args.config, world, largest_param=largest)])
+    else:
+        _print(all_choices(int(args.params), world, largest_param=largest))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
