@@ -136,7 +136,7 @@ class HostReads:
 
     def __call__(self, t: torch.Tensor) -> list[float]:
         self.count += 1
-        return [1.0, float(self.world), 0.0, 0.0, 0.0] + [float(self.world)] * (t.numel() - 5)
+        return [1.0, float(self.world)] + [0.0] * 7 + [float(self.world)] * (t.numel() - 9)
 
     @contextlib.contextmanager
     def installed(self):

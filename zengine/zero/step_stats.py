@@ -8,7 +8,9 @@ compute device (NCCL takes only CUDA tensors):
     [2]   this rank's micro-step count       (the fingerprint:
     [3]   its square                          all ranks equal iff W * [3] == [2]^2)
     [4]   1 if this rank's gradients are not reduced yet (its last backward ran under no_sync)
-    [5:]  1 per parameter this rank gave a gradient, else 0
+    [5:9] two digests of the gradient-bucket launch order this rank proposes, and their squares
+          (first step only, else 0: every rank proposes the same order iff W * squares == sums^2)
+    [9:]  1 per parameter this rank gave a gradient, else 0
 
 The engine reads it back once (``sync.read_to_host``): the global norm,
 overflow, whether the ranks are in step, and which parameters no rank used
@@ -27,7 +29,7 @@ import torch
 from .. import comm, sync
 from ..diagnose import RanksOutOfStepError
 
-_HEADER = 5
+_HEADER = 9
 
 
 @dataclass
@@ -38,6 +40,7 @@ class StepStats:
     ranks_with_backward: int
     ranks_unreduced: int      # ranks whose gradients are still local (then sq_norm is not the global one)
     used_counts: list[float]  # per parameter, in group order: how many ranks gave it a gradient
+    orders_agree: bool = True  # every rank proposed the same bucket launch order (or none did)
 
     @property
     def norm(self) -> float:
@@ -45,13 +48,15 @@ class StepStats:
 
 
 def gather_stats(sq_norm: torch.Tensor, had_backward: bool, micro_step: int, used: list[bool],
-                 device: torch.device, world: int, rank: int, comm_group=None, unreduced: bool = False) -> StepStats:
+                 device: torch.device, world: int, rank: int, comm_group=None, unreduced: bool = False,
+                 order: tuple[int, int] = (0, 0)) -> StepStats:
     """Sum the step's control values over the ranks and read them once; raise when ranks are out of step.
 
     ``sq_norm`` is a 0-dim float64 tensor wherever the gradients live (the host with offload).
     """
-    head = torch.tensor([0.0, float(had_backward), float(micro_step), float(micro_step) ** 2, float(unreduced)]
-                        + [float(u) for u in used], dtype=torch.float64)
+    d1, d2 = float(order[0]), float(order[1])  # < 2^21: squares summed over ranks stay exact in float64
+    head = torch.tensor([0.0, float(had_backward), float(micro_step), float(micro_step) ** 2, float(unreduced),
+                         d1, d1 * d1, d2, d2 * d2] + [float(u) for u in used], dtype=torch.float64)
     stats = head.to(device, non_blocking=True)  # [4 + params] float64 on the compute device
     stats[0:1].copy_(sq_norm.reshape(1), non_blocking=True)
     if world > 1:
@@ -61,7 +66,8 @@ def gather_stats(sq_norm: torch.Tensor, had_backward: bool, micro_step: int, use
     if (world * values[3] != values[2] ** 2 or 0 < ranks_with_backward < world  # equal counts iff W*sum(s^2) = sum(s)^2
             or 0 < ranks_unreduced < world):
         _raise_out_of_step(micro_step, had_backward, unreduced, device, rank, comm_group)
-    return StepStats(values[0], ranks_with_backward, ranks_unreduced, values[_HEADER:])
+    agree = world * values[6] == values[5] ** 2 and world * values[8] == values[7] ** 2
+    return StepStats(values[0], ranks_with_backward, ranks_unreduced, values[_HEADER:], agree)
 
 
 def _raise_out_of_step(micro_step: int, had_backward: bool, unreduced: bool, device: torch.device, rank: int,
