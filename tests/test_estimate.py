@@ -33,9 +33,14 @@ def test_offload_moves_states_to_the_host():
     assert cpu.host_states == 16 * PSI // world  # fp32 gradient shard, master, moments
     both = estimate(PSI, _cfg(3, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"}), world)
     assert both.device_states == 0 and both.host_states == 20 * PSI // world
-    nvme = estimate(PSI, _cfg(2, offload_optimizer={"device": "nvme", "nvme_path": "/tmp", "buffer_count": 4},
-                              sub_group_size=1_000_000), world)
-    assert nvme.host["optimizer swap buffers"] == 4 * 2 * 4 * 1_000_000  # buffers, not the moments
+    nvme_cfg = {"device": "nvme", "nvme_path": "/tmp", "buffer_count": 4}
+    nvme = estimate(PSI, _cfg(2, offload_optimizer=nvme_cfg, sub_group_size=250_000), world)
+    assert nvme.host["optimizer swap buffers"] == 4 * 2 * 4 * 250_000  # buffers, not the moments
+    few = estimate(PSI, _cfg(2, offload_optimizer=nvme_cfg, sub_group_size=1_000_000), world)
+    assert few.host["optimizer swap buffers"] == 2 * 2 * 4 * 1_000_000  # two chunks: two buffers
+    # training on the CPU: CPU offload moves nothing (the host is the device), NVMe only the moments
+    assert estimate(PSI, _cfg(2, offload_optimizer={"device": "cpu"}), world, cpu_training=True).device_states \
+        == estimate(PSI, _cfg(2), world).device_states
 
 
 def test_transients_are_bounded_by_their_keys():

@@ -78,10 +78,12 @@ def _numels(model: Union[nn.Module, int, float, Sequence[int]]) -> list[int]:
 
 
 def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = None, world_size: int = 1,
-             largest_param: Optional[int] = None) -> MemoryEstimate:
+             largest_param: Optional[int] = None, cpu_training: bool = False) -> MemoryEstimate:
     """Per-rank memory for training ``model`` (a module, a parameter count, or the parameters' sizes)
     with ``config`` (a path, a dict or a ``ZengineConfig``; default: zengine's defaults, stage 0, fp32)
-    on ``world_size`` ranks. ``largest_param`` (elements) defaults to the largest parameter given."""
+    on ``world_size`` ranks. ``largest_param`` (elements) defaults to the largest parameter given.
+    ``cpu_training``: the compute device is the CPU, so CPU offload moves nothing (fp32 parameters
+    stay their own masters and the gradient shard is the one the optimizer steps on)."""
     cfg = config if isinstance(config, ZengineConfig) else load_config(
         config if config is not None else {"train_micro_batch_size_per_gpu": 1}, world_size)
     zero = cfg.zero_optimization
@@ -93,6 +95,10 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
     half = 2 if cfg.compute_dtype.itemsize == 2 else 4
     offload_opt = zero.offload_optimizer.device if zero.offload_optimizer.enabled else "none"
     offload_par = zero.offload_param.device if zero.offload_param.enabled else "none"
+    if cpu_training:  # the host is the device: only NVMe moves anything (the moments, to the swap file)
+        offload_par = "none"
+        offload_opt = "nvme" if offload_opt == "nvme" else "none"
+    states_on_host = offload_opt != "none" and not cpu_training
     persistent = sum(n for n in numels if n < zero.stage3_param_persistence_threshold) if stage == 3 else 0
 
     est = MemoryEstimate(w, stage, label=f"{'bf16/fp16' if half == 2 else 'fp32'}"
@@ -108,21 +114,22 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
         est.device["persistent parameters"] = whole
     # gradients
     grad_elems = psi if stage < 2 else share
-    if offload_opt != "none" and stage >= 2:
+    if states_on_host and stage >= 2:
         est.host["gradients"] = 4 * share  # fp32 shard where the optimizer steps
     else:
         est.device["gradients"] = half * grad_elems
-        if offload_opt != "none":
+        if states_on_host:
             est.host["gradients"] = 4 * share
     # fp32 masters: the fp32 parameters serve as their own unless the optimizer moved away
-    if offload_opt != "none":
+    if states_on_host:
         est.host["master weights"] = 4 * sharded_opt
     elif half != 4:
         est.device["master weights"] = 4 * sharded_opt
     # Adam moments
     if offload_opt == "nvme":
         chunk = min(int(zero.sub_group_size), MAX_CHUNK, max(1, sharded_opt))
-        est.host["optimizer swap buffers"] = int(zero.offload_optimizer.buffer_count) * 2 * 4 * chunk
+        count = min(int(zero.offload_optimizer.buffer_count), max(2, math.ceil(sharded_opt / chunk)))  # as swap.py
+        est.host["optimizer swap buffers"] = count * 2 * 4 * chunk  # [exp_avg | exp_avg_sq] fp32 per buffer
     elif offload_opt == "cpu":
         est.host["optimizer states"] = 8 * sharded_opt
     else:
