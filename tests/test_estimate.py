@@ -51,7 +51,7 @@ def test_transients_are_bounded_by_their_keys():
     est3 = estimate(model, _cfg(3, reduce_bucket_size=100_000, stage3_max_live_parameters=300_000,
                                 stage3_prefetch_bucket_size=50_000), 2)
     assert est3.transients["gathered parameters"] == 4 * 300_000
-    assert est3.transients["prefetch staging"] == 4 * 50_000
+    assert est3.transients["prefetch in flight"] == 4 * 50_000
     assert est3.device["persistent parameters"] == 4 * (10_000 + 20) // 2  # small ones kept whole
     assert est3.device["parameters"] == 4 * -(-numel // 2)
 

@@ -144,7 +144,7 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
     if stage == 3:
         est.transients["gradient buckets"] = half * bucket * buckets_in_flight(zero.overlap_comm)
         est.transients["gathered parameters"] = half * min(int(zero.stage3_max_live_parameters), psi)
-        est.transients["prefetch staging"] = half * min(int(zero.stage3_prefetch_bucket_size), psi)
+        est.transients["prefetch in flight"] = half * min(int(zero.stage3_prefetch_bucket_size), psi)
     return est
 
 

@@ -49,7 +49,7 @@ def memory_run():
 
     def probe(m, args):  # checked against the tensors' storage at every module entry
         live = sum(sp.full.untyped_storage().nbytes() for sp in engine.optimizer.all_sharded if not sp.persistent)
-        seen.append((live, engine.optimizer.fetcher.live_numel * 4))
+        seen.append((live, engine.optimizer.fetcher.held_numel * 4))
 
     for layer in engine.module.layers:
         layer.register_forward_pre_hook(probe)

@@ -1,8 +1,9 @@
 """Gathering and releasing stage-3 parameters: on demand, ahead of use, and checked across ranks.
 
 ``Fetcher.fetch(params, tag)`` makes the parameters whole (one collective
-for all of them: each rank contributes its chunks, packed rank-major);
-``release`` frees them again. Both are called by the module hooks
+for all of them: each rank contributes its chunks, packed rank-major; a
+single parameter is gathered straight into its own storage, which is already
+rank-major, so nothing is staged or copied); ``release`` frees them again. Both are called by the module hooks
 (``hooks.py``) in the same order on every rank.
 
 Prefetch: the first step records the sequence of fetches (the trace). Later
@@ -38,10 +39,11 @@ class FetchOrderError(RuntimeError):
 
 
 class _Pending:
-    """An asynchronous gather in flight: its staging buffer and works."""
+    """An asynchronous gather in flight: its staging buffer and works. ``direct``: the staging buffer is
+    the parameter's own full storage (a unit of one parameter), so nothing is copied at the end."""
 
-    def __init__(self, params: list[ShardedParam], staging: torch.Tensor, works: list):
-        self.params, self.staging, self.works = params, staging, works
+    def __init__(self, params: list[ShardedParam], staging: torch.Tensor, works: list, direct: bool = False):
+        self.params, self.staging, self.works, self.direct = params, staging, works, direct
 
 
 class Fetcher:
@@ -65,6 +67,12 @@ class Fetcher:
         self._pending: dict[int, _Pending] = {}  # id(ShardedParam) -> its in-flight gather
         self._free_staging: list[torch.Tensor] = []  # released staging storage, reused within a step
         self._seq = 0
+
+    @property
+    def held_numel(self) -> int:
+        """Elements of non-persistent parameters gathered or being gathered (a single-parameter gather
+        in flight already occupies the parameter's storage)."""
+        return self.live_numel + self._pending_numel()
 
     # -- the step's frame -----------------------------------------------------------------------
     def begin_step(self, training: bool) -> None:
@@ -130,13 +138,16 @@ class Fetcher:
     def _start(self, params: list[ShardedParam], refresh: bool = False) -> _Pending:
         total = sum(sp.chunk for sp in params)
         dtype, device = params[0].full.dtype, params[0].full.device
-        staging = self._staging(total, dtype, device)  # [world, sum of chunks]
+        # One parameter: its full storage [world * chunk] is already laid out rank-major, so the gather lands
+        # there directly (no staging buffer, no copy); several: one staging buffer, one collective for all.
+        direct = len(params) == 1
+        staging = params[0].allocate() if direct else self._staging(total, dtype, device)  # [world, sum of chunks]
         col = 0
         for sp in params:
             staging[self.rank, col:col + sp.chunk].copy_(sp.shard, non_blocking=True)  # from the host with offload_param
             col += sp.chunk
         works = comm.all_gather_rows(staging, self.rank, self.comm_group, async_op=True)
-        pending = _Pending(params, staging, works)
+        pending = _Pending(params, staging, works, direct)
         if not refresh:
             for sp in params:
                 self._pending[id(sp)] = pending
@@ -149,7 +160,8 @@ class Fetcher:
         for sp in pending.params:
             self._pending.pop(id(sp), None)
             was_sharded = sp.state is ParamState.SHARDED
-            sp.allocate().copy_(pending.staging[:, col:col + sp.chunk])
+            if not pending.direct:
+                sp.allocate().copy_(pending.staging[:, col:col + sp.chunk])
             col += sp.chunk
             if was_sharded:
                 sp.state = ParamState.GATHERED
@@ -157,7 +169,8 @@ class Fetcher:
                     self.live_numel += sp.full.numel()
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel + self._pending_numel())
         pending.works = []
-        self._free_staging.append(pending.staging.view(-1))
+        if not pending.direct:  # a parameter's own storage is not staging to reuse
+            self._free_staging.append(pending.staging.view(-1))
         pending.staging = None
 
     def _staging(self, total: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
