@@ -50,8 +50,11 @@ def test_transients_are_bounded_by_their_keys():
     assert est.transients == {"autograd gradient": 4 * 1_000_000, "gradient buckets": 4 * 100_000 * 2}
     est3 = estimate(model, _cfg(3, reduce_bucket_size=100_000, stage3_max_live_parameters=300_000,
                                 stage3_prefetch_bucket_size=50_000), 2)
-    assert est3.transients["gathered parameters"] == 4 * 300_000
-    assert est3.transients["prefetch in flight"] == 4 * 50_000
+    assert est3.transients["gathered parameters"] == 4 * min(300_000 + 1_000_000, numel)  # live limit + module in hand
+    assert "prefetch staging" not in est3.transients  # one sharded parameter per module: gathered in place
+    with_bias = estimate(nn.Linear(1000, 1000), _cfg(3, stage3_param_persistence_threshold=100,
+                                                     stage3_prefetch_bucket_size=50_000), 2)
+    assert with_bias.transients["prefetch staging"] == 4 * 50_000  # weight and bias share a staging buffer
     assert est3.device["persistent parameters"] == 4 * (10_000 + 20) // 2  # small ones kept whole
     assert est3.device["parameters"] == 4 * -(-numel // 2)
 

@@ -143,9 +143,22 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
                                                                + ShardedGradients.ARMED_AHEAD)
     if stage == 3:
         est.transients["gradient buckets"] = half * bucket * buckets_in_flight(zero.overlap_comm)
-        est.transients["gathered parameters"] = half * min(int(zero.stage3_max_live_parameters), psi)
-        est.transients["prefetch in flight"] = half * min(int(zero.stage3_prefetch_bucket_size), psi)
+        # gathered or being gathered (prefetch included): stage3_max_live_parameters bounds what is kept and
+        # prefetched; the module about to run is fetched on top of it when needed
+        est.transients["gathered parameters"] = half * min(int(zero.stage3_max_live_parameters) + largest, psi)
+        if _has_multi_parameter_modules(model, zero.stage3_param_persistence_threshold):
+            # a module of several sharded parameters gathers through one staging buffer, then copies
+            est.transients["prefetch staging"] = half * min(int(zero.stage3_prefetch_bucket_size), psi)
     return est
+
+
+def _has_multi_parameter_modules(model, threshold: int) -> bool:
+    """True when some module owns more than one parameter that stage 3 shards (unknown without a module:
+    False, as for a stack of bias-free layers)."""
+    if not isinstance(model, nn.Module):
+        return False
+    return any(sum(1 for p in m.parameters(recurse=False) if p.requires_grad and p.numel() >= threshold) > 1
+               for m in model.modules())
 
 
 def all_choices(model, world_size: int, base: Optional[dict] = None,
