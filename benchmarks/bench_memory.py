@@ -62,7 +62,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 # Shared with the step-time benchmark: DeepSpeed's default stage-3 settings, the launcher's helpers and
 # the tensor counting used for contenders that have no engine.memory_breakdown().
 from bench_zero import (STAGE3, deepspeed_status, free_port, optimizer_state_tensors,  # noqa: E402
-                        tensors_reachable, unique_bytes)
+                        tensors_reachable, unique_bytes, write_report)
 
 LR = 1e-4
 MICRO_BATCH = 2
@@ -414,13 +414,7 @@ def main() -> None:
 
     if code_state() != code:
         notes.append(f"- zengine's code changed during the run (now {code_state()}): the rows mix code states.")
-    report = summarize(runs, args, notes, time.perf_counter() - start, code)
-    print(report)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"memory_{datetime.date.today():%Y-%m-%d}.md"
-    path.write_text(report)
-    print(f"written to {path}", file=sys.stderr)
+    write_report(summarize(runs, args, notes, time.perf_counter() - start, code), args.out, "memory")
 
 
 if __name__ == "__main__":

@@ -509,13 +509,18 @@ def main() -> None:
             print(f"round {r + 1}/{args.rounds} {name}: {status} ({time.perf_counter() - t0:.0f} s)",
                   file=sys.stderr, flush=True)
 
-    report = summarize(runs, args, notes)
+    write_report(summarize(runs, args, notes), args.out, "zero")
+
+
+def write_report(report: str, out_dir: str, name: str) -> Path:
+    """Print the report and write it to ``out_dir/<name>_<date>.md``."""
     print(report)
-    out = Path(args.out)
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"zero_{datetime.date.today():%Y-%m-%d}.md"
+    path = out / f"{name}_{datetime.date.today():%Y-%m-%d}.md"
     path.write_text(report)
     print(f"written to {path}", file=sys.stderr)
+    return path
 
 
 if __name__ == "__main__":

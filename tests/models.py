@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -59,6 +60,23 @@ def micro_batch(batch, rank: int, world: int, micro: int, m: int):
     x, y = batch
     lo = (m * world + rank) * micro
     return x[lo:lo + micro], y[lo:lo + micro]
+
+
+def train_global_batch(engine, batch, micro: int, gas: int, device=None) -> float:
+    """One global batch through ``engine``: ``gas`` micro-steps of ``micro`` samples per rank (forward,
+    ``engine.backward``, ``engine.step``). Returns the mean loss over ranks and micro-steps (a collective;
+    the losses are summed on ``device``, read once)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = torch.zeros((), device=device)
+    for m in range(gas):
+        x, y = micro_batch(batch, rank, world, micro, m)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float()
+    if world > 1:
+        dist.all_reduce(total)
+    return total.item() / (world * gas)
 
 
 def reference_run(model: nn.Module, batches, lr: float, clip: float, make_optimizer=None, make_scheduler=None,

@@ -69,7 +69,7 @@ def test_a_rank_skipping_a_step_fails_the_job_on_every_rank(tmp_path, stage, gas
     # rank 0, left waiting in its last step's first collective, names what happened
     assert "RanksOutOfStepError: zengine: rank 0 was waiting in the collective" in out, out
     assert f"rank 1: finished and left the job after 3 optimizer step(s) ({4 * gas - 1} micro-step(s))" in out, out
-    assert f"rank 0 (this rank): failed in the collective" in out and f"in micro-step {4 * gas}" in out, out
+    assert "rank 0 (this rank): failed in the collective" in out and f"in micro-step {4 * gas}" in out, out
     # and rank 1, whose own loop ended normally, fails the job too rather than exiting 0 (or, if the
     # launcher stops it first on rank 0's failure, it is listed as stopped: never as a success)
     assert ("zengine: rank 1 finished, but the job did not: rank(s) [0] failed" in out

@@ -92,6 +92,7 @@ def _run(name: str, tensor: torch.Tensor, call, *args, async_op: bool = False, g
     pending.wait()
     return None
 
+
 # torch 2.13 renamed the flat-buffer collectives; older versions have only the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -197,8 +198,8 @@ def message_device(group=None) -> torch.device:
     if "cpu" in types:
         return torch.device("cpu")
     kind = types[0]
-    index = getattr(torch, kind).current_device() if hasattr(getattr(torch, kind, None), "current_device") else 0
-    return torch.device(kind, index)
+    accelerator = getattr(torch, kind, None)  # torch.cuda, torch.xpu, ...
+    return torch.device(kind, accelerator.current_device() if hasattr(accelerator, "current_device") else 0)
 
 
 def all_gather_small(tensor: torch.Tensor, group=None) -> torch.Tensor:

@@ -140,14 +140,17 @@ def collective_failed(what: str, err: BaseException) -> BaseException:
     return error
 
 
-def exchange(me: Progress, rank: int, world: int, grace: float = GRACE_SECONDS, store=None) -> dict[int, Progress]:
-    """Publish this rank's record and read every rank's within ``grace`` seconds (rank -> record).
-
-    ``store`` defaults to the default process group's (pass it when the group is being destroyed)."""
-    store = store if store is not None else default_store()
-    records = {rank: me}
+def exchange(me: Progress, rank: int, world: int) -> dict[int, Progress]:
+    """Publish this rank's record in the default group's store and read every rank's (rank -> record)."""
+    store = default_store()
     if store is None or not publish(store, rank, me):
-        return records
+        return {rank: me}
+    return read_records(store, me, rank, world)
+
+
+def read_records(store, me: Progress, rank: int, world: int, grace: float = GRACE_SECONDS) -> dict[int, Progress]:
+    """Every rank's record found within ``grace`` seconds (this rank's is ``me``)."""
+    records = {rank: me}
     deadline = time.monotonic() + grace
     while len(records) < world:
         for r in range(world):
@@ -164,11 +167,6 @@ def exchange(me: Progress, rank: int, world: int, grace: float = GRACE_SECONDS, 
     return records
 
 
-def first_failure() -> Optional[BaseException]:
-    """The failure this process diagnosed, if any."""
-    return _reported[0]
-
-
 def linger_before_exit() -> None:
     """Called by a failing rank after its traceback is out: when ranks that finished early are reading
     the records at their exit, give them a moment to read this rank's before its exit makes the
@@ -177,11 +175,10 @@ def linger_before_exit() -> None:
         time.sleep(LINGER_SECONDS)
 
 
-def check_clean_exit(store, rank: int, world: int) -> Optional[str]:
-    """At a clean end: leave this rank's record and read the others'. Returns the reason this rank
-    must report failure (a peer failed, or finished at another step), or None."""
-    me = current("exited")
-    records = exchange(me, rank, world, store=store)
+def check_clean_exit(store, me: Progress, rank: int, world: int) -> Optional[str]:
+    """At a clean end, with this rank's record ``me`` already published: read the others'. Returns the
+    reason this rank must report failure (a peer failed, or finished at another step), or None."""
+    records = read_records(store, me, rank, world)
     failed = {r: p for r, p in records.items() if p.state == "failed"}
     other_steps = {r: p for r, p in records.items() if p.state == "exited" and
                    (p.global_steps, p.micro_steps) != (me.global_steps, me.micro_steps)}

@@ -83,29 +83,24 @@ def shutdown() -> None:
     grouped = dist.is_available() and dist.is_initialized()
     store = diagnose.default_store() if grouped else None
     rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
-    if grouped and world > 1 and store is not None and _engines_ran():
-        # Leave this rank's record before the group goes, so that a peer left waiting in a collective
-        # (it ran more steps) can say why; the check itself reads the peers' records afterwards.
-        diagnose.publish(store, rank, diagnose.current("exited"))
+    me = diagnose.current("exited")
+    # A process that trained with an engine leaves its record before the group goes, so that a peer left
+    # waiting in a collective (it ran more steps) can say why; the peers' records are read afterwards.
+    report = world > 1 and store is not None and _state["tracked"] and diagnose.publish(store, rank, me)
     if _state["owns_group"] and grouped:
         try:
             dist.destroy_process_group()
         except Exception:
             pass
     _state["owns_group"] = False
-    if grouped and world > 1 and store is not None and _engines_ran():
-        problem = diagnose.check_clean_exit(store, rank, world)
+    if report:
+        problem = diagnose.check_clean_exit(store, me, rank, world)
         if problem is not None:
             print(problem, file=sys.stderr)
             time.sleep(diagnose.LINGER_SECONDS)  # the failed rank is printing its own account: let it finish
             _exit_now(1)
     gc.collect()  # engines and works caught in reference cycles, freed while the GIL can still be shared
     time.sleep(_DRAIN_SECONDS)  # releases the GIL: worker threads waiting on it finish their frees now
-
-
-def _engines_ran() -> bool:
-    """True when this process trained with an engine (so its step counts mean something)."""
-    return _state["tracked"]
 
 
 def _exit_now(status: int) -> None:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 import zengine
 from harness import spawn
-from models import EdgeNet, edge_param_groups, make_batches, micro_batch, reference_run
+from models import EdgeNet, edge_param_groups, make_batches, micro_batch, reference_run, train_global_batch
 from zengine.zero.stage3.param import ParamState, lookup
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -227,19 +227,9 @@ def full_params(engine) -> dict:
 
 def run_steps(engine, batches, gas: int, device: torch.device, errors: list, offload: str, watch=None):
     """One optimizer step per batch (``gas`` micro-steps each); (mean losses, global norms)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     losses, norms, placement = [], [], []
     for s, batch in enumerate(batches):
-        total = torch.zeros((), device=device)
-        for m in range(gas):
-            x, y = micro_batch(batch, rank, world, MICRO, m)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        if world > 1:
-            dist.all_reduce(total)
-        losses.append(total.item() / (world * gas))
+        losses.append(train_global_batch(engine, batch, MICRO, gas, device))
         norms.append(engine.get_global_grad_norm())
         if not engine.was_step_applied():
             errors.append(f"step {s}: not applied (global norm {norms[-1]})")
@@ -562,57 +552,58 @@ def _ckpt_params(engine) -> dict:
     return ckpt.as_lists(ckpt.full_params(engine))
 
 
-def ckpt_save(root: str, cases, device: str) -> dict:
-    """Per case: the losses of an uninterrupted run, and a second run saved after CKPT_STOP steps
-    (with its parameters at that point)."""
+def _each_ckpt_case(cases, device: str, what: str, offload_of, run) -> dict:
+    """Per case id: ``run(case, cfg, data, dev, errors) -> (losses, params)`` on the case's config (with the
+    offload ``offload_of(case)`` names) and batches; an exception becomes that case's error."""
     dev = expected_device(device)
     out = {}
     for case in cases:
-        stage, precision, offload, _ = case
+        stage, precision = case[:2]
         errors = []
         try:
-            cfg = ckpt.config(stage, precision, _CKPT_OFFLOAD[offload])
+            cfg = ckpt.config(stage, precision, _CKPT_OFFLOAD[offload_of(case)])
             data = on_device(ckpt.batches(CKPT_STEPS), dev)
-            whole = ckpt.make_engine(cfg, seed=0)
-            if whole.device != dev:
-                errors.append(f"saving run: engine.device {whole.device}, expected {dev}")
-            losses = _ckpt_train(whole, data, dev)
-            first = ckpt.make_engine(cfg, seed=0)
-            _ckpt_train(first, data[:CKPT_STOP], dev)
-            params = _ckpt_params(first)
-            first.save_checkpoint(os.path.join(root, ckpt_id(case)))
+            losses, params = run(case, cfg, data, dev, errors)
             out[ckpt_id(case)] = {"losses": losses, "params": params, "errors": errors}
         except Exception:
-            out[ckpt_id(case)] = {"errors": errors + [f"saving raised:\n{traceback.format_exc()}"]}
+            out[ckpt_id(case)] = {"errors": errors + [f"{what} raised:\n{traceback.format_exc()}"]}
     return out
+
+
+def ckpt_save(root: str, cases, device: str) -> dict:
+    """Per case: the losses of an uninterrupted run, and a second run saved after CKPT_STOP steps
+    (with its parameters at that point)."""
+    def run(case, cfg, data, dev, errors):
+        whole = ckpt.make_engine(cfg, seed=0)
+        if whole.device != dev:
+            errors.append(f"saving run: engine.device {whole.device}, expected {dev}")
+        losses = _ckpt_train(whole, data, dev)
+        first = ckpt.make_engine(cfg, seed=0)
+        _ckpt_train(first, data[:CKPT_STOP], dev)
+        params = _ckpt_params(first)
+        first.save_checkpoint(os.path.join(root, ckpt_id(case)))
+        return losses, params
+
+    return _each_ckpt_case(cases, device, "saving", lambda case: case[2], run)
 
 
 def ckpt_load(root: str, cases, device: str) -> dict:
     """Per case: a fresh engine (other initial weights) loads the checkpoint saved under ``root`` and
     trains the remaining steps; its parameters right after loading, and its losses."""
-    dev = expected_device(device)
-    out = {}
-    for case in cases:
-        stage, precision, _, offload = case
-        errors = []
-        try:
-            cfg = ckpt.config(stage, precision, _CKPT_OFFLOAD[offload])
-            data = on_device(ckpt.batches(CKPT_STEPS), dev)
-            engine = ckpt.make_engine(cfg, seed=1)
-            engine.load_checkpoint(os.path.join(root, ckpt_id(case)))
-            if engine.device != dev:
-                errors.append(f"loading run: engine.device {engine.device}, expected {dev}")
-            if engine.global_steps != CKPT_STOP:
-                errors.append(f"loading run: global_steps {engine.global_steps}, expected {CKPT_STOP}")
-            params = _ckpt_params(engine)
-            bad = sorted({str(p.device) for p in engine.module.parameters() if p.device != dev})
-            if bad:
-                errors.append(f"loading run: parameters on {bad} after load_checkpoint, expected {dev}")
-            losses = _ckpt_train(engine, data[CKPT_STOP:], dev)
-            out[ckpt_id(case)] = {"losses": losses, "params": params, "errors": errors}
-        except Exception:
-            out[ckpt_id(case)] = {"errors": errors + [f"loading raised:\n{traceback.format_exc()}"]}
-    return out
+    def run(case, cfg, data, dev, errors):
+        engine = ckpt.make_engine(cfg, seed=1)
+        engine.load_checkpoint(os.path.join(root, ckpt_id(case)))
+        if engine.device != dev:
+            errors.append(f"loading run: engine.device {engine.device}, expected {dev}")
+        if engine.global_steps != CKPT_STOP:
+            errors.append(f"loading run: global_steps {engine.global_steps}, expected {CKPT_STOP}")
+        params = _ckpt_params(engine)
+        bad = sorted({str(p.device) for p in engine.module.parameters() if p.device != dev})
+        if bad:
+            errors.append(f"loading run: parameters on {bad} after load_checkpoint, expected {dev}")
+        return _ckpt_train(engine, data[CKPT_STOP:], dev), params
+
+    return _each_ckpt_case(cases, device, "loading", lambda case: case[3], run)
 
 
 def device_side(dev_root: str, cpu_root: str, cases, device: str) -> dict:

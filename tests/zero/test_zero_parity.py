@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import zengine
 from harness import spawn
-from models import EdgeNet, edge_param_groups, make_batches, micro_batch, reference_run
+from models import EdgeNet, edge_param_groups, make_batches, reference_run, train_global_batch
 
 STEPS, MICRO, LR, CLIP = 6, 2, 1e-2, 0.5
 # Against the fp32 reference: (max abs parameter error, error of the parameters' movement relative to
@@ -46,7 +46,7 @@ def engine_config(stage, precision, gas, world, offload=False):
 
 
 def train(stage, precision, gas, offload=False, seed=0):
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     torch.manual_seed(seed)
     model = EdgeNet()
     init = copy.deepcopy(model)
@@ -57,15 +57,7 @@ def train(stage, precision, gas, offload=False, seed=0):
         assert type(engine.optimizer.optimizer).__name__ == ("SwappedAdam" if "nvme" in str(offload) else "CPUAdam")
     losses, norms = [], []
     for batch in batches:
-        total = torch.zeros(())
-        for m in range(gas):
-            x, y = micro_batch(batch, rank, world, MICRO, m)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        dist.all_reduce(total)
-        losses.append(total.item() / (world * gas))
+        losses.append(train_global_batch(engine, batch, MICRO, gas))
         norms.append(engine.get_global_grad_norm())
     with engine.summon_full_params(writeback=False):
         params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}

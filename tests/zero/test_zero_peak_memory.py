@@ -11,7 +11,6 @@ import ctypes
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zengine

@@ -50,18 +50,12 @@ def sum_of_squares(t: torch.Tensor) -> torch.Tensor:
     no full-size temporary (``vector_norm(t, dtype=float64)`` converts the whole tensor first: twice
     an fp32 gradient shard's bytes, the largest transient of a step).
 
-    Contiguous fp32 CPU tensors: the compiled ``unscale_norm`` op (one threaded pass); else float64
-    chunks of a bounded size, summed on the device.
+    On the CPU: ``unscale_and_norm_`` (the compiled op for fp32, bounded chunks otherwise); on a
+    device: float64 chunks of a bounded size, summed there.
     """
+    if t.device.type == "cpu":
+        return torch.tensor(unscale_and_norm_(t).sum_sq, dtype=torch.float64)
     flat = t.reshape(-1)
-    if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
-        kernel = load_op("unscale_norm")
-        if kernel is not None:
-            from .adam import _SIMD_CODES
-
-            value = kernel.unscale_sum_squares(flat.data_ptr(), flat.numel(), 1.0, torch.get_num_threads(),
-                                               _SIMD_CODES[None])
-            return torch.tensor(value, dtype=torch.float64)
     chunk = max(_FALLBACK_CHUNK, -(-flat.numel() // 64))  # at most 64 pieces: few kernels on a GPU
     parts = [torch.linalg.vector_norm(flat[i:i + chunk], dtype=torch.float64).square()
              for i in range(0, flat.numel(), chunk)]

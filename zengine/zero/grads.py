@@ -24,10 +24,11 @@ not use holds back the ones after it until the end of backward. The order
 starts as the buckets' (reverse registration order, how a sequential model's
 gradients arrive) and becomes, after the first boundary step, the order in
 which buckets actually completed in the first synchronised backward, if every
-rank recorded the same one (checked in the step's all-reduce): a model whose backward runs in another order than
-its parameters were registered would otherwise hold every bucket until the
-one the queue waits for completes (measured: the whole gradient, +1.1 units of
-the model at stage 2, W=2, against +0.26 in order).
+rank recorded the same one (checked in the step's all-reduce): a model whose
+backward runs in another order than its parameters were registered would
+otherwise hold every bucket until the one the queue waits for completes
+(measured: the whole gradient, +1.1 units of the model at stage 2, W=2,
+against +0.26 in order).
 """
 from __future__ import annotations
 
@@ -40,7 +41,6 @@ import torch
 from .. import comm
 from .flat_group import FlatParamGroup
 from .layout import Bucket, gradient_buckets, intersect
-
 
 
 def buckets_in_flight(overlap_comm: bool) -> int:
@@ -58,7 +58,7 @@ class _BucketQueue:
         for b in self.buckets:
             for i in b.params:
                 self.bucket_of[i] = b.index
-        self.order = list(range(len(self.buckets)))  # bucket indices in launch order
+        self.set_order(list(range(len(self.buckets))))
         self.recording = True  # until the launch order is settled after the first synchronised backward
         self.completed: list[int] = []  # buckets in the order they completed while recording
         self.reset()
@@ -82,9 +82,14 @@ class _BucketQueue:
             self.next += 1
         return out
 
-    def after(self, index: int, k: int) -> Optional[int]:
+    def set_order(self, order: list[int]) -> None:
+        """Launch the buckets in ``order`` (bucket indices) from now on."""
+        self.order = order
+        self.position = {b: i for i, b in enumerate(order)}  # bucket index -> place in ``order``
+
+    def after(self, index: Optional[int], k: int) -> Optional[int]:
         """The bucket ``k`` places after bucket ``index`` in launch order (``index`` None: from the start)."""
-        pos = (self.order.index(index) + k) if index is not None else k
+        pos = (self.position[index] + k) if index is not None else k
         return self.order[pos] if pos < len(self.order) else None
 
     def recorded_order(self) -> list[int]:
@@ -101,7 +106,34 @@ def _launch_remaining(queues: list[_BucketQueue], launch) -> None:
         q.reset()
 
 
-class FullGradients:
+class GradientStore:
+    """What every gradient store shares: reducing at the step what backwards under ``no_sync`` left
+    local, and the first step's agreement on the bucket launch order (none by default)."""
+
+    unreduced = False  # a backward without reduction (accumulation, no_sync) left local gradients
+
+    def begin_backward(self, boundary: bool, no_sync: bool) -> None:
+        raise NotImplementedError
+
+    def end_backward(self) -> None:
+        raise NotImplementedError
+
+    def reduce_pending(self) -> None:
+        """Reduce the gradients that backwards without reduction left local (the last backward before
+        the boundary ran under ``no_sync``): the step must see the sum over ranks."""
+        if self.unreduced:
+            self.begin_backward(True, False)
+            self.end_backward()
+
+    def order_digests(self) -> tuple[int, int]:
+        """Digests of the bucket launch order this rank proposes; (0, 0): none to agree on."""
+        return 0, 0
+
+    def settle_order(self, agreed: bool) -> None:
+        """Fix the bucket launch order at the first boundary step (nothing to fix by default)."""
+
+
+class FullGradients(GradientStore):
     """Full gradient buffers, all-reduced bucket by bucket (stages 0 and 1)."""
 
     def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, comm_group=None):
@@ -116,7 +148,6 @@ class FullGradients:
         self.sync = True
         self.world = torch.distributed.get_world_size(comm_group)
         self.reduced = False  # the buffers hold a sum over ranks (a synchronised backward ran last)
-        self.unreduced = False  # a backward without reduction (accumulation, no_sync) added local gradients
         self._attach_views()
 
     def _attach_views(self) -> None:
@@ -159,22 +190,6 @@ class FullGradients:
         if self.sync:
             self.reduced, self.unreduced = True, False
 
-    def order_digests(self) -> tuple[int, int]:
-        """No order to agree on: the full buffers exist anyway (see ``ShardReducer.order_digests``)."""
-        return 0, 0
-
-    def settle_order(self, agreed: bool) -> None:
-        pass
-
-    def reduce_pending(self) -> None:
-        """Reduce gradients that backwards without reduction left local (the last backward before the
-        boundary ran under ``no_sync``): the step must see the sum over ranks."""
-        if self.unreduced and self.world == 1:
-            self.unreduced = False  # one rank: the local sum is the sum
-        elif self.unreduced:
-            self.begin_backward(True, False)
-            self.end_backward()
-
     def drain(self) -> None:
         """Wait for every reduction in flight, launching nothing new."""
         for w in self.works:
@@ -196,7 +211,7 @@ class FullGradients:
         return list(self.flat_grads)
 
 
-class ShardReducer:
+class ShardReducer(GradientStore):
     """Shared machinery of the stores that keep only gradient shards (stages 2 and 3).
 
     Subclasses say how a gradient is copied into its bucket buffer (``_copy_in``),
@@ -223,19 +238,12 @@ class ShardReducer:
         self.copied: set[tuple[int, int]] = set()
         self.in_flight: deque = deque()
         self.sync = True
-        self.unreduced = False  # a backward under no_sync left gradients in .grad, not reduced yet
         self._proposal: Optional[list[list[int]]] = None  # launch order per group, until the first step
         self._order_settled = False
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
         self.sync = not no_sync
-        self.unreduced = self.unreduced or no_sync
-
-    def reduce_pending(self) -> None:
-        """Reduce the gradients backwards under ``no_sync`` left in ``.grad``: the step must see them."""
-        if self.unreduced:
-            self.begin_backward(True, False)
-            self.end_backward()
+        self.unreduced = self.unreduced or no_sync  # the gradients stay in .grad until a synced backward
 
     def _new_buffer(self, key: tuple[int, int], shape: tuple, like: torch.Tensor) -> torch.Tensor:
         """A zeroed bucket buffer of ``shape``, carved from released storage when one is big enough."""
@@ -314,7 +322,7 @@ class ShardReducer:
         self._order_settled = True
         for gi, q in enumerate(self.queues):
             if agreed and self._proposal is not None:
-                q.order = self._proposal[gi]
+                q.set_order(self._proposal[gi])
             q.recording = False
             q.completed = []
         self._proposal = None

@@ -156,19 +156,21 @@ class ZeroOptimizer:
 
     def step(self, micro_step: int = 0) -> StepOutcome:
         """Run the boundary step. ``micro_step`` is the engine's count, compared across ranks."""
+        used = [u for g in self.groups for u in g.used]
+
+        def stats_of(master_grads: list[torch.Tensor], **extra):
+            return gather_stats(self._sq_norm(master_grads), self._had_backward, micro_step, used, self.device,
+                                self.world, self.rank, self.comm_group, **extra)
+
         unreduced = self.grads.unreduced  # the boundary backward ran under no_sync: no sum over ranks yet
         master_grads = self._master_grads() if not unreduced else []  # (it scales the summed gradient in place)
-        used = [u for g in self.groups for u in g.used]
-        stats = gather_stats(self._sq_norm(master_grads), self._had_backward, micro_step, used, self.device,
-                             self.world, self.rank, self.comm_group, unreduced=unreduced,
-                             order=self.grads.order_digests())
+        stats = stats_of(master_grads, unreduced=unreduced, order=self.grads.order_digests())
         if stats.ranks_with_backward:  # the gradient buckets' launch order, fixed at the first real step
             self.grads.settle_order(stats.orders_agree)
         if stats.ranks_unreduced:  # every rank's boundary backward ran under no_sync: reduce now (rare)
             self.grads.reduce_pending()
             master_grads = self._master_grads()
-            stats = gather_stats(self._sq_norm(master_grads), self._had_backward, micro_step, used, self.device,
-                                 self.world, self.rank, self.comm_group)
+            stats = stats_of(master_grads)
         self._had_backward = False
         if stats.ranks_with_backward == 0:
             self.zero_grad()

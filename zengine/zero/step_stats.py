@@ -57,17 +57,23 @@ def gather_stats(sq_norm: torch.Tensor, had_backward: bool, micro_step: int, use
     d1, d2 = float(order[0]), float(order[1])  # < 2^21: squares summed over ranks stay exact in float64
     head = torch.tensor([0.0, float(had_backward), float(micro_step), float(micro_step) ** 2, float(unreduced),
                          d1, d1 * d1, d2, d2 * d2] + [float(u) for u in used], dtype=torch.float64)
-    stats = head.to(device, non_blocking=True)  # [4 + params] float64 on the compute device
+    stats = head.to(device, non_blocking=True)  # [_HEADER + params] float64 on the compute device
     stats[0:1].copy_(sq_norm.reshape(1), non_blocking=True)
     if world > 1:
         comm.all_reduce_sum(stats, comm_group)
     values = sync.read_to_host(stats)
     ranks_with_backward, ranks_unreduced = int(round(values[1])), int(round(values[4]))
-    if (world * values[3] != values[2] ** 2 or 0 < ranks_with_backward < world  # equal counts iff W*sum(s^2) = sum(s)^2
+    if (not _same_on_every_rank(values[2], values[3], world) or 0 < ranks_with_backward < world
             or 0 < ranks_unreduced < world):
         _raise_out_of_step(micro_step, had_backward, unreduced, device, rank, comm_group)
-    agree = world * values[6] == values[5] ** 2 and world * values[8] == values[7] ** 2
+    agree = _same_on_every_rank(values[5], values[6], world) and _same_on_every_rank(values[7], values[8], world)
     return StepStats(values[0], ranks_with_backward, ranks_unreduced, values[_HEADER:], agree)
+
+
+def _same_on_every_rank(total: float, total_of_squares: float, world: int) -> bool:
+    """From the sums over ranks of a value and of its square: every rank had the same value
+    (W * sum(v^2) == sum(v)^2 holds only for equal values; exact while W * v^2 < 2^53)."""
+    return world * total_of_squares == total ** 2
 
 
 def _raise_out_of_step(micro_step: int, had_backward: bool, unreduced: bool, device: torch.device, rank: int,

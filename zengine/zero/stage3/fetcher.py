@@ -3,8 +3,9 @@
 ``Fetcher.fetch(params, tag)`` makes the parameters whole (one collective
 for all of them: each rank contributes its chunks, packed rank-major; a
 single parameter is gathered straight into its own storage, which is already
-rank-major, so nothing is staged or copied); ``release`` frees them again. Both are called by the module hooks
-(``hooks.py``) in the same order on every rank.
+rank-major, so nothing is staged or copied); ``release`` frees them again.
+Both are called by the module hooks (``hooks.py``) in the same order on
+every rank.
 
 Prefetch: the first step records the sequence of fetches (the trace). Later
 steps follow it: after fetching unit k, the next units are gathered
