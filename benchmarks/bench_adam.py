@@ -302,7 +302,7 @@ def render(results: dict[str, dict[int, Samples]], sizes: list[int], meta: dict[
 
     ours = "zengine CPUAdam (AdamW)"
     lines += ["", f"Targets at {label[big]} (ratios of roofline fractions, so drift cancels):",
-              f"- zengine AdamW / roofline (target >= 0.95): "
+              "- zengine AdamW / roofline (target >= 0.95): "
               + (f"{fraction(ours):.2f}" if fraction(ours) else "n/a"),
               f"- zengine AdamW / torch AdamW fused (target >= 1.0): {ratio(ours, 'torch AdamW fused')}",
               f"- zengine AdamW / DeepSpeedCPUAdam AdamW (target >= 1.1): {ratio(ours, 'DeepSpeedCPUAdam (AdamW)')}",

@@ -13,6 +13,9 @@ reduce_bucket_size = allgather_bucket_size = 5e6, ``--steps`` training steps. Co
   persistence threshold 1e5);
 - ``zengine-3-small``: stage 3 with prefetch bucket 5e6, max live 1e7, max reuse distance 1e7,
   persistence threshold 1e5; ``zengine-3-init``: the same, the model built inside ``zengine.zero.Init()``;
+- ``zengine-3-lean``: stage 3 with the least memory: no prefetch, max live 5e6 (one layer), max reuse
+  distance 0, ``overlap_comm`` false (one bucket reduced at a time); ``zengine-3-lean-init``: the same
+  under ``zero.Init()``;
 - ``zengine-2-offload``: stage 2, ``offload_optimizer`` cpu; ``zengine-3-offload``: stage 3 small settings,
   ``offload_optimizer`` and ``offload_param`` cpu; ``zengine-3-nvme``: stage 3 small settings,
   ``offload_optimizer`` nvme into a temporary directory (Adam's moments live on disk);
@@ -70,6 +73,10 @@ BUCKET = 5_000_000  # reduce_bucket_size and allgather_bucket_size (elements)
 # Stage-3 settings of the "-small" variants: a bounded number of parameters gathered at once.
 STAGE3_SMALL = {"stage3_prefetch_bucket_size": 5_000_000, "stage3_max_live_parameters": 10_000_000,
                 "stage3_max_reuse_distance": 10_000_000, "stage3_param_persistence_threshold": 100_000}
+# The "-lean" variants: the least memory stage 3 has, one layer gathered and one bucket reduced at a time.
+STAGE3_LEAN = {"stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 5_000_000,
+               "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 100_000,
+               "overlap_comm": False}
 PHASES = ("build", "initialize", "forward", "backward", "step")
 M_MMAP_THRESHOLD = -3
 
@@ -190,6 +197,8 @@ CONTENDERS: dict[str, Contender] = {
     "zengine-3": contender(3, prepare_zengine(lambda d: zengine_config(3, STAGE3))),
     "zengine-3-small": contender(3, prepare_zengine(lambda d: zengine_config(3, STAGE3_SMALL))),
     "zengine-3-init": contender(3, prepare_zengine(lambda d: zengine_config(3, STAGE3_SMALL)), zero_init=True),
+    "zengine-3-lean": contender(3, prepare_zengine(lambda d: zengine_config(3, STAGE3_LEAN))),
+    "zengine-3-lean-init": contender(3, prepare_zengine(lambda d: zengine_config(3, STAGE3_LEAN)), zero_init=True),
     "zengine-2-offload": contender(2, prepare_zengine(
         lambda d: zengine_config(2, offload_optimizer={"device": "cpu"}))),
     "zengine-3-offload": contender(3, prepare_zengine(

@@ -1,6 +1,5 @@
 """zengine.initialize: the DeepSpeed-style entry point, and bad input refused before any work."""
 import argparse
-import json
 
 import pytest
 import torch

@@ -10,7 +10,6 @@ import multiprocessing
 import os
 import tempfile
 
-import pytest
 
 WORLD, GAS, STEPS = 2, 2, 3
 

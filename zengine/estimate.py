@@ -139,9 +139,11 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
     est.transients["autograd gradient"] = half * largest
     bucket = min(int(zero.reduce_bucket_size), psi)
     if stage == 2:
-        est.transients["gradient buckets"] = half * bucket * (buckets_in_flight(zero.overlap_comm)
+        # the bucket being reduced (or those left in flight) and the one armed ahead
+        est.transients["gradient buckets"] = half * bucket * (max(1, buckets_in_flight(zero.overlap_comm))
                                                                + ShardedGradients.ARMED_AHEAD)
     if stage == 3:
+        # those left in flight; a bucket reduced at once is the autograd gradient in hand (counted above)
         est.transients["gradient buckets"] = half * bucket * buckets_in_flight(zero.overlap_comm)
         # gathered or being gathered (prefetch included): stage3_max_live_parameters bounds what is kept and
         # prefetched; the module about to run is fetched on top of it when needed

@@ -1,7 +1,6 @@
 """Bytes each rank holds, counted from the tensors, against the ZeRO formulas."""
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zengine

@@ -91,9 +91,10 @@ def _model() -> nn.Module:
 
 def _config(stage: int) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}
-    if stage == 3:  # gathered parameters and prefetch bounded to a few layers (the defaults allow the whole model)
-        zero.update(stage3_max_live_parameters=2 * BUCKET, stage3_max_reuse_distance=2 * BUCKET,
-                    stage3_prefetch_bucket_size=BUCKET)
+    if stage == 3:  # the least memory: one layer gathered (BUCKET is one layer), no prefetch, each
+        # gradient reduced before backward goes on (the defaults would allow the whole model)
+        zero.update(stage3_max_live_parameters=BUCKET, stage3_max_reuse_distance=0,
+                    stage3_prefetch_bucket_size=0, overlap_comm=False)
     return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "zero_optimization": zero}
 
@@ -135,8 +136,10 @@ def test_stage3_with_zero_init_stays_partitioned_and_bounded():
         # never whole: building, initialising and training stay near the shard
         assert phases["build"][1] <= 1.0 / world + 0.2, report
         assert phases["initialize"][1] <= 2.0 / world + 0.15, report
-        # the peak: states plus the configured transients, as zengine.estimate says
+        # the peak: states plus the configured transients, as zengine.estimate says, and within the
+        # memory issue's target for zero.Init at W=4 (1.25 units: a quarter of the model on top)
         worst = max(peak for _, peak in phases.values())
+        assert worst <= formula + 0.25, report
         assert worst <= predicted.peak_device / UNIT * 1.10, (predicted.format(), report)
         assert worst == pytest.approx(predicted.peak_device / UNIT, rel=0.10), (predicted.format(), report)
 

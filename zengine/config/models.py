@@ -296,7 +296,9 @@ class ZeroConfig(_Section):
                                                       "2: also gradients; 3: also parameters.")
     contiguous_gradients: Flag = Field(True, description="Copy gradients into one contiguous buffer as they "
                                                          "are produced, avoiding fragmentation.")
-    overlap_comm: Flag = Field(False, description="Overlap gradient reduction with the backward pass. "
+    overlap_comm: Flag = Field(False, description="Overlap gradient reduction with the backward pass (two "
+                                                  "buckets in flight); false: each bucket's reduction "
+                                                  "completes before backward goes on, the least memory. "
                                                   "Default: true at stage 3, false otherwise.")
     reduce_scatter: Flag = Field(True, description="Reduce gradients with reduce-scatter rather than "
                                                    "all-reduce.")

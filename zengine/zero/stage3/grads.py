@@ -7,6 +7,11 @@ chunks]``, so that row r holds every parameter's chunk r: one reduce-scatter
 each rank exactly its shard of every parameter in the bucket. A parameter's
 full gradient is freed as soon as it is copied into its bucket, and its full
 data as soon as its gradient is done (nothing in backward needs it after).
+
+A bucket that holds one parameter whose elements divide evenly into the
+chunks (most large weights) needs no buffer: autograd's fresh gradient,
+viewed ``[world, chunk]``, already is the rank-major layout, so it is
+reduced in place, with no copy and no second gradient-sized allocation.
 """
 from __future__ import annotations
 
@@ -42,10 +47,16 @@ class Stage3Gradients(ShardReducer):
         # Buckets count chunk elements; a bucket of c chunk elements moves world * c elements.
         super().__init__([_BucketQueue(_ChunkView(g), max(1, bucket_numel // world)) for g in groups], shards,
                          placement.copies, comm_group, in_flight)
+        self._direct: set[tuple[int, int]] = set()  # (group, bucket) reduced in autograd's gradient itself
 
     def on_grad(self, gi: int, pi: int) -> None:
-        super().on_grad(gi, pi)
+        # The full parameter is released before the launch, which may wait for an earlier bucket:
+        # so the wait never holds the parameter and its gradient's copy together.
+        if self.sync:
+            self._take(gi, pi)
         self.after_grad(self.groups[gi].sharded[pi])
+        if self.sync:
+            self._launch_ready(gi, pi)
 
     def _grad(self, gi: int, pi: int) -> Optional[torch.Tensor]:
         return self.groups[gi].sharded[pi].param.grad
@@ -61,6 +72,8 @@ class Stage3Gradients(ShardReducer):
         g = self.groups[gi]
         sp = g.sharded[pi]
         bucket = self._bucket_of(gi, pi)
+        if self._adopt(gi, bucket, sp):
+            return
         col = g.offsets[pi] - bucket.start
         grad = sp.param.grad.reshape(-1)
         dst = self._buffer(gi, bucket)[:, col:col + sp.chunk]  # [world, chunk]
@@ -70,6 +83,26 @@ class Stage3Gradients(ShardReducer):
         if tail:
             dst[full_rows, :tail].copy_(grad[full_rows * sp.chunk:])
         sp.param.grad = None
+
+    def _adopt(self, gi: int, bucket: Bucket, sp: ShardedParam) -> bool:
+        """Use the gradient itself as the bucket buffer when the bucket is this one unpadded parameter."""
+        key = (gi, bucket.index)
+        grad = sp.param.grad
+        if (len(bucket.params) != 1 or sp.numel != self.world * sp.chunk or key in self.buffers
+                or grad.dtype != sp.full.dtype or not grad.is_contiguous()):
+            return False
+        # AccumulateGrad hands a .grad of its own (stolen or cloned), so nothing else aliases it.
+        self.buffers[key] = grad.view(self.world, sp.chunk)  # [world, chunk]
+        self._direct.add(key)
+        sp.param.grad = None
+        return True
+
+    def _recycle(self, gi: int, bucket: Bucket, buf: torch.Tensor) -> None:
+        # An adopted gradient is dropped, not pooled: pooling them would keep every one alive.
+        if (gi, bucket.index) in self._direct:
+            self._direct.discard((gi, bucket.index))
+        else:
+            super()._recycle(gi, bucket, buf)
 
     def _reduce(self, gi: int, bucket: Bucket, buf: torch.Tensor):
         if self.use_reduce_scatter:
