@@ -503,13 +503,64 @@ def init_case(case, device: str, nvme_dir: str, errors: list) -> dict:
 
 
 # -- one process, many cases -------------------------------------------------------------------
+# -- peak device memory against the ZeRO formulas ----------------------------------------------
+MEM_LAYERS, MEM_WIDTH = 12, 2048  # 50M parameters, 201 MB in fp32: the states dominate the peak
+
+
+def memory_case(case, device: str, nvme_dir: str, errors: list) -> dict:
+    """case = (stage, "plain" | "init"): 12 x Linear(2048) fp32 AdamW at world size 1, 3 steps; the peak of
+    ``torch.cuda.max_memory_allocated`` over build, initialize, forward, backward and step in units of
+    the fp32 model (None on the CPU), the model states counted after the steps, and zengine.estimate's
+    peak. Stage 3 with the least-memory settings (one layer gathered, no prefetch, no overlap)."""
+    from torch import nn
+
+    from zengine.estimate import estimate
+
+    stage, how = case
+    with_init = how == "init"
+    dev = expected_device(device)
+    unit = 4 * MEM_LAYERS * MEM_WIDTH * MEM_WIDTH
+    bucket = MEM_WIDTH * MEM_WIDTH  # one layer
+    zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+    if stage == 3:
+        zero.update(stage3_max_live_parameters=bucket, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0,
+                    overlap_comm=False, stage3_param_persistence_threshold=0)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "zero_optimization": zero}
+
+    def build():
+        return nn.Sequential(*[nn.Linear(MEM_WIDTH, MEM_WIDTH, bias=False) for _ in range(MEM_LAYERS)])
+
+    predicted = estimate(build(), config, dist.get_world_size()).peak_device / unit
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(dev)
+    reset_peak(dev)
+    torch.manual_seed(0)
+    if with_init:
+        with zengine.zero.Init():
+            model = build()
+    else:
+        model = build().to(dev)
+    engine, *_ = zengine.initialize(model=model, config=config)
+    for _ in range(3):
+        engine.backward(engine(torch.randn(2, MEM_WIDTH, device=dev)).pow(2).mean())
+        engine.step()
+    peak = peak_bytes(dev)
+    counted = sum(engine.memory_breakdown().values()) / unit
+    engine.destroy()
+    return {"errors": errors, "peak": None if peak is None else (peak - base) / unit, "counted": counted,
+            "estimate": predicted}
+
+
 def run_groups(plan: dict, device: str, tmp: str) -> dict:
-    """Run every case of ``plan`` ({"parity": [...], "overflow": [...], "init": [...]}) in this process.
+    """Run every case of ``plan`` ({"parity": [...], "overflow": [...], "init": [...], "memory": [...]}) in
+    this process.
 
     Returns {group: {case id: result}} plus "process": what this process computed on."""
     plain_gpu_numerics(device)
     dev = expected_device(device)
-    runners = {"parity": parity_case, "overflow": overflow_case, "init": init_case}
+    runners = {"parity": parity_case, "overflow": overflow_case, "init": init_case, "memory": memory_case}
     out = {}
     for group, cases in plan.items():
         out[group] = {case_id(c): _guard(runners[group], c, device, tmp) for c in cases}

@@ -19,7 +19,8 @@ from models import EdgeNet, make_batches, reference_run
 
 SMOKE_PLAN = {"parity": [(2, "fp32", "none", 2, False), (3, "bf16", "cpu", 1, True), (1, "fp16", "nvme", 1, True)],
               "overflow": [(1, "none", "inf"), (3, "param", "scale")],
-              "init": [("bf16", "none")]}
+              "init": [("bf16", "none")],
+              "memory": [(3, "init")]}
 
 
 SMOKE_CHECKPOINT_CASES = [(2, "fp32", "none", "none"), (3, "bf16", "cpu", "cpu"), (2, "fp32", "cpu", "none")]
@@ -36,6 +37,9 @@ def test_cuda_suite_helpers_pass_on_the_cpu(tmp_path):
     assert set(groups["parity"]) == {case_id(c) for c in SMOKE_PLAN["parity"]}
     assert groups["process"] == {"backend": "gloo", "placement": "cpu", "device": "cpu", "peak_bytes": None,
                                  "name": "cpu"}
+    memory = groups["memory"]["s3-init"]  # no device peak on the CPU; the states are counted
+    assert memory["peak"] is None and memory["counted"] == pytest.approx(4.0, rel=1e-3), memory
+    assert memory["estimate"] >= 4.0, memory
     parity = groups["parity"]["s2-fp32-none-gas2"]
     assert parity["max_param_error"] <= 1e-5 and parity["off_over_moved"] <= 1e-5, parity
     overflow = groups["overflow"]["s1-none-inf"]
