@@ -15,8 +15,8 @@ holds no data:
   ``zengine.sync.read_to_host``, is replaced by one that counts calls and
   returns plausible values;
 - collectives: torch's ``fake`` process group, with the functions that
-  ``zengine.comm`` calls replaced by stubs that record what they were given
-  (``comm`` itself checks each tensor against the backend's devices; the
+  ``zengine.collectives`` calls replaced by stubs that record what they were given
+  (``collectives`` itself checks each tensor against the backend's devices; the
   fake backend takes ``cuda`` and ``meta``, as NCCL takes ``cuda``).
 
 torch's ``FakeTensorMode`` would fake ``cuda`` tensors directly, but on a
@@ -94,7 +94,7 @@ class _Done:
 
 
 class FakeCollectives:
-    """Stands in for ``torch.distributed`` inside ``zengine.comm``; records each call's tensor devices."""
+    """Stands in for ``torch.distributed`` inside ``zengine.collectives``; records each call's tensor devices."""
 
     def __init__(self):
         self.calls: list[tuple[str, frozenset]] = []
@@ -108,7 +108,7 @@ class FakeCollectives:
 
     @contextlib.contextmanager
     def installed(self):
-        import zengine.comm as zcomm
+        import zengine.collectives as zcomm
 
         stub = types.SimpleNamespace(**{k: getattr(dist, k) for k in dir(dist) if not k.startswith("__")})
         for name in ("all_reduce", "reduce", "broadcast", "all_gather"):

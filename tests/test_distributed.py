@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from zengine import comm
+from zengine import collectives as comm
 from zengine.distributed import backend_device_types, resolve_device
 
 

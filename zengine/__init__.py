@@ -2,8 +2,13 @@
 
     engine, optimizer, dataloader, scheduler = zengine.initialize(model=model, config="configs/zero2.json")
 
+DeepSpeed's other public modules are here under the same names, imported on first use:
+``zengine.comm``, ``zengine.accelerator``, ``zengine.utils``, ``zengine.runtime``,
+``zengine.checkpointing`` (activation checkpointing), ``zengine.ops``, ``zengine.checkpoint``.
 See README.md and shared/API.md.
 """
+import importlib
+
 from .api import initialize
 from .distributed import init_distributed
 from .engine import Engine
@@ -12,3 +17,13 @@ from .launcher.args import add_config_arguments
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "Engine", "add_config_arguments", "zero", "__version__"]
+
+# Submodules a DeepSpeed script reaches as attributes (deepspeed.comm.get_rank(), deepspeed.ops.adam ...)
+# without importing them first; imported when first touched, so that `import zengine` stays light.
+_LAZY = ("accelerator", "checkpoint", "checkpointing", "comm", "monitor", "ops", "runtime", "utils")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'zengine' has no attribute {name!r}")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .config import load_config
-from .distributed import Placement, init_distributed
+from .distributed import DEFAULT_PORT, Placement, init_distributed
 from .engine import Engine
 
 
@@ -88,15 +88,25 @@ def _refuse_untrainable(model: nn.Module) -> None:
                          "frozen); unfreeze the ones to train (p.requires_grad_(True)) before initialize")
 
 
-def initialize(model: nn.Module, config: Any = None, model_parameters: Optional[Iterable] = None,
-               optimizer: Any = None, lr_scheduler: Any = None, training_data: Optional[torch.utils.data.Dataset] = None,
-               args: Any = None, dist_init_required: Optional[bool] = None, config_params: Any = None,
-               collate_fn=None, **unsupported: Any):
+def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: Any = None,
+               model_parameters: Optional[Iterable] = None, training_data: Optional[torch.utils.data.Dataset] = None,
+               lr_scheduler: Any = None, distributed_port: int = DEFAULT_PORT, mpu: Any = None,
+               dist_init_required: Optional[bool] = None, collate_fn=None, config: Any = None,
+               mesh_param: Any = None, config_params: Any = None, **unsupported: Any):
     """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
-    See shared/API.md for each argument. The config is validated before any
-    work starts; the process group is initialised when it is not yet.
+    DeepSpeed's parameters in DeepSpeed's order (see shared/API.md for each); call it with keywords.
+    ``initialize(model, config)``, with the model first, is also taken as meant. The config is
+    validated before any work starts; the process group is initialised when it is not yet (on
+    ``distributed_port`` when the launcher set no port). ``mpu`` and ``mesh_param`` (model/tensor
+    parallelism) are refused when given.
     """
+    if isinstance(args, nn.Module) and not isinstance(model, nn.Module):
+        # zengine's first form, initialize(model, config): the second positional is the config
+        args, model, config = None, args, config if model is None else model
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("zengine.initialize: mpu/mesh_param describe model (tensor/pipeline) parallelism, which "
+                         "zengine does not have; it is data parallel only (ZeRO). Leave them None")
     if unsupported:
         raise TypeError(f"zengine.initialize: unsupported argument(s) {sorted(unsupported)} "
                         "(zengine has no model/pipeline parallelism)")
@@ -115,7 +125,7 @@ def initialize(model: nn.Module, config: Any = None, model_parameters: Optional[
     if torch.distributed.is_initialized():
         _apply_timeout_to_existing_group(cfg)
     elif dist_init_required is not False:
-        init_distributed(timeout=comm_timeout(cfg))
+        init_distributed(distributed_port=distributed_port, timeout=comm_timeout(cfg))
     placement = Placement.current()
     engine = Engine(model, cfg, placement, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)

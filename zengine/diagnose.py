@@ -11,7 +11,7 @@ collective):
                      | {"state": "exited", "global_steps", "micro_steps"}      (a clean end)
 
 A rank that leaves a record also bumps a counter, ``zengine/departed``; a rank waiting in a
-collective on gloo looks at it once per second of waiting (``comm.Pending.wait``), so that a
+collective on gloo looks at it once per second of waiting (``collectives.Pending.wait``), so that a
 peer that finished early, or failed elsewhere, ends the wait at once instead of at the timeout.
 A rank whose collective fails writes its record, reads the others' for a few seconds, and
 raises one error naming each rank's state: ``RanksOutOfStepError`` when a rank had already

@@ -106,22 +106,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(dist_backend: Optional[str] = None, timeout: Optional[timedelta] = None) -> None:
-    """Initialise torch.distributed from the environment if it is not yet.
+DEFAULT_PORT = 29500  # DeepSpeed's default distributed_port
 
-    Reads torchrun/elastic variables, else SLURM or OpenMPI ones; a single
-    process with none of them runs as world size 1. The backend is NCCL when
-    CUDA is available and gloo otherwise, unless ``dist_backend`` names one
-    (or ``ZENGINE_DEVICE=cpu`` asks for CPU training, which means gloo).
-    ``timeout`` bounds every collective (the config's ``comm_timeout``).
+
+def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int = DEFAULT_PORT, verbose: bool = True, timeout: Optional[timedelta] = None,
+                     init_method: Optional[str] = None, dist_init_required: Optional[bool] = None, config=None,
+                     rank: int = -1, world_size: int = -1) -> None:
+    """Initialise torch.distributed from the environment if it is not yet (DeepSpeed's parameters).
+
+    Reads torchrun/elastic variables, else SLURM or OpenMPI ones (whatever
+    ``auto_mpi_discovery`` says); a single process with none of them runs as
+    world size 1. The backend is NCCL when CUDA is available and gloo
+    otherwise, unless ``dist_backend`` names one (or ``ZENGINE_DEVICE=cpu``
+    asks for CPU training, which means gloo). ``timeout`` bounds every
+    collective (the config's ``comm_timeout``); ``distributed_port`` is the
+    port when ``MASTER_PORT`` is not set; ``rank``/``world_size`` (when >= 0)
+    stand in for ``RANK``/``WORLD_SIZE``; ``init_method`` goes to torch;
+    ``dist_init_required=False`` starts nothing. ``verbose`` and ``config``
+    are accepted for DeepSpeed's sake and change nothing.
     """
-    if dist.is_initialized():
+    if dist_init_required is False or dist.is_initialized():
         return
+    if rank >= 0:
+        os.environ["RANK"] = str(rank)
+    if world_size >= 0:
+        os.environ["WORLD_SIZE"] = str(world_size)
     for src, dst in _LAUNCHER_ENV.items():
         if src in os.environ and dst not in os.environ:
             os.environ[dst] = os.environ[src]
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     if "MASTER_ADDR" not in os.environ:
         if int(os.environ["WORLD_SIZE"]) > 1:
@@ -129,12 +145,14 @@ def init_distributed(dist_backend: Optional[str] = None, timeout: Optional[timed
                 "zengine.init_distributed: WORLD_SIZE > 1 but MASTER_ADDR is not set; "
                 "launch with `zengine` or torchrun, or export MASTER_ADDR and MASTER_PORT")
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ.setdefault("MASTER_PORT", str(_free_port()) if os.environ["WORLD_SIZE"] == "1" else "29500")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()) if os.environ["WORLD_SIZE"] == "1" else str(distributed_port))
     wants_cpu = os.environ.get(DEVICE_ENV, "").startswith("cpu")
     backend = dist_backend or ("nccl" if torch.cuda.is_available() and not wants_cpu else "gloo")
     if backend == "nccl":
         device = resolve_device(backend, int(os.environ["LOCAL_RANK"]))  # a clear error when there is no such GPU
         torch.cuda.set_device(device)
     kwargs = {"timeout": timeout} if timeout is not None else {}
+    if init_method is not None:
+        kwargs["init_method"] = init_method
     dist.init_process_group(backend=backend, **kwargs)
     created_process_group()  # and so destroyed at exit (shutdown.py)

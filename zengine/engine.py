@@ -26,7 +26,9 @@ import torch
 from torch import nn
 
 from . import checkpoint
-from . import comm
+from . import checkpointing
+from . import collectives
+from .engine_members import DeepSpeedMembers
 from . import diagnose
 from . import shutdown
 from .backward import BackwardTracker
@@ -34,8 +36,10 @@ from .config import ZengineConfig, format_config
 from .distributed import Placement
 from .log import setup_logging
 from .loss_scaler import make_loss_scaler
+from .monitor import StepReport, build_monitor
 from .optim import build_optimizer, build_scheduler
 from .precision import cast_floating, cast_module
+from .timers import BACKWARD, FORWARD, STEP, Timers
 from .zero import build_zero_optimizer
 from .zero.nonfinite import NonFinitePolicy
 from .zero.optimizer import StepOutcome
@@ -43,8 +47,9 @@ from .zero.optimizer import StepOutcome
 logger = setup_logging()
 
 
-class Engine(nn.Module):
-    """A model wrapped for ZeRO data-parallel training (see shared/API.md for the members)."""
+class Engine(DeepSpeedMembers, nn.Module):
+    """A model wrapped for ZeRO data-parallel training (see shared/API.md for the members; the
+    DeepSpeed accessors beyond training are in engine_members.py)."""
 
     def __init__(self, model: nn.Module, config: ZengineConfig, placement: Placement,
                  model_parameters: Optional[Iterable] = None, optimizer: Any = None, lr_scheduler: Any = None,
@@ -60,10 +65,16 @@ class Engine(nn.Module):
         self._step_applied = True
         self.skipped_steps = 0  # boundary steps skipped for a non-finite gradient (DeepSpeed's name)
         self._backward_since_step = False
+        self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary
+        self._in_accumulation = False  # micro-steps taken since the last boundary step
         self._warned_idle_step = False
         self._last_report = (time.perf_counter(), 0)
+        self.monitor = build_monitor(config, placement.rank)  # DeepSpeed's monitor sections; no-op unless enabled
+        self.timers = Timers.for_device(config.wall_clock_breakdown, placement.device)  # no-op unless enabled
+        self._step_report = StepReport(self.monitor, self.timers, fp16=config.fp16.enabled)
         if placement.rank == 0:
             logger.info("zengine config (* = changed from default):\n%s", format_config(config))
+        checkpointing.configure_from_config(config.activation_checkpointing)  # unless the script configured it
 
         cast_module(model, config.compute_dtype, placement.device)
         _broadcast_from_rank0(model, placement.world_size)
@@ -116,7 +127,10 @@ class Engine(nn.Module):
         return self.config.zero_optimization.stage
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next ``step()`` completes a global batch."""
+        """True when the next ``step()`` completes a global batch (or as set_gradient_accumulation_boundary
+        said)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def get_lr(self) -> list[float]:
@@ -137,7 +151,7 @@ class Engine(nn.Module):
     def forward(self, *args, **kwargs):
         self._check_alive("forward")
         dtype = self.config.compute_dtype
-        with self.optimizer.forward_context():
+        with self.timers(FORWARD), self.optimizer.forward_context():
             out = self.module(*cast_floating(args, dtype), **cast_floating(kwargs, dtype))
         if torch.is_grad_enabled():
             self._backward.hook_outputs(out)  # so that a plain loss.backward() is scaled and bracketed
@@ -162,7 +176,8 @@ class Engine(nn.Module):
         self._check_alive("backward")
         factor = self._grad_factor()
         scaled = loss.float() * factor if factor != 1.0 else loss
-        with self._backward.explicit():
+        self._step_report.record_loss(loss, self.is_gradient_accumulation_boundary())
+        with self.timers(BACKWARD), self._backward.explicit():
             scaled.backward(retain_graph=retain_graph)
         return loss
 
@@ -191,7 +206,8 @@ class Engine(nn.Module):
             return
         self._backward_since_step = False
         if boundary:
-            outcome = self.optimizer.step(self.micro_steps)
+            with self.timers(STEP):
+                outcome = self.optimizer.step(self.micro_steps)
             self._step_applied = outcome is StepOutcome.APPLIED
             if outcome is StepOutcome.NO_BACKWARD:  # on every rank: nothing happened, nothing is counted
                 self._warn_idle_step()
@@ -201,8 +217,10 @@ class Engine(nn.Module):
                 self.lr_scheduler.step()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            self._boundary_override = None
             if self.global_steps % self.config.steps_per_print == 0:
                 self._report()
+        self._in_accumulation = not boundary
         self.micro_steps += 1
 
     def destroy(self) -> None:
@@ -217,6 +235,7 @@ class Engine(nn.Module):
             return
         self._destroyed = True
         self.optimizer.close()
+        self.monitor.close()
 
     def _check_alive(self, what: str) -> None:
         if self._destroyed:
@@ -255,6 +274,7 @@ class Engine(nn.Module):
             logger.info("step=%d lr=%s loss_scale=%g grad_norm=%.4g steps/s=%.3f skipped=%s", self.global_steps,
                         [round(lr, 8) for lr in self.get_lr()], self.loss_scale,
                         self.get_global_grad_norm() or 0.0, rate, not self._step_applied)
+        self._step_report.report(self)  # monitor events and the wall-clock breakdown (resets timers everywhere)
 
     # -- checkpoints (zengine/checkpoint/) ------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
@@ -327,7 +347,7 @@ def _broadcast_from_rank0(model: nn.Module, world: int) -> None:
 
     with torch.no_grad():
         for t in [p for p in model.parameters() if lookup(p) is None] + list(model.buffers()):
-            comm.broadcast(t.data, 0)
+            collectives.broadcast(t.data, 0)
 
 
 def _named_param_groups(model: nn.Module, model_parameters, client_optimizer) -> list:

@@ -173,7 +173,7 @@ def test_ranks_that_find_different_checkpoints_all_raise(record):
 def test_next_save_removes_stale_staging_folders(record):
     _, ranks = record
     for out in ranks:
-        assert out["listing"] == [".tmp-notes", "cut", "edited", "good", "latest", "next"], out["listing"]
+        assert out["listing"] == [".tmp-notes", "cut", "edited", "good", "latest", "next", "zero_to_fp32.py"], out["listing"]
         assert "reserved" in _raised(out["reserved_tag"], "ValueError")
         kind, directory, steps = out["good"]
         assert kind == "returned" and directory.endswith("good") and steps == 1, out["good"]

@@ -73,7 +73,7 @@ def test_file_and_pathlike_load(tmp_path):
 
 
 def test_dict_is_not_modified():
-    config = _with(bfloat16={"enabled": True}, tensorboard={"enabled": True},
+    config = _with(bfloat16={"enabled": True}, comet={"enabled": True},
                    zero_optimization={"cpu_offload": True, "stage": 2})
     before = json.dumps(config, sort_keys=True)
     with warnings.catch_warnings():
@@ -258,8 +258,8 @@ def test_no_warning_for_a_clean_config():
 
 
 def test_warning_category():
-    with pytest.warns(ConfigWarning, match="tensorboard"):
-        load_config(_with(tensorboard={"enabled": True}), 1)
+    with pytest.warns(ConfigWarning, match="comet"):
+        load_config(_with(comet={"enabled": True}), 1)
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.json")))

@@ -51,7 +51,7 @@ def test_batch_keys_given_or_derived():
 
 
 def test_optimizer_params_and_ignored_keys_are_listed(tmp_path):
-    text, rows = _lines({"train_micro_batch_size_per_gpu": 4, "tensorboard": {"enabled": True},
+    text, rows = _lines({"train_micro_batch_size_per_gpu": 4, "comet": {"enabled": True},
                          "optimizer": {"type": "adamw", "params": {"lr": 3e-4, "betas": [0.9, 0.99]}},
                          "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
                                                                              "nvme_path": str(tmp_path)}}})
@@ -60,7 +60,7 @@ def test_optimizer_params_and_ignored_keys_are_listed(tmp_path):
     assert rows["optimizer.params.betas"] == "[0.9, 0.99] *"
     assert rows["scheduler"] == "null"
     assert rows["zero_optimization.offload_param.nvme_path"] == f'"{tmp_path}" *'
-    assert "ignored DeepSpeed keys: tensorboard" in text
+    assert "ignored DeepSpeed keys: comet" in text
 
 
 def test_lines_are_aligned_and_cover_every_field():

@@ -112,11 +112,11 @@ def test_refusal_hint_says_how_to_disable():
 
 
 def test_one_warning_names_every_ignored_key():
-    config = {**BASE, "tensorboard": {"enabled": True}, "wandb": {"enabled": False}, "flops_profiler": {},
+    config = {**BASE, "comet": {"enabled": True}, "comms_logger": {"enabled": False}, "flops_profiler": {},
               "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": 2, "round_robin_gradients": True, "ignore_unused_parameters": True}}
     cfg, notes = _load(config)
     assert len(notes) == 1
-    for key in ("tensorboard", "wandb", "flops_profiler", "zero_allow_untested_optimizer",
+    for key in ("comet", "comms_logger", "flops_profiler", "zero_allow_untested_optimizer",
                 "zero_optimization.round_robin_gradients", "zero_optimization.ignore_unused_parameters"):
         assert key in notes[0] and key in cfg.ignored_keys

@@ -95,13 +95,19 @@ def publish(staging: str, save_dir: str, tag: str, save_latest: bool = True) -> 
 
 
 def write_latest(save_dir: str, tag: str) -> None:
-    tmp = os.path.join(save_dir, f".{LATEST}-{secrets.token_hex(4)}")
+    write_text(save_dir, LATEST, tag)
+
+
+def write_text(directory: str, name: str, text: str, mode: int = 0o644) -> None:
+    """Write ``directory/name`` atomically: whole or as it was."""
+    tmp = os.path.join(directory, f".{name}-{secrets.token_hex(4)}")
     with open(tmp, "w") as f:
-        f.write(tag)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(save_dir, LATEST))
-    fsync_dir(save_dir)
+    os.chmod(tmp, mode)
+    os.replace(tmp, os.path.join(directory, name))
+    fsync_dir(directory)
 
 
 def read_latest(save_dir: str) -> Optional[str]:

@@ -1,7 +1,7 @@
 """The few object collectives a checkpoint needs (a single process needs none).
 
 Objects travel pickled in uint8 tensors, on the device the group's backend
-takes (``comm.message_device``: the CPU with gloo, the GPU with NCCL). torch's
+takes (``collectives.message_device``: the CPU with gloo, the GPU with NCCL). torch's
 own ``all_gather_object`` and ``broadcast_object_list`` would need numpy,
 which is not a dependency.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from .. import collectives
 
 
 def _encode(obj: Any) -> torch.Tensor:
@@ -29,12 +29,12 @@ def _decode(t: torch.Tensor, n: int) -> Any:
 
 def _all_gather_objects(obj: Any, group) -> list:
     mine = _encode(obj)
-    device = comm.message_device(group)
-    sizes = comm.all_gather_small(torch.tensor([mine.numel()], dtype=torch.int64).to(device), group).view(-1).tolist()
+    device = collectives.message_device(group)
+    sizes = collectives.all_gather_small(torch.tensor([mine.numel()], dtype=torch.int64).to(device), group).view(-1).tolist()
     longest = max(sizes)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[:mine.numel()] = mine
-    out = comm.all_gather_small(padded.to(device), group).cpu()  # [world, longest] uint8
+    out = collectives.all_gather_small(padded.to(device), group).cpu()  # [world, longest] uint8
     return [_decode(t, n) for t, n in zip(out, sizes)]
 
 

@@ -7,6 +7,7 @@
                                     scaler, every rank's RNG states, client_state
         meta.json                   written last (see meta.py)
     save_dir/latest                 the tag
+    save_dir/zero_to_fp32.py        a script that writes one fp32 state_dict from a checkpoint (as DeepSpeed)
 
 No rank gathers anything: each writes its own memory as it is (a device
 tensor goes to the host one chunk at a time). The three steps, each ended by
@@ -156,3 +157,16 @@ def _publish(engine, staging: str, save_dir: str, tag: str, client_state, everyo
             "optimizer_state_keys": keys, "files": files, "pieces": index}
     meta_mod.write_meta(staging, meta)
     atomic.publish(staging, save_dir, tag, save_latest)
+    # as DeepSpeed does: a script beside the checkpoints that turns one into a single fp32 state_dict
+    atomic.write_text(save_dir, "zero_to_fp32.py", RECOVERY_SCRIPT, 0o755)
+
+
+RECOVERY_SCRIPT = """#!/usr/bin/env python
+# Written by zengine beside its checkpoints. Turns one into a single fp32 state_dict, without GPUs:
+#   python zero_to_fp32.py . OUTPUT_DIR_OR_FILE [--tag TAG] [--safe_serialization]
+import sys
+
+from zengine.utils.zero_to_fp32 import main
+
+sys.exit(main())
+"""

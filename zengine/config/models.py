@@ -248,6 +248,34 @@ class BF16Config(_Section):
     enabled: Flag = Field(False, description="Compute in bfloat16, keeping fp32 master weights.")
 
 
+class _FileMonitorConfig(_Section):
+    """A monitor that rank 0 writes into ``output_path/job_name`` every ``steps_per_print`` steps."""
+
+    enabled: Flag = Field(False, description="Write the training events (loss, lr, grad norm, samples/s, "
+                                             "memory, breakdown times) on rank 0.")
+    output_path: str = Field("", description="Directory in which the job's folder is made; empty: the "
+                                             "working directory.")
+    job_name: str = Field("DeepSpeedJobName", description="Folder under output_path that receives the files "
+                                                          "(DeepSpeed's default name, so paths match).")
+
+
+class TensorBoardConfig(_FileMonitorConfig):
+    """TensorBoard event files (torch.utils.tensorboard; needs the optional tensorboard package)."""
+
+
+class CSVMonitorConfig(_FileMonitorConfig):
+    """One CSV file per event name, rows of step,value (DeepSpeed's csv_monitor layout)."""
+
+
+class WandbConfig(_Section):
+    """A Weights & Biases run that rank 0 logs the training events to (needs the optional wandb package)."""
+
+    enabled: Flag = Field(False, description="Log the training events to wandb on rank 0.")
+    group: Optional[str] = Field(None, description="wandb group, to gather related runs.")
+    team: Optional[str] = Field(None, description="wandb team (the run's entity).")
+    project: str = Field("deepspeed", description="wandb project (DeepSpeed's default name).")
+
+
 class OffloadOptimizerConfig(_Section):
     """Where optimizer states live and the optimizer step runs (stages 1-3)."""
 
@@ -391,6 +419,27 @@ class AioConfig(_Section):
                                                    "(submission and completion always overlap here).")
 
 
+class ActivationCheckpointingConfig(_Section):
+    """How ``zengine.checkpointing.checkpoint`` (DeepSpeed's ``deepspeed.checkpointing``) keeps the inputs
+    of each checkpointed segment. Recomputation is exact, so none of these changes the numbers."""
+
+    partition_activations: Flag = Field(False, description="Split each saved input across the model-parallel "
+                                                           "group; accepted, no effect (zengine has no model "
+                                                           "parallelism, so the group is one rank).")
+    cpu_checkpointing: Flag = Field(False, description="Keep each checkpointed segment's saved inputs in CPU "
+                                                       "memory and copy them back to the device to recompute.")
+    contiguous_memory_optimization: Flag = Field(False, description="Copy partitioned inputs into preallocated "
+                                                                    "contiguous buffers; accepted, no effect "
+                                                                    "(nothing is partitioned here).")
+    number_checkpoints: Optional[Count] = Field(None, description="Checkpointed segments per forward, which "
+                                                                  "sizes the contiguous buffers; accepted, no "
+                                                                  "effect.")
+    synchronize_checkpoint_boundary: Flag = Field(False, description="Wait for the accelerator at the start "
+                                                                     "and end of every checkpointed forward "
+                                                                     "and recomputation (no-op on the CPU).")
+    profile: Flag = Field(False, description="Log the time of every checkpointed forward and recomputation.")
+
+
 def precision_problem(fp16: FP16Config, bf16: BF16Config) -> Optional[str]:
     """The message for fp16 and bf16 both enabled, else None. ``load_config`` also
     calls it when other sections fail, so this problem is never hidden by them."""
@@ -403,7 +452,8 @@ class ZengineConfig(_Section):
     """A whole training config. Build it with ``load_config``, which also resolves the batch sizes."""
 
     DEPRECATED_KEYS: ClassVar[Dict[str, str]] = {"bfloat16": "bf16"}
-    SECTIONS: ClassVar[Tuple[str, ...]] = ("fp16", "bf16", "zero_optimization", "aio")
+    SECTIONS: ClassVar[Tuple[str, ...]] = ("fp16", "bf16", "zero_optimization", "aio", "activation_checkpointing",
+                                           "tensorboard", "csv_monitor", "wandb")
 
     train_batch_size: BatchSize = Field(None, description="Samples per optimizer step over all data-parallel "
                                                           "ranks: micro batch * accumulation steps * world size.")
@@ -425,11 +475,21 @@ class ZengineConfig(_Section):
         "before it fails, so a rank that died or diverged ends the run with an error instead of a hang."))
     nonfinite_gradients: NonFiniteGradientsConfig = Field(default_factory=NonFiniteGradientsConfig, description=(
         "zengine only: skip, count and report steps whose gradient is NaN/Inf; stop after too many in a row."))
-    wall_clock_breakdown: Flag = Field(False, description="Time forward, backward and step and log the "
-                                                          "breakdown.")
+    wall_clock_breakdown: Flag = Field(False, description="Time forward, backward and step; rank 0 logs the "
+                                                          "milliseconds every steps_per_print steps (and the "
+                                                          "monitors get them). Synchronizes a GPU at each "
+                                                          "timer start and stop.")
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="TensorBoard "
+                                                                                          "monitor.")
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig, description="CSV file monitor.")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases monitor.")
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and its "
                                                                                   "settings.")
     aio: AioConfig = Field(default_factory=AioConfig, description="Async I/O for NVMe offload.")
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig,
+        description="Settings of zengine.checkpointing (DeepSpeed's deepspeed.checkpointing), applied at "
+                    "initialize unless the script called checkpointing.configure itself.")
 
     _ignored_keys: Tuple[str, ...] = PrivateAttr(default=())
     _derived_batch_keys: Tuple[str, ...] = PrivateAttr(default=())

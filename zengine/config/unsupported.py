@@ -15,8 +15,7 @@ two classes:
 ``IGNORABLE``
     The feature only monitors, logs, tunes speed or memory, or controls a
     DeepSpeed-specific mechanism whose absence cannot change the numbers
-    (activation recomputation is exact; pinned or partial offload only moves
-    bytes). zengine accepts the key and reports it as ignored.
+    (pinned or partial offload only moves bytes). zengine accepts the key and reports it as ignored.
 
 ``screen`` pops every listed key out of a raw config dict before the typed
 models see it, so only keys zengine implements reach pydantic, and unknown
@@ -120,10 +119,7 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _flag("zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical gather", False),
     _flag("zero_optimization.legacy_stage1", "the legacy stage-1 implementation", False),
     _flag("zero_optimization.zenflow", "ZenFlow asynchronous updates", None),
-    # Monitoring, logging and profiling.
-    _ignorable("tensorboard", "TensorBoard monitor"),
-    _ignorable("wandb", "Weights & Biases monitor"),
-    _ignorable("csv_monitor", "CSV monitor"),
+    # Monitoring, logging and profiling (tensorboard, csv_monitor and wandb are implemented: models.py).
     _ignorable("comet", "Comet monitor"),
     _ignorable("flops_profiler", "FLOPs profiler"),
     _ignorable("comms_logger", "communication logger"),
@@ -133,7 +129,6 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _ignorable("eigenvalue", "eigenvalue monitor"),
     _ignorable("vocabulary_size", "vocabulary size hint"),
     # Mechanisms whose absence does not change the numbers.
-    _ignorable("activation_checkpointing", "deepspeed.checkpointing settings (recomputation is exact)"),
     _ignorable("checkpoint", "checkpoint tag validation and storage options"),
     _ignorable("nebula", "Nebula checkpoint service"),
     _ignorable("autotuning", "autotuner"),

@@ -7,7 +7,9 @@ point at the user's code and ``if __name__ == "__main__":`` blocks run.
 ``TARGET`` is a script path, or a module name when the launcher sets
 ``ZENGINE_RUN_MODULE=1``. Unless the launcher sets ``ZENGINE_NO_LOCAL_RANK=1``,
 ``--local_rank=<LOCAL_RANK>`` is passed to the target right after its name,
-where DeepSpeed's launcher puts it; ``ARGS`` follow untouched.
+where DeepSpeed's launcher puts it; ``ARGS`` follow untouched. With
+``ZENGINE_DEEPSPEED_COMPAT=1`` (``zengine --deepspeed_compat``) ``import
+deepspeed`` resolves to zengine first (``zengine/compat.py``).
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import runpy
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
+
+from ..compat import COMPAT_ENV
 
 NO_LOCAL_RANK_ENV = "ZENGINE_NO_LOCAL_RANK"
 RUN_MODULE_ENV = "ZENGINE_RUN_MODULE"
@@ -38,6 +42,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("usage: python -m zengine.launcher.entry TARGET [ARGS...]")
     target, args = argv[0], argv[1:]
     sys.argv = target_argv(target, args, dict(os.environ))
+    if os.environ.get(COMPAT_ENV) == "1":  # zengine --deepspeed_compat: `import deepspeed` is zengine
+        from ..compat import install
+
+        install()
     if os.environ.get(RUN_MODULE_ENV) == "1":
         runpy.run_module(target, run_name="__main__", alter_sys=True)
         return

@@ -34,6 +34,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from zengine.compat import COMPAT_ENV
 from zengine.launcher.entry import NO_LOCAL_RANK_ENV, RUN_MODULE_ENV
 from zengine.launcher.hostfile import HostfileError, check_hosts_resolve, parse_hostfile, resolve_resources
 
@@ -136,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no_local_rank", action="store_true",
         help="Do not pass --local_rank=N to the script (LOCAL_RANK is still set).",
+    )
+    p.add_argument(
+        "--deepspeed_compat", "--deepspeed-compat", action="store_true",
+        help="Run an unmodified DeepSpeed script: `import deepspeed` resolves to zengine in each rank.",
     )
     p.add_argument(
         "--module", action="store_true",
@@ -287,6 +292,8 @@ def worker_env(
         env[NO_LOCAL_RANK_ENV] = "1"
     if args.module:
         env[RUN_MODULE_ENV] = "1"
+    if args.deepspeed_compat:
+        env[COMPAT_ENV] = "1"
     if args.comm_timeout is not None:
         env["ZENGINE_COMM_TIMEOUT"] = repr(float(args.comm_timeout))
     # Rank i uses device i; narrow the visible devices only when the chosen

@@ -21,7 +21,7 @@ import torch
 
 from .builder import load_op
 
-__all__ = ["CPUAdam", "DeepSpeedCPUAdam", "adam_step_", "simd_paths", "simd_path"]
+__all__ = ["CPUAdam", "DeepSpeedCPUAdam", "FusedAdam", "adam_step_", "simd_paths", "simd_path"]
 
 # Codes of the kernel's CopyOut enum (csrc/adam/cpu_adam.h).
 _COPY_OUT_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -253,4 +253,41 @@ class CPUAdam(torch.optim.Optimizer):
                     bias_correction=group["bias_correction"])
 
 
-DeepSpeedCPUAdam = CPUAdam
+class DeepSpeedCPUAdam(CPUAdam):
+    """``CPUAdam`` with DeepSpeed's ``DeepSpeedCPUAdam`` parameters in DeepSpeed's order
+    (``model_params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw_mode,
+    fp32_optimizer_states``). AMSGrad and 16-bit optimizer states are refused by name."""
+
+    def __init__(self, model_params, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True):
+        if amsgrad:
+            raise ValueError("DeepSpeedCPUAdam(amsgrad=True): AMSGrad is not implemented (DeepSpeed refuses it too); "
+                             "use amsgrad=False, or torch.optim.AdamW(amsgrad=True)")
+        if not fp32_optimizer_states:
+            raise ValueError("DeepSpeedCPUAdam(fp32_optimizer_states=False): zengine keeps Adam's moments in fp32; "
+                             "leave it True")
+        super().__init__(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
+                         bias_correction=bias_correction)
+
+
+class FusedAdam(torch.optim.Adam):
+    """DeepSpeed's ``FusedAdam`` (``deepspeed.ops.adam.FusedAdam``): torch's Adam, fused into one kernel
+    where every parameter is on a GPU (torch's ``fused=True``), else its multi-tensor path.
+    ``adam_w_mode`` selects decoupled weight decay (AdamW). ``bias_correction=False`` and AMSGrad are
+    refused by name; ``set_grad_none`` is torch's default already (``zero_grad`` sets None)."""
+
+    def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
+                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True):
+        if amsgrad:
+            raise ValueError("FusedAdam(amsgrad=True): not supported (DeepSpeed refuses it too); use amsgrad=False")
+        if not bias_correction:
+            raise ValueError("FusedAdam(bias_correction=False): torch's Adam always corrects the bias; use "
+                             "zengine.ops.CPUAdam(bias_correction=False) for CPU parameters")
+        params = list(params)
+        tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+        tensors = [t for t in tensors if torch.is_tensor(t)]
+        fused = bool(tensors) and all(t.is_cuda and t.is_floating_point() for t in tensors)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         decoupled_weight_decay=adam_w_mode, fused=fused or None)

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .. import comm
+from .. import collectives
 from .layout import FlatLayout, chunk_ranges, intersect
 
 
@@ -60,6 +60,21 @@ class FlatParamGroup:
                 out.append((i, piece[0] - o0, piece[1] - o0))
         return out
 
+    @property
+    def replicated(self) -> bool:
+        """True when every rank's master covers the whole group (stage 0)."""
+        return self.layout.num_shards == 1
+
+    def param_pieces(self, pi: int) -> list[tuple[int, int, int]]:
+        """(lo, hi, start): master[lo:hi] holds parameter pi's flat elements from ``start`` on."""
+        o0 = self.owned[0]
+        span = self.layout.spans[pi]
+        piece = intersect((span.offset, span.end), self.owned)
+        return [(piece[0] - o0, piece[1] - o0, piece[0] - span.offset)] if piece else []
+
+    def param_shape(self, pi: int) -> tuple:
+        return tuple(self.layout.spans[pi].shape)
+
     def norm_range(self, world: int) -> tuple[int, int]:
         """The part of the master (gradient) whose squares this rank adds to the global norm.
 
@@ -79,7 +94,7 @@ class FlatParamGroup:
         world = self.layout.num_shards
         shard = self.layout.shard_numel
         for lo, hi in chunk_ranges(shard, max(1, bucket_numel // world)):
-            comm.gather_strided(self.flat, shard, lo, hi, self.rank, world, comm_group)
+            collectives.gather_strided(self.flat, shard, lo, hi, self.rank, world, comm_group)
 
     def param_names(self) -> list[str]:
         """The parameters' names, in ``params`` order."""

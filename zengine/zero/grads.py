@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from .. import comm
+from .. import collectives
 from .flat_group import FlatParamGroup
 from .layout import Bucket, gradient_buckets, intersect
 
@@ -183,7 +183,7 @@ class FullGradients(GradientStore):
 
     def _launch(self, gi: int, bucket: Bucket) -> None:
         piece = self.flat_grads[gi][bucket.start:bucket.end]
-        self.works.append(comm.all_reduce_sum(piece, self.comm_group, async_op=True))
+        self.works.append(collectives.all_reduce_sum(piece, self.comm_group, async_op=True))
 
     def end_backward(self) -> None:
         if self.sync:
@@ -422,11 +422,11 @@ class ShardedGradients(ShardReducer):
     def _reduce(self, gi: int, bucket: Bucket, buf: torch.Tensor):
         self._arm(gi, self.queues[gi].after(bucket.index, self.ARMED_AHEAD))
         if not self.use_reduce:
-            return [comm.all_reduce_sum(buf, self.comm_group, async_op=True)], None
+            return [collectives.all_reduce_sum(buf, self.comm_group, async_op=True)], None
         works = []
         for owner, lo, hi in self.groups[gi].layout.owner_ranges((bucket.start, bucket.end)):
             piece = buf[lo - bucket.start:hi - bucket.start]
-            works.append(comm.reduce_sum_to(piece, owner, self.comm_group, async_op=True))
+            works.append(collectives.reduce_sum_to(piece, owner, self.comm_group, async_op=True))
         return works, None
 
     def _accumulate(self, gi: int, bucket: Bucket, buf: torch.Tensor, extra) -> None:

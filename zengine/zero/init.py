@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
+from .. import collectives
 from .stage3.fetcher import Fetcher
 from .stage3.param import ParamState, ShardedParam, lookup, register
 
@@ -88,7 +88,7 @@ class Init:
             with torch.no_grad():
                 if p.device != self.device:
                     p.data = p.data.to(self.device)
-                comm.broadcast(p.data, 0)
+                collectives.broadcast(p.data, 0)
             sp = ShardedParam(name, p, self.world, self.rank)
             register(sp)
             sp.attach_shard(torch.empty(sp.chunk, dtype=p.dtype, device=p.device))  # [chunk]
@@ -123,7 +123,7 @@ def GatheredParameters(params, modifier_rank: Optional[int] = None, enabled: boo
     finally:
         if modifier_rank is not None:
             for sp in todo:
-                comm.broadcast(sp.full, modifier_rank)
+                collectives.broadcast(sp.full, modifier_rank)
                 sp.write_back_full()
         for sp in todo:
             sp.free()

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..loss_scaler import LossScaler
 from ..ops.grad import sum_of_squares
+from . import full_state
 from .flat_group import FlatParamGroup  # or any group with the same interface (stage 3's)
 from .nonfinite import NonFinitePolicy
 from .offload import DevicePlacement
@@ -77,6 +78,7 @@ class ZeroOptimizer:
         self.optimizer = placement.wrap_optimizer(
             make_optimizer([{**g.hyper, "params": [sp]} for g, sp in zip(groups, self.shard_params)]))
         self.global_grad_norm: Optional[float] = None
+        full_state.register(self)  # zengine.utils.safe_get_full_* find parameters through it
         self.grad_hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, gi, pi))
                       for gi, g in enumerate(groups) for pi, p in enumerate(g.params)]
 
@@ -258,6 +260,12 @@ class ZeroOptimizer:
             if not skip_copy and owned.data_ptr() != master.data_ptr():
                 owned.copy_(master)
             g.publish(self.allgather_bucket_numel, self.comm_group)
+
+    def refresh_param(self, gi: int, pi: int, value: torch.Tensor) -> None:
+        """After ``safe_set_full_fp32_param``: the compute-dtype parameter shows ``value`` (stages 0-2
+        keep every parameter whole on every rank)."""
+        with torch.no_grad():
+            self.groups[gi].params[pi].data.copy_(value.reshape(self.groups[gi].params[pi].shape))
 
     # -- full parameters on request -------------------------------------------------------------
     @contextlib.contextmanager

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import comm, sync
+from .. import collectives, sync
 from ..diagnose import RanksOutOfStepError
 
 _HEADER = 9
@@ -60,7 +60,7 @@ def gather_stats(sq_norm: torch.Tensor, had_backward: bool, micro_step: int, use
     stats = head.to(device, non_blocking=True)  # [_HEADER + params] float64 on the compute device
     stats[0:1].copy_(sq_norm.reshape(1), non_blocking=True)
     if world > 1:
-        comm.all_reduce_sum(stats, comm_group)
+        collectives.all_reduce_sum(stats, comm_group)
     values = sync.read_to_host(stats)
     ranks_with_backward, ranks_unreduced = int(round(values[1])), int(round(values[4]))
     if (not _same_on_every_rank(values[2], values[3], world) or 0 < ranks_with_backward < world
@@ -79,7 +79,7 @@ def _same_on_every_rank(total: float, total_of_squares: float, world: int) -> bo
 def _raise_out_of_step(micro_step: int, had_backward: bool, unreduced: bool, device: torch.device, rank: int,
                        comm_group) -> None:
     mine = torch.tensor([micro_step, int(had_backward), int(unreduced)], dtype=torch.int64).to(device)
-    everyone = comm.all_gather_small(mine, comm_group).cpu().tolist()
+    everyone = collectives.all_gather_small(mine, comm_group).cpu().tolist()
     lines = "\n".join(f"  rank {r}: micro-step {m}{'' if b else ', no backward since the last step'}"
                       f"{', its last backward under no_sync' if u else ''}"
                       for r, (m, b, u) in enumerate(everyone))
@@ -102,7 +102,7 @@ def first_nonfinite(groups, master_grads: list[torch.Tensor], device: torch.devi
         flags.extend(bad)
     t = torch.tensor(flags, dtype=torch.float64).to(device)
     if world > 1:
-        comm.all_reduce_sum(t, comm_group)
+        collectives.all_reduce_sum(t, comm_group)
     counts = t.cpu().tolist()
     names = [n for g in groups for n in g.param_names()]
     for name, c in zip(names, counts):

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ... import comm
+from ... import collectives
 from .param import ParamState, ShardedParam
 
 logger = logging.getLogger("zengine")
@@ -147,7 +147,7 @@ class Fetcher:
         for sp in params:
             staging[self.rank, col:col + sp.chunk].copy_(sp.shard, non_blocking=True)  # from the host with offload_param
             col += sp.chunk
-        works = comm.all_gather_rows(staging, self.rank, self.comm_group, async_op=True)
+        works = collectives.all_gather_rows(staging, self.rank, self.comm_group, async_op=True)
         pending = _Pending(params, staging, works, direct)
         if not refresh:
             for sp in params:
@@ -244,13 +244,13 @@ class Fetcher:
         self._seq += 1
         label = f"#{self._seq} {tag} [{', '.join(sp.name for sp in params)}]"
         digest = torch.tensor([zlib.crc32(label.encode())], dtype=torch.int64).to(self.device)
-        everyone = comm.all_gather_small(digest, self.comm_group).view(-1).tolist()  # a debug mode: a host read is fine
+        everyone = collectives.all_gather_small(digest, self.comm_group).view(-1).tolist()  # a debug mode: a host read is fine
         if any(d != everyone[self.rank] for d in everyone):
             # Exchange the labels as fixed-size byte tensors (all_gather_object would need numpy).
             raw = label.encode()[:_LABEL_BYTES]
             mine = torch.zeros(_LABEL_BYTES, dtype=torch.uint8)
             mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-            gathered = comm.all_gather_small(mine.to(self.device), self.comm_group).cpu()
+            gathered = collectives.all_gather_small(mine.to(self.device), self.comm_group).cpu()
             labels = [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in gathered]
             lines = "\n".join(f"  rank {r}: {lab}" for r, lab in enumerate(labels))
             raise FetchOrderError(f"stage 3: ranks diverged at parameter fetch {self._seq}; each rank was about "

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ... import comm
+from ... import collectives
 from ..grads import ShardReducer, _BucketQueue
 from ..layout import Bucket, FlatLayout
 from .group import ShardedParamGroup
@@ -107,8 +107,8 @@ class Stage3Gradients(ShardReducer):
     def _reduce(self, gi: int, bucket: Bucket, buf: torch.Tensor):
         if self.use_reduce_scatter:
             out = torch.empty(bucket.numel, dtype=buf.dtype, device=buf.device)
-            return [comm.reduce_scatter(out, buf.view(-1), self.comm_group, async_op=True)], out
-        return [comm.all_reduce_sum(buf, self.comm_group, async_op=True)], None
+            return [collectives.reduce_scatter(out, buf.view(-1), self.comm_group, async_op=True)], out
+        return [collectives.all_reduce_sum(buf, self.comm_group, async_op=True)], None
 
     def _accumulate(self, gi: int, bucket: Bucket, buf: torch.Tensor, out) -> None:
         mine = out if out is not None else buf[self.rank]

@@ -45,6 +45,16 @@ class ShardedParamGroup:
     def master_pieces(self) -> list[tuple[int, int, int]]:
         return [(i, off, off + sp.valid) for i, (sp, off) in enumerate(zip(self.sharded, self.offsets)) if sp.valid]
 
+    replicated = False  # each rank holds its own chunk of every parameter
+
+    def param_pieces(self, pi: int) -> list[tuple[int, int, int]]:
+        """(lo, hi, start): shard[lo:hi] holds parameter pi's flat elements from ``start`` on."""
+        sp, off = self.sharded[pi], self.offsets[pi]
+        return [(off, off + sp.valid, sp.rank * sp.chunk)] if sp.valid else []
+
+    def param_shape(self, pi: int) -> tuple:
+        return tuple(self.sharded[pi].shape)
+
     def norm_range(self, world: int) -> tuple[int, int]:
         return 0, self.shard_numel
 

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ... import comm
+from ... import collectives
 from ..grads import buckets_in_flight
 from ..offload import make_placement
 from ..optimizer import ZeroOptimizer
@@ -95,6 +95,14 @@ class Stage3Optimizer(ZeroOptimizer):
                 if master.data_ptr() != g.shard_flat.data_ptr():
                     master.copy_(g.shard_flat)
 
+    def refresh_param(self, gi: int, pi: int, value: torch.Tensor) -> None:
+        """After ``safe_set_full_fp32_param`` (the shard is already written): a parameter that stays
+        gathered shows ``value`` too."""
+        sp = self.groups[gi].sharded[pi]
+        if sp.state is ParamState.GATHERED:
+            with torch.no_grad():
+                sp.full.narrow(0, 0, sp.numel).copy_(value.reshape(-1))
+
     @contextlib.contextmanager
     def full_params(self, params: Sequence[ShardedParam], modifier_rank=None, writeback: bool = False,
                     rank0_only: bool = False, offload_to_cpu: bool = False):
@@ -122,11 +130,11 @@ class Stage3Optimizer(ZeroOptimizer):
                     sp.param.data = view
             if modifier_rank is not None:
                 for sp in params:
-                    comm.broadcast(sp.full, modifier_rank, self.comm_group)
+                    collectives.broadcast(sp.full, modifier_rank, self.comm_group)
             if modifier_rank is not None or writeback:
                 if rank0_only and writeback and modifier_rank is None:
                     for sp in params:
-                        comm.broadcast(sp.full, 0, self.comm_group)
+                        collectives.broadcast(sp.full, 0, self.comm_group)
                 for sp in params:
                     sp.write_back_full()
                 self.sync_masters()
@@ -160,7 +168,7 @@ class Stage3Optimizer(ZeroOptimizer):
                 # and NCCL gathers only device tensors
                 staging = torch.empty(self.world, sp.chunk, dtype=shard.dtype, device=self.device)
                 staging[self.rank].copy_(shard[off:off + sp.chunk])
-                comm.all_gather_rows(staging, self.rank, self.comm_group)
+                collectives.all_gather_rows(staging, self.rank, self.comm_group)
                 sp.param.grad = (staging.view(-1)[:sp.numel] * factor).view(sp.shape).to(sp.full.dtype)
 
     def memory_tensors(self):

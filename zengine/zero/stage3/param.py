@@ -28,6 +28,55 @@ class ParamState(enum.Enum):
     GATHERED = "gathered"  # the full parameter is in memory
 
 
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's names and values for ``param.ds_status``."""
+
+    AVAILABLE = 1      # gathered
+    NOT_AVAILABLE = 2  # only the shard exists
+    INFLIGHT = 3       # being gathered
+
+
+class ZeroParameter(nn.Parameter):
+    """A stage-3 parameter as DeepSpeed scripts read it: ``ds_shape``, ``ds_numel``, ``ds_status``,
+    ``ds_id``, ``ds_tensor`` (the shard), ``ds_persist``. Each is looked up in ``registry``, nothing is
+    stored on the parameter; on a parameter that is not (or no longer) sharded each raises
+    AttributeError, so ``hasattr(p, "ds_id")``, DeepSpeed's test for a ZeRO-3 parameter, is False."""
+
+    def _sharded(self) -> "ShardedParam":
+        sp = lookup(self)
+        if sp is None:
+            raise AttributeError("not a stage-3 sharded parameter")
+        return sp
+
+    @property
+    def ds_shape(self) -> torch.Size:
+        return torch.Size(self._sharded().shape)
+
+    @property
+    def ds_numel(self) -> int:
+        return self._sharded().numel
+
+    @property
+    def ds_status(self) -> ZeroParamStatus:
+        gathered = self._sharded().state is ParamState.GATHERED
+        return ZeroParamStatus.AVAILABLE if gathered else ZeroParamStatus.NOT_AVAILABLE
+
+    @property
+    def ds_id(self) -> int:
+        return self._sharded().index
+
+    @property
+    def ds_tensor(self) -> Optional[torch.Tensor]:
+        return self._sharded().shard
+
+    @property
+    def ds_persist(self) -> bool:
+        return self._sharded().persistent
+
+
+_next_index = iter(range(1 << 62))  # ds_id: a number per sharded parameter, in creation order
+
+
 class ShardedParam:
     """A parameter sharded across the data-parallel ranks."""
 
@@ -45,6 +94,9 @@ class ShardedParam:
         self.holders = 0        # forward-time fetches not yet released
         self.persistent = False  # small parameters stay gathered (stage3_param_persistence_threshold)
         self.pinned = False      # held gathered by summon_full_params / GatheredParameters
+        self.index = next(_next_index)
+        if type(param) is nn.Parameter:  # so that scripts can read DeepSpeed's ds_* members (ZeroParameter)
+            param.__class__ = ZeroParameter
         with torch.no_grad():
             self.full.narrow(0, 0, self.numel).copy_(param.detach().reshape(-1))
             self.full.narrow(0, self.numel, self.full.numel() - self.numel).zero_()

@@ -1,0 +1,223 @@
+"""Thin, stateless collective functions over torch.distributed.
+
+The engine calls collectives only through this module, so that tests can
+patch them and the choice of collective per backend lives in one place.
+The choice follows measurement, not names: on gloo (CPU) a broadcast from
+each owner moves a sharded buffer to every rank about three times faster
+than ``all_gather``, and ``all_reduce`` is faster than ``reduce_scatter``
+(see shared/MEASURED.md and benchmarks/); NCCL takes the native tensor
+collectives on flat buffers (``all_gather_single`` / ``reduce_scatter_single``,
+named ``*_into_tensor`` / ``*_tensor`` before torch 2.13).
+
+Every tensor handed to a collective is checked against what its group's
+backend can communicate (NCCL: CUDA only), so that a tensor made on the
+wrong device fails here, naming the collective, rather than deep inside the
+backend or, worse, on a GPU cluster only. A collective the backend fails
+(a timeout, a peer gone) is turned into an error that names it and says
+where every rank was (``diagnose.py``); asynchronous collectives return a
+``Pending`` whose ``wait()`` does the same.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import diagnose
+from .distributed import backend_device_types
+
+
+# On gloo a wait is cut into slices of this length; between slices the rank looks whether a peer
+# has left the job (diagnose.peer_departed), which no collective would ever tell it.
+_WAIT_SLICE = timedelta(seconds=1)
+
+
+class Pending:
+    """A collective in flight. ``wait()`` blocks until it completes; a backend failure, or on gloo
+    a peer that left the job meanwhile, raises a diagnosed error naming the collective."""
+
+    __slots__ = ("work", "what", "watched")
+
+    def __init__(self, work, what: tuple, watched: bool):
+        self.work, self.what = work, what  # what: (name, shape, dtype), formatted only on failure
+        # Sliced waits only on gloo: on NCCL wait() only orders streams, and a wait with a timeout
+        # would block the host on every bucket (its own watchdog handles timeouts there).
+        self.watched = watched
+
+    def wait(self) -> None:
+        if not self.watched:
+            try:
+                self.work.wait()
+            except RuntimeError as err:
+                raise diagnose.collective_failed(_describe(self.what), err) from err
+            return
+        while True:
+            try:
+                self.work.wait(timeout=_WAIT_SLICE)
+                return
+            except RuntimeError as err:
+                if self.work.is_completed():  # the collective itself failed (not just this slice)
+                    raise diagnose.collective_failed(_describe(self.what), err) from err
+            if diagnose.peer_departed():
+                raise diagnose.collective_failed(_describe(self.what), diagnose.PeerLeft(
+                    "a peer rank finished or failed while this rank waited"))
+
+
+Work = Optional[Pending]
+
+
+def _describe(what: tuple) -> str:
+    name, shape, dtype = what
+    return f"the collective {name} of a {list(shape)} {str(dtype).replace('torch.', '')} tensor"
+
+
+def _run(name: str, tensor: torch.Tensor, call, *args, async_op: bool = False, group=None, **kwargs):
+    """``call(*args, **kwargs)``: a Pending when ``async_op``, else None; backend failures diagnosed.
+
+    On gloo a blocking collective is started asynchronously and waited for in slices (``Pending``).
+    """
+    what = (name, tuple(tensor.shape), tensor.dtype)
+    watched = is_gloo(group)
+    try:
+        work = call(*args, async_op=async_op or watched, group=group, **kwargs)
+    except RuntimeError as err:
+        raise diagnose.collective_failed(_describe(what), err) from err
+    if work is None:
+        return None
+    pending = Pending(work, what, watched)
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
+# torch 2.13 renamed the flat-buffer collectives; older versions have only the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class WrongDeviceError(RuntimeError):
+    """A tensor was handed to a collective on a device its process group's backend cannot communicate."""
+
+
+def backend(group=None) -> str:
+    """The group's backend name ("gloo", "nccl", ...)."""
+    return dist.get_backend(group)
+
+
+def is_gloo(group=None) -> bool:
+    """True when the group's backend is gloo (the CPU path)."""
+    return backend(group) == "gloo"
+
+
+def check_devices(what: str, group, *tensors: torch.Tensor) -> None:
+    """Raise ``WrongDeviceError`` when a tensor is on a device the group's backend does not take."""
+    allowed = backend_device_types(backend(group))
+    if allowed is None:
+        return
+    for t in tensors:
+        if t.device.type not in allowed:
+            raise WrongDeviceError(f"zengine.collectives.{what}: a {t.device.type} tensor {tuple(t.shape)} {t.dtype} was "
+                                   f"given to the {backend(group)} backend, which takes {'/'.join(allowed)} "
+                                   f"tensors; it must be made on the compute device")
+
+
+def all_reduce_sum(tensor: torch.Tensor, group=None, async_op: bool = False) -> Work:
+    """Sum ``tensor`` in place over the group."""
+    check_devices("all_reduce_sum", group, tensor)
+    return _run("all_reduce", tensor, dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def reduce_sum_to(tensor: torch.Tensor, dst: int, group=None, async_op: bool = False) -> Work:
+    """Sum ``tensor`` over the group into rank ``dst`` (others keep garbage)."""
+    check_devices("reduce_sum_to", group, tensor)
+    return _run("reduce", tensor, dist.reduce, tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False) -> Work:
+    """Copy ``tensor`` from rank ``src`` to every rank of the group."""
+    check_devices("broadcast", group, tensor)
+    return _run("broadcast", tensor, dist.broadcast, tensor, src=src, group=group, async_op=async_op)
+
+
+def all_gather_rows(rows: torch.Tensor, rank: int, group=None, async_op: bool = False) -> list:
+    """Fill row r of ``rows`` ([world, n], contiguous) on every rank from rank r's own row r.
+
+    gloo: one broadcast per owner (measured about three times faster than its all_gather; each row
+    must be contiguous, the rows need not be); otherwise one flat all-gather in place (this rank's
+    row is the input). Returns the pending works when ``async_op``.
+    """
+    if rows.shape[0] == 1:
+        return []
+    check_devices("all_gather_rows", group, rows)
+    if is_gloo(group):
+        works = [_run("broadcast (all-gather by rows)", rows, dist.broadcast, row, src=_global_rank(r, group),
+                      group=group, async_op=True) for r, row in enumerate(rows.unbind(0))]
+    else:
+        assert rows.is_contiguous(), "all_gather_rows needs one contiguous [world, n] buffer"
+        works = [_run("all_gather", rows, _all_gather_flat, rows.view(-1), rows[rank], group=group,
+                      async_op=True)]
+    works = [w for w in works if w is not None]
+    if async_op:
+        return works
+    for w in works:  # all started, then waited: the broadcasts overlap
+        w.wait()
+    return []
+
+
+def gather_strided(full: torch.Tensor, shard_numel: int, lo: int, hi: int, rank: int, world: int, group=None) -> None:
+    """Gather the sub-range ``[lo, hi)`` of every rank's shard of ``full`` (one all-gather bucket)."""
+    if world == 1 or hi <= lo:
+        return
+    rows = full.narrow(0, 0, world * shard_numel).view(world, shard_numel)[:, lo:hi]  # [world, hi - lo]
+    # gloo broadcasts row by row (each row is contiguous); a flat all-gather needs the rows end to end,
+    # as they are when the bucket is the whole shard: then it gathers straight into the parameters.
+    if is_gloo(group) or rows.is_contiguous():
+        all_gather_rows(rows, rank, group)
+    else:
+        staging = torch.empty(world, hi - lo, dtype=full.dtype, device=full.device)  # [world, hi - lo]
+        staging[rank].copy_(rows[rank])
+        all_gather_rows(staging, rank, group)
+        rows.copy_(staging)
+
+
+def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False) -> Work:
+    """Sum ``full`` ([world * n]) over the group; this rank keeps its n-element part in ``out``."""
+    check_devices("reduce_scatter", group, out, full)
+    return _run("reduce_scatter", full, _reduce_scatter_flat, out, full, op=dist.ReduceOp.SUM, group=group,
+                async_op=async_op)
+
+
+def message_device(group=None) -> torch.device:
+    """Where small host-side messages (checkpoint metadata, errors) travel for ``group``: the CPU,
+    unless the backend takes only accelerator tensors (NCCL), then this process's current device of
+    that accelerator."""
+    types = backend_device_types(backend(group)) or ("cpu",)
+    if "cpu" in types:
+        return torch.device("cpu")
+    kind = types[0]
+    accelerator = getattr(torch, kind, None)  # torch.cuda, torch.xpu, ...
+    return torch.device(kind, accelerator.current_device() if hasattr(accelerator, "current_device") else 0)
+
+
+def all_gather_small(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked by rank, ``[world, *tensor.shape]`` (small control messages).
+
+    The message travels on ``tensor``'s device: make it on the compute device.
+    """
+    check_devices("all_gather_small", group, tensor)
+    world = dist.get_world_size(group)
+    out = torch.empty((world, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    if is_gloo(group):
+        _run("all_gather", out, dist.all_gather, list(out.unbind(0)), tensor.contiguous(), group=group)
+    else:
+        _run("all_gather", out, _all_gather_flat, out.view(-1), tensor.contiguous().view(-1), group=group)
+    return out
+
+
+def _global_rank(group_rank: int, group) -> int:
+    if group is None or group is dist.GroupMember.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)

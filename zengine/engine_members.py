@@ -1,0 +1,155 @@
+"""The engine members DeepSpeed scripts call beyond training itself: config accessors, manual
+accumulation control, optimizer queries and moving the model states off the device between phases.
+
+``Engine`` takes these by inheritance (``class Engine(DeepSpeedMembers, nn.Module)``) so that
+engine.py keeps to training; each member reads the engine's config, placement and optimizer.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Iterable, Optional
+
+import torch
+
+
+class OffloadStateTypeEnum(str, enum.Enum):
+    """What ``offload_states`` moves (DeepSpeed's names)."""
+
+    optim_states = "optim_states"                      # the optimizer's moments
+    hp_params = "hp_params"                            # fp32 master weights
+    lp_params = "lp_params"                            # the compute-dtype parameters
+    lp_grads = "lp_grads"                              # gradients (buffers or shards)
+    contiguous_grad_buffer = "contiguous_grad_buffer"  # the same buffers as lp_grads here
+
+
+_KINDS = {"optim_states": "optimizer_states", "hp_params": "master_weights", "lp_params": "parameters",
+          "lp_grads": "gradients", "contiguous_grad_buffer": "gradients"}
+
+
+class DeepSpeedMembers:
+    """Members of DeepSpeed's engine that scripts call (see the drop-in issue's list)."""
+
+    # -- config accessors -------------------------------------------------------------------------
+    def fp16_enabled(self) -> bool:
+        return bool(self.config.fp16.enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self.config.bf16.enabled)
+
+    bf16_enabled = bfloat16_enabled
+
+    def gradient_clipping(self) -> float:
+        return float(self.config.gradient_clipping)
+
+    def steps_per_print(self) -> int:
+        return int(self.config.steps_per_print)
+
+    def wall_clock_breakdown(self) -> bool:
+        return bool(self.config.wall_clock_breakdown)
+
+    def zero_offload_optimizer(self) -> bool:
+        return self.config.offload_optimizer_enabled
+
+    def zero_offload_param(self) -> bool:
+        return self.config.offload_param_enabled
+
+    def zero_reduce_bucket_size(self) -> int:
+        return int(self.config.zero_optimization.reduce_bucket_size)
+
+    def zero_allgather_bucket_size(self) -> int:
+        return int(self.config.zero_optimization.allgather_bucket_size)
+
+    def zero_overlap_comm(self) -> bool:
+        return bool(self.config.zero_optimization.overlap_comm)
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.world_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.global_rank
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        return 1  # no model parallelism
+
+    def optimizer_name(self) -> Optional[str]:
+        return self.config.optimizer.type if self.config.optimizer is not None else None
+
+    def scheduler_name(self) -> Optional[str]:
+        return self.config.scheduler.type if self.config.scheduler is not None else None
+
+    # -- accumulation control ---------------------------------------------------------------------
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say whether the next ``step()`` ends a global batch, overriding the count of micro-steps (for
+        loops whose number of micro-steps varies). Every rank must say the same."""
+        self._boundary_override = bool(is_boundary)
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch size by changing the accumulation steps (micro batch and world size
+        stay). Only between global batches; the new size must be a multiple of micro batch x world."""
+        per_step = self.train_micro_batch_size_per_gpu() * self.world_size
+        if train_batch_size % per_step != 0:
+            raise ValueError(f"set_train_batch_size({train_batch_size}): not a multiple of micro batch "
+                             f"{self.train_micro_batch_size_per_gpu()} x world size {self.world_size} = {per_step}")
+        if self._in_accumulation:
+            raise RuntimeError("set_train_batch_size: call it between global batches (after the boundary "
+                               "step), not in the middle of gradient accumulation")
+        gas = train_batch_size // per_step
+        self.config.train_batch_size = train_batch_size
+        self.config.gradient_accumulation_steps = gas
+        self.micro_steps = self.global_steps * gas  # the boundary test counts micro-steps from here
+
+    # -- optimizer queries ------------------------------------------------------------------------
+    def get_mom(self) -> list:
+        """Each param group's momentum: ``betas`` (Adam family) or ``momentum`` (SGD)."""
+        out = []
+        for group in self.optimizer.param_groups:
+            out.append(group["betas"] if "betas" in group else group.get("momentum"))
+        return out
+
+    def get_pld_theta(self):
+        return None  # no progressive layer drop
+
+    # -- moving the model states off the device between phases ----------------------------------
+    def offload_states(self, include: Optional[Iterable] = None, device: str = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """Move the model states (``include``: OffloadStateTypeEnum members or their names; default all)
+        to host memory, freeing the device until ``reload_states()``. Views into them (the parameters)
+        keep pointing at the same storage, which is emptied on the device and refilled on reload. Does
+        nothing where the states already live on the host (CPU training, offloaded optimizer)."""
+        if str(getattr(device, "value", device)) != "cpu":
+            raise ValueError(f"offload_states(device={device!r}): zengine offloads to 'cpu' only")
+        kinds = self.optimizer.memory_tensors()
+        wanted = [OffloadStateTypeEnum(getattr(k, "value", k)).value for k in include] if include else list(_KINDS)
+        moved = getattr(self, "_offloaded", [])
+        seen = {s.data_ptr() for s, _ in moved}
+        for name in wanted:
+            for t in kinds[_KINDS[name]]:
+                storage = t.untyped_storage()
+                if t.device.type == "cpu" or storage.nbytes() == 0 or storage.data_ptr() in seen:
+                    continue
+                seen.add(storage.data_ptr())
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin_memory)  # [bytes]
+                host.untyped_storage().copy_(storage, non_blocking=non_blocking)
+                moved.append((storage, host))
+        if moved and non_blocking:
+            torch.cuda.synchronize()  # the copies must land before the device storage is freed
+        for storage, _ in moved:
+            storage.resize_(0)
+        self._offloaded = moved
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what ``offload_states`` moved, into the same storage (views stay valid)."""
+        for storage, host in getattr(self, "_offloaded", []):
+            storage.resize_(host.numel())
+            storage.copy_(host.untyped_storage(), non_blocking=non_blocking)
+        self._offloaded = []
+
+    # -- saving ---------------------------------------------------------------------------------
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name of ``save_16bit_model``."""
+        return self.save_16bit_model(save_dir, save_filename)
