@@ -56,7 +56,9 @@ setup(
         "py-cpuinfo",
         "ninja",
     ],
-    extras_require={"test": ["pytest"]},
+    # transformers: the drop-in tests train Hugging Face models built from a config (nothing downloaded);
+    # it does not require torch, so the pin above still decides which torch is installed.
+    extras_require={"test": ["pytest", "transformers>=4.40"]},
     entry_points={
         "console_scripts": [
             "zengine=zengine.launcher.runner:main",
