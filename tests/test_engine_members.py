@@ -30,6 +30,7 @@ def _members_run():
     engine.backward(engine(x).pow(2).mean())
     engine.step()
     out["steps_after_forced_boundary"] = engine.global_steps
+    engine.set_gradient_accumulation_boundary(None)  # back to counting micro-steps
     engine.set_train_batch_size(4 * dist.get_world_size())  # micro 2 x gas 2 -> gas 2 stays
     engine.set_train_batch_size(2 * dist.get_world_size())  # gas 1: every step is a boundary
     engine.backward(engine(x).pow(2).mean())

@@ -419,13 +419,17 @@ def test_engine_writes_csv_rows_on_rank_0_at_steps_per_print(tmp_path):
     job = tmp_path / "job"
     loss_rows = _read_csv(job / "Train_Samples_train_loss.csv")
     lr_rows = _read_csv(job / "Train_Samples_lr.csv")
-    # One row per report (steps 2 and 4), so rank 1 wrote nothing; x is the samples trained so far.
-    assert [row[0] for row in loss_rows] == ["step", str(samples[2]), str(samples[4])] == \
+    # One row per optimizer step, as in DeepSpeed (written at the reports of steps 2 and 4), so rank 1
+    # wrote nothing; x is the samples trained so far.
+    steps = [1, 2, 3, 4]
+    assert [row[0] for row in loss_rows] == ["step"] + [str(samples[s]) for s in steps] == \
         [row[0] for row in lr_rows]
     assert (samples[2], samples[4]) == (16, 32)
     assert loss_rows[0] == ["step", "train_loss"] and lr_rows[0] == ["step", "lr"]
-    assert [float(row[1]) for row in loss_rows[1:]] == pytest.approx([loss[2], loss[4]], rel=1e-6)
-    assert [float(row[1]) for row in lr_rows[1:]] == pytest.approx([lr[2], lr[4]], rel=1e-12)
+    assert [float(row[1]) for row in loss_rows[1:]] == pytest.approx([loss[s] for s in steps], rel=1e-6)
+    assert [float(row[1]) for row in lr_rows[1:]] == pytest.approx([lr[s] for s in steps], rel=1e-12)
+    grad_rows = _read_csv(job / "Train_Samples_global_grad_norm.csv")
+    assert [row[0] for row in grad_rows] == ["step", str(samples[2]), str(samples[4])]  # per report
     assert lr[2] != lr[4]
     names = {p.name for p in job.iterdir()}
     for name in ("global_grad_norm", "samples_per_sec", "host_rss_gb", "elapsed_time_ms_forward",

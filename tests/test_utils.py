@@ -21,6 +21,8 @@ def test_repeating_loader_starts_over_with_a_new_epoch():
     assert sorted(sum(first, [])) == sorted(sum(second, [])) == list(range(6))
     assert first != second and loader.epoch == 1  # set_epoch reshuffled the second pass
     assert len(loader) == 2
+    sampler.set_epoch(5)  # a resumed run sets its epoch before wrapping: it is kept
+    assert RepeatingLoader(DataLoader(data, batch_size=3, sampler=sampler)).epoch == 5
 
 
 def test_set_random_seed_repeats_every_generator():
@@ -30,15 +32,24 @@ def test_set_random_seed_repeats_every_generator():
     assert (random.random(), torch.rand(2).tolist()) == a
 
 
-def test_log_dist_logs_on_the_ranks_named(caplog):
+def test_log_dist_logs_on_the_ranks_named(caplog, monkeypatch):
+    import torch.distributed as dist
+
     logger.propagate = True
     try:
         with caplog.at_level(logging.INFO, logger="zengine"):
+            log_dist("before the group", ranks=[3])  # no process group: always, as rank -1
+            monkeypatch.setattr(dist, "is_initialized", lambda: True)
+            monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
             log_dist("hello", ranks=[0])
             log_dist("not me", ranks=[1])
+            log_dist("nobody", ranks=None)
+            log_dist("everyone", ranks=[-1])
     finally:
         logger.propagate = False
-    assert "[Rank 0] hello" in caplog.text and "not me" not in caplog.text
+    text = caplog.text
+    assert "[Rank -1] before the group" in text and "[Rank 0] hello" in text and "[Rank 0] everyone" in text
+    assert "not me" not in text and "nobody" not in text
 
 
 def test_zero_to_fp32_writes_into_a_folder_or_a_file(tmp_path, monkeypatch):

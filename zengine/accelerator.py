@@ -41,6 +41,7 @@ class Accelerator:
         return self.device_name(self.current_device())
 
     def communication_backend_name(self) -> str:
+        """The torch.distributed backend for this device (``nccl``, ``gloo``)."""
         raise NotImplementedError
 
     def is_available(self) -> bool:
@@ -51,6 +52,12 @@ class Accelerator:
 
     def is_fp16_supported(self) -> bool:
         raise NotImplementedError
+
+    # Each subclass also has: device_count(), current_device(), set_device(i), synchronize(i),
+    # get_rng_state()/set_rng_state(), Stream, Event, stream(s), current_stream(), default_stream(),
+    # empty_cache(), memory_allocated(), max_memory_allocated(), memory_reserved(),
+    # max_memory_reserved(), reset_peak_memory_stats(), total_memory(), available_memory(),
+    # memory_stats(): DeepSpeed's names, with torch.cuda's meanings on CUDA (see CpuAccelerator for the CPU).
 
     def supported_dtypes(self) -> list[torch.dtype]:
         return [torch.float32] + [d for d, ok in ((torch.bfloat16, self.is_bf16_supported()),
@@ -175,7 +182,8 @@ class CudaAccelerator(Accelerator):
         torch.cuda.reset_peak_memory_stats(device_index)
 
     def total_memory(self, device_index: Optional[int] = None) -> int:
-        return torch.cuda.get_device_properties(device_index or 0).total_memory
+        index = torch.cuda.current_device() if device_index is None else device_index
+        return torch.cuda.get_device_properties(index).total_memory
 
     def available_memory(self, device_index: Optional[int] = None) -> int:
         return torch.cuda.mem_get_info(device_index)[0]

@@ -127,6 +127,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     elif dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, timeout=comm_timeout(cfg))
     placement = Placement.current()
+    if placement.device.type == "cuda":  # so that torch.cuda.current_device() (get_accelerator()) is ours
+        torch.cuda.set_device(placement.device)
     engine = Engine(model, cfg, placement, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

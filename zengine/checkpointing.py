@@ -368,8 +368,16 @@ _MODEL_PARALLEL_RNG = "model-parallel-rng"  # DeepSpeed's (and Megatron's) name 
 _RNGState = Tuple[torch.Tensor, Optional[torch.Tensor]]  # (CPU generator state, current CUDA device's or None)
 
 
+def _on_cuda() -> bool:
+    """Whether this process computes on CUDA: the CUDA generator is touched only then (a CPU run on a GPU
+    host must not create a CUDA context)."""
+    from .accelerator import get_accelerator
+
+    return get_accelerator().name == "cuda"
+
+
 def _rng_state() -> _RNGState:
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    cuda = torch.cuda.get_rng_state() if _on_cuda() else None
     return torch.get_rng_state(), cuda
 
 

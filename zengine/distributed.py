@@ -152,7 +152,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
         device = resolve_device(backend, int(os.environ["LOCAL_RANK"]))  # a clear error when there is no such GPU
         torch.cuda.set_device(device)
     kwargs = {"timeout": timeout} if timeout is not None else {}
-    if init_method is not None:
-        kwargs["init_method"] = init_method
+    if init_method is not None:  # tcp:// and file:// need rank and world size given
+        kwargs.update(init_method=init_method, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend=backend, **kwargs)
     created_process_group()  # and so destroyed at exit (shutdown.py)

@@ -217,7 +217,7 @@ class Engine(DeepSpeedMembers, nn.Module):
                 self.lr_scheduler.step()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-            self._boundary_override = None
+            self._step_report.record_step(self)  # monitors write loss, lr and scale per step
             if self.global_steps % self.config.steps_per_print == 0:
                 self._report()
         self._in_accumulation = not boundary
@@ -334,6 +334,9 @@ class Engine(DeepSpeedMembers, nn.Module):
                 total += storage.nbytes()
             out[kind] = total
         return out
+
+
+DeepSpeedEngine = Engine  # DeepSpeed's name (deepspeed.runtime.engine.DeepSpeedEngine), for isinstance checks
 
 
 def _broadcast_from_rank0(model: nn.Module, world: int) -> None:

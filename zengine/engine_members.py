@@ -22,6 +22,14 @@ class OffloadStateTypeEnum(str, enum.Enum):
     contiguous_grad_buffer = "contiguous_grad_buffer"  # the same buffers as lp_grads here
 
 
+class OffloadDeviceEnum(str, enum.Enum):
+    """Where ``offload_states`` moves them (DeepSpeed's names; zengine offers the CPU)."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
 _KINDS = {"optim_states": "optimizer_states", "hp_params": "master_weights", "lp_params": "parameters",
           "lp_grads": "gradients", "contiguous_grad_buffer": "gradients"}
 
@@ -31,62 +39,79 @@ class DeepSpeedMembers:
 
     # -- config accessors -------------------------------------------------------------------------
     def fp16_enabled(self) -> bool:
+        """Whether the config turns on fp16 mixed precision."""
         return bool(self.config.fp16.enabled)
 
     def bfloat16_enabled(self) -> bool:
+        """Whether the config turns on bf16 mixed precision."""
         return bool(self.config.bf16.enabled)
 
     bf16_enabled = bfloat16_enabled
 
     def gradient_clipping(self) -> float:
+        """The global-norm clipping threshold (0: off)."""
         return float(self.config.gradient_clipping)
 
     def steps_per_print(self) -> int:
+        """Optimizer steps between progress reports."""
         return int(self.config.steps_per_print)
 
     def wall_clock_breakdown(self) -> bool:
+        """Whether forward/backward/step are timed and reported."""
         return bool(self.config.wall_clock_breakdown)
 
     def zero_offload_optimizer(self) -> bool:
+        """Whether optimizer states live on the host (CPU or NVMe)."""
         return self.config.offload_optimizer_enabled
 
     def zero_offload_param(self) -> bool:
+        """Whether stage-3 parameter shards live on the host."""
         return self.config.offload_param_enabled
 
     def zero_reduce_bucket_size(self) -> int:
+        """Elements per gradient bucket."""
         return int(self.config.zero_optimization.reduce_bucket_size)
 
     def zero_allgather_bucket_size(self) -> int:
+        """Elements per parameter all-gather bucket."""
         return int(self.config.zero_optimization.allgather_bucket_size)
 
     def zero_overlap_comm(self) -> bool:
+        """Whether gradient reductions overlap backward."""
         return bool(self.config.zero_optimization.overlap_comm)
 
     def get_data_parallel_world_size(self) -> int:
+        """Ranks sharing the data-parallel work (the world size: no model parallelism)."""
         return self.world_size
 
     def get_data_parallel_rank(self) -> int:
+        """This rank among them."""
         return self.global_rank
 
     @property
     def dp_world_size(self) -> int:
+        """The data-parallel world size."""
         return self.world_size
 
     @property
     def mp_world_size(self) -> int:
+        """The model-parallel world size: 1."""
         return 1  # no model parallelism
 
     def optimizer_name(self) -> Optional[str]:
+        """The config's optimizer type, or None when the script passed its own."""
         return self.config.optimizer.type if self.config.optimizer is not None else None
 
     def scheduler_name(self) -> Optional[str]:
+        """The config's scheduler type, or None."""
         return self.config.scheduler.type if self.config.scheduler is not None else None
 
     # -- accumulation control ---------------------------------------------------------------------
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Say whether the next ``step()`` ends a global batch, overriding the count of micro-steps (for
-        loops whose number of micro-steps varies). Every rank must say the same."""
-        self._boundary_override = bool(is_boundary)
+        """Say whether ``step()`` ends a global batch, overriding the count of micro-steps (for loops whose
+        number of micro-steps varies), until it is called again (``None`` returns to counting), as in
+        DeepSpeed. Every rank must say the same."""
+        self._boundary_override = None if is_boundary is None else bool(is_boundary)
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Change the global batch size by changing the accumulation steps (micro batch and world size
@@ -95,7 +120,7 @@ class DeepSpeedMembers:
         if train_batch_size % per_step != 0:
             raise ValueError(f"set_train_batch_size({train_batch_size}): not a multiple of micro batch "
                              f"{self.train_micro_batch_size_per_gpu()} x world size {self.world_size} = {per_step}")
-        if self._in_accumulation:
+        if self._in_accumulation or self._backward_since_step:
             raise RuntimeError("set_train_batch_size: call it between global batches (after the boundary "
                                "step), not in the middle of gradient accumulation")
         gas = train_batch_size // per_step
@@ -112,6 +137,7 @@ class DeepSpeedMembers:
         return out
 
     def get_pld_theta(self):
+        """Progressive layer drop's theta: None (not a zengine feature)."""
         return None  # no progressive layer drop
 
     # -- moving the model states off the device between phases ----------------------------------
@@ -137,7 +163,9 @@ class DeepSpeedMembers:
                 host.untyped_storage().copy_(storage, non_blocking=non_blocking)
                 moved.append((storage, host))
         if moved and non_blocking:
-            torch.cuda.synchronize()  # the copies must land before the device storage is freed
+            from .accelerator import get_accelerator
+
+            get_accelerator().synchronize()  # the copies must land before the device storage is freed
         for storage, _ in moved:
             storage.resize_(0)
         self._offloaded = moved

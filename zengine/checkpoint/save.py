@@ -156,9 +156,10 @@ def _publish(engine, staging: str, save_dir: str, tag: str, client_state, everyo
             **meta_mod.describe_model(engine.module, holdings.trained_names(engine.optimizer)),
             "optimizer_state_keys": keys, "files": files, "pieces": index}
     meta_mod.write_meta(staging, meta)
-    atomic.publish(staging, save_dir, tag, save_latest)
     # as DeepSpeed does: a script beside the checkpoints that turns one into a single fp32 state_dict
+    # (before publishing: a failure here leaves the previous checkpoint and 'latest' as they were)
     atomic.write_text(save_dir, "zero_to_fp32.py", RECOVERY_SCRIPT, 0o755)
+    atomic.publish(staging, save_dir, tag, save_latest)
 
 
 RECOVERY_SCRIPT = """#!/usr/bin/env python

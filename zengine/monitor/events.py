@@ -6,9 +6,10 @@ Names follow DeepSpeed's monitor (``Train/Samples/train_loss``, ``Train/Samples/
 under the same prefix. The x value of every event is the number of samples trained so far
 (``engine.global_samples``), DeepSpeed's axis for these names.
 
-Only rank 0 writes, and only at the report step: the loss is kept on the device as each
-``backward`` sees it and read back once per report, so monitoring adds no host read to the other
-steps. The loss is rank 0's own (not averaged over ranks, as in DeepSpeed): the mean of the micro
+Only rank 0 writes. The loss, lr and loss scale are events of every optimizer step, as in
+DeepSpeed; the other events are written at each report (``steps_per_print``). The losses stay on the
+device until the report, which reads them back together, so monitoring adds one host read per
+report, none to the other steps. The loss is rank 0's own (not averaged over ranks, as in DeepSpeed): the mean of the micro
 batch losses of the last accumulation window.
 """
 from __future__ import annotations
@@ -53,16 +54,23 @@ class ReportSource(Protocol):
     def get_global_grad_norm(self) -> Optional[float]: ...
 
 
+def step_events(x: int, loss: Optional[float], lr: float, loss_scale: float, fp16: bool) -> List[Event]:
+    """The events of one optimizer step at x = the samples trained after it."""
+    events: List[Event] = [] if loss is None else [(TRAIN_LOSS, loss, x)]
+    events.append((LR, lr, x))
+    if fp16:  # as in DeepSpeed: the scale means something only with fp16
+        events.append((LOSS_SCALE, loss_scale, x))
+    return events
+
+
 def training_events(engine: ReportSource, *, loss: Optional[float], samples_per_sec: Optional[float],
-                    elapsed_ms: Dict[str, float], fp16: bool) -> List[Event]:
-    """The events of one report, all at x = ``engine.global_samples``; an absent value is left out."""
+                    elapsed_ms: Dict[str, float], fp16: bool, with_step_values: bool = True) -> List[Event]:
+    """The events of one report, all at x = ``engine.global_samples``; an absent value is left out.
+    ``with_step_values=False`` leaves out the per-step ones (loss, lr, loss scale)."""
     x = engine.global_samples
     events: List[Event] = []
-    if loss is not None:
-        events.append((TRAIN_LOSS, loss, x))
-    events.append((LR, float(engine.get_lr()[0]), x))
-    if fp16:  # as in DeepSpeed: the scale means something only with fp16
-        events.append((LOSS_SCALE, float(engine.loss_scale), x))
+    if with_step_values:
+        events += step_events(x, loss, float(engine.get_lr()[0]), float(engine.loss_scale), fp16)
     norm = engine.get_global_grad_norm()
     if norm is not None:
         events.append((GRAD_NORM, float(norm), x))
@@ -98,6 +106,8 @@ class StepReport:
         self._loss_sum: Optional[torch.Tensor] = None  # this accumulation window, on the device
         self._loss_count = 0
         self._last_loss: Optional[torch.Tensor] = None  # the last completed window's mean
+        # Steps since the last report: (samples after the step, its loss on the device, lr, loss scale)
+        self._steps: List[tuple] = []
         self._since = (time.perf_counter(), 0)  # (time, global_samples) of the last report
 
     def record_loss(self, loss: torch.Tensor, boundary: bool) -> None:
@@ -114,6 +124,14 @@ class StepReport:
             self._last_loss = self._loss_sum if self._loss_count == 1 else self._loss_sum / self._loss_count
             self._loss_sum, self._loss_count = None, 0
 
+    def record_step(self, engine: ReportSource) -> None:
+        """After a boundary step: keep its loss (on the device), lr and loss scale for the next report."""
+        if not self.monitor.enabled:
+            return
+        self._steps.append((engine.global_samples, self._last_loss, float(engine.get_lr()[0]),
+                            float(engine.loss_scale)))
+        self._last_loss = None
+
     def report(self, engine: ReportSource) -> List[Event]:
         """Log the breakdown line (``wall_clock_breakdown``) and write the events, on rank 0; return them."""
         now = time.perf_counter()
@@ -127,11 +145,21 @@ class StepReport:
         if not self.monitor.enabled:
             return []
         rate = (engine.global_samples - samples) / (now - then) if now > then else None
-        loss = None
-        if self._last_loss is not None:
-            loss = float(self._last_loss.item())  # the one host read monitoring adds, once per report
-            self._last_loss = None
-        events = training_events(engine, loss=loss, samples_per_sec=rate, elapsed_ms=elapsed, fp16=self.fp16)
+        events: List[Event] = []
+        if self._steps:
+            kept = [loss for _, loss, _, _ in self._steps if loss is not None]
+            values = iter(torch.stack(kept).tolist() if kept else [])  # the one host read, once per report
+            for x, loss, lr, scale in self._steps:
+                events += step_events(x, None if loss is None else next(values), lr, scale, self.fp16)
+            self._steps = []
+            events += training_events(engine, loss=None, samples_per_sec=rate, elapsed_ms=elapsed, fp16=self.fp16,
+                                      with_step_values=False)
+        else:  # a report without recorded steps (a caller of report() alone): the values at the report
+            loss = None
+            if self._last_loss is not None:
+                loss = float(self._last_loss.item())
+                self._last_loss = None
+            events = training_events(engine, loss=loss, samples_per_sec=rate, elapsed_ms=elapsed, fp16=self.fp16)
         self.monitor.write_events(events)
         return events
 

@@ -273,7 +273,9 @@ class DeepSpeedCPUAdam(CPUAdam):
 
 class FusedAdam(torch.optim.Adam):
     """DeepSpeed's ``FusedAdam`` (``deepspeed.ops.adam.FusedAdam``): torch's Adam, fused into one kernel
-    where every parameter is on a GPU (torch's ``fused=True``), else its multi-tensor path.
+    where a group's parameters are all on a GPU (torch's ``fused=True``), else its multi-tensor path.
+    Decided at each step from where the parameters are then: scripts build it before the model moves
+    to the GPU, and the engine points it at its own (GPU or host) shards.
     ``adam_w_mode`` selects decoupled weight decay (AdamW). ``bias_correction=False`` and AMSGrad are
     refused by name; ``set_grad_none`` is torch's default already (``zero_grad`` sets None)."""
 
@@ -285,9 +287,12 @@ class FusedAdam(torch.optim.Adam):
         if not bias_correction:
             raise ValueError("FusedAdam(bias_correction=False): torch's Adam always corrects the bias; use "
                              "zengine.ops.CPUAdam(bias_correction=False) for CPU parameters")
-        params = list(params)
-        tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
-        tensors = [t for t in tensors if torch.is_tensor(t)]
-        fused = bool(tensors) and all(t.is_cuda and t.is_floating_point() for t in tensors)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         decoupled_weight_decay=adam_w_mode, fused=fused or None)
+                         decoupled_weight_decay=adam_w_mode)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            on_gpu = bool(group["params"]) and all(p.is_cuda and p.is_floating_point() for p in group["params"])
+            group["fused"], group["foreach"] = (True, False) if on_gpu else (None, None)
+        return super().step(closure)

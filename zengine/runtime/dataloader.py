@@ -6,13 +6,13 @@ from typing import Any, Iterable, Iterator
 
 class RepeatingLoader:
     """Wraps an iterable (a ``DataLoader``) so that ``next()`` never raises ``StopIteration``: at the
-    end it starts a new pass. A ``DistributedSampler`` in the loader gets ``set_epoch`` with the pass
-    number, so every pass is shuffled differently and the same way on every rank."""
+    end it starts a new pass. A ``DistributedSampler`` in the loader gets ``set_epoch`` with the next
+    epoch at each new pass (starting from the epoch the script set, e.g. on resume), so every pass is
+    shuffled differently and the same way on every rank."""
 
     def __init__(self, loader: Iterable):
         self.loader = loader
-        self.epoch = 0
-        self._set_epoch()
+        self.epoch = int(getattr(getattr(loader, "sampler", None), "epoch", 0))
         self.data_iter = iter(self.loader)
 
     def _set_epoch(self) -> None:

@@ -21,8 +21,10 @@ def set_random_seed(seed: int) -> None:
 
 
 def see_memory_usage(message: str, force: bool = False) -> None:
-    """Log the memory this rank uses, with ``message`` (only when ``force``, as in DeepSpeed)."""
-    if not force:
+    """Log the memory rank 0 uses, with ``message`` (only when ``force``, as in DeepSpeed)."""
+    from ..comm import get_rank
+
+    if not force or get_rank() != 0:
         return
     from ..accelerator import get_accelerator
 

@@ -23,11 +23,14 @@ logger = setup_logging()
 
 
 def log_dist(message: str, ranks: Optional[Sequence[int]] = None, level: int = logging.INFO) -> None:
-    """Log ``message`` on the given ranks only (all when ``ranks`` is None or holds -1)."""
+    """Log ``message`` on the ranks listed (every rank when the list starts with -1; none when it is
+    empty or None), as DeepSpeed does; before the process group exists, always (as rank -1)."""
     import torch.distributed as dist
 
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    if ranks is None or -1 in ranks or rank in ranks:
+    started = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if started else -1
+    ranks = list(ranks or [])
+    if not started or (ranks and (ranks[0] == -1 or rank in ranks)):
         logger.log(level, f"[Rank {rank}] {message}")
 
 

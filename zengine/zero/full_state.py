@@ -21,22 +21,26 @@ import torch
 
 from .. import collectives
 
-_optimizers: "weakref.WeakSet" = weakref.WeakSet()
+# id(parameter) -> (the optimizer, weakly; group index, parameter index); entries go with their parameter
+_where: dict[int, tuple] = {}
 
 
 def register(optimizer) -> None:
     """Make ``optimizer``'s parameters reachable by the functions below (``ZeroOptimizer`` calls it)."""
-    _optimizers.add(optimizer)
+    ref = weakref.ref(optimizer)
+    for gi, g in enumerate(optimizer.groups):
+        for pi, p in enumerate(g.params):
+            _where[id(p)] = (ref, gi, pi, weakref.ref(p))
+            weakref.finalize(p, _where.pop, id(p), None)
 
 
 def _locate(param: torch.Tensor):
     """(optimizer, group index, parameter index) of a trainable parameter, or None."""
-    for opt in list(_optimizers):
-        for gi, g in enumerate(opt.groups):
-            for pi, p in enumerate(g.params):
-                if p is param:
-                    return opt, gi, pi
-    return None
+    entry = _where.get(id(param))
+    if entry is None or entry[3]() is not param:
+        return None
+    opt = entry[0]()
+    return None if opt is None else (opt, entry[1], entry[2])
 
 
 def _assemble(opt, gi: int, pi: int, local: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

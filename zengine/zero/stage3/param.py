@@ -15,6 +15,7 @@ in attributes on ``nn.Parameter``.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import weakref
 from typing import Optional
@@ -50,31 +51,37 @@ class ZeroParameter(nn.Parameter):
 
     @property
     def ds_shape(self) -> torch.Size:
+        """The full shape (the parameter itself may show an empty tensor)."""
         return torch.Size(self._sharded().shape)
 
     @property
     def ds_numel(self) -> int:
+        """Elements of the full parameter."""
         return self._sharded().numel
 
     @property
     def ds_status(self) -> ZeroParamStatus:
+        """AVAILABLE when gathered, else NOT_AVAILABLE."""
         gathered = self._sharded().state is ParamState.GATHERED
         return ZeroParamStatus.AVAILABLE if gathered else ZeroParamStatus.NOT_AVAILABLE
 
     @property
     def ds_id(self) -> int:
+        """A number per sharded parameter, in creation order."""
         return self._sharded().index
 
     @property
     def ds_tensor(self) -> Optional[torch.Tensor]:
+        """This rank's shard ([chunk], compute dtype)."""
         return self._sharded().shard
 
     @property
     def ds_persist(self) -> bool:
+        """Whether it stays gathered (below stage3_param_persistence_threshold)."""
         return self._sharded().persistent
 
 
-_next_index = iter(range(1 << 62))  # ds_id: a number per sharded parameter, in creation order
+_next_index = itertools.count()  # ds_id: a number per sharded parameter, in creation order
 
 
 class ShardedParam:
