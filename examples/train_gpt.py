@@ -11,6 +11,7 @@ The training loop is the one a DeepSpeed script has: ``loss = engine(x, y)``,
 from __future__ import annotations
 
 import argparse
+import itertools
 import hjson  # DeepSpeed-style config files may hold comments and trailing commas
 import sys
 import time
@@ -34,6 +35,10 @@ def parse_args() -> argparse.Namespace:
                         help="override the config's peak learning rate (optimizer lr and the scheduler's "
                              "warmup_max_lr); the default run uses the config file as it is")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the model's initial weights")
+    parser.add_argument("--save_dir", default=None,
+                        help="checkpoint here every --save_every steps and at the end; a run started again "
+                             "(or restarted by `zengine --max_restarts`) resumes from the latest one")
+    parser.add_argument("--save_every", type=int, default=0, help="optimizer steps between checkpoints")
     zengine.add_config_arguments(parser)
     args = parser.parse_args()
     if not (args.deepspeed_config or args.zengine_config):
@@ -42,12 +47,17 @@ def parse_args() -> argparse.Namespace:
 
 
 def load_config(args: argparse.Namespace):
-    """The config path as given, or its contents with the peak learning rate replaced by ``--lr``."""
+    """The config path as given, or its contents with the peak learning rate replaced by ``--lr`` and
+    ``auto_resume`` pointed at ``--save_dir``."""
     path = args.zengine_config or args.deepspeed_config
-    if args.lr is None:
+    if args.lr is None and args.save_dir is None:
         return path
     with open(path) as f:
         config = dict(hjson.load(f))
+    if args.save_dir is not None:
+        config["auto_resume"] = args.save_dir  # initialize loads the latest checkpoint there, if any
+    if args.lr is None:
+        return config
     config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
     scheduler_params = config.get("scheduler", {}).get("params", {})
     for key in ("warmup_max_lr", "cycle_max_lr"):
@@ -105,10 +115,12 @@ def main() -> None:
     # Summed on the device: no host read per step, only when progress is printed.
     loss_sum, loss_count, first_loss, last_loss = torch.zeros((), device=engine.device), 0, None, None
     start = last_time = time.perf_counter()
-    step = last_step = epoch = 0
+    # The data position follows the micro-step count, so a resumed run sees the batches it would have.
+    epoch, skip = divmod(engine.micro_steps, len(loader))
+    step = last_step = engine.global_steps
     while engine.global_steps < args.steps:
         loader.sampler.set_epoch(epoch)
-        for x, y in loader:
+        for x, y in itertools.islice(loader, skip, None):
             x, y = x.to(engine.device), y.to(engine.device)
             loss = engine(x, y)
             engine.backward(loss)
@@ -130,14 +142,17 @@ def main() -> None:
                           f"| {format_memory(memory)}", flush=True)
                 loss_sum.zero_()
                 loss_count, last_step, last_time = 0, step, time.perf_counter()
+            if args.save_dir and ((args.save_every and step % args.save_every == 0) or step == args.steps):
+                engine.save_checkpoint(args.save_dir)
             if step >= args.steps:
                 break
-        epoch += 1
+        epoch, skip = epoch + 1, 0
 
     memory = gather_memory(engine)
     if rank == 0:
         elapsed = time.perf_counter() - start
-        print(f"done: {engine.global_steps} steps in {elapsed:.1f} s; loss {first_loss:.3f} -> {last_loss:.3f}")
+        losses = f"; loss {first_loss:.3f} -> {last_loss:.3f}" if first_loss is not None else ""
+        print(f"done: {engine.global_steps} steps in {elapsed:.1f} s{losses}")
         print("model-state bytes by rank: " + "; ".join(
             f"r{r} " + ", ".join(f"{k} {v / MB:.2f} MB" for k, v in m.items() if k not in ("rss", "gpu_peak"))
             for r, m in enumerate(memory)), flush=True)

@@ -7,10 +7,10 @@ because it ran fewer steps. So that every rank can say which, each rank leaves a
 in the process group's key-value store (the one the ranks met through; it outlives any
 collective):
 
-    zengine/rank/<r> = {"state": "failed", "where": <collective>, "global_steps", "micro_steps"}
+    zengine/<attempt>/rank/<r> = {"state": "failed", "where": <collective>, "global_steps", "micro_steps"}
                      | {"state": "exited", "global_steps", "micro_steps"}      (a clean end)
 
-A rank that leaves a record also bumps a counter, ``zengine/departed``; a rank waiting in a
+A rank that leaves a record also bumps a counter, ``zengine/<attempt>/departed``; a rank waiting in a
 collective on gloo looks at it once per second of waiting (``collectives.Pending.wait``), so that a
 peer that finished early, or failed elsewhere, ends the wait at once instead of at the timeout.
 A rank whose collective fails writes its record, reads the others' for a few seconds, and
@@ -26,6 +26,7 @@ Nothing here runs on the training path: only when a collective has already faile
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
@@ -36,8 +37,11 @@ import torch.distributed as dist
 # fail within moments of each other; a rank still missing after this is named as such.
 GRACE_SECONDS = 5.0
 LINGER_SECONDS = 1.0
-_KEY = "zengine/rank/{}"
-_DEPARTED = "zengine/departed"
+# Keys carry the elastic restart attempt: torch's elastic agent may keep one store across restarts,
+# and a restarted rank must not read the records the killed attempt left (e.g. "rank 0 failed").
+_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+_KEY = "zengine/" + _ATTEMPT + "/rank/{}"
+_DEPARTED = "zengine/" + _ATTEMPT + "/departed"
 
 # Markers of a communication failure in the backends' messages (as opposed to a program error
 # raised while calling a collective, such as a wrong device).

@@ -109,6 +109,20 @@ def _free_port() -> int:
 DEFAULT_PORT = 29500  # DeepSpeed's default distributed_port
 
 
+def _attempt_store(timeout: Optional[timedelta]):
+    """The store the ranks meet through, seen under a prefix of the elastic restart attempt.
+
+    torch's elastic agent keeps one store across restarts (static and c10d rendezvous alike here), so
+    the ranks of a restart would otherwise read the addresses the killed attempt's ranks published and
+    fail to connect to them ("Gloo connectFullMesh failed ... Connection refused") or wait forever.
+    """
+    from torch.distributed.rendezvous import _create_c10d_store
+
+    store = _create_c10d_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
+                               int(os.environ["WORLD_SIZE"]), timeout or timedelta(minutes=30))
+    return dist.PrefixStore(f"zengine/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
                      distributed_port: int = DEFAULT_PORT, verbose: bool = True, timeout: Optional[timedelta] = None,
                      init_method: Optional[str] = None, dist_init_required: Optional[bool] = None, config=None,
@@ -154,5 +168,8 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     kwargs = {"timeout": timeout} if timeout is not None else {}
     if init_method is not None:  # tcp:// and file:// need rank and world size given
         kwargs.update(init_method=init_method, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    elif "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        kwargs.update(store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
+                      world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend=backend, **kwargs)
     created_process_group()  # and so destroyed at exit (shutdown.py)

@@ -96,6 +96,11 @@ class Engine(DeepSpeedMembers, nn.Module):
         shutdown.track(self)  # destroy() runs at exit if the script does not call it
         me = weakref.ref(self)  # a failed collective reports these counters (diagnose.py)
         diagnose.track_progress(lambda: (me().global_steps, me().micro_steps) if me() is not None else (0, 0))
+        if config.auto_resume:  # what DeepSpeed users write by hand at the top of their loop
+            path, _ = self.load_checkpoint(config.auto_resume, missing_ok=True)
+            if placement.rank == 0:
+                logger.info("zengine: auto_resume: %s", f"resumed from {path} at step {self.global_steps}" if path
+                            else f"no checkpoint in {config.auto_resume}; starting fresh")
 
     # -- placement and config accessors ---------------------------------------------------------
     @property

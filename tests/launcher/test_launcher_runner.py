@@ -175,11 +175,16 @@ def test_worker_env():
 def test_local_torchrun_argv():
     args = parse("--num_procs", "2", "--master_port", "1234", "--max_restarts", "3", "train.py", "a", "--b")
     plan = plan_launch(args, None, 1, False)
+    # with restarts: the c10d rendezvous (a fresh store per round), no node rank (c10d numbers nodes)
     assert torchrun_argv(plan, plan.nodes[0], args) == [
-        "--nnodes", "1", "--node_rank", "0", "--nproc_per_node", "2",
-        "--rdzv_backend", "static", "--master_addr", "127.0.0.1", "--master_port", "1234",
+        "--nnodes", "1", "--nproc_per_node", "2",
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:1234", "--rdzv_id", "zengine-1234",
         "--max_restarts", "3", "-m", "zengine.launcher.entry", "train.py", "a", "--b",
     ]
+    args = parse("--num_procs", "2", "--master_port", "1234", "train.py")
+    assert torchrun_argv(plan, plan.nodes[0], args)[:10] == [
+        "--nnodes", "1", "--node_rank", "0", "--nproc_per_node", "2",
+        "--rdzv_backend", "static", "--master_addr", "127.0.0.1"]
 
 
 def test_exported_env_and_env_files(tmp_path):

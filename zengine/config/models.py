@@ -470,6 +470,9 @@ class ZengineConfig(_Section):
     gradient_clipping: Number = Field(0.0, ge=0, description="Clip the global gradient norm to this; 0 "
                                                              "disables clipping.")
     steps_per_print: Count = Field(10, description="Log progress every this many optimizer steps.")
+    auto_resume: Optional[str] = Field(None, description=(
+        "zengine only: a save_dir of engine.save_checkpoint; initialize loads its latest checkpoint when "
+        "there is one (a restarted or resubmitted job continues where it was), and starts fresh when not."))
     comm_timeout: Number = Field(300.0, gt=0, description=(
         "zengine only: seconds a collective operation of the process group may wait for the other ranks "
         "before it fails, so a rank that died or diverged ends the run with an error instead of a hang."))

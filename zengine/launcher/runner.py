@@ -262,15 +262,28 @@ def _plan_this_machine(
     )
 
 
+def rendezvous_argv(plan: LaunchPlan, node: NodePlan, args: argparse.Namespace) -> list[str]:
+    """How the ranks meet. Without restarts: torch's static rendezvous at the master (node ranks as
+    given). With ``--max_restarts``: the c10d rendezvous, whose every round (every restart) gets a
+    fresh store; the static one keeps one store across restarts, so restarted ranks read the dead
+    ranks' addresses from it and fail to connect ("Gloo connectFullMesh failed ... Connection
+    refused") or wait forever."""
+    if args.max_restarts > 0:
+        run_id = os.environ.get("ZENGINE_RUN_ID", f"zengine-{plan.master_port}")  # the same on every node
+        return ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{plan.master_addr}:{plan.master_port}",
+                "--rdzv_id", run_id]
+    return ["--rdzv_backend", "static", "--master_addr", plan.master_addr, "--master_port", str(plan.master_port)]
+
+
 def torchrun_argv(plan: LaunchPlan, node: NodePlan, args: argparse.Namespace) -> list[str]:
     """Arguments for ``torch.distributed.run`` on ``node``; each rank runs the entry shim."""
+    # c10d numbers the nodes as they join; the static rendezvous takes the node rank given
+    node_rank = [] if args.max_restarts > 0 else ["--node_rank", str(node.node_rank)]
     return [
         "--nnodes", str(plan.num_nodes),
-        "--node_rank", str(node.node_rank),
+        *node_rank,
         "--nproc_per_node", str(node.nproc),
-        "--rdzv_backend", "static",
-        "--master_addr", plan.master_addr,
-        "--master_port", str(plan.master_port),
+        *rendezvous_argv(plan, node, args),
         "--max_restarts", str(args.max_restarts),
         "-m", ENTRY_MODULE,
         args.user_script,
