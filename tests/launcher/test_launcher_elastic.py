@@ -72,3 +72,30 @@ def test_restarts_use_the_c10d_rendezvous():
     args = build_parser().parse_args(["--num_procs", "2", "x.py"])
     plan = plan_launch(args, None, 2, False)
     assert "static" in torchrun_argv(plan, plan.nodes[0], args)
+
+
+def test_two_launchers_as_two_nodes_train_like_one_four_rank_launch(tmp_path):
+    """Per-node launch as DeepSpeed users write it (``--num_nodes 2 --node_rank i``), two launcher
+    processes on this machine, ends with the parameters of one 4-rank launch, bit for bit."""
+    from harness import free_port
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [REPO, env.get("PYTHONPATH")] if p)
+    env.pop("OMP_NUM_THREADS", None)
+    job = [os.path.join(REPO, "examples", "train_gpt.py"), "--deepspeed_config",
+           os.path.join(REPO, "configs", "zero2.json"), "--steps", "4", "--print_every", "4"]
+    launcher = [sys.executable, "-m", "zengine.launcher.runner"]
+    one = subprocess.run([*launcher, "--master_port", str(free_port()), "--num_procs", "4", *job,
+                          "--save_dir", str(tmp_path / "one")], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    port = str(free_port())
+    nodes = [subprocess.Popen([*launcher, "--num_nodes", "2", "--node_rank", str(i), "--num_procs", "2",
+                               "--master_addr", "127.0.0.1", "--master_port", port, *job,
+                               "--save_dir", str(tmp_path / "two")], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in nodes]
+    assert all(p.returncode == 0 for p in nodes), [o[1][-2000:] for o in outs]
+    a = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "one"))
+    b = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "two"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
