@@ -115,8 +115,10 @@ def main() -> None:
     # Summed on the device: no host read per step, only when progress is printed.
     loss_sum, loss_count, first_loss, last_loss = torch.zeros((), device=engine.device), 0, None, None
     start = last_time = time.perf_counter()
-    # The data position follows the micro-step count, so a resumed run sees the batches it would have.
-    epoch, skip = divmod(engine.micro_steps, len(loader))
+    # The data position follows the optimizer step, so a resumed run sees the batches it would have, at
+    # any world size: every rank's loader walks the same shuffled order, rank r taking every W-th sample,
+    # so global batch s is the same samples at W=4 (accumulation 1) as at W=2 (accumulation 2).
+    epoch, skip = divmod(engine.global_steps * engine.gradient_accumulation_steps(), len(loader))
     step = last_step = engine.global_steps
     while engine.global_steps < args.steps:
         loader.sampler.set_epoch(epoch)
