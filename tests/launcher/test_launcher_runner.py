@@ -17,6 +17,7 @@ from zengine.launcher.runner import (
     exported_env,
     main,
     plan_launch,
+    pdsh_command,
     read_env_file,
     ssh_command,
     torchrun_argv,
@@ -222,6 +223,25 @@ def test_ssh_commands():
     assert words[words.index("zengine.launcher.entry") + 1:] == ["train.py", "--name", "two words"]
     assert "CUDA_VISIBLE_DEVICES=0,1" not in words  # slots 0..n-1 need no narrowing
     assert words[words.index("--node_rank") + 1] == "0"
+
+
+def test_pdsh_command():
+    """One pdsh for every host; pdsh writes each host's index where the command says %n."""
+    args = parse("--launcher", "pdsh", "--include", "worker-0:0,1@worker-1:0,1", "--master_port", "6000",
+                 "--ssh_port", "2222", "train.py", "--name", "two words")
+    plan = plan_launch(args, HOSTS, 0, False)
+    command = pdsh_command(plan, args, {"NCCL_DEBUG": "INFO"}, "/data/my job", "/usr/bin/python3")
+    assert command[:9] == ["env", "PDSH_RCMD_TYPE=ssh", "PDSH_SSH_ARGS_APPEND=-p 2222", "pdsh", "-S", "-f",
+                           "1024", "-w", "worker-0,worker-1"]
+    assert command[9] == (
+        "cd '/data/my job' && env NCCL_DEBUG=INFO /usr/bin/python3 -u -m torch.distributed.run "
+        "--nnodes 2 --node_rank %n --nproc_per_node 2 --rdzv_backend static "
+        "--master_addr worker-0 --master_port 6000 --max_restarts 0 "
+        "-m zengine.launcher.entry train.py --name 'two words'"
+    )
+    uneven = parse("--launcher", "pdsh", "--include", "worker-0:0,1@worker-1:2,3", "train.py")
+    with pytest.raises(LaunchError, match="different slots"):
+        pdsh_command(plan_launch(uneven, HOSTS, 0, False), uneven, {}, "/", "python")
 
 
 # --- main: errors before anything starts ------------------------------------------------

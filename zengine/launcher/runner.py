@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -147,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Treat the script as a Python module name, as 'python -m' does.",
     )
     p.add_argument("--ssh_port", type=int, default=None, help="Port for ssh to remote hosts.")
+    p.add_argument(
+        "--launcher", choices=("ssh", "pdsh"), default="ssh",
+        help="How a hostfile job reaches the other hosts: one ssh per host, or one pdsh for all of them "
+        "(DeepSpeed's default; every host must use the same slots).",
+    )
     p.add_argument("user_script", help="The training script (or module, with --module).")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="Arguments for the script, untouched.")
     return p
@@ -379,6 +385,36 @@ def ssh_command(
     return ["ssh", *port, node.host, remote]
 
 
+def pdsh_command(
+    plan: LaunchPlan,
+    args: argparse.Namespace,
+    exports: Mapping[str, str],
+    cwd: str,
+    python: str,
+) -> list[str]:
+    """One ``pdsh`` argv that starts torchrun on every host; pdsh puts each host's index in the host
+    list where the command says ``%n`` (its ``--node_rank``), as DeepSpeed's pdsh runner does."""
+    if len({n.slots for n in plan.nodes}) > 1:
+        raise LaunchError("--launcher pdsh runs one command on every host, but the hosts use different slots "
+                          f"({', '.join(f'{n.host}: {list(n.slots)}' for n in plan.nodes)}); use --launcher ssh")
+    first = plan.nodes[0]
+    devices = [str(i) for i in range(max(first.slots) + 1)]
+    env = {**exports, **worker_env(first, args, devices)}
+    torchrun = torchrun_argv(plan, first, args)
+    torchrun[torchrun.index("--node_rank") + 1] = "%n"
+    remote = " ".join(
+        [
+            "cd", shlex.quote(cwd), "&&",
+            "env", *(shlex.quote(f"{key}={value}") for key, value in env.items()),
+            shlex.quote(python), "-u", "-m", "torch.distributed.run",
+            *(a if a == "%n" else shlex.quote(a) for a in torchrun),
+        ]
+    )
+    ssh_args = [f"PDSH_SSH_ARGS_APPEND=-p {args.ssh_port}"] if args.ssh_port is not None else []
+    return ["env", "PDSH_RCMD_TYPE=ssh", *ssh_args, "pdsh", "-S", "-f", "1024",
+            "-w", ",".join(n.host for n in plan.nodes), remote]
+
+
 def _ssh_destination(host: str) -> str | None:
     """The name ssh connects to for ``host`` (an ssh config alias becomes its HostName), read with
     ``ssh -G``, which only prints the configuration; None when ssh goes through a ProxyJump or
@@ -517,7 +553,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_hosts_resolve([n.host for n in plan.nodes], hosts, resolve_for_ssh)
             cwd = os.getcwd()
             exports = exported_env(os.environ, default_env_files(cwd))
-            commands = [ssh_command(plan, n, args, exports, cwd, sys.executable) for n in plan.nodes]
+            if args.launcher == "pdsh":
+                if shutil.which("pdsh") is None:
+                    raise LaunchError("--launcher pdsh: the pdsh command is not installed here; install it "
+                                      "(e.g. apt install pdsh) or use --launcher ssh")
+                commands = [pdsh_command(plan, args, exports, cwd, sys.executable)]
+            else:
+                commands = [ssh_command(plan, n, args, exports, cwd, sys.executable) for n in plan.nodes]
         else:
             visible = _visible_devices(gpu_count)
             if plan.nodes[0].node_rank == 0:
