@@ -42,23 +42,13 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_memory import read_status, reset_peak  # noqa: E402  (VmRSS/VmHWM and their reset)
 
 VARIANTS = ("none", "checkpoint", "checkpoint+cpu")
 MB = 1e6
 M_MMAP_THRESHOLD = -3
-
-
-def read_status() -> tuple[int, int]:
-    """(VmRSS, VmHWM) of this process, in bytes."""
-    with open("/proc/self/status") as f:
-        fields = dict(line.split(":", 1) for line in f if ":" in line)
-    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
-
-
-def reset_peak() -> None:
-    """Reset VmHWM to the current resident set."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 class Checkpointed(nn.Module):

@@ -67,11 +67,11 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Deque, Dict, Iterator, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
 from pydantic import ValidationError
 from torch.overrides import _get_current_function_mode_stack  # what torch's checkpoint reads too
 
+from .comm import get_rank
 from .config.models import ActivationCheckpointingConfig
 
 logger = logging.getLogger("zengine")
@@ -154,7 +154,7 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: Op
                          "needs num_checkpoints (number_checkpoints), as in DeepSpeed")
     _settings = _Settings.of(section)
     _configured = True
-    if _rank() == 0:
+    if get_rank() == 0:
         logger.info("activation checkpointing configured: %s", _describe(_settings))
 
 
@@ -167,7 +167,7 @@ def configure_from_config(section: ActivationCheckpointingConfig) -> None:
     """
     global _settings
     if _configured:
-        if _Settings.of(section) != _settings and _rank() == 0:
+        if _Settings.of(section) != _settings and get_rank() == 0:
             logger.info("activation checkpointing: keeping the settings of checkpointing.configure() (%s) over "
                         "the config's activation_checkpointing section", _describe(_settings))
         return
@@ -217,10 +217,6 @@ def _section_of(config: Any) -> ActivationCheckpointingConfig:
         raise ConfigError(f"invalid activation_checkpointing section in {source}:\n"
                           + "\n".join(f"  {line}" for line in describe_errors(error))) from None
     return loaded.activation_checkpointing
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 # -- checkpoint -------------------------------------------------------------------------------------
@@ -458,6 +454,6 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
     _TRACKER.reset()
     torch.manual_seed(seed)
     _TRACKER.add(_MODEL_PARALLEL_RNG, seed + 2718)
-    if _rank() == 0:
+    if get_rank() == 0:
         logger.info("model_parallel_cuda_manual_seed: default stream seed %d, %r stream seed %d (model-parallel "
                     "rank 0 of 1)", seed, _MODEL_PARALLEL_RNG, seed + 2718)

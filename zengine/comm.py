@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as _dist
 
+from .distributed import _LAUNCHER_ENV
 from .distributed import init_distributed as _init_distributed
 
 ReduceOp = _dist.ReduceOp  # DeepSpeed's enum mirrors torch's members (SUM, AVG, MAX, ...): use torch's directly
@@ -62,7 +63,8 @@ def get_world_size(group=None) -> int:
 
 def get_local_rank() -> int:
     """This process's rank on its node (``LOCAL_RANK``; OpenMPI's and SLURM's names too)."""
-    for name in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"):
+    names = ["LOCAL_RANK"] + [src for src, dst in _LAUNCHER_ENV.items() if dst == "LOCAL_RANK"]
+    for name in names:
         if name in os.environ:
             return int(os.environ[name])
     return 0

@@ -240,7 +240,7 @@ class Engine(DeepSpeedMembers, nn.Module):
             return
         self._destroyed = True
         self.optimizer.close()
-        self.monitor.close()
+        self._step_report.close()  # the monitor's files and writers
 
     def _check_alive(self, what: str) -> None:
         if self._destroyed:

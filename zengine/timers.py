@@ -132,11 +132,6 @@ class Timers:
         """Milliseconds of each named timer that has been used, in the order of ``names``."""
         return {name: self._timers[name].elapsed(reset) for name in names if name in self._timers}
 
-    def reset(self) -> None:
-        """Forget every total (running intervals go on)."""
-        for timer in self._timers.values():
-            timer.elapsed(reset=True)
-
 
 def format_breakdown(elapsed_ms: Mapping[str, float]) -> str:
     """The breakdown line in DeepSpeed's layout: ``time (ms) | fwd: 12.31 | bwd: 20.05 | step: 3.40``."""

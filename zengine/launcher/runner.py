@@ -361,6 +361,26 @@ def default_env_files(cwd: str) -> list[str]:
     return seen
 
 
+def _remote_torchrun(plan: LaunchPlan, node: NodePlan, args: argparse.Namespace, exports: Mapping[str, str],
+                     cwd: str, python: str, node_rank: str | None = None) -> str:
+    """The shell line that starts ``node``'s torchrun on its host (``node_rank``: a stand-in for the
+    node rank, such as pdsh's ``%n``)."""
+    # On a remote host, hostfile slots are that host's device indices.
+    devices = [str(i) for i in range(max(node.slots) + 1)]
+    env = {**exports, **worker_env(node, args, devices)}
+    torchrun = torchrun_argv(plan, node, args)
+    if node_rank is not None:
+        torchrun[torchrun.index("--node_rank") + 1] = node_rank
+    return " ".join(
+        [
+            "cd", shlex.quote(cwd), "&&",
+            "env", *(shlex.quote(f"{key}={value}") for key, value in env.items()),
+            shlex.quote(python), "-u", "-m", "torch.distributed.run",
+            *(shlex.quote(a) for a in torchrun),  # quote() leaves %n as it is
+        ]
+    )
+
+
 def ssh_command(
     plan: LaunchPlan,
     node: NodePlan,
@@ -370,19 +390,8 @@ def ssh_command(
     python: str,
 ) -> list[str]:
     """The ``ssh`` argv that starts ``node``'s torchrun on its host."""
-    # On a remote host, hostfile slots are that host's device indices.
-    devices = [str(i) for i in range(max(node.slots) + 1)]
-    env = {**exports, **worker_env(node, args, devices)}
-    remote = " ".join(
-        [
-            "cd", shlex.quote(cwd), "&&",
-            "env", *(shlex.quote(f"{key}={value}") for key, value in env.items()),
-            shlex.quote(python), "-u", "-m", "torch.distributed.run",
-            *(shlex.quote(a) for a in torchrun_argv(plan, node, args)),
-        ]
-    )
     port = ["-p", str(args.ssh_port)] if args.ssh_port is not None else []
-    return ["ssh", *port, node.host, remote]
+    return ["ssh", *port, node.host, _remote_torchrun(plan, node, args, exports, cwd, python)]
 
 
 def pdsh_command(
@@ -397,19 +406,7 @@ def pdsh_command(
     if len({n.slots for n in plan.nodes}) > 1:
         raise LaunchError("--launcher pdsh runs one command on every host, but the hosts use different slots "
                           f"({', '.join(f'{n.host}: {list(n.slots)}' for n in plan.nodes)}); use --launcher ssh")
-    first = plan.nodes[0]
-    devices = [str(i) for i in range(max(first.slots) + 1)]
-    env = {**exports, **worker_env(first, args, devices)}
-    torchrun = torchrun_argv(plan, first, args)
-    torchrun[torchrun.index("--node_rank") + 1] = "%n"
-    remote = " ".join(
-        [
-            "cd", shlex.quote(cwd), "&&",
-            "env", *(shlex.quote(f"{key}={value}") for key, value in env.items()),
-            shlex.quote(python), "-u", "-m", "torch.distributed.run",
-            *(a if a == "%n" else shlex.quote(a) for a in torchrun),
-        ]
-    )
+    remote = _remote_torchrun(plan, plan.nodes[0], args, exports, cwd, python, node_rank="%n")
     ssh_args = [f"PDSH_SSH_ARGS_APPEND=-p {args.ssh_port}"] if args.ssh_port is not None else []
     return ["env", "PDSH_RCMD_TYPE=ssh", *ssh_args, "pdsh", "-S", "-f", "1024",
             "-w", ",".join(n.host for n in plan.nodes), remote]

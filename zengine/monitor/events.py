@@ -145,21 +145,16 @@ class StepReport:
         if not self.monitor.enabled:
             return []
         rate = (engine.global_samples - samples) / (now - then) if now > then else None
+        if not self._steps:  # report() called on its own: the values at the report are its one step
+            self.record_step(engine)
+        kept = [loss for _, loss, _, _ in self._steps if loss is not None]
+        values = iter(torch.stack(kept).tolist() if kept else [])  # the one host read, once per report
         events: List[Event] = []
-        if self._steps:
-            kept = [loss for _, loss, _, _ in self._steps if loss is not None]
-            values = iter(torch.stack(kept).tolist() if kept else [])  # the one host read, once per report
-            for x, loss, lr, scale in self._steps:
-                events += step_events(x, None if loss is None else next(values), lr, scale, self.fp16)
-            self._steps = []
-            events += training_events(engine, loss=None, samples_per_sec=rate, elapsed_ms=elapsed, fp16=self.fp16,
-                                      with_step_values=False)
-        else:  # a report without recorded steps (a caller of report() alone): the values at the report
-            loss = None
-            if self._last_loss is not None:
-                loss = float(self._last_loss.item())
-                self._last_loss = None
-            events = training_events(engine, loss=loss, samples_per_sec=rate, elapsed_ms=elapsed, fp16=self.fp16)
+        for x, loss, lr, scale in self._steps:
+            events += step_events(x, None if loss is None else next(values), lr, scale, self.fp16)
+        self._steps = []
+        events += training_events(engine, loss=None, samples_per_sec=rate, elapsed_ms=elapsed, fp16=self.fp16,
+                                  with_step_values=False)
         self.monitor.write_events(events)
         return events
 

@@ -14,6 +14,7 @@ Which optimizer owns a parameter is looked up in a table of live optimizers
 """
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Optional
 
@@ -47,10 +48,7 @@ def _assemble(opt, gi: int, pi: int, local: torch.Tensor, scale: float = 1.0) ->
     """The full fp32 tensor of parameter pi from this rank's pieces of ``local`` (a master-shaped tensor)."""
     g = opt.groups[gi]
     shape = g.param_shape(pi)
-    numel = 1
-    for n in shape:
-        numel *= n
-    out = torch.zeros(numel, dtype=torch.float32, device=opt.device)  # [numel] fp32 on the compute device
+    out = torch.zeros(math.prod(shape), dtype=torch.float32, device=opt.device)  # [numel] fp32 on the compute device
     for lo, hi, start in g.param_pieces(pi):
         out[start:start + hi - lo].copy_(local[lo:hi])
     if not g.replicated and opt.world > 1:
