@@ -15,10 +15,11 @@ trained through ``zengine.initialize`` (ZeRO stage 2, one gloo rank, one thread,
 
 How a variant measures (Linux only), each in a fresh process: glibc returns freed blocks above
 64 KiB to the system (``mallopt(M_MMAP_THRESHOLD, 65536)``), so resident memory follows live
-memory; one warm-up step runs; then for each of ``--steps`` steps, VmRSS is read before the
-forward, the high-water mark VmHWM is reset (writing "5" to /proc/self/clear_refs), and after the
-forward VmRSS is read again (*held after forward*: the activations kept for backward, and the
-logits) and after backward VmHWM (*peak in forward+backward*: everything above the start,
+memory; one warm-up step runs; then for each of ``--steps`` steps, the process's own memory
+(RssAnon, as bench_memory reads it) is read before the forward, the high-water mark is reset
+(writing "5" to /proc/self/clear_refs), and after the forward own memory is read again (*held after
+forward*: the activations kept for backward, and the logits) and after backward the high-water mark
+less the shared library pages (*peak in forward+backward*: everything above the start,
 gradients included, the same in every variant). The worst step is reported, with the median
 step time. The table goes to stdout and to ``benchmarks/results/activation_<date>.md``.
 """
@@ -44,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_memory import read_status, reset_peak  # noqa: E402  (VmRSS/VmHWM and their reset)
+from bench_memory import read_status, reset_peak  # noqa: E402  (own memory, its peak, and the reset)
 
 VARIANTS = ("none", "checkpoint", "checkpoint+cpu")
 MB = 1e6
@@ -161,8 +162,9 @@ def report(args: argparse.Namespace, results: dict, seconds: float) -> str:
         f"1 thread; AdamW; {args.steps} measured steps after one warm-up step, each variant in a fresh process. "
         f"One block's input is batch x seq x d_model x 4 B = {block_input / MB:.2f} MB.",
         "",
-        "held after forward: VmRSS after the forward minus before it (what autograd keeps for backward, "
-        "and the logits). peak fwd+bwd: VmHWM during forward and backward minus VmRSS before the forward "
+        "held after forward: own memory (RssAnon) after the forward minus before it (what autograd keeps for backward, "
+        "and the logits). peak fwd+bwd: the high-water mark (VmHWM less shared library pages) during forward "
+        "and backward minus own memory before the forward "
         "(gradients included, the same in every variant). Worst of the measured steps; step time: median "
         "(forward, backward, step). via host hooks: tensors saved through the cpu_checkpointing hooks per run "
         "(bytes copied off a device; 0 here, as the CPU is the device).",

@@ -29,10 +29,13 @@ Every contender runs at every world size (``--worlds``; ``--quick``: 2 only) in 
 How a rank measures (Linux only): at process start glibc is told to return freed blocks above 64 KiB
 to the system (``mallopt(M_MMAP_THRESHOLD, 65536)``), so that resident memory follows live memory; the
 process group is started and one tiny fused AdamW step runs, so that torch's lazy imports (~70 MB) are
-done; then the baseline is VmRSS of /proc/self/status, and the high-water mark VmHWM is reset by
-writing "5" to /proc/self/clear_refs. After each phase (build the model, initialize, and per step
-forward, backward, step) the rank reads (VmRSS − baseline, VmHWM − baseline) in units, then resets the
-high-water mark, so each phase's peak is its own. The table gives the worst rank's values.
+done; then the high-water mark VmHWM is reset by writing "5" to /proc/self/clear_refs and the
+baseline is the rank's own memory, RssAnon of /proc/self/status (the file-backed library pages that
+first use maps are shared by all ranks and vary with the page cache, so they are not counted; the
+peak's bound is VmHWM less the shared pages mapped at the reset). After each phase (build the model,
+initialize, and per step forward, backward, step) the rank reads (own − baseline, peak − baseline) in
+units, then resets the high-water mark, so each phase's peak is its own. The table gives the worst
+rank's values.
 The table goes to stdout and to ``benchmarks/results/memory_<date>.md``.
 """
 from __future__ import annotations
@@ -82,17 +85,33 @@ M_MMAP_THRESHOLD = -3
 
 
 # -- the measurement ------------------------------------------------------------------------------
-def read_status() -> tuple[int, int]:
-    """(VmRSS, VmHWM) of this process, in bytes."""
+_shared_at_reset = 0  # bytes of shared (file-backed, shm) pages mapped at the last reset_peak()
+
+
+def _status() -> dict[str, int]:
     with open("/proc/self/status") as f:
-        fields = dict(line.split(":", 1) for line in f if ":" in line)
-    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f if ":" in line)
+                if v.strip().endswith("kB")}
+
+
+def read_status() -> tuple[int, int]:
+    """(own memory now, upper bound of its peak since the last reset_peak()) of this process, in bytes.
+
+    Own memory is the anonymous part of the resident set (tensors, Python objects). The library pages
+    that first use faults in are file-backed, shared by every rank and the page cache, and vary with
+    the page cache's state, so they are left out; the peak's bound is VmHWM less the shared pages
+    mapped at the reset (they only grow while a phase runs)."""
+    status = _status()
+    return status["RssAnon"], status["VmHWM"] - _shared_at_reset
 
 
 def reset_peak() -> None:
-    """Reset VmHWM to the current resident set."""
+    """Reset VmHWM to the current resident set and note the shared part of it."""
+    global _shared_at_reset
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+    status = _status()
+    _shared_at_reset = status["RssFile"] + status["RssShmem"]
 
 
 class Recorder:
@@ -100,9 +119,9 @@ class Recorder:
 
     def __init__(self, unit: int):
         self.unit = unit
-        self.base, _ = read_status()
-        self.phases: list[tuple[str, float, float]] = []  # (phase, resident after it, peak during it)
         reset_peak()
+        self.base, _ = read_status()
+        self.phases: list[tuple[str, float, float]] = []  # (phase, own memory after it, peak during it)
 
     def __call__(self, phase: str) -> None:
         rss, peak = read_status()
@@ -359,7 +378,7 @@ def summarize(runs: dict[tuple[str, int], list[dict]], args: argparse.Namespace,
         "stage 0 and DDP 4, stage 1 2+2/W, stage 2 1+3/W, stage 3 4/W; with the CPU as the device, CPU "
         "offload changes nothing). counted: the model-state tensors the contender holds between the last "
         "backward and step (zengine: sum(engine.memory_breakdown().values()); DDP: parameters, gradients and "
-        "AdamW states). after steps: VmRSS after the last step. peak: VmHWM over the whole run; build ... step: "
+        "AdamW states). after steps: own memory (RssAnon) after the last step. peak: its high-water mark over the whole run (VmHWM less the shared library pages); build ... step: "
         "the peak during that kind of phase (forward, backward, step: the highest of the steps). "
         "peak per rank: each rank's peak. estimate: `zengine.estimate` before training (model states on "
         "device and host, which are the same memory here, plus the step's transients: autograd's gradient "

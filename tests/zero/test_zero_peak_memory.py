@@ -2,10 +2,17 @@
 
 Counted tensors (test_zero_memory.py) miss transients: a float64 copy of the gradient shard for its
 norm, a model held twice while it is flattened, gradient buckets alive at once. Here each rank
-measures its resident set (``VmRSS``/``VmHWM`` of /proc/self/status, the peak reset before each
-phase through /proc/self/clear_refs) in units of the fp32 model's bytes, from a baseline taken after
+measures its own resident memory (/proc/self/status, the high-water mark reset before each phase
+through /proc/self/clear_refs) in units of the fp32 model's bytes, from a baseline taken after
 torch's lazy imports and before the model is built, with glibc told to return freed blocks to the
 system (``mallopt``), for a model whose states dominate everything else.
+
+"Own" memory is the anonymous part (tensors, Python objects): the file-backed pages that first use
+faults in from torch's libraries are shared by every rank and the page cache, and how many a fault
+maps depends on what the page cache holds (CI's freshly installed torch maps 0.06 units more than a
+warm machine), so they are taken out. The high-water mark counts both kinds; the peak of the own
+part is bounded above by the mark less the shared pages mapped when the phase began (shared pages
+only grow while a phase runs).
 """
 import ctypes
 
@@ -23,28 +30,37 @@ UNIT = 4 * PSI  # bytes of the fp32 parameters
 BUCKET = PSI // 12  # a tenth of a unit per bucket, as 5e6 elements are for a 50M-parameter model
 
 
-def _memory() -> tuple[int, int]:
+def _status() -> dict[str, int]:
     with open("/proc/self/status") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f) if v.strip().endswith("kB")}
 
 
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+class _Meter:
+    """This rank's own memory now, and an upper bound of its peak since the last reset, in bytes."""
+
+    def reset(self) -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the high-water mark restarts from the current resident set
+        status = _status()
+        self.shared = status["RssFile"] + status["RssShmem"]  # mapped library pages, not the rank's
+
+    def read(self) -> tuple[int, int]:
+        status = _status()
+        return status["RssAnon"], status["VmHWM"] - self.shared
 
 
 def _peaks(stage: int, with_init: bool = False, reversed_order: bool = False):
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: large blocks go back to the system when freed
     torch.optim.AdamW([nn.Parameter(torch.ones(2))], fused=True).step()  # torch's lazy imports, before the baseline
-    base, _ = _memory()
-    _reset_peak()
+    meter = _Meter()
+    meter.reset()
+    base, _ = meter.read()
     phases = {}
 
     def phase(name):
-        rss, peak = _memory()
-        phases[name] = ((rss - base) / UNIT, (peak - base) / UNIT)
-        _reset_peak()
+        own, peak = meter.read()
+        phases[name] = ((own - base) / UNIT, (peak - base) / UNIT)
+        meter.reset()
 
     torch.manual_seed(0)
     if with_init:
