@@ -4,7 +4,8 @@
 
 DeepSpeed's other public modules are here under the same names, imported on first use:
 ``zengine.comm``, ``zengine.accelerator``, ``zengine.utils``, ``zengine.runtime``,
-``zengine.checkpointing`` (activation checkpointing), ``zengine.ops``, ``zengine.checkpoint``.
+``zengine.checkpointing`` (activation checkpointing), ``zengine.ops``, ``zengine.checkpoint``,
+``zengine.elasticity`` (``compute_elastic_config``).
 See README.md and shared/API.md.
 """
 import importlib
@@ -20,7 +21,7 @@ __all__ = ["initialize", "init_distributed", "Engine", "add_config_arguments", "
 
 # Submodules a DeepSpeed script reaches as attributes (deepspeed.comm.get_rank(), deepspeed.ops.adam ...)
 # without importing them first; imported when first touched, so that `import zengine` stays light.
-_LAZY = ("accelerator", "checkpoint", "checkpointing", "comm", "monitor", "ops", "runtime", "utils")
+_LAZY = ("accelerator", "checkpoint", "checkpointing", "comm", "elasticity", "monitor", "ops", "runtime", "utils")
 
 
 def __getattr__(name: str):

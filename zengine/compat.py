@@ -46,6 +46,7 @@ ALIASES = {
     "deepspeed.runtime.activation_checkpointing": "zengine.checkpointing",
     "deepspeed.runtime.activation_checkpointing.checkpointing": "zengine.checkpointing",
     "deepspeed.monitor": "zengine.monitor",
+    "deepspeed.elasticity": "zengine.elasticity",
     "deepspeed.launcher": "zengine.launcher",
 }
 # DeepSpeed features outside ZeRO data parallelism: refused at import, by name

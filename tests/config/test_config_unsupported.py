@@ -53,7 +53,6 @@ def test_ignorable_keys_are_accepted_and_named(path):
     ("pipeline", {"stages": 2}),
     ("sparse_attention", {"mode": "fixed"}),
     ("torch_autocast", {"enabled": True}),
-    ("elasticity", {"enabled": True}),
     ("curriculum_learning", {"enabled": True}),
     ("data_efficiency", {"enabled": True}),
     ("compression_training", {"weight_quantization": {}}),
@@ -80,7 +79,6 @@ def test_result_changing_keys_are_refused(path, value):
 @pytest.mark.parametrize("path,value", [
     ("amp", {"enabled": False, "opt_level": "O1"}),
     ("torch_autocast", {"enabled": False}),
-    ("elasticity", {"enabled": False}),
     ("curriculum_learning", {}),
     ("prescale_gradients", False),
     ("gradient_predivide_factor", 1.0),

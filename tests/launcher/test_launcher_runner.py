@@ -358,3 +358,54 @@ def test_add_config_arguments():
 def test_entry_argv():
     assert target_argv("t.py", ["a"], {"LOCAL_RANK": "3"}) == ["t.py", "--local_rank=3", "a"]
     assert target_argv("t.py", ["a"], {"LOCAL_RANK": "3", "ZENGINE_NO_LOCAL_RANK": "1"}) == ["t.py", "a"]
+
+
+# --- node counts and rendezvous ----------------------------------------------
+
+
+def test_elastic_node_range_uses_c10d_with_a_store_per_round():
+    args = parse("--nnodes", "1:2", "--num_procs", "2", "--master_addr", "10.0.0.1", "--master_port", "6000",
+                 "--rdzv_conf", "last_call_timeout=5", "t.py")
+    plan = plan_launch(args, None, 2, False)
+    assert (plan.num_nodes, plan.node_range.min_nodes, plan.node_range.elastic) == (2, 1, True)
+    argv = torchrun_argv(plan, plan.nodes[0], args)
+    assert argv[:2] == ["--nnodes", "1:2"] and "--node_rank" not in argv  # c10d numbers the nodes
+    assert argv[argv.index("--rdzv_backend") + 1] == "c10d"
+    assert argv[argv.index("--rdzv_endpoint") + 1] == "10.0.0.1:6000"
+    assert argv[argv.index("--rdzv_conf") + 1] == "last_call_timeout=5"
+    from zengine.launcher.rendezvous import rendezvous_env
+
+    assert rendezvous_env(args, plan.node_range) == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    fixed = parse("--num_procs", "2", "t.py")
+    assert rendezvous_env(fixed, plan_launch(fixed, None, 2, False).node_range) == {}
+
+
+def test_deepspeed_elastic_options_mean_the_same_range():
+    a = parse("--nnodes", "2:3", "t.py")
+    b = parse("--elastic_training", "--min_elastic_nodes", "2", "--max_elastic_nodes", "3", "t.py")
+    plans = [plan_launch(x, HOSTS, 0, False) for x in (a, b)]
+    assert [p.node_range for p in plans] == [plans[0].node_range] * 2
+    assert (plans[0].node_range.min_nodes, plans[0].num_nodes) == (2, 3)
+    # over ssh every host's torchrun gets the range and the shared-store switch, and pdsh keeps no %n
+    command = ssh_command(plans[0], plans[0].nodes[2], a, {}, "/job", "python")[-1]
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in command and "--nnodes 2:3" in command
+    assert "--node_rank" not in command
+    even = parse("--launcher", "pdsh", "--nnodes", "1:2", "--num_procs", "2", "t.py")
+    remote = pdsh_command(plan_launch(even, HOSTS, 0, False), even, {}, "/job", "python")[-1]
+    assert "--nnodes 1:2" in remote and "%n" not in remote
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nnodes", "3:2"], "need 1 <= MIN <= MAX"),
+    (["--nnodes", "two"], "expected a node count N or a range MIN:MAX"),
+    (["--nnodes", "0"], "need 1 <= MIN <= MAX"),
+    (["--nnodes", "1:2", "--num_nodes", "2"], "--nnodes and --num_nodes both give the node count"),
+    (["--elastic_training"], "--elastic_training needs the node range"),
+    (["--min_elastic_nodes", "0", "--max_elastic_nodes", "2"], "--min_elastic_nodes must be at least 1"),
+    (["--min_elastic_nodes", "3", "--max_elastic_nodes", "2"], "need 1 <= MIN <= MAX"),
+])
+def test_bad_node_ranges_are_refused(tmp_path, argv, message):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    with pytest.raises(LaunchError, match=message):
+        check_args(parse(*argv, str(script)))

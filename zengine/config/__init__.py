@@ -5,17 +5,19 @@
 
 ``models`` holds the typed sections (the optimizer and scheduler params checked
 with ``zengine.optim``'s rules), ``unsupported`` the DeepSpeed keys zengine
-knows but does not implement, ``batch`` the batch-size rule, ``load`` reading
-(JSON, or hjson's comments and trailing commas as DeepSpeed accepts them) and
-error messages, ``report`` the log rendering.
+knows but does not implement, ``batch`` the batch-size rule (and the elastic
+one, from ``zengine.elasticity``), ``load`` reading (JSON, or hjson's comments
+and trailing commas as DeepSpeed accepts them) and error messages, ``report``
+the log rendering.
 """
-from .batch import BatchSizes, resolve_batch_sizes
+from .batch import BatchSizes, resolve_batch_sizes, resolve_elastic_batch_sizes
 from .load import ConfigError, ConfigWarning, load_config
 from .models import (
     SUPPORTED_OPTIMIZERS,
     SUPPORTED_SCHEDULERS,
     AioConfig,
     BF16Config,
+    ElasticityConfig,
     FP16Config,
     OffloadOptimizerConfig,
     OffloadParamConfig,
@@ -33,6 +35,7 @@ __all__ = [
     "BatchSizes",
     "ConfigError",
     "ConfigWarning",
+    "ElasticityConfig",
     "FP16Config",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
@@ -46,4 +49,5 @@ __all__ = [
     "format_config",
     "load_config",
     "resolve_batch_sizes",
+    "resolve_elastic_batch_sizes",
 ]

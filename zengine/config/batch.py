@@ -1,10 +1,17 @@
 """The batch-size rule: train_batch_size = micro batch * accumulation steps * world size.
 
-A pure function, so the rule is tested without a process group.
+Pure functions, so the rule is tested without a process group. With the
+``elasticity`` section enabled, ``resolve_elastic_batch_sizes`` chooses all
+three keys instead (the search itself is in ``zengine.elasticity``).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Tuple
+
+from zengine.elasticity import elastic_batch_size, elastic_micro_batch
+
+if TYPE_CHECKING:
+    from .models import ElasticityConfig
 
 TBS = "train_batch_size"
 MICRO = "train_micro_batch_size_per_gpu"
@@ -57,3 +64,26 @@ def resolve_batch_sizes(train_batch_size: Optional[int], micro_batch_size: Optio
         raise ValueError(f"{TBS}: {tbs} != {MICRO} {micro} * {GAS} {gas} * world size {world} = "
                          f"{micro * gas * world}; the three must multiply out")
     return BatchSizes(tbs, micro, gas, tuple(sorted(derived, key=(TBS, MICRO, GAS).index)))
+
+
+def resolve_elastic_batch_sizes(elastic: "ElasticityConfig", world_size: int,
+                                given: Sequence[str] = ()) -> Tuple[BatchSizes, Tuple[int, ...]]:
+    """The three batch keys chosen by an enabled ``elasticity`` section at ``world_size``, and every world
+    size the chosen global batch suits.
+
+    ``given`` names the batch keys the config also set: refused, since the section decides them, unless
+    ``ignore_non_elastic_batch_info`` (the caller then warns that they are ignored). Raises
+    ``ValueError`` whose lines start with a key path.
+    """
+    if given and not elastic.ignore_non_elastic_batch_info:
+        raise ValueError("\n".join(
+            f"{key}: set while elasticity is enabled, which chooses the batch sizes itself; remove it, or set "
+            "elasticity.ignore_non_elastic_batch_info to true to have it ignored" for key in given))
+    try:
+        batch, valid = elastic_batch_size(elastic.max_train_batch_size, elastic.micro_batch_sizes,
+                                          elastic.min_gpus, elastic.max_gpus, elastic.num_gpus_per_node,
+                                          elastic.prefer_larger_batch, elastic.version)
+        micro, gas = elastic_micro_batch(batch, elastic.micro_batch_sizes, world_size, valid)
+    except ValueError as error:
+        raise ValueError(f"elasticity: {error}") from None
+    return BatchSizes(batch, micro, gas, (TBS, MICRO, GAS)), tuple(valid)

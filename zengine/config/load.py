@@ -22,8 +22,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Type, Union
 import hjson
 from pydantic import BaseModel, ValidationError
 
-from .batch import GAS, MICRO, TBS, resolve_batch_sizes
-from .models import BF16Config, FP16Config, ZengineConfig, precision_problem
+from .batch import GAS, MICRO, TBS, BatchSizes, resolve_batch_sizes, resolve_elastic_batch_sizes
+from .models import BF16Config, ElasticityConfig, FP16Config, ZengineConfig, precision_problem
 from .unsupported import screen, unsupported_keys_under
 
 ConfigSource = Union[str, "os.PathLike[str]", Mapping]
@@ -66,12 +66,17 @@ def load_config(config: ConfigSource, world_size: int) -> ZengineConfig:
             problems.extend(_describe(error))
             problems.extend(_precision_problem(raw, problems))
     batch = _batch_keys(cfg, raw)
-    resolved = None
-    if batch is not None:
-        try:
+    elastic = _elastic_section(cfg, raw)
+    given = [key for key in (TBS, MICRO, GAS) if raw.get(key) not in (None, "auto")]
+    resolved: Optional[BatchSizes] = None
+    elastic_world_sizes: Tuple[int, ...] = ()
+    try:
+        if isinstance(elastic, ElasticityConfig):
+            resolved, elastic_world_sizes = resolve_elastic_batch_sizes(elastic, world_size, given)
+        elif elastic is None and batch is not None:
             resolved = resolve_batch_sizes(*batch, world_size)
-        except ValueError as error:
-            problems.extend(str(error).splitlines())
+    except ValueError as error:
+        problems.extend(str(error).splitlines())
     if problems:
         count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
         raise ConfigError(f"invalid zengine config {source} ({count}):\n" + "\n".join(f"  {p}" for p in problems))
@@ -82,8 +87,15 @@ def load_config(config: ConfigSource, world_size: int) -> ZengineConfig:
     cfg._derived_batch_keys = resolved.derived
     cfg._ignored_keys = tuple(ignored)
     cfg._world_size = world_size
+    cfg._elastic_world_sizes = elastic_world_sizes
     for caught in deprecations:
         warnings.warn(f"{source}: {caught.message}", ConfigWarning, stacklevel=2)
+    if isinstance(elastic, ElasticityConfig) and given:
+        warnings.warn(f"{source}: elasticity is enabled and ignore_non_elastic_batch_info is true, so "
+                      f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} ignored; elastic batch sizes at "
+                      f"world size {world_size}: {TBS} {resolved.train_batch_size}, {MICRO} "
+                      f"{resolved.train_micro_batch_size_per_gpu}, {GAS} {resolved.gradient_accumulation_steps}",
+                      ConfigWarning, stacklevel=2)
     if ignored:
         warnings.warn(f"{source}: zengine accepts but ignores these DeepSpeed keys: {', '.join(ignored)}",
                       ConfigWarning, stacklevel=2)
@@ -165,6 +177,34 @@ def _no_duplicate_keys(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
 
 def _json_kind(value: Any) -> str:
     return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
+
+
+def load_section(name: str, value: Any) -> BaseModel:
+    """Validate one top-level section on its own, with ``load_config``'s messages (the key paths
+    start at the top level), and return its model. Raises ``ConfigError``."""
+    if name not in ZengineConfig.model_fields or _model_type(ZengineConfig.model_fields[name].annotation) is None:
+        raise ValueError(f"load_section: {name!r} is not a section of the config")
+    try:
+        cfg = ZengineConfig.model_validate({name: value})
+    except ValidationError as error:
+        problems = _describe(error)
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        raise ConfigError(f"invalid {name} section ({count}):\n" + "\n".join(f"  {p}" for p in problems)) from None
+    return getattr(cfg, name)
+
+
+def _elastic_section(cfg: Optional[ZengineConfig], raw: Dict[str, Any]) -> Union[ElasticityConfig, bool, None]:
+    """The enabled ``elasticity`` section; None when it is off; False when it says enabled but is invalid
+    (its problems are reported already, and the batch keys cannot be resolved without it)."""
+    if cfg is not None:
+        return cfg.elasticity if cfg.elasticity.enabled else None
+    section = raw.get("elasticity")
+    if not isinstance(section, dict) or section.get("enabled") is not True:
+        return None
+    try:
+        return ElasticityConfig.model_validate(section)
+    except ValidationError:
+        return False
 
 
 def _batch_keys(cfg: Optional[ZengineConfig], raw: Dict[str, Any]) -> Optional[Tuple[Optional[int], ...]]:

@@ -26,6 +26,7 @@ import torch
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool, ValidationError,
                       field_validator, model_validator)
 
+from zengine.elasticity import LATEST_VERSION as _LATEST_ELASTICITY_VERSION
 from zengine.optim import SCHEDULER_NAMES, optimizer_param_problems, scheduler_param_problems
 
 SUPPORTED_OPTIMIZERS: Tuple[str, ...] = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "CPUAdam", "DeepSpeedCPUAdam")
@@ -440,6 +441,68 @@ class ActivationCheckpointingConfig(_Section):
     profile: Flag = Field(False, description="Log the time of every checkpointed forward and recomputation.")
 
 
+class ElasticityConfig(_Section):
+    """Elastic training (DeepSpeed's section): one global batch size that many world sizes can train with,
+    the micro batch and accumulation steps derived at the world size a run (or a restart) has. When enabled
+    it chooses all three batch keys; ``zengine.elasticity`` holds the rule."""
+
+    LATEST_VERSION: ClassVar[float] = _LATEST_ELASTICITY_VERSION
+
+    enabled: Flag = Field(False, description="Choose the batch sizes elastically; train_batch_size, "
+                                             "train_micro_batch_size_per_gpu and gradient_accumulation_steps "
+                                             "are then not given (see ignore_non_elastic_batch_info).")
+    max_train_batch_size: Optional[Count] = Field(None, description="Largest acceptable global batch size; "
+                                                                    "required when enabled.")
+    micro_batch_sizes: Optional[List[Count]] = Field(None, description="Micro batch sizes per rank that fit "
+                                                                       "in memory; required when enabled. At a "
+                                                                       "world size the largest usable one is "
+                                                                       "chosen.")
+    min_gpus: Count = Field(1, description="Smallest data-parallel world size the batch size should suit.")
+    max_gpus: Count = Field(10000, description="Largest data-parallel world size the batch size should suit.")
+    min_time: Integer = Field(0, ge=0, description="Minimum minutes a run should last before it may be "
+                                                   "rescaled, for a scheduler; accepted, no effect in zengine.")
+    version: Number = Field(_LATEST_ELASTICITY_VERSION, gt=0, description=(
+        "Rule version: 0.1 counts every world size in range, 0.2 only multiples of num_gpus_per_node."))
+    ignore_non_elastic_batch_info: Flag = Field(False, description="Ignore (with a warning) batch keys given "
+                                                                   "alongside enabled elasticity instead of "
+                                                                   "refusing the config.")
+    prefer_larger_batch: Flag = Field(True, description="Between batch sizes usable at equally many world "
+                                                        "sizes, take the larger (false: the smaller).")
+    num_gpus_per_node: Count = Field(1, description="Ranks per node; from version 0.2 only world sizes that "
+                                                    "are whole nodes count.")
+    model_parallel_size: Count = Field(1, description="Ranks per model replica; zengine has no model "
+                                                      "parallelism, so only 1 is accepted.")
+
+    @model_validator(mode="after")
+    def _usable_when_enabled(self) -> "ElasticityConfig":
+        """The checks across keys; a disabled section is inert (as in DeepSpeed), so only its types are
+        checked."""
+        if not self.enabled:
+            return self
+        problems = []
+        for key in ("max_train_batch_size", "micro_batch_sizes"):
+            if getattr(self, key) is None:
+                problems.append(f"{key}: required when elasticity is enabled")
+        if self.micro_batch_sizes is not None and not self.micro_batch_sizes:
+            problems.append("micro_batch_sizes: list at least one micro batch size")
+        if self.max_train_batch_size is not None and self.micro_batch_sizes:
+            too_large = sorted({m for m in self.micro_batch_sizes if m > self.max_train_batch_size})
+            if too_large:
+                problems.append(f"micro_batch_sizes: {too_large} exceed max_train_batch_size "
+                                f"{self.max_train_batch_size}, so they could never be used")
+        if self.max_gpus < self.min_gpus:
+            problems.append(f"max_gpus: {self.max_gpus} is less than min_gpus {self.min_gpus}")
+        if self.version > self.LATEST_VERSION:
+            problems.append(f"version: zengine implements elasticity versions up to {self.LATEST_VERSION}, "
+                            f"got {self.version}")
+        if self.model_parallel_size != 1:
+            problems.append(f"model_parallel_size: zengine has no model parallelism (data parallel only), "
+                            f"so it must be 1; got {self.model_parallel_size}")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
 def precision_problem(fp16: FP16Config, bf16: BF16Config) -> Optional[str]:
     """The message for fp16 and bf16 both enabled, else None. ``load_config`` also
     calls it when other sections fail, so this problem is never hidden by them."""
@@ -453,7 +516,7 @@ class ZengineConfig(_Section):
 
     DEPRECATED_KEYS: ClassVar[Dict[str, str]] = {"bfloat16": "bf16"}
     SECTIONS: ClassVar[Tuple[str, ...]] = ("fp16", "bf16", "zero_optimization", "aio", "activation_checkpointing",
-                                           "tensorboard", "csv_monitor", "wandb")
+                                           "tensorboard", "csv_monitor", "wandb", "elasticity")
 
     train_batch_size: BatchSize = Field(None, description="Samples per optimizer step over all data-parallel "
                                                           "ranks: micro batch * accumulation steps * world size.")
@@ -494,9 +557,14 @@ class ZengineConfig(_Section):
         description="Settings of zengine.checkpointing (DeepSpeed's deepspeed.checkpointing), applied at "
                     "initialize unless the script called checkpointing.configure itself.")
 
+    elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig, description=(
+        "Elastic batch sizes: when enabled, one global batch size usable at many world sizes, with the micro "
+        "batch and accumulation steps derived at the run's world size."))
+
     _ignored_keys: Tuple[str, ...] = PrivateAttr(default=())
     _derived_batch_keys: Tuple[str, ...] = PrivateAttr(default=())
     _world_size: Optional[int] = PrivateAttr(default=None)
+    _elastic_world_sizes: Tuple[int, ...] = PrivateAttr(default=())
 
     @classmethod
     def _prepare(cls, data: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
@@ -554,3 +622,8 @@ class ZengineConfig(_Section):
     def world_size(self) -> Optional[int]:
         """The data-parallel world size the batch sizes were resolved for."""
         return self._world_size
+
+    @property
+    def elastic_world_sizes(self) -> Tuple[int, ...]:
+        """With elasticity enabled, every world size the elastic batch size suits; else empty."""
+        return self._elastic_world_sizes

@@ -13,6 +13,8 @@ from typing import Any, Iterator, List, Tuple
 
 from pydantic import BaseModel
 
+from zengine.elasticity import abbreviate
+
 from .batch import GAS, MICRO, TBS
 from .models import ZengineConfig
 
@@ -35,6 +37,9 @@ def format_config(cfg: ZengineConfig) -> str:
     lines = [f"{path.ljust(width)} = {text} {mark}".rstrip() for path, text, mark in rows]
     if cfg.world_size is not None:
         lines.append(f"(batch sizes resolved for data-parallel world size {cfg.world_size})")
+    if cfg.elastic_world_sizes:
+        lines.append(f"(elasticity: global batch {cfg.train_batch_size} suits world sizes "
+                     f"{abbreviate(cfg.elastic_world_sizes)})")
     if cfg.ignored_keys:
         lines.append(f"(ignored DeepSpeed keys: {', '.join(cfg.ignored_keys)})")
     return "\n".join(lines)

@@ -84,7 +84,6 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _section("torch_autocast", "torch.autocast mixed precision"),
     _section("sparse_attention", "sparse attention kernels"),
     _section("pipeline", "pipeline parallelism"),
-    _section("elasticity", "elastic batch sizes"),
     _section("curriculum_learning", "curriculum learning"),
     _section("data_efficiency", "data efficiency (curriculum, random-LTD)"),
     _section("compression_training", "compression training"),

@@ -17,7 +17,11 @@ import os
 import runpy
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import record
+import json
+import time
+import traceback
+
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from ..compat import COMPAT_ENV
 
@@ -32,9 +36,27 @@ def target_argv(target: str, args: list[str], environ: dict[str, str]) -> list[s
     return [target, f"--local_rank={environ.get('LOCAL_RANK', '0')}", *args]
 
 
-# record() writes an uncaught exception to torchrun's per-rank error file, so
-# the launcher's failure summary shows the user's traceback.
-@record
+class AtomicErrorHandler(ErrorHandler):
+    """torch's per-rank error file, written whole or not at all.
+
+    When one rank fails, its peers fail too (their collectives lose a peer) and the agent sends the
+    survivors SIGTERM while they write their own error files; torch's handler writes in place, so the
+    agent could read a half-written file and itself die of a JSONDecodeError instead of restarting
+    the job (seen on an elastic run losing a node). Here the file appears by rename, complete."""
+
+    def record_exception(self, e: BaseException) -> None:
+        path = self._get_error_file_path()
+        if not path:
+            return
+        data = {"message": {"message": f"{type(e).__name__}: {e}",
+                            "extraInfo": {"py_callstack": traceback.format_exc(),
+                                          "timestamp": str(int(time.time()))}}}
+        partial = f"{path}.{os.getpid()}.partial"
+        with open(partial, "w") as f:
+            json.dump(data, f)
+        os.replace(partial, path)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the target named by ``argv[0]`` (default ``sys.argv[1:]``) as ``__main__``."""
     argv = sys.argv[1:] if argv is None else argv
@@ -53,6 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     # the working directory there instead, which stays behind it.
     sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
     runpy.run_path(target, run_name="__main__")
+
+
+# record() writes an uncaught exception to torchrun's per-rank error file, so
+# the launcher's failure summary shows the user's traceback.
+main = record(main, error_handler=AtomicErrorHandler())
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ decides what to run where:
    several machines: one ``ssh HOST "cd CWD && env ... python -m
    torch.distributed.run ..."`` per host (:func:`ssh_command`, :func:`run_remote`).
 
+How the ranks meet (static or c10d rendezvous, elastic node ranges) is ``rendezvous.py``'s.
+
 The launcher exits with the workers' exit code.
 """
 from __future__ import annotations
@@ -38,6 +40,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from zengine.compat import COMPAT_ENV
 from zengine.launcher.entry import NO_LOCAL_RANK_ENV, RUN_MODULE_ENV
 from zengine.launcher.hostfile import HostfileError, check_hosts_resolve, parse_hostfile, resolve_resources
+from zengine.launcher.rendezvous import (NodeCountError, NodeRange, add_arguments as add_rendezvous_arguments,
+                                         rendezvous_argv, rendezvous_env, requested_range, uses_c10d)
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -76,10 +80,15 @@ class LaunchPlan:
     be one of ``num_nodes`` started by hand with ``--node_rank``."""
 
     nodes: tuple[NodePlan, ...]
-    num_nodes: int
+    num_nodes: int  # the most machines the job runs on
     master_addr: str
     master_port: int
     remote: bool
+    min_nodes: int | None = None  # the fewest it goes on with (elastic); None: num_nodes
+
+    @property
+    def node_range(self) -> NodeRange:
+        return NodeRange(self.min_nodes or self.num_nodes, self.num_nodes)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max_restarts", type=int, default=0,
         help="Restart all workers up to this many times after a failure (default 0).",
     )
+    add_rendezvous_arguments(p)
     p.add_argument(
         "--comm_timeout", type=float, default=None,
         help="Seconds a collective may wait for the other ranks before every rank fails with an error "
@@ -179,6 +189,13 @@ def check_args(args: argparse.Namespace) -> None:
             "--include/--exclude choose the slots themselves; "
             "do not combine them with --num_gpus or --num_nodes"
         )
+    for name in ("min_elastic_nodes", "max_elastic_nodes"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise LaunchError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    try:
+        requested_range(args)
+    except NodeCountError as err:
+        raise LaunchError(str(err)) from None
     if not args.module and not os.path.isfile(args.user_script):
         raise LaunchError(f"training script {args.user_script!r} not found")
 
@@ -201,12 +218,13 @@ def plan_launch(
         return _plan_this_machine(args, local_slot_count, gpus_present)
 
     resources = resolve_resources(hosts, args.include, args.exclude)
-    if args.num_nodes is not None:
-        if args.num_nodes > len(resources):
+    requested = requested_range(args)
+    if requested is not None:
+        if requested.max_nodes > len(resources):
             raise LaunchError(
-                f"--num_nodes {args.num_nodes} but the hostfile has only {len(resources)} host(s)"
+                f"--num_nodes {requested.max_nodes} but the hostfile has only {len(resources)} host(s)"
             )
-        resources = dict(list(resources.items())[: args.num_nodes])
+        resources = dict(list(resources.items())[: requested.max_nodes])
     if args.num_gpus is not None:
         for host, slots in resources.items():
             if args.num_gpus > len(slots):
@@ -232,20 +250,24 @@ def plan_launch(
         master_addr=args.master_addr or nodes[0].host,
         master_port=args.master_port,
         remote=True,
+        min_nodes=requested.min_nodes if requested is not None else None,
     )
 
 
 def _plan_this_machine(
     args: argparse.Namespace, local_slot_count: int, gpus_present: bool
 ) -> LaunchPlan:
-    num_nodes = args.num_nodes or 1
+    requested = requested_range(args) or NodeRange(1, 1)
+    num_nodes = requested.max_nodes
     node_rank = args.node_rank or 0
     if node_rank >= num_nodes:
         raise LaunchError(f"--node_rank {node_rank} must be less than --num_nodes {num_nodes}")
     if num_nodes > 1 and args.master_addr is None:
+        where = ("the address of the machine hosting the rendezvous" if uses_c10d(args, requested)
+                 else "the address of the node with --node_rank 0")
         raise LaunchError(
             f"--num_nodes {num_nodes} without a hostfile starts one node by hand: "
-            "give every node the same --master_addr (the address of the node with --node_rank 0)"
+            f"give every node the same --master_addr ({where})"
         )
 
     if args.include or args.exclude:
@@ -265,31 +287,19 @@ def _plan_this_machine(
         master_addr=args.master_addr or DEFAULT_MASTER_ADDR,
         master_port=args.master_port,
         remote=False,
+        min_nodes=requested.min_nodes,
     )
-
-
-def rendezvous_argv(plan: LaunchPlan, node: NodePlan, args: argparse.Namespace) -> list[str]:
-    """How the ranks meet. Without restarts: torch's static rendezvous at the master (node ranks as
-    given). With ``--max_restarts``: the c10d rendezvous, whose every round (every restart) gets a
-    fresh store; the static one keeps one store across restarts, so restarted ranks read the dead
-    ranks' addresses from it and fail to connect ("Gloo connectFullMesh failed ... Connection
-    refused") or wait forever."""
-    if args.max_restarts > 0:
-        run_id = os.environ.get("ZENGINE_RUN_ID", f"zengine-{plan.master_port}")  # the same on every node
-        return ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{plan.master_addr}:{plan.master_port}",
-                "--rdzv_id", run_id]
-    return ["--rdzv_backend", "static", "--master_addr", plan.master_addr, "--master_port", str(plan.master_port)]
 
 
 def torchrun_argv(plan: LaunchPlan, node: NodePlan, args: argparse.Namespace) -> list[str]:
     """Arguments for ``torch.distributed.run`` on ``node``; each rank runs the entry shim."""
     # c10d numbers the nodes as they join; the static rendezvous takes the node rank given
-    node_rank = [] if args.max_restarts > 0 else ["--node_rank", str(node.node_rank)]
+    node_rank = [] if uses_c10d(args, plan.node_range) else ["--node_rank", str(node.node_rank)]
     return [
-        "--nnodes", str(plan.num_nodes),
+        "--nnodes", plan.node_range.torchrun_value(),
         *node_rank,
         "--nproc_per_node", str(node.nproc),
-        *rendezvous_argv(plan, node, args),
+        *rendezvous_argv(args, plan.node_range, plan.master_addr, plan.master_port),
         "--max_restarts", str(args.max_restarts),
         "-m", ENTRY_MODULE,
         args.user_script,
@@ -367,9 +377,9 @@ def _remote_torchrun(plan: LaunchPlan, node: NodePlan, args: argparse.Namespace,
     node rank, such as pdsh's ``%n``)."""
     # On a remote host, hostfile slots are that host's device indices.
     devices = [str(i) for i in range(max(node.slots) + 1)]
-    env = {**exports, **worker_env(node, args, devices)}
+    env = {**exports, **worker_env(node, args, devices), **rendezvous_env(args, plan.node_range)}
     torchrun = torchrun_argv(plan, node, args)
-    if node_rank is not None:
+    if node_rank is not None and "--node_rank" in torchrun:  # c10d ranks the nodes itself
         torchrun[torchrun.index("--node_rank") + 1] = node_rank
     return " ".join(
         [
@@ -484,7 +494,7 @@ def _exit_code(code: int) -> int:
 def run_local(plan: LaunchPlan, args: argparse.Namespace, visible_devices: Sequence[str] | None) -> int:
     """Run torchrun in this process for the plan's one node; return the workers' exit code."""
     node = plan.nodes[0]
-    with _environ_set(worker_env(node, args, visible_devices)):
+    with _environ_set({**worker_env(node, args, visible_devices), **rendezvous_env(args, plan.node_range)}):
         try:
             # run(parse_args()) is main() without its @record wrapper, which
             # would log a confusing note about error files for this process.
@@ -559,9 +569,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 commands = [ssh_command(plan, n, args, exports, cwd, sys.executable) for n in plan.nodes]
         else:
             visible = _visible_devices(gpu_count)
-            if plan.nodes[0].node_rank == 0:
-                _check_port_free(plan.master_port)
-    except (LaunchError, HostfileError) as err:
+            if plan.nodes[0].node_rank == 0 and not (plan.num_nodes > 1 and uses_c10d(args, plan.node_range)):
+                _check_port_free(plan.master_port)  # (c10d: any node may find the rendezvous hosted already)
+    except (LaunchError, HostfileError, NodeCountError) as err:
         parser.error(str(err))
 
     if plan.remote:
