@@ -66,11 +66,11 @@ def test_deepspeed_training_loop_runs_unchanged():
     assert len(losses) == 4 and lr[0] > 0
 
 
-def test_unimplemented_offloads_are_refused_by_name():
+def test_parameter_offload_without_optimizer_offload_is_refused_by_name():
     model = nn.Linear(3, 3)
-    cases = [({"offload_param": {"device": "nvme", "nvme_path": "/tmp"},
-               "offload_optimizer": {"device": "cpu"}}, "offload_param.device: parameter offload to 'nvme'"),
-             ({"offload_param": {"device": "cpu"}}, "needs the optimizer on the host too")]
+    cases = [({"offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, "offload to 'nvme' needs the optimizer "
+                                                                          "on the host too"),
+             ({"offload_param": {"device": "cpu"}}, "offload to 'cpu' needs the optimizer on the host too")]
     for zero, message in cases:
         cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {}},
                "zero_optimization": {"stage": 3, **zero}}

@@ -67,12 +67,10 @@ def _refuse_unimplemented(cfg) -> None:
 
     zero = cfg.zero_optimization
     problems = []
-    if zero.offload_param is not None and zero.offload_param.device == "nvme":
-        problems.append("zero_optimization.offload_param.device: parameter offload to 'nvme' is not implemented "
-                        "yet; use 'cpu' (optimizer states can go to nvme: offload_optimizer.device 'nvme')")
-    elif zero.offload_param is not None and zero.offload_param.device == "cpu" and not zero.offload_optimizer.enabled:
-        problems.append("zero_optimization.offload_param.device: parameter offload to 'cpu' needs the optimizer "
-                        "on the host too; add offload_optimizer {device: cpu} (or nvme)")
+    if zero.offload_param is not None and zero.offload_param.enabled and not zero.offload_optimizer.enabled:
+        problems.append(f"zero_optimization.offload_param.device: parameter offload to "
+                        f"{zero.offload_param.device!r} needs the optimizer on the host too; add offload_optimizer "
+                        f"{{device: cpu}} (or nvme)")
     if problems:
         raise ConfigError("zengine config asks for features this version lacks:\n" + "\n".join(problems))
 

@@ -30,14 +30,19 @@ def engine_config(stage, precision, gas, world, offload=False):
                               "stage3_max_live_parameters": 4000, "stage3_max_reuse_distance": 1000},
         "steps_per_print": 1000,
     }
-    if offload in ("nvme", "param+nvme"):  # moments swapped through 3 buffers of 1024-element chunks
+    if offload in ("nvme", "param+nvme", "infinity"):  # moments swapped through 3 buffers of 1024-element chunks
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "buffer_count": 3,
                                                          "nvme_path": os.path.join(tempfile.gettempdir(), "zswap")}
         cfg["zero_optimization"]["sub_group_size"] = 1000
-    elif offload:
+    elif offload:  # cpu, param, param-nvme
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload in ("param", "param+nvme"):  # stage 3: parameter shards in host memory too
         cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if offload in ("param-nvme", "infinity"):  # stage 3: parameter shards in a swap file, 3 read buffers, the
+        # first 50 elements resident (max_in_cpu)
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "buffer_count": 3, "buffer_size": 4096,
+                                                     "max_in_cpu": 50, "nvme_path": os.path.join(
+                                                         tempfile.gettempdir(), "zswap-params")}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     if precision == "fp16":
@@ -54,7 +59,8 @@ def train(stage, precision, gas, offload=False, seed=0):
     engine, *_ = zengine.initialize(model=model, config=engine_config(stage, precision, gas, world, offload),
                                     model_parameters=edge_param_groups(model, LR))
     if offload:  # the offloaded step runs on the compiled CPUAdam (or its torch fallback, same class)
-        assert type(engine.optimizer.optimizer).__name__ == ("SwappedAdam" if "nvme" in str(offload) else "CPUAdam")
+        swapped = offload in ("nvme", "param+nvme", "infinity")
+        assert type(engine.optimizer.optimizer).__name__ == ("SwappedAdam" if swapped else "CPUAdam")
     losses, norms = [], []
     for batch in batches:
         losses.append(train_global_batch(engine, batch, MICRO, gas))
@@ -116,3 +122,13 @@ NVME_CASES = [(1, "fp32", 1, "nvme"), (2, "bf16", 3, "nvme"), (2, "fp16", 3, "nv
 @pytest.mark.parametrize("world", [1, 3])
 def test_nvme_and_param_offload_parity(world):
     spawn(parity_matrix, world, NVME_CASES)
+
+
+# ZeRO-Infinity: stage 3 with the parameter shards in a swap file, the optimizer on the host (param-nvme)
+# or on NVMe with the fp32 masters and gradients swapped too (infinity), every precision, accumulation 1 and 3
+INFINITY_CASES = [(3, p, g, o) for o in ("param-nvme", "infinity") for p in ("fp32", "bf16", "fp16") for g in (1, 3)]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_parameter_nvme_offload_parity(world):
+    spawn(parity_matrix, world, INFINITY_CASES)

@@ -133,12 +133,17 @@ def nvme_memory(stage: int) -> dict:
     engine.step()
     kinds = engine.optimizer.memory_tensors()
     shard = sum(m.numel() for m in engine.optimizer.masters)
-    return {"states": sum(t.numel() * t.element_size() for t in kinds["optimizer_states"]), "shard": shard,
-            "world": dist.get_world_size()}
+    nbytes = {k: sum(t.numel() * t.element_size() for t in ts) for k, ts in kinds.items()}
+    return {"states": nbytes["optimizer_states"], "masters": nbytes["master_weights"],
+            "grads": nbytes["gradients"], "shard": shard, "world": dist.get_world_size()}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_host_holds_only_the_swap_buffers(stage):
     for r in spawn(nvme_memory, 2, stage):
-        assert r["states"] == 2 * 2 * 1024 * 4  # two buffers of [exp_avg | exp_avg_sq] for 1024 elements
         assert r["shard"] > 1024  # ... while the shard's moments would take 8 x shard bytes
+        if stage == 2:
+            assert r["states"] == 2 * 2 * 1024 * 4  # two buffers of [exp_avg | exp_avg_sq] for 1024 elements
+        else:  # ZeRO-Infinity: two buffers of [exp_avg | exp_avg_sq | master | grad]; no master or gradient
+            assert r["states"] == 2 * 4 * 1024 * 4  # shard in host memory at all
+            assert r["masters"] == 0 and r["grads"] == 0

@@ -34,12 +34,23 @@ def _subclasses(cls):
 
 
 class Init:
-    """Context manager: modules built inside have their parameters partitioned as they are created."""
+    """Context manager: modules built inside have their parameters partitioned as they are created.
 
-    def __init__(self, config=None, enabled: bool = True, **_ignored):
+    With ``remote_device="nvme"`` or a config (``config_dict_or_path`` / ``config``, as DeepSpeed
+    takes them) whose ``offload_param.device`` is ``nvme``, each shard goes to a swap file under
+    ``offload_param.nvme_path`` as its module is built, in the config's compute dtype, so the model
+    is never in memory whole or sharded; the engine takes the shards over at ``initialize``."""
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear: bool = True,
+                 remote_device: Optional[str] = None, pin_memory: bool = False, config_dict_or_path=None,
+                 config=None, enabled: bool = True, dtype: Optional[torch.dtype] = None, **_ignored):
         self.enabled = enabled
         self._patched: list = []
         self._depth: dict[int, int] = {}
+        self._config = config_dict_or_path if config_dict_or_path is not None else config
+        self._remote_device = remote_device
+        self._dtype = dtype
+        self.swap = None  # the NVMe swap shards go to (GrowingSwap), when asked
 
     def __enter__(self):
         if not self.enabled:
@@ -51,6 +62,7 @@ class Init:
         init_distributed()
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.device = Placement.current().device  # parameters are cut where the engine will compute with them
+        self.swap = self._nvme_swap()
         for cls in _subclasses(nn.Module):
             if "__init__" in cls.__dict__:
                 original = cls.__dict__["__init__"]
@@ -91,8 +103,30 @@ class Init:
                 collectives.broadcast(p.data, 0)
             sp = ShardedParam(name, p, self.world, self.rank)
             register(sp)
-            sp.attach_shard(torch.empty(sp.chunk, dtype=p.dtype, device=p.device))  # [chunk]
+            if self.swap is not None:
+                self.swap.add(sp)  # to the NVMe swap file, in the compute dtype
+            else:
+                sp.attach_shard(torch.empty(sp.chunk, dtype=p.dtype, device=p.device))  # [chunk]
             sp.free()
+
+    def _nvme_swap(self):
+        """The GrowingSwap that ``offload_param: {device: nvme}`` (or ``remote_device="nvme"``) asks for."""
+        if self._config is None and self._remote_device != "nvme":
+            return None
+        from ..config import ConfigError, load_config
+        from .offload import make_aio
+        from .stage3.nvme import GrowingSwap
+
+        cfg = load_config(self._config, self.world) if self._config is not None else None
+        offload = cfg.zero_optimization.offload_param if cfg is not None else None
+        wants = self._remote_device == "nvme" or (offload is not None and offload.device == "nvme")
+        if not wants or self._remote_device == "cpu":
+            return None
+        if offload is None or offload.nvme_path is None:
+            raise ConfigError("zero.Init(remote_device='nvme') needs a config with zero_optimization.offload_param."
+                              "nvme_path (pass config_dict_or_path=ds_config)")
+        dtype = self._dtype or (cfg.compute_dtype if cfg is not None else torch.float32)
+        return GrowingSwap(offload, dtype, make_aio(cfg.aio), self.device)
 
 
 def _standalone_fetcher(device: torch.device) -> Fetcher:

@@ -72,20 +72,25 @@ class NVMePlacement(CPUPlacement):
         self.chunk = int(zero_cfg.sub_group_size)
         self.buffer_count = int(offload_cfg.buffer_count)
         self.aio_cfg = aio_cfg
+        self.infinity = None  # stage 3 sets a MasterIO: the masters and gradients are swapped too
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        from ..ops.aio import AsyncIO
         from .swap import StateSwapper, SwappedAdam
 
-        aio = self.aio_cfg
-        block = aio.block_size if aio is not None else 1 << 20
-        threads, depth = (aio.thread_count, aio.queue_depth) if aio is not None else (1, 8)
+        def swapper_for(numels, parts=2, align=1024):
+            return StateSwapper(numels, self.directory, self.chunk, self.buffer_count, make_aio(self.aio_cfg),
+                                self.pin, parts, align)
 
-        def swapper_for(numels):
-            return StateSwapper(numels, self.directory, self.chunk, self.buffer_count,
-                                AsyncIO(block, threads, depth), self.pin)
+        return SwappedAdam.replacing(optimizer, swapper_for, self.infinity)
 
-        return SwappedAdam.replacing(optimizer, swapper_for)
+
+def make_aio(aio_cfg):
+    """An ``AsyncIO`` pool as the config's ``aio`` section asks (its defaults without one)."""
+    from ..ops.aio import AsyncIO
+
+    block = aio_cfg.block_size if aio_cfg is not None else 1 << 20
+    threads, depth = (aio_cfg.thread_count, aio_cfg.queue_depth) if aio_cfg is not None else (1, 8)
+    return AsyncIO(block, threads, depth)
 
 
 def make_placement(zero_cfg, device: torch.device, aio_cfg=None) -> DevicePlacement:

@@ -73,7 +73,7 @@ class ZeroOptimizer:
         self.clip = clip
         self.allgather_bucket_numel = int(allgather_bucket_numel)
         self.world, self.rank, self.comm_group = world, rank, comm_group
-        self.masters = [placement.make_master(g.owned_params()) for g in groups]  # [owned numel] fp32 each
+        self.masters = [self._make_master(g) for g in groups]  # [owned numel] fp32 each
         self.shard_params = [nn.Parameter(m, requires_grad=True) for m in self.masters]
         self.optimizer = placement.wrap_optimizer(
             make_optimizer([{**g.hyper, "params": [sp]} for g, sp in zip(groups, self.shard_params)]))
@@ -81,6 +81,10 @@ class ZeroOptimizer:
         full_state.register(self)  # zengine.utils.safe_get_full_* find parameters through it
         self.grad_hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, gi, pi))
                       for gi, g in enumerate(groups) for pi, p in enumerate(g.params)]
+
+    def _make_master(self, group) -> torch.Tensor:
+        """The fp32 master of a group's owned parameters."""
+        return self.placement.make_master(group.owned_params())
 
     # -- torch.optim.Optimizer look-alike -------------------------------------------------------
     @property
@@ -182,17 +186,14 @@ class ZeroOptimizer:
         finite = math.isfinite(norm)
         if not finite and self.scaler.dynamic:
             self.scaler.update(True)
-        if not self.nonfinite.applies(finite, norm, self.scaler.dynamic,
-                                      lambda: first_nonfinite(self.groups, master_grads, self.device, self.world,
-                                                              self.comm_group),
+        if not self.nonfinite.applies(finite, norm, self.scaler.dynamic, lambda: self._where_nonfinite(master_grads),
                                       f"; loss scale now {self.scaler.scale:g}" if self.scaler.dynamic else ""):
             self.zero_grad()
             return StepOutcome.SKIPPED
         if self.clip > 0 and finite:
             coef = self.clip / (norm + 1e-6)
             if coef < 1.0:
-                for grad in master_grads:
-                    grad.mul_(coef)
+                self._clip_grads(master_grads, coef)
         for sp, grad in zip(self.shard_params, master_grads):
             sp.grad = grad
         unused = self._unused_ranges(stats.used_counts)
@@ -213,6 +214,14 @@ class ZeroOptimizer:
             self.scaler.update(False)
         self.zero_grad()
         return StepOutcome.APPLIED
+
+    def _clip_grads(self, master_grads: list[torch.Tensor], coef: float) -> None:
+        for grad in master_grads:
+            grad.mul_(coef)
+
+    def _where_nonfinite(self, master_grads: list[torch.Tensor]):
+        """Where the first non-finite gradient element is (for the skip message)."""
+        return first_nonfinite(self.groups, master_grads, self.device, self.world, self.comm_group)
 
     # -- parameters no rank used keep their values and optimizer state --------------------------
     def _unused_ranges(self, used_counts: list[float]) -> list[tuple[int, int, int]]:

@@ -20,6 +20,7 @@ elements takes ``2 * pad(n)`` fp32 in the file and in a buffer, ``[exp_avg | exp
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -52,13 +53,19 @@ class Chunk:
 
 
 class StateSwapper:
-    """The swap file and host buffers for the moments of a list of flat fp32 parameters."""
+    """The swap file and host buffers for the per-element states of a list of flat fp32 parameters.
+
+    Each chunk's record holds ``parts`` padded fp32 runs: ``[exp_avg | exp_avg_sq]``, and with
+    ZeRO-Infinity (``parts=4``) ``[exp_avg | exp_avg_sq | master | grad]``.
+    """
 
     def __init__(self, numels: list[int], directory: str, chunk: int, buffer_count: int, io: AsyncIO,
-                 pin: bool = False):
+                 pin: bool = False, parts: int = 2, align: int = _ALIGN_ELEMS):
         if buffer_count < 2:
             raise ValueError("offload_optimizer.buffer_count: NVMe swapping needs at least 2 buffers")
-        self.chunk = _pad(max(1, min(int(chunk), MAX_CHUNK)))
+        self.parts = parts
+        self.align = max(_ALIGN_ELEMS, int(align))
+        self.chunk = -(-max(1, min(int(chunk), MAX_CHUNK)) // self.align) * self.align
         self.io = io
         self.chunks: list[list[Chunk]] = []
         offset = 0
@@ -67,29 +74,53 @@ class StateSwapper:
             for lo in range(0, n, self.chunk):
                 c = Chunk(index, lo, min(n, lo + self.chunk), offset)
                 mine.append(c)
-                offset += 2 * c.padded * 4
+                offset += parts * c.padded * 4
             self.chunks.append(mine)
         self.file = SwapFile(directory, max(offset, ALIGN))
         biggest = max((c.padded for cs in self.chunks for c in cs), default=_ALIGN_ELEMS)
         count = min(buffer_count, max(2, sum(len(cs) for cs in self.chunks)))
-        # [2 * biggest chunk] fp32 each: exp_avg then exp_avg_sq of the chunk in hand
-        self.buffers = [aligned_empty(2 * biggest, torch.float32, pin) for _ in range(count)]
+        # [parts * biggest chunk] fp32 each: the record of the chunk in hand
+        self.buffers = [aligned_empty(parts * biggest, torch.float32, pin) for _ in range(count)]
+        self.bytes_read = self.bytes_written = 0
+        self.wait_s = 0.0  # seconds spent waiting for this file's I/O (benchmarks read it)
 
-    def _view(self, slot: int, c: Chunk) -> torch.Tensor:
-        return self.buffers[slot][:2 * c.padded]
+    def _wait(self, request: Optional[IORequest]) -> None:
+        if request is not None:
+            began = time.perf_counter()
+            request.wait()
+            self.wait_s += time.perf_counter() - began
+
+    def part(self, slot: int, c: Chunk, k: int) -> torch.Tensor:
+        """Part ``k`` of chunk ``c``'s record in buffer ``slot``: a [hi - lo] fp32 view."""
+        return self.buffers[slot][k * c.padded:k * c.padded + c.hi - c.lo]
+
+    def chunk_at(self, index: int, element: int) -> Chunk:
+        """The chunk of parameter ``index`` that holds ``element``."""
+        return self.chunks[index][element // self.chunk]
+
+    def _read(self, buf: torch.Tensor, offset: int) -> IORequest:
+        self.bytes_read += buf.numel() * 4
+        return self.io.read(buf, self.file, offset)
+
+    def _write(self, buf: torch.Tensor, offset: int) -> IORequest:
+        self.bytes_written += buf.numel() * 4
+        return self.io.write(buf, self.file, offset)
 
     def moments(self, slot: int, c: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
         """(exp_avg, exp_avg_sq) of chunk ``c`` in buffer ``slot``: [hi - lo] fp32 views."""
-        buf = self._view(slot, c)
-        n = c.hi - c.lo
-        return buf[:n], buf[c.padded:c.padded + n]
+        return self.part(slot, c, 0), self.part(slot, c, 1)
 
     def stream(self, chunks: list[Chunk], fresh: Callable[[Chunk], bool],
-               compute: Callable[[Chunk, torch.Tensor, torch.Tensor], None], write: bool = True) -> None:
+               compute: Callable[[Chunk, torch.Tensor, torch.Tensor], None], write: bool = True,
+               parts_in: int = 2, fresh_in: int = 0, fresh_fill=None, parts_out: int = 2,
+               with_slot: bool = False) -> None:
         """Run ``compute(chunk, exp_avg, exp_avg_sq)`` over ``chunks`` with reads ahead and writes behind.
 
-        A chunk for which ``fresh`` is true starts from zeros instead of being read; with ``write``
-        each chunk is written back after its compute.
+        Reads the record's first ``parts_in`` parts. A chunk for which ``fresh`` is true starts from
+        zeros instead, except its parts from ``fresh_in`` on, which are read all the same (ZeRO-Infinity:
+        the gradient), then ``fresh_fill(chunk, slot)`` runs (it fills the master). With ``write`` the
+        first ``parts_out`` parts are written back after the compute. ``with_slot``: ``compute(chunk,
+        slot)`` instead, to reach every part through ``part``.
         """
         count = len(self.buffers)
         ahead = max(1, count - 2)  # reads in flight beyond the chunk in hand; one write stays in flight too
@@ -99,31 +130,33 @@ class StateSwapper:
 
         def launch(k: int) -> None:
             slot, c = k % count, chunks[k]
-            pending = writes.pop(slot, None)
-            if pending is not None:
-                pending.wait()
+            self._wait(writes.pop(slot, None))
+            buf = self.buffers[slot]
             if fresh(c):
-                self._view(slot, c).zero_()
-                reads[k] = None
+                buf[:fresh_in * c.padded].zero_()
+                if fresh_fill is not None:
+                    fresh_fill(c, slot)
+                reads[k] = (self._read(buf[fresh_in * c.padded:parts_in * c.padded], c.offset + fresh_in * c.padded * 4)
+                            if parts_in > fresh_in else None)
             else:
-                reads[k] = self.io.read(self._view(slot, c), self.file, c.offset)
+                reads[k] = self._read(buf[:parts_in * c.padded], c.offset)
 
         try:
             for k, c in enumerate(chunks):
                 while nxt < len(chunks) and nxt <= k + ahead:
                     launch(nxt)
                     nxt += 1
-                request = reads.pop(k)
-                if request is not None:
-                    request.wait()
+                self._wait(reads.pop(k))
                 slot = k % count
-                compute(c, *self.moments(slot, c))
+                if with_slot:
+                    compute(c, slot)
+                else:
+                    compute(c, *self.moments(slot, c))
                 if write:
-                    writes[slot] = self.io.write(self._view(slot, c), self.file, c.offset)
+                    writes[slot] = self._write(self.buffers[slot][:parts_out * c.padded], c.offset)
         finally:  # also after an error: no request may outlive the buffers it uses
             for request in list(reads.values()) + list(writes.values()):
-                if request is not None:
-                    request.wait()
+                self._wait(request)
 
     def close(self) -> None:
         """Stop the I/O threads and close the swap file (the moments are gone after this)."""
@@ -138,22 +171,28 @@ class SwappedAdam(CPUAdam):
     into ``state[p]`` as ordinary tensors (for checkpoints) and puts them back on exit.
     """
 
-    def __init__(self, param_groups, defaults: dict, swapper_for: Callable[[list[int]], StateSwapper]):
+    def __init__(self, param_groups, defaults: dict, swapper_for: Callable[..., StateSwapper], infinity=None):
         super().__init__(param_groups, **defaults)
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._index = {id(p): i for i, p in enumerate(self._params)}
-        self.swapper = swapper_for([p.numel() for p in self._params])
+        # ZeRO-Infinity (``infinity``, see MasterIO in stage3/infinity.py): the fp32 masters and their gradients
+        # live in the records too; the parameters here have no storage except inside states_in_memory
+        self.infinity = infinity
+        numels = [p.numel() for p in self._params]
+        self.swapper = swapper_for(numels) if infinity is None else swapper_for(numels, 4, infinity.align)
+        self.grads = GradSwap(self.swapper) if infinity is not None else None
+        self.grad_scale = 1.0  # ZeRO-Infinity: what the step multiplies the swapped gradients by (1/(W*scale), clip)
         self._on_disk: set[int] = set()  # indices of parameters whose moments the file holds
         self._keep: dict[int, list[tuple[int, int]]] = {}
 
     @classmethod
-    def replacing(cls, optimizer: torch.optim.Optimizer, swapper_for) -> "SwappedAdam":
+    def replacing(cls, optimizer: torch.optim.Optimizer, swapper_for, infinity=None) -> "SwappedAdam":
         """A SwappedAdam with ``optimizer``'s groups and hyper-parameters (it must be a CPUAdam)."""
         if not isinstance(optimizer, CPUAdam):
             raise ValueError(f"offload_optimizer.device 'nvme' swaps Adam's moments and needs CPUAdam: optimizer.type "
                              f"Adam, AdamW or CPUAdam in the config, or a zengine.ops.CPUAdam passed as the client "
                              f"optimizer; got {type(optimizer).__name__}")
-        return cls(optimizer.param_groups, optimizer.defaults, swapper_for)
+        return cls(optimizer.param_groups, optimizer.defaults, swapper_for, infinity)
 
     def keep_unchanged(self, param: torch.Tensor, lo: int, hi: int) -> None:
         """This step must leave the moments of ``param[lo:hi]`` as they are (nobody used those elements)."""
@@ -167,6 +206,9 @@ class SwappedAdam(CPUAdam):
             due[i] = (self._hyper(group), step, param, copy_out_by_id.get(id(param)))
             jobs += self.swapper.chunks[i]
         keep, self._keep = self._keep, {}
+        if self.infinity is not None:
+            self._step_infinity(due, jobs, keep)
+            return loss
 
         def compute(c: Chunk, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
             hyper, step, param, out = due[c.index]
@@ -182,10 +224,48 @@ class SwappedAdam(CPUAdam):
         self._on_disk.update(due)
         return loss
 
+    def _step_infinity(self, due: dict, jobs: list[Chunk], keep: dict) -> None:
+        """The step with masters and gradients swapped too: per chunk, read the whole record (the
+        gradient only, the master from the parameters, for a chunk never stepped), Adam, write the
+        compute-dtype parameters and [exp_avg | exp_avg_sq | master] back."""
+        self.grads.flush()
+        scale, part = self.grad_scale, self.swapper.part
+
+        def compute(c: Chunk, slot: int) -> None:
+            hyper, step, _, _ = due[c.index]
+            exp_avg, exp_avg_sq, master, grad = (part(slot, c, k) for k in range(4))
+            for a, b in self.grads.gaps(c):  # never written this window: no gradient
+                grad[a - c.lo:b - c.lo].zero_()
+            if scale != 1.0:
+                grad.mul_(scale)
+            saved = [(lo, hi, [t[lo - c.lo:hi - c.lo].clone() for t in (exp_avg, exp_avg_sq, master)])
+                     for lo, hi in _overlaps(keep.get(c.index, ()), c.lo, c.hi)]
+            adam_step_(master, grad, exp_avg, exp_avg_sq, step=step, **hyper)
+            for lo, hi, copies in saved:
+                for t, copy in zip((exp_avg, exp_avg_sq, master), copies):
+                    t[lo - c.lo:hi - c.lo].copy_(copy)
+            self.infinity.params_out(c.index, c.lo, c.hi, master)
+
+        try:
+            self.swapper.stream(jobs, lambda c: c.index not in self._on_disk, compute, parts_in=4, fresh_in=3,
+                                fresh_fill=self._fill_master, parts_out=3, with_slot=True)
+        finally:
+            self.infinity.flush()
+        self._on_disk.update(due)
+
+    def _fill_master(self, c: Chunk, slot: int) -> None:
+        """A chunk never stepped: its master from the compute-dtype parameters."""
+        self.infinity.init_master(c.index, c.lo, c.hi, self.swapper.part(slot, c, 2))
+
     @contextlib.contextmanager
     def states_in_memory(self):
         """Inside: ``state[p]`` holds ``exp_avg``/``exp_avg_sq`` as whole tensors (read from the file);
-        on exit whatever they hold then is written back and dropped from memory."""
+        on exit whatever they hold then is written back and dropped from memory. ZeRO-Infinity: the
+        parameters (the fp32 masters) get their storage and values for the duration too."""
+        if self.infinity is not None:
+            with self._infinity_in_memory():
+                yield
+            return
         for i in sorted(self._on_disk):
             p = self._params[i]
             m, v = torch.empty_like(p.data), torch.empty_like(p.data)
@@ -214,13 +294,143 @@ class SwappedAdam(CPUAdam):
                 self._on_disk.add(i)
                 state.setdefault("step", torch.tensor(0.0))
 
+    @contextlib.contextmanager
+    def _infinity_in_memory(self):
+        for i, p in enumerate(self._params):
+            p.data.untyped_storage().resize_(p.numel() * 4)
+            stepped = i in self._on_disk
+            m, v = (torch.empty_like(p.data), torch.empty_like(p.data)) if stepped else (None, None)
+
+            def take(c, slot, p=p, m=m, v=v):
+                p.data[c.lo:c.hi].copy_(self.swapper.part(slot, c, 2))
+                if m is not None:
+                    m[c.lo:c.hi].copy_(self.swapper.part(slot, c, 0))
+                    v[c.lo:c.hi].copy_(self.swapper.part(slot, c, 1))
+
+            self.swapper.stream(self.swapper.chunks[i], lambda c: not stepped, take, write=False, parts_in=3,
+                                fresh_in=3, fresh_fill=self._fill_master, with_slot=True)
+            if m is not None:
+                self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"] = m, v
+        try:
+            yield
+        finally:
+            for i, p in enumerate(self._params):
+                state = self.state.get(p, {})
+                m, v = state.pop("exp_avg", None), state.pop("exp_avg_sq", None)
+
+                def put(c, slot, p=p, m=m, v=v):
+                    for k, t in enumerate((m, v, p.data)):
+                        if t is None:
+                            self.swapper.part(slot, c, k).zero_()
+                        else:
+                            self.swapper.part(slot, c, k).copy_(t[c.lo:c.hi])
+                    self.infinity.params_out(c.index, c.lo, c.hi, p.data[c.lo:c.hi])
+
+                try:
+                    self.swapper.stream(self.swapper.chunks[i], lambda c: True, put, parts_in=0, fresh_in=0,
+                                        parts_out=3, with_slot=True)
+                finally:
+                    self.infinity.flush()
+                self._on_disk.add(i)
+                p.data.untyped_storage().resize_(0)
+
     def close(self) -> None:
         """Release the swap file and its I/O threads; the optimizer cannot step after this."""
+        if self.grads is not None:
+            self.grads.flush()
         self.swapper.close()
 
     def host_buffers(self) -> list[torch.Tensor]:
         """The host memory the moments take: the swap buffers."""
         return list(self.swapper.buffers)
+
+
+class GradSwap:
+    """ZeRO-Infinity's gradients: each reduced bucket's shard is written (added, after the first
+    micro-step of an accumulation) into the gradient part of the records it covers, behind."""
+
+    IN_FLIGHT = 4  # writes behind; each holds its host buffer
+
+    def __init__(self, swapper: StateSwapper):
+        self.swapper = swapper
+        self.written: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (index, chunk lo) -> ranges this window
+        self._writes: list[tuple[IORequest, torch.Tensor]] = []
+        self._spare: list[torch.Tensor] = []
+
+    def _grad_offset(self, c: Chunk, element: int) -> int:
+        return c.offset + 3 * c.padded * 4 + (element - c.lo) * 4
+
+    def accumulate(self, index: int, lo: int, hi: int, piece: torch.Tensor) -> torch.Tensor:
+        """Add ``piece`` (elements [lo, hi) of parameter ``index``'s gradient, any device) into the file;
+        returns the sum of squares of the accumulated values written (0-dim float64)."""
+        from ..ops.grad import sum_of_squares
+
+        total = torch.zeros((), dtype=torch.float64)
+        k = lo
+        while k < hi:
+            c = self.swapper.chunk_at(index, k)
+            a, b = k, min(hi, c.hi)
+            assert (a - c.lo) % _ALIGN_ELEMS == 0 and ((b - a) % _ALIGN_ELEMS == 0 or b == c.hi), "unaligned bucket"
+            n = c.padded - (a - c.lo) if b == c.hi else b - a  # the record's tail padding goes along
+            buf = self._buffer(n)
+            buf[b - a:].zero_()
+            buf[:b - a].copy_(piece[a - lo:b - lo])
+            ranges = self.written.setdefault((index, c.lo), [])
+            if any(x < b and a < y for x, y in ranges):  # accumulated before in this window: add the sum so far
+                self.flush()
+                before = aligned_empty(n, torch.float32)
+                self.swapper._read(before, self._grad_offset(c, a)).wait()
+                buf[:b - a].add_(before[:b - a])
+            ranges.append((a, b))
+            total += sum_of_squares(buf[:b - a]).to(torch.float64).cpu()
+            self._writes.append((self.swapper._write(buf, self._grad_offset(c, a)), buf))
+            k = b
+        return total
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        while len(self._writes) >= self.IN_FLIGHT:
+            request, buf = self._writes.pop(0)
+            self.swapper._wait(request)
+            self._spare.append(buf)
+        for i, buf in enumerate(self._spare):
+            if buf.numel() >= n:
+                return self._spare.pop(i)[:n]
+        return aligned_empty(n, torch.float32)
+
+    def flush(self) -> None:
+        """Wait for every write behind (before anything reads the records); drop the buffers."""
+        for request, _ in self._writes:
+            self.swapper._wait(request)
+        self._writes, self._spare = [], []
+
+    def reset(self) -> None:
+        """A new accumulation window: the next write of each range replaces what the file holds."""
+        self.flush()
+        self.written.clear()
+
+    def gaps(self, c: Chunk) -> list[tuple[int, int]]:
+        """Ranges of chunk ``c`` no gradient was written to in this window."""
+        out, at = [], c.lo
+        for a, b in sorted(self.written.get((c.index, c.lo), [])):
+            if a > at:
+                out.append((at, a))
+            at = max(at, b)
+        if at < c.hi:
+            out.append((at, c.hi))
+        return out
+
+    def read(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s accumulated gradient, read whole ([numel] fp32; zeros where none was written)."""
+        self.flush()
+        chunks = self.swapper.chunks[index]
+        out = torch.zeros(chunks[-1].hi if chunks else 0, dtype=torch.float32)
+        for c in chunks:
+            buf = aligned_empty(c.padded, torch.float32)
+            self.swapper._read(buf, self._grad_offset(c, c.lo)).wait()
+            out[c.lo:c.hi].copy_(buf[:c.hi - c.lo])
+            for a, b in self.gaps(c):
+                out[a:b].zero_()
+        return out
 
 
 def _overlaps(ranges, lo: int, hi: int):

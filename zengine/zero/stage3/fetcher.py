@@ -68,6 +68,7 @@ class Fetcher:
         self._pending: dict[int, _Pending] = {}  # id(ShardedParam) -> its in-flight gather
         self._free_staging: list[torch.Tensor] = []  # released staging storage, reused within a step
         self._seq = 0
+        self.swap = None  # offload_param nvme: the ParamSwap whose reads follow the trace ahead of the gathers
 
     @property
     def held_numel(self) -> int:
@@ -97,6 +98,8 @@ class Fetcher:
         for pending in list({id(p): p for p in self._pending.values()}.values()):
             self._finish(pending)
         self._free_staging = []
+        if self.swap is not None:  # shards read ahead are stale once the step writes new ones
+            self.swap.forget_prefetched()
 
     # -- fetch and release ----------------------------------------------------------------------
     def fetch(self, params: Sequence[ShardedParam], tag: str) -> None:
@@ -143,9 +146,15 @@ class Fetcher:
         # there directly (no staging buffer, no copy); several: one staging buffer, one collective for all.
         direct = len(params) == 1
         staging = params[0].allocate() if direct else self._staging(total, dtype, device)  # [world, sum of chunks]
+        for sp in params:  # shards on NVMe: every read in flight at once
+            if sp.shard is None:
+                sp.store.start_read(sp)
         col = 0
         for sp in params:
-            staging[self.rank, col:col + sp.chunk].copy_(sp.shard, non_blocking=True)  # from the host with offload_param
+            source = sp.shard if sp.shard is not None else sp.store.take(sp)  # host memory with offload_param
+            staging[self.rank, col:col + sp.chunk].copy_(source, non_blocking=True)
+            if sp.shard is None:
+                sp.store.give_back(sp)
             col += sp.chunk
         works = collectives.all_gather_rows(staging, self.rank, self.comm_group, async_op=True)
         pending = _Pending(params, staging, works, direct)
@@ -204,6 +213,8 @@ class Fetcher:
                 logger.info("stage 3: module order changed from the recorded trace at %r; fetching on demand", tag)
 
     def _prefetch_ahead(self) -> None:
+        if self._following and self.swap is not None:
+            self._read_ahead()
         if not self._following or self.prefetch_numel <= 0:
             return
         budget = self.prefetch_numel - self._pending_numel()
@@ -220,6 +231,14 @@ class Fetcher:
                 self._start(todo)
                 budget -= size
             pos += 1
+
+    def _read_ahead(self) -> None:
+        """Start reading the NVMe shards the trace gathers next, as far as the swap's buffers go."""
+        for _, params in self.trace[self._pos:]:
+            todo = [sp for sp in params if sp.state is ParamState.SHARDED and sp.shard is None
+                    and sp.store is self.swap and id(sp) not in self._pending]
+            if todo and not self.swap.prefetch(todo):
+                return
 
     def _reused_soon(self, sp: ShardedParam) -> bool:
         """True when the trace fetches ``sp`` again within max_reuse_distance elements, and keeping it

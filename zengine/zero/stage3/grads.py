@@ -31,19 +31,28 @@ class _ChunkView:
     """Adapts a stage-3 group to the bucket queue: spans are the parameters' chunks in shard order."""
 
     def __init__(self, group: ShardedParamGroup):
-        self.layout = FlatLayout([sp.name for sp in group.sharded], [(sp.chunk,) for sp in group.sharded], 1)
+        # each span runs to the next parameter's offset: the group's chunks may be padded for O_DIRECT
+        ends = list(group.offsets[1:]) + [group.shard_numel]
+        self.layout = FlatLayout([sp.name for sp in group.sharded],
+                                 [(end - off,) for off, end in zip(group.offsets, ends)], 1)
 
 
 class Stage3Gradients(ShardReducer):
     """Stage 3: rank-major bucket buffers; each rank keeps its row."""
 
     def __init__(self, groups: list[ShardedParamGroup], bucket_numel: int, world: int, rank: int, placement,
-                 after_grad: Callable[[ShardedParam], None], comm_group=None, in_flight: int = 2):
+                 after_grad: Callable[[ShardedParam], None], comm_group=None, in_flight: int = 2,
+                 swapped: bool = False):
         self.groups, self.world, self.rank = groups, world, rank
         self.after_grad = after_grad  # releases the parameter's full data
         self.use_reduce_scatter = dist.get_backend(comm_group) != "gloo"
         dtype = torch.float32 if placement.cpu_optimizer else None
-        shards = [placement.empty(g.shard_numel, dtype or g.shard_flat.dtype, g.shard_flat.device) for g in groups]
+        if swapped:  # ZeRO-Infinity: the shards go to the optimizer's swap file (``sink``); no storage here
+            shards = [_no_storage(g.shard_numel) for g in groups]
+        else:
+            shards = [placement.empty(g.shard_numel, dtype or g.shard_flat.dtype, g.shard_flat.device) for g in groups]
+        self.sink = None   # the optimizer's GradSwap, set once the optimizer exists
+        self.sq: dict[tuple[int, int], torch.Tensor] = {}  # swapped: (group, bucket) -> sum of squares written
         # Buckets count chunk elements; a bucket of c chunk elements moves world * c elements.
         super().__init__([_BucketQueue(_ChunkView(g), max(1, bucket_numel // world)) for g in groups], shards,
                          placement.copies, comm_group, in_flight)
@@ -88,7 +97,8 @@ class Stage3Gradients(ShardReducer):
         """Use the gradient itself as the bucket buffer when the bucket is this one unpadded parameter."""
         key = (gi, bucket.index)
         grad = sp.param.grad
-        if (len(bucket.params) != 1 or sp.numel != self.world * sp.chunk or key in self.buffers
+        if (len(bucket.params) != 1 or sp.numel != self.world * sp.chunk or bucket.numel != sp.chunk
+                or key in self.buffers
                 or grad.dtype != sp.full.dtype or not grad.is_contiguous()):
             return False
         # AccumulateGrad hands a .grad of its own (stolen or cloned), so nothing else aliases it.
@@ -112,4 +122,35 @@ class Stage3Gradients(ShardReducer):
 
     def _accumulate(self, gi: int, bucket: Bucket, buf: torch.Tensor, out) -> None:
         mine = out if out is not None else buf[self.rank]
-        self.copies.accumulate(self.shards[gi][bucket.start:bucket.end], mine)
+        if self.sink is not None:
+            self.sq[(gi, bucket.index)] = self.sink.accumulate(gi, bucket.start, bucket.end, mine)
+        else:
+            self.copies.accumulate(self.shards[gi][bucket.start:bucket.end], mine)
+
+    # -- ZeRO-Infinity: the shards are in the swap file ----------------------------------------
+    def owned_grad(self, gi: int) -> torch.Tensor:
+        if self.sink is None:
+            return self.shards[gi]
+        self.drain()
+        return self.sink.read(gi)
+
+    def swapped_sq(self) -> torch.Tensor:
+        """The sum of squares of the summed gradient shards (as written to the swap file): 0-dim float64."""
+        return torch.stack(list(self.sq.values())).sum() if self.sq else torch.zeros((), dtype=torch.float64)
+
+    def zero(self) -> None:
+        if self.sink is None:
+            super().zero()
+            return
+        self.sink.reset()
+        self.sq.clear()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in super().tensors() if t.untyped_storage().nbytes() > 0]
+
+
+def _no_storage(numel: int) -> torch.Tensor:
+    """A [numel] fp32 tensor without storage: the shape of a shard that lives on NVMe."""
+    t = torch.empty(numel, dtype=torch.float32)
+    t.untyped_storage().resize_(0)
+    return t

@@ -18,22 +18,58 @@ class ShardedParamGroup:
     """This rank's chunks of one param group's trainable parameters, end to end in ``shard_flat``."""
 
     def __init__(self, sharded: Sequence[ShardedParam], hyper: dict[str, Any], dtype: torch.dtype,
-                 device: torch.device, refresh: Callable[[list[ShardedParam]], None], pin: bool = False):
+                 device: torch.device, refresh: Callable[[list[ShardedParam]], None], pin: bool = False,
+                 swap=None, align: int = 1):
         self.sharded = list(sharded)
         self.params = [sp.param for sp in self.sharded]
         self.hyper = hyper
+        self.swap = swap  # NVMe offload (nvme.ParamSwap): the shards live in its file, not in memory
+        # O_DIRECT (NVMe swapping): each chunk starts on an aligned element, and the shard ends on one
+        align = max(align, swap.align if swap is not None else 1)
         self.offsets = []
         offset = 0
         for sp in self.sharded:
             self.offsets.append(offset)
-            offset += sp.chunk
-        self.shard_numel = offset
-        # [sum of chunks] compute dtype; on the host with offload_param (pinned on a GPU machine)
-        self.shard_flat = torch.zeros(self.shard_numel, dtype=dtype, device=device, pin_memory=pin)
-        for sp, off in zip(self.sharded, self.offsets):
-            sp.attach_shard(self.shard_flat.narrow(0, off, sp.chunk))
+            offset += -(-sp.chunk // align) * align
+        self.shard_numel = -(-offset // align) * align
+        if swap is None:
+            # [sum of chunks] compute dtype; on the host with offload_param (pinned on a GPU machine)
+            self.shard_flat = torch.zeros(self.shard_numel, dtype=dtype, device=device, pin_memory=pin)
+            for sp, off in zip(self.sharded, self.offsets):
+                sp.attach_shard(self.shard_flat.narrow(0, off, sp.chunk))
+        else:
+            # [shard_numel] compute dtype with no storage: shape and dtype only, the values are in the file
+            self.shard_flat = torch.empty(self.shard_numel, dtype=dtype)
+            self.shard_flat.untyped_storage().resize_(0)
+            self.base = swap.add_group(self.shard_numel)
+            for sp, off in zip(self.sharded, self.offsets):
+                swap.check_fits(sp.name, -(-sp.chunk // align) * align)
+                sp.move_to_store(swap, self.base + off, swap.keep_resident(sp.chunk))
         self.used = [False] * len(self.params)
         self._refresh = refresh
+
+    @property
+    def in_memory(self) -> bool:
+        """False when the shards live in an NVMe swap file (``shard_flat`` then has no storage)."""
+        return self.swap is None
+
+    def resident(self) -> list[tuple[ShardedParam, int]]:
+        """(parameter, offset) of the NVMe-offloaded shards also kept in host memory (max_in_cpu)."""
+        return [(sp, off) for sp, off in zip(self.sharded, self.offsets) if sp.shard is not None]
+
+    def write_from(self, master: torch.Tensor, chunk: int) -> None:
+        """NVMe: write the compute-dtype shards from the fp32 ``master`` ([shard_numel]), ``chunk`` at a time."""
+        resident = self.resident()
+        for lo in range(0, self.shard_numel, chunk):
+            hi = min(self.shard_numel, lo + chunk)
+            self.swap.write_range(self.base, lo, hi, master[lo:hi], resident)
+        self.swap.flush()
+
+    def read_into(self, master: torch.Tensor, chunk: int) -> None:
+        """NVMe: fill the fp32 ``master`` ([shard_numel]) from the shards in the file."""
+        for lo in range(0, self.shard_numel, chunk):
+            hi = min(self.shard_numel, lo + chunk)
+            master[lo:hi].copy_(self.swap.read_range(self.base, lo, hi))
 
     @property
     def owned(self) -> tuple[int, int]:
@@ -69,4 +105,5 @@ class ShardedParamGroup:
         return [sp.name for sp in self.sharded]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.shard_flat] + [sp.full for sp in self.sharded if sp.state is ParamState.GATHERED]
+        flat = [self.shard_flat] if self.swap is None else [sp.shard for sp, _ in self.resident()]
+        return flat + [sp.full for sp in self.sharded if sp.state is ParamState.GATHERED]

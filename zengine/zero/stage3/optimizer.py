@@ -15,13 +15,17 @@ from torch import nn
 
 from ... import collectives
 from ..grads import buckets_in_flight
-from ..offload import make_placement
+from ..offload import NVMePlacement, make_aio, make_placement
 from ..optimizer import ZeroOptimizer
 from .fetcher import Fetcher
-from .grads import Stage3Gradients
+from .grads import Stage3Gradients, _no_storage
 from .group import ShardedParamGroup
 from .hooks import ModuleHooks
+from .infinity import MasterIO
+from .nvme import ParamSwap, align_elems
 from .param import ParamState, ShardedParam, lookup, register
+
+WRITE_CHUNK = 1 << 24  # elements per write when shards on NVMe are refreshed from masters in memory
 
 
 class Stage3Optimizer(ZeroOptimizer):
@@ -45,13 +49,24 @@ class Stage3Optimizer(ZeroOptimizer):
                 sp.retype(dtype, device)
             sp.persistent = sp.numel <= zero_cfg.stage3_param_persistence_threshold  # p is empty when Init sharded it
             self.all_sharded.append(sp)
-        # offload_param: the shards live in host memory; the fetcher copies each up as it gathers, and
-        # CPUAdam writes the updated shard in place.
-        offload = zero_cfg.offload_param.device == "cpu"
+        # offload_param: the shards live in host memory (cpu) or in a swap file (nvme, nvme.py); the fetcher
+        # copies each up as it gathers, and the optimizer writes the updated shards back.
+        offload = zero_cfg.offload_param.device in ("cpu", "nvme")
         shard_device = torch.device("cpu") if offload else device  # host memory by design with offload_param
         pin = offload and bool(zero_cfg.offload_param.pin_memory) and device.type == "cuda"  # pinned for copies up
-        groups = [ShardedParamGroup([lookup(p) for _, p in named], hyper, dtype, shard_device, self.fetcher.gather_now,
-                                    pin) for named, hyper in named_groups]
+        # ZeRO-Infinity: with the optimizer on NVMe the masters and gradients are swapped with the moments
+        swapped_masters = isinstance(placement, NVMePlacement)
+        align = align_elems(dtype) if swapped_masters or zero_cfg.offload_param.device == "nvme" else 1
+        members = [[lookup(p) for _, p in named] for named, _ in named_groups]
+        self.param_swap = None
+        if zero_cfg.offload_param.device == "nvme":
+            sizes = [sum(-(-sp.chunk // align) * align for sp in sps) + align for sps in members]
+            self.param_swap = ParamSwap(zero_cfg.offload_param, dtype, make_aio(aio_cfg), device, sizes)
+            self.fetcher.swap = self.param_swap
+        groups = [ShardedParamGroup(sps, hyper, dtype, shard_device, self.fetcher.gather_now, pin, self.param_swap,
+                                    align) for sps, (_, hyper) in zip(members, named_groups)]
+        self.infinity = MasterIO(groups, dtype) if swapped_masters else None
+        placement.infinity = self.infinity
         in_groups = {id(sp) for g in groups for sp in g.sharded}
         self.frozen = ShardedParamGroup([sp for sp in self.all_sharded if id(sp) not in in_groups], {}, dtype,
                                         shard_device, self.fetcher.gather_now, pin)
@@ -60,10 +75,62 @@ class Stage3Optimizer(ZeroOptimizer):
                 sp.free()
         grads = Stage3Gradients(groups, zero_cfg.reduce_bucket_size, world, rank, placement,
                                 lambda sp: self.fetcher.release([sp], force=True), comm_group,
-                                buckets_in_flight(zero_cfg.overlap_comm))
+                                buckets_in_flight(zero_cfg.overlap_comm), swapped=swapped_masters)
         super().__init__(groups, grads, placement, lambda g: make_optimizer(g, placement.cpu_optimizer), scaler,
                          clip, zero_cfg.allgather_bucket_size, world, rank, device, comm_group)
+        if swapped_masters:
+            grads.sink = self.optimizer.grads
+            self._grad_shapes = [_no_storage(m.numel()) for m in self.masters]  # what the step's .grad shows
         self.module_hooks = ModuleHooks(module, self.fetcher)
+
+    # -- ZeRO-Infinity and parameters on NVMe: the step's pieces ----------------------------------
+    def _make_master(self, group: ShardedParamGroup) -> torch.Tensor:
+        if self.infinity is not None:  # in the swap file; storage only inside states_resident()
+            return _no_storage(group.shard_numel)
+        if not group.in_memory:
+            master = self.placement.empty(group.shard_numel, torch.float32, self.device)
+            group.read_into(master, WRITE_CHUNK)
+            return master
+        return super()._make_master(group)
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        if self.infinity is None:
+            return super()._master_grads()
+        self.optimizer.grad_scale = 1.0 / (self.world * self.scaler.scale)  # applied chunk by chunk in the step
+        return self._grad_shapes
+
+    def _sq_norm(self, master_grads: list[torch.Tensor]) -> torch.Tensor:
+        if self.infinity is None:
+            return super()._sq_norm(master_grads)
+        return self.grads.swapped_sq() * self.optimizer.grad_scale ** 2
+
+    def _clip_grads(self, master_grads: list[torch.Tensor], coef: float) -> None:
+        if self.infinity is None:
+            super()._clip_grads(master_grads, coef)
+        else:
+            self.optimizer.grad_scale *= coef
+
+    def _where_nonfinite(self, master_grads: list[torch.Tensor]):
+        if self.infinity is None:
+            return super()._where_nonfinite(master_grads)
+        return super()._where_nonfinite([self.grads.owned_grad(gi) for gi in range(len(self.groups))])
+
+    def _state_tensors(self, gi: int) -> list[torch.Tensor]:
+        # ZeRO-Infinity keeps unused ranges itself (keep_unchanged): the master has no storage here
+        return [] if self.infinity is not None else super()._state_tensors(gi)
+
+    def _copy_out_targets(self) -> dict:
+        if self.infinity is not None or any(not g.in_memory for g in self.groups):
+            return {}  # the swapped step writes the parameters itself; NVMe shards are written by write_back
+        return super()._copy_out_targets()
+
+    def write_back(self, skip_copy: bool = False) -> None:
+        for g, master in zip(self.groups, self.masters):
+            if self.infinity is None and not g.in_memory:
+                g.write_from(master, WRITE_CHUNK)
+            elif self.infinity is None and not skip_copy and g.shard_flat.data_ptr() != master.data_ptr():
+                g.shard_flat.copy_(master)
+            g.publish(self.allgather_bucket_numel, self.comm_group)
 
     # -- forward and backward -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -82,6 +149,8 @@ class Stage3Optimizer(ZeroOptimizer):
         super().close()
         self.fetcher.drain()
         self.module_hooks.remove()
+        if self.param_swap is not None:
+            self.param_swap.close()
 
     def release_all(self) -> None:
         """Free every gathered parameter that is not persistent or held by a context."""
@@ -90,15 +159,21 @@ class Stage3Optimizer(ZeroOptimizer):
     # -- full parameters on request -------------------------------------------------------------
     def sync_masters(self) -> None:
         """Copy the compute-dtype shards into separate fp32 masters (after shards were written)."""
-        with torch.no_grad():
+        with torch.no_grad(), self.states_resident():
             for g, master in zip(self.groups, self.masters):
-                if master.data_ptr() != g.shard_flat.data_ptr():
+                if not g.in_memory:
+                    g.read_into(master, WRITE_CHUNK)
+                elif master.data_ptr() != g.shard_flat.data_ptr():
                     master.copy_(g.shard_flat)
 
     def refresh_param(self, gi: int, pi: int, value: torch.Tensor) -> None:
         """After ``safe_set_full_fp32_param`` (the shard is already written): a parameter that stays
         gathered shows ``value`` too."""
-        sp = self.groups[gi].sharded[pi]
+        g = self.groups[gi]
+        sp = g.sharded[pi]
+        if not g.in_memory:  # the NVMe shard from the master just set (inside states_resident)
+            off = g.offsets[pi]
+            sp.store.write_shard(sp, self.masters[gi][off:off + sp.chunk])
         if sp.state is ParamState.GATHERED:
             with torch.no_grad():
                 sp.full.narrow(0, 0, sp.numel).copy_(value.reshape(-1))
@@ -174,4 +249,7 @@ class Stage3Optimizer(ZeroOptimizer):
     def memory_tensors(self):
         kinds = super().memory_tensors()
         kinds["parameters"] = kinds["parameters"] + self.frozen.tensors()
-        return kinds
+        if self.param_swap is not None:
+            kinds["parameters"] += self.param_swap.host_buffers()
+        # tensors without storage are shapes of shards that live on NVMe
+        return {k: [t for t in ts if t.untyped_storage().nbytes() > 0] for k, ts in kinds.items()}

@@ -96,6 +96,10 @@ class ShardedParam:
         self.chunk = max(1, math.ceil(self.numel / world))
         self.valid = max(0, min(self.chunk, self.numel - rank * self.chunk))  # real elements in my chunk
         self.shard: Optional[torch.Tensor] = None  # [chunk] compute dtype, a view into its group's shard buffer
+        # NVMe offload (nvme.py): the swap that holds the shard, and its first element there; ``shard`` is
+        # then None, or a resident copy (max_in_cpu)
+        self.store = None
+        self.file_elem = 0
         self.full = torch.empty(world * self.chunk, dtype=param.dtype, device=param.device)  # [world*chunk]
         self.state = ParamState.GATHERED
         self.holders = 0        # forward-time fetches not yet released
@@ -125,11 +129,33 @@ class ShardedParam:
         """Point at this rank's chunk inside a group buffer and fill it (from the full data, or from the
         chunk it held before when it was already sharded, e.g. by zero.Init)."""
         with torch.no_grad():
-            if self.state is ParamState.SHARDED:
-                shard.copy_(self.shard)
-            else:
-                shard.copy_(self.full.narrow(0, self.rank * self.chunk, self.chunk))
+            shard.copy_(self.current_shard())
+        self._leave_store()
         self.shard = shard
+
+    def current_shard(self) -> torch.Tensor:
+        """This rank's chunk as it stands now: from the full data when gathered, else the shard (read from
+        its swap when it lives on NVMe)."""
+        if self.state is ParamState.GATHERED:
+            return self.full.narrow(0, self.rank * self.chunk, self.chunk)
+        if self.shard is not None:
+            return self.shard
+        return self.store.take_copy(self)
+
+    def move_to_store(self, store, elem: int, resident: bool) -> None:
+        """Make ``store`` (an NVMe swap) the home of this rank's chunk, at element ``elem``; with
+        ``resident`` a copy stays in host memory too."""
+        with torch.no_grad():
+            value = self.current_shard().clone() if resident else self.current_shard()
+            self._leave_store()
+            self.store, self.file_elem = store, elem
+            self.shard = value if resident else None
+            store.write_shard(self, value)
+
+    def _leave_store(self) -> None:
+        if self.store is not None:
+            self.store.forget(self)
+        self.store = None
 
     def retype(self, dtype: torch.dtype, device: torch.device) -> None:
         """Gather into ``dtype`` on ``device`` from now on (a sharded parameter adopted by an engine)."""
@@ -159,7 +185,11 @@ class ShardedParam:
     def write_back_full(self) -> None:
         """Copy this rank's chunk of the (modified) full data into the shard."""
         with torch.no_grad():
-            self.shard.copy_(self.full.narrow(0, self.rank * self.chunk, self.chunk))
+            mine = self.full.narrow(0, self.rank * self.chunk, self.chunk)
+            if self.store is not None:
+                self.store.write_shard(self, mine)  # updates the resident copy too
+            else:
+                self.shard.copy_(mine)
 
 
 # Sharded parameters by id(parameter): consulted by the hooks and zero.GatheredParameters. An entry

@@ -1,0 +1,208 @@
+"""ZeRO-Infinity on this machine: the largest GPT it trains with parameters and optimizer on NVMe.
+
+    OMP_NUM_THREADS=2 python benchmarks/bench_infinity.py [--layers 32 --d-model 2560] [--steps 4]
+                                                          [--dir /var/tmp/zengine-infinity]
+
+One process (W=1), stage 3, bf16, AdamW; the model is built under ``zero.Init`` straight into the
+parameter swap file, so it is never whole in memory. Every state of size N lives on disk: the bf16
+parameters (2 bytes each) and, per optimizer chunk, ``[exp_avg | exp_avg_sq | fp32 master | fp32 grad]``
+(16 bytes each). The run trains the same short batch for ``--steps`` optimizer steps (the loss must
+fall and stay finite) and reports:
+
+- parameters, bytes on disk, peak RSS (the process high-water mark) against the machine's memory;
+- seconds per step split into forward+backward (compute, with the parameter reads and gradient
+  writes it waits for) and the optimizer step, and the seconds each waited on the drive
+  (swap-in: parameter reads; swap-out: gradient and parameter writes; optimizer records);
+- the swap throughput achieved (bytes moved / time) against the drive alone, measured in the same
+  run with the same I/O pool (large O_DIRECT requests, reads and writes apart).
+
+It checks the free space under ``--dir`` first and refuses with what it needs. Not part of the test
+suite (it takes minutes); results go to stdout and ``benchmarks/results/infinity_<date>.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import zengine  # noqa: E402
+from zengine.models.gpt import GPT, GPTConfig  # noqa: E402
+from zengine.ops.aio import AsyncIO, SwapFile, aligned_empty  # noqa: E402
+
+GiB = 1 << 30
+
+
+def _parameters(layers: int, d: int, vocab: int, seq: int) -> int:
+    return layers * (12 * d * d + 13 * d) + vocab * d + seq * d + 2 * d
+
+
+def _drive_alone(directory: str, aio: dict, nbytes: int = 2 * GiB, request: int = 64 << 20) -> tuple[float, float]:
+    """(write GB/s, read GB/s) of the drive with this pool: ``request``-byte O_DIRECT requests, 4 in flight."""
+    io = AsyncIO(aio["block_size"], aio["thread_count"], aio["queue_depth"])
+    f = SwapFile(directory, nbytes, prefix="zengine-drive-")
+    bufs = [aligned_empty(request // 4) for _ in range(4)]
+    for b in bufs:
+        b.fill_(1.0)
+    rates = []
+    for write in (True, False):
+        began, pending = time.perf_counter(), []
+        for k, off in enumerate(range(0, nbytes, request)):
+            if len(pending) == len(bufs):
+                pending.pop(0).wait()
+            b = bufs[k % len(bufs)]
+            pending.append(io.write(b, f, off) if write else io.read(b, f, off))
+        for r in pending:
+            r.wait()
+        rates.append(nbytes / (time.perf_counter() - began) / 1e9)
+    io.close()
+    f.close()
+    return rates[0], rates[1]
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _swaps(engine):
+    opt = engine.optimizer
+    return opt.param_swap, opt.optimizer.swapper
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--d-model", type=int, default=2560)
+    ap.add_argument("--heads", type=int, default=20)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--dir", default="/var/tmp/zengine-infinity")
+    args = ap.parse_args()
+    vocab = 256
+    n_params = _parameters(args.layers, args.d_model, vocab, args.seq)
+    need = n_params * (2 + 16 + 2) + 2 * GiB  # params, optimizer records, zero.Init's copy, the drive test
+    os.makedirs(args.dir, exist_ok=True)
+    free = shutil.disk_usage(args.dir).free
+    if free < need:
+        sys.exit(f"bench_infinity: {n_params / 1e9:.2f}B parameters need about {need / GiB:.1f} GiB free under "
+                 f"{args.dir}; there are {free / GiB:.1f} GiB. Free space there, pass --dir on a larger drive, or "
+                 f"use fewer --layers / a smaller --d-model")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    aio = {"block_size": 8 << 20, "queue_depth": 8, "thread_count": 2}
+    largest = 4 * args.d_model * args.d_model
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
+        "bf16": {"enabled": True}, "steps_per_print": 10**9, "aio": aio,
+        "zero_optimization": {
+            "stage": 3, "sub_group_size": 16 << 20, "reduce_bucket_size": largest,
+            "stage3_prefetch_bucket_size": 2 * largest, "stage3_max_live_parameters": 6 * largest,
+            "stage3_param_persistence_threshold": 0,
+            "offload_param": {"device": "nvme", "nvme_path": args.dir, "buffer_count": 6,
+                              "buffer_size": largest, "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": args.dir, "buffer_count": 4},
+        },
+    }
+    print(f"drive alone ({args.dir}, 64 MiB O_DIRECT requests, 4 in flight) ...", flush=True)
+    drive_w, drive_r = _drive_alone(args.dir, aio)
+    print(f"  write {drive_w:.2f} GB/s, read {drive_r:.2f} GB/s", flush=True)
+
+    cfg = GPTConfig(vocab_size=vocab, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
+                    d_model=args.d_model, dropout=0.0)
+    began = time.perf_counter()
+    with zengine.zero.Init(config_dict_or_path=config):
+        model = GPT(cfg)
+    built = time.perf_counter() - began
+    print(f"built {n_params / 1e9:.2f}B parameters under zero.Init in {built:.0f} s "
+          f"(peak RSS {_peak_rss_gib():.2f} GiB)", flush=True)
+    began = time.perf_counter()
+    engine, *_ = zengine.initialize(model=model, config=config)
+    print(f"initialize: {time.perf_counter() - began:.0f} s (peak RSS {_peak_rss_gib():.2f} GiB)", flush=True)
+    pswap, oswap = _swaps(engine)
+    on_disk = pswap.file.size + oswap.file.size
+    torch.manual_seed(0)
+    tokens = torch.randint(0, vocab, (args.batch, args.seq + 1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    rows = []
+    for step in range(args.steps):
+        p0 = (pswap.bytes_read, pswap.bytes_written, pswap.wait_s)
+        o0 = (oswap.bytes_read, oswap.bytes_written, oswap.wait_s)
+        t0 = time.perf_counter()
+        loss = engine(x, y)  # the mean cross-entropy, in fp32
+        engine.backward(loss)
+        t1 = time.perf_counter()
+        p1 = (pswap.bytes_read, pswap.bytes_written, pswap.wait_s)
+        o1 = (oswap.bytes_read, oswap.bytes_written, oswap.wait_s)
+        engine.step()
+        t2 = time.perf_counter()
+        p2 = (pswap.bytes_read, pswap.bytes_written, pswap.wait_s)
+        o2 = (oswap.bytes_read, oswap.bytes_written, oswap.wait_s)
+        moved = (p2[0] - p0[0]) + (p2[1] - p0[1]) + (o2[0] - o0[0]) + (o2[1] - o0[1])
+        row = {"step": step + 1, "loss": loss.item(), "fwd_bwd_s": t1 - t0, "step_s": t2 - t1,
+               "swap_in_wait_s": p1[2] - p0[2], "grad_out_wait_s": o1[2] - o0[2],
+               "opt_io_wait_s": (o2[2] - o1[2]) + (p2[2] - p1[2]),
+               "read_gb": ((p2[0] - p0[0]) + (o2[0] - o0[0])) / 1e9,
+               "written_gb": ((p2[1] - p0[1]) + (o2[1] - o0[1])) / 1e9,
+               "gbps": moved / (t2 - t0) / 1e9, "opt_gbps": ((o2[0] - o1[0]) + (o2[1] - o1[1]) + (p2[1] - p1[1]))
+               / (t2 - t1) / 1e9, "rss": _peak_rss_gib()}
+        rows.append(row)
+        print(f"step {row['step']}: loss {row['loss']:.4f}  fwd+bwd {row['fwd_bwd_s']:.1f} s (waited "
+              f"{row['swap_in_wait_s']:.1f} s on reads, {row['grad_out_wait_s']:.1f} s on gradient writes)  "
+              f"step {row['step_s']:.1f} s (waited {row['opt_io_wait_s']:.1f} s on I/O)  read "
+              f"{row['read_gb']:.1f} GB, wrote {row['written_gb']:.1f} GB, {row['gbps']:.2f} GB/s overall, "
+              f"optimizer {row['opt_gbps']:.2f} GB/s  peak RSS {row['rss']:.2f} GiB", flush=True)
+    engine.destroy()
+    losses = [r["loss"] for r in rows]
+    ok = all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    drive = 2 / (1 / drive_w + 1 / drive_r)  # reads and writes in equal measure
+    steady = rows[1:] or rows
+    lines = [
+        f"# ZeRO-Infinity, {datetime.date.today()}: {n_params / 1e9:.2f}B-parameter GPT on one process",
+        "",
+        f"`OMP_NUM_THREADS=2 python benchmarks/bench_infinity.py --layers {args.layers} --d-model {args.d_model} "
+        f"--steps {args.steps}`; {args.layers} layers, d_model {args.d_model}, seq {args.seq}, batch {args.batch}, "
+        f"bf16, AdamW, stage 3, parameters and optimizer on NVMe ({args.dir}).",
+        "",
+        f"- parameters: {n_params:,} ({n_params * 16 / 1e9:.1f} GB of fp32 params + grads + Adam states; "
+        f"machine memory {ram / GiB:.1f} GiB)",
+        f"- on disk: {on_disk / 1e9:.1f} GB; peak RSS {_peak_rss_gib():.2f} GiB",
+        f"- built under zero.Init in {built:.0f} s",
+        f"- drive alone, same pool: write {drive_w:.2f} GB/s, read {drive_r:.2f} GB/s "
+        f"(harmonic mean {drive:.2f} GB/s)",
+        f"- loss {' -> '.join(f'{v:.4f}' for v in losses)}: {'falling and finite' if ok else 'NOT falling'}",
+        "",
+        "| step | loss | fwd+bwd s | waited on reads s | waited on grad writes s | optimizer s | "
+        "optimizer I/O wait s | GB read | GB written | GB/s overall | optimizer GB/s | vs drive |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['step']} | {r['loss']:.4f} | {r['fwd_bwd_s']:.1f} | {r['swap_in_wait_s']:.1f} | "
+                     f"{r['grad_out_wait_s']:.1f} | {r['step_s']:.1f} | {r['opt_io_wait_s']:.1f} | "
+                     f"{r['read_gb']:.1f} | {r['written_gb']:.1f} | {r['gbps']:.2f} | {r['opt_gbps']:.2f} | "
+                     f"{r['opt_gbps'] / drive:.2f} |")
+    mean_opt = sum(r["opt_gbps"] for r in steady) / len(steady)
+    lines += ["", f"Optimizer swap after the first step: {mean_opt:.2f} GB/s, {mean_opt / drive:.2f} of the drive "
+                  f"alone (harmonic mean of its read and write)."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = REPO / "benchmarks" / "results" / f"infinity_{datetime.date.today()}.md"
+    out.write_text(text)
+    print(f"written {out}")
+    if not ok:
+        sys.exit("bench_infinity: the loss did not fall")
+
+
+if __name__ == "__main__":
+    main()
