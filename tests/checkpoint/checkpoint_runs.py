@@ -32,12 +32,15 @@ def config(stage: int, precision: str = "fp32", offload: bool | str = False, sch
                               "stage3_param_persistence_threshold": 30, "stage3_prefetch_bucket_size": 1500},
         "steps_per_print": 1000,
     }
-    if offload == "nvme":  # Adam's moments swapped to a file, in 700-element chunks through 2 buffers
+    if offload in ("nvme", "infinity"):  # Adam's moments swapped to a file, in 700-element chunks through 2 buffers
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "buffer_count": 2,
                                                          "nvme_path": os.path.join(tempfile.gettempdir(), "zswap")}
         cfg["zero_optimization"]["sub_group_size"] = 700
     elif offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if offload == "infinity":  # stage 3: the parameter shards in a swap file too (ZeRO-Infinity)
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "buffer_count": 2, "buffer_size": 4096,
+                                                     "nvme_path": os.path.join(tempfile.gettempdir(), "zswap")}
     if scheduler:
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": LR,
                                                             "warmup_num_steps": 3}}

@@ -55,7 +55,9 @@ def saved(tmp_path_factory):
 
 
 # (world, [(stage, optimizer offload)]): one process group per world size
-@pytest.mark.parametrize("world,targets", [(3, [(3, False), (2, True), (3, "nvme")]), (1, [(0, False), (2, "nvme")])])
+# ("infinity": stage 3 with parameters and optimizer on NVMe; its "again" check saves from it and loads at stage 1)
+@pytest.mark.parametrize("world,targets", [(3, [(3, False), (2, True), (3, "nvme"), (3, "infinity")]),
+                                           (1, [(0, False), (2, "nvme"), (3, "infinity")])])
 def test_reshard_continues(saved, world, targets):
     path, ref_losses, ref_params = saved
     for (stage, offload), result in zip(targets, spawn(continue_from, world, path, targets)[0]):

@@ -128,14 +128,20 @@ class GPT(nn.Module):
     def _init_weights(self) -> None:
         # Small normal weights; the two projections that write into the residual stream are scaled
         # down by the depth so the stream's variance does not grow with the number of blocks.
+        # Under zero.Init the parameters are already partitioned (to NVMe, even): each is gathered whole for its
+        # initialisation and rank 0's values are written back to every shard; elsewhere the context does nothing.
+        from ..zero import GatheredParameters
+
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
         for name, p in self.named_parameters():
-            if p.dim() < 2:
-                if name.endswith("bias"):
-                    nn.init.zeros_(p)
+            if p.dim() < 2 and not name.endswith("bias"):
                 continue
-            std = residual_std if name.endswith(("attn.out.weight", "mlp.down.weight")) else 0.02
-            nn.init.normal_(p, mean=0.0, std=std)
+            with GatheredParameters(p, modifier_rank=0), torch.no_grad():
+                if p.dim() < 2:
+                    nn.init.zeros_(p)
+                else:
+                    std = residual_std if name.endswith(("attn.out.weight", "mlp.down.weight")) else 0.02
+                    nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]`` for ``idx`` ``[batch, seq]``; with ``targets``, the mean

@@ -20,6 +20,8 @@ elements takes ``2 * pad(n)`` fp32 in the file and in a buffer, ``[exp_avg | exp
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +34,16 @@ from ..ops.aio import ALIGN, AsyncIO, IORequest, SwapFile, aligned_empty
 
 MAX_CHUNK = 1 << 24  # elements; 4 buffers of this size hold 512 MiB of moments
 _ALIGN_ELEMS = ALIGN // 4  # fp32 elements per aligned block
+
+
+def check_intact(file: SwapFile) -> None:
+    """Raise when ``file`` is shorter than it was made (truncated under us, its drive replaced): reads of
+    the lost range would come back as zeros, silently. One ``fstat``, called once per step."""
+    size = os.fstat(file.fd).st_size
+    if size < file.size:
+        raise OSError(errno.EIO, f"the NVMe swap file {file.path} lost its contents (now {size} of {file.size} "
+                                 f"bytes: truncated, or its drive replaced); the swapped states are gone, resume "
+                                 f"from the last checkpoint")
 
 
 def _pad(n: int) -> int:
@@ -199,6 +211,7 @@ class SwappedAdam(CPUAdam):
         self._keep.setdefault(self._index[id(param)], []).append((lo, hi))
 
     def _step(self, closure, copy_out_by_id: Mapping[int, torch.Tensor]):
+        check_intact(self.swapper.file)
         loss = self._run_closure(closure)
         due, jobs = {}, []
         for group, param, _, step in self._due():
@@ -229,6 +242,7 @@ class SwappedAdam(CPUAdam):
         gradient only, the master from the parameters, for a chunk never stepped), Adam, write the
         compute-dtype parameters and [exp_avg | exp_avg_sq | master] back."""
         self.grads.flush()
+        check_intact(self.swapper.file)
         scale, part = self.grad_scale, self.swapper.part
 
         def compute(c: Chunk, slot: int) -> None:
@@ -356,6 +370,7 @@ class GradSwap:
         self.written: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (index, chunk lo) -> ranges this window
         self._writes: list[tuple[IORequest, torch.Tensor]] = []
         self._spare: list[torch.Tensor] = []
+        self._unchecked = True  # the file's size is checked before a window's first write (they would extend it)
 
     def _grad_offset(self, c: Chunk, element: int) -> int:
         return c.offset + 3 * c.padded * 4 + (element - c.lo) * 4
@@ -365,6 +380,9 @@ class GradSwap:
         returns the sum of squares of the accumulated values written (0-dim float64)."""
         from ..ops.grad import sum_of_squares
 
+        if self._unchecked:
+            check_intact(self.swapper.file)
+            self._unchecked = False
         total = torch.zeros((), dtype=torch.float64)
         k = lo
         while k < hi:
@@ -407,6 +425,7 @@ class GradSwap:
         """A new accumulation window: the next write of each range replaces what the file holds."""
         self.flush()
         self.written.clear()
+        self._unchecked = True
 
     def gaps(self, c: Chunk) -> list[tuple[int, int]]:
         """Ranges of chunk ``c`` no gradient was written to in this window."""

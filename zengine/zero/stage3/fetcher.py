@@ -84,6 +84,8 @@ class Fetcher:
         self._recording = []
         self._record = training and self.trace is None
         self._following = training and self.trace is not None
+        if self.swap is not None:
+            self.swap.check()
 
     def end_step(self) -> None:
         """Backward is over: keep the first step's sequence as the trace; drain stray prefetches."""

@@ -78,6 +78,8 @@ class ParamSwap:
         self._write_bufs: list[torch.Tensor] = []
         self.bytes_read = self.bytes_written = 0
         self.wait_s = 0.0  # seconds a gather or the step waited for this swap's I/O (benchmarks read it)
+        self.prefetch_hits = self.demand_reads = 0  # shards taken after a read ahead / read when asked for
+        self.extra_buffers = 0  # temporary buffers made because every pool buffer was in use
 
     # -- layout ---------------------------------------------------------------------------------
     def add_group(self, numel: int) -> int:
@@ -100,6 +102,12 @@ class ParamSwap:
             return False
         self.resident_numel += numel
         return True
+
+    def check(self) -> None:
+        """Raise, naming the file, when it lost its contents (checked once per forward)."""
+        from ..swap import check_intact
+
+        check_intact(self.file)
 
     # -- one parameter's shard ------------------------------------------------------------------
     def write_shard(self, sp, src: torch.Tensor) -> None:
@@ -130,6 +138,7 @@ class ParamSwap:
             if prefetch:
                 return False
             slot = _Slot(aligned_empty(self.buffer_numel, self.dtype, self.pin))  # every buffer is in use: one more
+            self.extra_buffers += 1
             logger.debug("offload_param: swap pool exhausted; a temporary buffer for %s", sp.name)
         if slot.used is not None:
             slot.used.synchronize()
@@ -140,10 +149,14 @@ class ParamSwap:
         self._holding[id(sp)] = slot
         if prefetch:
             self._prefetched[id(sp)] = slot
+        else:
+            self.demand_reads += 1
         return True
 
     def take(self, sp) -> torch.Tensor:
         """sp's shard ([chunk] compute dtype, in a pool buffer): read now unless read ahead. Give it back."""
+        if id(sp) in self._prefetched:
+            self.prefetch_hits += 1
         self.start_read(sp)
         slot = self._holding[id(sp)]
         self._prefetched.pop(id(sp), None)
