@@ -21,12 +21,16 @@ def _config(stage, precision, offload):
                                  "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 1500,
                                  "stage3_max_live_parameters": 4000}}
     zero = cfg["zero_optimization"]
-    if offload in ("cpu", "param"):
+    swap_dir = os.path.join(tempfile.gettempdir(), "zguard")
+    if offload in ("cpu", "param", "param-nvme"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if offload == "nvme":
-        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": os.path.join(tempfile.gettempdir(), "zguard")}
+    if offload in ("nvme", "infinity"):
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": swap_dir}
     if offload == "param":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if offload in ("param-nvme", "infinity"):  # ZeRO-Infinity: parameter shards in a swap file
+        zero["offload_param"] = {"device": "nvme", "nvme_path": swap_dir, "buffer_count": 3, "buffer_size": 4096,
+                                 "pin_memory": True}
     if precision != "fp32":
         cfg[precision] = {"enabled": True}
     return cfg
@@ -60,8 +64,8 @@ def _run_case(stage, precision, offload, init, sabotage):
     reads, collectives = HostReads(WORLD), FakeCollectives()
     try:
         with reads.installed(), collectives.installed(), DeviceRulesMode():
-            if init:
-                with zengine.zero.Init(), torch.device("meta"):
+            if init:  # with parameter offload to NVMe, Init writes the shards to the swap file
+                with zengine.zero.Init(config_dict_or_path=_config(stage, precision, offload)), torch.device("meta"):
                     model = EdgeNet()
             else:
                 with torch.device("meta"):
@@ -107,7 +111,9 @@ def _run(cases):
 
 CASES = ([(s, p, "none", False, None) for s in (0, 1, 2, 3) for p in ("fp32", "bf16", "fp16")]
          + [(s, "bf16", o, False, None) for s in (1, 2, 3) for o in ("cpu", "nvme")]
-         + [(3, "bf16", "param", False, None), (3, "fp32", "none", True, None)])
+         + [(3, "bf16", "param", False, None), (3, "fp32", "none", True, None)]
+         + [(3, p, o, i, None) for p, o, i in (("bf16", "param-nvme", False), ("fp16", "infinity", False),
+                                                ("bf16", "infinity", True))])
 
 
 def test_step_path_stays_on_the_device_with_one_host_read_per_step():

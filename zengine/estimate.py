@@ -95,10 +95,12 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
     half = 2 if cfg.compute_dtype.itemsize == 2 else 4
     offload_opt = zero.offload_optimizer.device if zero.offload_optimizer.enabled else "none"
     offload_par = zero.offload_param.device if zero.offload_param.enabled else "none"
-    if cpu_training:  # the host is the device: only NVMe moves anything (the moments, to the swap file)
-        offload_par = "none"
+    if cpu_training:  # the host is the device: only NVMe moves anything (to the swap files)
+        offload_par = "nvme" if offload_par == "nvme" else "none"
         offload_opt = "nvme" if offload_opt == "nvme" else "none"
     states_on_host = offload_opt != "none" and not cpu_training
+    # ZeRO-Infinity (stage 3, optimizer on NVMe): the fp32 masters and gradient shards are swapped too
+    infinity = stage == 3 and offload_opt == "nvme"
     persistent = sum(n for n in numels if n < zero.stage3_param_persistence_threshold) if stage == 3 else 0
 
     est = MemoryEstimate(w, stage, label=f"{'bf16/fp16' if half == 2 else 'fp32'}"
@@ -110,18 +112,29 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
         est.device["parameters"] = half * psi
     else:
         whole = half * persistent * (w - 1) // w  # small parameters kept whole on every rank
-        (est.host if offload_par == "cpu" else est.device)["parameters"] = half * share
+        if offload_par == "nvme":  # the read pool, and the first max_in_cpu elements kept resident
+            par = zero.offload_param
+            largest_chunk = math.ceil((largest_param or max(numels, default=0)) / w)
+            est.host["parameter swap buffers"] = half * max(2, int(par.buffer_count)) * min(int(par.buffer_size),
+                                                                                           largest_chunk)
+            est.host["parameters kept in memory"] = half * min(int(par.max_in_cpu), share)
+        else:
+            (est.host if offload_par == "cpu" else est.device)["parameters"] = half * share
         est.device["persistent parameters"] = whole
     # gradients
     grad_elems = psi if stage < 2 else share
-    if states_on_host and stage >= 2:
+    if infinity:
+        pass  # in the swap file; the transients below hold the buckets written behind
+    elif states_on_host and stage >= 2:
         est.host["gradients"] = 4 * share  # fp32 shard where the optimizer steps
     else:
         est.device["gradients"] = half * grad_elems
         if states_on_host:
             est.host["gradients"] = 4 * share
     # fp32 masters: the fp32 parameters serve as their own unless the optimizer moved away
-    if states_on_host:
+    if infinity:
+        pass  # in the swap file, with the moments
+    elif states_on_host:
         est.host["master weights"] = 4 * sharded_opt
     elif half != 4:
         est.device["master weights"] = 4 * sharded_opt
@@ -129,7 +142,10 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
     if offload_opt == "nvme":
         chunk = min(int(zero.sub_group_size), MAX_CHUNK, max(1, sharded_opt))
         count = min(int(zero.offload_optimizer.buffer_count), max(2, math.ceil(sharded_opt / chunk)))  # as swap.py
-        est.host["optimizer swap buffers"] = count * 2 * 4 * chunk  # [exp_avg | exp_avg_sq] fp32 per buffer
+        parts = 4 if infinity else 2  # [exp_avg | exp_avg_sq] or, ZeRO-Infinity, [... | master | grad] fp32
+        est.host["optimizer swap buffers"] = count * parts * 4 * chunk
+        if infinity:  # gradient pieces written behind (swap.GradSwap.IN_FLIGHT)
+            est.transients["gradient writes"] = 4 * 4 * min(chunk, int(zero.reduce_bucket_size), share)
     elif offload_opt == "cpu":
         est.host["optimizer states"] = 8 * sharded_opt
     else:

@@ -111,6 +111,34 @@ def test_zero_init_writes_shards_to_nvme_as_modules_are_built(tmp_path):
     assert _leftovers(str(tmp_path)) == []
 
 
+def modify_while_training(directory: str, offload: bool) -> dict:
+    """GatheredParameters(modifier_rank=0) between steps: the change reaches the shards (on NVMe) and the
+    fp32 masters (swapped with the moments), so the next steps train from it."""
+    torch.manual_seed(0)
+    cfg = infinity_config(directory)
+    if not offload:
+        del cfg["zero_optimization"]["offload_param"], cfg["zero_optimization"]["offload_optimizer"]
+    engine, *_ = zengine.initialize(model=EdgeNet(), config=cfg)
+    batches = make_batches(4, MICRO * dist.get_world_size())
+    for batch in batches[:2]:
+        train_global_batch(engine, batch, MICRO, 1)
+    with zengine.zero.GatheredParameters(engine.module.fc2.weight, modifier_rank=0):
+        if dist.get_rank() == 0:
+            engine.module.fc2.weight.data.mul_(0.5)
+    losses = [train_global_batch(engine, batch, MICRO, 1) for batch in batches[2:]]
+    with engine.summon_full_params(writeback=False):
+        return {"losses": losses, "params": {n: p.detach().tolist() for n, p in engine.module.named_parameters()}}
+
+
+def test_gathered_parameters_modified_between_steps_reach_the_swapped_masters(tmp_path):
+    swapped = spawn(modify_while_training, 3, str(tmp_path), True)[0]
+    plain = spawn(modify_while_training, 3, str(tmp_path), False)[0]
+    assert swapped["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    worst = max((torch.tensor(swapped["params"][n]) - torch.tensor(v)).abs().max().item()
+                for n, v in plain["params"].items())
+    assert worst <= 1e-5
+
+
 def vanishing_file(directory: str, ckpt: str, which: str) -> dict:
     torch.manual_seed(0)
     engine, *_ = zengine.initialize(model=EdgeNet(), config=infinity_config(directory))

@@ -134,10 +134,11 @@ class GPT(nn.Module):
 
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
         for name, p in self.named_parameters():
-            if p.dim() < 2 and not name.endswith("bias"):
+            matrix = len(getattr(p, "ds_shape", p.shape)) >= 2  # a partitioned parameter shows an empty tensor
+            if not matrix and not name.endswith("bias"):
                 continue
             with GatheredParameters(p, modifier_rank=0), torch.no_grad():
-                if p.dim() < 2:
+                if not matrix:
                     nn.init.zeros_(p)
                 else:
                     std = residual_std if name.endswith(("attn.out.weight", "mlp.down.weight")) else 0.02

@@ -36,6 +36,13 @@ MAX_CHUNK = 1 << 24  # elements; 4 buffers of this size hold 512 MiB of moments
 _ALIGN_ELEMS = ALIGN // 4  # fp32 elements per aligned block
 
 
+def host_buffer(numel: int, dtype: torch.dtype = torch.float32, pin: bool = False) -> torch.Tensor:
+    """An aligned host buffer for swap I/O, in host memory even inside a ``torch.device(...)`` context
+    (a model built under ``with torch.device("cuda"), zero.Init(...)``)."""
+    with torch.device("cpu"):
+        return aligned_empty(numel, dtype, pin)
+
+
 def check_intact(file: SwapFile) -> None:
     """Raise when ``file`` is shorter than it was made (truncated under us, its drive replaced): reads of
     the lost range would come back as zeros, silently. One ``fstat``, called once per step."""
@@ -92,7 +99,7 @@ class StateSwapper:
         biggest = max((c.padded for cs in self.chunks for c in cs), default=_ALIGN_ELEMS)
         count = min(buffer_count, max(2, sum(len(cs) for cs in self.chunks)))
         # [parts * biggest chunk] fp32 each: the record of the chunk in hand
-        self.buffers = [aligned_empty(parts * biggest, torch.float32, pin) for _ in range(count)]
+        self.buffers = [host_buffer(parts * biggest, torch.float32, pin) for _ in range(count)]
         self.bytes_read = self.bytes_written = 0
         self.wait_s = 0.0  # seconds spent waiting for this file's I/O (benchmarks read it)
 
@@ -383,7 +390,7 @@ class GradSwap:
         if self._unchecked:
             check_intact(self.swapper.file)
             self._unchecked = False
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device="cpu")
         k = lo
         while k < hi:
             c = self.swapper.chunk_at(index, k)
@@ -396,7 +403,7 @@ class GradSwap:
             ranges = self.written.setdefault((index, c.lo), [])
             if any(x < b and a < y for x, y in ranges):  # accumulated before in this window: add the sum so far
                 self.flush()
-                before = aligned_empty(n, torch.float32)
+                before = host_buffer(n, torch.float32)
                 self.swapper._read(before, self._grad_offset(c, a)).wait()
                 buf[:b - a].add_(before[:b - a])
             ranges.append((a, b))
@@ -413,7 +420,7 @@ class GradSwap:
         for i, buf in enumerate(self._spare):
             if buf.numel() >= n:
                 return self._spare.pop(i)[:n]
-        return aligned_empty(n, torch.float32)
+        return host_buffer(n, torch.float32)
 
     def flush(self) -> None:
         """Wait for every write behind (before anything reads the records); drop the buffers."""
@@ -442,9 +449,9 @@ class GradSwap:
         """Parameter ``index``'s accumulated gradient, read whole ([numel] fp32; zeros where none was written)."""
         self.flush()
         chunks = self.swapper.chunks[index]
-        out = torch.zeros(chunks[-1].hi if chunks else 0, dtype=torch.float32)
+        out = torch.zeros(chunks[-1].hi if chunks else 0, dtype=torch.float32, device="cpu")
         for c in chunks:
-            buf = aligned_empty(c.padded, torch.float32)
+            buf = host_buffer(c.padded, torch.float32)
             self.swapper._read(buf, self._grad_offset(c, c.lo)).wait()
             out[c.lo:c.hi].copy_(buf[:c.hi - c.lo])
             for a, b in self.gaps(c):

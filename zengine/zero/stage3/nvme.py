@@ -27,7 +27,8 @@ from typing import Optional
 
 import torch
 
-from ...ops.aio import ALIGN, AsyncIO, IORequest, SwapFile, aligned_empty
+from ...ops.aio import ALIGN, AsyncIO, IORequest, SwapFile
+from ..swap import check_intact, host_buffer
 
 logger = logging.getLogger("zengine")
 
@@ -68,10 +69,10 @@ class ParamSwap:
         total = sum(sizes)
         self.file = SwapFile(self.directory, max(total * self.item, ALIGN), prefix="zengine-params-")
         self._next = 0  # elements of the file handed out
-        largest = max([0] + [s for s in sizes])
         self.buffer_numel = round_up(max(int(offload_cfg.buffer_size), 1), self.align)
-        self.slots = [_Slot(aligned_empty(self.buffer_numel, dtype, self.pin))
-                      for _ in range(max(2, int(offload_cfg.buffer_count)))] if largest else []
+        self.buffer_count = max(2, int(offload_cfg.buffer_count))
+        self.largest = 0  # the largest padded shard registered: the pool's buffers need no more
+        self.slots: list[_Slot] = []  # made at the first read, buffer_count of them
         self._holding: dict[int, _Slot] = {}  # id(ShardedParam) -> its slot (reading, read, or in use)
         self._prefetched: OrderedDict[int, _Slot] = OrderedDict()  # read ahead, not yet taken
         self._writes: deque = deque()  # (request, buffer) written behind
@@ -91,6 +92,7 @@ class ParamSwap:
 
     def check_fits(self, name: str, padded_chunk: int) -> None:
         """A parameter's shard must fit one pool buffer (say which and how big before any work)."""
+        self.largest = max(self.largest, padded_chunk)
         if padded_chunk > self.buffer_numel:
             raise ValueError(f"offload_param.buffer_size ({self.buffer_numel} elements) is smaller than parameter "
                              f"{name!r}'s shard ({padded_chunk} elements); raise buffer_size to at least "
@@ -105,15 +107,13 @@ class ParamSwap:
 
     def check(self) -> None:
         """Raise, naming the file, when it lost its contents (checked once per forward)."""
-        from ..swap import check_intact
-
         check_intact(self.file)
 
     # -- one parameter's shard ------------------------------------------------------------------
     def write_shard(self, sp, src: torch.Tensor) -> None:
         """Write ``src`` (sp's [chunk] shard, any dtype and device) to sp's place in the file, now."""
         n = round_up(sp.chunk, self.align)
-        buf = aligned_empty(n, self.dtype)
+        buf = host_buffer(n, self.dtype)
         buf[sp.chunk:].zero_()
         buf[:sp.chunk].copy_(src)
         self._io(True, buf, sp.file_elem).wait()
@@ -133,11 +133,16 @@ class ParamSwap:
         """Begin reading sp's shard into a free buffer; False when none is free (prefetch does not evict)."""
         if id(sp) in self._holding:
             return True
-        slot = self._free_slot(evict=not prefetch)
+        need = round_up(sp.chunk, self.align)
+        if not self.slots:  # [min(buffer_size, largest shard)] compute dtype each
+            self.buffer_numel = min(self.buffer_numel, max(self.largest, need))
+            self.slots = [_Slot(host_buffer(self.buffer_numel, self.dtype, self.pin)) for _ in range(self.buffer_count)]
+        slot = self._free_slot(evict=not prefetch) if need <= self.buffer_numel else None
         if slot is None:
             if prefetch:
                 return False
-            slot = _Slot(aligned_empty(self.buffer_numel, self.dtype, self.pin))  # every buffer is in use: one more
+            # every buffer is in use (or, under zero.Init, this shard is larger than the first ones): one more
+            slot = _Slot(host_buffer(max(need, self.buffer_numel), self.dtype, self.pin))
             self.extra_buffers += 1
             logger.debug("offload_param: swap pool exhausted; a temporary buffer for %s", sp.name)
         if slot.used is not None:
@@ -233,7 +238,7 @@ class ParamSwap:
         for i, buf in enumerate(self._write_bufs):
             if buf.numel() >= round_up(n, self.align):
                 return self._write_bufs.pop(i)
-        return aligned_empty(round_up(n, self.align), self.dtype)
+        return host_buffer(round_up(n, self.align), self.dtype)
 
     def flush(self) -> None:
         """Wait for every write behind; drop the write buffers (host memory between steps is the pool)."""
@@ -246,7 +251,7 @@ class ParamSwap:
 
     def read_range(self, base: int, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of the group at ``base``, read now into a fresh buffer ([hi - lo] compute dtype)."""
-        buf = aligned_empty(round_up(hi - lo, self.align), self.dtype)
+        buf = host_buffer(round_up(hi - lo, self.align), self.dtype)
         self._io(False, buf, base + lo).wait()
         return buf[:hi - lo]
 
@@ -284,6 +289,7 @@ class GrowingSwap(ParamSwap):
     def add(self, sp) -> None:
         """Move sp's (gathered) chunk into the file; the caller frees the full data."""
         n = round_up(sp.chunk, self.align)
+        self.check_fits(sp.name, n)
         elem, self._next = self._next, self._next + n
         need = self._next * self.item
         if need > self.file.size:
@@ -299,7 +305,7 @@ class GrowingSwap(ParamSwap):
         self.live += 1
 
     def take_copy(self, sp) -> torch.Tensor:
-        buf = aligned_empty(round_up(sp.chunk, self.align), self.dtype)
+        buf = host_buffer(round_up(sp.chunk, self.align), self.dtype)
         self._io(False, buf, sp.file_elem).wait()
         return buf[:sp.chunk]
 
