@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=5e-6)
     ap.add_argument("--dir", default="/var/tmp/zengine-infinity")
     args = ap.parse_args()
     vocab = 256

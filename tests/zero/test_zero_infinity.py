@@ -7,7 +7,6 @@ import resource
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 

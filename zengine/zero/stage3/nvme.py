@@ -39,6 +39,14 @@ def align_elems(dtype: torch.dtype) -> int:
     return ALIGN // min(item, 4)
 
 
+def no_storage(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A [numel] host tensor without storage: the shape and dtype of a shard that lives on NVMe (any
+    access to its values fails loudly instead of reading stale memory)."""
+    t = torch.empty(numel, dtype=dtype, device="cpu")
+    t.untyped_storage().resize_(0)
+    return t
+
+
 def round_up(n: int, unit: int) -> int:
     return -(-int(n) // unit) * unit
 

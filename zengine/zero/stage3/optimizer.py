@@ -18,11 +18,11 @@ from ..grads import buckets_in_flight
 from ..offload import NVMePlacement, make_aio, make_placement
 from ..optimizer import ZeroOptimizer
 from .fetcher import Fetcher
-from .grads import Stage3Gradients, _no_storage
+from .grads import Stage3Gradients
 from .group import ShardedParamGroup
 from .hooks import ModuleHooks
 from .infinity import MasterIO
-from .nvme import ParamSwap, align_elems
+from .nvme import ParamSwap, align_elems, no_storage
 from .param import ParamState, ShardedParam, lookup, register
 
 WRITE_CHUNK = 1 << 24  # elements per write when shards on NVMe are refreshed from masters in memory
@@ -80,13 +80,13 @@ class Stage3Optimizer(ZeroOptimizer):
                          clip, zero_cfg.allgather_bucket_size, world, rank, device, comm_group)
         if swapped_masters:
             grads.sink = self.optimizer.grads
-            self._grad_shapes = [_no_storage(m.numel()) for m in self.masters]  # what the step's .grad shows
+            self._grad_shapes = [no_storage(m.numel()) for m in self.masters]  # what the step's .grad shows
         self.module_hooks = ModuleHooks(module, self.fetcher)
 
     # -- ZeRO-Infinity and parameters on NVMe: the step's pieces ----------------------------------
     def _make_master(self, group: ShardedParamGroup) -> torch.Tensor:
         if self.infinity is not None:  # in the swap file; storage only inside states_resident()
-            return _no_storage(group.shard_numel)
+            return no_storage(group.shard_numel)
         if not group.in_memory:
             master = self.placement.empty(group.shard_numel, torch.float32, self.device)
             group.read_into(master, WRITE_CHUNK)
