@@ -28,7 +28,8 @@ def resume_case(root: str, stage: int, precision: str, offload=False) -> dict:
     resumed = train(second, data[STOP:])
 
     same_params = all(torch.equal(a, b) for a, b in zip(full_params(whole).values(), full_params(second).values()))
-    same_masters = all(torch.equal(a, b) for a, b in zip(whole.optimizer.masters, second.optimizer.masters))
+    with whole.optimizer.states_resident(), second.optimizer.states_resident():  # (swapped masters read in)
+        same_masters = all(torch.equal(a, b) for a, b in zip(whole.optimizer.masters, second.optimizer.masters))
     return {"losses": expected[STOP:] == resumed, "params": same_params, "masters": same_masters,
             "buffer": torch.equal(whole.module.scale, second.module.scale),
             "counters": (whole.global_steps, whole.micro_steps, whole.global_samples)

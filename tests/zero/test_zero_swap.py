@@ -132,7 +132,8 @@ def nvme_memory(stage: int) -> dict:
     engine.backward(engine(x, x))
     engine.step()
     kinds = engine.optimizer.memory_tensors()
-    shard = sum(m.numel() for m in engine.optimizer.masters)
+    opt = engine.optimizer  # (ZeRO-Infinity's masters are empty in memory: the groups know the shard's size)
+    shard = sum(m.numel() for m in opt.masters) or sum(g.shard_numel for g in opt.groups)
     nbytes = {k: sum(t.numel() * t.element_size() for t in ts) for k, ts in kinds.items()}
     return {"states": nbytes["optimizer_states"], "masters": nbytes["master_weights"],
             "grads": nbytes["gradients"], "shard": shard, "world": dist.get_world_size()}

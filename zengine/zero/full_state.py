@@ -72,7 +72,8 @@ def get_full_fp32_param(param: torch.Tensor) -> Optional[torch.Tensor]:
     if found is None:
         return None
     opt, gi, pi = found
-    return _assemble(opt, gi, pi, opt.masters[gi])
+    with opt.states_resident():  # ZeRO-Infinity: the masters are in the swap file otherwise
+        return _assemble(opt, gi, pi, opt.masters[gi])
 
 
 def set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -85,12 +86,12 @@ def set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     if tuple(value.shape) != g.param_shape(pi):
         raise ValueError(f"safe_set_full_fp32_param: value has shape {tuple(value.shape)}, the parameter "
                          f"{g.param_shape(pi)}")
-    with torch.no_grad():
+    with torch.no_grad(), opt.states_resident():
         _scatter(opt, gi, pi, opt.masters[gi], value)
         owned = g.owned_params()
-        if owned.data_ptr() != opt.masters[gi].data_ptr():
+        if getattr(g, "in_memory", True) and owned.data_ptr() != opt.masters[gi].data_ptr():
             _scatter(opt, gi, pi, owned, value)
-        opt.refresh_param(gi, pi, value)
+        opt.refresh_param(gi, pi, value)  # (shards on NVMe are written from the master there)
 
 
 def get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:

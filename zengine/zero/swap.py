@@ -197,9 +197,12 @@ class SwappedAdam(CPUAdam):
         # ZeRO-Infinity (``infinity``, see MasterIO in stage3/infinity.py): the fp32 masters and their gradients
         # live in the records too; the parameters here have no storage except inside states_in_memory
         self.infinity = infinity
-        numels = [p.numel() for p in self._params]
-        self.swapper = swapper_for(numels) if infinity is None else swapper_for(numels, 4, infinity.align)
+        if infinity is None:
+            self.swapper = swapper_for([p.numel() for p in self._params])
+        else:
+            self.swapper = swapper_for(infinity.numels, 4, infinity.align)
         self.grads = GradSwap(self.swapper) if infinity is not None else None
+        self._resident = False  # inside states_in_memory (ZeRO-Infinity)
         self.grad_scale = 1.0  # ZeRO-Infinity: what the step multiplies the swapped gradients by (1/(W*scale), clip)
         self._on_disk: set[int] = set()  # indices of parameters whose moments the file holds
         self._keep: dict[int, list[tuple[int, int]]] = {}
@@ -284,8 +287,15 @@ class SwappedAdam(CPUAdam):
         on exit whatever they hold then is written back and dropped from memory. ZeRO-Infinity: the
         parameters (the fp32 masters) get their storage and values for the duration too."""
         if self.infinity is not None:
-            with self._infinity_in_memory():
+            if self._resident:  # nested (a checkpoint calling safe_get_full_*): already in memory
                 yield
+                return
+            self._resident = True
+            try:
+                with self._infinity_in_memory():
+                    yield
+            finally:
+                self._resident = False
             return
         for i in sorted(self._on_disk):
             p = self._params[i]
@@ -318,7 +328,7 @@ class SwappedAdam(CPUAdam):
     @contextlib.contextmanager
     def _infinity_in_memory(self):
         for i, p in enumerate(self._params):
-            p.data.untyped_storage().resize_(p.numel() * 4)
+            p.data = torch.empty(self.infinity.numels[i], dtype=torch.float32, device="cpu")
             stepped = i in self._on_disk
             m, v = (torch.empty_like(p.data), torch.empty_like(p.data)) if stepped else (None, None)
 
@@ -353,7 +363,7 @@ class SwappedAdam(CPUAdam):
                 finally:
                     self.infinity.flush()
                 self._on_disk.add(i)
-                p.data.untyped_storage().resize_(0)
+                p.data = torch.empty(0, dtype=torch.float32, device="cpu")
 
     def close(self) -> None:
         """Release the swap file and its I/O threads; the optimizer cannot step after this."""

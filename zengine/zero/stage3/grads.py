@@ -24,7 +24,7 @@ from ... import collectives
 from ..grads import ShardReducer, _BucketQueue
 from ..layout import Bucket, FlatLayout
 from .group import ShardedParamGroup
-from .nvme import no_storage
+from .nvme import on_disk
 from .param import ShardedParam
 
 
@@ -49,7 +49,7 @@ class Stage3Gradients(ShardReducer):
         self.use_reduce_scatter = dist.get_backend(comm_group) != "gloo"
         dtype = torch.float32 if placement.cpu_optimizer else None
         if swapped:  # ZeRO-Infinity: the shards go to the optimizer's swap file (``sink``); no storage here
-            shards = [no_storage(g.shard_numel) for g in groups]
+            shards = [on_disk() for _ in groups]
         else:
             shards = [placement.empty(g.shard_numel, dtype or g.shard_flat.dtype, g.shard_flat.device) for g in groups]
         self.sink = None   # the optimizer's GradSwap, set once the optimizer exists
@@ -146,6 +146,5 @@ class Stage3Gradients(ShardReducer):
         self.sink.reset()
         self.sq.clear()
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in super().tensors() if t.untyped_storage().nbytes() > 0]
+
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .nvme import no_storage
+from .nvme import on_disk
 from .param import ParamState, ShardedParam
 
 
@@ -39,8 +39,7 @@ class ShardedParamGroup:
             for sp, off in zip(self.sharded, self.offsets):
                 sp.attach_shard(self.shard_flat.narrow(0, off, sp.chunk))
         else:
-            # [shard_numel] compute dtype with no storage: shape and dtype only, the values are in the file
-            self.shard_flat = no_storage(self.shard_numel, dtype)
+            self.shard_flat = on_disk(dtype)  # [0]: the [shard_numel] values are in the file
             self.base = swap.add_group(self.shard_numel)
             for sp, off in zip(self.sharded, self.offsets):
                 swap.check_fits(sp.name, -(-sp.chunk // align) * align)

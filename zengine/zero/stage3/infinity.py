@@ -24,6 +24,7 @@ class MasterIO:
     def __init__(self, groups: list[ShardedParamGroup], dtype: torch.dtype):
         self.groups = groups
         self.align = align_elems(dtype)
+        self.numels = [g.shard_numel for g in groups]  # the masters' sizes (their tensors are empty in memory)
         self._resident = [g.resident() if not g.in_memory else [] for g in groups]
 
     def init_master(self, index: int, lo: int, hi: int, out: torch.Tensor) -> None:

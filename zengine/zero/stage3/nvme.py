@@ -39,12 +39,11 @@ def align_elems(dtype: torch.dtype) -> int:
     return ALIGN // min(item, 4)
 
 
-def no_storage(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A [numel] host tensor without storage: the shape and dtype of a shard that lives on NVMe (any
-    access to its values fails loudly instead of reading stale memory)."""
-    t = torch.empty(numel, dtype=dtype, device="cpu")
-    t.untyped_storage().resize_(0)
-    return t
+def on_disk(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """What stands in memory for a flat shard that lives in a swap file: an empty host tensor of its
+    dtype (its size is kept by its owner; code that reads it by mistake finds no elements, never
+    stale memory)."""
+    return torch.empty(0, dtype=dtype, device="cpu")
 
 
 def round_up(n: int, unit: int) -> int:

@@ -22,7 +22,7 @@ from .grads import Stage3Gradients
 from .group import ShardedParamGroup
 from .hooks import ModuleHooks
 from .infinity import MasterIO
-from .nvme import ParamSwap, align_elems, no_storage
+from .nvme import ParamSwap, align_elems, on_disk
 from .param import ParamState, ShardedParam, lookup, register
 
 WRITE_CHUNK = 1 << 24  # elements per write when shards on NVMe are refreshed from masters in memory
@@ -80,13 +80,30 @@ class Stage3Optimizer(ZeroOptimizer):
                          clip, zero_cfg.allgather_bucket_size, world, rank, device, comm_group)
         if swapped_masters:
             grads.sink = self.optimizer.grads
-            self._grad_shapes = [no_storage(m.numel()) for m in self.masters]  # what the step's .grad shows
+            self._grad_shapes = [on_disk() for _ in self.masters]  # what the step's .grad shows
+        self._resident_depth = 0
         self.module_hooks = ModuleHooks(module, self.fetcher)
+
+    @contextlib.contextmanager
+    def states_resident(self):
+        """As ZeroOptimizer's; ZeRO-Infinity's masters are read in too (``masters`` shows them inside)."""
+        self._resident_depth += 1
+        try:
+            with super().states_resident():
+                if self.infinity is not None and self._resident_depth == 1:
+                    self.masters = [p.detach() for p in self.shard_params]  # the values SwappedAdam read in
+                try:
+                    yield
+                finally:
+                    if self.infinity is not None and self._resident_depth == 1:
+                        self.masters = [on_disk() for _ in self.shard_params]
+        finally:
+            self._resident_depth -= 1
 
     # -- ZeRO-Infinity and parameters on NVMe: the step's pieces ----------------------------------
     def _make_master(self, group: ShardedParamGroup) -> torch.Tensor:
-        if self.infinity is not None:  # in the swap file; storage only inside states_resident()
-            return no_storage(group.shard_numel)
+        if self.infinity is not None:  # in the swap file; values only inside states_resident()
+            return on_disk()
         if not group.in_memory:
             master = self.placement.empty(group.shard_numel, torch.float32, self.device)
             group.read_into(master, WRITE_CHUNK)
@@ -251,5 +268,4 @@ class Stage3Optimizer(ZeroOptimizer):
         kinds["parameters"] = kinds["parameters"] + self.frozen.tensors()
         if self.param_swap is not None:
             kinds["parameters"] += self.param_swap.host_buffers()
-        # tensors without storage are shapes of shards that live on NVMe
-        return {k: [t for t in ts if t.untyped_storage().nbytes() > 0] for k, ts in kinds.items()}
+        return kinds
