@@ -88,9 +88,9 @@ def make_aio(aio_cfg):
     """An ``AsyncIO`` pool as the config's ``aio`` section asks (its defaults without one)."""
     from ..ops.aio import AsyncIO
 
-    block = aio_cfg.block_size if aio_cfg is not None else 1 << 20
-    threads, depth = (aio_cfg.thread_count, aio_cfg.queue_depth) if aio_cfg is not None else (1, 8)
-    return AsyncIO(block, threads, depth)
+    if aio_cfg is None:
+        return AsyncIO()
+    return AsyncIO(aio_cfg.block_size, aio_cfg.thread_count, aio_cfg.queue_depth)
 
 
 def make_placement(zero_cfg, device: torch.device, aio_cfg=None) -> DevicePlacement:
