@@ -35,10 +35,12 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import zengine  # noqa: E402
 from zengine.models.gpt import GPT, GPTConfig  # noqa: E402
 from zengine.ops.aio import AsyncIO, SwapFile, aligned_empty  # noqa: E402
+from bench_zero import write_report  # noqa: E402
 
 GiB = 1 << 30
 
@@ -72,6 +74,12 @@ def _drive_alone(directory: str, aio: dict, nbytes: int = 2 * GiB, request: int 
 
 def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _moved(swap) -> tuple[int, int, float]:
+    """(bytes read, bytes written, seconds waited) of a swap so far: its I/O pool's counts."""
+    stats = swap.io.stats()
+    return stats.bytes_read, stats.bytes_written, swap.wait_s
 
 
 def _swaps(engine):
@@ -137,18 +145,15 @@ def main() -> None:
     x, y = tokens[:, :-1], tokens[:, 1:]
     rows = []
     for step in range(args.steps):
-        p0 = (pswap.bytes_read, pswap.bytes_written, pswap.wait_s)
-        o0 = (oswap.bytes_read, oswap.bytes_written, oswap.wait_s)
+        p0, o0 = _moved(pswap), _moved(oswap)
         t0 = time.perf_counter()
         loss = engine(x, y)  # the mean cross-entropy, in fp32
         engine.backward(loss)
         t1 = time.perf_counter()
-        p1 = (pswap.bytes_read, pswap.bytes_written, pswap.wait_s)
-        o1 = (oswap.bytes_read, oswap.bytes_written, oswap.wait_s)
+        p1, o1 = _moved(pswap), _moved(oswap)
         engine.step()
         t2 = time.perf_counter()
-        p2 = (pswap.bytes_read, pswap.bytes_written, pswap.wait_s)
-        o2 = (oswap.bytes_read, oswap.bytes_written, oswap.wait_s)
+        p2, o2 = _moved(pswap), _moved(oswap)
         moved = (p2[0] - p0[0]) + (p2[1] - p0[1]) + (o2[0] - o0[0]) + (o2[1] - o0[1])
         row = {"step": step + 1, "loss": loss.item(), "fwd_bwd_s": t1 - t0, "step_s": t2 - t1,
                "swap_in_wait_s": p1[2] - p0[2], "grad_out_wait_s": o1[2] - o0[2],
@@ -195,11 +200,7 @@ def main() -> None:
     mean_opt = sum(r["opt_gbps"] for r in steady) / len(steady)
     lines += ["", f"Optimizer swap after the first step: {mean_opt:.2f} GB/s, {mean_opt / drive:.2f} of the drive "
                   f"alone (harmonic mean of its read and write)."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = REPO / "benchmarks" / "results" / f"infinity_{datetime.date.today()}.md"
-    out.write_text(text)
-    print(f"written {out}")
+    write_report("\n".join(lines) + "\n", str(REPO / "benchmarks" / "results"), "infinity")
     if not ok:
         sys.exit("bench_infinity: the loss did not fall")
 

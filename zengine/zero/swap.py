@@ -100,10 +100,10 @@ class StateSwapper:
         count = min(buffer_count, max(2, sum(len(cs) for cs in self.chunks)))
         # [parts * biggest chunk] fp32 each: the record of the chunk in hand
         self.buffers = [host_buffer(parts * biggest, torch.float32, pin) for _ in range(count)]
-        self.bytes_read = self.bytes_written = 0
         self.wait_s = 0.0  # seconds spent waiting for this file's I/O (benchmarks read it)
 
-    def _wait(self, request: Optional[IORequest]) -> None:
+    def wait(self, request: Optional[IORequest]) -> None:
+        """Wait for ``request`` (None: nothing), counting the time in ``wait_s``."""
         if request is not None:
             began = time.perf_counter()
             request.wait()
@@ -117,12 +117,12 @@ class StateSwapper:
         """The chunk of parameter ``index`` that holds ``element``."""
         return self.chunks[index][element // self.chunk]
 
-    def _read(self, buf: torch.Tensor, offset: int) -> IORequest:
-        self.bytes_read += buf.numel() * 4
+    def read(self, buf: torch.Tensor, offset: int) -> IORequest:
+        """Fill the fp32 ``buf`` from byte ``offset`` of the swap file, in the background."""
         return self.io.read(buf, self.file, offset)
 
-    def _write(self, buf: torch.Tensor, offset: int) -> IORequest:
-        self.bytes_written += buf.numel() * 4
+    def write(self, buf: torch.Tensor, offset: int) -> IORequest:
+        """Write the fp32 ``buf`` at byte ``offset`` of the swap file, in the background."""
         return self.io.write(buf, self.file, offset)
 
     def moments(self, slot: int, c: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,33 +149,33 @@ class StateSwapper:
 
         def launch(k: int) -> None:
             slot, c = k % count, chunks[k]
-            self._wait(writes.pop(slot, None))
+            self.wait(writes.pop(slot, None))
             buf = self.buffers[slot]
             if fresh(c):
                 buf[:fresh_in * c.padded].zero_()
                 if fresh_fill is not None:
                     fresh_fill(c, slot)
-                reads[k] = (self._read(buf[fresh_in * c.padded:parts_in * c.padded], c.offset + fresh_in * c.padded * 4)
+                reads[k] = (self.read(buf[fresh_in * c.padded:parts_in * c.padded], c.offset + fresh_in * c.padded * 4)
                             if parts_in > fresh_in else None)
             else:
-                reads[k] = self._read(buf[:parts_in * c.padded], c.offset)
+                reads[k] = self.read(buf[:parts_in * c.padded], c.offset)
 
         try:
             for k, c in enumerate(chunks):
                 while nxt < len(chunks) and nxt <= k + ahead:
                     launch(nxt)
                     nxt += 1
-                self._wait(reads.pop(k))
+                self.wait(reads.pop(k))
                 slot = k % count
                 if with_slot:
                     compute(c, slot)
                 else:
                     compute(c, *self.moments(slot, c))
                 if write:
-                    writes[slot] = self._write(self.buffers[slot][:parts_out * c.padded], c.offset)
+                    writes[slot] = self.write(self.buffers[slot][:parts_out * c.padded], c.offset)
         finally:  # also after an error: no request may outlive the buffers it uses
             for request in list(reads.values()) + list(writes.values()):
-                self._wait(request)
+                self.wait(request)
 
     def close(self) -> None:
         """Stop the I/O threads and close the swap file (the moments are gone after this)."""
@@ -414,18 +414,18 @@ class GradSwap:
             if any(x < b and a < y for x, y in ranges):  # accumulated before in this window: add the sum so far
                 self.flush()
                 before = host_buffer(n, torch.float32)
-                self.swapper._read(before, self._grad_offset(c, a)).wait()
+                self.swapper.read(before, self._grad_offset(c, a)).wait()
                 buf[:b - a].add_(before[:b - a])
             ranges.append((a, b))
             total += sum_of_squares(buf[:b - a]).to(torch.float64).cpu()
-            self._writes.append((self.swapper._write(buf, self._grad_offset(c, a)), buf))
+            self._writes.append((self.swapper.write(buf, self._grad_offset(c, a)), buf))
             k = b
         return total
 
     def _buffer(self, n: int) -> torch.Tensor:
         while len(self._writes) >= self.IN_FLIGHT:
             request, buf = self._writes.pop(0)
-            self.swapper._wait(request)
+            self.swapper.wait(request)
             self._spare.append(buf)
         for i, buf in enumerate(self._spare):
             if buf.numel() >= n:
@@ -435,7 +435,7 @@ class GradSwap:
     def flush(self) -> None:
         """Wait for every write behind (before anything reads the records); drop the buffers."""
         for request, _ in self._writes:
-            self.swapper._wait(request)
+            self.swapper.wait(request)
         self._writes, self._spare = [], []
 
     def reset(self) -> None:
@@ -462,7 +462,7 @@ class GradSwap:
         out = torch.zeros(chunks[-1].hi if chunks else 0, dtype=torch.float32, device="cpu")
         for c in chunks:
             buf = host_buffer(c.padded, torch.float32)
-            self.swapper._read(buf, self._grad_offset(c, c.lo)).wait()
+            self.swapper.read(buf, self._grad_offset(c, c.lo)).wait()
             out[c.lo:c.hi].copy_(buf[:c.hi - c.lo])
             for a, b in self.gaps(c):
                 out[a:b].zero_()

@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .nvme import on_disk
+from .nvme import on_disk, round_up
 from .param import ParamState, ShardedParam
 
 
@@ -31,8 +31,8 @@ class ShardedParamGroup:
         offset = 0
         for sp in self.sharded:
             self.offsets.append(offset)
-            offset += -(-sp.chunk // align) * align
-        self.shard_numel = -(-offset // align) * align
+            offset += round_up(sp.chunk, align)
+        self.shard_numel = round_up(offset, align)
         if swap is None:
             # [sum of chunks] compute dtype; on the host with offload_param (pinned on a GPU machine)
             self.shard_flat = torch.zeros(self.shard_numel, dtype=dtype, device=device, pin_memory=pin)
@@ -42,7 +42,7 @@ class ShardedParamGroup:
             self.shard_flat = on_disk(dtype)  # [0]: the [shard_numel] values are in the file
             self.base = swap.add_group(self.shard_numel)
             for sp, off in zip(self.sharded, self.offsets):
-                swap.check_fits(sp.name, -(-sp.chunk // align) * align)
+                swap.check_fits(sp.name, round_up(sp.chunk, align))
                 sp.move_to_store(swap, self.base + off, swap.keep_resident(sp.chunk))
         self.used = [False] * len(self.params)
         self._refresh = refresh

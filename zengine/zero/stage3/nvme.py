@@ -84,7 +84,6 @@ class ParamSwap:
         self._prefetched: OrderedDict[int, _Slot] = OrderedDict()  # read ahead, not yet taken
         self._writes: deque = deque()  # (request, buffer) written behind
         self._write_bufs: list[torch.Tensor] = []
-        self.bytes_read = self.bytes_written = 0
         self.wait_s = 0.0  # seconds a gather or the step waited for this swap's I/O (benchmarks read it)
         self.prefetch_hits = self.demand_reads = 0  # shards taken after a read ahead / read when asked for
         self.extra_buffers = 0  # temporary buffers made because every pool buffer was in use
@@ -156,8 +155,7 @@ class ParamSwap:
             slot.used.synchronize()
             slot.used = None
         slot.owner = sp
-        n = round_up(sp.chunk, self.align)
-        slot.read = self._io(False, slot.buf[:n], sp.file_elem)
+        slot.read = self._io(False, slot.buf[:need], sp.file_elem)
         self._holding[id(sp)] = slot
         if prefetch:
             self._prefetched[id(sp)] = slot
@@ -187,9 +185,7 @@ class ParamSwap:
         if self.device.type == "cuda":
             slot.used = torch.cuda.Event()
             slot.used.record()
-        slot.owner = None
-        if slot not in self.slots:
-            return  # a temporary buffer: dropped
+        slot.owner = None  # (a temporary buffer is simply dropped: no slot refers to it)
 
     def prefetch(self, sps) -> bool:
         """Read ahead the shards of ``sps`` (in order) while buffers are free; False when they ran out."""
@@ -263,11 +259,8 @@ class ParamSwap:
         return buf[:hi - lo]
 
     def _io(self, write: bool, buf: torch.Tensor, elem: int) -> IORequest:
-        nbytes = buf.numel() * self.item
         if write:
-            self.bytes_written += nbytes
             return self.io.write(buf, self.file, elem * self.item)
-        self.bytes_read += nbytes
         return self.io.read(buf, self.file, elem * self.item)
 
     def host_buffers(self) -> list[torch.Tensor]:

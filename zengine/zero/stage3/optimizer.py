@@ -22,7 +22,7 @@ from .grads import Stage3Gradients
 from .group import ShardedParamGroup
 from .hooks import ModuleHooks
 from .infinity import MasterIO
-from .nvme import ParamSwap, align_elems, on_disk
+from .nvme import ParamSwap, align_elems, on_disk, round_up
 from .param import ParamState, ShardedParam, lookup, register
 
 WRITE_CHUNK = 1 << 24  # elements per write when shards on NVMe are refreshed from masters in memory
@@ -60,7 +60,7 @@ class Stage3Optimizer(ZeroOptimizer):
         members = [[lookup(p) for _, p in named] for named, _ in named_groups]
         self.param_swap = None
         if zero_cfg.offload_param.device == "nvme":
-            sizes = [sum(-(-sp.chunk // align) * align for sp in sps) + align for sps in members]
+            sizes = [sum(round_up(sp.chunk, align) for sp in sps) + align for sps in members]  # as the groups lay out
             self.param_swap = ParamSwap(zero_cfg.offload_param, dtype, make_aio(aio_cfg), device, sizes)
             self.fetcher.swap = self.param_swap
         groups = [ShardedParamGroup(sps, hyper, dtype, shard_device, self.fetcher.gather_now, pin, self.param_swap,
@@ -137,17 +137,16 @@ class Stage3Optimizer(ZeroOptimizer):
         return [] if self.infinity is not None else super()._state_tensors(gi)
 
     def _copy_out_targets(self) -> dict:
-        if self.infinity is not None or any(not g.in_memory for g in self.groups):
+        if self.infinity is not None or self.param_swap is not None:
             return {}  # the swapped step writes the parameters itself; NVMe shards are written by write_back
         return super()._copy_out_targets()
 
     def write_back(self, skip_copy: bool = False) -> None:
-        for g, master in zip(self.groups, self.masters):
-            if self.infinity is None and not g.in_memory:
+        if self.infinity is None and self.param_swap is not None:  # masters in memory, shards on NVMe
+            for g, master in zip(self.groups, self.masters):
                 g.write_from(master, WRITE_CHUNK)
-            elif self.infinity is None and not skip_copy and g.shard_flat.data_ptr() != master.data_ptr():
-                g.shard_flat.copy_(master)
-            g.publish(self.allgather_bucket_numel, self.comm_group)
+        # ZeRO-Infinity's step (and states_resident) wrote the parameters already
+        super().write_back(skip_copy or self.infinity is not None or self.param_swap is not None)
 
     # -- forward and backward -------------------------------------------------------------------
     @contextlib.contextmanager
