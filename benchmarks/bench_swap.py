@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from zengine.ops import CPUAdam  # noqa: E402
 from zengine.ops.aio import AsyncIO, SwapFile, aligned_empty  # noqa: E402
-from zengine.zero.swap import StateSwapper, SwappedAdam  # noqa: E402
+from zengine.offload.state_swap import StateSwapper, SwappedAdam  # noqa: E402
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 MiB = 1 << 20

@@ -12,10 +12,10 @@ holds no data:
   in-place op mix devices, CUDA does not.)
 - any read of a device value on the host (``.item()``, ``.tolist()``,
   ``bool(t)``) raises on ``meta``: the step's single intended read,
-  ``zengine.sync.read_to_host``, is replaced by one that counts calls and
+  ``zengine.distributed.sync.read_to_host``, is replaced by one that counts calls and
   returns plausible values;
 - collectives: torch's ``fake`` process group, with the functions that
-  ``zengine.collectives`` calls replaced by stubs that record what they were given
+  ``zengine.distributed.collectives`` calls replaced by stubs that record what they were given
   (``collectives`` itself checks each tensor against the backend's devices; the
   fake backend takes ``cuda`` and ``meta``, as NCCL takes ``cuda``).
 
@@ -94,7 +94,7 @@ class _Done:
 
 
 class FakeCollectives:
-    """Stands in for ``torch.distributed`` inside ``zengine.collectives``; records each call's tensor devices."""
+    """Stands in for ``torch.distributed`` inside ``zengine.distributed.collectives``; records each call's tensor devices."""
 
     def __init__(self):
         self.calls: list[tuple[str, frozenset]] = []
@@ -108,7 +108,7 @@ class FakeCollectives:
 
     @contextlib.contextmanager
     def installed(self):
-        import zengine.collectives as zcomm
+        import zengine.distributed.collectives as zcomm
 
         stub = types.SimpleNamespace(**{k: getattr(dist, k) for k in dir(dist) if not k.startswith("__")})
         for name in ("all_reduce", "reduce", "broadcast", "all_gather"):
@@ -124,7 +124,7 @@ class FakeCollectives:
 
 
 class HostReads:
-    """Replaces ``zengine.sync.read_to_host``: counts reads, returns values of a healthy step.
+    """Replaces ``zengine.distributed.sync.read_to_host``: counts reads, returns values of a healthy step.
 
     The values follow ``zero/step_stats.py``: a finite norm, every rank ran a backward, equal
     micro-step fingerprints, gradients reduced, every parameter used on every rank.
@@ -140,7 +140,7 @@ class HostReads:
 
     @contextlib.contextmanager
     def installed(self):
-        import zengine.sync as zsync
+        import zengine.distributed.sync as zsync
 
         saved, zsync.read_to_host = zsync.read_to_host, self
         try:

@@ -58,7 +58,7 @@ def _run_case(stage, precision, offload, init, sabotage):
         from zengine.zero.flat_group import FlatParamGroup
 
         original = FlatParamGroup.publish
-        FlatParamGroup.publish = lambda self, n, group=None: zengine.collectives.all_reduce_sum(torch.zeros(3), group) \
+        FlatParamGroup.publish = lambda self, n, group=None: zengine.distributed.collectives.all_reduce_sum(torch.zeros(3), group) \
             or original(self, n, group)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     reads, collectives = HostReads(WORLD), FakeCollectives()

@@ -14,7 +14,7 @@ from zengine.config import ConfigError, load_config
 from zengine.monitor import (CsvMonitor, MonitorDependencyError, MonitorMaster, NullMonitor, StepReport,
                              TensorBoardMonitor, WandbMonitor, build_monitor)
 from zengine.monitor import events as ev
-from zengine.timers import BACKWARD, FORWARD, STEP, Timers, WallClockTimer, format_breakdown
+from zengine.monitor.timers import BACKWARD, FORWARD, STEP, Timers, WallClockTimer, format_breakdown
 
 BASE = {"train_micro_batch_size_per_gpu": 1}
 
@@ -374,7 +374,7 @@ def test_close_closes_the_monitor():
     assert monitor.closed
 
 
-# -- the engine, end to end (NEEDS THE ENGINE WIRING: build_monitor / Timers / StepReport in engine.py) ---
+# -- the engine, end to end (build_monitor / Timers / StepReport wired in engine/engine.py) ---
 
 
 def _train_with_csv_monitor(out_dir):

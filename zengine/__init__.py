@@ -11,8 +11,8 @@ See README.md and shared/API.md.
 import importlib
 
 from .api import initialize
-from .distributed import init_distributed
-from .engine import Engine
+from .distributed.process_group import init_distributed
+from .engine.engine import Engine
 from . import zero
 from .launcher.args import add_config_arguments
 

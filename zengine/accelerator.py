@@ -372,7 +372,7 @@ def _choose() -> Accelerator:
         return CudaAccelerator() if forced == "cuda" else CpuAccelerator()
     import torch.distributed as dist
 
-    from .distributed import DEVICE_ENV, resolve_device
+    from .distributed.process_group import DEVICE_ENV, resolve_device
 
     if dist.is_available() and dist.is_initialized():
         device = resolve_device(dist.get_backend(), int(os.environ.get("LOCAL_RANK", "0")))

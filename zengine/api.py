@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from .config import load_config
-from .distributed import DEFAULT_PORT, Placement, init_distributed
-from .engine import Engine
+from .distributed.process_group import DEFAULT_PORT, ProcessPlacement, init_distributed
+from .engine.engine import Engine
 
 
 def _config_source(config, config_params, args) -> Any:
@@ -124,7 +124,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         _apply_timeout_to_existing_group(cfg)
     elif dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, timeout=comm_timeout(cfg))
-    placement = Placement.current()
+    placement = ProcessPlacement.current()
     if placement.device.type == "cuda":  # so that torch.cuda.current_device() (get_accelerator()) is ours
         torch.cuda.set_device(placement.device)
     engine = Engine(model, cfg, placement, model_parameters=model_parameters, optimizer=optimizer,

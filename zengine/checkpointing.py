@@ -72,7 +72,7 @@ from pydantic import ValidationError
 from torch.overrides import _get_current_function_mode_stack  # what torch's checkpoint reads too
 
 from .comm import get_rank
-from .config.models import ActivationCheckpointingConfig
+from .config.activation_checkpointing import ActivationCheckpointingConfig
 
 logger = logging.getLogger("zengine")
 

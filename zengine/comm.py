@@ -12,7 +12,7 @@ Before the process group exists, ``get_rank`` is 0 and ``get_world_size`` 1,
 so that a script also runs as a single process without a launcher.
 
 The engine's own collectives (bucketed, checked against the backend's
-devices, diagnosed when a rank is missing) live in ``zengine.collectives``.
+devices, diagnosed when a rank is missing) live in ``zengine.distributed.collectives``.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as _dist
 
-from .distributed import _LAUNCHER_ENV
-from .distributed import init_distributed as _init_distributed
+from .distributed.process_group import _LAUNCHER_ENV
+from .distributed.process_group import init_distributed as _init_distributed
 
 ReduceOp = _dist.ReduceOp  # DeepSpeed's enum mirrors torch's members (SUM, AVG, MAX, ...): use torch's directly
 

@@ -38,7 +38,7 @@ ALIASES = {
     "deepspeed.runtime.engine": "zengine.engine",
     "deepspeed.runtime.zero": "zengine.zero",
     "deepspeed.runtime.zero.partition_parameters": "zengine.zero.partition_parameters",
-    "deepspeed.runtime.zero.offload_config": "zengine.engine_members",  # OffloadDeviceEnum, OffloadStateTypeEnum
+    "deepspeed.runtime.zero.offload_config": "zengine.engine.members",  # OffloadDeviceEnum, OffloadStateTypeEnum
     "deepspeed.zero": "zengine.zero",
     "deepspeed.ops": "zengine.ops",
     "deepspeed.ops.adam": "zengine.ops.adam",

@@ -28,7 +28,7 @@ from torch import nn
 
 from .config import ZengineConfig, load_config
 from .zero.grads import ShardedGradients, buckets_in_flight
-from .zero.swap import MAX_CHUNK
+from .offload.state_swap import MAX_CHUNK
 
 GiB = 1 << 30
 
@@ -141,7 +141,7 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
     # Adam moments
     if offload_opt == "nvme":
         chunk = min(int(zero.sub_group_size), MAX_CHUNK, max(1, sharded_opt))
-        count = min(int(zero.offload_optimizer.buffer_count), max(2, math.ceil(sharded_opt / chunk)))  # as swap.py
+        count = min(int(zero.offload_optimizer.buffer_count), max(2, math.ceil(sharded_opt / chunk)))  # as offload/state_swap.py
         parts = 4 if infinity else 2  # [exp_avg | exp_avg_sq] or, ZeRO-Infinity, [... | master | grad] fp32
         est.host["optimizer swap buffers"] = count * parts * 4 * chunk
         if infinity:  # gradient pieces written behind (swap.GradSwap.IN_FLIGHT)

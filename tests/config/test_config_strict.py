@@ -9,7 +9,7 @@ import pytest
 
 from zengine.config import ConfigError, ZengineConfig, load_config
 from zengine.config.load import _known_paths, _model_at
-from zengine.config.models import _whole_number
+from zengine.config.base import _whole_number
 
 BASE = {"train_micro_batch_size_per_gpu": 2}
 

@@ -22,7 +22,7 @@ STEPS, EVERY, KILL_AT = 12, 4, 6
 # clean-up) right after optimizer step KILL_AT, between the checkpoints of steps 4 and 8.
 KILLING_WRAPPER = textwrap.dedent(f"""
     import os, runpy, signal, sys
-    import zengine.engine
+    import zengine.engine.engine
     step = zengine.engine.Engine.step
     def killing_step(self):
         step(self)
@@ -110,7 +110,7 @@ def test_two_launchers_as_two_nodes_train_like_one_four_rank_launch(tmp_path):
 # of the lost peers) right after optimizer step KILL_AT: the machine is gone, not restarted.
 NODE_KILLING_WRAPPER = textwrap.dedent(f"""
     import os, runpy, signal, sys
-    import zengine.engine
+    import zengine.engine.engine
     step = zengine.engine.Engine.step
     def node_killing_step(self):
         step(self)

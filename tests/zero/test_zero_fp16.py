@@ -44,7 +44,7 @@ def test_overflow_skips_everywhere_and_halves_scale(stage):
 
 
 def test_dynamic_scaler_rules():
-    from zengine.loss_scaler import DynamicLossScaler
+    from zengine.precision.loss_scaler import DynamicLossScaler
     s = DynamicLossScaler(2.0 ** 4, window=3, hysteresis=2, min_scale=2.0)
     s.update(True)
     assert s.scale == 16  # first overflow absorbed by hysteresis

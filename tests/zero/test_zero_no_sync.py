@@ -8,7 +8,7 @@ import torch.distributed as dist
 import zengine
 from harness import spawn
 from models import EdgeNet, edge_param_groups, make_batches, micro_batch, reference_run
-from zengine import collectives as comm
+from zengine.distributed import collectives as comm
 
 LR = 1e-2
 

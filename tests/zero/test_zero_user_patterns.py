@@ -6,7 +6,7 @@
 3. a NaN loss (on one rank or all) skips the step on every rank; too many in a row raise naming a
    parameter; ``nonfinite_gradients.skip: false`` applies it;
 4. ranks out of step at a boundary raise ``RanksOutOfStepError`` on every rank, naming each rank's
-   micro-step (a rank that skips a whole step: ``tests/test_diagnose.py``);
+   micro-step (a rank that skips a whole step: ``tests/distributed/test_distributed_diagnose.py``);
 5. ``step()`` with no backward since the last one does nothing and is not counted.
 
 Each spawned run covers every case of one stage (or every stage) to save process start-up time.
@@ -308,7 +308,7 @@ def test_nan_loss_skips_on_every_rank(stage):
 
 
 # -- 4. ranks out of step -------------------------------------------------------------------------
-# A rank that skips a whole step is caught when the ranks' ends differ: tests/test_diagnose.py.
+# A rank that skips a whole step is caught when the ranks' ends differ: tests/distributed/test_distributed_diagnose.py.
 def one_rank_without_backward(stages):
     """Rank 1 calls step() with no backward at a boundary where rank 0 did one (under no_sync, so that no
     gradient collective is left unmatched): the step's all-reduce sees it and every rank raises."""

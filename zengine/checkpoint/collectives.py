@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import collectives
+from ..distributed import collectives
 
 
 def _encode(obj: Any) -> torch.Tensor:

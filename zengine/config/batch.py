@@ -2,16 +2,13 @@
 
 Pure functions, so the rule is tested without a process group. With the
 ``elasticity`` section enabled, ``resolve_elastic_batch_sizes`` chooses all
-three keys instead (the search itself is in ``zengine.elasticity``).
+three keys instead (the search itself is in ``elastic``).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
-from zengine.elasticity import elastic_batch_size, elastic_micro_batch
-
-if TYPE_CHECKING:
-    from .models import ElasticityConfig
+from .elastic import ElasticityConfig, elastic_batch_size, elastic_micro_batch
 
 TBS = "train_batch_size"
 MICRO = "train_micro_batch_size_per_gpu"
@@ -66,7 +63,7 @@ def resolve_batch_sizes(train_batch_size: Optional[int], micro_batch_size: Optio
     return BatchSizes(tbs, micro, gas, tuple(sorted(derived, key=(TBS, MICRO, GAS).index)))
 
 
-def resolve_elastic_batch_sizes(elastic: "ElasticityConfig", world_size: int,
+def resolve_elastic_batch_sizes(elastic: ElasticityConfig, world_size: int,
                                 given: Sequence[str] = ()) -> Tuple[BatchSizes, Tuple[int, ...]]:
     """The three batch keys chosen by an enabled ``elasticity`` section at ``world_size``, and every world
     size the chosen global batch suits.

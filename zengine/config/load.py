@@ -23,7 +23,9 @@ import hjson
 from pydantic import BaseModel, ValidationError
 
 from .batch import GAS, MICRO, TBS, BatchSizes, resolve_batch_sizes, resolve_elastic_batch_sizes
-from .models import BF16Config, ElasticityConfig, FP16Config, ZengineConfig, precision_problem
+from .elastic import ElasticityConfig
+from .models import ZengineConfig
+from .precision import BF16Config, FP16Config, precision_problem
 from .unsupported import screen, unsupported_keys_under
 
 ConfigSource = Union[str, "os.PathLike[str]", Mapping]

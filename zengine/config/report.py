@@ -13,9 +13,8 @@ from typing import Any, Iterator, List, Tuple
 
 from pydantic import BaseModel
 
-from zengine.elasticity import abbreviate
-
 from .batch import GAS, MICRO, TBS
+from .elastic import abbreviate
 from .models import ZengineConfig
 
 CHANGED = "*"

@@ -118,7 +118,7 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _flag("zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical gather", False),
     _flag("zero_optimization.legacy_stage1", "the legacy stage-1 implementation", False),
     _flag("zero_optimization.zenflow", "ZenFlow asynchronous updates", None),
-    # Monitoring, logging and profiling (tensorboard, csv_monitor and wandb are implemented: models.py).
+    # Monitoring, logging and profiling (tensorboard, csv_monitor and wandb are implemented: monitor.py).
     _ignorable("comet", "Comet monitor"),
     _ignorable("flops_profiler", "FLOPs profiler"),
     _ignorable("comms_logger", "communication logger"),

@@ -21,7 +21,7 @@ import psutil
 import torch
 
 from ..log import logger
-from ..timers import BACKWARD, BREAKDOWN, FORWARD, STEP, Timers, format_breakdown
+from .timers import BACKWARD, BREAKDOWN, FORWARD, STEP, Timers, format_breakdown
 from .base import Event, Monitor
 
 PREFIX = "Train/Samples/"

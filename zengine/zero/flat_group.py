@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .. import collectives
+from ..distributed import collectives
 from .layout import FlatLayout, chunk_ranges, intersect
 
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .. import collectives
+from ..distributed import collectives
 
 # id(parameter) -> (the optimizer, weakly; group index, parameter index); entries go with their parameter
 _where: dict[int, tuple] = {}

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from .. import collectives
+from ..distributed import collectives
 from .flat_group import FlatParamGroup
 from .layout import Bucket, gradient_buckets, intersect
 
@@ -230,7 +230,7 @@ class ShardReducer(GradientStore):
         self.queues = queues
         self.in_flight_limit = max(0, int(in_flight))  # reductions left running when a launch returns
         self.shards = shards  # [this rank's part] per group: compute dtype, or fp32 CPU when offloaded
-        self.copies = copies  # adds reduced pieces into the shards, wherever they live (transfer.py)
+        self.copies = copies  # adds reduced pieces into the shards, wherever they live (offload/copies.py)
         self.comm_group = comm_group
         self.buffers: dict[tuple[int, int], torch.Tensor] = {}
         # Released bucket storage, reused by the next bucket of the same backward: a fresh large

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import collectives
+from ..distributed import collectives
 from .stage3.fetcher import Fetcher
 from .stage3.param import ParamState, ShardedParam, lookup, register
 
@@ -55,13 +55,13 @@ class Init:
     def __enter__(self):
         if not self.enabled:
             return self
-        from ..distributed import init_distributed
+        from ..distributed.process_group import init_distributed
 
-        from ..distributed import Placement
+        from ..distributed.process_group import ProcessPlacement
 
         init_distributed()
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.device = Placement.current().device  # parameters are cut where the engine will compute with them
+        self.device = ProcessPlacement.current().device  # parameters are cut where the engine will compute with them
         self.swap = self._nvme_swap()
         for cls in _subclasses(nn.Module):
             if "__init__" in cls.__dict__:
@@ -114,8 +114,8 @@ class Init:
         if self._config is None and self._remote_device != "nvme":
             return None
         from ..config import ConfigError, load_config
-        from .offload import make_aio
-        from .stage3.nvme import GrowingSwap
+        from ..offload.placement import make_aio
+        from ..offload.param_swap import GrowingSwap
 
         cfg = load_config(self._config, self.world) if self._config is not None else None
         offload = cfg.zero_optimization.offload_param if cfg is not None else None

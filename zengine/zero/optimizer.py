@@ -36,12 +36,12 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..loss_scaler import LossScaler
+from ..precision.loss_scaler import LossScaler
 from ..ops.grad import sum_of_squares
 from . import full_state
 from .flat_group import FlatParamGroup  # or any group with the same interface (stage 3's)
 from .nonfinite import NonFinitePolicy
-from .offload import DevicePlacement
+from ..offload.placement import DevicePlacement
 from .step_stats import first_nonfinite, gather_stats
 
 
@@ -64,7 +64,7 @@ class ZeroOptimizer:
         self.device = device  # the compute device: the step's control values are reduced there
         self.nonfinite = NonFinitePolicy(rank=rank)  # the engine replaces it with the configured one
         # Called before each parameter gradient is handled: the engine opens its backward bracket there when
-        # a plain loss.backward() reached a parameter first (backward.py).
+        # a plain loss.backward() reached a parameter first (engine/backward.py).
         self.before_grad: Callable[[], None] = lambda: None
         self._had_backward = False  # since the last boundary step
         self.placement = placement

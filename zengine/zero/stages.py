@@ -9,10 +9,10 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ..loss_scaler import LossScaler
+from ..precision.loss_scaler import LossScaler
 from .flat_group import FlatParamGroup
 from .grads import FullGradients, ShardedGradients, buckets_in_flight
-from .offload import make_placement
+from ..offload.placement import make_placement
 from .optimizer import ZeroOptimizer
 
 

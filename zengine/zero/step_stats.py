@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import collectives, sync
-from ..diagnose import RanksOutOfStepError
+from ..distributed import collectives, sync
+from ..distributed.diagnose import RanksOutOfStepError
 
 _HEADER = 9
 

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ... import collectives
+from ...distributed import collectives
 from .param import ParamState, ShardedParam
 
 logger = logging.getLogger("zengine")

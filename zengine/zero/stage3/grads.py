@@ -20,11 +20,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ... import collectives
+from ...distributed import collectives
 from ..grads import ShardReducer, _BucketQueue
 from ..layout import Bucket, FlatLayout
 from .group import ShardedParamGroup
-from .nvme import on_disk
+from ...offload.param_swap import on_disk
 from .param import ShardedParam
 
 

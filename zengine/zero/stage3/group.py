@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .nvme import on_disk, round_up
+from ...offload.param_swap import on_disk, round_up
 from .param import ParamState, ShardedParam
 
 

@@ -13,16 +13,16 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ... import collectives
+from ...distributed import collectives
 from ..grads import buckets_in_flight
-from ..offload import NVMePlacement, make_aio, make_placement
+from ...offload.placement import NVMePlacement, make_aio, make_placement
 from ..optimizer import ZeroOptimizer
 from .fetcher import Fetcher
 from .grads import Stage3Gradients
 from .group import ShardedParamGroup
 from .hooks import ModuleHooks
-from .infinity import MasterIO
-from .nvme import ParamSwap, align_elems, on_disk, round_up
+from ...offload.infinity import MasterIO
+from ...offload.param_swap import ParamSwap, align_elems, on_disk, round_up
 from .param import ParamState, ShardedParam, lookup, register
 
 WRITE_CHUNK = 1 << 24  # elements per write when shards on NVMe are refreshed from masters in memory
@@ -49,7 +49,7 @@ class Stage3Optimizer(ZeroOptimizer):
                 sp.retype(dtype, device)
             sp.persistent = sp.numel <= zero_cfg.stage3_param_persistence_threshold  # p is empty when Init sharded it
             self.all_sharded.append(sp)
-        # offload_param: the shards live in host memory (cpu) or in a swap file (nvme, nvme.py); the fetcher
+        # offload_param: the shards live in host memory (cpu) or in a swap file (nvme, offload/param_swap.py); the fetcher
         # copies each up as it gathers, and the optimizer writes the updated shards back.
         offload = zero_cfg.offload_param.device in ("cpu", "nvme")
         shard_device = torch.device("cpu") if offload else device  # host memory by design with offload_param

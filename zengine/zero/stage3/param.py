@@ -96,7 +96,7 @@ class ShardedParam:
         self.chunk = max(1, math.ceil(self.numel / world))
         self.valid = max(0, min(self.chunk, self.numel - rank * self.chunk))  # real elements in my chunk
         self.shard: Optional[torch.Tensor] = None  # [chunk] compute dtype, a view into its group's shard buffer
-        # NVMe offload (nvme.py): the swap that holds the shard, and its first element there; ``shard`` is
+        # NVMe offload (offload/param_swap.py): the swap that holds the shard, and its first element there; ``shard`` is
         # then None, or a resident copy (max_in_cpu)
         self.store = None
         self.file_elem = 0

@@ -1,4 +1,4 @@
-"""Ranks out of step and stopped ranks are named, not hung (zengine/diagnose.py, collectives.Pending).
+"""Ranks out of step and stopped ranks are named, not hung (zengine/distributed/diagnose.py, collectives.Pending).
 
 A rank that skips a whole step agrees with its peers on every count until the end (its collectives
 pair with the peers' next ones), so it is caught where the ranks' ends differ: the rank left waiting
@@ -19,8 +19,8 @@ from torch import nn
 
 import zengine
 from harness import free_port, spawn
-from zengine import collectives as comm
-from zengine.diagnose import CollectiveTimeoutError, is_backend_failure
+from zengine.distributed import collectives as comm
+from zengine.distributed.diagnose import CollectiveTimeoutError, is_backend_failure
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(zengine.__file__)))
 
@@ -135,6 +135,6 @@ def test_a_slow_rank_is_waited_for():
 def test_program_errors_are_not_taken_for_communication_failures():
     assert is_backend_failure(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
     assert is_backend_failure(RuntimeError("Timed out waiting 3000ms for recv operation to complete"))
-    assert not is_backend_failure(comm.WrongDeviceError("zengine.collectives.all_reduce_sum: a cpu tensor ..."))
+    assert not is_backend_failure(comm.WrongDeviceError("zengine.distributed.collectives.all_reduce_sum: a cpu tensor ..."))
     assert not is_backend_failure(ValueError("shapes do not match"))
     assert not is_backend_failure(CollectiveTimeoutError("already diagnosed"))

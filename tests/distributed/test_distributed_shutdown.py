@@ -1,4 +1,4 @@
-"""The end of a process (zengine/shutdown.py): a finished run exits 0, every time; a failed rank
+"""The end of a process (zengine/distributed/shutdown.py): a finished run exits 0, every time; a failed rank
 exits at once; ``Engine.destroy`` finishes and releases what the engine runs."""
 import os
 import subprocess

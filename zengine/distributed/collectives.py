@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import diagnose
-from .distributed import backend_device_types
+from .process_group import backend_device_types
 
 
 # On gloo a wait is cut into slices of this length; between slices the rank looks whether a peer
@@ -119,7 +119,7 @@ def check_devices(what: str, group, *tensors: torch.Tensor) -> None:
         return
     for t in tensors:
         if t.device.type not in allowed:
-            raise WrongDeviceError(f"zengine.collectives.{what}: a {t.device.type} tensor {tuple(t.shape)} {t.dtype} was "
+            raise WrongDeviceError(f"zengine.distributed.collectives.{what}: a {t.device.type} tensor {tuple(t.shape)} {t.dtype} was "
                                    f"given to the {backend(group)} backend, which takes {'/'.join(allowed)} "
                                    f"tensors; it must be made on the compute device")
 

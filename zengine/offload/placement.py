@@ -8,14 +8,14 @@ step runs on the CPU with the compiled CPUAdam; the updated parameters go
 back to the device in the compute dtype.
 
 The rest of the engine never asks which placement it has: it asks the
-placement for tensors, and for its ``copies`` (``transfer.py``) to move data
+placement for tensors, and for its ``copies`` (``copies.py``) to move data
 between the compute device and where the shards live.
 """
 from __future__ import annotations
 
 import torch
 
-from .transfer import HostCopies, make_copies
+from .copies import HostCopies, make_copies
 
 
 class DevicePlacement:
@@ -63,7 +63,7 @@ class CPUPlacement(DevicePlacement):
 
 
 class NVMePlacement(CPUPlacement):
-    """As ``CPUPlacement``, with Adam's moments swapped to a file under ``nvme_path`` (``swap.py``)."""
+    """As ``CPUPlacement``, with Adam's moments swapped to a file under ``nvme_path`` (``state_swap.py``)."""
 
     def __init__(self, zero_cfg, device: torch.device, aio_cfg=None):
         offload_cfg = zero_cfg.offload_optimizer
@@ -75,7 +75,7 @@ class NVMePlacement(CPUPlacement):
         self.infinity = None  # stage 3 sets a MasterIO: the masters and gradients are swapped too
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        from .swap import StateSwapper, SwappedAdam
+        from .state_swap import StateSwapper, SwappedAdam
 
         def swapper_for(numels, parts=2, align=1024):
             return StateSwapper(numels, self.directory, self.chunk, self.buffer_count, make_aio(self.aio_cfg),

@@ -1,9 +1,9 @@
-"""The compute device decided from the backend (zengine/distributed.py), on a box with or without GPUs."""
+"""The compute device decided from the backend (zengine/distributed/process_group.py), on a box with or without GPUs."""
 import pytest
 import torch
 
-from zengine import collectives as comm
-from zengine.distributed import backend_device_types, resolve_device
+from zengine.distributed import collectives as comm
+from zengine.distributed.process_group import backend_device_types, resolve_device
 
 
 @pytest.fixture

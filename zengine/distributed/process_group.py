@@ -4,7 +4,7 @@ The compute device is decided once, here, from the process group's backend
 (``resolve_device``): NCCL computes on ``cuda:LOCAL_RANK``; gloo on the CPU
 unless the caller asks otherwise with ``ZENGINE_DEVICE`` (``cpu``, ``cuda``
 or ``cuda:N``). Nothing else in the engine looks at whether CUDA happens to
-be visible: every tensor the engine makes is made on ``Placement.device`` or,
+be visible: every tensor the engine makes is made on ``ProcessPlacement.device`` or,
 for host-side work (offload, swap, checkpoints), on the CPU by design.
 """
 from __future__ import annotations
@@ -81,7 +81,7 @@ def resolve_device(backend: Optional[str], local_rank: int, requested: Optional[
 
 
 @dataclass(frozen=True)
-class Placement:
+class ProcessPlacement:
     """Where this process sits: global rank, local rank, world size and compute device."""
 
     rank: int
@@ -90,7 +90,7 @@ class Placement:
     device: torch.device
 
     @classmethod
-    def current(cls, device: Optional[str] = None) -> "Placement":
+    def current(cls, device: Optional[str] = None) -> "ProcessPlacement":
         """This process's placement in the default process group (world size 1 without one); the device
         from ``resolve_device`` unless ``device`` names one."""
         rank = dist.get_rank() if dist.is_initialized() else 0

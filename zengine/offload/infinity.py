@@ -12,16 +12,20 @@ then needs two things from the parameter groups, which ``MasterIO`` gives it:
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .group import ShardedParamGroup
-from .nvme import align_elems
+from .param_swap import align_elems
+
+if TYPE_CHECKING:  # offload/ never imports zero/ at run time (zero/ builds on offload/)
+    from ..zero.stage3.group import ShardedParamGroup
 
 
 class MasterIO:
     """Reads and writes a stage-3 group's compute-dtype shard by chunk, wherever it lives."""
 
-    def __init__(self, groups: list[ShardedParamGroup], dtype: torch.dtype):
+    def __init__(self, groups: list["ShardedParamGroup"], dtype: torch.dtype):
         self.groups = groups
         self.align = align_elems(dtype)
         self.numels = [g.shard_numel for g in groups]  # the masters' sizes (their tensors are empty in memory)

@@ -1,4 +1,4 @@
-"""The DeepSpeed engine members beyond training (engine_members.py), initialize's DeepSpeed signature,
+"""The DeepSpeed engine members beyond training (engine/members.py), initialize's DeepSpeed signature,
 and the optimizers scripts import from ``deepspeed.ops.adam``."""
 import pytest
 import torch

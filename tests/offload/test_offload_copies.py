@@ -8,7 +8,7 @@ from torch import nn
 
 import zengine
 from harness import spawn
-from zengine.zero.transfer import HostCopies, StreamCopies, make_copies
+from zengine.offload.copies import HostCopies, StreamCopies, make_copies
 
 LAYERS, WIDTH = 6, 16
 

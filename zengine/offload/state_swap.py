@@ -194,7 +194,7 @@ class SwappedAdam(CPUAdam):
         super().__init__(param_groups, **defaults)
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._index = {id(p): i for i, p in enumerate(self._params)}
-        # ZeRO-Infinity (``infinity``, see MasterIO in stage3/infinity.py): the fp32 masters and their gradients
+        # ZeRO-Infinity (``infinity``, see MasterIO in infinity.py): the fp32 masters and their gradients
         # live in the records too; the parameters here have no storage except inside states_in_memory
         self.infinity = infinity
         if infinity is None:

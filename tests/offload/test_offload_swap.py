@@ -13,7 +13,7 @@ from harness import spawn
 from models import EdgeNet
 from zengine.ops import CPUAdam
 from zengine.ops.aio import AsyncIO
-from zengine.zero.swap import StateSwapper, SwappedAdam
+from zengine.offload.state_swap import StateSwapper, SwappedAdam
 
 SIZES = [5000, 1, 3071, 12000]  # chunks of 1024: tails, a one-element parameter, many chunks each
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, adamw_mode=True, bias_correction=True)

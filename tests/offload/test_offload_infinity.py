@@ -200,7 +200,7 @@ KILLED = textwrap.dedent("""
     sys.path[:0] = {tests!r}
     import zengine
     from models import EdgeNet, make_batches, train_global_batch
-    from test_zero_infinity import infinity_config
+    from test_offload_infinity import infinity_config
     cfg = infinity_config({directory!r})
     with zengine.zero.Init(config_dict_or_path=cfg):
         model = EdgeNet()

@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from ...ops.aio import ALIGN, AsyncIO, IORequest, SwapFile
-from ..swap import check_intact, host_buffer
+from ..ops.aio import ALIGN, AsyncIO, IORequest, SwapFile
+from .state_swap import check_intact, host_buffer
 
 logger = logging.getLogger("zengine")
 

@@ -1,8 +1,8 @@
 """The Engine: wraps a model and drives forward, backward and the boundary step.
 
 The engine only orchestrates. What differs between ZeRO stages lives in the
-stage optimizer (``zero/``); precision in ``precision.py`` and
-``loss_scaler.py``; optimizers and schedules in ``optim/``.
+stage optimizer (``zero/``); precision in ``precision/``;
+where state lives in ``offload/``; optimizers and schedules in ``optim/``.
 
 One training step through the modules:
 
@@ -25,33 +25,33 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from . import checkpoint
-from . import checkpointing
-from . import collectives
-from .engine_members import DeepSpeedMembers
-from . import diagnose
-from . import shutdown
+from .. import checkpoint
+from .. import checkpointing
+from ..distributed import collectives
+from .members import DeepSpeedMembers
+from ..distributed import diagnose
+from ..distributed import shutdown
 from .backward import BackwardTracker
-from .config import ZengineConfig, format_config
-from .distributed import Placement
-from .log import setup_logging
-from .loss_scaler import make_loss_scaler
-from .monitor import StepReport, build_monitor
-from .optim import build_optimizer, build_scheduler
-from .precision import cast_floating, cast_module
-from .timers import BACKWARD, FORWARD, STEP, Timers
-from .zero import build_zero_optimizer
-from .zero.nonfinite import NonFinitePolicy
-from .zero.optimizer import StepOutcome
+from ..config import ZengineConfig, format_config
+from ..distributed.process_group import ProcessPlacement
+from ..log import setup_logging
+from ..precision.loss_scaler import make_loss_scaler
+from ..monitor import StepReport, build_monitor
+from ..optim import build_optimizer, build_scheduler
+from ..precision.cast import cast_floating, cast_module
+from ..monitor.timers import BACKWARD, FORWARD, STEP, Timers
+from ..zero import build_zero_optimizer
+from ..zero.nonfinite import NonFinitePolicy
+from ..zero.optimizer import StepOutcome
 
 logger = setup_logging()
 
 
 class Engine(DeepSpeedMembers, nn.Module):
     """A model wrapped for ZeRO data-parallel training (see shared/API.md for the members; the
-    DeepSpeed accessors beyond training are in engine_members.py)."""
+    DeepSpeed accessors beyond training are in members.py)."""
 
-    def __init__(self, model: nn.Module, config: ZengineConfig, placement: Placement,
+    def __init__(self, model: nn.Module, config: ZengineConfig, placement: ProcessPlacement,
                  model_parameters: Optional[Iterable] = None, optimizer: Any = None, lr_scheduler: Any = None,
                  training_data: Optional[torch.utils.data.Dataset] = None, collate_fn=None):
         super().__init__()
@@ -94,7 +94,7 @@ class Engine(DeepSpeedMembers, nn.Module):
                                     if training_data is not None else None)
         self._destroyed = False
         shutdown.track(self)  # destroy() runs at exit if the script does not call it
-        me = weakref.ref(self)  # a failed collective reports these counters (diagnose.py)
+        me = weakref.ref(self)  # a failed collective reports these counters (distributed/diagnose.py)
         diagnose.track_progress(lambda: (me().global_steps, me().micro_steps) if me() is not None else (0, 0))
         if config.auto_resume:  # what DeepSpeed users write by hand at the top of their loop
             path, _ = self.load_checkpoint(config.auto_resume, missing_ok=True)
@@ -234,7 +234,7 @@ class Engine(DeepSpeedMembers, nn.Module):
 
         The engine cannot train after this; the process group stays (it is the script's, or
         zengine's to close at exit). Runs by itself at exit when the script does not call it
-        (``shutdown.py``). Calling it twice does nothing.
+        (``distributed/shutdown.py``). Calling it twice does nothing.
         """
         if self._destroyed:
             return
@@ -351,7 +351,7 @@ def _broadcast_from_rank0(model: nn.Module, world: int) -> None:
     """
     if world == 1:
         return
-    from .zero.stage3.param import lookup
+    from ..zero.stage3.param import lookup
 
     with torch.no_grad():
         for t in [p for p in model.parameters() if lookup(p) is None] + list(model.buffers()):
@@ -417,7 +417,7 @@ def _make_scheduler(lr_scheduler, config: ZengineConfig, optimizer):
     return None
 
 
-def _make_dataloader(data, config: ZengineConfig, placement: Placement, collate_fn):
+def _make_dataloader(data, config: ZengineConfig, placement: ProcessPlacement, collate_fn):
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 

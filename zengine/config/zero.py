@@ -1,0 +1,158 @@
+"""The ``zero_optimization`` section: the ZeRO stage, its communication buckets, and where optimizer states
+and parameter shards live (``offload_optimizer``, ``offload_param``); and ``aio``, the file I/O that NVMe
+offload uses. Older DeepSpeed spellings (``cpu_offload``...) are rewritten here, with a warning.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar, Dict, List, Literal, Optional, Tuple
+
+from pydantic import Field, model_validator
+
+from .base import Count, Flag, Integer, PositiveSize, Size, _Section
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class OffloadOptimizerConfig(_Section):
+    """Where optimizer states live and the optimizer step runs (stages 1-3)."""
+
+    device: OffloadDevice = Field("none", description='"none" keeps states on the device; "cpu" or "nvme" '
+                                                      'moves them there and steps on the CPU.')
+    nvme_path: Optional[Path] = Field(None, description="Directory for swapped states; required with nvme.")
+    pin_memory: Flag = Field(False, description="Use page-locked host buffers for faster copies.")
+    buffer_count: Count = Field(4, description="Host buffers in the NVMe swap pool; at least the number of "
+                                               "tensors per parameter the optimizer keeps.")
+    fast_init: Flag = Field(False, description="Skip writing initial optimizer states to NVMe.")
+
+    @property
+    def enabled(self) -> bool:
+        """True when optimizer states leave the accelerator."""
+        return self.device != "none"
+
+
+class OffloadParamConfig(_Section):
+    """Where stage-3 parameter shards live between uses."""
+
+    device: OffloadDevice = Field("none", description='"none" keeps shards on the device; "cpu" or "nvme" '
+                                                      'moves them there.')
+    nvme_path: Optional[Path] = Field(None, description="Directory for swapped parameters; required with nvme.")
+    pin_memory: Flag = Field(False, description="Use page-locked host buffers for faster copies.")
+    buffer_count: Count = Field(5, description="Buffers in the NVMe parameter swap pool.")
+    buffer_size: PositiveSize = Field(100_000_000, description="Elements per NVMe parameter swap buffer.")
+    max_in_cpu: Size = Field(1_000_000_000, description="Parameter elements kept in CPU memory with NVMe "
+                                                        "offload.")
+
+    @property
+    def enabled(self) -> bool:
+        """True when parameter shards leave the accelerator."""
+        return self.device != "none"
+
+
+class ZeroConfig(_Section):
+    """ZeRO partitioning: what is sharded across data-parallel ranks, and how it communicates."""
+
+    DEPRECATED_KEYS: ClassVar[Dict[str, str]] = {
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        "cpu_offload": "offload_optimizer",
+        "cpu_offload_param": "offload_param",
+    }
+
+    stage: Integer = Field(0, ge=0, le=3, description="0: plain data parallel; 1: shard optimizer states; "
+                                                      "2: also gradients; 3: also parameters.")
+    contiguous_gradients: Flag = Field(True, description="Copy gradients into one contiguous buffer as they "
+                                                         "are produced, avoiding fragmentation.")
+    overlap_comm: Flag = Field(False, description="Overlap gradient reduction with the backward pass (two "
+                                                  "buckets in flight); false: each bucket's reduction "
+                                                  "completes before backward goes on, the least memory. "
+                                                  "Default: true at stage 3, false otherwise.")
+    reduce_scatter: Flag = Field(True, description="Reduce gradients with reduce-scatter rather than "
+                                                   "all-reduce.")
+    reduce_bucket_size: PositiveSize = Field(500_000_000, description="Elements reduced in one collective.")
+    allgather_partitions: Flag = Field(True, description="Gather updated shards with all-gather rather than "
+                                                         "a series of broadcasts.")
+    allgather_bucket_size: PositiveSize = Field(500_000_000, description="Elements all-gathered in one "
+                                                                         "collective.")
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig,
+                                                      description="Optimizer state offload (stages 1-3).")
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig,
+                                              description="Parameter offload (stage 3 only).")
+    sub_group_size: PositiveSize = Field(1_000_000_000, description="Elements the optimizer steps at a time "
+                                                                    "when offloaded (tiles the update).")
+    stage3_prefetch_bucket_size: Size = Field(50_000_000, description="Parameter elements fetched ahead of "
+                                                                      "use; 0 disables prefetch.")
+    stage3_param_persistence_threshold: Size = Field(100_000, description="Parameters with fewer elements stay "
+                                                                          "whole on every rank.")
+    stage3_max_live_parameters: Size = Field(1_000_000_000, description="Gathered parameter elements allowed "
+                                                                        "at once before releasing.")
+    stage3_max_reuse_distance: Size = Field(1_000_000_000, description="Keep a gathered parameter if it is "
+                                                                       "used again within this many elements.")
+    stage3_gather_16bit_weights_on_model_save: Flag = Field(False, description="Gather the full 16-bit "
+                                                                               "weights when saving the model.")
+    stage3_debug_fetch_order: Flag = Field(False, description=(
+        "zengine only: every rank records the sequence of stage-3 parameter fetches of the first step and "
+        "the ranks compare them, naming the first parameter where they diverge. A diverging order "
+        "deadlocks the all-gathers, so this turns a hang into an error. Costs one extra collective."))
+
+    @classmethod
+    def _prepare(cls, data: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
+        problems = []
+        for old, new in cls.DEPRECATED_KEYS.items():
+            if old not in data:
+                continue
+            value = data.pop(old)
+            if new in data:
+                problems.append(f"{old}: deprecated spelling of {new!r}; give only one of them")
+                continue
+            if old.startswith("cpu_offload") and not isinstance(value, bool):
+                problems.append(f"{old}: expected true or false, got {value!r}")
+                continue
+            warnings.warn(f"zero_optimization.{old} is deprecated; use zero_optimization.{new}",
+                          DeprecationWarning, stacklevel=2)
+            if old.startswith("cpu_offload"):
+                if value:
+                    data[new] = {"device": "cpu"}
+            else:
+                data[new] = value
+        for section in ("offload_optimizer", "offload_param"):
+            if section in data and data[section] is None:
+                del data[section]
+        if data.get("overlap_comm") is None:
+            data["overlap_comm"] = _stage_of(data) == 3
+        return data, problems
+
+    @model_validator(mode="after")
+    def _offload_matches_stage(self) -> "ZeroConfig":
+        problems = []
+        if self.offload_param.enabled and self.stage < 3:
+            problems.append(f"offload_param.device: parameter offload ({self.offload_param.device!r}) needs "
+                            f"stage 3; stage is {self.stage}")
+        if self.offload_optimizer.enabled and self.stage == 0:
+            problems.append(f"offload_optimizer.device: optimizer offload ({self.offload_optimizer.device!r}) "
+                            f"needs stage 1, 2 or 3; stage is 0")
+        for name in ("offload_optimizer", "offload_param"):
+            if getattr(self, name).device == "nvme" and getattr(self, name).nvme_path is None:
+                problems.append(f'{name}.nvme_path: device "nvme" needs nvme_path, a directory on the NVMe drive')
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
+def _stage_of(data: Dict[str, Any]) -> Optional[int]:
+    try:
+        return int(data.get("stage", 0))
+    except (TypeError, ValueError):
+        return None
+
+
+class AioConfig(_Section):
+    """Asynchronous file I/O used by NVMe offload."""
+
+    block_size: PositiveSize = Field(1_048_576, description="Bytes per I/O block.")
+    queue_depth: Count = Field(8, description="Blocks each I/O thread keeps in flight.")
+    thread_count: Count = Field(1, description="I/O threads per rank (thread_count x queue_depth blocks in flight).")
+    single_submit: Flag = Field(False, description="DeepSpeed's libaio batching switch; accepted, no effect "
+                                                   "(each block is its own request here).")
+    overlap_events: Flag = Field(True, description="DeepSpeed's libaio overlap switch; accepted, no effect "
+                                                   "(submission and completion always overlap here).")
