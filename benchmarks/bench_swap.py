@@ -47,7 +47,8 @@ sys.path.insert(0, str(REPO))
 
 from zengine.ops import CPUAdam  # noqa: E402
 from zengine.ops.aio import AsyncIO, SwapFile, aligned_empty  # noqa: E402
-from zengine.offload.state_swap import StateSwapper, SwappedAdam  # noqa: E402
+from zengine.offload.state_swap import StateSwapper
+from zengine.offload.swapped_adam import SwappedAdam  # noqa: E402
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 MiB = 1 << 20
@@ -257,7 +258,7 @@ def main() -> None:
     ios = {label: make() for label, make in pools.items()}
     first_io = next(iter(ios.values()))
     opt = SwappedAdam.replacing(CPUAdam([param], **HYPER),
-                                lambda numels: StateSwapper(numels, args.dir, chunk, args.buffers, first_io))
+                                StateSwapper([param.numel()], args.dir, chunk, args.buffers, first_io))
     opt.step()  # the moments exist on disk from here on
     sw = opt.swapper
     direct = sw.file.direct

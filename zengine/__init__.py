@@ -6,18 +6,23 @@ DeepSpeed's other public modules are here under the same names, imported on firs
 ``zengine.comm``, ``zengine.accelerator``, ``zengine.utils``, ``zengine.runtime``,
 ``zengine.checkpointing`` (activation checkpointing), ``zengine.ops``, ``zengine.checkpoint``,
 ``zengine.elasticity`` (``compute_elastic_config``).
-See README.md and shared/API.md.
+See README.md, docs/API.md (the public surface) and docs/architecture.md.
 """
 import importlib
 
 from .api import initialize
-from .distributed.process_group import init_distributed
-from .engine.engine import Engine
+from .distributed import init_distributed
+from .distributed.diagnose import CollectiveTimeoutError, RanksOutOfStepError
+from .engine import Engine
 from . import zero
 from .launcher.args import add_config_arguments
+from .zero.nonfinite import NonFiniteGradientError
+from .zero.stage3.fetcher import FetchOrderError
 
 __version__ = "0.1.0"
-__all__ = ["initialize", "init_distributed", "Engine", "add_config_arguments", "zero", "__version__"]
+__all__ = ["initialize", "init_distributed", "Engine", "add_config_arguments", "zero", "__version__",
+           # what a training step may raise (docs/API.md, "Errors and environment")
+           "CollectiveTimeoutError", "FetchOrderError", "NonFiniteGradientError", "RanksOutOfStepError"]
 
 # Submodules a DeepSpeed script reaches as attributes (deepspeed.comm.get_rank(), deepspeed.ops.adam ...)
 # without importing them first; imported when first touched, so that `import zengine` stays light.

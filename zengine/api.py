@@ -93,7 +93,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
                mesh_param: Any = None, config_params: Any = None, **unsupported: Any):
     """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
-    DeepSpeed's parameters in DeepSpeed's order (see shared/API.md for each); call it with keywords.
+    DeepSpeed's parameters in DeepSpeed's order (see docs/API.md for each); call it with keywords.
     ``initialize(model, config)``, with the model first, is also taken as meant. The config is
     validated before any work starts; the process group is initialised when it is not yet (on
     ``distributed_port`` when the launcher set no port). ``mpu`` and ``mesh_param`` (model/tensor

@@ -301,7 +301,7 @@ def parity_case(case, device: str, nvme_dir: str, errors: list) -> dict:
         return {"errors": errors}
     check_placement(engine, dev, offload, errors, "after initialize")
     if offload != "none":
-        expected = "SwappedAdam" if "nvme" in offload else "CPUAdam"
+        expected = ("InfinityAdam" if stage == 3 else "SwappedAdam") if "nvme" in offload else "CPUAdam"
         if type(engine.optimizer.optimizer).__name__ != expected:
             errors.append(f"the offloaded step runs {type(engine.optimizer.optimizer).__name__}, expected {expected}")
     watch = ForwardWatch(engine.module, dev)

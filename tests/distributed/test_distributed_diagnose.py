@@ -20,7 +20,8 @@ from torch import nn
 import zengine
 from harness import free_port, spawn
 from zengine.distributed import collectives as comm
-from zengine.distributed.diagnose import CollectiveTimeoutError, is_backend_failure
+from zengine import CollectiveTimeoutError
+from zengine.distributed.diagnose import is_backend_failure
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(zengine.__file__)))
 

@@ -13,7 +13,8 @@ from harness import spawn
 from models import EdgeNet
 from zengine.ops import CPUAdam
 from zengine.ops.aio import AsyncIO
-from zengine.offload.state_swap import StateSwapper, SwappedAdam
+from zengine.offload.state_swap import StateSwapper
+from zengine.offload.swapped_adam import SwappedAdam
 
 SIZES = [5000, 1, 3071, 12000]  # chunks of 1024: tails, a one-element parameter, many chunks each
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, adamw_mode=True, bias_correction=True)
@@ -26,7 +27,7 @@ def _pair(tmp_path, buffer_count, chunk=1024):
     plain = CPUAdam([{"params": ref[:2]}, {"params": ref[2:], "lr": 3e-3}], **HYPER)
     swapped = SwappedAdam.replacing(
         CPUAdam([{"params": mine[:2]}, {"params": mine[2:], "lr": 3e-3}], **HYPER),
-        lambda numels: StateSwapper(numels, str(tmp_path), chunk, buffer_count, AsyncIO(1 << 14, 2)))
+        StateSwapper(SIZES, str(tmp_path), chunk, buffer_count, AsyncIO(1 << 14, 2)))
     return ref, mine, plain, swapped
 
 

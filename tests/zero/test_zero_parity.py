@@ -60,7 +60,8 @@ def train(stage, precision, gas, offload=False, seed=0):
                                     model_parameters=edge_param_groups(model, LR))
     if offload:  # the offloaded step runs on the compiled CPUAdam (or its torch fallback, same class)
         swapped = offload in ("nvme", "param+nvme", "infinity")
-        assert type(engine.optimizer.optimizer).__name__ == ("SwappedAdam" if swapped else "CPUAdam")
+        expected = ("InfinityAdam" if stage == 3 else "SwappedAdam") if swapped else "CPUAdam"
+        assert type(engine.optimizer.optimizer).__name__ == expected
     losses, norms = [], []
     for batch in batches:
         losses.append(train_global_batch(engine, batch, MICRO, gas))

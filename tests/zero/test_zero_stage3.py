@@ -8,7 +8,7 @@ from torch import nn
 
 import zengine
 from harness import spawn
-from zengine.zero.stage3.fetcher import FetchOrderError
+from zengine import FetchOrderError
 from zengine.zero.stage3.param import ParamState, lookup
 
 DIM = 48

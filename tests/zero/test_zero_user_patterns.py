@@ -22,8 +22,7 @@ import zengine
 from harness import spawn
 from models import EdgeNet, edge_param_groups, make_batches, micro_batch, reference_run
 from test_zero_parity import CLIP, LR, MICRO, engine_config
-from zengine.zero.nonfinite import NonFiniteGradientError
-from zengine.zero.step_stats import RanksOutOfStepError
+from zengine import NonFiniteGradientError, RanksOutOfStepError
 
 STEPS = 3
 STAGES = (0, 1, 2, 3)

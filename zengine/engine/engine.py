@@ -25,30 +25,27 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from .. import checkpoint
-from .. import checkpointing
-from ..distributed import collectives
-from .members import DeepSpeedMembers
-from ..distributed import diagnose
-from ..distributed import shutdown
-from .backward import BackwardTracker
+from .. import checkpoint, checkpointing
 from ..config import ZengineConfig, format_config
+from ..distributed import diagnose, shutdown
 from ..distributed.process_group import ProcessPlacement
 from ..log import setup_logging
-from ..precision.loss_scaler import make_loss_scaler
 from ..monitor import StepReport, build_monitor
-from ..optim import build_optimizer, build_scheduler
-from ..precision.cast import cast_floating, cast_module
 from ..monitor.timers import BACKWARD, FORWARD, STEP, Timers
+from ..precision.cast import cast_floating, cast_module
+from ..precision.loss_scaler import make_loss_scaler
 from ..zero import build_zero_optimizer
-from ..zero.nonfinite import NonFinitePolicy
-from ..zero.optimizer import StepOutcome
+from ..zero.optimizer import Ranks, StepOutcome
+from .accumulation import Accumulation, HeldStates
+from .backward import BackwardTracker
+from .build import broadcast_from_rank0, make_dataloader, make_scheduler, named_param_groups, optimizer_factory
+from .members import DeepSpeedMembers
 
 logger = setup_logging()
 
 
 class Engine(DeepSpeedMembers, nn.Module):
-    """A model wrapped for ZeRO data-parallel training (see shared/API.md for the members; the
+    """A model wrapped for ZeRO data-parallel training (see docs/API.md for the members; the
     DeepSpeed accessors beyond training are in members.py)."""
 
     def __init__(self, model: nn.Module, config: ZengineConfig, placement: ProcessPlacement,
@@ -64,9 +61,8 @@ class Engine(DeepSpeedMembers, nn.Module):
         self._no_sync = False
         self._step_applied = True
         self.skipped_steps = 0  # boundary steps skipped for a non-finite gradient (DeepSpeed's name)
-        self._backward_since_step = False
-        self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary
-        self._in_accumulation = False  # micro-steps taken since the last boundary step
+        self.accumulation = Accumulation()  # where the engine is in a global batch
+        self.held_states = HeldStates()  # what offload_states moved to host memory
         self._warned_idle_step = False
         self._last_report = (time.perf_counter(), 0)
         self.monitor = build_monitor(config, placement.rank)  # DeepSpeed's monitor sections; no-op unless enabled
@@ -77,20 +73,17 @@ class Engine(DeepSpeedMembers, nn.Module):
         checkpointing.configure_from_config(config.activation_checkpointing)  # unless the script configured it
 
         cast_module(model, config.compute_dtype, placement.device)
-        _broadcast_from_rank0(model, placement.world_size)
-        named_groups = _named_param_groups(model, model_parameters, optimizer)
+        broadcast_from_rank0(model, placement.world_size)
+        named_groups = named_param_groups(model, model_parameters, optimizer)
         self.scaler = make_loss_scaler(config.fp16)
+        # Every backward pass is bracketed (backward.py); a plain loss.backward() the outputs could not catch
+        # is seen by the optimizer at its first parameter gradient, which opens the bracket through the tracker.
+        self._backward = BackwardTracker(self._begin_backward, self._end_backward, self._grad_factor)
         self.optimizer = build_zero_optimizer(
-            model, config.zero_optimization, named_groups, _optimizer_factory(optimizer, config),
-            self.scaler, config.gradient_clipping, config.compute_dtype, placement.device,
-            placement.rank, placement.world_size, aio_cfg=config.aio)
-        nonfinite = config.nonfinite_gradients
-        self.optimizer.nonfinite = NonFinitePolicy(nonfinite.skip, nonfinite.max_consecutive_skips,
-                                                   nonfinite.warn_every, placement.rank)
-        self._backward = BackwardTracker(self._begin_backward, self.optimizer.end_backward, self._grad_factor)
-        self.optimizer.before_grad = self._backward.on_param_grad
-        self.lr_scheduler = _make_scheduler(lr_scheduler, config, self.optimizer)
-        self.training_dataloader = (_make_dataloader(training_data, config, placement, collate_fn)
+            model, config, named_groups, optimizer_factory(optimizer, config), self.scaler,
+            Ranks(placement.world_size, placement.rank, placement.device), self._backward.on_param_grad)
+        self.lr_scheduler = make_scheduler(lr_scheduler, config, self.optimizer)
+        self.training_dataloader = (make_dataloader(training_data, config, placement, collate_fn)
                                     if training_data is not None else None)
         self._destroyed = False
         shutdown.track(self)  # destroy() runs at exit if the script does not call it
@@ -134,9 +127,7 @@ class Engine(DeepSpeedMembers, nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next ``step()`` completes a global batch (or as set_gradient_accumulation_boundary
         said)."""
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return self.accumulation.is_boundary(self.micro_steps, self.gradient_accumulation_steps())
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -190,8 +181,11 @@ class Engine(DeepSpeedMembers, nn.Module):
         return self.scaler.scale / self.gradient_accumulation_steps()
 
     def _begin_backward(self) -> None:
-        self._backward_since_step = True
+        self.accumulation.backward_since_step = True
         self.optimizer.begin_backward(self.is_gradient_accumulation_boundary(), self._no_sync)
+
+    def _end_backward(self) -> None:
+        self.optimizer.end_backward()
 
     def step(self) -> None:
         """At a boundary: the optimizer step and the LR schedule; else count the micro-step.
@@ -205,11 +199,11 @@ class Engine(DeepSpeedMembers, nn.Module):
                                "so that the accumulated gradients are reduced")
         self._backward.check_step()
         boundary = self.is_gradient_accumulation_boundary()
-        if not boundary and not self._backward_since_step:
+        if not boundary and not self.accumulation.backward_since_step:
             self._step_applied = False
             self._warn_idle_step()
             return
-        self._backward_since_step = False
+        self.accumulation.backward_since_step = False
         if boundary:
             with self.timers(STEP):
                 outcome = self.optimizer.step(self.micro_steps)
@@ -225,7 +219,7 @@ class Engine(DeepSpeedMembers, nn.Module):
             self._step_report.record_step(self)  # monitors write loss, lr and scale per step
             if self.global_steps % self.config.steps_per_print == 0:
                 self._report()
-        self._in_accumulation = not boundary
+        self.accumulation.in_progress = not boundary
         self.micro_steps += 1
 
     def destroy(self) -> None:
@@ -342,85 +336,3 @@ class Engine(DeepSpeedMembers, nn.Module):
 
 
 DeepSpeedEngine = Engine  # DeepSpeed's name (deepspeed.runtime.engine.DeepSpeedEngine), for isinstance checks
-
-
-def _broadcast_from_rank0(model: nn.Module, world: int) -> None:
-    """Start every replica from rank 0's parameters and buffers (ranks may have initialised differently).
-
-    Parameters already partitioned by ``zero.Init`` are skipped: Init made them consistent.
-    """
-    if world == 1:
-        return
-    from ..zero.stage3.param import lookup
-
-    with torch.no_grad():
-        for t in [p for p in model.parameters() if lookup(p) is None] + list(model.buffers()):
-            collectives.broadcast(t.data, 0)
-
-
-def _named_param_groups(model: nn.Module, model_parameters, client_optimizer) -> list:
-    """(name, parameter) pairs and hyper-parameters of each param group; frozen and repeated ones left out."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    if isinstance(client_optimizer, torch.optim.Optimizer):
-        raw = client_optimizer.param_groups
-    elif model_parameters is None:
-        raw = [{"params": list(model.parameters())}]
-    else:
-        items = list(model_parameters)
-        raw = items if items and isinstance(items[0], dict) else [{"params": items}]
-    groups, seen = [], set()
-    for group in raw:
-        params = group["params"]
-        params = [params] if torch.is_tensor(params) else list(params)
-        named = []
-        for p in params:
-            if id(p) not in names:
-                raise ValueError("zengine.initialize: model_parameters holds a tensor that is not a parameter of "
-                                 "the model; pass model.parameters() or param groups built from them")
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                named.append((names[id(p)], p))
-        groups.append((named, {k: v for k, v in group.items() if k != "params"}))
-    if not any(named for named, _ in groups):
-        raise ValueError("zengine.initialize: model_parameters (or the optimizer's param groups) hold no parameter "
-                         "that requires grad; there is nothing to train. Pass the trainable parameters")
-    return groups
-
-
-def _optimizer_factory(client_optimizer, config: ZengineConfig):
-    """A function (flat shard param groups, cpu_offload) -> the wrapped torch optimizer."""
-    if isinstance(client_optimizer, torch.optim.Optimizer):
-        def rebind(groups, cpu_offload=False):
-            # Keep the caller's optimizer object (and any scheduler built on it): point its groups at the shards.
-            for mine, theirs in zip(groups, client_optimizer.param_groups):
-                theirs["params"] = mine["params"]
-            client_optimizer.state.clear()
-            return client_optimizer
-        return rebind
-    if client_optimizer is not None:
-        if not callable(client_optimizer):
-            raise TypeError("zengine.initialize: optimizer must be a torch.optim.Optimizer or a callable(params)")
-        return lambda groups, cpu_offload=False: client_optimizer(groups)
-    if config.optimizer is None:
-        raise ValueError("zengine.initialize: no optimizer; pass optimizer= or add an \"optimizer\" section "
-                         "to the config")
-    return lambda groups, cpu_offload=False: build_optimizer(config.optimizer.type, config.optimizer.params, groups,
-                                                              cpu_offload=cpu_offload)
-
-
-def _make_scheduler(lr_scheduler, config: ZengineConfig, optimizer):
-    if lr_scheduler is not None:
-        # A callable gets the wrapped torch optimizer (as in DeepSpeed), so torch's own schedulers work.
-        return lr_scheduler if hasattr(lr_scheduler, "step") else lr_scheduler(optimizer.optimizer)
-    if config.scheduler is not None:
-        return build_scheduler(config.scheduler.type, config.scheduler.params, optimizer)
-    return None
-
-
-def _make_dataloader(data, config: ZengineConfig, placement: ProcessPlacement, collate_fn):
-    from torch.utils.data import DataLoader
-    from torch.utils.data.distributed import DistributedSampler
-
-    sampler = DistributedSampler(data, num_replicas=placement.world_size, rank=placement.rank)
-    return DataLoader(data, batch_size=config.train_micro_batch_size_per_gpu, sampler=sampler,
-                      collate_fn=collate_fn, drop_last=True)

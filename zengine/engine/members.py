@@ -7,9 +7,15 @@ engine.py keeps to training; each member reads the engine's config, placement an
 from __future__ import annotations
 
 import enum
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
+
+from .accumulation import Accumulation, HeldStates
+
+if TYPE_CHECKING:
+    from ..config import ZengineConfig
+    from ..zero.optimizer import ZeroOptimizer
 
 
 class OffloadStateTypeEnum(str, enum.Enum):
@@ -35,7 +41,19 @@ _KINDS = {"optim_states": "optimizer_states", "hp_params": "master_weights", "lp
 
 
 class DeepSpeedMembers:
-    """Members of DeepSpeed's engine that scripts call (see the drop-in issue's list)."""
+    """Members of DeepSpeed's engine that scripts call (docs/API.md lists them).
+
+    A mix-in of ``Engine``: it reads only these of the engine's members, all public.
+    """
+
+    config: "ZengineConfig"
+    optimizer: "ZeroOptimizer"
+    accumulation: Accumulation
+    held_states: HeldStates
+    world_size: int
+    global_rank: int
+    micro_steps: int
+    global_steps: int
 
     # -- config accessors -------------------------------------------------------------------------
     def fp16_enabled(self) -> bool:
@@ -111,7 +129,7 @@ class DeepSpeedMembers:
         """Say whether ``step()`` ends a global batch, overriding the count of micro-steps (for loops whose
         number of micro-steps varies), until it is called again (``None`` returns to counting), as in
         DeepSpeed. Every rank must say the same."""
-        self._boundary_override = None if is_boundary is None else bool(is_boundary)
+        self.accumulation.boundary_override = None if is_boundary is None else bool(is_boundary)
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Change the global batch size by changing the accumulation steps (micro batch and world size
@@ -120,7 +138,7 @@ class DeepSpeedMembers:
         if train_batch_size % per_step != 0:
             raise ValueError(f"set_train_batch_size({train_batch_size}): not a multiple of micro batch "
                              f"{self.train_micro_batch_size_per_gpu()} x world size {self.world_size} = {per_step}")
-        if self._in_accumulation or self._backward_since_step:
+        if not self.accumulation.between_batches:
             raise RuntimeError("set_train_batch_size: call it between global batches (after the boundary "
                                "step), not in the middle of gradient accumulation")
         gas = train_batch_size // per_step
@@ -151,7 +169,7 @@ class DeepSpeedMembers:
             raise ValueError(f"offload_states(device={device!r}): zengine offloads to 'cpu' only")
         kinds = self.optimizer.memory_tensors()
         wanted = [OffloadStateTypeEnum(getattr(k, "value", k)).value for k in include] if include else list(_KINDS)
-        moved = getattr(self, "_offloaded", [])
+        moved = self.held_states.moved
         seen = {s.data_ptr() for s, _ in moved}
         for name in wanted:
             for t in kinds[_KINDS[name]]:
@@ -168,14 +186,13 @@ class DeepSpeedMembers:
             get_accelerator().synchronize()  # the copies must land before the device storage is freed
         for storage, _ in moved:
             storage.resize_(0)
-        self._offloaded = moved
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back what ``offload_states`` moved, into the same storage (views stay valid)."""
-        for storage, host in getattr(self, "_offloaded", []):
+        for storage, host in self.held_states.moved:
             storage.resize_(host.numel())
             storage.copy_(host.untyped_storage(), non_blocking=non_blocking)
-        self._offloaded = []
+        self.held_states.moved = []
 
     # -- saving ---------------------------------------------------------------------------------
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:

@@ -1,10 +1,10 @@
 """Where the model states live when they are not all on the compute device.
 
-- ``placement.py``: where the fp32 masters, their gradients and the optimizer states live
-  (device, CPU or NVMe);
+- ``placement.py``: the placement objects, one per run, chosen from the config: device, CPU or
+  NVMe for the fp32 masters, their gradients and the optimizer states;
 - ``copies.py``: moving gradients down and parameters up between the device and host memory;
-- ``state_swap.py``: optimizer states in an NVMe swap file, stepped by CPU Adam as they stream
-  through a few host buffers;
+- ``state_swap.py`` + ``swapped_adam.py``: optimizer states in an NVMe swap file, stepped by
+  CPU Adam as they stream through a few host buffers;
 - ``param_swap.py``: stage-3 parameter shards in an NVMe swap file, read ahead of the gathers;
 - ``infinity.py``: ZeRO-Infinity's link between the swapped step and the parameter shards.
 

@@ -1,27 +1,42 @@
-"""Where the fp32 master shard, its gradient and the optimizer states live.
+"""Where a run's model states live, decided once from the config: the ``Placement``.
 
-``DevicePlacement`` keeps them on the compute device. ``CPUPlacement``
-(``offload_optimizer.device = "cpu"``) keeps them in CPU memory, pinned when
-``pin_memory`` is set and a GPU is present, so that stage 2 can copy each
-reduced gradient bucket straight into the CPU shard during backward and the
-step runs on the CPU with the compiled CPUAdam; the updated parameters go
-back to the device in the compute dtype.
+Two homes make a placement:
 
-The rest of the engine never asks which placement it has: it asks the
-placement for tensors, and for its ``copies`` (``copies.py``) to move data
-between the compute device and where the shards live.
+- ``optimizer`` (``offload_optimizer.device``): where the fp32 master shard, its gradient and the
+  optimizer states live. ``DevicePlacement`` keeps them on the compute device; ``CPUPlacement``
+  in CPU memory (pinned with ``pin_memory`` on a GPU machine), so that each reduced gradient
+  bucket is copied straight into the CPU shard during backward and the step runs on the CPU
+  with the compiled CPUAdam; ``NVMePlacement`` as CPU, with Adam's moments in a swap file
+  (``swapped_adam.py``); ``InfinityPlacement`` (NVMe at stage 3, ZeRO-Infinity) swaps the
+  masters and their gradients with the moments.
+- ``params`` (``offload_param.device``, stage 3): where the compute-dtype parameter shards live.
+  ``ParamsInMemory`` on the compute device, or in host memory with ``cpu``; ``ParamsOnNVMe`` in
+  a swap file (``param_swap.py``).
+
+The stage optimizers never ask which placement they have: they call its methods, and its
+``copies`` (``copies.py``) move data between the compute device and where the shards live.
+``make_placement`` is the one place that reads the offload sections.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..ops.aio import AsyncIO
 from .copies import HostCopies, make_copies
+from .param_swap import ParamSwap, align_elems, round_up
+from .state_swap import StateSwapper
+from .swapped_adam import SwappedAdam
+
+WRITE_CHUNK = 1 << 24  # elements per write when NVMe shards are refreshed from masters in memory
 
 
 class DevicePlacement:
     """Masters and optimizer states on the compute device."""
 
-    cpu_optimizer = False
+    cpu_optimizer = False  # the optimizer built for the shards is the CPU one (CPUAdam)
+    swaps_masters = False  # ZeRO-Infinity: the masters and their gradients live in the swap file
 
     def __init__(self):
         self.copies = HostCopies()  # shards live with the parameters: nothing crosses
@@ -45,6 +60,9 @@ class DevicePlacement:
         master.copy_(owned)
         return master
 
+    def close(self) -> None:
+        """Release what the placement holds (files, I/O threads) beyond the optimizer's."""
+
 
 class CPUPlacement(DevicePlacement):
     """Masters, master gradients and optimizer states in (pinned) CPU memory."""
@@ -63,7 +81,7 @@ class CPUPlacement(DevicePlacement):
 
 
 class NVMePlacement(CPUPlacement):
-    """As ``CPUPlacement``, with Adam's moments swapped to a file under ``nvme_path`` (``state_swap.py``)."""
+    """As ``CPUPlacement``, with Adam's moments swapped to a file under ``nvme_path`` (``swapped_adam.py``)."""
 
     def __init__(self, zero_cfg, device: torch.device, aio_cfg=None):
         offload_cfg = zero_cfg.offload_optimizer
@@ -72,33 +90,153 @@ class NVMePlacement(CPUPlacement):
         self.chunk = int(zero_cfg.sub_group_size)
         self.buffer_count = int(offload_cfg.buffer_count)
         self.aio_cfg = aio_cfg
-        self.infinity = None  # stage 3 sets a MasterIO: the masters and gradients are swapped too
+
+    def swapper(self, numels: list[int], parts: int = 2, align: int = 1024) -> StateSwapper:
+        """A swap file with ``parts`` fp32 runs per chunk of each of ``numels``, and its host buffers."""
+        return StateSwapper(numels, self.directory, self.chunk, self.buffer_count, make_aio(self.aio_cfg), self.pin,
+                            parts, align)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        from .state_swap import StateSwapper, SwappedAdam
-
-        def swapper_for(numels, parts=2, align=1024):
-            return StateSwapper(numels, self.directory, self.chunk, self.buffer_count, make_aio(self.aio_cfg),
-                                self.pin, parts, align)
-
-        return SwappedAdam.replacing(optimizer, swapper_for, self.infinity)
+        numels = [p.numel() for g in optimizer.param_groups for p in g["params"]]
+        return SwappedAdam.replacing(optimizer, self.swapper(numels))
 
 
-def make_aio(aio_cfg):
+class InfinityPlacement(NVMePlacement):
+    """ZeRO-Infinity (optimizer on NVMe at stage 3): the masters and their gradients are swapped with the
+    moments, so host memory for the optimizer is the swap buffers. The swapped step's pieces are built
+    by ``zero/masters.SwappedMasters``."""
+
+    swaps_masters = True
+
+
+class ParamsInMemory:
+    """Stage-3 parameter shards in memory: on the compute device, or in host memory with
+    ``offload_param.device = "cpu"`` (pinned with ``pin_memory`` on a GPU machine, for the copies up).
+    Stages 0-2 keep every parameter whole on the device: this home too."""
+
+    swap = None  # no swap file
+
+    def __init__(self, offload_cfg, device: torch.device):
+        offload = offload_cfg is not None and offload_cfg.device in ("cpu", "nvme")
+        self.device = device  # the compute device
+        self.shard_device = torch.device("cpu") if offload else device  # host memory by design with offload
+        self.pin = offload and bool(offload_cfg.pin_memory) and device.type == "cuda"
+
+    def alignment(self, dtype: torch.dtype, swaps_masters: bool) -> int:
+        """Elements each parameter's shard is aligned to: swap files need O_DIRECT-aligned offsets."""
+        return align_elems(dtype) if swaps_masters else 1
+
+    def master(self, group, optimizer: DevicePlacement) -> torch.Tensor:
+        """A group's fp32 master, in memory where ``optimizer`` keeps masters."""
+        return optimizer.make_master(group.owned_params())
+
+    copies_out = True  # the optimizer may write the parameters while stepping (CPUAdam's copy-out)
+
+    def store(self, group, master: torch.Tensor, copied: bool) -> None:
+        """After the step: the compute-dtype shard from the fp32 ``master`` (unless ``copied`` already)."""
+        owned = group.owned_params()
+        if not copied and owned.data_ptr() != master.data_ptr():
+            owned.copy_(master)
+
+    def store_one(self, group, pi: int, master: torch.Tensor) -> None:
+        """After ``safe_set_full_fp32_param`` set parameter ``pi``'s part of ``master``: nothing more to
+        write (the caller copied it into the shard)."""
+
+    def load(self, group, master: torch.Tensor) -> None:
+        """The fp32 ``master`` from the compute-dtype shard (after the shard was written)."""
+        if master.data_ptr() != group.owned_params().data_ptr():
+            master.copy_(group.owned_params())
+
+    def host_buffers(self) -> list[torch.Tensor]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class ParamsOnNVMe(ParamsInMemory):
+    """Stage-3 parameter shards in one swap file per rank (``param_swap.ParamSwap``), read ahead of the
+    gathers through a bounded pool of host buffers; written from the masters after each step."""
+
+    copies_out = False  # the shards are written to the file after the step
+
+    def __init__(self, offload_cfg, device: torch.device, dtype: torch.dtype, aio_cfg, sizes: list[int]):
+        super().__init__(offload_cfg, device)
+        self.swap = ParamSwap(offload_cfg, dtype, make_aio(aio_cfg), device, sizes)
+
+    def alignment(self, dtype: torch.dtype, swaps_masters: bool) -> int:
+        return align_elems(dtype)
+
+    def master(self, group, optimizer: DevicePlacement) -> torch.Tensor:
+        master = optimizer.empty(group.shard_numel, torch.float32, self.device)
+        group.read_into(master, WRITE_CHUNK)
+        return master
+
+    def store(self, group, master: torch.Tensor, copied: bool) -> None:
+        group.write_from(master, WRITE_CHUNK)
+
+    def store_one(self, group, pi: int, master: torch.Tensor) -> None:
+        sp, off = group.sharded[pi], group.offsets[pi]
+        sp.store.write_shard(sp, master[off:off + sp.chunk])
+
+    def load(self, group, master: torch.Tensor) -> None:
+        group.read_into(master, WRITE_CHUNK)
+
+    def host_buffers(self) -> list[torch.Tensor]:
+        return self.swap.host_buffers()
+
+    def close(self) -> None:
+        self.swap.close()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one run's model states live (see the module docstring)."""
+
+    optimizer: DevicePlacement  # masters, their gradients, optimizer states
+    params: ParamsInMemory      # compute-dtype parameters (stage-3 shards)
+
+    @property
+    def copies_out(self) -> bool:
+        """Whether the step may write the compute-dtype parameters as it updates the masters."""
+        return self.params.copies_out and not self.optimizer.swaps_masters
+
+    def alignment(self, dtype: torch.dtype) -> int:
+        """Elements each stage-3 parameter's shard is aligned to."""
+        return self.params.alignment(dtype, self.optimizer.swaps_masters)
+
+    def close(self) -> None:
+        self.params.close()
+        self.optimizer.close()
+
+
+def make_aio(aio_cfg) -> AsyncIO:
     """An ``AsyncIO`` pool as the config's ``aio`` section asks (its defaults without one)."""
-    from ..ops.aio import AsyncIO
-
     if aio_cfg is None:
         return AsyncIO()
     return AsyncIO(aio_cfg.block_size, aio_cfg.thread_count, aio_cfg.queue_depth)
 
 
-def make_placement(zero_cfg, device: torch.device, aio_cfg=None) -> DevicePlacement:
-    """The placement that ``zero_cfg.offload_optimizer`` asks for, for parameters computed on ``device``."""
+def optimizer_placement(zero_cfg, device: torch.device, aio_cfg=None) -> DevicePlacement:
+    """Where ``zero_cfg.offload_optimizer`` puts the masters and optimizer states."""
     offload_cfg = zero_cfg.offload_optimizer
     target = getattr(offload_cfg, "device", "none") if offload_cfg is not None else "none"
     if target == "cpu":
         return CPUPlacement(offload_cfg, device)
     if target == "nvme":
-        return NVMePlacement(zero_cfg, device, aio_cfg)
+        return (InfinityPlacement if zero_cfg.stage == 3 else NVMePlacement)(zero_cfg, device, aio_cfg)
     return DevicePlacement()
+
+
+def make_placement(zero_cfg, device: torch.device, dtype: torch.dtype, aio_cfg=None,
+                   chunks: list[list[int]] = ()) -> Placement:
+    """The placement the config's offload sections ask for, for parameters computed on ``device`` in
+    ``dtype``. ``chunks``: at stage 3, each param group's shard sizes (elements per parameter), which
+    size the parameter swap file."""
+    optimizer = optimizer_placement(zero_cfg, device, aio_cfg)
+    offload_param = zero_cfg.offload_param if zero_cfg.stage == 3 else None
+    if offload_param is not None and offload_param.device == "nvme":
+        align = align_elems(dtype)  # as the groups lay their shards out
+        sizes = [sum(round_up(n, align) for n in group) + align for group in chunks]
+        return Placement(optimizer, ParamsOnNVMe(offload_param, device, dtype, aio_cfg, sizes))
+    return Placement(optimizer, ParamsInMemory(offload_param, device))

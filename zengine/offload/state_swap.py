@@ -1,5 +1,5 @@
-"""NVMe offload of the optimizer states: Adam's moments live in a swap file and stream
-through a few host buffers while the step runs.
+"""The swap file of NVMe-offloaded optimizer states and the host buffers they stream through
+(``swapped_adam.SwappedAdam`` is the optimizer that steps them).
 
 ``offload_optimizer: {device: nvme, nvme_path: DIR}`` keeps the fp32 master shard and its
 gradient in host memory (as with ``cpu``) and moves ``exp_avg`` and ``exp_avg_sq`` — two
@@ -19,17 +19,14 @@ elements takes ``2 * pad(n)`` fp32 in the file and in a buffer, ``[exp_avg | exp
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from ..ops.adam import CPUAdam, adam_step_
 from ..ops.aio import ALIGN, AsyncIO, IORequest, SwapFile, aligned_empty
 
 MAX_CHUNK = 1 << 24  # elements; 4 buffers of this size hold 512 MiB of moments
@@ -183,199 +180,6 @@ class StateSwapper:
         self.file.close()
 
 
-class SwappedAdam(CPUAdam):
-    """``CPUAdam`` whose ``exp_avg``/``exp_avg_sq`` live in a ``StateSwapper``'s file.
-
-    ``state[p]`` keeps only ``step`` between steps. ``states_in_memory()`` brings the moments
-    into ``state[p]`` as ordinary tensors (for checkpoints) and puts them back on exit.
-    """
-
-    def __init__(self, param_groups, defaults: dict, swapper_for: Callable[..., StateSwapper], infinity=None):
-        super().__init__(param_groups, **defaults)
-        self._params = [p for g in self.param_groups for p in g["params"]]
-        self._index = {id(p): i for i, p in enumerate(self._params)}
-        # ZeRO-Infinity (``infinity``, see MasterIO in infinity.py): the fp32 masters and their gradients
-        # live in the records too; the parameters here have no storage except inside states_in_memory
-        self.infinity = infinity
-        if infinity is None:
-            self.swapper = swapper_for([p.numel() for p in self._params])
-        else:
-            self.swapper = swapper_for(infinity.numels, 4, infinity.align)
-        self.grads = GradSwap(self.swapper) if infinity is not None else None
-        self._resident = False  # inside states_in_memory (ZeRO-Infinity)
-        self.grad_scale = 1.0  # ZeRO-Infinity: what the step multiplies the swapped gradients by (1/(W*scale), clip)
-        self._on_disk: set[int] = set()  # indices of parameters whose moments the file holds
-        self._keep: dict[int, list[tuple[int, int]]] = {}
-
-    @classmethod
-    def replacing(cls, optimizer: torch.optim.Optimizer, swapper_for, infinity=None) -> "SwappedAdam":
-        """A SwappedAdam with ``optimizer``'s groups and hyper-parameters (it must be a CPUAdam)."""
-        if not isinstance(optimizer, CPUAdam):
-            raise ValueError(f"offload_optimizer.device 'nvme' swaps Adam's moments and needs CPUAdam: optimizer.type "
-                             f"Adam, AdamW or CPUAdam in the config, or a zengine.ops.CPUAdam passed as the client "
-                             f"optimizer; got {type(optimizer).__name__}")
-        return cls(optimizer.param_groups, optimizer.defaults, swapper_for, infinity)
-
-    def keep_unchanged(self, param: torch.Tensor, lo: int, hi: int) -> None:
-        """This step must leave the moments of ``param[lo:hi]`` as they are (nobody used those elements)."""
-        self._keep.setdefault(self._index[id(param)], []).append((lo, hi))
-
-    def _step(self, closure, copy_out_by_id: Mapping[int, torch.Tensor]):
-        check_intact(self.swapper.file)
-        loss = self._run_closure(closure)
-        due, jobs = {}, []
-        for group, param, _, step in self._due():
-            i = self._index[id(param)]
-            due[i] = (self._hyper(group), step, param, copy_out_by_id.get(id(param)))
-            jobs += self.swapper.chunks[i]
-        keep, self._keep = self._keep, {}
-        if self.infinity is not None:
-            self._step_infinity(due, jobs, keep)
-            return loss
-
-        def compute(c: Chunk, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-            hyper, step, param, out = due[c.index]
-            saved = [(lo, hi, exp_avg[lo - c.lo:hi - c.lo].clone(), exp_avg_sq[lo - c.lo:hi - c.lo].clone())
-                     for lo, hi in _overlaps(keep.get(c.index, ()), c.lo, c.hi)]
-            adam_step_(param.data[c.lo:c.hi], param.grad[c.lo:c.hi], exp_avg, exp_avg_sq, step=step,
-                       copy_out=out.view(-1)[c.lo:c.hi] if out is not None else None, **hyper)
-            for lo, hi, m, v in saved:
-                exp_avg[lo - c.lo:hi - c.lo].copy_(m)
-                exp_avg_sq[lo - c.lo:hi - c.lo].copy_(v)
-
-        self.swapper.stream(jobs, lambda c: c.index not in self._on_disk, compute)
-        self._on_disk.update(due)
-        return loss
-
-    def _step_infinity(self, due: dict, jobs: list[Chunk], keep: dict) -> None:
-        """The step with masters and gradients swapped too: per chunk, read the whole record (the
-        gradient only, the master from the parameters, for a chunk never stepped), Adam, write the
-        compute-dtype parameters and [exp_avg | exp_avg_sq | master] back."""
-        self.grads.flush()
-        check_intact(self.swapper.file)
-        scale, part = self.grad_scale, self.swapper.part
-
-        def compute(c: Chunk, slot: int) -> None:
-            hyper, step, _, _ = due[c.index]
-            exp_avg, exp_avg_sq, master, grad = (part(slot, c, k) for k in range(4))
-            for a, b in self.grads.gaps(c):  # never written this window: no gradient
-                grad[a - c.lo:b - c.lo].zero_()
-            if scale != 1.0:
-                grad.mul_(scale)
-            saved = [(lo, hi, [t[lo - c.lo:hi - c.lo].clone() for t in (exp_avg, exp_avg_sq, master)])
-                     for lo, hi in _overlaps(keep.get(c.index, ()), c.lo, c.hi)]
-            adam_step_(master, grad, exp_avg, exp_avg_sq, step=step, **hyper)
-            for lo, hi, copies in saved:
-                for t, copy in zip((exp_avg, exp_avg_sq, master), copies):
-                    t[lo - c.lo:hi - c.lo].copy_(copy)
-            self.infinity.params_out(c.index, c.lo, c.hi, master)
-
-        try:
-            self.swapper.stream(jobs, lambda c: c.index not in self._on_disk, compute, parts_in=4, fresh_in=3,
-                                fresh_fill=self._fill_master, parts_out=3, with_slot=True)
-        finally:
-            self.infinity.flush()
-        self._on_disk.update(due)
-
-    def _fill_master(self, c: Chunk, slot: int) -> None:
-        """A chunk never stepped: its master from the compute-dtype parameters."""
-        self.infinity.init_master(c.index, c.lo, c.hi, self.swapper.part(slot, c, 2))
-
-    @contextlib.contextmanager
-    def states_in_memory(self):
-        """Inside: ``state[p]`` holds ``exp_avg``/``exp_avg_sq`` as whole tensors (read from the file);
-        on exit whatever they hold then is written back and dropped from memory. ZeRO-Infinity: the
-        parameters (the fp32 masters) get their storage and values for the duration too."""
-        if self.infinity is not None:
-            if self._resident:  # nested (a checkpoint calling safe_get_full_*): already in memory
-                yield
-                return
-            self._resident = True
-            try:
-                with self._infinity_in_memory():
-                    yield
-            finally:
-                self._resident = False
-            return
-        for i in sorted(self._on_disk):
-            p = self._params[i]
-            m, v = torch.empty_like(p.data), torch.empty_like(p.data)
-
-            def take(c, exp_avg, exp_avg_sq, m=m, v=v):
-                m[c.lo:c.hi].copy_(exp_avg)
-                v[c.lo:c.hi].copy_(exp_avg_sq)
-
-            self.swapper.stream(self.swapper.chunks[i], lambda c: False, take, write=False)
-            self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"] = m, v
-        try:
-            yield
-        finally:
-            self._on_disk.clear()
-            for i, p in enumerate(self._params):
-                state = self.state.get(p)
-                if not state or "exp_avg" not in state:
-                    continue
-                m, v = state.pop("exp_avg"), state.pop("exp_avg_sq")
-
-                def put(c, exp_avg, exp_avg_sq, m=m, v=v):
-                    exp_avg.copy_(m[c.lo:c.hi])
-                    exp_avg_sq.copy_(v[c.lo:c.hi])
-
-                self.swapper.stream(self.swapper.chunks[i], lambda c: True, put)
-                self._on_disk.add(i)
-                state.setdefault("step", torch.tensor(0.0))
-
-    @contextlib.contextmanager
-    def _infinity_in_memory(self):
-        for i, p in enumerate(self._params):
-            p.data = torch.empty(self.infinity.numels[i], dtype=torch.float32, device="cpu")
-            stepped = i in self._on_disk
-            m, v = (torch.empty_like(p.data), torch.empty_like(p.data)) if stepped else (None, None)
-
-            def take(c, slot, p=p, m=m, v=v):
-                p.data[c.lo:c.hi].copy_(self.swapper.part(slot, c, 2))
-                if m is not None:
-                    m[c.lo:c.hi].copy_(self.swapper.part(slot, c, 0))
-                    v[c.lo:c.hi].copy_(self.swapper.part(slot, c, 1))
-
-            self.swapper.stream(self.swapper.chunks[i], lambda c: not stepped, take, write=False, parts_in=3,
-                                fresh_in=3, fresh_fill=self._fill_master, with_slot=True)
-            if m is not None:
-                self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"] = m, v
-        try:
-            yield
-        finally:
-            for i, p in enumerate(self._params):
-                state = self.state.get(p, {})
-                m, v = state.pop("exp_avg", None), state.pop("exp_avg_sq", None)
-
-                def put(c, slot, p=p, m=m, v=v):
-                    for k, t in enumerate((m, v, p.data)):
-                        if t is None:
-                            self.swapper.part(slot, c, k).zero_()
-                        else:
-                            self.swapper.part(slot, c, k).copy_(t[c.lo:c.hi])
-                    self.infinity.params_out(c.index, c.lo, c.hi, p.data[c.lo:c.hi])
-
-                try:
-                    self.swapper.stream(self.swapper.chunks[i], lambda c: True, put, parts_in=0, fresh_in=0,
-                                        parts_out=3, with_slot=True)
-                finally:
-                    self.infinity.flush()
-                self._on_disk.add(i)
-                p.data = torch.empty(0, dtype=torch.float32, device="cpu")
-
-    def close(self) -> None:
-        """Release the swap file and its I/O threads; the optimizer cannot step after this."""
-        if self.grads is not None:
-            self.grads.flush()
-        self.swapper.close()
-
-    def host_buffers(self) -> list[torch.Tensor]:
-        """The host memory the moments take: the swap buffers."""
-        return list(self.swapper.buffers)
-
-
 class GradSwap:
     """ZeRO-Infinity's gradients: each reduced bucket's shard is written (added, after the first
     micro-step of an accumulation) into the gradient part of the records it covers, behind."""
@@ -467,10 +271,3 @@ class GradSwap:
             for a, b in self.gaps(c):
                 out[a:b].zero_()
         return out
-
-
-def _overlaps(ranges, lo: int, hi: int):
-    for a, b in ranges:
-        a, b = max(a, lo), min(b, hi)
-        if b > a:
-            yield a, b

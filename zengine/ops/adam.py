@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from .shard_optimizer import ShardOptimizer
 from .builder import load_op
 
 __all__ = ["CPUAdam", "DeepSpeedCPUAdam", "FusedAdam", "adam_step_", "simd_paths", "simd_path"]
@@ -149,7 +150,7 @@ def adam_step_(
         copy_out.copy_(param.reshape(copy_out.shape), non_blocking=copy_out.device.type != "cpu")
 
 
-class CPUAdam(torch.optim.Optimizer):
+class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
     """Adam/AdamW for CPU parameters on the compiled SIMD kernel (DeepSpeed's ``DeepSpeedCPUAdam``).
 
     Same arguments and results as ``torch.optim.AdamW`` (``adamw_mode=True``, decoupled weight
@@ -163,6 +164,8 @@ class CPUAdam(torch.optim.Optimizer):
     CPU tensors, or a machine where the kernel cannot be built, take the torch ops of the same
     arithmetic (one warning names the reason).
     """
+
+    writes_params = True  # ShardOptimizer: step_with_copy
 
     def __init__(
         self,

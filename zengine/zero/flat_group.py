@@ -20,6 +20,8 @@ from .layout import FlatLayout, chunk_ranges, intersect
 class FlatParamGroup:
     """Trainable parameters of one param group, laid end to end in ``self.flat``."""
 
+    in_memory = True  # the parameters are tensors here (a stage-3 group's may live in a swap file)
+
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], hyper: dict[str, Any],
                  num_shards: int, rank: int, dtype: torch.dtype, device: torch.device):
         self.names = [n for n, _ in named_params]

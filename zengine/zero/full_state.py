@@ -89,7 +89,7 @@ def set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     with torch.no_grad(), opt.states_resident():
         _scatter(opt, gi, pi, opt.masters[gi], value)
         owned = g.owned_params()
-        if getattr(g, "in_memory", True) and owned.data_ptr() != opt.masters[gi].data_ptr():
+        if g.in_memory and owned.data_ptr() != opt.masters[gi].data_ptr():
             _scatter(opt, gi, pi, owned, value)
         opt.refresh_param(gi, pi, value)  # (shards on NVMe are written from the master there)
 
@@ -131,7 +131,4 @@ def set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, key: str)
         if not torch.is_tensor(state):
             raise KeyError(f"safe_set_full_optimizer_state: the optimizer has no state {key!r} for this "
                            "parameter yet (it appears after the first step)")
-        _scatter(opt, gi, pi, state, value)
-        mark = getattr(opt.optimizer, "mark_changed", None)  # NVMe: write the changed moments back
-        if mark is not None:
-            mark(opt.shard_params[gi])
+        _scatter(opt, gi, pi, state, value)  # (NVMe: states_resident writes the changed moments back)

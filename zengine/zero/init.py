@@ -55,9 +55,7 @@ class Init:
     def __enter__(self):
         if not self.enabled:
             return self
-        from ..distributed.process_group import init_distributed
-
-        from ..distributed.process_group import ProcessPlacement
+        from ..distributed.process_group import ProcessPlacement, init_distributed
 
         init_distributed()
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
@@ -144,7 +142,7 @@ def GatheredParameters(params, modifier_rank: Optional[int] = None, enabled: boo
     if not enabled or not sharded:
         yield
         return
-    owner = getattr(sharded[0], "owner", None)
+    owner = sharded[0].owner
     if owner is not None:
         with owner.full_params(sharded, modifier_rank=modifier_rank):
             yield

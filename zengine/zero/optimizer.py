@@ -23,26 +23,53 @@ Every stage runs the same boundary step (``ZeroOptimizer.step``):
    ``allgather_bucket_size``.
 
 The wrapped optimizer is any ``torch.optim.Optimizer``; it sees one flat
-fp32 parameter per group, so its state is sharded with the master.
+fp32 parameter per group, so its state is sharded with the master. What it
+can do beyond that (write the parameters while stepping, hold its states in
+a swap file) it declares (``ops/shard_optimizer.py``).
+
+Where the states live (device, host memory, NVMe) is not a branch here: the
+``placement`` and the master store (``masters.py``) that ``stages.py``
+chooses differ, and the step calls them.
 """
 from __future__ import annotations
 
 import contextlib
 import enum
 import math
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
+from ..offload.placement import Placement
+from ..ops.shard_optimizer import abilities
 from ..precision.loss_scaler import LossScaler
-from ..ops.grad import sum_of_squares
 from . import full_state
 from .flat_group import FlatParamGroup  # or any group with the same interface (stage 3's)
+from .masters import MastersInMemory
 from .nonfinite import NonFinitePolicy
-from ..offload.placement import DevicePlacement
-from .step_stats import first_nonfinite, gather_stats
+from .step_stats import gather_stats
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This rank in the data-parallel group the optimizer shards over."""
+
+    world: int
+    rank: int
+    device: torch.device  # the compute device
+    group: Any = None     # the process group (None: the default one)
+
+
+@dataclass(frozen=True)
+class StepRules:
+    """How the boundary step treats the gradient and publishes the parameters."""
+
+    clip: float                   # gradient_clipping (0: off)
+    nonfinite: NonFinitePolicy    # skip, warn or raise on a non-finite gradient
+    allgather_bucket_numel: int   # parameters gathered per bucket after the step (stages 1-2)
 
 
 class StepOutcome(enum.Enum):
@@ -54,37 +81,41 @@ class StepOutcome(enum.Enum):
 
 
 class ZeroOptimizer:
-    """Owns the flat groups, their fp32 masters, the gradient store and the wrapped optimizer."""
+    """Owns the flat groups, their fp32 masters, the gradient store and the wrapped optimizer.
 
-    def __init__(self, groups: list[FlatParamGroup], grads, placement: DevicePlacement,
-                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
-                 scaler: LossScaler, clip: float, allgather_bucket_numel: int, world: int, rank: int,
-                 device: torch.device, comm_group=None):
+    Everything it is made of comes in at construction: the groups and gradient store of its stage,
+    the ``placement`` (where states live) and the ``masters`` store it implies
+    (``masters.make_master_store``), the step's rules (clipping, the non-finite policy) and the
+    data-parallel ranks. ``on_unbracketed_grad`` is called when a gradient arrives outside a
+    backward bracket (a plain ``loss.backward()`` whose outputs the engine could not hook): once per
+    such backward, before the gradient is handled, so that the caller can open the bracket.
+    """
+
+    def __init__(self, groups: list[FlatParamGroup], grads, placement: Placement, masters: MastersInMemory,
+                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer], scaler: LossScaler,
+                 rules: StepRules, ranks: Ranks, on_unbracketed_grad: Callable[[], None] = lambda: None):
         self.groups = groups
-        self.device = device  # the compute device: the step's control values are reduced there
-        self.nonfinite = NonFinitePolicy(rank=rank)  # the engine replaces it with the configured one
-        # Called before each parameter gradient is handled: the engine opens its backward bracket there when
-        # a plain loss.backward() reached a parameter first (engine/backward.py).
-        self.before_grad: Callable[[], None] = lambda: None
-        self._had_backward = False  # since the last boundary step
+        self.device = ranks.device  # the compute device: the step's control values are reduced there
+        self.world, self.rank, self.comm_group = ranks.world, ranks.rank, ranks.group
+        self.nonfinite = rules.nonfinite
+        self.clip = rules.clip
+        self.allgather_bucket_numel = int(rules.allgather_bucket_numel)
         self.placement = placement
+        self.master_store = masters
         self.grads = grads
         self.scaler = scaler
-        self.clip = clip
-        self.allgather_bucket_numel = int(allgather_bucket_numel)
-        self.world, self.rank, self.comm_group = world, rank, comm_group
-        self.masters = [self._make_master(g) for g in groups]  # [owned numel] fp32 each
+        self._on_unbracketed_grad = on_unbracketed_grad
+        self._in_backward = False  # between begin_backward and end_backward
+        self._had_backward = False  # since the last boundary step
+        self.masters = [masters.make(g) for g in groups]  # [owned numel] fp32 each (empty when swapped)
         self.shard_params = [nn.Parameter(m, requires_grad=True) for m in self.masters]
-        self.optimizer = placement.wrap_optimizer(
+        self.optimizer = masters.wrap_optimizer(
             make_optimizer([{**g.hyper, "params": [sp]} for g, sp in zip(groups, self.shard_params)]))
+        self.abilities = abilities(self.optimizer)  # what it can do beyond torch.optim.Optimizer
         self.global_grad_norm: Optional[float] = None
         full_state.register(self)  # zengine.utils.safe_get_full_* find parameters through it
         self.grad_hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, gi, pi))
-                      for gi, g in enumerate(groups) for pi, p in enumerate(g.params)]
-
-    def _make_master(self, group) -> torch.Tensor:
-        """The fp32 master of a group's owned parameters."""
-        return self.placement.make_master(group.owned_params())
+                           for gi, g in enumerate(groups) for pi, p in enumerate(g.params)]
 
     # -- torch.optim.Optimizer look-alike -------------------------------------------------------
     @property
@@ -109,15 +140,18 @@ class ZeroOptimizer:
 
     # -- backward -------------------------------------------------------------------------------
     def _on_grad(self, gi: int, pi: int, param: torch.Tensor) -> None:
-        self.before_grad()
+        if not self._in_backward:  # nobody opened the bracket: a plain backward seen first here
+            self._on_unbracketed_grad()
         self.groups[gi].used[pi] = True
         self.grads.on_grad(gi, pi)
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
         self._had_backward = True
+        self._in_backward = True
         self.grads.begin_backward(boundary, no_sync)
 
     def end_backward(self) -> None:
+        self._in_backward = False
         self.grads.end_backward()
 
     def forward_context(self):
@@ -127,38 +161,19 @@ class ZeroOptimizer:
     def close(self) -> None:
         """Finish every collective in flight and release files and I/O threads (``Engine.destroy``)."""
         self.grads.drain()
-        close = getattr(self.optimizer, "close", None)  # NVMe swapping owns a file and I/O threads
-        if close is not None:
-            close()
+        self.abilities.close()  # NVMe swapping owns a file and I/O threads
+        self.placement.close()
         for hook in self.grad_hooks:
             hook.remove()
         self.grad_hooks = []
 
     # -- the boundary step ----------------------------------------------------------------------
     def _master_grads(self) -> list[torch.Tensor]:
-        factor = 1.0 / (self.world * self.scaler.scale)
-        out = []
-        for gi, (g, master) in enumerate(zip(self.groups, self.masters)):
-            summed = self.grads.owned_grad(gi)
-            if summed.dtype == torch.float32 and summed.device == master.device:
-                grad = summed  # [owned] fp32, a view: no copy
-            else:
-                grad = torch.empty_like(master).copy_(summed)  # [owned] fp32 where the master lives
-            if factor != 1.0:
-                grad.mul_(factor)
-            out.append(grad)
-        return out
+        return self.master_store.grads(self)
 
     def _sq_norm(self, master_grads: list[torch.Tensor]) -> torch.Tensor:
         """Sum of squares of this rank's part of the gradient: a 0-dim float64 where the gradients are."""
-        parts = []
-        for g, grad in zip(self.groups, master_grads):
-            lo, hi = g.norm_range(self.world)
-            if hi > lo:
-                parts.append(sum_of_squares(grad[lo:hi]))
-        if not parts:
-            return torch.zeros((), dtype=torch.float64, device=self.placement.master_device(self.device))
-        return torch.stack([p.to(parts[0].device) for p in parts]).sum()
+        return self.master_store.sq_norm(self, master_grads)
 
     def step(self, micro_step: int = 0) -> StepOutcome:
         """Run the boundary step. ``micro_step`` is the engine's count, compared across ranks."""
@@ -202,9 +217,9 @@ class ZeroOptimizer:
         if copy_out:
             # CPUAdam writes the updated master into the compute-dtype parameters in the same pass
             # (on a GPU, into pinned staging that the placement's copies then upload).
-            self.placement.copies.before_step()
-            self.optimizer.step_with_copy(copy_out)
-            self.placement.copies.after_step()
+            self.placement.optimizer.copies.before_step()
+            self.abilities.step_with_copy(copy_out)
+            self.placement.optimizer.copies.after_step()
         else:
             self.optimizer.step()
         if saved:
@@ -216,12 +231,11 @@ class ZeroOptimizer:
         return StepOutcome.APPLIED
 
     def _clip_grads(self, master_grads: list[torch.Tensor], coef: float) -> None:
-        for grad in master_grads:
-            grad.mul_(coef)
+        self.master_store.clip(self, master_grads, coef)
 
     def _where_nonfinite(self, master_grads: list[torch.Tensor]):
         """Where the first non-finite gradient element is (for the skip message)."""
-        return first_nonfinite(self.groups, master_grads, self.device, self.world, self.comm_group)
+        return self.master_store.where_nonfinite(self, master_grads)
 
     # -- parameters no rank used keep their values and optimizer state --------------------------
     def _unused_ranges(self, used_counts: list[float]) -> list[tuple[int, int, int]]:
@@ -236,15 +250,11 @@ class ZeroOptimizer:
         return out
 
     def _state_tensors(self, gi: int) -> list[torch.Tensor]:
-        sp = self.shard_params[gi]
-        state = self.optimizer.state.get(sp, {})
-        return [sp.data] + [t for t in state.values() if torch.is_tensor(t) and t.shape == sp.shape]
+        return self.master_store.state_tensors(self, gi)
 
     def _save(self, ranges):
-        keep = getattr(self.optimizer, "keep_unchanged", None)  # states it holds elsewhere (NVMe swap)
-        if keep is not None:
-            for gi, lo, hi in ranges:
-                keep(self.shard_params[gi], lo, hi)
+        for gi, lo, hi in ranges:  # states the optimizer holds elsewhere (NVMe swap) it keeps itself
+            self.abilities.keep_unchanged(self.shard_params[gi], lo, hi)
         return [(gi, lo, hi, [t[lo:hi].clone() for t in self._state_tensors(gi)]) for gi, lo, hi in ranges]
 
     def _restore(self, saved) -> None:
@@ -255,19 +265,19 @@ class ZeroOptimizer:
     # -- write-back and gather ------------------------------------------------------------------
     def _copy_out_targets(self) -> dict:
         """Shard param -> compute-dtype parameter slice, where the optimizer can write it while stepping."""
-        if not hasattr(self.optimizer, "step_with_copy"):
+        if not (self.abilities.writes_params and self.placement.copies_out):
             return {}
-        copies = self.placement.copies
+        copies = self.placement.optimizer.copies
         return {sp: copies.copy_out_target(gi, g.owned_params())
                 for gi, (sp, g, m) in enumerate(zip(self.shard_params, self.groups, self.masters))
                 if m.data_ptr() != g.owned_params().data_ptr()}
 
     def write_back(self, skip_copy: bool = False) -> None:
-        """The compute-dtype parameters from the fp32 masters, published to the ranks that need them."""
+        """The compute-dtype parameters from the fp32 masters (where the placement keeps them), published
+        to the ranks that need them. ``skip_copy``: the step wrote them already (copy-out)."""
         for g, master in zip(self.groups, self.masters):
-            owned = g.owned_params()
-            if not skip_copy and owned.data_ptr() != master.data_ptr():
-                owned.copy_(master)
+            if not self.master_store.step_writes_params:
+                self.placement.params.store(g, master, copied=skip_copy)
             g.publish(self.allgather_bucket_numel, self.comm_group)
 
     def refresh_param(self, gi: int, pi: int, value: torch.Tensor) -> None:
@@ -294,11 +304,12 @@ class ZeroOptimizer:
                     elif master.data_ptr() != g.owned_params().data_ptr():
                         master.copy_(g.owned_params())
 
+    @contextlib.contextmanager
     def states_resident(self):
-        """A context inside which every optimizer state tensor is in ``optimizer.state`` (checkpoints
-        use it; NVMe offload reads the swapped moments in for its duration)."""
-        resident = getattr(self.optimizer, "states_in_memory", None)
-        return resident() if resident is not None else contextlib.nullcontext()
+        """A context inside which every optimizer state tensor is in ``optimizer.state`` and ``masters``
+        hold values (checkpoints use it; NVMe offload reads the swapped states in for its duration)."""
+        with self.abilities.states_in_memory(), self.master_store.resident(self):
+            yield
 
     # -- accounting -----------------------------------------------------------------------------
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -306,6 +317,6 @@ class ZeroOptimizer:
         masters = [m for g, m in zip(self.groups, self.masters) if m.data_ptr() != g.owned_params().data_ptr()]
         states = [t for sp in self.shard_params for t in self.optimizer.state.get(sp, {}).values()
                   if torch.is_tensor(t) and t.numel() > 1]
-        states += getattr(self.optimizer, "host_buffers", list)()  # the NVMe swap buffers
+        states += self.abilities.host_buffers()  # the NVMe swap buffers
         return {"parameters": [t for g in self.groups for t in g.tensors()], "gradients": self.grads.tensors(),
                 "master_weights": masters, "optimizer_states": states}

@@ -1,6 +1,7 @@
 """Choose a stage's parts from the config: the one place where stages differ.
 
-See ``optimizer.py`` for the table of what each stage is made of.
+See ``optimizer.py`` for the table of what each stage is made of. Where the states live is decided
+here too, once (``offload/placement.make_placement``), and handed to the parts that need it.
 """
 from __future__ import annotations
 
@@ -9,36 +10,44 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from ..offload.placement import make_placement
 from ..precision.loss_scaler import LossScaler
 from .flat_group import FlatParamGroup
 from .grads import FullGradients, ShardedGradients, buckets_in_flight
-from ..offload.placement import make_placement
-from .optimizer import ZeroOptimizer
+from .masters import make_master_store
+from .nonfinite import NonFinitePolicy
+from .optimizer import Ranks, StepRules, ZeroOptimizer
 
 
-def build_zero_optimizer(module: nn.Module, zero_cfg, named_groups: Sequence[tuple[list[tuple[str, nn.Parameter]], dict]],
-                         make_optimizer: Callable, scaler: LossScaler, clip: float, dtype: torch.dtype,
-                         device: torch.device, rank: int, world: int, comm_group=None, aio_cfg=None) -> ZeroOptimizer:
-    """Flatten each group's trainable parameters and assemble the optimizer for ``zero_cfg.stage``.
+def build_zero_optimizer(module: nn.Module, config, named_groups: Sequence[tuple[list[tuple[str, nn.Parameter]], dict]],
+                         make_optimizer: Callable, scaler: LossScaler, ranks: Ranks,
+                         on_unbracketed_grad: Callable[[], None] = lambda: None) -> ZeroOptimizer:
+    """Flatten each group's trainable parameters and assemble the optimizer for the config's stage.
 
-    ``named_groups`` holds, per optimizer param group, its (name, parameter)
-    pairs and its hyper-parameters. ``make_optimizer(groups, cpu_offload)``
-    builds the wrapped optimizer over the flat master shards. ``aio_cfg`` (the
-    ``aio`` section) sets the file I/O of NVMe offload.
+    ``config`` is the whole ``ZengineConfig`` (its ``zero_optimization``, ``aio``, ``compute_dtype``,
+    ``gradient_clipping`` and ``nonfinite_gradients`` are read here). ``named_groups`` holds, per
+    optimizer param group, its (name, parameter) pairs and its hyper-parameters.
+    ``make_optimizer(groups, cpu_offload)`` builds the wrapped optimizer over the flat master shards.
+    ``on_unbracketed_grad``: see ``ZeroOptimizer``.
     """
-    stage = zero_cfg.stage
-    if stage == 3:
-        from .stage3.optimizer import Stage3Optimizer
-        return Stage3Optimizer(module, zero_cfg, named_groups, make_optimizer, scaler, clip, dtype, device, rank,
-                               world, comm_group, aio_cfg)
-    num_shards = 1 if stage == 0 else world
-    placement = make_placement(zero_cfg, device, aio_cfg)
-    groups = [FlatParamGroup(named, hyper, num_shards, rank, dtype, device) for named, hyper in named_groups]
-    if stage == 2:
-        use_reduce = zero_cfg.reduce_scatter and torch.distributed.get_backend(comm_group) != "gloo"
-        grads = ShardedGradients(groups, zero_cfg.reduce_bucket_size, use_reduce, placement, comm_group,
+    zero_cfg, dtype = config.zero_optimization, config.compute_dtype
+    nonfinite = config.nonfinite_gradients
+    rules = StepRules(config.gradient_clipping, NonFinitePolicy(nonfinite.skip, nonfinite.max_consecutive_skips,
+                                                                nonfinite.warn_every, ranks.rank),
+                      zero_cfg.allgather_bucket_size)
+    if zero_cfg.stage == 3:
+        from .stage3.build import build_stage3_optimizer  # stage 3's parts load only when used
+        return build_stage3_optimizer(module, config, named_groups, make_optimizer, scaler, rules, ranks,
+                                      on_unbracketed_grad)
+    num_shards = 1 if zero_cfg.stage == 0 else ranks.world
+    placement = make_placement(zero_cfg, ranks.device, dtype, config.aio)
+    groups = [FlatParamGroup(named, hyper, num_shards, ranks.rank, dtype, ranks.device) for named, hyper in named_groups]
+    if zero_cfg.stage == 2:
+        use_reduce = zero_cfg.reduce_scatter and torch.distributed.get_backend(ranks.group) != "gloo"
+        grads = ShardedGradients(groups, zero_cfg.reduce_bucket_size, use_reduce, placement.optimizer, ranks.group,
                                  buckets_in_flight(zero_cfg.overlap_comm))
     else:
-        grads = FullGradients(groups, zero_cfg.reduce_bucket_size, comm_group)
-    return ZeroOptimizer(groups, grads, placement, lambda g: make_optimizer(g, placement.cpu_optimizer), scaler,
-                         clip, zero_cfg.allgather_bucket_size, world, rank, device, comm_group)
+        grads = FullGradients(groups, zero_cfg.reduce_bucket_size, ranks.group)
+    cpu = placement.optimizer.cpu_optimizer
+    return ZeroOptimizer(groups, grads, placement, make_master_store(placement, groups, dtype),
+                         lambda g: make_optimizer(g, cpu), scaler, rules, ranks, on_unbracketed_grad)

@@ -50,7 +50,7 @@ class _Pending:
 class Fetcher:
     """Gathers and releases sharded parameters for the hooks; keeps the live-element count."""
 
-    def __init__(self, zero_cfg, world: int, rank: int, device: torch.device, comm_group=None):
+    def __init__(self, zero_cfg, world: int, rank: int, device: torch.device, comm_group=None, swap=None):
         self.world, self.rank, self.comm_group = world, rank, comm_group
         self.device = device  # the compute device: the debug check's messages travel there
         self.prefetch_numel = int(zero_cfg.stage3_prefetch_bucket_size)
@@ -68,7 +68,7 @@ class Fetcher:
         self._pending: dict[int, _Pending] = {}  # id(ShardedParam) -> its in-flight gather
         self._free_staging: list[torch.Tensor] = []  # released staging storage, reused within a step
         self._seq = 0
-        self.swap = None  # offload_param nvme: the ParamSwap whose reads follow the trace ahead of the gathers
+        self.swap = swap  # offload_param nvme: the ParamSwap whose reads follow the trace ahead of the gathers
 
     @property
     def held_numel(self) -> int:

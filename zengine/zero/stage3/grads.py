@@ -42,18 +42,11 @@ class Stage3Gradients(ShardReducer):
     """Stage 3: rank-major bucket buffers; each rank keeps its row."""
 
     def __init__(self, groups: list[ShardedParamGroup], bucket_numel: int, world: int, rank: int, placement,
-                 after_grad: Callable[[ShardedParam], None], comm_group=None, in_flight: int = 2,
-                 swapped: bool = False):
+                 after_grad: Callable[[ShardedParam], None], comm_group=None, in_flight: int = 2):
         self.groups, self.world, self.rank = groups, world, rank
         self.after_grad = after_grad  # releases the parameter's full data
         self.use_reduce_scatter = dist.get_backend(comm_group) != "gloo"
-        dtype = torch.float32 if placement.cpu_optimizer else None
-        if swapped:  # ZeRO-Infinity: the shards go to the optimizer's swap file (``sink``); no storage here
-            shards = [on_disk() for _ in groups]
-        else:
-            shards = [placement.empty(g.shard_numel, dtype or g.shard_flat.dtype, g.shard_flat.device) for g in groups]
-        self.sink = None   # the optimizer's GradSwap, set once the optimizer exists
-        self.sq: dict[tuple[int, int], torch.Tensor] = {}  # swapped: (group, bucket) -> sum of squares written
+        shards = self._make_shards(groups, placement)
         # Buckets count chunk elements; a bucket of c chunk elements moves world * c elements.
         super().__init__([_BucketQueue(_ChunkView(g), max(1, bucket_numel // world)) for g in groups], shards,
                          placement.copies, comm_group, in_flight)
@@ -115,6 +108,12 @@ class Stage3Gradients(ShardReducer):
         else:
             super()._recycle(gi, bucket, buf)
 
+    @staticmethod
+    def _make_shards(groups: list[ShardedParamGroup], placement) -> list[torch.Tensor]:
+        """This rank's gradient shard of each group, where the placement keeps master gradients."""
+        dtype = torch.float32 if placement.cpu_optimizer else None
+        return [placement.empty(g.shard_numel, dtype or g.shard_flat.dtype, g.shard_flat.device) for g in groups]
+
     def _reduce(self, gi: int, bucket: Bucket, buf: torch.Tensor):
         if self.use_reduce_scatter:
             out = torch.empty(bucket.numel, dtype=buf.dtype, device=buf.device)
@@ -123,15 +122,28 @@ class Stage3Gradients(ShardReducer):
 
     def _accumulate(self, gi: int, bucket: Bucket, buf: torch.Tensor, out) -> None:
         mine = out if out is not None else buf[self.rank]
-        if self.sink is not None:
-            self.sq[(gi, bucket.index)] = self.sink.accumulate(gi, bucket.start, bucket.end, mine)
-        else:
-            self.copies.accumulate(self.shards[gi][bucket.start:bucket.end], mine)
+        self.copies.accumulate(self.shards[gi][bucket.start:bucket.end], mine)
 
-    # -- ZeRO-Infinity: the shards are in the swap file ----------------------------------------
+
+class SwappedStage3Gradients(Stage3Gradients):
+    """ZeRO-Infinity: each reduced bucket's shard goes to the optimizer's swap records (``sink``, a
+    ``GradSwap``), added there under accumulation; nothing is stored here but the sums of squares
+    written, which give the global norm."""
+
+    def __init__(self, *args, sink, **kwargs):
+        self.sink = sink
+        self.sq: dict[tuple[int, int], torch.Tensor] = {}  # (group, bucket) -> sum of squares written
+        super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def _make_shards(groups: list[ShardedParamGroup], placement) -> list[torch.Tensor]:
+        return [on_disk() for _ in groups]  # in the swap file
+
+    def _accumulate(self, gi: int, bucket: Bucket, buf: torch.Tensor, out) -> None:
+        mine = out if out is not None else buf[self.rank]
+        self.sq[(gi, bucket.index)] = self.sink.accumulate(gi, bucket.start, bucket.end, mine)
+
     def owned_grad(self, gi: int) -> torch.Tensor:
-        if self.sink is None:
-            return self.shards[gi]
         self.drain()
         return self.sink.read(gi)
 
@@ -140,11 +152,5 @@ class Stage3Gradients(ShardReducer):
         return torch.stack(list(self.sq.values())).sum() if self.sq else torch.zeros((), dtype=torch.float64)
 
     def zero(self) -> None:
-        if self.sink is None:
-            super().zero()
-            return
         self.sink.reset()
         self.sq.clear()
-
-
-

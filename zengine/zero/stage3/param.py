@@ -105,6 +105,7 @@ class ShardedParam:
         self.holders = 0        # forward-time fetches not yet released
         self.persistent = False  # small parameters stay gathered (stage3_param_persistence_threshold)
         self.pinned = False      # held gathered by summon_full_params / GatheredParameters
+        self.owner = None        # the Stage3Optimizer holding it, once in an engine (GatheredParameters asks it)
         self.index = next(_next_index)
         if type(param) is nn.Parameter:  # so that scripts can read DeepSpeed's ds_* members (ZeroParameter)
             param.__class__ = ZeroParameter

@@ -1,0 +1,34 @@
+"""Where the engine stands in a global batch: the micro-steps counted toward the accumulation
+boundary, and the script's own say over where the boundary falls."""
+from __future__ import annotations
+
+from typing import Optional
+
+
+class Accumulation:
+    """The accumulation state shared by the training loop (``engine.py``) and DeepSpeed's accumulation
+    controls (``members.py``)."""
+
+    def __init__(self):
+        self.boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary; None: count
+        self.in_progress = False          # micro-steps taken since the last boundary step
+        self.backward_since_step = False  # a backward ran since the last step()
+
+    def is_boundary(self, micro_steps: int, gradient_accumulation_steps: int) -> bool:
+        """True when the next ``step()`` completes a global batch (or as the script said)."""
+        if self.boundary_override is not None:
+            return self.boundary_override
+        return (micro_steps + 1) % gradient_accumulation_steps == 0
+
+    @property
+    def between_batches(self) -> bool:
+        """No micro-step or backward of a global batch has happened since its boundary step."""
+        return not self.in_progress and not self.backward_since_step
+
+
+class HeldStates:
+    """What ``offload_states`` moved to host memory: (device storage, host copy) pairs, refilled by
+    ``reload_states``. Views into a storage (the parameters) stay valid across both."""
+
+    def __init__(self):
+        self.moved: list = []

@@ -1,0 +1,94 @@
+"""What the engine builds at start, from the model, the config and the script's arguments: the
+replicas' common starting point, the param groups, and the optimizer, scheduler and data loader
+factories (DeepSpeed's rules for client objects versus config sections)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ZengineConfig
+from ..distributed import collectives
+from ..distributed.process_group import ProcessPlacement
+from ..optim import build_optimizer, build_scheduler
+
+
+def broadcast_from_rank0(model: nn.Module, world: int) -> None:
+    """Start every replica from rank 0's parameters and buffers (ranks may have initialised differently).
+
+    Parameters already partitioned by ``zero.Init`` are skipped: Init made them consistent.
+    """
+    if world == 1:
+        return
+    from ..zero.stage3.param import lookup
+
+    with torch.no_grad():
+        for t in [p for p in model.parameters() if lookup(p) is None] + list(model.buffers()):
+            collectives.broadcast(t.data, 0)
+
+
+def named_param_groups(model: nn.Module, model_parameters, client_optimizer) -> list:
+    """(name, parameter) pairs and hyper-parameters of each param group; frozen and repeated ones left out."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    if isinstance(client_optimizer, torch.optim.Optimizer):
+        raw = client_optimizer.param_groups
+    elif model_parameters is None:
+        raw = [{"params": list(model.parameters())}]
+    else:
+        items = list(model_parameters)
+        raw = items if items and isinstance(items[0], dict) else [{"params": items}]
+    groups, seen = [], set()
+    for group in raw:
+        params = group["params"]
+        params = [params] if torch.is_tensor(params) else list(params)
+        named = []
+        for p in params:
+            if id(p) not in names:
+                raise ValueError("zengine.initialize: model_parameters holds a tensor that is not a parameter of "
+                                 "the model; pass model.parameters() or param groups built from them")
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                named.append((names[id(p)], p))
+        groups.append((named, {k: v for k, v in group.items() if k != "params"}))
+    if not any(named for named, _ in groups):
+        raise ValueError("zengine.initialize: model_parameters (or the optimizer's param groups) hold no parameter "
+                         "that requires grad; there is nothing to train. Pass the trainable parameters")
+    return groups
+
+
+def optimizer_factory(client_optimizer, config: ZengineConfig):
+    """A function (flat shard param groups, cpu_offload) -> the wrapped torch optimizer."""
+    if isinstance(client_optimizer, torch.optim.Optimizer):
+        def rebind(groups, cpu_offload=False):
+            # Keep the caller's optimizer object (and any scheduler built on it): point its groups at the shards.
+            for mine, theirs in zip(groups, client_optimizer.param_groups):
+                theirs["params"] = mine["params"]
+            client_optimizer.state.clear()
+            return client_optimizer
+        return rebind
+    if client_optimizer is not None:
+        if not callable(client_optimizer):
+            raise TypeError("zengine.initialize: optimizer must be a torch.optim.Optimizer or a callable(params)")
+        return lambda groups, cpu_offload=False: client_optimizer(groups)
+    if config.optimizer is None:
+        raise ValueError("zengine.initialize: no optimizer; pass optimizer= or add an \"optimizer\" section "
+                         "to the config")
+    return lambda groups, cpu_offload=False: build_optimizer(config.optimizer.type, config.optimizer.params, groups,
+                                                              cpu_offload=cpu_offload)
+
+
+def make_scheduler(lr_scheduler, config: ZengineConfig, optimizer):
+    if lr_scheduler is not None:
+        # A callable gets the wrapped torch optimizer (as in DeepSpeed), so torch's own schedulers work.
+        return lr_scheduler if hasattr(lr_scheduler, "step") else lr_scheduler(optimizer.optimizer)
+    if config.scheduler is not None:
+        return build_scheduler(config.scheduler.type, config.scheduler.params, optimizer)
+    return None
+
+
+def make_dataloader(data, config: ZengineConfig, placement: ProcessPlacement, collate_fn):
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    sampler = DistributedSampler(data, num_replicas=placement.world_size, rank=placement.rank)
+    return DataLoader(data, batch_size=config.train_micro_batch_size_per_gpu, sampler=sampler,
+                      collate_fn=collate_fn, drop_last=True)

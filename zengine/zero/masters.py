@@ -1,0 +1,148 @@
+"""The fp32 masters and their gradients, as the boundary step sees them: in memory, or swapped.
+
+``MastersInMemory`` (every placement but ZeRO-Infinity): each group's master is a tensor where the
+placement keeps it (on the device, or in host memory); the step builds each master gradient from
+the summed gradient, takes the norm over it, clips it in place and steps the wrapped optimizer on
+it.
+
+``SwappedMasters`` (ZeRO-Infinity, ``offload/placement.InfinityPlacement``): the masters and their
+gradients live in the optimizer's swap records. The gradient store writes each reduced bucket into
+the file during backward (``GradSwap``) and keeps the sums of squares it wrote, which give the norm;
+scaling and clipping become one factor the swapped step applies chunk by chunk
+(``InfinityAdam.grad_scale``); the masters have values only inside ``resident()``.
+
+``ZeroOptimizer`` holds one of these (``make_master_store``) and calls it where the two differ.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..offload.infinity import MasterIO
+from ..offload.param_swap import on_disk
+from ..offload.placement import Placement
+from ..offload.state_swap import GradSwap
+from ..offload.swapped_adam import InfinityAdam
+from ..ops.grad import sum_of_squares
+from .step_stats import first_nonfinite
+
+
+class MastersInMemory:
+    """fp32 masters as tensors, where the placement keeps them."""
+
+    def __init__(self, placement: Placement):
+        self.placement = placement
+
+    grad_sink = None  # gradients are summed into tensors (the gradient store's shards), not a swap file
+    step_writes_params = False  # the step updates the masters; the parameters are written from them after
+
+    def make(self, group) -> torch.Tensor:
+        """Group ``group``'s fp32 master ([owned numel])."""
+        return self.placement.params.master(group, self.placement.optimizer)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return self.placement.optimizer.wrap_optimizer(optimizer)
+
+    def grads(self, opt) -> list[torch.Tensor]:
+        """Each group's fp32 master gradient: the summed gradient times 1 / (world x loss scale)."""
+        factor = 1.0 / (opt.world * opt.scaler.scale)
+        out = []
+        for gi, master in enumerate(opt.masters):
+            summed = opt.grads.owned_grad(gi)
+            if summed.dtype == torch.float32 and summed.device == master.device:
+                grad = summed  # [owned] fp32, a view: no copy
+            else:
+                grad = torch.empty_like(master).copy_(summed)  # [owned] fp32 where the master lives
+            if factor != 1.0:
+                grad.mul_(factor)
+            out.append(grad)
+        return out
+
+    def sq_norm(self, opt, master_grads: list[torch.Tensor]) -> torch.Tensor:
+        """Sum of squares of this rank's part of the gradient: a 0-dim float64 where the gradients are."""
+        parts = []
+        for g, grad in zip(opt.groups, master_grads):
+            lo, hi = g.norm_range(opt.world)
+            if hi > lo:
+                parts.append(sum_of_squares(grad[lo:hi]))
+        if not parts:
+            return torch.zeros((), dtype=torch.float64, device=self.placement.optimizer.master_device(opt.device))
+        return torch.stack([p.to(parts[0].device) for p in parts]).sum()
+
+    def clip(self, opt, master_grads: list[torch.Tensor], coef: float) -> None:
+        for grad in master_grads:
+            grad.mul_(coef)
+
+    def where_nonfinite(self, opt, master_grads: list[torch.Tensor]):
+        """Where the first non-finite gradient element is (for the skip message)."""
+        return first_nonfinite(opt.groups, master_grads, opt.device, opt.world, opt.comm_group)
+
+    def state_tensors(self, opt, gi: int) -> list[torch.Tensor]:
+        """Group ``gi``'s per-element tensors in memory: its master and the optimizer's states of its size."""
+        sp = opt.shard_params[gi]
+        state = opt.optimizer.state.get(sp, {})
+        return [sp.data] + [t for t in state.values() if torch.is_tensor(t) and t.shape == sp.shape]
+
+    @contextlib.contextmanager
+    def resident(self, opt):
+        """Inside: ``opt.masters`` hold their values (always, in memory)."""
+        yield
+
+
+class SwappedMasters(MastersInMemory):
+    """ZeRO-Infinity: masters and their gradients in the optimizer's swap records."""
+
+    step_writes_params = True  # the swapped step writes each updated chunk into the parameters
+
+    def __init__(self, placement: Placement, groups: list, dtype: torch.dtype):
+        super().__init__(placement)
+        self.io = MasterIO(groups, dtype)
+        # records [exp_avg | exp_avg_sq | master | grad] per chunk, aligned as the parameter shards
+        self.swapper = placement.optimizer.swapper(self.io.numels, 4, self.io.align)
+        self.grad_sink = GradSwap(self.swapper)
+        self._depth = 0  # resident() is re-entrant
+
+    def make(self, group) -> torch.Tensor:
+        return on_disk()  # in the swap file; values only inside resident()
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return InfinityAdam.replacing(optimizer, self.swapper, self.io, self.grad_sink)
+
+    def grads(self, opt) -> list[torch.Tensor]:
+        opt.optimizer.grad_scale = 1.0 / (opt.world * opt.scaler.scale)  # applied chunk by chunk in the step
+        return [on_disk() for _ in opt.masters]  # what the step's .grad shows
+
+    def sq_norm(self, opt, master_grads: list[torch.Tensor]) -> torch.Tensor:
+        return opt.grads.swapped_sq() * opt.optimizer.grad_scale ** 2
+
+    def clip(self, opt, master_grads: list[torch.Tensor], coef: float) -> None:
+        opt.optimizer.grad_scale *= coef
+
+    def where_nonfinite(self, opt, master_grads: list[torch.Tensor]):
+        return super().where_nonfinite(opt, [opt.grads.owned_grad(gi) for gi in range(len(opt.groups))])
+
+    def state_tensors(self, opt, gi: int) -> list[torch.Tensor]:
+        return []  # the optimizer keeps unused ranges itself (keep_unchanged): nothing here has storage
+
+    @contextlib.contextmanager
+    def resident(self, opt):
+        """Inside: ``opt.masters`` show the values InfinityAdam read in (it is inside states_in_memory)."""
+        self._depth += 1
+        try:
+            if self._depth == 1:
+                opt.masters = [p.detach() for p in opt.shard_params]
+            try:
+                yield
+            finally:
+                if self._depth == 1:
+                    opt.masters = [on_disk() for _ in opt.shard_params]
+        finally:
+            self._depth -= 1
+
+
+def make_master_store(placement: Placement, groups: list, dtype: torch.dtype) -> MastersInMemory:
+    """The master store the placement implies, for ``groups`` computed in ``dtype``."""
+    if placement.optimizer.swaps_masters:
+        return SwappedMasters(placement, groups, dtype)
+    return MastersInMemory(placement)

@@ -1,0 +1,74 @@
+"""Assembling the stage-3 optimizer: shard the module's parameters, decide where states live, and
+build each part with what it needs, in dependency order.
+
+    ShardedParam per parameter -> Placement (needs the shard sizes) -> Fetcher (reads ahead from the
+    parameter swap file, if any) -> the groups (laid out as the placement aligns them) -> the master
+    store (ZeRO-Infinity's swap records need the groups) -> the gradient store (its sink is the
+    store's) -> Stage3Optimizer (the wrapped optimizer is made inside, over the masters)
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ...offload.placement import make_placement
+from ...precision.loss_scaler import LossScaler
+from ..grads import buckets_in_flight
+from ..masters import make_master_store
+from ..optimizer import Ranks, StepRules
+from .fetcher import Fetcher
+from .grads import Stage3Gradients, SwappedStage3Gradients
+from .group import ShardedParamGroup
+from .optimizer import ShardedModel, Stage3Optimizer
+from .param import ParamState, ShardedParam, lookup, register
+
+
+def shard_parameters(module: nn.Module, zero_cfg, dtype: torch.dtype, ranks: Ranks) -> list[ShardedParam]:
+    """Every parameter of ``module`` as a ``ShardedParam`` (those ``zero.Init`` partitioned already keep
+    theirs, gathered in the compute dtype), with its persistence decided."""
+    out = []
+    for name, p in module.named_parameters():
+        sp = lookup(p)
+        if sp is None:
+            sp = ShardedParam(name, p, ranks.world, ranks.rank)
+            register(sp)
+        sp.name = name
+        if sp.state is ParamState.SHARDED:  # partitioned by zero.Init: gather in the compute dtype
+            sp.retype(dtype, ranks.device)
+        sp.persistent = sp.numel <= zero_cfg.stage3_param_persistence_threshold  # p is empty when Init sharded it
+        out.append(sp)
+    return out
+
+
+def build_stage3_optimizer(module: nn.Module, config, named_groups: Sequence, make_optimizer: Callable,
+                           scaler: LossScaler, rules: StepRules, ranks: Ranks,
+                           on_unbracketed_grad: Callable[[], None]) -> Stage3Optimizer:
+    """The stage-3 optimizer over ``module`` for ``config`` (a ``ZengineConfig``); arguments as
+    ``stages.build_zero_optimizer``'s."""
+    zero_cfg, dtype = config.zero_optimization, config.compute_dtype
+    all_sharded = shard_parameters(module, zero_cfg, dtype, ranks)
+    members = [[lookup(p) for _, p in named] for named, _ in named_groups]
+    placement = make_placement(zero_cfg, ranks.device, dtype, config.aio, [[sp.chunk for sp in sps] for sps in members])
+    home = placement.params
+    fetcher = Fetcher(zero_cfg, ranks.world, ranks.rank, ranks.device, ranks.group, swap=home.swap)
+    align = placement.alignment(dtype)
+    groups = [ShardedParamGroup(sps, hyper, dtype, home.shard_device, fetcher.gather_now, home.pin, home.swap, align)
+              for sps, (_, hyper) in zip(members, named_groups)]
+    in_groups = {id(sp) for g in groups for sp in g.sharded}
+    frozen = ShardedParamGroup([sp for sp in all_sharded if id(sp) not in in_groups], {}, dtype, home.shard_device,
+                               fetcher.gather_now, home.pin)
+    for sp in all_sharded:
+        if not sp.persistent and sp.state is ParamState.GATHERED:
+            sp.free()
+    masters = make_master_store(placement, groups, dtype)
+    grad_args = (groups, zero_cfg.reduce_bucket_size, ranks.world, ranks.rank, placement.optimizer,
+                 lambda sp: fetcher.release([sp], force=True), ranks.group, buckets_in_flight(zero_cfg.overlap_comm))
+    if masters.grad_sink is not None:  # ZeRO-Infinity: reduced gradients go to the swap records
+        grads = SwappedStage3Gradients(*grad_args, sink=masters.grad_sink)
+    else:
+        grads = Stage3Gradients(*grad_args)
+    cpu = placement.optimizer.cpu_optimizer
+    return Stage3Optimizer(ShardedModel(module, fetcher, all_sharded, frozen), groups, grads, placement, masters,
+                           lambda g: make_optimizer(g, cpu), scaler, rules, ranks, on_unbracketed_grad)
