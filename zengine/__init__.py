@@ -18,11 +18,13 @@ from . import zero
 from .launcher.args import add_config_arguments
 from .zero.nonfinite import NonFiniteGradientError
 from .zero.stage3.fetcher import FetchOrderError
+from .zero.stage3.grads import ExternalUseError
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "Engine", "add_config_arguments", "zero", "__version__",
            # what a training step may raise (docs/API.md, "Errors and environment")
-           "CollectiveTimeoutError", "FetchOrderError", "NonFiniteGradientError", "RanksOutOfStepError"]
+           "CollectiveTimeoutError", "ExternalUseError", "FetchOrderError", "NonFiniteGradientError",
+           "RanksOutOfStepError"]
 
 # Submodules a DeepSpeed script reaches as attributes (deepspeed.comm.get_rank(), deepspeed.ops.adam ...)
 # without importing them first; imported when first touched, so that `import zengine` stays light.

@@ -51,6 +51,18 @@ def test_bad_line_is_named(line, message):
     assert message in str(err.value)
 
 
+def test_host_starting_with_dash_is_refused_by_line():
+    """A host that ssh or pdsh would read as an option (``-oProxyCommand=...`` runs a command) never gets there."""
+    with pytest.raises(HostfileError, match=r"hf, line 3: host '-oProxyCommand=/tmp/x.sh' starts with '-'") as err:
+        parse_hostfile_lines(["ok slots=1", "# a comment", "-oProxyCommand=/tmp/x.sh slots=1"], source="hf")
+    assert "option" in str(err.value)
+    with pytest.raises(HostfileError, match=r"hf, line 1: host '-p' starts with '-'"):
+        parse_hostfile_lines(["-p slots=2"], source="hf")
+    for option in ("--include", "--exclude"):
+        with pytest.raises(HostfileError, match=rf"{option} 'a@-oProxyCommand=x:0': host '-oProxyCommand=x' starts"):
+            parse_filter("a@-oProxyCommand=x:0", option)
+
+
 def test_parse_hostfile_from_disk(tmp_path):
     path = tmp_path / "hostfile"
     path.write_text("node-a slots=8\nnode-b slots=8\n")

@@ -1,5 +1,6 @@
 """Launch planning, torchrun/ssh command construction and input errors (no processes started)."""
 import argparse
+import re
 import shlex
 import socket
 
@@ -218,8 +219,9 @@ def test_ssh_commands():
     plan = plan_launch(args, HOSTS, 0, False)
     exports = {"NCCL_DEBUG": "INFO", "PATH": "/usr/bin"}
     commands = [ssh_command(plan, n, args, exports, "/data/my job", "/usr/bin/python3") for n in plan.nodes]
-    assert [c[:4] for c in commands] == [["ssh", "-p", "2222", "worker-0"], ["ssh", "-p", "2222", "worker-1"]]
-    assert commands[1][4] == (
+    assert [c[:5] for c in commands] == [["ssh", "-p", "2222", "--", "worker-0"],
+                                         ["ssh", "-p", "2222", "--", "worker-1"]]
+    assert commands[1][5] == (
         "cd '/data/my job' && env NCCL_DEBUG=INFO PATH=/usr/bin ZENGINE_NO_LOCAL_RANK=1 "
         "CUDA_VISIBLE_DEVICES=2,3 /usr/bin/python3 -u -m torch.distributed.run "
         "--nnodes 2 --node_rank 1 --nproc_per_node 2 --rdzv_backend static "
@@ -227,7 +229,7 @@ def test_ssh_commands():
         "-m zengine.launcher.entry train.py --name 'two words'"
     )
     # The remote shell splits it back into the same words.
-    words = shlex.split(commands[0][4])
+    words = shlex.split(commands[0][5])
     assert words[words.index("zengine.launcher.entry") + 1:] == ["train.py", "--name", "two words"]
     assert "CUDA_VISIBLE_DEVICES=0,1" not in words  # slots 0..n-1 need no narrowing
     assert words[words.index("--node_rank") + 1] == "0"
@@ -316,11 +318,38 @@ def test_main_unresolvable_host_fails_before_ssh(capsys, tmp_path, script, start
     assert "line 3: host 'no-such-host.invalid' does not resolve" in err and started == []
 
 
+def test_main_refuses_option_like_hosts_before_anything_runs(capsys, tmp_path, script, started, monkeypatch):
+    """A hostfile host or --master_addr starting with '-' would be an ssh/pdsh option: refused, by line, first."""
+    composed, resolved = [], []
+    monkeypatch.setattr(runner, "ssh_command", lambda *a: composed.append(a) or ["ssh"])
+    monkeypatch.setattr(runner, "resolve_for_ssh", resolved.append)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n-oProxyCommand=/tmp/pwn.sh slots=1\n")
+    for launcher in ("ssh", "pdsh"):
+        err = run_main_error(capsys, "-H", str(hostfile), "--launcher", launcher, script)
+        assert f"{hostfile}, line 2: host '-oProxyCommand=/tmp/pwn.sh' starts with '-'" in err, err
+    err = run_main_error(capsys, "--num_nodes", "2", "--node_rank", "1", "--master_addr=-oProxyJump=x", script)
+    assert "--master_addr '-oProxyJump=x' starts with '-'" in err, err
+    assert composed == [] and resolved == [] and started == []
+
+
+def test_pdsh_refuses_names_its_host_list_reads_otherwise():
+    """ssh gets ``--`` before the host; pdsh's -w list has no such end, so what it would not take for a host
+    name (a leading '-' excludes, '^' reads a file, '/' filters, ',' separates) is refused."""
+    args = parse("--launcher", "pdsh", "train.py")
+    for odd in ("-oProxyCommand=x", "^/etc/hosts", "/wor/", "a,b"):
+        plan = runner.LaunchPlan(nodes=(runner.NodePlan("worker-0", 0, (0,)), runner.NodePlan(odd, 1, (0,))),
+                                 num_nodes=2, master_addr="worker-0", master_port=6000, remote=True)
+        with pytest.raises(LaunchError, match=re.escape(f"pdsh would not read {odd!r} as host names")):
+            pdsh_command(plan, args, {}, "/", "python")
+        assert ssh_command(plan, plan.nodes[1], args, {}, "/", "python")[1:3] == ["--", odd]
+
+
 def test_main_checks_only_the_hosts_it_runs_on(tmp_path, script, started):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\nno-such-host.invalid slots=1\n")
     assert main(["-H", str(hostfile), "--exclude", "no-such-host.invalid", script]) == 0
-    assert [c[1] for c in started] == ["localhost", "127.0.0.1"]
+    assert [c[c.index("--") + 1] for c in started] == ["localhost", "127.0.0.1"]
 
 
 def test_ssh_config_decides_which_name_must_resolve(monkeypatch):

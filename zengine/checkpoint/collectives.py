@@ -3,7 +3,8 @@
 Objects travel pickled in uint8 tensors, on the device the group's backend
 takes (``collectives.message_device``: the CPU with gloo, the GPU with NCCL). torch's
 own ``all_gather_object`` and ``broadcast_object_list`` would need numpy,
-which is not a dependency.
+which is not a dependency. Only what this job's own ranks pickled is unpickled
+here (never a file's bytes: state.pt goes through safe_load.py).
 """
 from __future__ import annotations
 

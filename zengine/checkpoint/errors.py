@@ -21,3 +21,10 @@ class CheckpointMismatchError(CheckpointError, ValueError):
 
 class CheckpointSaveError(CheckpointError):
     """A save failed (a full disk, a permission); the previous checkpoint and ``latest`` are untouched."""
+
+
+class CheckpointUntrustedError(CheckpointError):
+    """state.pt holds objects that a weights-only load refuses (instances of your own classes in
+    ``client_state``, or anything whose unpickling would call code named by the file): they were not
+    loaded, and nothing of the file ran. The message names the file and the types; if you trust where
+    the checkpoint comes from, ``load_checkpoint(..., trust_client_state=True)`` loads them."""

@@ -6,7 +6,8 @@ value, cast to fp32, of an untrained one); buffers come as saved. Parameters
 are produced one at a time, so ``convert_zero_checkpoint_to_fp32_state_dict``
 (the ``zengine-to-fp32`` command) holds about one tensor at a time: it
 streams each into the output file (a torch file, or safetensors when the name
-ends in ``.safetensors``) before assembling the next.
+ends in ``.safetensors``) before assembling the next. Nothing here unpickles: only meta.json (JSON) and
+the rank files (raw tensor bytes) are read, never state.pt, so an export runs no code from a checkpoint.
 """
 from __future__ import annotations
 

@@ -10,10 +10,11 @@ saved: a rank asks its groups for its pieces (``holdings.py``), and the
 reader fills each from whichever rank files hold those elements, so nothing is
 gathered and a rank reads only what it holds. Two phases:
 
-1. read (no collective): meta.json checked against the model, then the fp32
-   masters, the optimizer states, the untrained parameters and the buffers
-   are read in place; any failure on any rank is reported on every rank
-   before phase 2, so no rank is left waiting in a collective;
+1. read (no collective): meta.json checked against the model, state.pt
+   (weights-only: safe_load.py), then the fp32 masters, the optimizer
+   states, the untrained parameters and the buffers are read in place; any
+   failure on any rank is reported on every rank before phase 2, so no rank
+   is left waiting in a collective;
 2. write back: the compute-dtype parameters from the masters, then each
    group's ``publish`` (stages 1-2 gather the flat buffer, stage 3 refreshes
    the parameters that stay whole); counters, loss scaler, LR scheduler and
@@ -27,19 +28,24 @@ import torch
 
 from ..log import logger
 from . import atomic, collectives, holdings, meta as meta_mod, rng
-from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, CheckpointUntrustedError
 from .holdings import Holding
 from .reader import CheckpointReader
 
 
 def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False, missing_ok: bool = False):
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False, missing_ok: bool = False,
+                    *, trust_client_state: bool = False):
     """Collective: load ``load_dir/tag`` (default: the tag in ``load_dir/latest``) into ``engine``.
 
     Returns ``(checkpoint directory, client_state)``. When there is no checkpoint there (no ``load_dir``,
     no ``latest``, no such tag) it raises CheckpointNotFoundError, or with ``missing_ok`` returns
     ``(None, None)``; an empty ``latest`` or a damaged checkpoint raises either way.
     ``load_module_only`` loads the parameters and buffers alone.
+
+    state.pt is unpickled weights-only (tensors and plain values; see safe_load.py): an object of another
+    type (say in ``client_state``) raises CheckpointUntrustedError on every rank, and nothing of the file
+    runs. ``trust_client_state=True`` unpickles anything: only for checkpoints whose origin you trust.
     """
     try:
         directory = _agree_on_directory(engine, load_dir, tag)
@@ -56,15 +62,17 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optim
     failure = None
     try:
         with opt.states_resident():
-            state = _read(engine, directory, with_optimizer)
+            state = _read(engine, directory, with_optimizer, trust_client_state)
     except Exception as e:  # reported on every rank before any collective of phase 2
         failure = e
-    errors = collectives.all_gather(None if failure is None else f"rank {rank}: {failure}", opt.comm_group)
+    errors = collectives.all_gather(None if failure is None else (type(failure).__name__, f"rank {rank}: {failure}"),
+                                    opt.comm_group)
     if failure is not None:
         raise failure
-    if any(errors):
-        raise CheckpointError(f"load_checkpoint: {directory} could not be loaded:\n  "
-                              + "\n  ".join(e for e in errors if e))
+    if any(errors):  # another rank failed: the same error class when it was a refused state.pt
+        untrusted = any(e[0] == CheckpointUntrustedError.__name__ for e in errors if e)
+        raise (CheckpointUntrustedError if untrusted else CheckpointError)(
+            f"load_checkpoint: {directory} could not be loaded:\n  " + "\n  ".join(e[1] for e in errors if e))
 
     _write_back(opt)
     opt.zero_grad()
@@ -100,13 +108,14 @@ def _agree_on_directory(engine, load_dir: str, tag: Optional[str]) -> str:
                           + "\n  ".join(f"rank {r}: {what}" for r, what in enumerate(seen)))
 
 
-def _read(engine, directory: str, with_optimizer: bool) -> dict[str, Any]:
-    """Phase 1: check the checkpoint and read this rank's share of it in place; state.pt with the meta."""
+def _read(engine, directory: str, with_optimizer: bool, trusted: bool) -> dict[str, Any]:
+    """Phase 1: check the checkpoint and read this rank's share of it in place; state.pt (weights-only unless
+    ``trusted``) with the meta."""
     opt, module = engine.optimizer, engine.module
     with CheckpointReader(directory) as reader:
         meta = reader.meta
         meta_mod.check_same_model(meta, meta_mod.describe_model(module, holdings.trained_names(opt)), directory)
-        state = reader.read_state()
+        state = reader.read_state(trusted)
         if with_optimizer and state["optimizer"] and len(state["optimizer"]) != len(opt.groups):
             raise CheckpointMismatchError(f"checkpoint {directory} has {len(state['optimizer'])} optimizer param "
                                           f"groups, the engine {len(opt.groups)}")

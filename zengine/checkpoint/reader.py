@@ -8,7 +8,6 @@ verified against its block checksum (tensorfile.py).
 """
 from __future__ import annotations
 
-import io
 import os
 import zlib
 from typing import Any, Sequence
@@ -19,6 +18,7 @@ from . import meta as meta_mod
 from .errors import CheckpointFileError
 from .holdings import Holding
 from .pieces import overlaps
+from .safe_load import load_state
 from .tensorfile import TensorFileReader
 
 
@@ -78,13 +78,14 @@ class CheckpointReader:
     def read_buffer(self, name: str) -> torch.Tensor:
         return self.file(0).read(f"buffer/{name}")
 
-    def read_state(self) -> dict[str, Any]:
-        """state.pt, verified against its size and checksum in meta.json."""
+    def read_state(self, trusted: bool = False) -> dict[str, Any]:
+        """state.pt, verified against its size and checksum in meta.json, then loaded weights-only: tensors and
+        plain values, never code (CheckpointUntrustedError otherwise). ``trusted``: any pickled object, as
+        ``torch.load(..., weights_only=False)`` (the checksum proves integrity, not origin)."""
         path = os.path.join(self.directory, meta_mod.STATE)
         entry = self.meta["files"][meta_mod.STATE]
         with open(path, "rb") as f:
             raw = f.read()
         if len(raw) != entry["size"] or zlib.crc32(raw) != entry["crc"]:
             raise CheckpointFileError(f"checkpoint file {path} fails its checksum (corrupt or truncated)")
-        # Our own file, verified: it holds client_state, which may be any picklable object.
-        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+        return load_state(raw, path, trusted)

@@ -156,7 +156,6 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _ignorable("zero_optimization.log_trace_cache_warnings", "trace cache warnings"),
     _ignorable("zero_optimization.enable_sanity_checks", "internal sanity checks"),
     _ignorable("zero_optimization.save_muon_momentum_buffer_in_memory", "Muon buffer placement"),
-    _ignorable("zero_optimization.leaf_module", "stage-3 leaf modules"),
     _ignorable("zero_optimization.stage3_model_persistence_threshold", "stage-3 persistence cap"),
     _ignorable("zero_optimization.stage3_module_granularity_threshold", "stage-3 module granularity"),
     _ignorable("zero_optimization.stage3_use_all_reduce_for_fetch_params", "all-reduce parameter fetch"),

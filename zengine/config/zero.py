@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Literal, Optional, Tuple
+from typing import Annotated, Any, ClassVar, Dict, List, Literal, Optional, Tuple
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from .base import Count, Flag, Integer, PositiveSize, Size, _Section
 
@@ -48,6 +48,31 @@ class OffloadParamConfig(_Section):
     def enabled(self) -> bool:
         """True when parameter shards leave the accelerator."""
         return self.device != "none"
+
+
+def _string_list(value: Any) -> Any:
+    """A single string stands for a list of one (as DeepSpeed reads these keys)."""
+    return [value] if isinstance(value, str) else value
+
+
+StringList = Annotated[List[str], BeforeValidator(_string_list)]
+
+# DeepSpeed's defaults: Hugging Face's mixture-of-experts blocks, whose experts run by routing
+DEFAULT_LEAF_CLASSES = ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                        "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+                        "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"]
+
+
+class LeafModuleConfig(_Section):
+    """Stage-3 leaf modules: each gathers its whole subtree when it starts, so that ranks whose inputs route
+    through different children (mixture-of-experts) still gather the same parameters in the same order."""
+
+    classes: StringList = Field(default_factory=lambda: list(DEFAULT_LEAF_CLASSES),
+                                description="Module classes, by bare or fully qualified name.")
+    names: StringList = Field(default_factory=list, description="Module paths exactly as model.named_modules() "
+                                                                "gives them.")
+    name_suffixes: StringList = Field(default_factory=list, description="Ends of module paths "
+                                                                        "(e.g. \"experts\").")
 
 
 class ZeroConfig(_Section):
@@ -90,6 +115,8 @@ class ZeroConfig(_Section):
                                                                        "used again within this many elements.")
     stage3_gather_16bit_weights_on_model_save: Flag = Field(False, description="Gather the full 16-bit "
                                                                                "weights when saving the model.")
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig,
+                                          description="Stage-3 leaf modules (data-dependent execution).")
     stage3_debug_fetch_order: Flag = Field(False, description=(
         "zengine only: every rank records the sequence of stage-3 parameter fetches of the first step and "
         "the ranks compare them, naming the first parameter where they diverge. A diverging order "

@@ -3,6 +3,8 @@ replicas' common starting point, the param groups, and the optimizer, scheduler 
 factories (DeepSpeed's rules for client objects versus config sections)."""
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -10,6 +12,8 @@ from ..config import ZengineConfig
 from ..distributed import collectives
 from ..distributed.process_group import ProcessPlacement
 from ..optim import build_optimizer, build_scheduler
+
+logger = logging.getLogger("zengine")
 
 
 def broadcast_from_rank0(model: nn.Module, world: int) -> None:
@@ -92,3 +96,23 @@ def make_dataloader(data, config: ZengineConfig, placement: ProcessPlacement, co
     sampler = DistributedSampler(data, num_replicas=placement.world_size, rank=placement.rank)
     return DataLoader(data, batch_size=config.train_micro_batch_size_per_gpu, sampler=sampler,
                       collate_fn=collate_fn, drop_last=True)
+
+
+class UntrainedParameters:
+    """The model's parameters the engine does not train (frozen, or left out of model_parameters, at
+    initialize). One switched to ``requires_grad=True`` later still gets no gradient reduction or optimizer
+    step: ``warn_if_unfrozen`` (at every step; one flag read per such parameter) names it once."""
+
+    def __init__(self, model: nn.Module, named_groups: list):
+        trained = {id(p) for named, _ in named_groups for _, p in named}
+        self.params = [(n, p) for n, p in model.named_parameters() if id(p) not in trained]
+        self.named: set[str] = set()
+
+    def warn_if_unfrozen(self) -> None:
+        late = [n for n, p in self.params if p.requires_grad and n not in self.named]
+        if late:
+            self.named.update(late)
+            logger.warning("zengine: parameter(s) %s require grad now but were frozen or left out of model_parameters "
+                           "at zengine.initialize, so the engine does not train them (no gradient reduction, no "
+                           "optimizer step). Set requires_grad before initialize (and pass them in model_parameters), "
+                           "or build a new engine after unfreezing", ", ".join(late))

@@ -38,7 +38,8 @@ from ..zero import build_zero_optimizer
 from ..zero.optimizer import Ranks, StepOutcome
 from .accumulation import Accumulation, HeldStates
 from .backward import BackwardTracker
-from .build import broadcast_from_rank0, make_dataloader, make_scheduler, named_param_groups, optimizer_factory
+from .build import (UntrainedParameters, broadcast_from_rank0, make_dataloader, make_scheduler, named_param_groups,
+                    optimizer_factory)
 from .members import DeepSpeedMembers
 
 logger = setup_logging()
@@ -75,6 +76,7 @@ class Engine(DeepSpeedMembers, nn.Module):
         cast_module(model, config.compute_dtype, placement.device)
         broadcast_from_rank0(model, placement.world_size)
         named_groups = named_param_groups(model, model_parameters, optimizer)
+        self._untrained = UntrainedParameters(model, named_groups)  # named at the step if unfrozen later
         self.scaler = make_loss_scaler(config.fp16)
         # Every backward pass is bracketed (backward.py); a plain loss.backward() the outputs could not catch
         # is seen by the optimizer at its first parameter gradient, which opens the bracket through the tracker.
@@ -174,7 +176,10 @@ class Engine(DeepSpeedMembers, nn.Module):
         scaled = loss.float() * factor if factor != 1.0 else loss
         self._step_report.record_loss(loss, self.is_gradient_accumulation_boundary())
         with self.timers(BACKWARD), self._backward.explicit():
-            scaled.backward(retain_graph=retain_graph)
+            try:
+                scaled.backward(retain_graph=retain_graph)
+            except RuntimeError as e:  # autograd's words for a misuse the stage can name
+                raise self.optimizer.explain_backward_error(e) from e
         return loss
 
     def _grad_factor(self) -> float:
@@ -198,6 +203,7 @@ class Engine(DeepSpeedMembers, nn.Module):
             raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the context first "
                                "so that the accumulated gradients are reduced")
         self._backward.check_step()
+        self._untrained.warn_if_unfrozen()
         boundary = self.is_gradient_accumulation_boundary()
         if not boundary and not self.accumulation.backward_since_step:
             self._step_applied = False
@@ -284,15 +290,17 @@ class Engine(DeepSpeedMembers, nn.Module):
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        missing_ok: bool = False):
+                        missing_ok: bool = False, *, trust_client_state: bool = False):
         """Collective: load ``load_dir/tag`` (default: ``latest``), saved by any world size and stage.
 
         Returns ``(path, client_state)``. A missing ``load_dir``, ``latest`` or tag raises
         ``CheckpointNotFoundError`` on every rank, unless ``missing_ok=True``: then it returns
         ``(None, None)`` (DeepSpeed's value) and logs it. A damaged checkpoint (a failed checksum, a
-        truncated file, an edited meta.json) or an empty ``latest`` raises either way."""
+        truncated file, an edited meta.json) or an empty ``latest`` raises either way. state.pt loads
+        weights-only (tensors, plain values): other objects (in ``client_state``) raise
+        ``CheckpointUntrustedError`` unless ``trust_client_state=True``, which may run the file's code."""
         return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                                          load_module_only, missing_ok)
+                                          load_module_only, missing_ok, trust_client_state=trust_client_state)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Collective: rank 0 writes the full model's state_dict in the compute dtype, module by module.

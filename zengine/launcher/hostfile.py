@@ -11,6 +11,8 @@ or processes on a CPU machine) it offers::
     worker-0 slots=4
     worker-1 slots=4   # a trailing comment is fine too
 
+A host name may not start with ``-`` (ssh and pdsh would take it for an option).
+
 A filter names hosts separated by ``@``, each optionally followed by ``:`` and
 a comma-separated list of slot indices: ``worker-0:0,1@worker-1`` means slots
 0 and 1 of worker-0 and every slot of worker-1. ``--include`` keeps only what
@@ -29,6 +31,9 @@ SLOTS_START = ":"
 SLOT_SEP = ","
 
 Resources = dict[str, list[int]]
+# A host name reaches ssh and pdsh command lines: one that starts with '-' would be read there as an option
+# (``-oProxyCommand=...`` runs a command), so it is refused wherever a host name comes in.
+OPTION_LIKE = "starts with '-': it is not a host name, and ssh or pdsh would read it as an option"
 
 
 class HostfileError(ValueError):
@@ -66,6 +71,8 @@ def parse_hostfile_lines(lines: Iterable[str], source: str = "<hostfile>") -> Ho
                 f"{where}: expected 'hostname slots=N', got {raw.strip()!r}"
             )
         host, count_text = fields[0], fields[1][len("slots="):]
+        if host.startswith("-"):
+            raise HostfileError(f"{where}: host {host!r} {OPTION_LIKE}; correct the name in the hostfile")
         try:
             count = int(count_text)
         except ValueError:
@@ -106,6 +113,8 @@ def parse_filter(text: str, option: str = "filter") -> dict[str, list[int] | Non
         host = host.strip()
         if not host:
             raise HostfileError(f"{option} {text!r}: empty host name in entry {entry!r}")
+        if host.startswith("-"):
+            raise HostfileError(f"{option} {text!r}: host {host!r} {OPTION_LIKE}")
         slots: list[int] | None = None
         if has_slots:
             slots = []

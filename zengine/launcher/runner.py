@@ -12,8 +12,10 @@ decides what to run where:
    (:func:`resolve_for_ssh`), else the launch stops there, naming it;
 3. one machine: torchrun runs in this process (:func:`run_local`), with each
    rank started as ``-m zengine.launcher.entry script args`` (see ``entry.py``);
-   several machines: one ``ssh HOST "cd CWD && env ... python -m
+   several machines: one ``ssh -- HOST "cd CWD && env ... python -m
    torch.distributed.run ..."`` per host (:func:`ssh_command`, :func:`run_remote`).
+   A host (or ``--master_addr``) that starts with ``-`` is refused before
+   anything runs: ssh or pdsh would read it as an option.
 
 How the ranks meet (static or c10d rendezvous, elastic node ranges) is ``rendezvous.py``'s.
 
@@ -39,7 +41,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from zengine.compat import COMPAT_ENV
 from zengine.launcher.entry import NO_LOCAL_RANK_ENV, RUN_MODULE_ENV
-from zengine.launcher.hostfile import HostfileError, check_hosts_resolve, parse_hostfile, resolve_resources
+from zengine.launcher.hostfile import (OPTION_LIKE, HostfileError, check_hosts_resolve, parse_hostfile,
+                                       resolve_resources)
 from zengine.launcher.rendezvous import (NodeCountError, NodeRange, add_arguments as add_rendezvous_arguments,
                                          rendezvous_argv, rendezvous_env, requested_range, uses_c10d)
 
@@ -180,6 +183,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise LaunchError(f"--max_restarts must be at least 0, got {args.max_restarts}")
     if args.comm_timeout is not None and not args.comm_timeout > 0:
         raise LaunchError(f"--comm_timeout must be a positive number of seconds, got {args.comm_timeout}")
+    if args.master_addr is not None and args.master_addr.startswith("-"):
+        raise LaunchError(f"--master_addr {args.master_addr!r} {OPTION_LIKE}")
     if not 0 < args.master_port < 65536:
         raise LaunchError(f"--master_port must be in 1..65535, got {args.master_port}")
     if args.include and args.exclude:
@@ -399,9 +404,9 @@ def ssh_command(
     cwd: str,
     python: str,
 ) -> list[str]:
-    """The ``ssh`` argv that starts ``node``'s torchrun on its host."""
+    """The ``ssh`` argv that starts ``node``'s torchrun on its host (``--``: the host is never an option)."""
     port = ["-p", str(args.ssh_port)] if args.ssh_port is not None else []
-    return ["ssh", *port, node.host, _remote_torchrun(plan, node, args, exports, cwd, python)]
+    return ["ssh", *port, "--", node.host, _remote_torchrun(plan, node, args, exports, cwd, python)]
 
 
 def pdsh_command(
@@ -416,6 +421,10 @@ def pdsh_command(
     if len({n.slots for n in plan.nodes}) > 1:
         raise LaunchError("--launcher pdsh runs one command on every host, but the hosts use different slots "
                           f"({', '.join(f'{n.host}: {list(n.slots)}' for n in plan.nodes)}); use --launcher ssh")
+    odd = [n.host for n in plan.nodes if n.host.startswith(("-", "^", "/")) or "," in n.host]
+    if odd:  # pdsh's -w list: a leading '-' excludes, '^' names a file, '/' filters, ',' separates
+        raise LaunchError(f"--launcher pdsh: pdsh would not read {', '.join(map(repr, odd))} as host names; "
+                          "correct them, or use --launcher ssh")
     remote = _remote_torchrun(plan, plan.nodes[0], args, exports, cwd, python, node_rank="%n")
     ssh_args = [f"PDSH_SSH_ARGS_APPEND=-p {args.ssh_port}"] if args.ssh_port is not None else []
     return ["env", "PDSH_RCMD_TYPE=ssh", *ssh_args, "pdsh", "-S", "-f", "1024",

@@ -5,7 +5,9 @@
 - ``safe_get_full_fp32_param``, ``safe_set_full_fp32_param``, ``safe_get_full_grad``,
   ``safe_get_full_optimizer_state``, ``safe_set_full_optimizer_state``: one parameter whole,
   whatever the stage shards (collectives: every rank calls them; ``zero/full_state.py``);
-- ``zero_to_fp32``: the full fp32 state_dict of a sharded checkpoint, in one process.
+- ``zero_to_fp32``: the full fp32 state_dict of a sharded checkpoint, in one process;
+- ``set_z3_leaf_modules``, ``unset_z3_leaf_modules``, ``get_z3_leaf_modules``, ``z3_leaf_module``:
+  stage-3 leaf modules, gathered whole (``zero/stage3/leaf.py``; mixture-of-experts layers).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 from ..log import setup_logging
 from ..runtime.dataloader import RepeatingLoader
 from ..zero import full_state
+from ..zero.stage3.leaf import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
 from . import zero_to_fp32
 
 logger = setup_logging()
@@ -61,4 +64,5 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
 
 
 __all__ = ["logger", "log_dist", "RepeatingLoader", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
-           "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_set_full_optimizer_state", "zero_to_fp32"]
+           "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_set_full_optimizer_state", "zero_to_fp32",
+           "get_z3_leaf_modules", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module"]

@@ -47,6 +47,11 @@ class FlatParamGroup:
         """The flat range this rank's master covers."""
         return self.layout.shard_range(self.rank if self.layout.num_shards > 1 else 0)
 
+    def params_version(self) -> int:
+        """The sum of the parameters' version counters: every in-place write through a parameter bumps its own
+        (a parameter keeps its counter when its ``.data`` became a view of ``flat``, so ``flat``'s does not move)."""
+        return sum(p._version for p in self.params)
+
     def owned_params(self) -> torch.Tensor:
         """This rank's slice of the flat parameters (a view)."""
         lo, hi = self.owned

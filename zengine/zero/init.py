@@ -5,6 +5,14 @@ constructor returns, so that a model is never whole on any rank: building
 it holds about one layer in full plus the shards. Parameters are broadcast
 from rank 0 before they are cut, so every rank's shards agree.
 
+A module's own ``self.apply(init_fn)`` at the end of its constructor (the usual custom
+initialisation) meets children whose parameters are already partitioned: inside ``Init``,
+``Module.apply`` gathers each module's partitioned parameters around ``fn`` and keeps rank 0's
+result, as the module would have been initialised whole. A write to a partitioned parameter
+by other means (``nn.init.normal_(model.fc.weight)`` after the constructor) goes nowhere; it is
+seen from the parameter's version counter and named, with the way out, when ``Init`` exits and
+again at ``initialize`` (``warn_lost_writes``).
+
 ``GatheredParameters`` gathers given parameters for a block of code; with
 ``modifier_rank=r`` what rank r wrote is copied into every rank's shard (and
 the engine's fp32 masters) on exit. Outside stage 3 it does nothing.
@@ -12,6 +20,7 @@ the engine's fp32 masters) on exit. Outside stage 3 it does nothing.
 from __future__ import annotations
 
 import contextlib
+import logging
 from types import SimpleNamespace
 from typing import Optional
 
@@ -22,6 +31,8 @@ from torch import nn
 from ..distributed import collectives
 from .stage3.fetcher import Fetcher
 from .stage3.param import ParamState, ShardedParam, lookup, register
+
+logger = logging.getLogger("zengine")
 
 
 def _subclasses(cls):
@@ -61,17 +72,22 @@ class Init:
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.device = ProcessPlacement.current().device  # parameters are cut where the engine will compute with them
         self.swap = self._nvme_swap()
+        self._made: list[ShardedParam] = []
         for cls in _subclasses(nn.Module):
             if "__init__" in cls.__dict__:
                 original = cls.__dict__["__init__"]
-                self._patched.append((cls, original))
+                self._patched.append((cls, "__init__", original))
                 cls.__init__ = self._wrap(original)
+        self._patched.append((nn.Module, "apply", nn.Module.apply))
+        nn.Module.apply = _apply_gathered
         return self
 
     def __exit__(self, *exc):
-        for cls, original in reversed(self._patched):
-            cls.__init__ = original
+        for cls, name, original in reversed(self._patched):
+            setattr(cls, name, original)
         self._patched = []
+        if exc[0] is None:
+            warn_lost_writes(self._made, "zero.Init")
         return False
 
     def _wrap(self, original):
@@ -99,13 +115,14 @@ class Init:
                 if p.device != self.device:
                     p.data = p.data.to(self.device)
                 collectives.broadcast(p.data, 0)
-            sp = ShardedParam(name, p, self.world, self.rank)
+            sp = ShardedParam(f"{type(module).__name__}.{name}", p, self.world, self.rank)  # full name at initialize
             register(sp)
             if self.swap is not None:
                 self.swap.add(sp)  # to the NVMe swap file, in the compute dtype
             else:
                 sp.attach_shard(torch.empty(sp.chunk, dtype=p.dtype, device=p.device))  # [chunk]
             sp.free()
+            self._made.append(sp)
 
     def _nvme_swap(self):
         """The GrowingSwap that ``offload_param: {device: nvme}`` (or ``remote_device="nvme"``) asks for."""
@@ -125,6 +142,36 @@ class Init:
                               "nvme_path (pass config_dict_or_path=ds_config)")
         dtype = self._dtype or (cfg.compute_dtype if cfg is not None else torch.float32)
         return GrowingSwap(offload, dtype, make_aio(cfg.aio), self.device)
+
+
+def _apply_gathered(module: nn.Module, fn):
+    """``nn.Module.apply`` inside ``zero.Init``: as torch's (children first, then the module), with each
+    module's partitioned parameters gathered around ``fn(module)`` and rank 0's values kept."""
+    for child in module.children():
+        child.apply(fn)
+    own = [sp for sp in (lookup(p) for p in module._parameters.values() if p is not None)
+           if sp is not None and sp.state is ParamState.SHARDED]
+    if not own:
+        fn(module)
+        return module
+    with GatheredParameters([sp.param for sp in own], modifier_rank=0):
+        fn(module)
+    return module
+
+
+def warn_lost_writes(sharded, where: str) -> None:
+    """Say, on every rank, which partitioned parameters were written in place while released (the write was
+    lost), and the way out. Costs one integer comparison per parameter."""
+    lost = [sp.name for sp in sharded if sp.written_while_released]
+    if lost:
+        shown = ", ".join(lost[:8]) + (f" and {len(lost) - 8} more" if len(lost) > 8 else "")
+        logger.warning("%s: %d partitioned parameter(s) were written in place while partitioned, and the writes "
+                       "were lost (they show an empty tensor outside a gather): %s. Initialise them inside the "
+                       "module's constructor or its self.apply(...), or wrap the writes in "
+                       "zengine.zero.GatheredParameters(params, modifier_rank=0)", where, len(lost), shown)
+        for sp in sharded:  # said once
+            if sp.param is not None:
+                sp.freed_version = sp.param._version
 
 
 def _standalone_fetcher(device: torch.device) -> Fetcher:

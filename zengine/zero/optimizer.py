@@ -116,6 +116,7 @@ class ZeroOptimizer:
         full_state.register(self)  # zengine.utils.safe_get_full_* find parameters through it
         self.grad_hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, gi, pi))
                            for gi, g in enumerate(groups) for pi, p in enumerate(g.params)]
+        self._versions = [g.params_version() for g in groups]  # as last written by zengine (write_back)
 
     # -- torch.optim.Optimizer look-alike -------------------------------------------------------
     @property
@@ -154,6 +155,11 @@ class ZeroOptimizer:
         self._in_backward = False
         self.grads.end_backward()
 
+    def explain_backward_error(self, error: RuntimeError) -> BaseException:
+        """The error to raise for ``error`` from autograd in ``engine.backward``: itself, unless the stage knows
+        the misuse behind it (stage 3: a partitioned parameter used outside the forward)."""
+        return error
+
     def forward_context(self):
         """What the engine's forward runs inside (stage 3 gathers parameters there)."""
         return contextlib.nullcontext()
@@ -177,6 +183,7 @@ class ZeroOptimizer:
 
     def step(self, micro_step: int = 0) -> StepOutcome:
         """Run the boundary step. ``micro_step`` is the engine's count, compared across ranks."""
+        self._adopt_outside_writes()
         used = [u for g in self.groups for u in g.used]
 
         def stats_of(master_grads: list[torch.Tensor], **extra):
@@ -279,6 +286,20 @@ class ZeroOptimizer:
             if not self.master_store.step_writes_params:
                 self.placement.params.store(g, master, copied=skip_copy)
             g.publish(self.allgather_bucket_numel, self.comm_group)
+        self._versions = [g.params_version() for g in self.groups]
+
+    def _adopt_outside_writes(self) -> None:
+        """Parameters written in place since zengine last wrote them (``engine.module.load_state_dict(sd)``,
+        an in-place edit under ``torch.no_grad()``) become the masters' values, as a torch optimizer would
+        step from them; otherwise the next write-back would silently restore the old values. Seen from the
+        flat buffers' version counters: one integer comparison per group."""
+        if self.master_store.step_writes_params:  # ZeRO-Infinity: parameters change only through zengine
+            return
+        for gi, (g, master) in enumerate(zip(self.groups, self.masters)):
+            if g.params_version() != self._versions[gi]:
+                with torch.no_grad():
+                    self.placement.params.load(g, master)
+                self._versions[gi] = g.params_version()
 
     def refresh_param(self, gi: int, pi: int, value: torch.Tensor) -> None:
         """After ``safe_set_full_fp32_param``: the compute-dtype parameter shows ``value`` (stages 0-2
@@ -308,6 +329,7 @@ class ZeroOptimizer:
     def states_resident(self):
         """A context inside which every optimizer state tensor is in ``optimizer.state`` and ``masters``
         hold values (checkpoints use it; NVMe offload reads the swapped states in for its duration)."""
+        self._adopt_outside_writes()  # a checkpoint or safe_get_full_* sees the parameters' current values
         with self.abilities.states_in_memory(), self.master_store.resident(self):
             yield
 

@@ -16,10 +16,12 @@ from torch import nn
 from ...offload.placement import make_placement
 from ...precision.loss_scaler import LossScaler
 from ..grads import buckets_in_flight
+from ..init import warn_lost_writes
 from ..masters import make_master_store
 from ..optimizer import Ranks, StepRules
 from .fetcher import Fetcher
 from .grads import Stage3Gradients, SwappedStage3Gradients
+from .leaf import mark_from_config
 from .group import ShardedParamGroup
 from .optimizer import ShardedModel, Stage3Optimizer
 from .param import ParamState, ShardedParam, lookup, register
@@ -39,6 +41,7 @@ def shard_parameters(module: nn.Module, zero_cfg, dtype: torch.dtype, ranks: Ran
             sp.retype(dtype, ranks.device)
         sp.persistent = sp.numel <= zero_cfg.stage3_param_persistence_threshold  # p is empty when Init sharded it
         out.append(sp)
+    warn_lost_writes(out, "zengine.initialize")  # e.g. model.apply(init) after zero.Init, on empty parameters
     return out
 
 
@@ -49,6 +52,7 @@ def build_stage3_optimizer(module: nn.Module, config, named_groups: Sequence, ma
     ``stages.build_zero_optimizer``'s."""
     zero_cfg, dtype = config.zero_optimization, config.compute_dtype
     all_sharded = shard_parameters(module, zero_cfg, dtype, ranks)
+    mark_from_config(module, zero_cfg.leaf_module)  # (ModuleHooks, made by the optimizer, reads the marks)
     members = [[lookup(p) for _, p in named] for named, _ in named_groups]
     placement = make_placement(zero_cfg, ranks.device, dtype, config.aio, [[sp.chunk for sp in sps] for sps in members])
     home = placement.params

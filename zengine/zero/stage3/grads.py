@@ -28,6 +28,10 @@ from ...offload.param_swap import on_disk
 from .param import ShardedParam
 
 
+class ExternalUseError(RuntimeError):
+    """A stage-3 parameter was used where it is partitioned (outside the engine's forward)."""
+
+
 class _ChunkView:
     """Adapts a stage-3 group to the bucket queue: spans are the parameters' chunks in shard order."""
 
@@ -55,9 +59,17 @@ class Stage3Gradients(ShardReducer):
     def on_grad(self, gi: int, pi: int) -> None:
         # The full parameter is released before the launch, which may wait for an earlier bucket:
         # so the wait never holds the parameter and its gradient's copy together.
+        sp = self.groups[gi].sharded[pi]
+        grad = sp.param.grad
+        if grad is not None and grad.numel() != sp.numel:  # the op saw the released, empty parameter
+            raise ExternalUseError(
+                f"stage 3: parameter {sp.name!r} got a gradient of {grad.numel()} elements for its {sp.numel}: it "
+                f"was used outside the engine's forward (e.g. a regulariser over engine.module.parameters() "
+                f"added to the loss), where a partitioned parameter is an empty tensor. Compute the term inside "
+                f"the model's forward: zengine gathers a parameter used there, also outside its own module")
         if self.sync:
             self._take(gi, pi)
-        self.after_grad(self.groups[gi].sharded[pi])
+        self.after_grad(sp)
         if self.sync:
             self._launch_ready(gi, pi)
 

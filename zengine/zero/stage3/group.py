@@ -74,6 +74,11 @@ class ShardedParamGroup:
     def owned(self) -> tuple[int, int]:
         return 0, self.shard_numel
 
+    def params_version(self) -> int:
+        """The shard buffer's version counter (the gathered parameters are other storage: writes to them reach
+        the shard through GatheredParameters / summon_full_params, which keep the masters in step)."""
+        return self.shard_flat._version
+
     def owned_params(self) -> torch.Tensor:
         return self.shard_flat
 

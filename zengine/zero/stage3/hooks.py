@@ -7,6 +7,9 @@ before the module's backward. A parameter's full data is freed again as
 soon as its gradient is done (``grads.py``), frozen ones at the end of
 backward.
 
+A leaf module (``leaf.py``) is one unit with its whole subtree: its hooks gather every parameter below
+it, and its descendants get none.
+
 Parameters used outside their module (``F.linear(x, self.emb.weight)``) are
 caught by a torch-function mode that is active during the engine's forward:
 an op that receives a sharded parameter gathers it first, the running
@@ -24,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .fetcher import Fetcher
+from .leaf import z3_leaf_module
 from .param import ShardedParam, lookup
 
 
@@ -45,8 +49,15 @@ class ModuleHooks:
         self.internal = False  # our own tensor work inside hooks is not an external use
         self.backward_count = 0  # backwards finished so far (end_backward); a retained graph runs again
         self.handles = []
+        inside_leaf: list[str] = []  # module paths of the leaves met so far: their descendants get no hooks
         for name, m in module.named_modules():
-            unit = [sp for p in m._parameters.values() if p is not None and (sp := lookup(p)) is not None]
+            if any(name.startswith(leaf + ".") for leaf in inside_leaf):
+                continue
+            if z3_leaf_module(m):  # the whole subtree is one unit (leaf.py)
+                inside_leaf.append(name)
+                unit = list(dict.fromkeys(sp for p in m.parameters() if (sp := lookup(p)) is not None))
+            else:
+                unit = [sp for p in m._parameters.values() if p is not None and (sp := lookup(p)) is not None]
             if not unit:
                 continue
             self.units[m] = unit
@@ -126,6 +137,18 @@ class ModuleHooks:
         self.handles = []
 
 
+def _param_args(args, kwargs):
+    """The parameters an op receives, also inside a list or tuple argument (``torch.cat([q.weight, k.weight])``,
+    ``torch.stack(list(param_list))``)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, nn.Parameter):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, nn.Parameter):
+                    yield b
+
+
 class ExternalParamMode(TorchFunctionMode):
     """Gathers sharded parameters that an op receives while they are not gathered."""
 
@@ -139,11 +162,10 @@ class ExternalParamMode(TorchFunctionMode):
             # Every external use is fetched (a no-op when gathered) and hooked for backward, gathered or
             # not: backward may reach this op after the parameter was released again.
             found = []
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, nn.Parameter):
-                    sp = lookup(a)
-                    if sp is not None and sp not in found and self.hooks.is_external(sp):
-                        found.append(sp)
+            for a in _param_args(args, kwargs):
+                sp = lookup(a)
+                if sp is not None and sp not in found and self.hooks.is_external(sp):
+                    found.append(sp)
             if found:
                 return self.hooks.external_use(found, func, args, kwargs)
         return func(*args, **kwargs)

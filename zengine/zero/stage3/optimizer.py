@@ -10,6 +10,8 @@ only while a module runs. ``build.py`` assembles it; where the shards live
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -19,9 +21,15 @@ from torch import nn
 from ...distributed import collectives
 from ..optimizer import ZeroOptimizer
 from .fetcher import Fetcher
+from .grads import ExternalUseError
 from .group import ShardedParamGroup
 from .hooks import ModuleHooks
 from .param import ParamState, ShardedParam
+
+logger = logging.getLogger("zengine")
+# autograd's check of a gradient against the shape its op saw: "... got [0] but expected shape compatible with [a, b]"
+_EMPTY_GRADIENT = re.compile(r"returned an invalid gradient at index \d+ - got \[0\] but expected shape compatible "
+                             r"with \[([\d, ]*)\]")
 
 
 @dataclass
@@ -49,6 +57,10 @@ class Stage3Optimizer(ZeroOptimizer):
             sp.owner = self
         self.param_swap = self.placement.params.swap  # the parameter swap file, with offload_param nvme
         self.module_hooks = ModuleHooks(self.module, self.fetcher)
+        self._warned_state_dict = False
+        # (torch marks the hook object itself, which a bound method cannot take: a plain function)
+        self._state_dict_hook = self.module.register_state_dict_post_hook(
+            lambda module, state_dict, prefix, local_metadata: self._on_state_dict())
 
     # -- forward and backward -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -56,6 +68,20 @@ class Stage3Optimizer(ZeroOptimizer):
         self.fetcher.begin_step(torch.is_grad_enabled() and self.module.training)
         with self.module_hooks.mode():
             yield
+
+    def explain_backward_error(self, error: RuntimeError) -> BaseException:
+        """Autograd refuses the empty gradient of a partitioned parameter that an op outside the forward used
+        (a regulariser over engine.module.parameters()) while the forward used it gathered: name it."""
+        found = _EMPTY_GRADIENT.search(str(error))
+        if found is None:
+            return error
+        shape = tuple(int(d) for d in found.group(1).split(",") if d.strip())
+        names = [sp.name for sp in self.all_sharded if tuple(sp.shape) == shape]
+        return ExternalUseError(
+            f"stage 3: a parameter of shape {list(shape)} ({', '.join(names) or 'unknown'}) was used outside the "
+            f"engine's forward (e.g. a regulariser over engine.module.parameters() added to the loss), where a "
+            f"partitioned parameter is an empty tensor, so its gradient is empty. Compute the term inside the "
+            f"model's forward: zengine gathers a parameter used there, also outside its own module")
 
     def end_backward(self) -> None:
         super().end_backward()
@@ -67,6 +93,18 @@ class Stage3Optimizer(ZeroOptimizer):
         self.fetcher.drain()  # reads ahead finish before the placement closes the parameter swap file
         super().close()
         self.module_hooks.remove()
+        self._state_dict_hook.remove()
+
+    def _on_state_dict(self) -> None:
+        """``engine.module.state_dict()`` outside a gather holds the partitioned parameters' empty tensors, so
+        ``torch.save(engine.module.state_dict())`` would write a model of shape-(0,) weights: say so, once."""
+        if self._warned_state_dict or not any(sp.state is ParamState.SHARDED for sp in self.all_sharded):
+            return
+        self._warned_state_dict = True
+        logger.warning("zengine: engine.module.state_dict() at stage 3 holds the partitioned parameters as empty "
+                       "tensors (shape (0,)), not their values. Save the model with engine.save_16bit_model(dir) "
+                       "(with zero_optimization.stage3_gather_16bit_weights_on_model_save), export a checkpoint "
+                       "with zengine-to-fp32, or take the state_dict inside engine.summon_full_params()")
 
     def release_all(self) -> None:
         """Free every gathered parameter that is not persistent or held by a context."""

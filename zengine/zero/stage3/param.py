@@ -106,6 +106,7 @@ class ShardedParam:
         self.persistent = False  # small parameters stay gathered (stage3_param_persistence_threshold)
         self.pinned = False      # held gathered by summon_full_params / GatheredParameters
         self.owner = None        # the Stage3Optimizer holding it, once in an engine (GatheredParameters asks it)
+        self.freed_version = None  # the parameter's version counter when last released (see written_while_released)
         self.index = next(_next_index)
         if type(param) is nn.Parameter:  # so that scripts can read DeepSpeed's ds_* members (ZeroParameter)
             param.__class__ = ZeroParameter
@@ -182,6 +183,16 @@ class ShardedParam:
         self.full.untyped_storage().resize_(0)
         self.state = ParamState.SHARDED
         self.holders = 0
+        self.freed_version = self.param._version
+
+    @property
+    def written_while_released(self) -> bool:
+        """True when something wrote the parameter in place while it showed its empty tensor (an init function
+        run on a partitioned parameter): the write went nowhere. Read from the parameter's version counter,
+        which every in-place write bumps, even of no element."""
+        param = self.param  # (None once the module that held it is gone)
+        return self.state is ParamState.SHARDED and self.freed_version is not None and param is not None \
+            and param._version != self.freed_version
 
     def write_back_full(self) -> None:
         """Copy this rank's chunk of the (modified) full data into the shard."""

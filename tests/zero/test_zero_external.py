@@ -1,0 +1,92 @@
+"""Stage-3 parameters used outside their own module's forward (#24 item 5): inside the engine's forward
+they are gathered wherever an op receives them, also inside a list (``torch.cat`` of children's weights,
+``torch.stack`` of an ``nn.ParameterList``), and train as in torch; used outside the forward (a regulariser
+over ``engine.module.parameters()``), where they are empty tensors, they fail by name."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import zengine
+from harness import spawn
+
+DIM, STEPS, MICRO, LR = 12, 3, 2, 1e-2
+
+
+class ConcatNet(nn.Module):
+    """The root's forward concatenates its children's weights, and stacks a ParameterList."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(DIM, DIM)
+        self.k = nn.Linear(DIM, DIM)
+        self.experts = nn.ParameterList([nn.Parameter(torch.randn(DIM) * 0.1) for _ in range(3)])
+        self.out = nn.Linear(2 * DIM, 1)
+
+    def forward(self, x, y):
+        h = torch.tanh(F.linear(x, torch.cat([self.q.weight, self.k.weight]), torch.cat([self.q.bias, self.k.bias])))
+        scale = torch.stack(list(self.experts)).sum(0)  # [DIM]
+        h = h * torch.cat([scale, scale])
+        return F.mse_loss(self.out(h).squeeze(-1), y)
+
+
+def _config():
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                  "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}}
+
+
+def _batches(world: int):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(MICRO * world, DIM, generator=g), torch.randn(MICRO * world, generator=g))
+            for _ in range(STEPS)]
+
+
+def concat_training() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = ConcatNet()
+    reference = copy.deepcopy(model)
+    engine, *_ = zengine.initialize(model=model, config=_config())
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+    for x, y in _batches(world):
+        loss = engine(x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO])
+        engine.backward(loss)
+        engine.step()
+        ref_opt.zero_grad()
+        reference(x, y).backward()
+        ref_opt.step()
+    with engine.summon_full_params(writeback=False):
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want = dict(reference.named_parameters())
+    return {n: (got[n] - want[n].detach()).abs().max().item() for n in want}
+
+
+def test_parameters_concatenated_and_stacked_in_forward_train_as_in_torch():
+    for errors in spawn(concat_training, 2):
+        assert max(errors.values()) < 1e-5, errors
+
+
+def regulariser_outside_forward() -> str:
+    torch.manual_seed(0)
+    model = ConcatNet()
+    engine, *_ = zengine.initialize(model=model, config=_config())
+    x, y = _batches(dist.get_world_size())[0]
+    loss = engine(x[:MICRO], y[:MICRO]) + 1e-3 * sum(p.pow(2).sum() for p in engine.module.parameters())
+    try:
+        engine.backward(loss)
+    except zengine.ExternalUseError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_parameter_used_outside_forward_is_named():
+    for message in spawn(regulariser_outside_forward, 2):
+        assert "outside the engine's forward" in message, message
+        names = [n for n, _ in ConcatNet().named_parameters()]
+        assert any(f"({n}" in message or f" {n}" in message for n in names), message  # the parameter by name
