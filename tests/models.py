@@ -101,3 +101,20 @@ def reference_run(model: nn.Module, batches, lr: float, clip: float, make_optimi
             sched.step()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_beside_reference(engine, reference: nn.Module, ref_opt, batches, micro: int) -> dict[str, float]:
+    """Each global batch ``(x, y)`` through ``engine`` (this rank's ``micro`` rows, one step per batch) and
+    through the single-process ``reference`` (the whole batch); returns each parameter's largest
+    difference between the two afterwards (the engine's gathered whole)."""
+    rank = dist.get_rank()
+    for x, y in batches:
+        mine = slice(rank * micro, (rank + 1) * micro)
+        engine.backward(engine(x[mine], y[mine]))
+        engine.step()
+        ref_opt.zero_grad()
+        reference(x, y).backward()
+        ref_opt.step()
+    with engine.summon_full_params(writeback=False):
+        got = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return {n: (got[n].float() - p.detach()).abs().max().item() for n, p in reference.named_parameters()}

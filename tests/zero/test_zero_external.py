@@ -13,6 +13,7 @@ from torch import nn
 
 import zengine
 from harness import spawn
+from models import train_beside_reference
 
 DIM, STEPS, MICRO, LR = 12, 3, 2, 1e-2
 
@@ -48,23 +49,12 @@ def _batches(world: int):
 
 
 def concat_training() -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = ConcatNet()
     reference = copy.deepcopy(model)
     engine, *_ = zengine.initialize(model=model, config=_config())
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
-    for x, y in _batches(world):
-        loss = engine(x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO])
-        engine.backward(loss)
-        engine.step()
-        ref_opt.zero_grad()
-        reference(x, y).backward()
-        ref_opt.step()
-    with engine.summon_full_params(writeback=False):
-        got = {n: p.detach().clone() for n, p in model.named_parameters()}
-    want = dict(reference.named_parameters())
-    return {n: (got[n] - want[n].detach()).abs().max().item() for n in want}
+    return train_beside_reference(engine, reference, ref_opt, _batches(dist.get_world_size()), MICRO)
 
 
 def test_parameters_concatenated_and_stacked_in_forward_train_as_in_torch():

@@ -14,6 +14,7 @@ from torch import nn
 
 import zengine
 from harness import spawn
+from models import train_beside_reference
 
 DIM, HIDDEN, EXPERTS, STEPS, MICRO, LR = 10, 16, 4, 3, 4, 1e-2
 
@@ -73,7 +74,7 @@ def _config(leaf_in_config: bool):
 
 
 def moe_training(leaf_in_config: bool) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     torch.manual_seed(0)
     model = MoENet()
     reference = copy.deepcopy(model)
@@ -83,18 +84,9 @@ def moe_training(leaf_in_config: bool) -> dict:
     engine, *_ = zengine.initialize(model=model, config=_config(leaf_in_config))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
     g = torch.Generator().manual_seed(3)
-    for _ in range(STEPS):
-        x, y = torch.randn(MICRO * world, DIM, generator=g) * 2, torch.randn(MICRO * world, generator=g)
-        mine = slice(rank * MICRO, (rank + 1) * MICRO)
-        loss = engine(x[mine], y[mine])
-        engine.backward(loss)
-        engine.step()
-        ref_opt.zero_grad()
-        reference(x, y).backward()
-        ref_opt.step()
-    with engine.summon_full_params(writeback=False):
-        got = {n: p.detach().clone() for n, p in model.named_parameters()}
-    errors = {n: (got[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()}
+    batches = [(torch.randn(MICRO * world, DIM, generator=g) * 2, torch.randn(MICRO * world, generator=g))
+               for _ in range(STEPS)]
+    errors = train_beside_reference(engine, reference, ref_opt, batches, MICRO)
     return {"errors": errors, "ran": model.moe.ran}
 
 

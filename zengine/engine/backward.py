@@ -8,17 +8,25 @@ Real DeepSpeed scripts often call ``loss.backward()`` and then
 
 - the engine's forward outputs carry a gradient hook. When a backward
   reaches them that ``engine.backward`` did not start, the hook opens the
-  bracket and multiplies the incoming gradient by ``loss_scale /
-  gradient_accumulation_steps``: the same factor ``engine.backward``
-  applies to the loss, applied one step later in the chain rule, so the
-  numbers are the same (with fp16, the loss function's own backward then
-  runs unscaled; in fp32, as losses usually are computed, that changes
-  nothing). The bracket closes in a callback autograd runs when the pass
+  bracket and, with fp16, multiplies the incoming gradient by the loss
+  scale over the accumulation steps: the factor ``engine.backward``
+  applies to the loss, applied one step later in the chain rule (the loss
+  function's own backward then runs unscaled). The bracket closes in a callback autograd runs when the pass
   is over.
 - when no output carried the hook (the model returned a type the engine
   cannot look into) the first parameter gradient opens the bracket. That
-  backward is unscaled: fine when the factor is 1, refused by name at
-  ``step()`` when it is not.
+  backward is unscaled: fine when the factor is 1 (fp32, bf16), refused by
+  name at ``step()`` when it is not.
+
+In fp32 and bf16 the division by ``gradient_accumulation_steps`` is not a
+factor here: the step applies it once to the summed gradients
+(``ZeroOptimizer.grad_unscale``).
+A factor applied at the outputs would count again for a gradient that passes
+through two outputs (a model returning ``(loss, logits)``), through another
+engine's outputs (chained engines), or none (a term computed outside the
+forward). With fp16 the factor still rides on the outputs (to keep fp16's range), so a plain
+``loss.backward()`` of a loss that reaches the parameters through several
+outputs is scaled more than once: use ``engine.backward(loss)`` there.
 """
 from __future__ import annotations
 
@@ -43,7 +51,7 @@ class BackwardTracker:
     def __init__(self, begin: Callable[[], None], end: Callable[[], None], factor: Callable[[], float]):
         self._begin = begin    # optimizer.begin_backward with the engine's boundary / no_sync state
         self._end = end        # optimizer.end_backward
-        self._factor = factor  # loss_scale / gradient_accumulation_steps, now
+        self._factor = factor  # 1 in fp32/bf16; the fp16 loss scale / gradient_accumulation_steps
         self.mode = BackwardMode.IDLE
         self.unscaled_since_step = False  # an UNSCALED backward ran since the last step
 
@@ -99,6 +107,6 @@ class BackwardTracker:
         if unscaled and factor != 1.0:
             raise RuntimeError(
                 f"engine.step(): gradients came from a loss.backward() that did not pass through the engine's "
-                f"outputs, so the engine could not apply its factor {factor:g} (loss scale / "
+                f"outputs, so the engine could not apply its fp16 factor {factor:g} (loss scale / "
                 f"gradient_accumulation_steps). Call engine.backward(loss), or return the loss (or tensors) "
                 f"from the model's forward so that the engine can scale a plain loss.backward().")

@@ -33,7 +33,7 @@ from ..log import setup_logging
 from ..monitor import StepReport, build_monitor
 from ..monitor.timers import BACKWARD, FORWARD, STEP, Timers
 from ..precision.cast import cast_floating, cast_module
-from ..precision.loss_scaler import make_loss_scaler
+from ..precision.loss_scaler import loss_carries_accumulation, make_loss_scaler
 from ..zero import build_zero_optimizer
 from ..zero.optimizer import Ranks, StepOutcome
 from .accumulation import Accumulation, HeldStates
@@ -114,18 +114,6 @@ class Engine(DeepSpeedMembers, nn.Module):
     def device(self) -> torch.device:
         return self.placement.device
 
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero_optimization.stage
-
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next ``step()`` completes a global batch (or as set_gradient_accumulation_boundary
         said)."""
@@ -165,11 +153,14 @@ class Engine(DeepSpeedMembers, nn.Module):
             self._no_sync = previous
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backward of ``loss`` scaled for fp16 and divided by the accumulation steps.
+        """Backward of ``loss`` (in fp32 and bf16 as it is; with fp16 times the loss scale over the
+        accumulation steps, as DeepSpeed does, to keep fp16's range).
 
-        A plain ``loss.backward()`` on a loss computed from the engine's outputs gives the same
-        gradients (see ``backward.py``); several backward calls before one ``step()`` add up, as
-        one backward of the summed losses would.
+        In fp32 and bf16 the division by ``gradient_accumulation_steps`` is applied once, when the step
+        turns the summed gradients into the master gradients, so every gradient that reaches a parameter
+        counts once whatever path it took: a plain ``loss.backward()`` (see ``backward.py``), a loss built
+        from several outputs or from another engine's output, a term computed outside the forward.
+        Several backward calls before one ``step()`` add up, as one backward of the summed losses would.
         """
         self._check_alive("backward")
         factor = self._grad_factor()
@@ -183,7 +174,11 @@ class Engine(DeepSpeedMembers, nn.Module):
         return loss
 
     def _grad_factor(self) -> float:
-        return self.scaler.scale / self.gradient_accumulation_steps()
+        """What a backward multiplies the loss by: 1 in fp32/bf16 (the step divides by the accumulation steps);
+        with fp16 the loss scale over the accumulation steps (``loss_carries_accumulation``)."""
+        if loss_carries_accumulation(self.config.fp16):
+            return self.scaler.scale / self.gradient_accumulation_steps()
+        return self.scaler.scale
 
     def _begin_backward(self) -> None:
         self.accumulation.backward_since_step = True

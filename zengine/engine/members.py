@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
+from ..precision.loss_scaler import loss_carries_accumulation
 from .accumulation import Accumulation, HeldStates
 
 if TYPE_CHECKING:
@@ -56,6 +57,22 @@ class DeepSpeedMembers:
     global_steps: int
 
     # -- config accessors -------------------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        """The global batch: micro batch x accumulation steps x world size."""
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per rank per micro-step."""
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step."""
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage, 0-3."""
+        return self.config.zero_optimization.stage
+
     def fp16_enabled(self) -> bool:
         """Whether the config turns on fp16 mixed precision."""
         return bool(self.config.fp16.enabled)
@@ -144,6 +161,8 @@ class DeepSpeedMembers:
         gas = train_batch_size // per_step
         self.config.train_batch_size = train_batch_size
         self.config.gradient_accumulation_steps = gas
+        if not loss_carries_accumulation(self.config.fp16):
+            self.optimizer.accumulation_steps = gas  # what the next step divides the summed gradients by
         self.micro_steps = self.global_steps * gas  # the boundary test counts micro-steps from here
 
     # -- optimizer queries ------------------------------------------------------------------------

@@ -72,6 +72,15 @@ class DynamicLossScaler(LossScaler):
         self.last_overflow_iteration = int(state["last_overflow_iteration"])
 
 
+def loss_carries_accumulation(fp16) -> bool:
+    """Whether each micro-step's loss is divided by gradient_accumulation_steps (else the step divides the
+    summed gradients, once). fp16 keeps DeepSpeed's division at the loss: gradients summed over the
+    micro-steps in fp16 would otherwise grow gas-fold toward its range limit (65504) and skip steps. fp32
+    and bf16 have the range, and dividing at the step counts every gradient once whatever path it took
+    (engine/backward.py)."""
+    return bool(fp16.enabled)
+
+
 def make_loss_scaler(fp16) -> LossScaler:
     """The scaler for an ``FP16Config`` (a constant 1.0 when fp16 is off)."""
     if not fp16.enabled:

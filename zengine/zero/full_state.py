@@ -103,7 +103,7 @@ def get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     opt, gi, pi = found
     opt.grads.drain()
-    return _assemble(opt, gi, pi, opt.grads.owned_grad(gi), scale=1.0 / (opt.world * opt.scaler.scale))
+    return _assemble(opt, gi, pi, opt.grads.owned_grad(gi), scale=opt.grad_unscale())
 
 
 def get_full_optimizer_state(param: torch.Tensor, key: str) -> Optional[torch.Tensor]:

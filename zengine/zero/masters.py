@@ -45,8 +45,8 @@ class MastersInMemory:
         return self.placement.optimizer.wrap_optimizer(optimizer)
 
     def grads(self, opt) -> list[torch.Tensor]:
-        """Each group's fp32 master gradient: the summed gradient times 1 / (world x loss scale)."""
-        factor = 1.0 / (opt.world * opt.scaler.scale)
+        """Each group's fp32 master gradient: the summed gradient times ``opt.grad_unscale()``."""
+        factor = opt.grad_unscale()
         out = []
         for gi, master in enumerate(opt.masters):
             summed = opt.grads.owned_grad(gi)
@@ -110,7 +110,7 @@ class SwappedMasters(MastersInMemory):
         return InfinityAdam.replacing(optimizer, self.swapper, self.io, self.grad_sink)
 
     def grads(self, opt) -> list[torch.Tensor]:
-        opt.optimizer.grad_scale = 1.0 / (opt.world * opt.scaler.scale)  # applied chunk by chunk in the step
+        opt.optimizer.grad_scale = opt.grad_unscale()  # applied chunk by chunk in the step
         return [on_disk() for _ in opt.masters]  # what the step's .grad shows
 
     def sq_norm(self, opt, master_grads: list[torch.Tensor]) -> torch.Tensor:

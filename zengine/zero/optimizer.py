@@ -70,6 +70,8 @@ class StepRules:
     clip: float                   # gradient_clipping (0: off)
     nonfinite: NonFinitePolicy    # skip, warn or raise on a non-finite gradient
     allgather_bucket_numel: int   # parameters gathered per bucket after the step (stages 1-2)
+    accumulation_steps: int = 1   # what the summed gradients are divided by: gradient_accumulation_steps, or
+    #                               1 when each loss carries it (fp16: precision/loss_scaler.py)
 
 
 class StepOutcome(enum.Enum):
@@ -100,6 +102,7 @@ class ZeroOptimizer:
         self.nonfinite = rules.nonfinite
         self.clip = rules.clip
         self.allgather_bucket_numel = int(rules.allgather_bucket_numel)
+        self.accumulation_steps = int(rules.accumulation_steps)  # (set_train_batch_size changes it)
         self.placement = placement
         self.master_store = masters
         self.grads = grads
@@ -174,6 +177,13 @@ class ZeroOptimizer:
         self.grad_hooks = []
 
     # -- the boundary step ----------------------------------------------------------------------
+    def grad_unscale(self) -> float:
+        """What the summed gradients are multiplied by to become the mean gradient of the global batch:
+        1 / (world x loss scale x accumulation steps). In fp32/bf16 the accumulation steps are divided here,
+        once, rather than in each loss, so a gradient counts once whichever path it took to its parameter
+        (engine/backward.py); fp16 divides each loss instead (``accumulation_steps`` is then 1)."""
+        return 1.0 / (self.world * self.scaler.scale * self.accumulation_steps)
+
     def _master_grads(self) -> list[torch.Tensor]:
         return self.master_store.grads(self)
 

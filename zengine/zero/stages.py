@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..offload.placement import make_placement
-from ..precision.loss_scaler import LossScaler
+from ..precision.loss_scaler import LossScaler, loss_carries_accumulation
 from .flat_group import FlatParamGroup
 from .grads import FullGradients, ShardedGradients, buckets_in_flight
 from .masters import make_master_store
@@ -34,7 +34,8 @@ def build_zero_optimizer(module: nn.Module, config, named_groups: Sequence[tuple
     nonfinite = config.nonfinite_gradients
     rules = StepRules(config.gradient_clipping, NonFinitePolicy(nonfinite.skip, nonfinite.max_consecutive_skips,
                                                                 nonfinite.warn_every, ranks.rank),
-                      zero_cfg.allgather_bucket_size)
+                      zero_cfg.allgather_bucket_size,
+                      1 if loss_carries_accumulation(config.fp16) else config.gradient_accumulation_steps)
     if zero_cfg.stage == 3:
         from .stage3.build import build_stage3_optimizer  # stage 3's parts load only when used
         return build_stage3_optimizer(module, config, named_groups, make_optimizer, scaler, rules, ranks,

@@ -184,7 +184,7 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def _gather_grads(self) -> None:
         """Give every trainable parameter its whole reduced gradient (the mean over ranks, unscaled)."""
-        factor = 1.0 / (self.world * self.scaler.scale)
+        factor = self.grad_unscale()
         for gi, g in enumerate(self.groups):
             shard = self.grads.owned_grad(gi)
             for sp, off in zip(g.sharded, g.offsets):
