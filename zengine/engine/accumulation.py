@@ -25,10 +25,3 @@ class Accumulation:
         """No micro-step or backward of a global batch has happened since its boundary step."""
         return not self.in_progress and not self.backward_since_step
 
-
-class HeldStates:
-    """What ``offload_states`` moved to host memory: (device storage, host copy) pairs, refilled by
-    ``reload_states``. Views into a storage (the parameters) stay valid across both."""
-
-    def __init__(self):
-        self.moved: list = []

@@ -36,7 +36,7 @@ from ..precision.cast import cast_floating, cast_module
 from ..precision.loss_scaler import loss_carries_accumulation, make_loss_scaler
 from ..zero import build_zero_optimizer
 from ..zero.optimizer import Ranks, StepOutcome
-from .accumulation import Accumulation, HeldStates
+from .accumulation import Accumulation
 from .backward import BackwardTracker
 from .build import (UntrainedParameters, broadcast_from_rank0, make_dataloader, make_scheduler, named_param_groups,
                     optimizer_factory)
@@ -63,7 +63,7 @@ class Engine(DeepSpeedMembers, nn.Module):
         self._step_applied = True
         self.skipped_steps = 0  # boundary steps skipped for a non-finite gradient (DeepSpeed's name)
         self.accumulation = Accumulation()  # where the engine is in a global batch
-        self.held_states = HeldStates()  # what offload_states moved to host memory
+        self.held_states: list = []  # (device storage, host copy) pairs offload_states moved; reload_states refills
         self._warned_idle_step = False
         self._last_report = (time.perf_counter(), 0)
         self.monitor = build_monitor(config, placement.rank)  # DeepSpeed's monitor sections; no-op unless enabled

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import torch
 
 from ..precision.loss_scaler import loss_carries_accumulation
-from .accumulation import Accumulation, HeldStates
+from .accumulation import Accumulation
 
 if TYPE_CHECKING:
     from ..config import ZengineConfig
@@ -50,7 +50,7 @@ class DeepSpeedMembers:
     config: "ZengineConfig"
     optimizer: "ZeroOptimizer"
     accumulation: Accumulation
-    held_states: HeldStates
+    held_states: list
     world_size: int
     global_rank: int
     micro_steps: int
@@ -188,7 +188,7 @@ class DeepSpeedMembers:
             raise ValueError(f"offload_states(device={device!r}): zengine offloads to 'cpu' only")
         kinds = self.optimizer.memory_tensors()
         wanted = [OffloadStateTypeEnum(getattr(k, "value", k)).value for k in include] if include else list(_KINDS)
-        moved = self.held_states.moved
+        moved = self.held_states
         seen = {s.data_ptr() for s, _ in moved}
         for name in wanted:
             for t in kinds[_KINDS[name]]:
@@ -208,10 +208,10 @@ class DeepSpeedMembers:
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back what ``offload_states`` moved, into the same storage (views stay valid)."""
-        for storage, host in self.held_states.moved:
+        for storage, host in self.held_states:
             storage.resize_(host.numel())
             storage.copy_(host.untyped_storage(), non_blocking=non_blocking)
-        self.held_states.moved = []
+        self.held_states.clear()
 
     # -- saving ---------------------------------------------------------------------------------
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:

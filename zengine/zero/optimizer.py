@@ -306,6 +306,8 @@ class ZeroOptimizer:
         if self.master_store.step_writes_params:  # ZeRO-Infinity: parameters change only through zengine
             return
         for gi, (g, master) in enumerate(zip(self.groups, self.masters)):
+            if master.data_ptr() == g.owned_params().data_ptr():
+                continue  # the master is the parameters' own storage (fp32 on the device): nothing to adopt
             if g.params_version() != self._versions[gi]:
                 with torch.no_grad():
                     self.placement.params.load(g, master)
