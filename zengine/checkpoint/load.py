@@ -160,6 +160,15 @@ def _load_optimizer_group(reader: CheckpointReader, opt, gi: int, master: Holdin
     else:
         opt.optimizer.state.pop(shard, None)
     opt.optimizer.param_groups[gi].update(saved["hyper"])
+    # Per-parameter step counts (zero/step_counts.py); a checkpoint from before them stepped every parameter
+    # alike: its flat count ("step"; 1 for an optimizer without one that has states, as SGD's momentum)
+    step = saved["scalars"].get("step")
+    fallback = int(step) if step is not None else int(bool(saved["keys"]))
+    opt.step_counts.load_state_dict(gi, saved.get("step_counts"), fallback)
+    # the flat entries belong to the count their "step" says (an optimizer that steps runs itself, as CPUAdam,
+    # keeps no flat count of its own)
+    flat_count = int(step) if step is not None else saved.get("flat_count", fallback)
+    opt.run_stepper.load_state_dict(opt.optimizer, gi, shard, saved.get("scalars_by_count"), flat_count)
 
 
 def _write_back(opt) -> None:

@@ -70,7 +70,7 @@ def _write(engine, staging: str, save_dir: str, tag: str, client_state, save_lat
         entries, pieces, state_keys = _rank_entries(engine)
         info = write_tensor_file(path, entries, {"rank": rank, "pieces": pieces})
         mine = {"size": info.size, "crc": info.header_crc, "pieces": pieces, "keys": state_keys,
-                "rng": rng.capture()}
+                "rng": rng.capture(), "scalars_by_count": _scalars_by_count(engine.optimizer)}
     except Exception as e:  # a full disk, a permission: reported on every rank below
         mine = {"error": f"rank {rank} writing {path}: {type(e).__name__}: {e}"}
     everyone = collectives.all_gather(mine, group)
@@ -111,7 +111,16 @@ def _rank_entries(engine) -> tuple[list, dict, list]:
     return entries, pieces, state_keys
 
 
-def _engine_state(engine, client_state, rng_states) -> dict[str, Any]:
+def _scalars_by_count(opt) -> list[dict]:
+    """Per group, this rank's non-element optimizer states of each step count its pieces have (a plain torch
+    optimizer whose parameters stepped unequally often: zero/step_counts.py)."""
+    if opt.abilities.steps_runs:  # it steps from the counts alone
+        return [{} for _ in opt.shard_params]
+    with torch.no_grad():
+        return [opt.run_stepper.state_dict(opt.optimizer, gi, sp) for gi, sp in enumerate(opt.shard_params)]
+
+
+def _engine_state(engine, client_state, everyone) -> dict[str, Any]:
     opt = engine.optimizer
     groups = []
     for gi, shard in enumerate(opt.shard_params):
@@ -122,18 +131,23 @@ def _engine_state(engine, client_state, rng_states) -> dict[str, Any]:
             "keys": list(state),  # in the optimizer's order
             "scalars": {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
                         for k, v in state.items() if k not in elementwise},
+            # per parameter, as torch counts steps (a parameter without a gradient is not stepped), and the
+            # scalars of every count any rank's pieces have: a rank of another world size finds its own
+            "step_counts": opt.step_counts.state_dict(gi),
+            "flat_count": opt.run_stepper.flat_count[gi],
+            "scalars_by_count": {c: s for r in everyone for c, s in r["scalars_by_count"][gi].items()},
         })
     return {"optimizer": groups,
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "loss_scaler": engine.scaler.state_dict(),
-            "rng": rng_states,
+            "rng": [r["rng"] for r in everyone],
             "client_state": client_state if client_state is not None else {}}
 
 
 def _publish(engine, staging: str, save_dir: str, tag: str, client_state, everyone: list, save_latest: bool):
     """Rank 0: state.pt and meta.json into the staging directory, then rename it into place."""
     buf = io.BytesIO()
-    torch.save(_engine_state(engine, client_state, [r["rng"] for r in everyone]), buf)
+    torch.save(_engine_state(engine, client_state, everyone), buf)
     raw = buf.getvalue()
     with open(os.path.join(staging, meta_mod.STATE), "wb") as f:
         f.write(raw)

@@ -28,7 +28,6 @@ class SwappedAdam(CPUAdam):
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self.swapper = swapper  # its records are laid out for self._params, in this order
         self._on_disk: set[int] = set()  # indices of parameters whose moments the file holds
-        self._keep: dict[int, list[tuple[int, int]]] = {}
 
     @classmethod
     def replacing(cls, optimizer: torch.optim.Optimizer, *args) -> "SwappedAdam":
@@ -39,34 +38,27 @@ class SwappedAdam(CPUAdam):
                              f"optimizer; got {type(optimizer).__name__}")
         return cls(optimizer.param_groups, optimizer.defaults, *args)
 
-    def keep_unchanged(self, param: torch.Tensor, lo: int, hi: int) -> None:
-        """This step must leave the moments of ``param[lo:hi]`` as they are (nobody used those elements)."""
-        self._keep.setdefault(self._index[id(param)], []).append((lo, hi))
-
     def _step(self, closure, copy_out_by_id: Mapping[int, torch.Tensor]):
         check_intact(self.swapper.file)
         loss = self._run_closure(closure)
         due, jobs = {}, []
-        for group, param, _, step in self._due():
+        for group, param, _, runs in self._due():
             i = self._index[id(param)]
-            due[i] = (self._hyper(group), step, param, copy_out_by_id.get(id(param)))
+            due[i] = (self._hyper(group), runs, param, copy_out_by_id.get(id(param)))
             jobs += self.swapper.chunks[i]
-        keep, self._keep = self._keep, {}
-        self._stream_step(due, jobs, keep)
+        self._stream_step(due, jobs)
         self._on_disk.update(due)
         return loss
 
-    def _stream_step(self, due: dict, jobs: list[Chunk], keep: dict) -> None:
-        """Adam over ``jobs`` with the moments streamed through the buffers; parameters in memory."""
+    def _stream_step(self, due: dict, jobs: list[Chunk]) -> None:
+        """Adam over ``jobs`` with the moments streamed through the buffers; parameters in memory. Only the
+        runs are stepped, each at its own step number; the rest of a chunk goes back as it came."""
         def compute(c: Chunk, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-            hyper, step, param, out = due[c.index]
-            saved = [(lo, hi, exp_avg[lo - c.lo:hi - c.lo].clone(), exp_avg_sq[lo - c.lo:hi - c.lo].clone())
-                     for lo, hi in _overlaps(keep.get(c.index, ()), c.lo, c.hi)]
-            adam_step_(param.data[c.lo:c.hi], param.grad[c.lo:c.hi], exp_avg, exp_avg_sq, step=step,
-                       copy_out=out.view(-1)[c.lo:c.hi] if out is not None else None, **hyper)
-            for lo, hi, m, v in saved:
-                exp_avg[lo - c.lo:hi - c.lo].copy_(m)
-                exp_avg_sq[lo - c.lo:hi - c.lo].copy_(v)
+            hyper, runs, param, out = due[c.index]
+            for lo, hi, step in _overlaps(runs, c.lo, c.hi):
+                a, b = lo - c.lo, hi - c.lo
+                adam_step_(param.data[lo:hi], param.grad[lo:hi], exp_avg[a:b], exp_avg_sq[a:b], step=step,
+                           copy_out=out.view(-1)[lo:hi] if out is not None else None, **hyper)
 
         self.swapper.stream(jobs, lambda c: c.index not in self._on_disk, compute)
 
@@ -130,7 +122,7 @@ class InfinityAdam(SwappedAdam):
         self.grad_scale = 1.0
         self._resident = False  # inside states_in_memory
 
-    def _stream_step(self, due: dict, jobs: list[Chunk], keep: dict) -> None:
+    def _stream_step(self, due: dict, jobs: list[Chunk]) -> None:
         """Per chunk: read the whole record (the gradient only, the master from the parameters, for a
         chunk never stepped), Adam, write the compute-dtype parameters and [exp_avg | exp_avg_sq |
         master] back."""
@@ -139,18 +131,15 @@ class InfinityAdam(SwappedAdam):
         scale, part = self.grad_scale, self.swapper.part
 
         def compute(c: Chunk, slot: int) -> None:
-            hyper, step, _, _ = due[c.index]
+            hyper, runs, _, _ = due[c.index]
             exp_avg, exp_avg_sq, master, grad = (part(slot, c, k) for k in range(4))
             for a, b in self.grads.gaps(c):  # never written this window: no gradient
                 grad[a - c.lo:b - c.lo].zero_()
             if scale != 1.0:
                 grad.mul_(scale)
-            saved = [(lo, hi, [t[lo - c.lo:hi - c.lo].clone() for t in (exp_avg, exp_avg_sq, master)])
-                     for lo, hi in _overlaps(keep.get(c.index, ()), c.lo, c.hi)]
-            adam_step_(master, grad, exp_avg, exp_avg_sq, step=step, **hyper)
-            for lo, hi, copies in saved:
-                for t, copy in zip((exp_avg, exp_avg_sq, master), copies):
-                    t[lo - c.lo:hi - c.lo].copy_(copy)
+            for lo, hi, step in _overlaps(runs, c.lo, c.hi):
+                a, b = lo - c.lo, hi - c.lo
+                adam_step_(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step=step, **hyper)
             self.masters_io.params_out(c.index, c.lo, c.hi, master)
 
         try:
@@ -222,8 +211,9 @@ class InfinityAdam(SwappedAdam):
         super().close()
 
 
-def _overlaps(ranges, lo: int, hi: int):
-    for a, b in ranges:
+def _overlaps(runs, lo: int, hi: int):
+    """The parts of runs (a, b, step) inside [lo, hi)."""
+    for a, b, step in runs:
         a, b = max(a, lo), min(b, hi)
         if b > a:
-            yield a, b
+            yield a, b, step

@@ -165,7 +165,8 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
     arithmetic (one warning names the reason).
     """
 
-    writes_params = True  # ShardOptimizer: step_with_copy
+    writes_params = True  # ShardOptimizer: step_runs (and step_with_copy) write copies while stepping
+    steps_runs = True  # ShardOptimizer: step_runs
 
     def __init__(
         self,
@@ -188,6 +189,7 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
                         bias_correction=bias_correction)
         super().__init__(params, defaults)
+        self._runs: dict[int, list[tuple[int, int, int]]] = {}  # set for one step by step_runs
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A state dict saved by torch's Adam/AdamW loads too: its groups lack our two options.
@@ -213,14 +215,30 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
         by_id = {id(p): out for p, out in copy_out.items()}
         return self._step(closure, by_id)
 
+    @torch.no_grad()
+    def step_runs(self, runs: Mapping[torch.Tensor, list[tuple[int, int, int]]],
+                  copy_out: Mapping[torch.Tensor, torch.Tensor]):
+        """One step over ranges: for each parameter in ``runs``, elements [lo, hi) at their own step number
+        (the ZeRO step keeps torch's count per model parameter inside a flat shard, and leaves out the
+        parameters no rank gave a gradient); the rest of it is untouched. ``copy_out`` as in ``step_with_copy``."""
+        self._runs = {id(p): list(r) for p, r in runs.items()}
+        try:
+            return self._step(None, {id(p): out for p, out in copy_out.items()})
+        finally:
+            self._runs = {}
+
     def _step(self, closure, copy_out_by_id: Mapping[int, torch.Tensor]):
         loss = self._run_closure(closure)
-        for group, param, state, step in self._due():
+        for group, param, state, runs in self._due():
             if "exp_avg" not in state:
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            adam_step_(param, param.grad, state["exp_avg"], state["exp_avg_sq"], step=step,
-                       copy_out=copy_out_by_id.get(id(param)), **self._hyper(group))
+            out = copy_out_by_id.get(id(param))
+            for lo, hi, step in runs:
+                whole = lo == 0 and hi == param.numel()
+                adam_step_(*(t if whole else t.view(-1)[lo:hi]
+                             for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])), step=step,
+                           copy_out=out if out is None or whole else out.view(-1)[lo:hi], **self._hyper(group))
         return loss
 
     @staticmethod
@@ -231,7 +249,8 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
             return closure()
 
     def _due(self):
-        """(group, param, state, step number) for every parameter with a gradient, its step counted in ``state``."""
+        """(group, param, state, runs) for every parameter with a gradient: runs are (lo, hi, step number) over
+        its flat elements, from ``step_runs`` or else the whole parameter at the count kept in ``state``."""
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is None:
@@ -241,12 +260,17 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
                 state = self.state[param]
                 if "step" not in state:
                     state["step"] = torch.tensor(0.0)  # a tensor, as torch keeps it (an int if loaded so)
-                step = int(state["step"]) + 1
+                runs = self._runs.get(id(param))
+                if runs is None:
+                    runs = [(0, param.numel(), int(state["step"]) + 1)]
+                elif not runs:
+                    continue
+                step = max(s for _, _, s in runs)  # what state shows (the ZeRO step keeps the counts itself)
                 if torch.is_tensor(state["step"]):
                     state["step"].fill_(step)
                 else:
                     state["step"] = step
-                yield group, param, state, step
+                yield group, param, state, runs
 
     @staticmethod
     def _hyper(group: dict[str, Any]) -> dict[str, Any]:

@@ -4,11 +4,13 @@ Any ``torch.optim.Optimizer`` can step the shards: the boundary step only needs 
 ``param_groups`` and ``state``. zengine's own optimizers can do more, and declare it by deriving
 from ``ShardOptimizer``:
 
-- ``CPUAdam`` writes the updated parameters into their compute-dtype copies in the same pass
-  (``step_with_copy``), saving a pass over memory after the step;
-- ``SwappedAdam`` (NVMe offload) keeps its moments in a swap file, so it must be told which
-  elements to leave unchanged (``keep_unchanged``), be asked to bring its states into memory for
-  checkpoints (``states_in_memory``), report the host buffers it holds, and be closed.
+- ``CPUAdam`` steps ranges of a shard, each with its own step number (``step_runs``: parameters
+  that got no gradient are left out, and the others keep torch's per-parameter step counts), and
+  writes the updated parameters into their compute-dtype copies in the same pass, saving a pass
+  over memory after the step;
+- ``SwappedAdam`` (NVMe offload) keeps its moments in a swap file, so it must be asked to bring its
+  states into memory for checkpoints (``states_in_memory``), report the host buffers it holds, and
+  be closed.
 
 ``abilities(optimizer)`` gives the step one object with all of these for any optimizer: the
 optimizer itself when it derives from ``ShardOptimizer``, else ``PlainAbilities`` (the defaults:
@@ -25,15 +27,14 @@ import torch
 class ShardOptimizer:
     """Optional abilities of a shard optimizer, with the defaults of a plain torch optimizer."""
 
-    writes_params = False  # True: ``step_with_copy`` writes the compute-dtype parameters while stepping
+    writes_params = False  # True: ``step_runs`` can write the compute-dtype parameters while stepping
+    steps_runs = False  # True: ``step_runs``; else the ZeRO step hands a torch optimizer views (zero/step_counts.py)
 
-    def step_with_copy(self, copy_out: Mapping[torch.Tensor, torch.Tensor]):
-        """One step that also writes each updated parameter into ``copy_out[param]`` (if ``writes_params``)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot write parameters while stepping")
-
-    def keep_unchanged(self, param: torch.Tensor, lo: int, hi: int) -> None:
-        """This step must leave the states of ``param[lo:hi]`` as they are. States in ``optimizer.state`` are
-        saved and restored by the caller; an optimizer that holds states elsewhere keeps them itself."""
+    def step_runs(self, runs: Mapping[torch.Tensor, list[tuple[int, int, int]]],
+                  copy_out: Mapping[torch.Tensor, torch.Tensor]):
+        """One step over ``runs[param]``: elements [lo, hi) each at its step number (1 for the first), the
+        rest of ``param`` untouched; each updated parameter also into ``copy_out[param]`` (if ``writes_params``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot step ranges")
 
     def states_in_memory(self) -> ContextManager:
         """A context inside which every state tensor is in ``optimizer.state`` (for checkpoints)."""

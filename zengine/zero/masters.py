@@ -78,12 +78,6 @@ class MastersInMemory:
         """Where the first non-finite gradient element is (for the skip message)."""
         return first_nonfinite(opt.groups, master_grads, opt.device, opt.world, opt.comm_group)
 
-    def state_tensors(self, opt, gi: int) -> list[torch.Tensor]:
-        """Group ``gi``'s per-element tensors in memory: its master and the optimizer's states of its size."""
-        sp = opt.shard_params[gi]
-        state = opt.optimizer.state.get(sp, {})
-        return [sp.data] + [t for t in state.values() if torch.is_tensor(t) and t.shape == sp.shape]
-
     @contextlib.contextmanager
     def resident(self, opt):
         """Inside: ``opt.masters`` hold their values (always, in memory)."""
@@ -121,9 +115,6 @@ class SwappedMasters(MastersInMemory):
 
     def where_nonfinite(self, opt, master_grads: list[torch.Tensor]):
         return super().where_nonfinite(opt, [opt.grads.owned_grad(gi) for gi in range(len(opt.groups))])
-
-    def state_tensors(self, opt, gi: int) -> list[torch.Tensor]:
-        return []  # the optimizer keeps unused ranges itself (keep_unchanged): nothing here has storage
 
     @contextlib.contextmanager
     def resident(self, opt):

@@ -17,15 +17,17 @@ Every stage runs the same boundary step (``ZeroOptimizer.step``):
    global norm before clipping, overflow, ranks out of step, and which
    parameters got a gradient on any rank;
 4. when the norm is not finite, skip (``nonfinite.py``); else clip, step
-   the wrapped torch optimizer on the flat master shards (parameters no rank
-   used are restored, as torch DDP leaves them), write the master back into
+   the wrapped torch optimizer on the flat master shards (a parameter no rank
+   gave a gradient is not stepped and keeps its own step count, as in torch:
+   ``step_counts.py``), write the master back into
    the compute-dtype parameters and gather them in buckets of
    ``allgather_bucket_size``.
 
 The wrapped optimizer is any ``torch.optim.Optimizer``; it sees one flat
 fp32 parameter per group, so its state is sharded with the master. What it
-can do beyond that (write the parameters while stepping, hold its states in
-a swap file) it declares (``ops/shard_optimizer.py``).
+can do beyond that (step ranges with their own step numbers, write the
+parameters while stepping, hold its states in a swap file) it declares
+(``ops/shard_optimizer.py``).
 
 Where the states live (device, host memory, NVMe) is not a branch here: the
 ``placement`` and the master store (``masters.py``) that ``stages.py``
@@ -50,6 +52,7 @@ from . import full_state
 from .flat_group import FlatParamGroup  # or any group with the same interface (stage 3's)
 from .masters import MastersInMemory
 from .nonfinite import NonFinitePolicy
+from .step_counts import RunStepper, StepCounts
 from .step_stats import gather_stats
 
 
@@ -115,6 +118,8 @@ class ZeroOptimizer:
         self.optimizer = masters.wrap_optimizer(
             make_optimizer([{**g.hyper, "params": [sp]} for g, sp in zip(groups, self.shard_params)]))
         self.abilities = abilities(self.optimizer)  # what it can do beyond torch.optim.Optimizer
+        self.step_counts = StepCounts(groups)  # per parameter, as torch counts (unused ones are not stepped)
+        self.run_stepper = RunStepper(self.step_counts)  # steps any torch optimizer by runs when counts differ
         self.global_grad_norm: Optional[float] = None
         full_state.register(self)  # zengine.utils.safe_get_full_* find parameters through it
         self.grad_hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, gi, pi))
@@ -228,19 +233,13 @@ class ZeroOptimizer:
                 self._clip_grads(master_grads, coef)
         for sp, grad in zip(self.shard_params, master_grads):
             sp.grad = grad
-        unused = self._unused_ranges(stats.used_counts)
-        saved = self._save(unused) if unused else None
-        copy_out = self._copy_out_targets() if not saved else {}
-        if copy_out:
-            # CPUAdam writes the updated master into the compute-dtype parameters in the same pass
-            # (on a GPU, into pinned staging that the placement's copies then upload).
-            self.placement.optimizer.copies.before_step()
-            self.abilities.step_with_copy(copy_out)
-            self.placement.optimizer.copies.after_step()
-        else:
-            self.optimizer.step()
-        if saved:
-            self._restore(saved)
+        used = self._used_by_group(stats.used_counts)
+        plans = [self.step_counts.plan(gi, u) for gi, u in enumerate(used)]
+        copy_out = self._copy_out_targets() if all(p.uniform is not None for p in plans) else {}
+        self._run_optimizer(plans, copy_out)
+        for gi, u in enumerate(used):
+            self.step_counts.advance(gi, u)
+            self.run_stepper.prune(gi)
         self.write_back(skip_copy=bool(copy_out))
         if finite:
             self.scaler.update(False)
@@ -254,30 +253,35 @@ class ZeroOptimizer:
         """Where the first non-finite gradient element is (for the skip message)."""
         return self.master_store.where_nonfinite(self, master_grads)
 
-    # -- parameters no rank used keep their values and optimizer state --------------------------
-    def _unused_ranges(self, used_counts: list[float]) -> list[tuple[int, int, int]]:
-        """(group, lo, hi) in master coordinates for every unused parameter piece this rank owns."""
+    # -- parameters no rank used keep their values and optimizer state (step_counts.py) ---------
+    def _used_by_group(self, used_counts: list[float]) -> list[list[bool]]:
+        """Per group, per parameter: whether any rank gave it a gradient since the last step."""
         out, k = [], 0
-        unused = [c == 0 for c in used_counts]
-        for gi, g in enumerate(self.groups):
-            for pi, lo, hi in g.master_pieces():
-                if unused[k + pi]:
-                    out.append((gi, lo, hi))
+        for g in self.groups:
+            out.append([c > 0 for c in used_counts[k:k + len(g.params)]])
             k += len(g.params)
         return out
 
-    def _state_tensors(self, gi: int) -> list[torch.Tensor]:
-        return self.master_store.state_tensors(self, gi)
-
-    def _save(self, ranges):
-        for gi, lo, hi in ranges:  # states the optimizer holds elsewhere (NVMe swap) it keeps itself
-            self.abilities.keep_unchanged(self.shard_params[gi], lo, hi)
-        return [(gi, lo, hi, [t[lo:hi].clone() for t in self._state_tensors(gi)]) for gi, lo, hi in ranges]
-
-    def _restore(self, saved) -> None:
-        for gi, lo, hi, copies in saved:
-            for t, c in zip(self._state_tensors(gi), copies):
-                t[lo:hi].copy_(c)
+    def _run_optimizer(self, plans, copy_out: dict) -> None:
+        """Step the wrapped optimizer as the plans say: an optimizer that steps ranges itself gets each
+        group's runs with their step numbers; any other steps whole groups whole and the rest by runs."""
+        if not self.abilities.steps_runs:
+            self.run_stepper.step(self.optimizer, self.shard_params, plans)
+            return
+        runs = {}
+        for g, sp, plan in zip(self.groups, self.shard_params, plans):
+            if plan.uniform is not None:  # the whole shard, padding included, as one run
+                runs[sp] = [(0, g.owned[1] - g.owned[0], plan.uniform + 1)]
+            else:
+                runs[sp] = [(r.lo, r.hi, r.count + 1) for r in plan.runs]
+        if copy_out:
+            # CPUAdam writes the updated master into the compute-dtype parameters in the same pass
+            # (on a GPU, into pinned staging that the placement's copies then upload).
+            self.placement.optimizer.copies.before_step()
+            self.abilities.step_runs(runs, copy_out)
+            self.placement.optimizer.copies.after_step()
+        else:
+            self.abilities.step_runs(runs, {})
 
     # -- write-back and gather ------------------------------------------------------------------
     def _copy_out_targets(self) -> dict:

@@ -1,0 +1,341 @@
+"""One-GPU step time, throughput, MFU and memory of zengine against its peers, side by side in one run.
+
+    python benchmarks/bench_gpu.py                                   # the 1.3B GPT below, every contender
+    python benchmarks/bench_gpu.py --contenders torch,zengine-2 --steps 20
+    python benchmarks/bench_gpu.py --device cpu --layers 2 --d_model 64 --heads 4 --seq 32 --vocab 256 \\
+        --micro_batch 2 --steps 2 --warmup 1                         # the CPU smoke run (gloo)
+
+The workload (each an argument): ``zengine.models.GPT`` with 24 layers, d_model 2048, 16 heads, seq 1024,
+vocab 50304 (about 1.3B parameters), micro-batch 8, bf16 compute, AdamW (lr 1e-4, wd 0.01), random tokens
+from a fixed seed, the same initial weights for every contender. Contenders, one process each (world size 1;
+NCCL on a GPU, gloo with ``--device cpu``):
+
+- ``torch``: fp32 parameters, bf16 autocast, ``torch.optim.AdamW(fused=True)``: the bar for stages 0-2;
+- ``fsdp2``: ``fully_shard`` per block then the root, ``MixedPrecisionPolicy(bf16 params, fp32 reduce)``,
+  fused AdamW: the bar for stage 3;
+- ``deepspeed-2`` / ``deepspeed-3`` / ``deepspeed-2-offload``: DeepSpeed with the same config, when it imports;
+- ``zengine-0`` .. ``zengine-3``: zengine with ``bf16.enabled`` (bf16 parameters, fp32 masters);
+- ``zengine-2-offload``: ZeRO-2 with the optimizer on the CPU (CPU-Adam); ``zengine-3-offload``: ZeRO-3 with
+  parameters and optimizer on the CPU; ``zengine-infinity``: both on NVMe (``--nvme_path``).
+
+Per contender: median s/step over the timed steps (the device synchronised around each step), tokens/s,
+MFU (model FLOPs: 6 x matmul parameters + attention, per token, over the device's dense bf16 peak),
+peak device memory (``torch.cuda.max_memory_allocated``), host RSS high-water mark, first and last loss.
+The table is printed and written to ``benchmarks/results/gpu_<date>.md`` (and to ``--out`` when given),
+with the raw figures as JSON beside it. A contender that fails or runs past ``--timeout`` is reported as
+such and the others still run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.95), 1e-8, 0.01
+CONTENDERS = ["torch", "fsdp2", "deepspeed-2", "deepspeed-3", "zengine-0", "zengine-1", "zengine-2", "zengine-3",
+              "zengine-2-offload", "deepspeed-2-offload", "zengine-3-offload", "zengine-infinity"]
+# dense bf16 tensor-core peaks (TFLOP/s), by device name
+PEAKS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+
+
+# -- the workload ------------------------------------------------------------------------------------------
+def gpt_config(args):
+    from zengine.models.gpt import GPTConfig
+
+    return GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
+                     d_model=args.d_model)
+
+
+def flops_per_token(args) -> float:
+    """Model FLOPs of one trained token: 6 per multiply-accumulate weight (forward 2, backward 4) of the
+    blocks and the tied head, plus causal-free attention scores and values (12 x layers x d_model x seq)."""
+    matmul = args.layers * 12 * args.d_model ** 2 + args.vocab * args.d_model
+    return 6 * matmul + 12 * args.layers * args.d_model * args.seq
+
+
+def batch(args, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def zengine_config(args, stage: int, offload: str | None) -> dict:
+    zero = {"stage": stage, "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000}
+    if offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    elif offload == "nvme":
+        nvme = {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": True}
+        zero["offload_optimizer"] = dict(nvme, buffer_count=4)
+        zero["offload_param"] = dict(nvme, buffer_count=5)
+        zero["sub_group_size"] = 100_000_000
+    return {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY}},
+        "bf16": {"enabled": args.dtype == "bf16"},
+        "fp16": {"enabled": args.dtype == "fp16"},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10 ** 9,
+        "zero_optimization": zero,
+    }
+
+
+# -- the contenders (each returns step(x, y) -> loss) ----------------------------------------------------------
+def torch_adamw(params, device) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+
+
+def autocast(args, device):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def build_torch(args, model, device):
+    model.to(device)
+    opt = torch_adamw(model.parameters(), device)
+
+    def step(x, y):
+        with autocast(args, device):
+            loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def build_fsdp2(args, model, device):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
+    mesh = init_device_mesh(device.type, (1,))
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    model.to(device)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    opt = torch_adamw(model.parameters(), device)
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def build_engine(initialize, args, model, stage: int, offload: str | None, client_optimizer: bool):
+    config = zengine_config(args, stage, offload)
+    if client_optimizer:  # DeepSpeed without offload: the same fused torch AdamW as the others
+        config.pop("optimizer")
+        engine, *_ = initialize(model=model, optimizer=torch_adamw(model.parameters(), None), config=config)
+    else:
+        engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step
+
+
+def build(name: str, args, model, device):
+    if name == "torch":
+        return build_torch(args, model, device)
+    if name == "fsdp2":
+        return build_fsdp2(args, model, device)
+    parts = name.split("-")
+    stage = int(parts[1]) if parts[1].isdigit() else 3
+    offload = {"offload": "cpu", "infinity": "nvme"}.get(parts[-1])
+    if parts[0] == "zengine":
+        import zengine
+        return build_engine(zengine.initialize, args, model, stage, offload, client_optimizer=False)
+    import deepspeed  # noqa: F401 (ImportError: reported as skipped)
+    return build_engine(deepspeed.initialize, args, model, stage, offload, client_optimizer=offload is None)
+
+
+# -- one contender in this process --------------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def worker(args) -> dict:
+    import torch.distributed as dist
+
+    device = torch.device(args.device if args.device != "cuda" else "cuda:0")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.setdefault("ZENGINE_DEVICE", str(device))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    from zengine.models.gpt import GPT
+
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    model = GPT(gpt_config(args))
+    params = sum(p.numel() for p in model.parameters())
+    step = build(args.worker, args, model, device)
+    build_s = time.perf_counter() - started
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        x, y = batch(args, i, device)
+        sync(device)
+        t0 = time.perf_counter()
+        loss = step(x, y)
+        sync(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach().float()))  # after the timer: a host read of the loss
+    dist.destroy_process_group()
+    s_step = statistics.median(times)
+    tokens = args.micro_batch * args.seq / s_step
+    peak = PEAKS.get(next((k for k in PEAKS if device.type == "cuda" and k in torch.cuda.get_device_name(device)), ""))
+    return {"name": args.worker, "params": params, "build_s": build_s, "s_step": s_step, "tokens_s": tokens,
+            "mfu": tokens * flops_per_token(args) / (peak * 1e12) if peak else None,
+            "peak_device_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None,
+            "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
+            "first_loss": losses[0], "last_loss": losses[-1], "times": times}
+
+
+# -- the driver --------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_contender(name: str, args, argv: list[str]) -> dict:
+    """One contender in a fresh process; its result, or why there is none."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                   LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        cmd = [sys.executable, __file__, *argv, "--worker", name, "--result", out]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return {"name": name, "error": f"ran past --timeout {args.timeout} s"}
+        if os.path.exists(out):
+            with open(out) as f:
+                return json.load(f)
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
+        return {"name": name, "error": " | ".join(tail) or f"exit status {proc.returncode}"}
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def report(results: list[dict], args) -> str:
+    by = {r["name"]: r for r in results if "error" not in r}
+    lines = [f"# bench_gpu, {datetime.date.today()}", "",
+             f"Machine: {device_name(args)}; torch {torch.__version__}; python {platform.python_version()}.",
+             f"Workload: GPT {args.layers} layers, d_model {args.d_model}, {args.heads} heads, seq {args.seq}, "
+             f"vocab {args.vocab} ({next(iter(by.values()))['params'] / 1e6:,.1f}M parameters)" if by else "",
+             f"micro-batch {args.micro_batch}, {args.dtype}, AdamW; {args.warmup} warm-up and {args.steps} timed "
+             f"steps per contender (median), one process each.", "",
+             "| contender | s/step | tokens/s | vs torch | vs FSDP2 | MFU | peak device GiB | host RSS GiB | "
+             "first loss | last loss | build s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error'][:300]} |||||||||")
+            continue
+        ratio = {k: (r["tokens_s"] / by[k]["tokens_s"] if k in by else None) for k in ("torch", "fsdp2")}
+        lines.append(f"| {r['name']} | {r['s_step']:.4f} | {r['tokens_s']:,.0f} | {fmt(ratio['torch'], '.2f')} | "
+                     f"{fmt(ratio['fsdp2'], '.2f')} | {fmt(r['mfu'], '.3f')} | {fmt(r['peak_device_gib'], '.2f')} | "
+                     f"{r['rss_gib']:.2f} | {r['first_loss']:.4f} | {r['last_loss']:.4f} | {r['build_s']:.1f} |")
+    lines += ["", "Targets (issue 28): zengine stages 0-2 >= 0.95x torch tokens/s; stage 3 >= 0.95x FSDP2 and "
+              ">= 1.5x DeepSpeed ZeRO-3; ZeRO-2 + CPU offload <= 0.5 s/step (>= 1.5x DeepSpeed's).",
+              f"Reproduce: `python benchmarks/bench_gpu.py {' '.join(sys.argv[1:])}`"]
+    return "\n".join(lines)
+
+
+def device_name(args) -> str:
+    if args.device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda or cpu (the CPU smoke run)")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--d_model", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--micro_batch", type=int, default=8)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, in running order")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per contender")
+    p.add_argument("--nvme_path", default=os.path.join(tempfile.gettempdir(), "zengine_bench_gpu_nvme"))
+    p.add_argument("--out", default=None, help="also write the table and JSON here")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse()
+    if args.worker:
+        try:
+            result = worker(args)
+        except ImportError as e:
+            result = {"name": args.worker, "error": f"skipped: {e}"}
+        except Exception as e:  # the driver reports it in the table
+            traceback.print_exc()
+            result = {"name": args.worker, "error": f"{type(e).__name__}: {e}"}
+        with open(args.result, "w") as f:
+            json.dump(result, f)
+        return
+    unknown = [c for c in args.contenders.split(",") if c not in CONTENDERS]
+    if unknown:
+        raise SystemExit(f"bench_gpu: unknown contenders {unknown}; known: {CONTENDERS}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("bench_gpu: no CUDA device here; --device cpu runs the CPU smoke run")
+    argv = [a for a in sys.argv[1:]]
+    results = []
+    for name in args.contenders.split(","):
+        result = run_contender(name, args, argv)
+        results.append(result)
+        print(json.dumps({k: v for k, v in result.items() if k != "times"}), flush=True)
+    text = report(results, args)
+    print(text)
+    stamp = datetime.date.today().isoformat()
+    dirs = [ROOT / "benchmarks" / "results"] + ([Path(args.out)] if args.out else [])
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+        suffix = "" if args.device.startswith("cuda") else "_cpu"
+        (d / f"gpu{suffix}_{stamp}.md").write_text(text + "\n")
+        (d / f"gpu{suffix}_{stamp}.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
