@@ -84,6 +84,7 @@ def zengine_config(args, stage: int, offload: str | None) -> dict:
         zero["offload_optimizer"] = dict(nvme, buffer_count=4)
         zero["offload_param"] = dict(nvme, buffer_count=5)
         zero["sub_group_size"] = 100_000_000
+        zero["offload_param"]["buffer_size"] = 2 * args.vocab * args.d_model  # the largest parameter fits
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -111,15 +112,17 @@ def build_torch(args, model, device):
     model.to(device)
     opt = torch_adamw(model.parameters(), device)
 
-    def step(x, y):
+    def forward_backward(x, y):
         with autocast(args, device):
             loss = model(x, y)
         loss.backward()
+        return loss
+
+    def optimizer_step():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
-    return step
+    return forward_backward, optimizer_step
 
 
 def build_fsdp2(args, model, device):
@@ -135,14 +138,16 @@ def build_fsdp2(args, model, device):
     fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = torch_adamw(model.parameters(), device)
 
-    def step(x, y):
+    def forward_backward(x, y):
         loss = model(x, y)
         loss.backward()
+        return loss
+
+    def optimizer_step():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
-    return step
+    return forward_backward, optimizer_step
 
 
 def build_engine(initialize, args, model, stage: int, offload: str | None, client_optimizer: bool):
@@ -153,12 +158,11 @@ def build_engine(initialize, args, model, stage: int, offload: str | None, clien
     else:
         engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=config)
 
-    def step(x, y):
+    def forward_backward(x, y):
         loss = engine(x, y)
         engine.backward(loss)
-        engine.step()
         return loss
-    return step
+    return forward_backward, engine.step
 
 
 def build(name: str, args, model, device):
@@ -196,20 +200,27 @@ def worker(args) -> dict:
     started = time.perf_counter()
     model = GPT(gpt_config(args))
     params = sum(p.numel() for p in model.parameters())
-    step = build(args.worker, args, model, device)
+    forward_backward, optimizer_step = build(args.worker, args, model, device)
     build_s = time.perf_counter() - started
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, losses = [], []
+    times, fb_times, losses = [], [], []
     for i in range(args.warmup + args.steps):
         x, y = batch(args, i, device)
         sync(device)
         t0 = time.perf_counter()
-        loss = step(x, y)
+        loss = forward_backward(x, y)
+        if args.split:  # a host sync between the two halves: the split costs a little overlap
+            sync(device)
+        t1 = time.perf_counter()
+        optimizer_step()
         sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+            fb_times.append(t1 - t0)
         losses.append(float(loss.detach().float()))  # after the timer: a host read of the loss
+    if args.profile and args.out:
+        profile(args, forward_backward, optimizer_step, device)
     dist.destroy_process_group()
     s_step = statistics.median(times)
     tokens = args.micro_batch * args.seq / s_step
@@ -218,7 +229,26 @@ def worker(args) -> dict:
             "mfu": tokens * flops_per_token(args) / (peak * 1e12) if peak else None,
             "peak_device_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None,
             "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
-            "first_loss": losses[0], "last_loss": losses[-1], "times": times}
+            "first_loss": losses[0], "last_loss": losses[-1], "times": times,
+            "fwd_bwd_s": statistics.median(fb_times) if args.split else None}
+
+
+def profile(args, forward_backward, optimizer_step, device) -> None:
+    """Two more steps under torch.profiler: the top operators by device and by host time, to --out."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        for i in range(2):
+            x, y = batch(args, 100 + i, device)
+            forward_backward(x, y)
+            optimizer_step()
+        sync(device)
+    table = prof.key_averages()
+    text = [table.table(sort_by="self_cpu_time_total", row_limit=30)]
+    if device.type == "cuda":
+        text.append(table.table(sort_by="self_device_time_total", row_limit=30))
+    Path(args.out, f"profile_{args.worker}.txt").write_text("\n\n".join(text))
 
 
 # -- the driver --------------------------------------------------------------------------------------------
@@ -258,15 +288,15 @@ def report(results: list[dict], args) -> str:
              f"vocab {args.vocab} ({next(iter(by.values()))['params'] / 1e6:,.1f}M parameters)" if by else "",
              f"micro-batch {args.micro_batch}, {args.dtype}, AdamW; {args.warmup} warm-up and {args.steps} timed "
              f"steps per contender (median), one process each.", "",
-             "| contender | s/step | tokens/s | vs torch | vs FSDP2 | MFU | peak device GiB | host RSS GiB | "
-             "first loss | last loss | build s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| contender | s/step | fwd+bwd s | tokens/s | vs torch | vs FSDP2 | MFU | peak device GiB | "
+             "host RSS GiB | first loss | last loss | build s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error'][:300]} |||||||||")
+            lines.append(f"| {r['name']} | failed: {r['error'][:300]} ||||||||||")
             continue
         ratio = {k: (r["tokens_s"] / by[k]["tokens_s"] if k in by else None) for k in ("torch", "fsdp2")}
-        lines.append(f"| {r['name']} | {r['s_step']:.4f} | {r['tokens_s']:,.0f} | {fmt(ratio['torch'], '.2f')} | "
+        lines.append(f"| {r['name']} | {r['s_step']:.4f} | {fmt(r.get('fwd_bwd_s'), '.4f')} | {r['tokens_s']:,.0f} | {fmt(ratio['torch'], '.2f')} | "
                      f"{fmt(ratio['fsdp2'], '.2f')} | {fmt(r['mfu'], '.3f')} | {fmt(r['peak_device_gib'], '.2f')} | "
                      f"{r['rss_gib']:.2f} | {r['first_loss']:.4f} | {r['last_loss']:.4f} | {r['build_s']:.1f} |")
     lines += ["", "Targets (issue 28): zengine stages 0-2 >= 0.95x torch tokens/s; stage 3 >= 0.95x FSDP2 and "
@@ -297,6 +327,8 @@ def parse(argv=None):
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per contender")
     p.add_argument("--nvme_path", default=os.path.join(tempfile.gettempdir(), "zengine_bench_gpu_nvme"))
     p.add_argument("--out", default=None, help="also write the table and JSON here")
+    p.add_argument("--split", action="store_true", help="also time forward+backward apart (a host sync between)")
+    p.add_argument("--profile", action="store_true", help="profile two more steps per contender into --out")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
