@@ -15,6 +15,8 @@ NCCL on a GPU, gloo with ``--device cpu``):
   fused AdamW: the bar for stage 3;
 - ``deepspeed-2`` / ``deepspeed-3`` / ``deepspeed-2-offload``: DeepSpeed with the same config, when it imports;
 - ``zengine-0`` .. ``zengine-3``: zengine with ``bf16.enabled`` (bf16 parameters, fp32 masters);
+  ``zengine-3-blocks``: stage 3 with each transformer block one gather unit (``set_z3_leaf_modules``), as
+  FSDP2 is given one ``fully_shard`` per block;
 - ``zengine-2-offload``: ZeRO-2 with the optimizer on the CPU (CPU-Adam); ``zengine-3-offload``: ZeRO-3 with
   parameters and optimizer on the CPU; ``zengine-infinity``: both on NVMe (``--nvme_path``).
 
@@ -47,7 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.95), 1e-8, 0.01
 CONTENDERS = ["torch", "fsdp2", "deepspeed-2", "deepspeed-3", "zengine-0", "zengine-1", "zengine-2", "zengine-3",
-              "zengine-2-offload", "deepspeed-2-offload", "zengine-3-offload", "zengine-infinity"]
+              "zengine-3-blocks", "zengine-2-offload", "deepspeed-2-offload", "zengine-3-offload", "zengine-infinity"]
 # dense bf16 tensor-core peaks (TFLOP/s), by device name
 PEAKS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
 
@@ -172,6 +174,11 @@ def build(name: str, args, model, device):
         return build_fsdp2(args, model, device)
     parts = name.split("-")
     stage = int(parts[1]) if parts[1].isdigit() else 3
+    if parts[-1] == "blocks":
+        from zengine.models.gpt import Block
+        from zengine.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, [Block])
     offload = {"offload": "cpu", "infinity": "nvme"}.get(parts[-1])
     if parts[0] == "zengine":
         import zengine

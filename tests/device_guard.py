@@ -127,7 +127,8 @@ class HostReads:
     """Replaces ``zengine.distributed.sync.read_to_host``: counts reads, returns values of a healthy step.
 
     The values follow ``zero/step_stats.py``: a finite norm, every rank ran a backward, equal
-    micro-step fingerprints, gradients reduced, every parameter used on every rank.
+    micro-step fingerprints, gradients reduced, equal (zero) order and gather digests, every
+    parameter used on every rank.
     """
 
     def __init__(self, world: int):
@@ -135,8 +136,10 @@ class HostReads:
         self.count = 0
 
     def __call__(self, t: torch.Tensor) -> list[float]:
+        from zengine.zero.step_stats import _HEADER
+
         self.count += 1
-        return [1.0, float(self.world)] + [0.0] * 7 + [float(self.world)] * (t.numel() - 9)
+        return [1.0, float(self.world)] + [0.0] * (_HEADER - 2) + [float(self.world)] * (t.numel() - _HEADER)
 
     @contextlib.contextmanager
     def installed(self):

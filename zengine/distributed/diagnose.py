@@ -25,6 +25,7 @@ Nothing here runs on the training path: only when a collective has already faile
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -80,6 +81,44 @@ class Progress:
 
 # The engine registers how to read its counters; without an engine the counters read 0.
 _progress: dict[str, Callable[[], tuple[int, int]]] = {}
+# What the rank is doing, read only when a collective fails: the public calls that run collectives
+# (save_checkpoint, summon_full_params, GatheredParameters...) push their name, and stage 3 registers
+# where its gathers are. A timeout then names, for each rank, the call it was in: a collective call
+# that only some ranks made (under `if rank == 0:`) shows as two ranks in two different calls.
+_activities: list[str] = []
+_positions: dict[str, Callable[[], str]] = {}
+STAGE3_HINT = ("Ranks at different stage-3 gathers ran different modules: if a module runs different "
+               "submodules on different ranks (mixture-of-experts routing, data-dependent branches), mark it a "
+               "leaf so that its parameters are gathered as one unit whatever runs inside: "
+               "zengine.utils.set_z3_leaf_modules(model, [TheModuleClass]) (as deepspeed.utils.set_z3_leaf_modules).")
+
+
+@contextlib.contextmanager
+def activity(label: str):
+    """Inside: a failed collective on this rank is reported as happening in ``label`` (a public call that
+    runs collectives, which every rank must make together)."""
+    _activities.append(label)
+    try:
+        yield
+    finally:
+        _activities.pop()
+
+
+def register_position(kind: str, describe: Callable[[], str]) -> None:
+    """``describe()`` says where this rank's ``kind`` of work is (stage 3: its latest parameter gather)."""
+    _positions[kind] = describe
+
+
+def _context() -> str:
+    parts = [f"in {label}" for label in _activities]
+    for describe in _positions.values():
+        try:
+            text = describe()
+        except Exception:  # a diagnosis must not fail on its own
+            text = ""
+        if text:
+            parts.append(text)
+    return "; ".join(parts)
 _reported: list[Optional[BaseException]] = [None]  # the first failure diagnosed in this process
 _linger = [False]  # that failure involves ranks that finished and are reading the records at their exit
 
@@ -92,7 +131,8 @@ def track_progress(counters: Callable[[], tuple[int, int]]) -> None:
 def current(state: str, where: str = "") -> Progress:
     counters = _progress.get("engine")
     steps, micro = counters() if counters is not None else (0, 0)
-    return Progress(state, steps, micro, where)
+    context = _context() if state == "failed" else ""
+    return Progress(state, steps, micro, f"{where} ({context})" if context else where)
 
 
 def is_backend_failure(err: BaseException) -> bool:
@@ -139,7 +179,8 @@ def collective_failed(what: str, err: BaseException) -> BaseException:
         error = CollectiveTimeoutError(
             f"zengine: {what} did not complete on rank {rank} ({first_line}); rank(s) {missing or 'none'} "
             f"never arrived.\n{table}\nA rank that never arrives is stopped, hung, or running other "
-            f"code than its peers; the wait is bounded by comm_timeout (config) or --comm_timeout (launcher).")
+            f"code than its peers; the wait is bounded by comm_timeout (config) or --comm_timeout (launcher)."
+            + ("\n" + STAGE3_HINT if any("stage-3 gather" in p.where for p in records.values()) else ""))
     _reported[0] = error
     return error
 

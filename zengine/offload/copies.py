@@ -34,9 +34,13 @@ import torch
 class HostCopies:
     """The compute device is the host: add in place, write parameters directly."""
 
-    def accumulate(self, shard_slice: torch.Tensor, piece: torch.Tensor) -> None:
-        """Add a reduced gradient piece into (a slice of) the fp32 shard."""
-        shard_slice.add_(piece)
+    def accumulate(self, shard_slice: torch.Tensor, piece: torch.Tensor, overwrite: bool = False) -> None:
+        """Add a reduced gradient piece into (a slice of) the fp32 shard; ``overwrite``: the slice holds
+        nothing yet since the gradients were zeroed, so the piece is copied in (no zero fill, no add)."""
+        if overwrite:
+            shard_slice.copy_(piece)
+        else:
+            shard_slice.add_(piece)
 
     def settle(self) -> None:
         """Every ``accumulate`` so far has landed in its shard."""
@@ -58,8 +62,11 @@ class BlockingCopies(HostCopies):
     def __init__(self):
         self.staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # gi -> (host [owned] compute dtype, device view)
 
-    def accumulate(self, shard_slice: torch.Tensor, piece: torch.Tensor) -> None:
-        shard_slice.add_(piece.to(shard_slice.device))
+    def accumulate(self, shard_slice: torch.Tensor, piece: torch.Tensor, overwrite: bool = False) -> None:
+        if overwrite:
+            shard_slice.copy_(piece)
+        else:
+            shard_slice.add_(piece.to(shard_slice.device))
 
     def copy_out_target(self, gi: int, owned: torch.Tensor) -> torch.Tensor:
         if owned.device.type == "cpu":
@@ -84,28 +91,37 @@ class StreamCopies(HostCopies):
         self.staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # gi -> (pinned [owned] compute dtype, device view)
         self.uploaded: torch.cuda.Event | None = None
 
-    def accumulate(self, shard_slice: torch.Tensor, piece: torch.Tensor) -> None:
-        if piece.device.type != "cuda":
-            shard_slice.add_(piece)
+    def accumulate(self, shard_slice: torch.Tensor, piece: torch.Tensor, overwrite: bool = False) -> None:
+        if piece.device.type != "cuda" or shard_slice.device.type == "cuda":
+            super().accumulate(shard_slice, piece, overwrite)
             return
         compute = torch.cuda.current_stream(self.device)
-        staging = torch.empty(piece.shape, dtype=piece.dtype, pin_memory=True)  # [n] compute dtype, host
         self.side.wait_stream(compute)  # the piece is final on the compute stream
         with torch.cuda.stream(self.side):
-            staging.copy_(piece, non_blocking=True)
+            # Converted to the shard's dtype (fp32) on the device: the host then adds like to like
+            # (a mixed-dtype add on the host is several times slower), or does nothing at all when the
+            # copy lands in the pinned shard itself (the first piece since the gradients were zeroed).
+            source = piece if piece.dtype == shard_slice.dtype else piece.to(shard_slice.dtype)
+            if overwrite and shard_slice.is_pinned():
+                staging = None
+                shard_slice.copy_(source, non_blocking=True)
+            else:
+                staging = torch.empty(piece.shape, dtype=shard_slice.dtype, pin_memory=True)  # [n] fp32, host
+                staging.copy_(source, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.side)
         # The bucket buffer is reused by later buckets: the compute stream must not write it before
         # the copy has read it. This is a device-side wait; the host goes on with backward.
         compute.wait_event(done)
-        self.pending.append((done, staging, shard_slice))
+        self.pending.append((done, staging, shard_slice, overwrite, source))
         self._drain(block=False)
 
     def _drain(self, block: bool) -> None:
         while self.pending and (block or self.pending[0][0].query()):
-            done, staging, shard_slice = self.pending.popleft()
+            done, staging, shard_slice, overwrite, _ = self.pending.popleft()  # (the source lives until here)
             done.synchronize()
-            shard_slice.add_(staging)
+            if staging is not None:
+                shard_slice.copy_(staging) if overwrite else shard_slice.add_(staging)
 
     def settle(self) -> None:
         self._drain(block=True)

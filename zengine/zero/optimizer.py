@@ -203,7 +203,7 @@ class ZeroOptimizer:
 
         def stats_of(master_grads: list[torch.Tensor], **extra):
             return gather_stats(self._sq_norm(master_grads), self._had_backward, micro_step, used, self.device,
-                                self.world, self.rank, self.comm_group, **extra)
+                                self.world, self.rank, self.comm_group, fetches=self._fetch_check(), **extra)
 
         unreduced = self.grads.unreduced  # the boundary backward ran under no_sync: no sum over ranks yet
         master_grads = self._master_grads() if not unreduced else []  # (it scales the summed gradient in place)
@@ -214,6 +214,9 @@ class ZeroOptimizer:
             self.grads.reduce_pending()
             master_grads = self._master_grads()
             stats = stats_of(master_grads)
+        if not stats.fetches_agree:  # stage 3: the ranks gathered different parameters (nothing updated yet)
+            self._raise_fetches_diverged()
+        self._fetches_checked()
         self._had_backward = False
         if stats.ranks_with_backward == 0:
             self.zero_grad()
@@ -245,6 +248,17 @@ class ZeroOptimizer:
             self.scaler.update(False)
         self.zero_grad()
         return StepOutcome.APPLIED
+
+    # -- stage 3's gather check rides on the step's all-reduce (stage3/optimizer.py overrides) -----
+    def _fetch_check(self) -> tuple:
+        """(digest half, digest half, device count of mixed gathers or None) of this rank's gathers."""
+        return (0, 0, None)
+
+    def _raise_fetches_diverged(self) -> None:
+        raise AssertionError("only stage 3 gathers parameters")
+
+    def _fetches_checked(self) -> None:
+        """The ranks agreed on their gathers so far: start the next comparison."""
 
     def _clip_grads(self, master_grads: list[torch.Tensor], coef: float) -> None:
         self.master_store.clip(self, master_grads, coef)

@@ -10,7 +10,10 @@ compute device (NCCL takes only CUDA tensors):
     [4]   1 if this rank's gradients are not reduced yet (its last backward ran under no_sync)
     [5:9] two digests of the gradient-bucket launch order this rank proposes, and their squares
           (first step only, else 0: every rank proposes the same order iff W * squares == sums^2)
-    [9:]  1 per parameter this rank gave a gradient, else 0
+    [9:13] two 16-bit halves of the digest of the stage-3 gathers this rank issued since the last
+          boundary, and their squares (stage3/fetcher.py ``FetchCheck``; 0 at other stages)
+    [13]  how many of this rank's staged stage-3 gathers came back with another rank's unit in a row
+    [14:] 1 per parameter this rank gave a gradient, else 0
 
 The engine reads it back once (``sync.read_to_host``): the global norm,
 overflow, whether the ranks are in step, and which parameters no rank used
@@ -29,7 +32,7 @@ import torch
 from ..distributed import collectives, sync
 from ..distributed.diagnose import RanksOutOfStepError
 
-_HEADER = 9
+_HEADER = 14
 
 
 @dataclass
@@ -41,6 +44,7 @@ class StepStats:
     ranks_unreduced: int      # ranks whose gradients are still local (then sq_norm is not the global one)
     used_counts: list[float]  # per parameter, in group order: how many ranks gave it a gradient
     orders_agree: bool = True  # every rank proposed the same bucket launch order (or none did)
+    fetches_agree: bool = True  # every rank issued the same stage-3 gathers since the last boundary
 
     @property
     def norm(self) -> float:
@@ -49,16 +53,21 @@ class StepStats:
 
 def gather_stats(sq_norm: torch.Tensor, had_backward: bool, micro_step: int, used: list[bool],
                  device: torch.device, world: int, rank: int, comm_group=None, unreduced: bool = False,
-                 order: tuple[int, int] = (0, 0)) -> StepStats:
+                 order: tuple[int, int] = (0, 0), fetches: tuple = (0, 0, None)) -> StepStats:
     """Sum the step's control values over the ranks and read them once; raise when ranks are out of step.
 
-    ``sq_norm`` is a 0-dim float64 tensor wherever the gradients live (the host with offload).
+    ``sq_norm`` is a 0-dim float64 tensor wherever the gradients live (the host with offload); ``fetches``
+    the stage-3 gather check (digest halves, device count of mixed gathers or None).
     """
     d1, d2 = float(order[0]), float(order[1])  # < 2^21: squares summed over ranks stay exact in float64
+    f1, f2, bad = float(fetches[0]), float(fetches[1]), fetches[2]  # < 2^16
     head = torch.tensor([0.0, float(had_backward), float(micro_step), float(micro_step) ** 2, float(unreduced),
-                         d1, d1 * d1, d2, d2 * d2] + [float(u) for u in used], dtype=torch.float64)
+                         d1, d1 * d1, d2, d2 * d2, f1, f1 * f1, f2, f2 * f2, 0.0] + [float(u) for u in used],
+                        dtype=torch.float64)
     stats = head.to(device, non_blocking=True)  # [_HEADER + params] float64 on the compute device
     stats[0:1].copy_(sq_norm.reshape(1), non_blocking=True)
+    if bad is not None:
+        stats[13:14].copy_(bad, non_blocking=True)
     if world > 1:
         collectives.all_reduce_sum(stats, comm_group)
     values = sync.read_to_host(stats)
@@ -67,7 +76,9 @@ def gather_stats(sq_norm: torch.Tensor, had_backward: bool, micro_step: int, use
             or 0 < ranks_unreduced < world):
         _raise_out_of_step(micro_step, had_backward, unreduced, device, rank, comm_group)
     agree = _same_on_every_rank(values[5], values[6], world) and _same_on_every_rank(values[7], values[8], world)
-    return StepStats(values[0], ranks_with_backward, ranks_unreduced, values[_HEADER:], agree)
+    fetches_agree = (values[13] == 0 and _same_on_every_rank(values[9], values[10], world)
+                     and _same_on_every_rank(values[11], values[12], world))
+    return StepStats(values[0], ranks_with_backward, ranks_unreduced, values[_HEADER:], agree, fetches_agree)
 
 
 def _same_on_every_rank(total: float, total_of_squares: float, world: int) -> bool:

@@ -16,6 +16,18 @@ within ``stage3_max_reuse_distance`` elements (and the live limit allows).
 When a step departs from the trace (a dynamic model), prefetch stops for the
 rest of the step and fetching is on demand; this is logged once.
 
+Always on, without a collective of its own (``FetchCheck``): every gather
+is chained into a digest of what this rank gathered, and a gather of
+several parameters carries a 4-element tag of its parameters' names in each
+rank's row, compared on the device after the gather. The digest and the tag
+mismatches ride on the boundary step's all-reduce (``step_stats.py``); when
+the ranks disagree, every rank raises ``FetchOrderError`` before the
+optimizer updates anything, naming the first gather where they parted (a
+failure-path collective). A forward outside training checks the tags at its
+end (one host read). Ranks that ran different modules (data-dependent control
+flow, MoE routing) would otherwise gather different parameters in the same
+collective: a hang on NCCL, or, when the sizes happen to agree, wrong values.
+
 Debug (``stage3_debug_fetch_order``): before each fetch the ranks compare a
 hash of what they are about to gather; if they differ, every rank raises an
 error naming the fetch on each rank, instead of hanging in the collective.
@@ -23,12 +35,14 @@ error naming the fetch on each rank, instead of hanging in the collective.
 from __future__ import annotations
 
 import logging
+import weakref
 import zlib
+from collections import deque
 from typing import Optional, Sequence
 
 import torch
 
-from ...distributed import collectives
+from ...distributed import collectives, diagnose
 from .param import ParamState, ShardedParam
 
 logger = logging.getLogger("zengine")
@@ -39,12 +53,69 @@ class FetchOrderError(RuntimeError):
     """Ranks tried to gather different parameters at the same point: their programs diverged."""
 
 
+_LOG = 65536  # gathers remembered for naming a divergence (a step of a large model issues a few thousand)
+_TAG = 4  # elements of the in-band tag appended to each rank's row of a staged gather (bytes: exact in bf16/fp16)
+_LEAF_HINT = diagnose.STAGE3_HINT + " Otherwise every rank must run the same modules in the same order."
+
+
 class _Pending:
     """An asynchronous gather in flight: its staging buffer and works. ``direct``: the staging buffer is
-    the parameter's own full storage (a unit of one parameter), so nothing is copied at the end."""
+    the parameter's own full storage (a unit of one parameter), so nothing is copied at the end.
+    ``tag``: the expected in-band tag of a staged gather (its last ``_TAG`` columns), else None."""
 
-    def __init__(self, params: list[ShardedParam], staging: torch.Tensor, works: list, direct: bool = False):
-        self.params, self.staging, self.works, self.direct = params, staging, works, direct
+    def __init__(self, params: list[ShardedParam], staging: torch.Tensor, works: list, direct: bool = False,
+                 tag: Optional[torch.Tensor] = None):
+        self.params, self.staging, self.works, self.direct, self.tag = params, staging, works, direct, tag
+
+
+class FetchCheck:
+    """What this rank gathered since the last boundary step, to compare across ranks without a collective.
+
+    ``digest``: crc32 chained over every gather's parameter names, in issue order; ``bad``: on the compute
+    device, how many staged gathers came back with another rank's tag in a row (no host sync to update);
+    ``log``: each gather's (unit crc, label parts), for naming the first divergence on the failure path."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.digest = 0
+        self.bad: Optional[torch.Tensor] = None  # [1] float64 on the device, made at the first staged gather
+        self.log: deque = deque(maxlen=_LOG)   # (unit crc, label, params) of the latest gathers
+        self.issued_count = 0
+        self._units: dict[tuple[int, ...], tuple[int, torch.Tensor | None]] = {}
+
+    def unit(self, params: list[ShardedParam], dtype: torch.dtype, device: torch.device,
+             staged: bool) -> tuple[int, Optional[torch.Tensor]]:
+        """(crc of the unit's names, its expected tag row on ``device`` when ``staged``), made once per unit."""
+        key = (*(id(sp) for sp in params), staged)
+        known = self._units.get(key)
+        if known is None or (known[1] is not None and known[1].dtype != dtype):
+            crc = zlib.crc32("\0".join(sp.name for sp in params).encode())
+            tag = torch.tensor(list(crc.to_bytes(_TAG, "little")), dtype=dtype).to(device) if staged else None
+            known = self._units[key] = (crc, tag)
+        return known
+
+    def issued(self, crc: int, label: str, params: list[ShardedParam]) -> None:
+        self.digest = zlib.crc32(crc.to_bytes(4, "little"), self.digest)
+        self.log.append((crc, label, params))
+        self.issued_count += 1
+
+    def compare(self, rows: torch.Tensor, tag: torch.Tensor) -> None:
+        """After a staged gather: count it when any rank's row carries another unit's tag (on the device)."""
+        if self.bad is None:
+            self.bad = torch.zeros(1, dtype=torch.float64, device=rows.device)
+        self.bad += (rows != tag).any().to(torch.float64)
+
+    def halves(self) -> tuple[int, int]:
+        """The digest as two 16-bit values (their squares summed over ranks stay exact in float64)."""
+        return self.digest >> 16, self.digest & 0xFFFF
+
+    def reset(self) -> None:
+        """A boundary step compared them: start over."""
+        self.digest = 0
+        self.log.clear()
+        self.issued_count = 0
+        if self.bad is not None:
+            self.bad.zero_()
 
 
 class Fetcher:
@@ -69,6 +140,9 @@ class Fetcher:
         self._free_staging: list[torch.Tensor] = []  # released staging storage, reused within a step
         self._seq = 0
         self.swap = swap  # offload_param nvme: the ParamSwap whose reads follow the trace ahead of the gathers
+        self.check = FetchCheck(device)
+        position = weakref.WeakMethod(self._position)  # the registry must not keep an old engine alive
+        diagnose.register_position("stage 3", lambda: position()() if position() is not None else "")
 
     @property
     def held_numel(self) -> int:
@@ -114,7 +188,7 @@ class Fetcher:
         if todo:
             if self.debug:
                 self._check_order(todo, tag)
-            self._finish(self._start(todo))
+            self._finish(self._start(todo, tag))
         for sp in params:
             if not sp.persistent:
                 sp.holders += 1
@@ -133,7 +207,7 @@ class Fetcher:
     def gather_now(self, params: Sequence[ShardedParam]) -> None:
         """Re-gather parameters that are already whole (after the step updated their shards)."""
         if params:
-            self._finish(self._start(list(params), refresh=True))
+            self._finish(self._start(list(params), "re-gather after the step", refresh=True))
             self.drop_staging()
 
     def drop_staging(self) -> None:
@@ -141,33 +215,52 @@ class Fetcher:
         self._free_staging = []
 
     # -- collectives ----------------------------------------------------------------------------
-    def _start(self, params: list[ShardedParam], refresh: bool = False) -> _Pending:
+    def _start(self, params: list[ShardedParam], label: str, refresh: bool = False) -> _Pending:
         total = sum(sp.chunk for sp in params)
         dtype, device = params[0].full.dtype, params[0].full.device
         # One parameter: its full storage [world * chunk] is already laid out rank-major, so the gather lands
-        # there directly (no staging buffer, no copy); several: one staging buffer, one collective for all.
+        # there directly (no staging buffer, no copy); several: one staging buffer, one collective for all,
+        # each rank's row ending with the unit's tag (checked in _finish).
         direct = len(params) == 1
-        staging = params[0].allocate() if direct else self._staging(total, dtype, device)  # [world, sum of chunks]
+        crc, tag = self.check.unit(params, dtype, device, staged=not direct and self.world > 1)
+        self.check.issued(crc, label, params)
+        # [world, sum of chunks (+ tag)]
+        staging = params[0].allocate() if direct else self._staging(total + (_TAG if tag is not None else 0), dtype, device)
+        if tag is not None:
+            staging[self.rank, total:].copy_(tag)
         for sp in params:  # shards on NVMe: every read in flight at once
             if sp.shard is None:
                 sp.store.start_read(sp)
-        col = 0
-        for sp in params:
-            source = sp.shard if sp.shard is not None else sp.store.take(sp)  # host memory with offload_param
-            staging[self.rank, col:col + sp.chunk].copy_(source, non_blocking=True)
-            if sp.shard is None:
-                sp.store.give_back(sp)
-            col += sp.chunk
-        works = collectives.all_gather_rows(staging, self.rank, self.comm_group, async_op=True)
-        pending = _Pending(params, staging, works, direct)
+        if not direct and all(sp.shard is not None and sp.shard.device == device for sp in params):
+            # shards on the device: one multi-tensor copy into this rank's row rather than a launch per shard
+            mine = staging[self.rank, :total].split([sp.chunk for sp in params])
+            torch._foreach_copy_(list(mine), [sp.shard for sp in params])
+        else:
+            col = 0
+            for sp in params:
+                source = sp.shard if sp.shard is not None else sp.store.take(sp)  # host memory with offload_param
+                staging[self.rank, col:col + sp.chunk].copy_(source, non_blocking=True)
+                if sp.shard is None:
+                    sp.store.give_back(sp)
+                col += sp.chunk
+        try:
+            works = collectives.all_gather_rows(staging, self.rank, self.comm_group, async_op=True)
+        except RuntimeError as e:
+            raise self._gather_failed(params, e) from e
+        pending = _Pending(params, staging, works, direct, tag)
         if not refresh:
             for sp in params:
                 self._pending[id(sp)] = pending
         return pending
 
     def _finish(self, pending: _Pending) -> None:
-        for w in pending.works:
-            w.wait()
+        try:
+            for w in pending.works:
+                w.wait()
+        except RuntimeError as e:
+            raise self._gather_failed(pending.params, e) from e
+        if pending.tag is not None:
+            self.check.compare(pending.staging[:, -_TAG:], pending.tag)
         col = 0
         for sp in pending.params:
             self._pending.pop(id(sp), None)
@@ -230,7 +323,7 @@ class Fetcher:
                     break
                 if self.debug:
                     self._check_order(todo, self.trace[pos][0][0] + " (prefetch)")
-                self._start(todo)
+                self._start(todo, self.trace[pos][0][0] + " (prefetch)")
                 budget -= size
             pos += 1
 
@@ -260,6 +353,73 @@ class Fetcher:
                 return False
         return False
 
+    # -- the always-on check (FetchCheck) -------------------------------------------------------
+    def boundary_values(self) -> tuple[int, int, Optional[torch.Tensor]]:
+        """For the boundary step's all-reduce: the digest's two halves and the device count of bad tags."""
+        d1, d2 = self.check.halves()
+        return d1, d2, self.check.bad
+
+    def end_forward(self, training: bool) -> None:
+        """After a forward outside training: raise if a staged gather came back mixed (one host read;
+        a training forward is checked at its boundary step instead)."""
+        if training or self.world == 1:
+            return
+        if self.check.bad is not None and float(self.check.bad) > 0:  # every rank saw the mixed rows: all raise
+            self.raise_diverged()
+
+    def raise_diverged(self) -> None:
+        """Every rank calls this together once the sums show the ranks gathered differently: one failure-path
+        exchange of the gathers each rank issued, then FetchOrderError naming where they parted."""
+        check = self.check
+        crcs = [c for c, _, _ in check.log]
+        first = check.issued_count - len(crcs)  # index of the oldest gather still in the log
+        counts = collectives.all_gather_small(torch.tensor([check.issued_count, first], dtype=torch.int64)
+                                              .to(self.device), self.comm_group).view(-1, 2).cpu().tolist()
+        longest = max(n for n, _ in counts)
+        start = max(f for _, f in counts)
+        mine = torch.full((max(longest - start, 1),), -1, dtype=torch.int64)
+        window = crcs[start - first:]
+        mine[:len(window)] = torch.tensor(window, dtype=torch.int64)
+        rows = collectives.all_gather_small(mine.to(self.device), self.comm_group).view(self.world, -1).cpu()
+        differ = (rows != rows[0]).any(dim=0).nonzero()
+        at = int(differ[0]) if len(differ) else 0
+        index = start + at
+        entry = check.log[index - first] if first <= index < check.issued_count else None
+        label = (f"{entry[1]} [{', '.join(sp.name for sp in entry[2])}]" if entry is not None
+                 else "(nothing: this rank had gathered less)")
+        labels = self._exchange_labels(label)
+        lines = "\n".join(f"  rank {r}: gather {index + 1} of {n}: {lab}" for r, (lab, (n, _)) in
+                          enumerate(zip(labels, counts)))
+        check.reset()
+        raise FetchOrderError(f"stage 3: the ranks gathered different parameters in the same collective "
+                              f"(caught before any update; each rank's gather where they first parted):\n{lines}\n"
+                              + _LEAF_HINT)
+
+    def _exchange_labels(self, label: str) -> list[str]:
+        """Every rank's label, as fixed-size byte tensors (all_gather_object would need numpy)."""
+        raw = label.encode()[:_LABEL_BYTES]
+        mine = torch.zeros(_LABEL_BYTES, dtype=torch.uint8)
+        mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        gathered = collectives.all_gather_small(mine.to(self.device), self.comm_group).view(self.world, -1).cpu()
+        return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in gathered]
+
+    def _position(self) -> str:
+        """For a failed collective's report: this rank's latest gather."""
+        if not self.check.log:
+            return ""
+        _, label, params = self.check.log[-1]
+        return f"latest stage-3 gather {self.check.issued_count}: {label} [{', '.join(sp.name for sp in params)}]"
+
+    def _gather_failed(self, params: list[ShardedParam], error: RuntimeError) -> BaseException:
+        """A gather the backend refused (gloo: the ranks' sizes differ): name it on this rank. A failure the
+        diagnosis already named (a timeout, a peer gone: each rank's position in its report) stays as it is."""
+        if isinstance(error, (diagnose.CollectiveTimeoutError, diagnose.RanksOutOfStepError)):
+            return error
+        return FetchOrderError(f"stage 3: rank {self.rank}'s gather {self.check.issued_count} of "
+                               f"[{', '.join(sp.name for sp in params)}] failed ({type(error).__name__}: {error}); "
+                               f"the likely cause is ranks gathering different parameters at this point.\n"
+                               + _LEAF_HINT)
+
     # -- debug ----------------------------------------------------------------------------------
     def _check_order(self, params: list[ShardedParam], tag: str) -> None:
         self._seq += 1
@@ -267,12 +427,7 @@ class Fetcher:
         digest = torch.tensor([zlib.crc32(label.encode())], dtype=torch.int64).to(self.device)
         everyone = collectives.all_gather_small(digest, self.comm_group).view(-1).tolist()  # a debug mode: a host read is fine
         if any(d != everyone[self.rank] for d in everyone):
-            # Exchange the labels as fixed-size byte tensors (all_gather_object would need numpy).
-            raw = label.encode()[:_LABEL_BYTES]
-            mine = torch.zeros(_LABEL_BYTES, dtype=torch.uint8)
-            mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-            gathered = collectives.all_gather_small(mine.to(self.device), self.comm_group).cpu()
-            labels = [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in gathered]
+            labels = self._exchange_labels(label)
             lines = "\n".join(f"  rank {r}: {lab}" for r, lab in enumerate(labels))
             raise FetchOrderError(f"stage 3: ranks diverged at parameter fetch {self._seq}; each rank was about "
                                   f"to gather:\n{lines}\nThe ranks ran different modules (data-dependent control "

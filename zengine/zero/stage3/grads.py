@@ -132,9 +132,12 @@ class Stage3Gradients(ShardReducer):
             return [collectives.reduce_scatter(out, buf.view(-1), self.comm_group, async_op=True)], out
         return [collectives.all_reduce_sum(buf, self.comm_group, async_op=True)], None
 
+    def _region(self, gi: int, bucket: Bucket) -> torch.Tensor:
+        return self.shards[gi][bucket.start:bucket.end]
+
     def _accumulate(self, gi: int, bucket: Bucket, buf: torch.Tensor, out) -> None:
         mine = out if out is not None else buf[self.rank]
-        self.copies.accumulate(self.shards[gi][bucket.start:bucket.end], mine)
+        self._add(gi, bucket, mine)
 
 
 class SwappedStage3Gradients(Stage3Gradients):

@@ -65,9 +65,22 @@ class Stage3Optimizer(ZeroOptimizer):
     # -- forward and backward -------------------------------------------------------------------
     @contextlib.contextmanager
     def forward_context(self):
-        self.fetcher.begin_step(torch.is_grad_enabled() and self.module.training)
+        training = torch.is_grad_enabled() and self.module.training
+        self.fetcher.begin_step(training)
         with self.module_hooks.mode():
             yield
+        self.fetcher.end_forward(training)  # outside training no step checks the gathers: check them here
+
+    # the gather check, on the boundary step's all-reduce (fetcher.py FetchCheck)
+    def _fetch_check(self) -> tuple:
+        return self.fetcher.boundary_values()
+
+    def _raise_fetches_diverged(self) -> None:
+        self.zero_grad()
+        self.fetcher.raise_diverged()
+
+    def _fetches_checked(self) -> None:
+        self.fetcher.check.reset()
 
     def explain_backward_error(self, error: RuntimeError) -> BaseException:
         """Autograd refuses the empty gradient of a partitioned parameter that an op outside the forward used
