@@ -282,7 +282,9 @@ class CpuAccelerator(Accelerator):
         return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
     def current_device(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", "0"))
+        from .distributed.process_group import local_rank  # imported late, as in _choose
+
+        return local_rank()
 
     def current_device_name(self) -> str:
         return "cpu"
@@ -372,10 +374,10 @@ def _choose() -> Accelerator:
         return CudaAccelerator() if forced == "cuda" else CpuAccelerator()
     import torch.distributed as dist
 
-    from .distributed.process_group import DEVICE_ENV, resolve_device
+    from .distributed.process_group import DEVICE_ENV, local_rank, resolve_device
 
     if dist.is_available() and dist.is_initialized():
-        device = resolve_device(dist.get_backend(), int(os.environ.get("LOCAL_RANK", "0")))
+        device = resolve_device(dist.get_backend(), local_rank())
         return CudaAccelerator() if device.type == "cuda" else CpuAccelerator()
     wants_cpu = os.environ.get(DEVICE_ENV, "").startswith("cpu")
     return CudaAccelerator() if torch.cuda.is_available() and not wants_cpu else CpuAccelerator()

@@ -16,15 +16,14 @@ devices, diagnosed when a rank is missing) live in ``zengine.distributed.collect
 """
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as _dist
 
-from .distributed.process_group import _LAUNCHER_ENV
 from .distributed.process_group import init_distributed as _init_distributed
+from .distributed.process_group import local_rank as _local_rank
 
 ReduceOp = _dist.ReduceOp  # DeepSpeed's enum mirrors torch's members (SUM, AVG, MAX, ...): use torch's directly
 
@@ -62,12 +61,9 @@ def get_world_size(group=None) -> int:
 
 
 def get_local_rank() -> int:
-    """This process's rank on its node (``LOCAL_RANK``; OpenMPI's and SLURM's names too)."""
-    names = ["LOCAL_RANK"] + [src for src, dst in _LAUNCHER_ENV.items() if dst == "LOCAL_RANK"]
-    for name in names:
-        if name in os.environ:
-            return int(os.environ[name])
-    return 0
+    """This process's rank on its node: ``LOCAL_RANK``, else OpenMPI's, MVAPICH's, MPICH's or SLURM's
+    variable (``zengine.distributed.process_group.local_rank``, the rule every part uses)."""
+    return _local_rank()
 
 
 def get_global_rank(group=None, group_rank: int = 0) -> int:

@@ -1,11 +1,30 @@
-"""Process-group set-up and this process's placement (rank, device).
+"""Process-group set-up and this process's placement (rank, local rank, device).
 
 The compute device is decided once, here, from the process group's backend
-(``resolve_device``): NCCL computes on ``cuda:LOCAL_RANK``; gloo on the CPU
+(``resolve_device``): NCCL computes on this rank's GPU; gloo on the CPU
 unless the caller asks otherwise with ``ZENGINE_DEVICE`` (``cpu``, ``cuda``
 or ``cuda:N``). Nothing else in the engine looks at whether CUDA happens to
 be visible: every tensor the engine makes is made on ``ProcessPlacement.device`` or,
 for host-side work (offload, swap, checkpoints), on the CPU by design.
+
+Which GPU is "this rank's" (torch's and DeepSpeed's rules, with the per-rank visibility that
+SLURM and MPI set-ups use):
+
+1. The local rank (``local_rank``) is the first of ``LOCAL_RANK`` (torchrun, the zengine launcher),
+   ``OMPI_COMM_WORLD_LOCAL_RANK`` (OpenMPI), ``MV2_COMM_WORLD_LOCAL_RANK`` (MVAPICH),
+   ``MPI_LOCALRANKID`` (MPICH, Intel MPI) and ``SLURM_LOCALID`` (srun) that is set. SLURM's comes
+   last because an ``sbatch`` shell carries ``SLURM_LOCALID=0`` into every process ``mpirun`` starts.
+2. With none of them set and a world of several ranks (a group the script made from ``RANK`` and
+   ``WORLD_SIZE`` alone), it is ``rank % visible GPUs``: torch's DeviceMesh heuristic, right when
+   each node runs its ranks as one consecutive block of at most that many ranks (mpirun's and
+   SLURM's default block placement). DeepSpeed would ask MPI for the host names instead; that needs
+   mpi4py, and every MPI launcher that places ranks otherwise sets one of the variables above.
+3. The GPU index is the local rank when that many GPUs are visible. When exactly one is visible
+   (``CUDA_VISIBLE_DEVICES`` set per rank) it is ``cuda:0`` whatever the local rank. A local rank
+   past a visible count above one is refused, naming the variable, the count and
+   ``CUDA_VISIBLE_DEVICES``: there is no such GPU, and folding it onto one that exists would put two
+   ranks of the node on one GPU, which NCCL refuses ("Duplicate GPU detected") far from the cause.
+4. ``ZENGINE_DEVICE=cuda:N`` names the index outright; ``ZENGINE_DEVICE=cuda`` follows rule 3.
 """
 from __future__ import annotations
 
@@ -13,19 +32,23 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .shutdown import created_process_group
 
-# Environment variables of other launchers, mapped onto torchrun's names.
+# Environment variables of other launchers, mapped onto torchrun's names (OpenMPI's first: an sbatch
+# shell's SLURM_PROCID=0 reaches every rank mpirun starts). The local rank has its own lookup (local_rank).
 _LAUNCHER_ENV = {
     "OMPI_COMM_WORLD_RANK": "RANK", "OMPI_COMM_WORLD_SIZE": "WORLD_SIZE",
-    "OMPI_COMM_WORLD_LOCAL_RANK": "LOCAL_RANK",
-    "SLURM_PROCID": "RANK", "SLURM_NTASKS": "WORLD_SIZE", "SLURM_LOCALID": "LOCAL_RANK",
+    "SLURM_PROCID": "RANK", "SLURM_NTASKS": "WORLD_SIZE",
 }
+
+# Where launchers put a process's rank on its node, in the order they are believed (module doc, rule 1).
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                        "SLURM_LOCALID")
 
 
 DEVICE_ENV = "ZENGINE_DEVICE"
@@ -54,29 +77,90 @@ def _default_device_type(backend: Optional[str]) -> str:
     return accelerators[0] if accelerators else "cpu"
 
 
-def resolve_device(backend: Optional[str], local_rank: int, requested: Optional[str] = None) -> torch.device:
+def visible_cuda_devices() -> int:
+    """How many CUDA devices this process sees (after ``CUDA_VISIBLE_DEVICES``); 0 without CUDA."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _launcher_local_rank() -> Optional[tuple[str, int]]:
+    """The first local-rank variable that is set, as (name, value); None when a launcher set none."""
+    for name in LOCAL_RANK_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return name, int(value)
+    return None
+
+
+def local_rank(device_count: Callable[[], int] = visible_cuda_devices) -> int:
+    """This process's rank on its node (module doc, rules 1 and 2): the first local-rank variable set
+    (``LOCAL_RANK``, OpenMPI's, MVAPICH's, MPICH's, SLURM's); with none, in a world of several ranks,
+    the global rank modulo ``device_count()`` (when above one); else 0. The global rank and world size
+    are the process group's once it exists, ``RANK``/``WORLD_SIZE`` before."""
+    found = _launcher_local_rank()
+    if found is not None:
+        return found[1]
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    count = device_count() if world > 1 else 0
+    return rank % count if count > 1 else 0
+
+
+def _visible(count: int) -> str:
+    """The visible CUDA device count and where it came from, for messages."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (f"{count} CUDA device(s) are visible (CUDA_VISIBLE_DEVICES="
+            f"{'unset' if listed is None else repr(listed)})")
+
+
+def gpu_index(local_rank: int, count: int) -> int:
+    """The CUDA device index for a rank with this local rank when ``count`` devices are visible (module
+    doc, rule 3): the local rank; 0 when one device is visible (a GPU per process). Raises, naming
+    the local-rank variable, the count and ``CUDA_VISIBLE_DEVICES``, when there is no such device."""
+    if count == 1:
+        return 0
+    if 0 <= local_rank < count:
+        return local_rank
+    found = _launcher_local_rank()
+    origin = f", {found[0]}={found[1]}" if found is not None and found[1] == local_rank else ""
+    where = (f"zengine: this rank (local rank {local_rank}{origin}) would compute on cuda:{local_rank} but "
+             f"{_visible(count)}")
+    if count == 0:
+        raise RuntimeError(f"{where}; train on the CPU with gloo ({DEVICE_ENV}=cpu), or make a GPU visible")
+    raise RuntimeError(f"{where}; start at most {count} process(es) per node (--num_gpus {count}), or make one "
+                       f"GPU visible to each process (CUDA_VISIBLE_DEVICES set per rank; it then computes on "
+                       f"cuda:0), or name the device ({DEVICE_ENV}=cuda:N)")
+
+
+def resolve_device(backend: Optional[str], local_rank: int, requested: Optional[str] = None,
+                   device_count: Callable[[], int] = visible_cuda_devices) -> torch.device:
     """The compute device for a rank: ``requested`` (else ``$ZENGINE_DEVICE``) when given, else from the
-    backend (NCCL, or a per-device backend naming an accelerator: that accelerator's device
-    ``local_rank``; gloo and unknown backends: CPU). Refuses a device the backend cannot communicate on,
-    or a CUDA device that is not there, naming what to change."""
+    backend (NCCL, or a per-device backend naming an accelerator: that accelerator; gloo and unknown
+    backends: CPU). A CUDA device without an index is ``gpu_index(local_rank, device_count())``;
+    other accelerators take index ``local_rank``. Refuses a device the backend cannot communicate on,
+    or a CUDA device that is not there, naming what to change. ``device_count`` counts the visible
+    CUDA devices (tests pass their own)."""
     requested = requested or os.environ.get(DEVICE_ENV) or None
     if requested is None:
         kind = _default_device_type(backend)
-        device = torch.device("cpu") if kind == "cpu" else torch.device(kind, local_rank)
+        device = torch.device("cpu") if kind == "cpu" else torch.device(kind)
     else:
         device = torch.device(requested)
-        if device.type not in ("cpu", "meta") and device.index is None:
-            device = torch.device(device.type, local_rank)
     allowed = backend_device_types(backend)
     if allowed is not None and device.type not in allowed:
         raise RuntimeError(f"zengine: the {backend} backend cannot communicate {device.type} tensors "
                            f"({DEVICE_ENV}={requested!r}); use gloo for CPU training (init_distributed('gloo'))")
     if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if device.index >= count:
-            raise RuntimeError(f"zengine: this rank would compute on {device} but {count} CUDA device(s) are "
-                               f"visible; start at most {count} process(es) per node (--num_gpus {count}), or "
-                               f"train on the CPU with gloo ({DEVICE_ENV}=cpu)")
+        count = device_count()
+        if device.index is None:
+            return torch.device("cuda", gpu_index(local_rank, count))
+        if device.index >= count:  # asked for by index: taken as given, so only its existence is checked
+            raise RuntimeError(f"zengine: this rank would compute on {device} (asked for: {requested!r}) but "
+                               f"{_visible(count)}; ask for a visible index, or for 'cuda' (this rank's GPU), "
+                               f"or train on the CPU with gloo ({DEVICE_ENV}=cpu)")
+    elif device.type not in ("cpu", "meta") and device.index is None:
+        device = torch.device(device.type, local_rank)
     return device
 
 
@@ -95,7 +179,7 @@ class ProcessPlacement:
         from ``resolve_device`` unless ``device`` names one."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local = local_rank()
         backend = dist.get_backend() if dist.is_initialized() else None
         return cls(rank, local, world, resolve_device(backend, local, device))
 
@@ -152,7 +236,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", str(local_rank()))  # scripts and torch read LOCAL_RANK alone
     if "MASTER_ADDR" not in os.environ:
         if int(os.environ["WORLD_SIZE"]) > 1:
             raise RuntimeError(
@@ -163,7 +247,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     wants_cpu = os.environ.get(DEVICE_ENV, "").startswith("cpu")
     backend = dist_backend or ("nccl" if torch.cuda.is_available() and not wants_cpu else "gloo")
     if backend == "nccl":
-        device = resolve_device(backend, int(os.environ["LOCAL_RANK"]))  # a clear error when there is no such GPU
+        device = resolve_device(backend, local_rank())  # a clear error when there is no such GPU
         torch.cuda.set_device(device)
     kwargs = {"timeout": timeout} if timeout is not None else {}
     if init_method is not None:  # tcp:// and file:// need rank and world size given
