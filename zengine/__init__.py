@@ -12,6 +12,7 @@ import importlib
 
 from .api import initialize
 from .distributed import init_distributed
+from .distributed.agreement import CollectiveCallError
 from .distributed.diagnose import CollectiveTimeoutError, RanksOutOfStepError
 from .engine import Engine
 from . import zero
@@ -23,7 +24,7 @@ from .zero.stage3.grads import ExternalUseError
 __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "Engine", "add_config_arguments", "zero", "__version__",
            # what a training step may raise (docs/API.md, "Errors and environment")
-           "CollectiveTimeoutError", "ExternalUseError", "FetchOrderError", "NonFiniteGradientError",
+           "CollectiveCallError", "CollectiveTimeoutError", "ExternalUseError", "FetchOrderError", "NonFiniteGradientError",
            "RanksOutOfStepError"]
 
 # Submodules a DeepSpeed script reaches as attributes (deepspeed.comm.get_rank(), deepspeed.ops.adam ...)

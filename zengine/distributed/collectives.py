@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import diagnose
+from . import agreement, diagnose
 from .process_group import backend_device_types
 
 
@@ -60,6 +60,10 @@ class Pending:
             except RuntimeError as err:
                 if self.work.is_completed():  # the collective itself failed (not just this slice)
                     raise diagnose.collective_failed(_describe(self.what), err) from err
+            # a peer waits in a call every rank must make: it will not come here (the cause, so named first)
+            elsewhere = agreement.stranded()
+            if elsewhere:
+                raise agreement.stranded_error(_describe(self.what), elsewhere)
             if diagnose.peer_departed():
                 raise diagnose.collective_failed(_describe(self.what), diagnose.PeerLeft(
                     "a peer rank finished or failed while this rank waited"))

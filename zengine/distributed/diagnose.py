@@ -135,6 +135,11 @@ def current(state: str, where: str = "") -> Progress:
     return Progress(state, steps, micro, f"{where} ({context})" if context else where)
 
 
+def first_reported() -> Optional[BaseException]:
+    """The first failure diagnosed in this process (an error already naming every rank), or None."""
+    return _reported[0]
+
+
 def is_backend_failure(err: BaseException) -> bool:
     """True for a communication failure reported by the backend (timeout, closed connection)."""
     if isinstance(err, PeerLeft):

@@ -28,6 +28,7 @@ from torch import nn
 from .. import checkpoint, checkpointing
 from ..config import ZengineConfig, format_config
 from ..distributed import diagnose, shutdown
+from ..distributed import agreement
 from ..distributed.process_group import ProcessPlacement
 from ..log import setup_logging
 from ..monitor import StepReport, build_monitor
@@ -281,7 +282,8 @@ class Engine(DeepSpeedMembers, nn.Module):
                         save_latest: bool = True) -> bool:
         """Collective: write a sharded checkpoint to ``save_dir/tag`` (default tag ``global_step<N>``)
         atomically, then record ``tag`` in ``save_dir/latest``. Every rank writes only what it holds."""
-        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        with agreement.collective_call("save_checkpoint"):
+            return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
@@ -294,8 +296,9 @@ class Engine(DeepSpeedMembers, nn.Module):
         truncated file, an edited meta.json) or an empty ``latest`` raises either way. state.pt loads
         weights-only (tensors, plain values): other objects (in ``client_state``) raise
         ``CheckpointUntrustedError`` unless ``trust_client_state=True``, which may run the file's code."""
-        return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                                          load_module_only, missing_ok, trust_client_state=trust_client_state)
+        with agreement.collective_call("load_checkpoint"):
+            return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                              load_module_only, missing_ok, trust_client_state=trust_client_state)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Collective: rank 0 writes the full model's state_dict in the compute dtype, module by module.
@@ -310,7 +313,8 @@ class Engine(DeepSpeedMembers, nn.Module):
                                "only with zero_optimization.stage3_gather_16bit_weights_on_model_save true (as in "
                                "DeepSpeed); set it, or export a checkpoint with zengine-to-fp32")
             return False
-        return checkpoint.save_16bit_model(self, save_dir, save_filename)
+        with agreement.collective_call("save_16bit_model"):
+            return checkpoint.save_16bit_model(self, save_dir, save_filename)
 
     # -- accounting -----------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:

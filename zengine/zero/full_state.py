@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..distributed import collectives
+from ..distributed import agreement, collectives
 
 # id(parameter) -> (the optimizer, weakly; group index, parameter index); entries go with their parameter
 _where: dict[int, tuple] = {}
@@ -44,15 +44,17 @@ def _locate(param: torch.Tensor):
     return None if opt is None else (opt, entry[1], entry[2])
 
 
-def _assemble(opt, gi: int, pi: int, local: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """The full fp32 tensor of parameter pi from this rank's pieces of ``local`` (a master-shaped tensor)."""
+def _assemble(opt, gi: int, pi: int, local: torch.Tensor, what: str, scale: float = 1.0) -> torch.Tensor:
+    """The full fp32 tensor of parameter pi from this rank's pieces of ``local`` (a master-shaped tensor);
+    ``what``: the public call, named if the ranks do not all make it."""
     g = opt.groups[gi]
     shape = g.param_shape(pi)
     out = torch.zeros(math.prod(shape), dtype=torch.float32, device=opt.device)  # [numel] fp32 on the compute device
     for lo, hi, start in g.param_pieces(pi):
         out[start:start + hi - lo].copy_(local[lo:hi])
     if not g.replicated and opt.world > 1:
-        collectives.all_reduce_sum(out, opt.comm_group)
+        with agreement.collective_call(what, opt.comm_group):
+            collectives.all_reduce_sum(out, opt.comm_group)
     if scale != 1.0:
         out.mul_(scale)
     return out.view(shape)
@@ -73,7 +75,7 @@ def get_full_fp32_param(param: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     opt, gi, pi = found
     with opt.states_resident():  # ZeRO-Infinity: the masters are in the swap file otherwise
-        return _assemble(opt, gi, pi, opt.masters[gi])
+        return _assemble(opt, gi, pi, opt.masters[gi], "safe_get_full_fp32_param")
 
 
 def set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -103,7 +105,7 @@ def get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     opt, gi, pi = found
     opt.grads.drain()
-    return _assemble(opt, gi, pi, opt.grads.owned_grad(gi), scale=opt.grad_unscale())
+    return _assemble(opt, gi, pi, opt.grads.owned_grad(gi), "safe_get_full_grad", scale=opt.grad_unscale())
 
 
 def get_full_optimizer_state(param: torch.Tensor, key: str) -> Optional[torch.Tensor]:
@@ -117,7 +119,7 @@ def get_full_optimizer_state(param: torch.Tensor, key: str) -> Optional[torch.Te
         state = opt.optimizer.state.get(opt.shard_params[gi], {}).get(key)
         if not torch.is_tensor(state) or state.shape != opt.masters[gi].shape:
             return None  # not yet created (before the first step), or a scalar such as "step"
-        return _assemble(opt, gi, pi, state)
+        return _assemble(opt, gi, pi, state, "safe_get_full_optimizer_state")
 
 
 def set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, key: str) -> None:

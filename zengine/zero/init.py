@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed import collectives
+from ..distributed import agreement, collectives
 from .stage3.fetcher import Fetcher
 from .stage3.param import ParamState, ShardedParam, lookup, register
 
@@ -190,19 +190,20 @@ def GatheredParameters(params, modifier_rank: Optional[int] = None, enabled: boo
         yield
         return
     owner = sharded[0].owner
-    if owner is not None:
-        with owner.full_params(sharded, modifier_rank=modifier_rank):
+    with agreement.collective_call("GatheredParameters", owner.comm_group if owner is not None else None):
+        if owner is not None:
+            with owner.full_params(sharded, modifier_rank=modifier_rank):
+                yield
+            return
+        fetcher = _standalone_fetcher(sharded[0].full.device)  # parameters partitioned by Init, not yet in an engine
+        todo = [sp for sp in sharded if sp.state is ParamState.SHARDED]
+        fetcher.fetch(todo, "GatheredParameters")
+        try:
             yield
-        return
-    fetcher = _standalone_fetcher(sharded[0].full.device)  # parameters partitioned by Init, not yet in an engine
-    todo = [sp for sp in sharded if sp.state is ParamState.SHARDED]
-    fetcher.fetch(todo, "GatheredParameters")
-    try:
-        yield
-    finally:
-        if modifier_rank is not None:
+        finally:
+            if modifier_rank is not None:
+                for sp in todo:
+                    collectives.broadcast(sp.full, modifier_rank)
+                    sp.write_back_full()
             for sp in todo:
-                collectives.broadcast(sp.full, modifier_rank)
-                sp.write_back_full()
-        for sp in todo:
-            sp.free()
+                sp.free()

@@ -413,7 +413,8 @@ class Fetcher:
     def _gather_failed(self, params: list[ShardedParam], error: RuntimeError) -> BaseException:
         """A gather the backend refused (gloo: the ranks' sizes differ): name it on this rank. A failure the
         diagnosis already named (a timeout, a peer gone: each rank's position in its report) stays as it is."""
-        if isinstance(error, (diagnose.CollectiveTimeoutError, diagnose.RanksOutOfStepError)):
+        if error is diagnose.first_reported() or isinstance(error, (diagnose.CollectiveTimeoutError,
+                                                                    diagnose.RanksOutOfStepError)):
             return error
         return FetchOrderError(f"stage 3: rank {self.rank}'s gather {self.check.issued_count} of "
                                f"[{', '.join(sp.name for sp in params)}] failed ({type(error).__name__}: {error}); "

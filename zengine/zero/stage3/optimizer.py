@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ...distributed import collectives
+from ...distributed import agreement, collectives
 from ..optimizer import ZeroOptimizer
 from .fetcher import Fetcher
 from .grads import ExternalUseError
@@ -183,8 +183,9 @@ class Stage3Optimizer(ZeroOptimizer):
     @contextlib.contextmanager
     def summon(self, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False,
                with_grads: bool = False):
-        with self.full_params(self.all_sharded, writeback=writeback, rank0_only=rank0_only,
-                              offload_to_cpu=offload_to_cpu):
+        with agreement.collective_call("summon_full_params", self.comm_group), \
+                self.full_params(self.all_sharded, writeback=writeback, rank0_only=rank0_only,
+                                 offload_to_cpu=offload_to_cpu):
             if with_grads:
                 self._gather_grads()
             try:
