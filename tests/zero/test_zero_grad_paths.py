@@ -1,6 +1,6 @@
 """Every gradient counts once, whatever path it took to its parameter (#24 item 2): the division by
 gradient_accumulation_steps is the step's, not the loss's. Against the single-process torch reference
-on the global batch, at gas 1 and 2, fp32 and bf16, with ``engine.backward`` and a plain
+on the global batch, at gas 1 and 2, fp32, bf16 and fp16 (a loss scale undone once), with ``engine.backward`` and a plain
 ``loss.backward()``: a model returning ``(loss, logits)`` whose loss is built from its logits; a dict
 output; two engines chained (the encoder engine's output feeds the decoder engine); a penalty computed
 outside the forward from ``engine.module.parameters()``; an engine called twice per micro-step."""
@@ -17,7 +17,7 @@ from torch import nn
 import zengine
 from harness import spawn
 
-DIM, STEPS, MICRO, LR, PENALTY = 8, 3, 2, 0.1, 1e-2  # plain SGD: an update shows any error in a gradient's scale
+DIM, STEPS, MICRO, LR, PENALTY = 8, 3, 2, 0.1, 1e-1  # plain SGD: an update shows any error in a gradient's scale
 
 
 class Net(nn.Module):
@@ -45,6 +45,8 @@ def _config(gas: int, precision: str):
            "zero_optimization": {"stage": 2, "reduce_bucket_size": 100}}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if precision == "fp16":  # dynamic loss scaling: the scale must be undone once, whatever the path
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 12}
     return cfg
 
 
@@ -100,12 +102,32 @@ def grad_paths(pattern: str, gas: int, precision: str, plain: bool) -> dict:
     return out
 
 
-TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2}  # bf16: the parameters' own rounding over a few steps
+TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 4e-3}  # 16-bit: the parameters' own rounding over a few steps
 
 
 @pytest.mark.parametrize("pattern", ["tuple", "dict", "chained", "penalty", "twice"])
 @pytest.mark.parametrize("gas,precision,plain", [(2, "fp32", True), (2, "fp32", False), (1, "bf16", True),
-                                                 (2, "bf16", False)])
+                                                 (2, "bf16", False), (2, "fp16", True), (1, "fp16", False)])
 def test_every_gradient_counts_once(pattern, gas, precision, plain):
     for errors in spawn(grad_paths, 2, pattern, gas, precision, plain):
         assert max(errors.values()) < TOLERANCE[precision], errors
+
+
+def mixed_window() -> str:
+    torch.manual_seed(0)
+    engine = zengine.initialize(model=Net(), config=_config(2, "fp16"))[0]
+    x, y = torch.randn(MICRO, DIM), torch.randn(MICRO, DIM)
+    engine.backward(engine(x, y))  # the loss times the loss scale over the accumulation steps
+    engine.step()
+    engine(x, y).backward()        # a plain backward: nothing to scale
+    try:
+        engine.step()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_fp16_window_mixing_scaled_and_plain_backward_is_refused():
+    """Their gradients carry different factors, so no one factor turns their sum into the gradient."""
+    message = spawn(mixed_window, 1)[0]
+    assert "carried different factors" in message and "engine.backward(loss)" in message, message

@@ -184,6 +184,9 @@ def backward_style_run(stage, precision, gas, style, boxed=False, **overrides):
 FP16_STATIC = {"fp16": {"enabled": True, "loss_scale": 128}}
 
 
+FP16_PLAIN_TOL = 2e-3  # fp16 rounding of unscaled vs scaled gradients over a few steps (a factor error is >= 0.5)
+
+
 def plain_backward_matrix(stage):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -194,8 +197,11 @@ def plain_backward_matrix(stage):
         case = f"stage {stage} {precision} gas {gas}"
         e_norms, e_params, _ = backward_style_run(stage, precision, gas, "engine", **overrides)
         p_norms, p_params, p_scales = backward_style_run(stage, precision, gas, "plain", **overrides)
-        assert p_norms == pytest.approx(e_norms, rel=1e-6), f"{case}: loss.backward() vs engine.backward()"
-        assert_params_close(p_params, e_params, 1e-6, f"{case}: loss.backward() vs engine.backward()", start)
+        # fp16: a plain backward runs without the loss scale (the engine never sees the loss), so the two
+        # differ by fp16's rounding of unscaled against scaled gradients, not by a factor
+        tol = 1e-6 if precision == "fp32" else FP16_PLAIN_TOL
+        assert p_norms == pytest.approx(e_norms, rel=tol), f"{case}: loss.backward() vs engine.backward()"
+        assert_params_close(p_params, e_params, tol, f"{case}: loss.backward() vs engine.backward()", start)
         if precision == "fp16":
             assert p_scales == [128.0] * STEPS, p_scales
     # fp32 against plain torch too: the factor 1/gas was applied exactly once
@@ -212,13 +218,11 @@ def plain_backward_matrix(stage):
         p_norms, p_params, _ = backward_style_run(stage, "fp32", gas, "plain", boxed=True)
         assert p_norms == pytest.approx(e_norms, rel=1e-6), f"stage {stage}: boxed loss, gas {gas}"
         assert_params_close(p_params, e_params, 1e-6, f"stage {stage}: boxed loss, gas {gas}", start)
-    # ... with fp16 (factor loss scale / gas) step() refuses it by name, on every rank, rather than train wrong
-    engine = make_engine(stage, "fp16", 2, BoxedEdgeNet, **FP16_STATIC)
-    x, y = micro_batch(make_batches(1, MICRO * 2 * world)[0], rank, world, MICRO, 0)
-    engine(x, y).loss.backward()  # the backward itself is accepted
-    with pytest.raises(RuntimeError, match=r"engine\.backward") as err:
-        engine.step()
-    assert "loss scale" in str(err.value)
+    # ... and with fp16 too: nothing is multiplied on the way, the step divides by what the pass carried (1)
+    e_norms, e_params, _ = backward_style_run(stage, "fp16", 2, "engine", boxed=True, **FP16_STATIC)
+    p_norms, p_params, _ = backward_style_run(stage, "fp16", 2, "plain", boxed=True, **FP16_STATIC)
+    assert p_norms == pytest.approx(e_norms, rel=FP16_PLAIN_TOL), f"stage {stage}: boxed fp16 loss"
+    assert_params_close(p_params, e_params, FP16_PLAIN_TOL, f"stage {stage}: boxed fp16 loss", start)
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -8,64 +8,81 @@ Real DeepSpeed scripts often call ``loss.backward()`` and then
 
 - the engine's forward outputs carry a gradient hook. When a backward
   reaches them that ``engine.backward`` did not start, the hook opens the
-  bracket and, with fp16, multiplies the incoming gradient by the loss
-  scale over the accumulation steps: the factor ``engine.backward``
-  applies to the loss, applied one step later in the chain rule (the loss
-  function's own backward then runs unscaled). The bracket closes in a callback autograd runs when the pass
-  is over.
+  bracket; the bracket closes in a callback autograd runs when the pass is over.
 - when no output carried the hook (the model returned a type the engine
-  cannot look into) the first parameter gradient opens the bracket. That
-  backward is unscaled: fine when the factor is 1 (fp32, bf16), refused by
-  name at ``step()`` when it is not.
+  cannot look into) the first parameter gradient opens the bracket.
 
-In fp32 and bf16 the division by ``gradient_accumulation_steps`` is not a
-factor here: the step applies it once to the summed gradients
-(``ZeroOptimizer.grad_unscale``).
-A factor applied at the outputs would count again for a gradient that passes
-through two outputs (a model returning ``(loss, logits)``), through another
-engine's outputs (chained engines), or none (a term computed outside the
-forward). With fp16 the factor still rides on the outputs (to keep fp16's range), so a plain
-``loss.backward()`` of a loss that reaches the parameters through several
-outputs is scaled more than once: use ``engine.backward(loss)`` there.
+Nothing is multiplied on the way: a gradient is scaled exactly once, by
+whatever the pass's loss was multiplied by, whatever path it took to its
+parameter (a model returning ``(loss, logits)`` with the loss built from the
+logits, another engine's outputs, a term computed outside the forward, an
+engine called twice). That factor is 1 in fp32 and bf16 (the step divides by
+``gradient_accumulation_steps``), and with fp16 the loss scale over the
+accumulation steps for a pass that ``engine.backward`` started (DeepSpeed's
+way, to keep fp16's range). Every engine the pass reaches (chained engines)
+records the factor of the pass, not its own: it is the root's loss that was
+scaled. A plain ``loss.backward()`` in fp16 has nothing to scale (the engine
+never sees the loss): it runs with factor 1, correct but without the loss
+scale's protection against underflow, and the engine says so once.
+The step divides the summed gradients by the factor its accumulation window
+carried (``ZeroOptimizer.grad_unscale``); a window whose passes carried
+different factors (``engine.backward`` and a plain fp16 ``loss.backward()``
+mixed before one step) is refused by name at ``step()``.
 """
 from __future__ import annotations
 
 import contextlib
 import enum
-from typing import Any, Callable
+import logging
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
+
+logger = logging.getLogger("zengine")
 
 
 class BackwardMode(enum.Enum):
     IDLE = "idle"            # no backward pass in progress
     EXPLICIT = "explicit"    # inside engine.backward(loss): the loss was scaled there
-    IMPLICIT = "implicit"    # a plain loss.backward() that reached a hooked output: scaled at the outputs
-    UNSCALED = "unscaled"    # a plain loss.backward() seen first at a parameter: nothing was scaled
+    IMPLICIT = "implicit"    # a pass this engine did not start: a plain loss.backward(), or another engine's
+
+
+# The factor the loss of the engine.backward pass now running was multiplied by (None: no such pass).
+# Process-wide, because one pass can run through several engines (chained engines).
+_pass_factor: list[Optional[float]] = [None]
 
 
 class BackwardTracker:
-    """Opens and closes the gradient store's bracket around every backward pass through the model."""
+    """Opens and closes the gradient store's bracket around every backward pass through the model, and
+    records the factor the gradients of the current accumulation window carry."""
 
-    def __init__(self, begin: Callable[[], None], end: Callable[[], None], factor: Callable[[], float]):
-        self._begin = begin    # optimizer.begin_backward with the engine's boundary / no_sync state
-        self._end = end        # optimizer.end_backward
-        self._factor = factor  # 1 in fp32/bf16; the fp16 loss scale / gradient_accumulation_steps
+    def __init__(self, begin: Callable[[], None], end: Callable[[], None], factor: Callable[[], float],
+                 carried: Callable[[Optional[float]], None]):
+        self._begin = begin      # optimizer.begin_backward with the engine's boundary / no_sync state
+        self._end = end          # optimizer.end_backward
+        self._factor = factor    # 1 in fp32/bf16; the fp16 loss scale / gradient_accumulation_steps
+        self._carried = carried  # tells the step what the window's gradients carry (None: reset)
         self.mode = BackwardMode.IDLE
-        self.unscaled_since_step = False  # an UNSCALED backward ran since the last step
+        self._window: Optional[float] = None   # the factor of this accumulation window's first pass
+        self._mixed: Optional[tuple[float, float]] = None
+        self._warned_unscaled = False
 
     @contextlib.contextmanager
     def explicit(self):
-        """``engine.backward``: the loss is already scaled; bracket the pass."""
+        """``engine.backward``: the loss is already multiplied by ``factor()``; bracket the pass."""
         if self.mode is not BackwardMode.IDLE:
             raise RuntimeError("engine.backward() was called inside another backward pass (from a gradient hook?)")
+        factor = self._factor()
+        self._note(factor)
         self._begin()
         self.mode = BackwardMode.EXPLICIT
+        outer, _pass_factor[0] = _pass_factor[0], factor
         try:
             yield
         finally:
             self.mode = BackwardMode.IDLE
+            _pass_factor[0] = outer
         self._end()
 
     def hook_outputs(self, out: Any) -> None:
@@ -75,38 +92,54 @@ class BackwardTracker:
             if torch.is_tensor(t) and t.requires_grad and t.is_floating_point():
                 t.register_hook(self._on_output_grad)
 
-    def _on_output_grad(self, grad: torch.Tensor):
-        if self.mode is BackwardMode.EXPLICIT:
-            return None
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
         if self.mode is BackwardMode.IDLE:
-            self._open(BackwardMode.IMPLICIT)
-        if self.mode is BackwardMode.IMPLICIT:
-            factor = self._factor()
-            return grad * factor if factor != 1.0 else None
-        return None
+            self._open()
+        return None  # nothing multiplied: see the module doc
 
     def on_param_grad(self) -> None:
         """Called before the store handles a parameter's gradient: opens the bracket if nobody did."""
         if self.mode is BackwardMode.IDLE:
-            self.unscaled_since_step = True
-            self._open(BackwardMode.UNSCALED)
+            self._open()
 
-    def _open(self, mode: BackwardMode) -> None:
+    def _open(self) -> None:
+        factor = _pass_factor[0]
+        if factor is None:  # a plain loss.backward(): nobody scaled its loss
+            factor = 1.0
+            if self._factor() != 1.0 and not self._warned_unscaled:
+                self._warned_unscaled = True
+                logger.warning("zengine: fp16 with a plain loss.backward(): the engine cannot scale a loss it "
+                               "never sees, so this backward runs without the loss scale (correct, but small "
+                               "gradients may underflow in fp16); engine.backward(loss) applies it")
+        self._note(factor)
         self._begin()
-        self.mode = mode
+        self.mode = BackwardMode.IMPLICIT
         torch.autograd.Variable._execution_engine.queue_callback(self._close)
 
     def _close(self) -> None:
         self.mode = BackwardMode.IDLE
         self._end()
 
+    def _note(self, factor: float) -> None:
+        """The window's gradients carry ``factor``; a pass with another factor in the same window is refused."""
+        if self._window is None:
+            self._window = factor
+            self._carried(factor)
+        elif factor != self._window and self._mixed is None:
+            self._mixed = (self._window, factor)
+
     def check_step(self) -> None:
-        """At ``step()``: refuse gradients from a backward that could not be scaled when scaling matters."""
-        unscaled, self.unscaled_since_step = self.unscaled_since_step, False
-        factor = self._factor()
-        if unscaled and factor != 1.0:
+        """At ``step()``: refuse a window whose passes carried different factors (their sum is no gradient)."""
+        if self._mixed is not None:
+            first, other = self._mixed
+            self._mixed = None
             raise RuntimeError(
-                f"engine.step(): gradients came from a loss.backward() that did not pass through the engine's "
-                f"outputs, so the engine could not apply its fp16 factor {factor:g} (loss scale / "
-                f"gradient_accumulation_steps). Call engine.backward(loss), or return the loss (or tensors) "
-                f"from the model's forward so that the engine can scale a plain loss.backward().")
+                f"engine.step(): the backward passes since the last step carried different factors ({first:g} and "
+                f"{other:g}): with fp16, engine.backward(loss) multiplies the loss by the loss scale over the "
+                f"accumulation steps and a plain loss.backward() cannot, so their gradients do not add up. Use "
+                f"one of them for every micro-step of an accumulation window.")
+
+    def end_window(self) -> None:
+        """After a boundary step: the next pass starts a new window."""
+        self._window = None
+        self._carried(None)

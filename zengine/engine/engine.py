@@ -81,7 +81,8 @@ class Engine(DeepSpeedMembers, nn.Module):
         self.scaler = make_loss_scaler(config.fp16)
         # Every backward pass is bracketed (backward.py); a plain loss.backward() the outputs could not catch
         # is seen by the optimizer at its first parameter gradient, which opens the bracket through the tracker.
-        self._backward = BackwardTracker(self._begin_backward, self._end_backward, self._grad_factor)
+        self._backward = BackwardTracker(self._begin_backward, self._end_backward, self._grad_factor,
+                                         self._window_carries)
         self.optimizer = build_zero_optimizer(
             model, config, named_groups, optimizer_factory(optimizer, config), self.scaler,
             Ranks(placement.world_size, placement.rank, placement.device), self._backward.on_param_grad)
@@ -141,7 +142,7 @@ class Engine(DeepSpeedMembers, nn.Module):
         with self.timers(FORWARD), self.optimizer.forward_context():
             out = self.module(*cast_floating(args, dtype), **cast_floating(kwargs, dtype))
         if torch.is_grad_enabled():
-            self._backward.hook_outputs(out)  # so that a plain loss.backward() is scaled and bracketed
+            self._backward.hook_outputs(out)  # so that a plain loss.backward() is bracketed
         return out
 
     @contextlib.contextmanager
@@ -155,7 +156,8 @@ class Engine(DeepSpeedMembers, nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of ``loss`` (in fp32 and bf16 as it is; with fp16 times the loss scale over the
-        accumulation steps, as DeepSpeed does, to keep fp16's range).
+        accumulation steps, as DeepSpeed does, to keep fp16's range: every gradient of the pass carries that
+        factor once, whatever its path, and the step divides it out).
 
         In fp32 and bf16 the division by ``gradient_accumulation_steps`` is applied once, when the step
         turns the summed gradients into the master gradients, so every gradient that reaches a parameter
@@ -180,6 +182,11 @@ class Engine(DeepSpeedMembers, nn.Module):
         if loss_carries_accumulation(self.config.fp16):
             return self.scaler.scale / self.gradient_accumulation_steps()
         return self.scaler.scale
+
+    def _window_carries(self, factor) -> None:
+        """The accumulation window's gradients carry ``factor`` (their loss's multiplier; None: a new window):
+        the step divides their sum by it times the accumulation steps (engine/backward.py)."""
+        self.optimizer.window_multiplier = None if factor is None else factor * self.gradient_accumulation_steps()
 
     def _begin_backward(self) -> None:
         self.accumulation.backward_since_step = True
@@ -208,7 +215,10 @@ class Engine(DeepSpeedMembers, nn.Module):
         self.accumulation.backward_since_step = False
         if boundary:
             with self.timers(STEP):
-                outcome = self.optimizer.step(self.micro_steps)
+                try:
+                    outcome = self.optimizer.step(self.micro_steps)
+                finally:
+                    self._backward.end_window()
             self._step_applied = outcome is StepOutcome.APPLIED
             if outcome is StepOutcome.NO_BACKWARD:  # on every rank: nothing happened, nothing is counted
                 self._warn_idle_step()

@@ -106,6 +106,7 @@ class ZeroOptimizer:
         self.clip = rules.clip
         self.allgather_bucket_numel = int(rules.allgather_bucket_numel)
         self.accumulation_steps = int(rules.accumulation_steps)  # (set_train_batch_size changes it)
+        self.window_multiplier: Optional[float] = None  # the engine's: what the window's gradients carry
         self.placement = placement
         self.master_store = masters
         self.grads = grads
@@ -186,7 +187,11 @@ class ZeroOptimizer:
         """What the summed gradients are multiplied by to become the mean gradient of the global batch:
         1 / (world x loss scale x accumulation steps). In fp32/bf16 the accumulation steps are divided here,
         once, rather than in each loss, so a gradient counts once whichever path it took to its parameter
-        (engine/backward.py); fp16 divides each loss instead (``accumulation_steps`` is then 1)."""
+        (engine/backward.py); fp16 divides each loss instead (``accumulation_steps`` is then 1). The engine
+        sets ``window_multiplier`` (loss factor x accumulation steps) from the passes it saw: a plain fp16
+        ``loss.backward()`` carries no loss scale."""
+        if self.window_multiplier is not None:  # set by the engine: what this window's passes multiplied
+            return 1.0 / (self.world * self.window_multiplier)
         return 1.0 / (self.world * self.scaler.scale * self.accumulation_steps)
 
     def _master_grads(self) -> list[torch.Tensor]:
