@@ -21,8 +21,11 @@ def test_model_states_follow_the_zero_formulas(world):
         est = estimate(PSI, _cfg(stage), world)
         assert est.device_states == pytest.approx(expected, rel=1e-6), (stage, est.format())
         assert est.host_states == 0
-    # bf16: 2 bytes of parameter and gradient, 4 of fp32 master, 8 of moments
+    # bf16: 2 bytes of parameter, 4 of fp32 gradient shard (accumulated in fp32 at stages 2-3), 4 of fp32
+    # master, 8 of moments; a bf16 gradient shard (DeepSpeed's default) is 2
     bf16 = {**_cfg(2), "bf16": {"enabled": True}}
+    assert estimate(PSI, bf16, world).device_states == pytest.approx(2 * PSI + 16 * PSI / world, rel=1e-6)
+    bf16["data_types"] = {"grad_accum_dtype": "bf16"}
     assert estimate(PSI, bf16, world).device_states == pytest.approx(2 * PSI + 14 * PSI / world, rel=1e-6)
 
 

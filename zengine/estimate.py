@@ -7,12 +7,13 @@
     python -m zengine.estimate --params 1.3e9 --world 8 --config ds.json  # that config only
 
 Model states follow the ZeRO formulas for each stage, precision and offload (per element: parameters
-in the compute dtype, gradients in the compute dtype or fp32 where offloaded, fp32 masters unless
-the fp32 parameters serve as their own, 8 bytes of Adam moments), sharded over ``world_size`` ranks
-as the stage says. On top come the transients this engine has during a step, each bounded by a
-config key (``reduce_bucket_size`` and the buckets in flight, ``stage3_max_live_parameters``,
-``stage3_prefetch_bucket_size``) or by the largest parameter (autograd's fresh gradient of the
-parameter in hand). Activations are the model's and are not counted.
+in the compute dtype, gradients in the accumulate dtype (``zero/grad_dtypes.py``: by default fp32 at
+stages 2-3, the compute dtype at 0-1) or fp32 where offloaded, fp32 masters unless the fp32 parameters
+serve as their own, 8 bytes of Adam moments), sharded over ``world_size`` ranks as the stage says. On
+top come the transients this engine has during a step, each bounded by a config key
+(``reduce_bucket_size`` and the buckets in flight, in the reduce dtype of ``communication_data_type``;
+``stage3_max_live_parameters``, ``stage3_prefetch_bucket_size``) or by the largest parameter
+(autograd's fresh gradient of the parameter in hand). Activations are the model's and are not counted.
 
 "device" is the compute device and "host" the CPU memory that offload uses; on a CPU-only run they
 are the same memory and add up.
@@ -27,7 +28,8 @@ from typing import Any, Optional, Sequence, Union
 from torch import nn
 
 from .config import ZengineConfig, load_config
-from .zero.grads import ShardedGradients, buckets_in_flight
+from .zero.grad_dtypes import GradDtypes
+from .zero.grads import buckets_in_flight, stage2_bucket_buffers
 from .offload.state_swap import MAX_CHUNK
 
 GiB = 1 << 30
@@ -93,6 +95,8 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
     stage = zero.stage
     share = math.ceil(psi / w)  # this rank's shard of a flat buffer (padding aside)
     half = 2 if cfg.compute_dtype.itemsize == 2 else 4
+    dtypes = GradDtypes.from_config(cfg)
+    accum, wire = dtypes.accumulate.itemsize, dtypes.reduce.itemsize  # bytes per gradient element
     offload_opt = zero.offload_optimizer.device if zero.offload_optimizer.enabled else "none"
     offload_par = zero.offload_param.device if zero.offload_param.enabled else "none"
     if cpu_training:  # the host is the device: only NVMe moves anything (to the swap files)
@@ -128,7 +132,7 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
     elif states_on_host and stage >= 2:
         est.host["gradients"] = 4 * share  # fp32 shard where the optimizer steps
     else:
-        est.device["gradients"] = half * grad_elems
+        est.device["gradients"] = accum * grad_elems
         if states_on_host:
             est.host["gradients"] = 4 * share
     # fp32 masters: the fp32 parameters serve as their own unless the optimizer moved away
@@ -154,13 +158,18 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
     largest = int(largest_param) if largest_param is not None else max(numels, default=0)
     est.transients["autograd gradient"] = half * largest
     bucket = min(int(zero.reduce_bucket_size), psi)
+    in_flight = buckets_in_flight(zero.overlap_comm)
+    if stage < 2 and dtypes.reduce != dtypes.accumulate:
+        # converted copies of the full buffer's buckets: those in flight and the one launching
+        est.transients["gradient buckets"] = wire * bucket * (in_flight + 1)
     if stage == 2:
-        # the bucket being reduced (or those left in flight) and the one armed ahead
-        est.transients["gradient buckets"] = half * bucket * (max(1, buckets_in_flight(zero.overlap_comm))
-                                                               + ShardedGradients.ARMED_AHEAD)
+        # those in flight, the one launching and, when gradients land in buckets, the one armed ahead
+        est.transients["gradient buckets"] = wire * bucket * stage2_bucket_buffers(in_flight,
+                                                                                   dtypes.grad_lands_in_bucket)
     if stage == 3:
         # those left in flight; a bucket reduced at once is the autograd gradient in hand (counted above)
-        est.transients["gradient buckets"] = half * bucket * buckets_in_flight(zero.overlap_comm)
+        # unless the reduce dtype is another: then it is copied into a buffer of its own
+        est.transients["gradient buckets"] = wire * bucket * (in_flight + (not dtypes.grad_lands_in_bucket))
         # gathered or being gathered (prefetch included): stage3_max_live_parameters bounds what is kept and
         # prefetched; the module about to run is fetched on top of it when needed
         est.transients["gathered parameters"] = half * min(int(zero.stage3_max_live_parameters) + largest, psi)

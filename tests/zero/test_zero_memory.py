@@ -32,7 +32,8 @@ def expected(stage, precision, world):
     half = 2 if precision == "bf16" else 4
     if stage == 3:  # every parameter split in world chunks: 16 bytes per element of this rank's chunks
         owned = sum(-(-a * b // world) for a, b in SHAPES)
-        return {"parameters": half * owned, "gradients": half * owned,
+        # (the gradient shard accumulates in fp32 at stages 2-3: zero/grad_dtypes.py)
+        return {"parameters": half * owned, "gradients": 4 * owned,
                 "master_weights": 4 * owned if precision == "bf16" else 0, "optimizer_states": 8 * owned,
                 "buffers": 0}
     shards = 1 if stage == 0 else world
@@ -41,7 +42,7 @@ def expected(stage, precision, world):
     owned = n // shards
     return {
         "parameters": half * n,
-        "gradients": half * (owned if stage == 2 else n),
+        "gradients": 4 * owned if stage == 2 else half * n,
         "master_weights": 4 * owned if precision == "bf16" else 0,  # fp32 masters alias the parameters
         "optimizer_states": 8 * owned,  # Adam: exp_avg and exp_avg_sq
         "buffers": 0,

@@ -20,7 +20,7 @@ from .base import BatchSize, Count, Flag, Number, _Section
 from .elastic import ElasticityConfig
 from .monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from .optimizer import NonFiniteGradientsConfig, OptimizerConfig, SchedulerConfig
-from .precision import BF16Config, FP16Config, precision_problem
+from .precision import DTYPES, BF16Config, DataTypesConfig, DtypeName, FP16Config, precision_problem
 from .zero import AioConfig, ZeroConfig
 
 
@@ -28,8 +28,9 @@ class ZengineConfig(_Section):
     """A whole training config. Build it with ``load_config``, which also resolves the batch sizes."""
 
     DEPRECATED_KEYS: ClassVar[Dict[str, str]] = {"bfloat16": "bf16"}
-    SECTIONS: ClassVar[Tuple[str, ...]] = ("fp16", "bf16", "zero_optimization", "aio", "activation_checkpointing",
-                                           "tensorboard", "csv_monitor", "wandb", "elasticity")
+    SECTIONS: ClassVar[Tuple[str, ...]] = ("fp16", "bf16", "data_types", "zero_optimization", "aio",
+                                           "activation_checkpointing", "tensorboard", "csv_monitor", "wandb",
+                                           "elasticity")
 
     train_batch_size: BatchSize = Field(None, description="Samples per optimizer step over all data-parallel "
                                                           "ranks: micro batch * accumulation steps * world size.")
@@ -43,6 +44,12 @@ class ZengineConfig(_Section):
                                                                    "LR or one the script passes.")
     fp16: FP16Config = Field(default_factory=FP16Config, description="float16 mixed precision.")
     bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 mixed precision.")
+    communication_data_type: Optional[DtypeName] = Field(None, description=(
+        "The dtype gradients are summed in across ranks (all-reduce, reduce-scatter): fp32, fp16 or bf16. "
+        "Default (null): the compute dtype, as DeepSpeed and FSDP2 do. fp32 with bf16/fp16 compute rounds "
+        "once instead of at each rank's addition and cannot overflow fp16, at twice the bucket bytes."))
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig, description=(
+        "grad_accum_dtype: the dtype gradients are summed in across micro-steps."))
     gradient_clipping: Number = Field(0.0, ge=0, description="Clip the global gradient norm to this; 0 "
                                                              "disables clipping.")
     steps_per_print: Count = Field(10, description="Log progress every this many optimizer steps.")
@@ -100,6 +107,12 @@ class ZengineConfig(_Section):
         problem = precision_problem(self.fp16, self.bf16)
         if problem:
             raise ValueError(problem)
+        wanted = self.data_types.param_dtype
+        if wanted is not None and DTYPES[wanted] != self.compute_dtype:
+            compute = next(name for name, dtype in DTYPES.items() if dtype == self.compute_dtype)
+            raise ValueError(f"data_types.param_dtype: {wanted!r} differs from the compute dtype {compute!r} "
+                             f"(set by the fp16/bf16 sections); "
+                             f"DeepSpeed requires them to match: omit param_dtype or enable the matching section")
         return self
 
     @property

@@ -1,11 +1,31 @@
-"""The mixed-precision sections, ``fp16`` (with loss scaling) and ``bf16``, and the rule that at most one is on."""
+"""The mixed-precision sections, ``fp16`` (with loss scaling) and ``bf16``, and the rule that at most one is on;
+the dtypes gradients are reduced and accumulated in (``communication_data_type``, ``data_types``)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import Field
+import torch
+from pydantic import BeforeValidator, Field
 
 from .base import Count, Flag, Integer, Number, _Section
+
+# DeepSpeed reads communication_data_type case-insensitively and data_types' keys by its DtypeEnum, which
+# also knows torch's names; both spellings land on these three.
+_DTYPE_SPELLINGS = {"float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+                    "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+                    "bfloat16": "bf16", "torch.bfloat16": "bf16"}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _dtype_name(value: Any) -> Any:
+    if isinstance(value, str):
+        text = value.strip().lower()
+        return _DTYPE_SPELLINGS.get(text, text)
+    return value
+
+
+DtypeName = Annotated[Literal["fp32", "fp16", "bf16"], BeforeValidator(_dtype_name)]
+"""A floating dtype by DeepSpeed's name: "fp32", "fp16" or "bf16" (also "float32", "half", "bfloat16"...)."""
 
 
 class FP16Config(_Section):
@@ -35,6 +55,19 @@ class BF16Config(_Section):
     """bfloat16 mixed precision (no loss scaling needed)."""
 
     enabled: Flag = Field(False, description="Compute in bfloat16, keeping fp32 master weights.")
+
+
+class DataTypesConfig(_Section):
+    """DeepSpeed's ``data_types``: the dtype gradients are summed in across micro-steps (``param_dtype`` is
+    only checked against the compute dtype; ``buffer_dtype`` is in ``unsupported.py``)."""
+
+    grad_accum_dtype: Optional[DtypeName] = Field(None, description=(
+        "The dtype of the gradient sum over micro-steps: the gradient shard at stages 2-3, the full gradient "
+        "buffer at stages 0-1. Default (null): fp32 at stages 2-3, the compute dtype at stages 0-1. With "
+        "optimizer offload the host shard is fp32 whatever this says, as in DeepSpeed."))
+    param_dtype: Optional[DtypeName] = Field(None, description=(
+        "DeepSpeed's parameter dtype; accepted only when it names the compute dtype (DeepSpeed requires the "
+        "same), as the fp16/bf16 sections choose it."))
 
 
 def precision_problem(fp16: FP16Config, bf16: BF16Config) -> Optional[str]:

@@ -29,6 +29,11 @@ backward runs in another order than its parameters were registered would
 otherwise hold every bucket until the one the queue waits for completes
 (measured: the whole gradient, +1.1 units of the model at stage 2, W=2,
 against +0.26 in order).
+
+Bucket buffers are in the reduce dtype and the sums over micro-steps in the
+accumulate dtype (``grad_dtypes.py``). Where the reduce dtype is not autograd's,
+gradients cannot land in a bucket (a ``.grad`` has its parameter's dtype): each
+is copied in, converted, and no bucket is armed ahead.
 """
 from __future__ import annotations
 
@@ -40,7 +45,15 @@ import torch
 
 from ..distributed import collectives
 from .flat_group import FlatParamGroup
+from .grad_dtypes import GradDtypes
 from .layout import Bucket, gradient_buckets, intersect
+
+
+def stage2_bucket_buffers(in_flight: int, armed: bool) -> int:
+    """Bucket buffers a stage-2 backward holds at most (``zengine.estimate`` counts them): while a bucket
+    launches, those still in flight, itself and, when gradients land in buckets, the one armed ahead (it is
+    armed before the oldest reduction is waited for)."""
+    return in_flight + 1 + (ShardedGradients.ARMED_AHEAD if armed else 0)
 
 
 def buckets_in_flight(overlap_comm: bool) -> int:
@@ -136,17 +149,29 @@ class GradientStore:
 
 
 class FullGradients(GradientStore):
-    """Full gradient buffers, all-reduced bucket by bucket (stages 0 and 1)."""
+    """Full gradient buffers, all-reduced bucket by bucket (stages 0 and 1).
 
-    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, comm_group=None):
+    In the accumulate dtype. When that is the compute dtype the parameters' ``.grad`` are views into them
+    and autograd accumulates there; otherwise each fresh gradient is added in, converted, and ``.grad``
+    dropped. When the reduce dtype differs from the accumulate dtype, each bucket is summed as a converted
+    copy and copied back; as at stage 2, at most ``in_flight`` copies are left in flight when a launch
+    returns, so that no rank holds a second whole gradient.
+    """
+
+    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, dtypes: GradDtypes, comm_group=None,
+                 in_flight: int = 0):
         self.groups = groups
         self.comm_group = comm_group
-        # [padded] compute dtype per group; the parameters' .grad are views into it.
-        self.flat_grads = [torch.zeros_like(g.flat) for g in groups]
+        self.views = dtypes.accumulate == dtypes.compute  # the parameters' .grad can be views into the buffers
+        self.reduce_dtype = dtypes.reduce
+        self.converts = dtypes.reduce != dtypes.accumulate  # buckets are summed as converted copies
+        self.in_flight_limit = max(0, int(in_flight))  # converted copies left in flight when a launch returns
+        self.flat_grads = [torch.zeros(g.flat.shape, dtype=dtypes.accumulate, device=g.flat.device)
+                           for g in groups]  # [padded] accumulate dtype per group
         self.queues = [_BucketQueue(g, bucket_numel) for g in groups]
         for q in self.queues:  # the full buffers exist anyway: the launch order changes no memory here
             q.recording = False
-        self.works: list = []
+        self.works: deque = deque()  # (work, bucket piece, its converted copy or None) in launch order
         self.sync = True
         self.world = torch.distributed.get_world_size(comm_group)
         self.reduced = False  # the buffers hold a sum over ranks (a synchronised backward ran last)
@@ -155,7 +180,7 @@ class FullGradients(GradientStore):
     def _attach_views(self) -> None:
         for g, buf in zip(self.groups, self.flat_grads):
             for p, span in zip(g.params, g.layout.spans):
-                p.grad = buf.narrow(0, span.offset, span.numel).view(span.shape)
+                p.grad = buf.narrow(0, span.offset, span.numel).view(span.shape) if self.views else None
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
         # Accumulation micro-steps add into the full buffers locally; only the boundary reduces.
@@ -172,7 +197,11 @@ class FullGradients(GradientStore):
         g = self.groups[gi]
         p, span = g.params[pi], g.layout.spans[pi]
         view = self.flat_grads[gi].narrow(0, span.offset, span.numel)
-        if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+        if not self.views:  # the sum is kept in another dtype than autograd's: add this gradient in
+            if p.grad is not None:
+                view.add_(p.grad.reshape(-1))
+            p.grad = None
+        elif p.grad is None or p.grad.data_ptr() != view.data_ptr():
             # Someone replaced .grad (e.g. zero_grad(set_to_none=True)): fold it back into the buffer.
             if p.grad is not None:
                 view.add_(p.grad.reshape(-1))
@@ -183,7 +212,19 @@ class FullGradients(GradientStore):
 
     def _launch(self, gi: int, bucket: Bucket) -> None:
         piece = self.flat_grads[gi][bucket.start:bucket.end]
-        self.works.append(collectives.all_reduce_sum(piece, self.comm_group, async_op=True))
+        if not self.converts:  # summed in place: the full buffers exist anyway, so no limit is needed
+            self.works.append((collectives.all_reduce_sum(piece, self.comm_group, async_op=True), piece, None))
+            return
+        wire = piece.to(self.reduce_dtype)  # [bucket] reduce dtype, on the buffer's device
+        self.works.append((collectives.all_reduce_sum(wire, self.comm_group, async_op=True), piece, wire))
+        while len(self.works) > self.in_flight_limit:
+            self._complete(*self.works.popleft())
+
+    @staticmethod
+    def _complete(work, piece: torch.Tensor, wire: Optional[torch.Tensor]) -> None:
+        work.wait()
+        if wire is not None:
+            piece.copy_(wire)
 
     def end_backward(self) -> None:
         if self.sync:
@@ -194,9 +235,8 @@ class FullGradients(GradientStore):
 
     def drain(self) -> None:
         """Wait for every reduction in flight, launching nothing new."""
-        for w in self.works:
-            w.wait()
-        self.works = []
+        while self.works:
+            self._complete(*self.works.popleft())
 
     def owned_grad(self, gi: int) -> torch.Tensor:
         """The summed gradient over group gi's owned range (a view)."""
@@ -225,11 +265,12 @@ class ShardReducer(GradientStore):
     accumulating into ``.grad`` until the next synchronised backward.
     """
 
-    def __init__(self, queues: list[_BucketQueue], shards: list[torch.Tensor], copies, comm_group=None,
-                 in_flight: int = 1):
+    def __init__(self, queues: list[_BucketQueue], shards: list[torch.Tensor], copies, dtypes: GradDtypes,
+                 comm_group=None, in_flight: int = 1):
         self.queues = queues
         self.in_flight_limit = max(0, int(in_flight))  # reductions left running when a launch returns
-        self.shards = shards  # [this rank's part] per group: compute dtype, or fp32 CPU when offloaded
+        self.dtypes = dtypes  # bucket buffers in dtypes.reduce
+        self.shards = shards  # [this rank's part] per group: dtypes.shard_dtype, on the host when offloaded
         self.copies = copies  # adds reduced pieces into the shards, wherever they live (offload/copies.py)
         self.comm_group = comm_group
         self.buffers: dict[tuple[int, int], torch.Tensor] = {}
@@ -251,18 +292,20 @@ class ShardReducer(GradientStore):
         self.sync = not no_sync
         self.unreduced = self.unreduced or no_sync  # the gradients stay in .grad until a synced backward
 
-    def _new_buffer(self, key: tuple[int, int], shape: tuple, like: torch.Tensor) -> torch.Tensor:
-        """A zeroed bucket buffer of ``shape``, carved from released storage when one is big enough."""
+    def _new_buffer(self, key: tuple[int, int], shape: tuple, device: torch.device) -> torch.Tensor:
+        """A zeroed bucket buffer of ``shape`` in the reduce dtype on ``device``, carved from released
+        storage when one is big enough."""
         numel = 1
         for n in shape:
             numel *= n
+        dtype = self.dtypes.reduce
         for i, store in enumerate(self._free):
-            if store.numel() >= numel and store.dtype == like.dtype and store.device == like.device:
+            if store.numel() >= numel and store.dtype == dtype and store.device == device:
                 self._free.pop(i)
                 buf = store[:numel].view(shape).zero_()
                 break
         else:
-            buf = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            buf = torch.zeros(shape, dtype=dtype, device=device)
         self.buffers[key] = buf
         return buf
 
@@ -385,14 +428,15 @@ class ShardReducer(GradientStore):
 class ShardedGradients(ShardReducer):
     """Stage 2: buckets are contiguous flat ranges; each rank keeps the part inside its shard."""
 
-    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, use_reduce: bool, placement, comm_group=None,
-                 in_flight: int = 1):
+    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, dtypes: GradDtypes, use_reduce: bool,
+                 placement, comm_group=None, in_flight: int = 1):
         self.groups = groups
         self.use_reduce = use_reduce  # reduce to owners (NCCL) rather than all-reduce then slice (gloo)
-        dtype = torch.float32 if placement.cpu_optimizer else None
-        shards = [placement.empty(g.layout.shard_numel, dtype or g.flat.dtype, g.flat.device) for g in groups]
-        super().__init__([_BucketQueue(g, bucket_numel) for g in groups], shards, placement.copies, comm_group,
-                         in_flight)
+        self.armed = dtypes.grad_lands_in_bucket  # autograd writes into bucket buffers armed ahead
+        dtype = dtypes.shard_dtype(placement.cpu_optimizer)
+        shards = [placement.empty(g.layout.shard_numel, dtype, g.flat.device) for g in groups]
+        super().__init__([_BucketQueue(g, bucket_numel) for g in groups], shards, placement.copies, dtypes,
+                         comm_group, in_flight)
         for g in groups:
             for p in g.params:
                 p.grad = None
@@ -403,7 +447,8 @@ class ShardedGradients(ShardReducer):
     # Autograd accumulates in place into a .grad that already exists. So the next buckets' buffers are
     # made ahead of time and their parameters' .grad pointed into them: gradients then land in the
     # bucket directly, without a fresh allocation per parameter and a copy. ARMED_AHEAD buckets per
-    # group are armed beyond those in flight, so memory stays a few buckets.
+    # group are armed beyond those in flight, so memory stays a few buckets. Only when the buffers have the
+    # gradients' dtype (``armed``): a .grad must have its parameter's dtype.
     ARMED_AHEAD = 1
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
@@ -415,7 +460,7 @@ class ShardedGradients(ShardReducer):
 
     def _arm(self, gi: int, index: Optional[int]) -> None:
         buckets = self.queues[gi].buckets
-        if index is None or (gi, index) in self.buffers:
+        if not self.armed or index is None or (gi, index) in self.buffers:
             return
         bucket = buckets[index]
         buf = self._buffer(gi, bucket)
@@ -430,7 +475,7 @@ class ShardedGradients(ShardReducer):
     def _buffer(self, gi: int, bucket: Bucket) -> torch.Tensor:
         key = (gi, bucket.index)
         if key not in self.buffers:
-            self._new_buffer(key, (bucket.numel,), self.groups[gi].flat)  # [bucket] compute dtype
+            self._new_buffer(key, (bucket.numel,), self.groups[gi].flat.device)  # [bucket] reduce dtype
         return self.buffers[key]
 
     def _copy_in(self, gi: int, pi: int) -> None:
@@ -438,7 +483,7 @@ class ShardedGradients(ShardReducer):
         p, span = g.params[pi], g.layout.spans[pi]
         bucket = self._bucket_of(gi, pi)
         dst = self._buffer(gi, bucket).narrow(0, span.offset - bucket.start, span.numel)
-        if p.grad.data_ptr() != dst.data_ptr():  # not armed: autograd made a fresh tensor
+        if p.grad.data_ptr() != dst.data_ptr():  # not armed: autograd made a fresh tensor (converted here)
             dst.copy_(p.grad.reshape(-1))
         p.grad = None
 

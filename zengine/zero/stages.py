@@ -13,6 +13,7 @@ from torch import nn
 from ..offload.placement import make_placement
 from ..precision.loss_scaler import LossScaler, loss_carries_accumulation
 from .flat_group import FlatParamGroup
+from .grad_dtypes import GradDtypes
 from .grads import FullGradients, ShardedGradients, buckets_in_flight
 from .masters import make_master_store
 from .nonfinite import NonFinitePolicy
@@ -25,7 +26,8 @@ def build_zero_optimizer(module: nn.Module, config, named_groups: Sequence[tuple
     """Flatten each group's trainable parameters and assemble the optimizer for the config's stage.
 
     ``config`` is the whole ``ZengineConfig`` (its ``zero_optimization``, ``aio``, ``compute_dtype``,
-    ``gradient_clipping`` and ``nonfinite_gradients`` are read here). ``named_groups`` holds, per
+    ``gradient_clipping``, ``nonfinite_gradients`` and, through ``GradDtypes``, ``communication_data_type``
+    and ``data_types`` are read here). ``named_groups`` holds, per
     optimizer param group, its (name, parameter) pairs and its hyper-parameters.
     ``make_optimizer(groups, cpu_offload)`` builds the wrapped optimizer over the flat master shards.
     ``on_unbracketed_grad``: see ``ZeroOptimizer``.
@@ -43,12 +45,13 @@ def build_zero_optimizer(module: nn.Module, config, named_groups: Sequence[tuple
     num_shards = 1 if zero_cfg.stage == 0 else ranks.world
     placement = make_placement(zero_cfg, ranks.device, dtype, config.aio)
     groups = [FlatParamGroup(named, hyper, num_shards, ranks.rank, dtype, ranks.device) for named, hyper in named_groups]
+    dtypes, in_flight = GradDtypes.from_config(config), buckets_in_flight(zero_cfg.overlap_comm)
     if zero_cfg.stage == 2:
         use_reduce = zero_cfg.reduce_scatter and torch.distributed.get_backend(ranks.group) != "gloo"
-        grads = ShardedGradients(groups, zero_cfg.reduce_bucket_size, use_reduce, placement.optimizer, ranks.group,
-                                 buckets_in_flight(zero_cfg.overlap_comm))
+        grads = ShardedGradients(groups, zero_cfg.reduce_bucket_size, dtypes, use_reduce, placement.optimizer,
+                                 ranks.group, in_flight)
     else:
-        grads = FullGradients(groups, zero_cfg.reduce_bucket_size, ranks.group)
+        grads = FullGradients(groups, zero_cfg.reduce_bucket_size, dtypes, ranks.group, in_flight)
     cpu = placement.optimizer.cpu_optimizer
     return ZeroOptimizer(groups, grads, placement, make_master_store(placement, groups, dtype),
                          lambda g: make_optimizer(g, cpu), scaler, rules, ranks, on_unbracketed_grad)

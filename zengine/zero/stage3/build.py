@@ -15,6 +15,7 @@ from torch import nn
 
 from ...offload.placement import make_placement
 from ...precision.loss_scaler import LossScaler
+from ..grad_dtypes import GradDtypes
 from ..grads import buckets_in_flight
 from ..init import warn_lost_writes
 from ..masters import make_master_store
@@ -68,7 +69,8 @@ def build_stage3_optimizer(module: nn.Module, config, named_groups: Sequence, ma
             sp.free()
     masters = make_master_store(placement, groups, dtype)
     grad_args = (groups, zero_cfg.reduce_bucket_size, ranks.world, ranks.rank, placement.optimizer,
-                 lambda sp: fetcher.release([sp], force=True), ranks.group, buckets_in_flight(zero_cfg.overlap_comm))
+                 lambda sp: fetcher.release([sp], force=True), GradDtypes.from_config(config), ranks.group,
+                 buckets_in_flight(zero_cfg.overlap_comm))
     if masters.grad_sink is not None:  # ZeRO-Infinity: reduced gradients go to the swap records
         grads = SwappedStage3Gradients(*grad_args, sink=masters.grad_sink)
     else:

@@ -11,7 +11,10 @@ data as soon as its gradient is done (nothing in backward needs it after).
 A bucket that holds one parameter whose elements divide evenly into the
 chunks (most large weights) needs no buffer: autograd's fresh gradient,
 viewed ``[world, chunk]``, already is the rank-major layout, so it is
-reduced in place, with no copy and no second gradient-sized allocation.
+reduced in place, with no copy and no second gradient-sized allocation, when
+the reduce dtype is autograd's; with another (``communication_data_type``)
+every gradient is copied into a buffer in that dtype. Shards hold the sum over
+micro-steps in the accumulate dtype (``..grad_dtypes``).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ...distributed import collectives
+from ..grad_dtypes import GradDtypes
 from ..grads import ShardReducer, _BucketQueue
 from ..layout import Bucket, FlatLayout
 from .group import ShardedParamGroup
@@ -46,14 +50,15 @@ class Stage3Gradients(ShardReducer):
     """Stage 3: rank-major bucket buffers; each rank keeps its row."""
 
     def __init__(self, groups: list[ShardedParamGroup], bucket_numel: int, world: int, rank: int, placement,
-                 after_grad: Callable[[ShardedParam], None], comm_group=None, in_flight: int = 2):
+                 after_grad: Callable[[ShardedParam], None], dtypes: GradDtypes, comm_group=None,
+                 in_flight: int = 2):
         self.groups, self.world, self.rank = groups, world, rank
         self.after_grad = after_grad  # releases the parameter's full data
         self.use_reduce_scatter = dist.get_backend(comm_group) != "gloo"
-        shards = self._make_shards(groups, placement)
+        shards = self._make_shards(groups, placement, dtypes.shard_dtype(placement.cpu_optimizer))
         # Buckets count chunk elements; a bucket of c chunk elements moves world * c elements.
         super().__init__([_BucketQueue(_ChunkView(g), max(1, bucket_numel // world)) for g in groups], shards,
-                         placement.copies, comm_group, in_flight)
+                         placement.copies, dtypes, comm_group, in_flight)
         self._direct: set[tuple[int, int]] = set()  # (group, bucket) reduced in autograd's gradient itself
 
     def on_grad(self, gi: int, pi: int) -> None:
@@ -79,8 +84,8 @@ class Stage3Gradients(ShardReducer):
     def _buffer(self, gi: int, bucket: Bucket) -> torch.Tensor:
         key = (gi, bucket.index)
         if key not in self.buffers:
-            # [world, chunks] on the compute device in the compute dtype, like the gathered parameters
-            self._new_buffer(key, (self.world, bucket.numel), self.groups[gi].sharded[0].full)
+            # [world, chunks] on the compute device, like the gathered parameters, in the reduce dtype
+            self._new_buffer(key, (self.world, bucket.numel), self.groups[gi].sharded[0].full.device)
         return self.buffers[key]
 
     def _copy_in(self, gi: int, pi: int) -> None:
@@ -105,7 +110,7 @@ class Stage3Gradients(ShardReducer):
         grad = sp.param.grad
         if (len(bucket.params) != 1 or sp.numel != self.world * sp.chunk or bucket.numel != sp.chunk
                 or key in self.buffers
-                or grad.dtype != sp.full.dtype or not grad.is_contiguous()):
+                or grad.dtype != self.dtypes.reduce or not grad.is_contiguous()):
             return False
         # AccumulateGrad hands a .grad of its own (stolen or cloned), so nothing else aliases it.
         self.buffers[key] = grad.view(self.world, sp.chunk)  # [world, chunk]
@@ -121,10 +126,9 @@ class Stage3Gradients(ShardReducer):
             super()._recycle(gi, bucket, buf)
 
     @staticmethod
-    def _make_shards(groups: list[ShardedParamGroup], placement) -> list[torch.Tensor]:
-        """This rank's gradient shard of each group, where the placement keeps master gradients."""
-        dtype = torch.float32 if placement.cpu_optimizer else None
-        return [placement.empty(g.shard_numel, dtype or g.shard_flat.dtype, g.shard_flat.device) for g in groups]
+    def _make_shards(groups: list[ShardedParamGroup], placement, dtype: torch.dtype) -> list[torch.Tensor]:
+        """This rank's gradient shard of each group in ``dtype``, where the placement keeps master gradients."""
+        return [placement.empty(g.shard_numel, dtype, g.shard_flat.device) for g in groups]
 
     def _reduce(self, gi: int, bucket: Bucket, buf: torch.Tensor):
         if self.use_reduce_scatter:
@@ -151,8 +155,8 @@ class SwappedStage3Gradients(Stage3Gradients):
         super().__init__(*args, **kwargs)
 
     @staticmethod
-    def _make_shards(groups: list[ShardedParamGroup], placement) -> list[torch.Tensor]:
-        return [on_disk() for _ in groups]  # in the swap file
+    def _make_shards(groups: list[ShardedParamGroup], placement, dtype: torch.dtype) -> list[torch.Tensor]:
+        return [on_disk() for _ in groups]  # in the swap file, fp32
 
     def _accumulate(self, gi: int, bucket: Bucket, buf: torch.Tensor, out) -> None:
         mine = out if out is not None else buf[self.rank]

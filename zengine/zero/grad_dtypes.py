@@ -1,0 +1,63 @@
+"""The dtypes a gradient passes through between autograd and the step, chosen once from the config.
+
+    compute     autograd's: the parameters' dtype in forward and backward (fp16, bf16 or fp32)
+    reduce      the bucket buffers summed across ranks (``communication_data_type``)
+    accumulate  the sum over micro-steps (``data_types.grad_accum_dtype``): this rank's gradient shard at
+                stages 2-3, the full gradient buffer at stages 0-1
+
+Defaults, and why:
+
+- ``reduce``: the compute dtype. DeepSpeed (its engine falls back to the fp16/bf16 mode) and FSDP2
+  (``MixedPrecisionPolicy.reduce_dtype=None`` reduces in ``param_dtype``) both do so: an fp32 reduction
+  of 16-bit gradients doubles every bucket, on the wire and in memory. But a 16-bit reduction may round
+  at each rank's addition (gloo's does), so its error grows with the world size, and an fp16 sum of W
+  gradients overflows at 65504 though each one fits (zengine divides by W at the step):
+  ``"communication_data_type": "fp32"`` trades the bucket bytes for one rounding at the end
+  (``tests/zero/test_zero_reduce_dtype.py`` measures both).
+- ``accumulate``: fp32 at stages 2-3, as FSDP2 does (each reduced shard is cast to the fp32 sharded
+  parameter's dtype and added into its ``.grad``). It costs 2 bytes per element of the shard during
+  backward and saves 2 at the step: the fp32 shard is itself the master gradient the step reads, where a
+  16-bit shard needs an fp32 copy made there (``masters.MastersInMemory.grads``). At stages 0-1 the
+  compute dtype, DeepSpeed's default: the accumulator is the full gradient, which the parameters' ``.grad``
+  view; fp32 there doubles a model-sized buffer and leaves ``.grad`` None after backward (DeepSpeed's
+  ``grad_accum`` does the same). With optimizer offload the host shard is fp32 whatever is chosen, as in
+  DeepSpeed (``placement.cpu_optimizer``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config.precision import DTYPES
+
+
+@dataclass(frozen=True)
+class GradDtypes:
+    """The compute, reduce and accumulate dtypes of one engine's gradients (module doc)."""
+
+    compute: torch.dtype
+    reduce: torch.dtype
+    accumulate: torch.dtype
+
+    @classmethod
+    def from_config(cls, config) -> "GradDtypes":
+        """The dtypes ``config`` (a ``ZengineConfig``) asks for, defaults resolved for its stage."""
+        compute = config.compute_dtype
+        reduce = DTYPES[config.communication_data_type] if config.communication_data_type else compute
+        chosen = config.data_types.grad_accum_dtype
+        if chosen is not None:
+            accumulate = DTYPES[chosen]
+        else:
+            accumulate = torch.float32 if config.zero_optimization.stage >= 2 else compute
+        return cls(compute, reduce, accumulate)
+
+    @property
+    def grad_lands_in_bucket(self) -> bool:
+        """Autograd may write a gradient straight into a bucket buffer (or be reduced itself): only when the
+        bucket has the gradient's dtype, since a parameter's ``.grad`` must have the parameter's."""
+        return self.reduce == self.compute
+
+    def shard_dtype(self, cpu_optimizer: bool) -> torch.dtype:
+        """The dtype of the gradient shard (stages 2-3): fp32 where the CPU optimizer steps on it."""
+        return torch.float32 if cpu_optimizer else self.accumulate
