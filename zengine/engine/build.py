@@ -12,8 +12,26 @@ from ..config import ZengineConfig
 from ..distributed import collectives
 from ..distributed.process_group import ProcessPlacement
 from ..optim import build_optimizer, build_scheduler
+from ..precision.cast import cast_module
 
 logger = logging.getLogger("zengine")
+
+
+def place_model(model: nn.Module, config: ZengineConfig, placement: ProcessPlacement) -> None:
+    """Put the model on the compute device in the compute dtype, every replica starting from rank 0's values.
+
+    At stage 3 the parameters are cut as they move, one at a time (``zero.init.partition``, what
+    ``zero.Init`` does as modules are built): the device holds this rank's shards and at most one whole
+    parameter, never the whole model, so a model that fits the device only sharded can be built on the
+    host and handed to ``initialize``. At stages 0-2 every rank holds the whole model anyway.
+    """
+    if config.zero_optimization.stage == 3:
+        from ..zero.init import partition
+
+        partition(list(model.named_parameters()), placement.device, config.compute_dtype, placement.world_size,
+                  placement.rank)
+    cast_module(model, config.compute_dtype, placement.device)  # buffers, and parameters stages 0-2 keep whole
+    broadcast_from_rank0(model, placement.world_size)
 
 
 def broadcast_from_rank0(model: nn.Module, world: int) -> None:

@@ -33,14 +33,14 @@ from ..distributed.process_group import ProcessPlacement
 from ..log import setup_logging
 from ..monitor import StepReport, build_monitor
 from ..monitor.timers import BACKWARD, FORWARD, STEP, Timers
-from ..precision.cast import cast_floating, cast_module
+from ..precision.cast import cast_floating
 from ..precision.loss_scaler import loss_carries_accumulation, make_loss_scaler
 from ..zero import build_zero_optimizer
 from ..zero.optimizer import Ranks, StepOutcome
 from .accumulation import Accumulation
 from .backward import BackwardTracker
-from .build import (UntrainedParameters, broadcast_from_rank0, make_dataloader, make_scheduler, named_param_groups,
-                    optimizer_factory)
+from .build import (UntrainedParameters, make_dataloader, make_scheduler, named_param_groups, optimizer_factory,
+                    place_model)
 from .members import DeepSpeedMembers
 
 logger = setup_logging()
@@ -74,8 +74,7 @@ class Engine(DeepSpeedMembers, nn.Module):
             logger.info("zengine config (* = changed from default):\n%s", format_config(config))
         checkpointing.configure_from_config(config.activation_checkpointing)  # unless the script configured it
 
-        cast_module(model, config.compute_dtype, placement.device)
-        broadcast_from_rank0(model, placement.world_size)
+        place_model(model, config, placement)  # stage 3: cut one parameter at a time, never whole on the device
         named_groups = named_param_groups(model, model_parameters, optimizer)
         self._untrained = UntrainedParameters(model, named_groups)  # named at the step if unfrozen later
         self.scaler = make_loss_scaler(config.fp16)

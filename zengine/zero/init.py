@@ -35,6 +35,31 @@ from .stage3.param import ParamState, ShardedParam, lookup, register
 logger = logging.getLogger("zengine")
 
 
+def partition(named: list, device: torch.device, dtype: Optional[torch.dtype], world: int, rank: int,
+              swap=None) -> list[ShardedParam]:
+    """Cut each (name, parameter) not yet partitioned into this rank's shard, one at a time: moved to
+    ``device`` (and ``dtype`` when given), broadcast from rank 0, cut, and released, so the device holds the
+    shards and at most one whole parameter. With ``swap`` (NVMe) the shard goes to the swap file."""
+    made = []
+    for name, p in named:
+        if p is None or lookup(p) is not None:
+            continue
+        with torch.no_grad():
+            if p.device != device or (dtype is not None and p.is_floating_point() and p.dtype != dtype):
+                p.data = p.data.to(device=device, dtype=dtype if p.is_floating_point() else None)
+            if world > 1:
+                collectives.broadcast(p.data, 0)
+        sp = ShardedParam(name, p, world, rank)
+        register(sp)
+        if swap is not None:
+            swap.add(sp)  # to the NVMe swap file, in the compute dtype
+        else:
+            sp.attach_shard(torch.empty(sp.chunk, dtype=p.dtype, device=p.device))  # [chunk]
+        sp.free()
+        made.append(sp)
+    return made
+
+
 def _subclasses(cls):
     out, todo = [], [cls]
     while todo:
@@ -108,21 +133,8 @@ class Init:
         return __init__
 
     def _partition(self, module: nn.Module) -> None:
-        for name, p in module._parameters.items():
-            if p is None or lookup(p) is not None:
-                continue
-            with torch.no_grad():
-                if p.device != self.device:
-                    p.data = p.data.to(self.device)
-                collectives.broadcast(p.data, 0)
-            sp = ShardedParam(f"{type(module).__name__}.{name}", p, self.world, self.rank)  # full name at initialize
-            register(sp)
-            if self.swap is not None:
-                self.swap.add(sp)  # to the NVMe swap file, in the compute dtype
-            else:
-                sp.attach_shard(torch.empty(sp.chunk, dtype=p.dtype, device=p.device))  # [chunk]
-            sp.free()
-            self._made.append(sp)
+        named = [(f"{type(module).__name__}.{name}", p) for name, p in module._parameters.items()]  # full names at initialize
+        self._made += partition(named, self.device, None, self.world, self.rank, self.swap)
 
     def _nvme_swap(self):
         """The GrowingSwap that ``offload_param: {device: nvme}`` (or ``remote_device="nvme"``) asks for."""
