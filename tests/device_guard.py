@@ -17,7 +17,29 @@ holds no data:
 - collectives: torch's ``fake`` process group, with the functions that
   ``zengine.distributed.collectives`` calls replaced by stubs that record what they were given
   (``collectives`` itself checks each tensor against the backend's devices; the
-  fake backend takes ``cuda`` and ``meta``, as NCCL takes ``cuda``).
+  fake backend takes ``cuda`` and ``meta``, as NCCL takes ``cuda``);
+- copies between the device and the host (``CopyTally``): a read of a device
+  value is not the only way the host waits for the device. Every ``copy_``,
+  ``_to_copy`` (``.cpu()``, ``.to("cpu")``, ``.to(device)``) and ``_copy_from``
+  that crosses is counted by the kind of wait it costs on CUDA: to the host
+  into pinned memory with ``non_blocking`` (queued; the host waits on an event
+  when it needs the data) or any other (the host waits now); to the device
+  from pinned memory with ``non_blocking`` (queued), from pinned memory
+  without (the host waits), or from pageable memory, or converting the dtype
+  or from a non-contiguous source (torch then makes a pageable host
+  temporary: the host waits). Each is recorded with the zengine line that
+  made it;
+- pinned host memory (``PinnedMemory``): a CPU-only torch refuses
+  ``pin_memory=True`` (no pinned allocator), and ``meta`` tensors have no
+  pinning to report. So the mode allocates ordinary host memory for
+  ``pin_memory=True`` (any factory), ``.pin_memory()`` and the result of a
+  ``non_blocking`` copy to the host (CUDA pins that one), records the
+  storage's address range, and answers ``is_pinned()`` from the record (the
+  tensors are kept alive for the run, so no pageable tensor reuses an address);
+- ``side_streams_on_meta`` gives ``meta`` the CUDA paths of zengine's offload
+  copies (``zengine.offload.copies.SIDE_STREAMS``): side streams and events
+  (stand-ins that order nothing: meta has no data) and pinned host buffers
+  where the config asks for ``pin_memory``.
 
 torch's ``FakeTensorMode`` would fake ``cuda`` tensors directly, but on a
 CPU-only build its ``copy_`` and ``.data =`` on fake CUDA tensors fail in
@@ -26,7 +48,10 @@ C++ (no CUDA device guard), and the engine needs both.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import types
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -43,14 +68,28 @@ class DeviceMixError(RuntimeError):
 
 
 class DeviceRulesMode(TorchDispatchMode):
-    """Raise where CUDA would: an op whose tensors are on different devices."""
+    """Raise where CUDA would: an op whose tensors are on different devices. Count the copies that cross
+    between the device and the host (``copies``, a ``CopyTally``), and stand in for pinned host memory
+    (``pinned``, a ``PinnedMemory``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pinned = PinnedMemory()
+        self.copies = CopyTally()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is aten.is_pinned.default:
+            return self.pinned.holds(args[0])
+        if func.overloadpacket is aten._pin_memory:
+            return self.pinned.add(args[0].clone())
         if func.overloadpacket in _CROSSING:
+            crossing = _crossing(func, args, kwargs)
+            if crossing is not None:
+                self.copies.add(*self._classify(*crossing))
             moved = _host_copy_of_meta(func, args, kwargs)
             if moved is not None:
-                return moved
+                return self.pinned.add(moved) if crossing[3] else moved  # (a non_blocking .to("cpu"))
         else:
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             if tensors:
@@ -59,7 +98,137 @@ class DeviceRulesMode(TorchDispatchMode):
                 if len(devices) > 1:
                     shapes = [(tuple(t.shape), str(t.device)) for t in tensors]
                     raise DeviceMixError(f"{func}: tensors on different devices {sorted(map(str, devices))}: {shapes}")
+        if kwargs.get("pin_memory"):  # no pinned allocator without CUDA: host memory, recorded as pinned
+            return self.pinned.add(func(*args, **{**kwargs, "pin_memory": False}))
         return func(*args, **kwargs)
+
+    def _classify(self, to_host: bool, host: torch.Tensor, non_blocking: bool, pins_output: bool,
+                  direct: bool) -> tuple[str, str]:
+        """(kind, where) of one crossing copy; ``host`` is its host side (None: a new host tensor)."""
+        pinned = pins_output or (host is not None and self.pinned.holds(host))
+        if to_host:
+            kind = D2H_ASYNC if pinned and non_blocking and direct else D2H_SYNC
+        else:
+            kind = (H2D_PAGEABLE if not (pinned and direct) else H2D_ASYNC if non_blocking else H2D_BLOCKING)
+        return kind, _caller()
+
+
+# What a copy between the device and the host costs on CUDA, by the kind the guard counts it as:
+D2H_ASYNC = "d2h_async"        # device -> pinned host memory, non_blocking: queued; the host waits on an event later
+D2H_SYNC = "d2h_sync"          # device -> host, blocking or into pageable memory: the host waits for the device
+H2D_ASYNC = "h2d_async"        # pinned host memory -> device, non_blocking: queued, the host goes on
+H2D_BLOCKING = "h2d_blocking"  # pinned -> device, blocking: the host waits for the copy (and the stream before it)
+H2D_PAGEABLE = "h2d_pageable"  # pageable host memory -> device (or one converted on the way): the host waits
+SYNC_KINDS = (D2H_SYNC, H2D_BLOCKING, H2D_PAGEABLE)
+
+
+def _crossing(func, args, kwargs):
+    """(to_host, host tensor or None, non_blocking, output pinned, direct) of a copy between the device and
+    the host; None for a copy that stays on one side.
+
+    ``direct``: CUDA's copy moves the host memory itself. Otherwise (``copy_kernel_cuda``'s temporaries)
+    a copy to the device that converts the dtype or reads a non-contiguous source first makes a
+    contiguous converted copy on the host, in pageable memory; one to the host into a non-contiguous
+    destination goes through a pageable temporary too (a non_blocking one converts on the device).
+    """
+    packet = func.overloadpacket
+    if packet is aten.copy_:
+        dst, src = args[0], args[1]
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    elif packet in (aten._copy_from, aten._copy_from_and_resize):
+        src, dst = args[0], args[1]
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    elif packet is aten._to_copy:
+        src = args[0]
+        target = torch.device(kwargs.get("device") or src.device)
+        non_blocking = bool(kwargs.get("non_blocking", False))
+        if (src.device.type == "cpu") == (target.type == "cpu"):
+            return None
+        if target.type == "cpu":  # CUDA pins the result of a non_blocking copy to the host (so it can be async)
+            return True, None, non_blocking, bool(kwargs.get("pin_memory") or non_blocking), True
+        same = (kwargs.get("dtype") or src.dtype) == src.dtype
+        return False, src, non_blocking, False, same and src.is_contiguous()
+    else:
+        return None
+    if (src.device.type == "cpu") == (dst.device.type == "cpu"):
+        return None
+    to_host = dst.device.type == "cpu"
+    if to_host:
+        direct = dst.is_contiguous() and (bool(non_blocking) or dst.dtype == src.dtype)
+    else:
+        direct = src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous() and src.shape == dst.shape
+    return to_host, dst if to_host else src, bool(non_blocking), False, direct
+
+
+def _caller() -> str:
+    """file:line of the innermost zengine frame that made the copy (not a torch function mode's pass-through)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if f"{os.sep}zengine{os.sep}" in name and f"{os.sep}tests{os.sep}" not in name and \
+                frame.f_code.co_name != "__torch_function__":
+            return f"{name[name.rindex(os.sep + 'zengine' + os.sep) + 1:]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<outside zengine>"
+
+
+class PinnedMemory:
+    """Stands in for CUDA's pinned host memory on a CPU-only torch (which refuses ``pin_memory=True``):
+    a host tensor allocated with ``pin_memory=True``, by ``.pin_memory()`` or as the result of a
+    non_blocking copy to the host is ordinary host memory recorded here, and ``is_pinned()`` answers
+    from the record. The tensors are kept alive for the run, so their addresses are never reused by
+    pageable memory that would then look pinned."""
+
+    def __init__(self):
+        self._kept: list[torch.Tensor] = []
+        self._ranges: list[tuple[int, int]] = []  # [start, end) of each pinned storage
+
+    def add(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu":
+            storage = t.untyped_storage()
+            self._kept.append(t)
+            self._ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+        return t
+
+    def holds(self, t: torch.Tensor) -> bool:
+        if t.device.type != "cpu":
+            return False
+        at = t.untyped_storage().data_ptr()
+        return any(lo <= at < hi for lo, hi in self._ranges)
+
+
+class CopyTally:
+    """Copies between the device and the host, by kind (``D2H_ASYNC`` ...) and by the zengine line that
+    made them; ``window()`` returns what was counted since its last call."""
+
+    def __init__(self):
+        self.by_kind: Counter = Counter()
+        self.by_site: Counter = Counter()  # (kind, file:line)
+        self._mark: tuple[Counter, Counter] = (Counter(), Counter())
+
+    def add(self, kind: str, where: str) -> None:
+        self.by_kind[kind] += 1
+        self.by_site[(kind, where)] += 1
+
+    def window(self) -> tuple[dict, dict]:
+        """(copies by kind, copies by (kind, site)) since the last window."""
+        kinds, sites = self.by_kind - self._mark[0], self.by_site - self._mark[1]
+        self._mark = (self.by_kind.copy(), self.by_site.copy())
+        return dict(kinds), dict(sites)
+
+
+@contextlib.contextmanager
+def side_streams_on_meta():
+    """The stand-in device gets the CUDA paths of ``zengine.offload.copies``: side streams (stand-ins that
+    order nothing: meta has no data to order) and pinned host buffers for what it exchanges with the host."""
+    from zengine.accelerator import CpuAccelerator
+    from zengine.offload import copies
+
+    copies.SIDE_STREAMS["meta"] = CpuAccelerator()
+    try:
+        yield
+    finally:
+        del copies.SIDE_STREAMS["meta"]
 
 
 def _host_copy_of_meta(func, args, kwargs):

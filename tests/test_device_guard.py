@@ -1,10 +1,13 @@
-"""The step path never mixes devices, hands collectives host tensors, or reads the device mid-step.
+"""The step path never mixes devices, hands collectives host tensors, or waits for the device mid-step.
 
 CI has no GPU, so each case trains on the stand-in device of ``device_guard.py`` (``meta``, with
-CUDA's device rules and torch's fake process group standing in for NCCL) and asserts: the run
-finishes, every collective got device tensors only, and the host read the device exactly once per
-boundary step. Two cases prove the guard fails on the bugs it is for: a norm accumulated on the host
-(the first GPU crash zengine had) and a collective given a host tensor.
+CUDA's device rules, its side streams and pinned host memory, and torch's fake process group standing
+in for NCCL) and asserts: the run finishes, every collective got device tensors only, the host read the
+device exactly once per boundary step, and every copy between the device and the host in a step is
+one the host does not wait for (pinned and non_blocking), in the exact number ``expected_copies``
+gives. Four cases prove the guard fails on the bugs it is for: a norm accumulated on the host (the
+first GPU crash zengine had), a collective given a host tensor, a gradient read to the host in the
+step and an upload from pageable memory.
 """
 import multiprocessing
 import os
@@ -12,6 +15,8 @@ import tempfile
 
 
 WORLD, GAS, STEPS = 2, 2, 3
+SYNC_KINDS = ("d2h_sync", "h2d_blocking", "h2d_pageable")  # device_guard.SYNC_KINDS: the host waits
+GATHERS = "zengine/zero/stage3/fetcher.py"  # where host-resident shards are copied into the gathers
 
 
 def _config(stage, precision, offload):
@@ -25,7 +30,7 @@ def _config(stage, precision, offload):
     if offload in ("cpu", "param", "param-nvme"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload in ("nvme", "infinity"):
-        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": swap_dir}
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": swap_dir, "pin_memory": True}
     if offload == "param":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if offload in ("param-nvme", "infinity"):  # ZeRO-Infinity: parameter shards in a swap file
@@ -42,7 +47,7 @@ def _run_case(stage, precision, offload, init, sabotage):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import zengine
-    from device_guard import DeviceRulesMode, FakeCollectives, HostReads
+    from device_guard import DeviceRulesMode, FakeCollectives, HostReads, side_streams_on_meta
     from models import EdgeNet, edge_param_groups
 
     if sabotage == "host_norm":  # the accumulator zengine once made with a default (host) device
@@ -60,10 +65,23 @@ def _run_case(stage, precision, offload, init, sabotage):
         original = FlatParamGroup.publish
         FlatParamGroup.publish = lambda self, n, group=None: zengine.distributed.collectives.all_reduce_sum(torch.zeros(3), group) \
             or original(self, n, group)
+    if sabotage in ("grad_to_host", "pageable_upload"):  # copies the host waits for, in the step
+        from zengine.zero.optimizer import ZeroOptimizer
+
+        original_sq = ZeroOptimizer._sq_norm
+
+        def sq_norm(self, grads):
+            if sabotage == "grad_to_host":  # a gradient read on the host (a debugging print, a check)
+                grads[0].cpu()
+                return original_sq(self, grads)
+            # a value made on the host and uploaded from pageable memory
+            return original_sq(self, grads) + torch.zeros((), dtype=torch.float64).to(self.device, non_blocking=True)
+        ZeroOptimizer._sq_norm = sq_norm
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    reads, collectives = HostReads(WORLD), FakeCollectives()
+    reads, collectives, mode = HostReads(WORLD), FakeCollectives(), DeviceRulesMode()
+    steps = []  # per boundary step, forward and backward included: {"kinds", "sites", "reads"}
     try:
-        with reads.installed(), collectives.installed(), DeviceRulesMode():
+        with reads.installed(), collectives.installed(), side_streams_on_meta(), mode:
             if init:  # with parameter offload to NVMe, Init writes the shards to the swap file
                 with zengine.zero.Init(config_dict_or_path=_config(stage, precision, offload)), torch.device("meta"):
                     model = EdgeNet()
@@ -73,14 +91,19 @@ def _run_case(stage, precision, offload, init, sabotage):
             engine, *_ = zengine.initialize(model=model, config=_config(stage, precision, offload),
                                             model_parameters=edge_param_groups(model, 1e-2))
             assert engine.device.type == "meta"
-            for _ in range(STEPS * GAS):
+            mode.copies.window()  # from the first forward on
+            for micro in range(STEPS * GAS):
                 x = torch.randint(0, 37, (2, 5), device="meta")
                 loss = engine(x, (x * 7 + 3) % 37)
                 engine.backward(loss)
                 engine.step()
+                if micro % GAS == GAS - 1:
+                    kinds, sites = mode.copies.window()
+                    done = sum(s["reads"] for s in steps)
+                    steps.append({"kinds": kinds, "sites": sites, "reads": reads.count - done})
         devices = sorted({d for _, ds in collectives.calls for d in ds})
         return {"ok": True, "reads": reads.count, "steps": engine.global_steps, "devices": devices,
-                "kinds": sorted({name for name, _ in collectives.calls})}
+                "kinds": sorted({name for name, _ in collectives.calls}), "copies": steps}
     except Exception as e:  # reported to the parent, which asserts on it
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
     finally:
@@ -116,6 +139,66 @@ CASES = ([(s, p, "none", False, None) for s in (0, 1, 2, 3) for p in ("fp32", "b
                                                 ("bf16", "infinity", True))])
 
 
+def expected_copies(stage: int, offload: str, step: int) -> dict:
+    """The copies between the device and the host in boundary step ``step`` (0-based; GAS micro-steps and
+    the step) of a case, by kind; the host waits for none of them, except the step's one read (``reads``).
+
+    The copies into the gathers of shards kept in host memory (offload_param) are not counted here: how
+    many there are follows the fetch policy (prefetch, live parameters); that they are all pinned and
+    non_blocking is what the absence of the waiting kinds checks.
+    """
+    counts = {"reads": 1,  # the boundary step's one host read of the summed control values (step_stats.py)
+              "h2d_async": 1}  # that vector's header, uploaded from pinned memory
+    # -- down: offloaded gradients land in pinned host memory, copied on a side stream ----------------
+    # EdgeNet at W = 2, reduce_bucket_size 300: the buckets holding part of this rank's shard, once per
+    # micro-step (GAS = 2) as each is reduced.
+    if stage == 1 and offload != "none":
+        counts["d2h_async"] = 2  # the summed gradient's owned slice of each param group, at the step
+    if stage == 2 and offload != "none":
+        counts["d2h_async"] = 3 * GAS  # 3 buckets intersect this rank's shard
+    if stage == 3 and offload in ("cpu", "param"):
+        counts["d2h_async"] = 6 * GAS  # 6 buckets (of 150 shard elements), each with a row for this rank
+    if stage == 3 and offload in ("nvme", "param-nvme", "infinity"):
+        # each parameter's shard aligned to a 4 KiB O_DIRECT block: every one of the 11 is its own bucket
+        # (optimizer on NVMe, ZeRO-Infinity: the bucket's row goes to the gradient swap, offload/state_swap.py)
+        counts["d2h_async"] = 11 * GAS
+        if offload == "nvme" and step == 0:
+            counts["d2h_async"] += 2  # ZeRO-Infinity's first step: each group's one never-stepped chunk's
+            #                           master comes from the parameters on the device (offload/infinity.py)
+    # -- up: the updated compute-dtype parameters, from pinned staging on a side stream ---------------
+    if offload in ("cpu", "nvme") and not (stage == 3 and offload == "nvme"):
+        counts["h2d_async"] += 2  # CPUAdam's copy-out staging, one per param group (offload/copies.py)
+    if stage == 3 and offload == "nvme":
+        counts["h2d_async"] += 2  # ZeRO-Infinity's write-back of each group's one chunk (infinity.py)
+    #   (offload_param: CPUAdam writes the host shard itself, or the step writes the swap file)
+    # -- waits the engine should not have --------------------------------------------------------------
+    if stage == 3 and step == 0:
+        # FIXME (zero/stage3/fetcher.py FetchCheck.unit): each gather unit's tag row is uploaded from
+        # pageable memory when first made (5 units in EdgeNet): once per unit, so only in the first step
+        counts["h2d_pageable"] = 5
+    return counts
+
+
+def seen_copies(step: dict) -> dict:
+    """A step's copies by kind as ``expected_copies`` counts them (gathers from host memory left out)."""
+    counts = {"reads": step["reads"]}
+    for (kind, site), n in step["sites"].items():
+        if not (kind == "h2d_async" and site.startswith(GATHERS)):
+            counts[kind] = counts.get(kind, 0) + n
+    return counts
+
+
+def copy_failures(case, result) -> list[str]:
+    """What is wrong with a case's copies, step by step, naming the sites of those the host waits for."""
+    out = []
+    for i, step in enumerate(result["copies"]):
+        want, got = expected_copies(case[0], case[2], i), seen_copies(step)
+        if got != want:
+            waits = sorted(f"{kind} at {site} x{n}" for (kind, site), n in step["sites"].items() if kind in SYNC_KINDS)
+            out.append(f"step {i}: copies {got}, expected {want}; the host waits for: {waits}")
+    return out
+
+
 def test_step_path_stays_on_the_device_with_one_host_read_per_step():
     results = _run(CASES)
     failures = [f"stage {c[0]} {c[1]} offload={c[2]} init={c[3]}: {r.get('error') or r}"
@@ -124,6 +207,9 @@ def test_step_path_stays_on_the_device_with_one_host_read_per_step():
     assert not failures, "\n".join(failures)
     kinds = {k for r in results for k in r["kinds"]}
     assert {"all_gather_flat", "reduce_scatter_flat", "reduce", "all_reduce"} <= kinds  # NCCL's paths ran
+    failures = [f"stage {c[0]} {c[1]} offload={c[2]} init={c[3]}: {f}"
+                for c, r in zip(CASES, results) for f in copy_failures(c, r)]
+    assert not failures, "\n".join(failures)
 
 
 def test_guard_catches_a_host_norm_and_a_host_collective():
@@ -132,3 +218,13 @@ def test_guard_catches_a_host_norm_and_a_host_collective():
     assert not host_norm["ok"] and "DeviceMixError" in host_norm["error"] and "cpu" in host_norm["error"]
     assert not host_collective["ok"] and "WrongDeviceError" in host_collective["error"]
     assert "all_reduce_sum" in host_collective["error"]
+
+
+def test_guard_counts_a_gradient_read_to_the_host_and_a_pageable_upload():
+    for sabotage, kind in (("grad_to_host", "d2h_sync"), ("pageable_upload", "h2d_pageable")):
+        case = (1, "fp32", "none", False, sabotage)
+        [result] = _run([case])
+        assert result["ok"], result
+        failures = copy_failures(case, result)
+        assert len(failures) == STEPS, failures  # one more copy, the host waiting for it, in every step
+        assert all(f"'{kind}': 1" in f and f"{kind} at zengine/zero/optimizer.py" in f for f in failures), failures

@@ -1,4 +1,5 @@
-"""Offloaded gradients reach the host shard during backward; the CUDA side-stream copies (GPU only)."""
+"""Offloaded gradients reach the host shard during backward; the CUDA side-stream copies (GPU only); the
+ZeRO-Infinity gradient swap finishes pieces whose copies land late as if they had landed at once."""
 import copy
 
 import pytest
@@ -8,7 +9,9 @@ from torch import nn
 
 import zengine
 from harness import spawn
-from zengine.offload.copies import HostCopies, StreamCopies, make_copies
+from zengine.offload.copies import HostCopies, Landed, StreamCopies, make_copies
+from zengine.offload.state_swap import GradSwap, StateSwapper
+from zengine.ops.aio import AsyncIO
 
 LAYERS, WIDTH = 6, 16
 
@@ -85,6 +88,86 @@ def test_stream_copies_on_cuda():
         target.fill_(k + 1)
         copies.after_step()
         assert torch.all(owned == k + 1).item()  # the compute stream waited for the upload
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_download_and_upload_on_cuda():
+    device = torch.device("cuda", torch.cuda.current_device())
+    copies = make_copies(device)
+    src = torch.empty(1 << 20, dtype=torch.bfloat16, device=device)
+    hosts = [torch.empty(1 << 20, pin_memory=True) for _ in range(3)]
+    landings = []
+    for k, host in enumerate(hosts):  # the device rewrites the source right after each download is queued
+        src.fill_(k + 1)
+        landings.append(copies.download(host, src))
+    for k, (host, landing) in enumerate(zip(hosts, landings)):
+        landing.synchronize()
+        assert torch.all(host == k + 1)
+    dst = torch.zeros(1 << 20, dtype=torch.bfloat16, device=device)
+    value = torch.empty(1 << 20)
+    for k in range(4):  # the host rewrites its source right after each upload is queued
+        value.fill_(k + 1)
+        copies.upload(dst, value)
+        assert torch.all(dst == k + 1).item()  # the compute stream waited for the upload
+
+
+class _LateCopies(HostCopies):
+    """Downloads that land only when waited for (or after ``polls`` queries): the data arrives then."""
+
+    def __init__(self, polls: int):
+        self.polls = polls
+
+    def download(self, dst, src):
+        copies = self
+
+        class Late(Landed):
+            def __init__(self):
+                self.src, self.asked = src.clone(), 0
+
+            def query(self):
+                self.asked += 1
+                if self.src is not None and self.asked > copies.polls:
+                    self.synchronize()
+                return self.src is None
+
+            def synchronize(self):
+                if self.src is not None:
+                    dst.copy_(self.src)
+                    self.src = None
+        return Late()
+
+
+def _grad_swap_run(directory: str, copies) -> tuple[list[float], list[torch.Tensor]]:
+    """Two accumulation windows over a [3000] gradient in chunks of 2048: whole, then a part again (added to
+    what the file holds), then the next window replacing it. (The sums of squares, the gradient read back.)"""
+    swap = GradSwap(StateSwapper([3000, 1024], directory, 2048, 2, AsyncIO(1 << 14, 2), parts=4), copies)
+    torch.manual_seed(0)
+    pieces = [torch.randn(3000, dtype=torch.bfloat16) for _ in range(3)]
+    sums, grads = [], []
+    for window in range(2):
+        totals = [swap.accumulate(0, 0, 3000, pieces[window]), swap.accumulate(1, 0, 1024, pieces[2][:1024]),
+                  swap.accumulate(0, 1024, 3000, pieces[2][1024:])]
+        swap.flush()
+        sums.append([float(t) for t in totals])
+        grads.append((swap.read(0), swap.read(1)))
+        swap.reset()
+    swap.swapper.close()
+    return sums, grads
+
+
+@pytest.mark.parametrize("polls", [0, 1, 100])
+def test_grad_swap_with_late_landings_matches_copies_in_order(tmp_path, polls):
+    sums, grads = _grad_swap_run(str(tmp_path / "now"), HostCopies())
+    late_sums, late_grads = _grad_swap_run(str(tmp_path / "late"), _LateCopies(polls))
+    assert late_sums == sums
+    for (a0, a1), (b0, b1) in zip(grads, late_grads):
+        assert torch.equal(a0, b0) and torch.equal(a1, b1)
+    torch.manual_seed(0)
+    pieces = [torch.randn(3000, dtype=torch.bfloat16).float() for _ in range(3)]
+    for window, (g0, g1) in enumerate(grads):  # each window replaced the last; the part written twice is summed
+        want = pieces[window].clone()
+        want[1024:] += pieces[2][1024:]
+        assert torch.equal(g0, want) and torch.equal(g1, pieces[2][:1024])
 
 
 def offload_on_cuda(offload_param: bool) -> dict:

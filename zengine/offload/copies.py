@@ -15,24 +15,63 @@ directly, so nothing is copied at all.
 ``BlockingCopies`` is for any other device (an accelerator without CUDA
 streams): plain copies through host staging, in order.
 
-``StreamCopies`` is for a CUDA device. Downloads run on a side stream into
-pinned staging buffers, so backward keeps computing while they travel; the
-host adds a piece into the shard once its copy is done (polled as later
-buckets arrive, all of them by ``settle()`` at the end of backward). Uploads
-run on a side stream from pinned staging that CPUAdam wrote; the compute
-stream waits for them on the device (not the host) before anything reads the
-parameters, and the host waits for the previous upload before CPUAdam writes
-the staging again.
+``StreamCopies`` is for a device with side streams (CUDA). Downloads run on
+a side stream into pinned staging buffers, so backward keeps computing while
+they travel; the host adds a piece into the shard once its copy is done
+(polled as later buckets arrive, all of them by ``settle()`` at the end of
+backward). Uploads run on a side stream from pinned staging that CPUAdam
+wrote; the compute stream waits for them on the device (not the host) before
+anything reads the parameters, and the host waits for the previous upload
+before CPUAdam writes the staging again. ``download`` and ``upload`` are the
+same two moves for one tensor (stages 0-1's gradient shard, ZeRO-Infinity's
+gradient swap and parameter write-back).
+
+``device_streams`` is the one place that says which devices have side streams and pinned host
+memory; the offload code asks it (``host_pinning``) instead of testing for CUDA, so the CPU guard
+tests (``tests/device_guard.py``) run the CUDA path on their stand-in device.
 """
 from __future__ import annotations
 
 from collections import deque
+from typing import Optional
 
 import torch
+
+from ..accelerator import Accelerator, CudaAccelerator
+
+
+class Landed:
+    """A copy that has landed already (it ran in program order): what ``download`` returns off streams."""
+
+    def query(self) -> bool:
+        """Whether the copy has landed (never waits)."""
+        return True
+
+    def synchronize(self) -> None:
+        """Wait until the copy has landed."""
+
+
+class _Landing(Landed):
+    """A copy queued on a side stream: its done event, and the device source it reads (kept alive until then)."""
+
+    def __init__(self, done, source: torch.Tensor):
+        self.done, self.source = done, source
+
+    def query(self) -> bool:
+        return self.done.query()
+
+    def synchronize(self) -> None:
+        self.done.synchronize()
+        self.source = None
+
+
+LANDED = Landed()
 
 
 class HostCopies:
     """The compute device is the host: add in place, write parameters directly."""
+
+    pins = False  # staging buffers in host memory are pinned (the device copies from them asynchronously)
 
     def accumulate(self, shard_slice: torch.Tensor, piece: torch.Tensor, overwrite: bool = False) -> None:
         """Add a reduced gradient piece into (a slice of) the fp32 shard; ``overwrite``: the slice holds
@@ -44,6 +83,18 @@ class HostCopies:
 
     def settle(self) -> None:
         """Every ``accumulate`` so far has landed in its shard."""
+
+    def download(self, dst: torch.Tensor, src: torch.Tensor) -> Landed:
+        """Copy ``src`` (any device) into host ``dst`` (converted to its dtype); the host reads ``dst`` after
+        the returned landing's ``synchronize()`` (or once its ``query()`` is true). ``src`` may be rewritten
+        by later device work as soon as this returns."""
+        dst.copy_(src)
+        return LANDED
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy host ``src`` into ``dst`` (the compute device's memory, any dtype); ``src`` may be rewritten
+        as soon as this returns, and device work queued after it sees the new values."""
+        dst.copy_(src)
 
     def copy_out_target(self, gi: int, owned: torch.Tensor) -> torch.Tensor:
         """Where the optimizer writes group ``gi``'s updated compute-dtype parameters."""
@@ -81,45 +132,83 @@ class BlockingCopies(HostCopies):
 
 
 class StreamCopies(HostCopies):
-    """A CUDA compute device: side-stream copies through pinned host staging."""
+    """A compute device with side streams (``streams``, from ``device_streams``): side-stream copies
+    through pinned host staging."""
 
-    def __init__(self, device: torch.device):
+    pins = True
+    UPLOAD_STAGING = 2  # pinned buffers ``upload`` cycles through (a reuse waits for the copy that read it)
+
+    def __init__(self, device: torch.device, streams: Accelerator):
         self.device = device
-        self.side = torch.cuda.Stream(device=device)
-        # (done event, pinned [n] staging, fp32 [n] shard slice) in launch order
+        self.streams = streams
+        self.side = streams.Stream(device=device)
+        # (landing, pinned [n] fp32 staging or None, fp32 [n] shard slice, overwrite) in launch order
         self.pending: deque = deque()
         self.staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # gi -> (pinned [owned] compute dtype, device view)
-        self.uploaded: torch.cuda.Event | None = None
+        self.uploaded = None  # the event after the last upload
+        self._up: deque = deque()  # (pinned [n] staging, event after the copy that read it) for ``upload``
 
     def accumulate(self, shard_slice: torch.Tensor, piece: torch.Tensor, overwrite: bool = False) -> None:
-        if piece.device.type != "cuda" or shard_slice.device.type == "cuda":
+        if piece.device.type == "cpu" or shard_slice.device.type != "cpu":  # nothing crosses to the host
             super().accumulate(shard_slice, piece, overwrite)
             return
-        compute = torch.cuda.current_stream(self.device)
-        self.side.wait_stream(compute)  # the piece is final on the compute stream
-        with torch.cuda.stream(self.side):
-            # Converted to the shard's dtype (fp32) on the device: the host then adds like to like
-            # (a mixed-dtype add on the host is several times slower), or does nothing at all when the
-            # copy lands in the pinned shard itself (the first piece since the gradients were zeroed).
-            source = piece if piece.dtype == shard_slice.dtype else piece.to(shard_slice.dtype)
-            if overwrite and shard_slice.is_pinned():
-                staging = None
-                shard_slice.copy_(source, non_blocking=True)
-            else:
-                staging = torch.empty(piece.shape, dtype=shard_slice.dtype, pin_memory=True)  # [n] fp32, host
-                staging.copy_(source, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.side)
-        # The bucket buffer is reused by later buckets: the compute stream must not write it before
-        # the copy has read it. This is a device-side wait; the host goes on with backward.
-        compute.wait_event(done)
-        self.pending.append((done, staging, shard_slice, overwrite, source))
+        # The copy lands in the pinned shard itself when the piece is the first since the gradients were
+        # zeroed (nothing for the host to do then), else in pinned staging that the host adds in later.
+        direct = overwrite and shard_slice.is_pinned()
+        staging = None if direct else torch.empty(piece.shape, dtype=shard_slice.dtype, pin_memory=True)  # [n] fp32
+        landing = self.download(shard_slice if direct else staging, piece)
+        self.pending.append((landing, staging, shard_slice, overwrite))
         self._drain(block=False)
+
+    def download(self, dst: torch.Tensor, src: torch.Tensor) -> Landed:
+        if src.device.type == "cpu" or not dst.is_pinned():  # (pageable memory: a blocking copy)
+            return super().download(dst, src)
+        compute = self.streams.current_stream(self.device)
+        self.side.wait_stream(compute)  # the source is final on the compute stream
+        with self.streams.stream(self.side):
+            # Converted to the destination's dtype (fp32) on the device: a copy that converts on the way to
+            # the host goes through a pageable host temporary (torch's copy_), and the host would then add
+            # mixed dtypes (several times slower than like to like).
+            source = src if src.dtype == dst.dtype else src.to(dst.dtype)
+            dst.copy_(source, non_blocking=True)
+            done = self.streams.Event()
+            done.record(self.side)
+        # The source (a bucket buffer) is reused by later device work: the compute stream must not write it
+        # before the copy has read it. This is a device-side wait; the host goes on.
+        compute.wait_event(done)
+        return _Landing(done, source)
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.device.type == "cpu" or src.device.type != "cpu":
+            super().upload(dst, src)
+            return
+        # Through pinned staging in dst's dtype, converted here on the host: a copy from pageable memory,
+        # or one that converts on the way to the device (torch converts on the host, into a pageable
+        # temporary), would make the host wait for it.
+        staging = self._upload_staging(dst.numel(), dst.dtype)
+        staging.copy_(src.reshape(-1))
+        compute = self.streams.current_stream(self.device)
+        self.side.wait_stream(compute)  # nothing queued before still reads dst's old values
+        with self.streams.stream(self.side):
+            dst.view(-1).copy_(staging, non_blocking=True)
+            done = self.streams.Event()
+            done.record(self.side)
+        compute.wait_event(done)  # what the device does next sees the new values
+        self._up.append((staging, done))
+
+    def _upload_staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A pinned [numel] ``dtype`` buffer no copy still reads: the oldest of ``UPLOAD_STAGING``, reused."""
+        if len(self._up) >= self.UPLOAD_STAGING:
+            buf, done = self._up.popleft()
+            done.synchronize()  # waits only when the device is that many uploads behind
+            if buf.dtype == dtype and buf.numel() >= numel:
+                return buf[:numel]
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
 
     def _drain(self, block: bool) -> None:
         while self.pending and (block or self.pending[0][0].query()):
-            done, staging, shard_slice, overwrite, _ = self.pending.popleft()  # (the source lives until here)
-            done.synchronize()
+            landing, staging, shard_slice, overwrite = self.pending.popleft()
+            landing.synchronize()
             if staging is not None:
                 shard_slice.copy_(staging) if overwrite else shard_slice.add_(staging)
 
@@ -127,7 +216,7 @@ class StreamCopies(HostCopies):
         self._drain(block=True)
 
     def copy_out_target(self, gi: int, owned: torch.Tensor) -> torch.Tensor:
-        if owned.device.type != "cuda":
+        if owned.device.type == "cpu":
             return owned
         if gi not in self.staging:  # a group's parameter shard never moves: one staging buffer each
             self.staging[gi] = (torch.empty(owned.numel(), dtype=owned.dtype, pin_memory=True), owned)
@@ -141,20 +230,39 @@ class StreamCopies(HostCopies):
     def after_step(self) -> None:
         if not self.staging:
             return
-        compute = torch.cuda.current_stream(self.device)
+        compute = self.streams.current_stream(self.device)
         self.side.wait_stream(compute)  # nothing on the device still reads the old parameters
-        with torch.cuda.stream(self.side):
+        with self.streams.stream(self.side):
             for pinned, owned in self.staging.values():
                 owned.view(-1).copy_(pinned, non_blocking=True)
-            self.uploaded = torch.cuda.Event()
+            self.uploaded = self.streams.Event()
             self.uploaded.record(self.side)
         compute.wait_event(self.uploaded)  # the all-gather and the next forward see the new values
 
 
+# device type -> its side-stream API: an accelerator of ``zengine.accelerator`` (``Stream``, ``Event``,
+# ``stream``, ``current_stream``). The CPU guard tests add their stand-in device here.
+SIDE_STREAMS: dict[str, Accelerator] = {"cuda": CudaAccelerator()}
+
+
+def device_streams(device: torch.device) -> Optional[Accelerator]:
+    """The side-stream API of ``device`` when copies between it and pinned host memory can run on a side
+    stream, ordered by events (CUDA); None for the host itself and for devices without streams."""
+    return SIDE_STREAMS.get(device.type)
+
+
+def host_pinning(device: torch.device) -> bool:
+    """Whether host buffers that exchange data with ``device`` are pinned (where the config asks for
+    ``pin_memory``; staging buffers always): only a device with side streams copies from pinned memory
+    without the host waiting."""
+    return device_streams(device) is not None
+
+
 def make_copies(device: torch.device) -> HostCopies:
     """The copy strategy between ``device`` and host memory."""
-    if device.type == "cuda":
-        return StreamCopies(device)
+    streams = device_streams(device)
+    if streams is not None:
+        return StreamCopies(device, streams)
     if device.type == "cpu":
         return HostCopies()
     return BlockingCopies()

@@ -12,10 +12,11 @@ then needs two things from the parameter groups, which ``MasterIO`` gives it:
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from .copies import HostCopies
 from .param_swap import align_elems
 
 if TYPE_CHECKING:  # offload/ never imports zero/ at run time (zero/ builds on offload/)
@@ -23,24 +24,37 @@ if TYPE_CHECKING:  # offload/ never imports zero/ at run time (zero/ builds on o
 
 
 class MasterIO:
-    """Reads and writes a stage-3 group's compute-dtype shard by chunk, wherever it lives."""
+    """Reads and writes a stage-3 group's compute-dtype shard by chunk, wherever it lives; ``copies``
+    (``copies.py``) moves the chunks of a shard on the device, without the host waiting for each."""
 
-    def __init__(self, groups: list["ShardedParamGroup"], dtype: torch.dtype):
+    def __init__(self, groups: list["ShardedParamGroup"], dtype: torch.dtype, copies: Optional[HostCopies] = None):
         self.groups = groups
         self.align = align_elems(dtype)
         self.numels = [g.shard_numel for g in groups]  # the masters' sizes (their tensors are empty in memory)
         self._resident = [g.resident() if not g.in_memory else [] for g in groups]
+        self.copies = copies if copies is not None else HostCopies()
+        self._landings: list = []  # init_master copies from the device not yet waited for
 
     def init_master(self, index: int, lo: int, hi: int, out: torch.Tensor) -> None:
-        """``out`` ([hi - lo] fp32) from group ``index``'s parameters."""
+        """``out`` ([hi - lo] fp32) from group ``index``'s parameters; read it after ``ready()``."""
         g = self.groups[index]
-        out.copy_(g.shard_flat[lo:hi] if g.in_memory else g.swap.read_range(g.base, lo, hi))
+        if g.in_memory:  # (queued while the chunks before it step: the swap reads this chunk ahead)
+            self._landings.append(self.copies.download(out, g.shard_flat[lo:hi]))
+        else:
+            out.copy_(g.swap.read_range(g.base, lo, hi))
+
+    def ready(self) -> None:
+        """Every ``init_master`` so far has landed."""
+        for landing in self._landings:
+            landing.synchronize()
+        self._landings = []
 
     def params_out(self, index: int, lo: int, hi: int, master: torch.Tensor) -> None:
-        """Group ``index``'s parameters [lo, hi) from the updated fp32 ``master`` chunk."""
+        """Group ``index``'s parameters [lo, hi) from the updated fp32 ``master`` chunk (which may be
+        rewritten as soon as this returns)."""
         g = self.groups[index]
         if g.in_memory:
-            g.shard_flat[lo:hi].copy_(master)
+            self.copies.upload(g.shard_flat[lo:hi], master)
         else:
             g.swap.write_range(g.base, lo, hi, master, self._resident[index])
 

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from ..ops.aio import ALIGN, AsyncIO, IORequest, SwapFile
+from .copies import device_streams, host_pinning
 from .state_swap import check_intact, host_buffer
 
 logger = logging.getLogger("zengine")
@@ -70,7 +71,7 @@ class ParamSwap:
         self.align = align_elems(dtype)
         self.io = io
         self.device = device
-        self.pin = bool(offload_cfg.pin_memory) and device.type == "cuda"
+        self.pin = bool(offload_cfg.pin_memory) and host_pinning(device)
         self.max_in_cpu = int(offload_cfg.max_in_cpu)
         self.resident_numel = 0
         total = sum(sizes)
@@ -182,8 +183,9 @@ class ParamSwap:
         slot = self._holding.pop(id(sp), None)
         if slot is None:
             return
-        if self.device.type == "cuda":
-            slot.used = torch.cuda.Event()
+        streams = device_streams(self.device)
+        if streams is not None:
+            slot.used = streams.Event()
             slot.used.record()
         slot.owner = None  # (a temporary buffer is simply dropped: no slot refers to it)
 

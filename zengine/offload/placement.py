@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.aio import AsyncIO
-from .copies import HostCopies, make_copies
+from .copies import HostCopies, host_pinning, make_copies
 from .param_swap import ParamSwap, align_elems, round_up
 from .state_swap import StateSwapper
 from .swapped_adam import SwappedAdam
@@ -70,7 +70,7 @@ class CPUPlacement(DevicePlacement):
     cpu_optimizer = True
 
     def __init__(self, offload_cfg, device: torch.device):
-        self.pin = bool(offload_cfg.pin_memory) and device.type == "cuda"  # pinned only to copy to a GPU
+        self.pin = bool(offload_cfg.pin_memory) and host_pinning(device)  # pinned only to copy to a GPU
         self.copies = make_copies(device)
 
     def master_device(self, device: torch.device) -> torch.device:
@@ -120,7 +120,7 @@ class ParamsInMemory:
         offload = offload_cfg is not None and offload_cfg.device in ("cpu", "nvme")
         self.device = device  # the compute device
         self.shard_device = torch.device("cpu") if offload else device  # host memory by design with offload
-        self.pin = offload and bool(offload_cfg.pin_memory) and device.type == "cuda"
+        self.pin = offload and bool(offload_cfg.pin_memory) and host_pinning(device)
 
     def alignment(self, dtype: torch.dtype, swaps_masters: bool) -> int:
         """Elements each parameter's shard is aligned to: swap files need O_DIRECT-aligned offsets."""

@@ -22,12 +22,14 @@ from __future__ import annotations
 import errno
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from ..ops.aio import ALIGN, AsyncIO, IORequest, SwapFile, aligned_empty
+from .copies import HostCopies
 
 MAX_CHUNK = 1 << 24  # elements; 4 buffers of this size hold 512 MiB of moments
 _ALIGN_ELEMS = ALIGN // 4  # fp32 elements per aligned block
@@ -182,13 +184,20 @@ class StateSwapper:
 
 class GradSwap:
     """ZeRO-Infinity's gradients: each reduced bucket's shard is written (added, after the first
-    micro-step of an accumulation) into the gradient part of the records it covers, behind."""
+    micro-step of an accumulation) into the gradient part of the records it covers, behind.
 
-    IN_FLIGHT = 4  # writes behind; each holds its host buffer
+    A piece on the device comes down through ``copies.download`` (on a GPU: a side-stream copy into a
+    pinned buffer, ordered by an event); the host finishes it (adds what the file holds, sums its
+    squares, writes it) once it has landed: polled as later buckets arrive, all of them by ``flush``.
+    So backward does not wait for a bucket's copy, only when ``IN_FLIGHT`` buffers are all taken."""
 
-    def __init__(self, swapper: StateSwapper):
+    IN_FLIGHT = 4  # pieces copying down or being written behind; each holds its host buffer
+
+    def __init__(self, swapper: StateSwapper, copies: Optional[HostCopies] = None):
         self.swapper = swapper
+        self.copies = copies if copies is not None else HostCopies()
         self.written: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (index, chunk lo) -> ranges this window
+        self._landing: deque = deque()  # (landing, chunk, a, b, buffer, add the file's sum, total) in order
         self._writes: list[tuple[IORequest, torch.Tensor]] = []
         self._spare: list[torch.Tensor] = []
         self._unchecked = True  # the file's size is checked before a window's first write (they would extend it)
@@ -198,9 +207,7 @@ class GradSwap:
 
     def accumulate(self, index: int, lo: int, hi: int, piece: torch.Tensor) -> torch.Tensor:
         """Add ``piece`` (elements [lo, hi) of parameter ``index``'s gradient, any device) into the file;
-        returns the sum of squares of the accumulated values written (0-dim float64)."""
-        from ..ops.grad import sum_of_squares
-
+        returns the sum of squares of the accumulated values written (0-dim float64, final after ``flush``)."""
         if self._unchecked:
             check_intact(self.swapper.file)
             self._unchecked = False
@@ -213,31 +220,60 @@ class GradSwap:
             n = c.padded - (a - c.lo) if b == c.hi else b - a  # the record's tail padding goes along
             buf = self._buffer(n)
             buf[b - a:].zero_()
-            buf[:b - a].copy_(piece[a - lo:b - lo])
+            landing = self.copies.download(buf[:b - a], piece[a - lo:b - lo])
             ranges = self.written.setdefault((index, c.lo), [])
-            if any(x < b and a < y for x, y in ranges):  # accumulated before in this window: add the sum so far
-                self.flush()
-                before = host_buffer(n, torch.float32)
-                self.swapper.read(before, self._grad_offset(c, a)).wait()
-                buf[:b - a].add_(before[:b - a])
+            again = any(x < b and a < y for x, y in ranges)  # accumulated before in this window
             ranges.append((a, b))
-            total += sum_of_squares(buf[:b - a]).to(torch.float64).cpu()
-            self._writes.append((self.swapper.write(buf, self._grad_offset(c, a)), buf))
+            self._landing.append((landing, c, a, b, buf, again, total))
             k = b
+        self._finish(block=False)
         return total
 
-    def _buffer(self, n: int) -> torch.Tensor:
-        while len(self._writes) >= self.IN_FLIGHT:
-            request, buf = self._writes.pop(0)
+    def _finish(self, block: bool) -> None:
+        """Finish the pieces that have landed (``block``: all of them), in order: add the sum so far where
+        the range was written before in this window, sum the squares, write behind."""
+        from ..ops.grad import sum_of_squares
+
+        while self._landing and (block or self._landing[0][0].query()):
+            landing, c, a, b, buf, again, total = self._landing.popleft()
+            landing.synchronize()
+            if again:
+                self._wait_writes()
+                before = host_buffer(buf.numel(), torch.float32)
+                self.swapper.read(before, self._grad_offset(c, a)).wait()
+                buf[:b - a].add_(before[:b - a])
+            total += sum_of_squares(buf[:b - a]).to(torch.float64).cpu()
+            self._writes.append((self.swapper.write(buf, self._grad_offset(c, a)), buf))
+
+    def _wait_writes(self) -> None:
+        for request, buf in self._writes:
             self.swapper.wait(request)
             self._spare.append(buf)
+        self._writes = []
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        self._finish(block=False)
+        while len(self._writes) + len(self._landing) >= self.IN_FLIGHT:
+            if self._writes:
+                request, buf = self._writes.pop(0)
+                self.swapper.wait(request)
+                self._spare.append(buf)
+            else:  # every buffer is still copying down: wait for the oldest
+                self._finish_one()
         for i, buf in enumerate(self._spare):
             if buf.numel() >= n:
                 return self._spare.pop(i)[:n]
-        return host_buffer(n, torch.float32)
+        # pinned where the device copies into host memory asynchronously (staging, whatever pin_memory says)
+        return host_buffer(n, torch.float32, self.copies.pins)
+
+    def _finish_one(self) -> None:
+        self._landing[0][0].synchronize()
+        self._finish(block=False)
 
     def flush(self) -> None:
-        """Wait for every write behind (before anything reads the records); drop the buffers."""
+        """Finish every piece and wait for every write behind (before anything reads the records or the
+        sums of squares); drop the buffers."""
+        self._finish(block=True)
         for request, _ in self._writes:
             self.swapper.wait(request)
         self._writes, self._spare = [], []

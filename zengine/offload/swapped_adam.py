@@ -132,6 +132,7 @@ class InfinityAdam(SwappedAdam):
 
         def compute(c: Chunk, slot: int) -> None:
             hyper, runs, _, _ = due[c.index]
+            self.masters_io.ready()  # a chunk never stepped: its master has come from the parameters
             exp_avg, exp_avg_sq, master, grad = (part(slot, c, k) for k in range(4))
             for a, b in self.grads.gaps(c):  # never written this window: no gradient
                 grad[a - c.lo:b - c.lo].zero_()
@@ -174,6 +175,7 @@ class InfinityAdam(SwappedAdam):
             m, v = (torch.empty_like(p.data), torch.empty_like(p.data)) if stepped else (None, None)
 
             def take(c, slot, p=p, m=m, v=v):
+                self.masters_io.ready()
                 p.data[c.lo:c.hi].copy_(self.swapper.part(slot, c, 2))
                 if m is not None:
                     m[c.lo:c.hi].copy_(self.swapper.part(slot, c, 0))

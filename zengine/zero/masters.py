@@ -33,6 +33,10 @@ class MastersInMemory:
 
     def __init__(self, placement: Placement):
         self.placement = placement
+        # gi -> [owned] fp32 in host memory (pinned on a GPU machine), made at the first step and kept: the
+        # master gradient when the summed one is on the device and the master on the host (stages 0-1 with
+        # offload), copied down on a side stream (offload/copies.py), not into a fresh pageable buffer
+        self.grad_buffers: dict[int, torch.Tensor] = {}
 
     grad_sink = None  # gradients are summed into tensors (the gradient store's shards), not a swap file
     step_writes_params = False  # the step updates the masters; the parameters are written from them after
@@ -47,16 +51,27 @@ class MastersInMemory:
     def grads(self, opt) -> list[torch.Tensor]:
         """Each group's fp32 master gradient: the summed gradient times ``opt.grad_unscale()``."""
         factor = opt.grad_unscale()
-        out = []
+        copies = self.placement.optimizer.copies
+        out, landings = [], []
         for gi, master in enumerate(opt.masters):
             summed = opt.grads.owned_grad(gi)
             if summed.dtype == torch.float32 and summed.device == master.device:
-                grad = summed  # [owned] fp32, a view: no copy
-            else:
-                grad = torch.empty_like(master).copy_(summed)  # [owned] fp32 where the master lives
-            if factor != 1.0:
-                grad.mul_(factor)
+                out.append(summed)  # [owned] fp32, a view: no copy
+                continue
+            if summed.device == master.device:  # fp32 from the compute dtype, on the device: a transient
+                out.append(torch.empty_like(master).copy_(summed))
+                continue
+            grad = self.grad_buffers.get(gi)
+            if grad is None or grad.numel() != master.numel():
+                grad = self.grad_buffers[gi] = self.placement.optimizer.empty(master.numel(), torch.float32,
+                                                                              opt.device)
+            landings.append(copies.download(grad, summed))  # every group's copy queued before any wait
             out.append(grad)
+        for landing in landings:
+            landing.synchronize()
+        if factor != 1.0:
+            for grad in out:
+                grad.mul_(factor)
         return out
 
     def sq_norm(self, opt, master_grads: list[torch.Tensor]) -> torch.Tensor:
@@ -91,10 +106,10 @@ class SwappedMasters(MastersInMemory):
 
     def __init__(self, placement: Placement, groups: list, dtype: torch.dtype):
         super().__init__(placement)
-        self.io = MasterIO(groups, dtype)
+        self.io = MasterIO(groups, dtype, placement.optimizer.copies)
         # records [exp_avg | exp_avg_sq | master | grad] per chunk, aligned as the parameter shards
         self.swapper = placement.optimizer.swapper(self.io.numels, 4, self.io.align)
-        self.grad_sink = GradSwap(self.swapper)
+        self.grad_sink = GradSwap(self.swapper, placement.optimizer.copies)
         self._depth = 0  # resident() is re-entrant
 
     def make(self, group) -> torch.Tensor:
@@ -108,6 +123,7 @@ class SwappedMasters(MastersInMemory):
         return [on_disk() for _ in opt.masters]  # what the step's .grad shows
 
     def sq_norm(self, opt, master_grads: list[torch.Tensor]) -> torch.Tensor:
+        self.grad_sink.flush()  # every piece copied down and summed
         return opt.grads.swapped_sq() * opt.optimizer.grad_scale ** 2
 
     def clip(self, opt, master_grads: list[torch.Tensor], coef: float) -> None:

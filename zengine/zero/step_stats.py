@@ -31,6 +31,7 @@ import torch
 
 from ..distributed import collectives, sync
 from ..distributed.diagnose import RanksOutOfStepError
+from ..offload.copies import host_pinning
 
 _HEADER = 14
 
@@ -61,11 +62,18 @@ def gather_stats(sq_norm: torch.Tensor, had_backward: bool, micro_step: int, use
     """
     d1, d2 = float(order[0]), float(order[1])  # < 2^21: squares summed over ranks stay exact in float64
     f1, f2, bad = float(fetches[0]), float(fetches[1]), fetches[2]  # < 2^16
-    head = torch.tensor([0.0, float(had_backward), float(micro_step), float(micro_step) ** 2, float(unreduced),
-                         d1, d1 * d1, d2, d2 * d2, f1, f1 * f1, f2, f2 * f2, 0.0] + [float(u) for u in used],
-                        dtype=torch.float64)
+    # With offload the norm was summed on the host: it travels in the header (one upload, not two)
+    norm_on_host = sq_norm.device.type == "cpu"
+    head = torch.tensor([float(sq_norm) if norm_on_host else 0.0, float(had_backward), float(micro_step),
+                         float(micro_step) ** 2, float(unreduced), d1, d1 * d1, d2, d2 * d2, f1, f1 * f1, f2, f2 * f2,
+                         0.0] + [float(u) for u in used], dtype=torch.float64)
+    if host_pinning(device):
+        # from pinned memory, so that the upload is queued and the host goes on (a pageable one waits for
+        # it); torch's pinned allocator reuses the block once the copy that reads it has run
+        head = head.pin_memory()
     stats = head.to(device, non_blocking=True)  # [_HEADER + params] float64 on the compute device
-    stats[0:1].copy_(sq_norm.reshape(1), non_blocking=True)
+    if not norm_on_host:
+        stats[0:1].copy_(sq_norm.reshape(1), non_blocking=True)
     if bad is not None:
         stats[13:14].copy_(bad, non_blocking=True)
     if world > 1:

@@ -148,7 +148,9 @@ class ShardedParam:
         """Make ``store`` (an NVMe swap) the home of this rank's chunk, at element ``elem``; with
         ``resident`` a copy stays in host memory too."""
         with torch.no_grad():
-            value = self.current_shard().clone() if resident else self.current_shard()
+            value = self.current_shard()
+            if resident:  # a cache of the file in host memory, as it holds it (pinned where the swap pins)
+                value = torch.empty(self.chunk, dtype=store.dtype, device="cpu", pin_memory=store.pin).copy_(value)
             self._leave_store()
             self.store, self.file_elem = store, elem
             self.shard = value if resident else None
