@@ -139,3 +139,46 @@ def test_program_errors_are_not_taken_for_communication_failures():
     assert not is_backend_failure(comm.WrongDeviceError("zengine.distributed.collectives.all_reduce_sum: a cpu tensor ..."))
     assert not is_backend_failure(ValueError("shapes do not match"))
     assert not is_backend_failure(CollectiveTimeoutError("already diagnosed"))
+
+
+class _SideBranch(nn.Module):
+    """``b``'s output reaches the loss on every rank (``zero_out``: times 0 on rank 1) or, detached, not on rank 1."""
+
+    def __init__(self, zero_out: bool):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.zero_out = zero_out
+
+    def forward(self, x):
+        h = self.a(x)
+        side = self.b(h)
+        if dist.get_rank() == 1:
+            side = side * 0 if self.zero_out else side.detach()
+        return (self.c(h) + side).square().mean()
+
+
+def side_branch_run(zero_out: bool):
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zengine.initialize(model=_SideBranch(zero_out), config=config)
+    start = time.monotonic()
+    try:
+        for _ in range(2):
+            engine.backward(engine(torch.randn(2, 8)))
+            engine.step()
+    except CollectiveTimeoutError as e:
+        return str(e), time.monotonic() - start
+    return "trained", time.monotonic() - start
+
+
+def test_ranks_waiting_in_different_collectives_are_named_in_seconds():
+    """Stage 3, a module detached on one rank: the other rank gathers it again in backward alone. Both ranks
+    used to wait until comm_timeout (300 s); now both name the deadlock and each rank's collective."""
+    for message, seconds in spawn(side_branch_run, 2, False, timeout=120):
+        assert "waiting in different collectives" in message, message
+        assert "rank 0" in message and "rank 1" in message and "stage-3 gather" in message, message
+        assert "multiply by 0 rather than detach" in message, message
+        assert seconds < 30, f"named after {seconds:.0f} s"
+    # the way out the message gives trains
+    assert [m for m, _ in spawn(side_branch_run, 2, True, timeout=120)] == ["trained", "trained"]

@@ -127,7 +127,7 @@ def _raise_missing(label: str, ranks: list[int], me: int, entries: dict[int, str
     why = "the collective timeout expired" if timed_out else "a rank that never called it failed or left"
     error = CollectiveCallError(f"zengine: rank {me} called {label}, which every rank must call together, and "
                                 f"{why}:\n" + "\n".join(lines) + "\n" + _ADVICE)
-    diagnose._reported[0] = error
+    diagnose.set_reported(error)
     raise error
 
 
@@ -188,5 +188,5 @@ def stranded_error(what: str, elsewhere: str) -> BaseException:
     table = "\n".join(f"  rank {r}{' (this rank)' if r == rank else ''}: "
                       + (records[r].describe() if r in records else "no report") for r in range(world))
     error = CollectiveCallError(f"zengine: rank {rank} was waiting in {what}, but {elsewhere}\n{table}\n{_ADVICE}")
-    diagnose._reported[0] = error
+    diagnose.set_reported(error)
     return error

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import agreement, diagnose
+from . import agreement, diagnose, waiting
 from .process_group import backend_device_types
 
 
@@ -38,10 +38,10 @@ class Pending:
     """A collective in flight. ``wait()`` blocks until it completes; a backend failure, or on gloo
     a peer that left the job meanwhile, raises a diagnosed error naming the collective."""
 
-    __slots__ = ("work", "what", "watched")
+    __slots__ = ("work", "what", "watched", "group")
 
-    def __init__(self, work, what: tuple, watched: bool):
-        self.work, self.what = work, what  # what: (name, shape, dtype), formatted only on failure
+    def __init__(self, work, what: tuple, watched: bool, group=None):
+        self.work, self.what, self.group = work, what, group  # what: (name, shape, dtype), formatted only on failure
         # Sliced waits only on gloo: on NCCL wait() only orders streams, and a wait with a timeout
         # would block the host on every bucket (its own watchdog handles timeouts there).
         self.watched = watched
@@ -53,9 +53,11 @@ class Pending:
             except RuntimeError as err:
                 raise diagnose.collective_failed(_describe(self.what), err) from err
             return
+        long_wait = waiting.LongWait(_describe(self.what), self.group)  # told to the peers once it has lasted a while
         while True:
             try:
                 self.work.wait(timeout=_WAIT_SLICE)
+                long_wait.done()
                 return
             except RuntimeError as err:
                 if self.work.is_completed():  # the collective itself failed (not just this slice)
@@ -64,7 +66,9 @@ class Pending:
             elsewhere = agreement.stranded()
             if elsewhere:
                 raise agreement.stranded_error(_describe(self.what), elsewhere)
-            if diagnose.peer_departed():
+            departed = diagnose.peer_departed()
+            long_wait.tick(compare_now=departed)  # ranks waiting in different collectives: a deadlock, named
+            if departed:
                 raise diagnose.collective_failed(_describe(self.what), diagnose.PeerLeft(
                     "a peer rank finished or failed while this rank waited"))
 
@@ -90,7 +94,7 @@ def _run(name: str, tensor: torch.Tensor, call, *args, async_op: bool = False, g
         raise diagnose.collective_failed(_describe(what), err) from err
     if work is None:
         return None
-    pending = Pending(work, what, watched)
+    pending = Pending(work, what, watched, group)
     if async_op:
         return pending
     pending.wait()

@@ -109,7 +109,7 @@ def register_position(kind: str, describe: Callable[[], str]) -> None:
     _positions[kind] = describe
 
 
-def _context() -> str:
+def context() -> str:
     parts = [f"in {label}" for label in _activities]
     for describe in _positions.values():
         try:
@@ -131,8 +131,17 @@ def track_progress(counters: Callable[[], tuple[int, int]]) -> None:
 def current(state: str, where: str = "") -> Progress:
     counters = _progress.get("engine")
     steps, micro = counters() if counters is not None else (0, 0)
-    context = _context() if state == "failed" else ""
+    context = _context_if(state)
     return Progress(state, steps, micro, f"{where} ({context})" if context else where)
+
+
+def _context_if(state: str) -> str:
+    return context() if state == "failed" else ""
+
+
+def set_reported(error: BaseException) -> None:
+    """``error`` is this process's diagnosed failure: later failures (cleaning up) are not diagnosed again."""
+    _reported[0] = error
 
 
 def first_reported() -> Optional[BaseException]:
