@@ -172,10 +172,6 @@ def expected_copies(stage: int, offload: str, step: int) -> dict:
         counts["h2d_async"] += 2  # ZeRO-Infinity's write-back of each group's one chunk (infinity.py)
     #   (offload_param: CPUAdam writes the host shard itself, or the step writes the swap file)
     # -- waits the engine should not have --------------------------------------------------------------
-    if stage == 3 and step == 0:
-        # FIXME (zero/stage3/fetcher.py FetchCheck.unit): each gather unit's tag row is uploaded from
-        # pageable memory when first made (5 units in EdgeNet): once per unit, so only in the first step
-        counts["h2d_pageable"] = 5
     return counts
 
 

@@ -375,5 +375,6 @@ class ZeroOptimizer:
         states = [t for sp in self.shard_params for t in self.optimizer.state.get(sp, {}).values()
                   if torch.is_tensor(t) and t.numel() > 1]
         states += self.abilities.host_buffers()  # the NVMe swap buffers
-        return {"parameters": [t for g in self.groups for t in g.tensors()], "gradients": self.grads.tensors(),
+        grads = self.grads.tensors() + list(self.master_store.grad_buffers.values())  # (stages 0-1 offload: host)
+        return {"parameters": [t for g in self.groups for t in g.tensors()], "gradients": grads,
                 "master_weights": masters, "optimizer_states": states}

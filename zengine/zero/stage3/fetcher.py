@@ -68,6 +68,13 @@ class _Pending:
         self.params, self.staging, self.works, self.direct, self.tag = params, staging, works, direct, tag
 
 
+def _tag_row(crc: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The crc's ``_TAG`` little-endian bytes as a [_TAG] row in ``dtype`` (bytes are exact in bf16/fp16), made
+    on the device from a scalar: no upload from pageable host memory, which would make the host wait."""
+    shifts = torch.arange(0, 8 * _TAG, 8, dtype=torch.int64, device=device)
+    return ((torch.full((_TAG,), crc, dtype=torch.int64, device=device) >> shifts) & 0xFF).to(dtype)
+
+
 class FetchCheck:
     """What this rank gathered since the last boundary step, to compare across ranks without a collective.
 
@@ -90,7 +97,7 @@ class FetchCheck:
         known = self._units.get(key)
         if known is None or (known[1] is not None and known[1].dtype != dtype):
             crc = zlib.crc32("\0".join(sp.name for sp in params).encode())
-            tag = torch.tensor(list(crc.to_bytes(_TAG, "little")), dtype=dtype).to(device) if staged else None
+            tag = _tag_row(crc, dtype, device) if staged else None
             known = self._units[key] = (crc, tag)
         return known
 
