@@ -186,7 +186,8 @@ class ParamSwap:
         streams = device_streams(self.device)
         if streams is not None:
             slot.used = streams.Event()
-            slot.used.record()
+            # on the compute device's stream, which need not be the current device (zero.Init never sets it)
+            slot.used.record(streams.current_stream(self.device))
         slot.owner = None  # (a temporary buffer is simply dropped: no slot refers to it)
 
     def prefetch(self, sps) -> bool:

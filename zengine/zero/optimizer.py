@@ -222,6 +222,7 @@ class ZeroOptimizer:
         if not stats.fetches_agree:  # stage 3: the ranks gathered different parameters (nothing updated yet)
             self._raise_fetches_diverged()
         self._fetches_checked()
+        self._before_update()
         self._had_backward = False
         if stats.ranks_with_backward == 0:
             self.zero_grad()
@@ -264,6 +265,9 @@ class ZeroOptimizer:
 
     def _fetches_checked(self) -> None:
         """The ranks agreed on their gathers so far: start the next comparison."""
+
+    def _before_update(self) -> None:
+        """Right before the step writes anything: stage 3 waits for uploads still reading host shards."""
 
     def _clip_grads(self, master_grads: list[torch.Tensor], coef: float) -> None:
         self.master_store.clip(self, master_grads, coef)

@@ -43,6 +43,7 @@ from typing import Optional, Sequence
 import torch
 
 from ...distributed import collectives, diagnose
+from ...offload.copies import device_streams
 from .param import ParamState, ShardedParam
 
 logger = logging.getLogger("zengine")
@@ -148,6 +149,7 @@ class Fetcher:
         self._seq = 0
         self.swap = swap  # offload_param nvme: the ParamSwap whose reads follow the trace ahead of the gathers
         self.check = FetchCheck(device)
+        self._host_reads = None  # event after the latest uploads from host shards (_note_host_reads)
         position = weakref.WeakMethod(self._position)  # the registry must not keep an old engine alive
         diagnose.register_position("stage 3", lambda: position()() if position() is not None else "")
 
@@ -250,6 +252,7 @@ class Fetcher:
                 if sp.shard is None:
                     sp.store.give_back(sp)
                 col += sp.chunk
+            self._note_host_reads(staging)
         try:
             works = collectives.all_gather_rows(staging, self.rank, self.comm_group, async_op=True)
         except RuntimeError as e:
@@ -359,6 +362,22 @@ class Fetcher:
             if distance > self.max_reuse:
                 return False
         return False
+
+    # -- host shards read by the device (offload_param) ----------------------------------------
+    def _note_host_reads(self, staging: torch.Tensor) -> None:
+        """Uploads from host shards were queued (non_blocking): remember the point of the compute stream
+        after them, so that the step waits for it before it writes those shards in place."""
+        streams = device_streams(staging.device)
+        if streams is not None:
+            self._host_reads = streams.Event()
+            self._host_reads.record(streams.current_stream(staging.device))
+
+    def host_reads_done(self) -> None:
+        """Before the step updates host shards in place (CPU-Adam on offload_param's shards): every upload
+        queued from them has finished reading them (one event; nothing to wait for on the host itself)."""
+        if self._host_reads is not None:
+            self._host_reads.synchronize()
+            self._host_reads = None
 
     # -- the always-on check (FetchCheck) -------------------------------------------------------
     def boundary_values(self) -> tuple[int, int, Optional[torch.Tensor]]:

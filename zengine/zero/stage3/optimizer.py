@@ -82,6 +82,9 @@ class Stage3Optimizer(ZeroOptimizer):
     def _fetches_checked(self) -> None:
         self.fetcher.check.reset()
 
+    def _before_update(self) -> None:
+        self.fetcher.host_reads_done()  # offload_param: CPU-Adam writes the shards the gathers uploaded from
+
     def explain_backward_error(self, error: RuntimeError) -> BaseException:
         """Autograd refuses the empty gradient of a partitioned parameter that an op outside the forward used
         (a regulariser over engine.module.parameters()) while the forward used it gathered: name it."""
