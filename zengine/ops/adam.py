@@ -147,7 +147,9 @@ def adam_step_(
         _SIMD_CODES[simd],
     )
     if copy_out is not None and not fused_copy:
-        copy_out.copy_(param.reshape(copy_out.shape), non_blocking=copy_out.device.type != "cpu")
+        # blocking: the next step rewrites ``param`` in place, and a queued copy has no event to wait on (the
+        # engine's own targets are host staging, uploaded on a side stream by offload/copies.py)
+        copy_out.copy_(param.reshape(copy_out.shape))
 
 
 class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
