@@ -78,8 +78,7 @@ class Engine(DeepSpeedMembers, nn.Module):
         named_groups = named_param_groups(model, model_parameters, optimizer)
         self._untrained = UntrainedParameters(model, named_groups)  # named at the step if unfrozen later
         self.scaler = make_loss_scaler(config.fp16)
-        # Every backward pass is bracketed (backward.py); a plain loss.backward() the outputs could not catch
-        # is seen by the optimizer at its first parameter gradient, which opens the bracket through the tracker.
+        # every backward is bracketed (backward.py): a plain one the outputs miss opens at its first parameter gradient
         self._backward = BackwardTracker(self._begin_backward, self._end_backward, self._grad_factor,
                                          self._window_carries)
         self.optimizer = build_zero_optimizer(
@@ -176,15 +175,13 @@ class Engine(DeepSpeedMembers, nn.Module):
         return loss
 
     def _grad_factor(self) -> float:
-        """What a backward multiplies the loss by: 1 in fp32/bf16 (the step divides by the accumulation steps);
-        with fp16 the loss scale over the accumulation steps (``loss_carries_accumulation``)."""
+        """engine.backward's loss multiplier: 1 in fp32/bf16; fp16: the loss scale over the accumulation steps."""
         if loss_carries_accumulation(self.config.fp16):
             return self.scaler.scale / self.gradient_accumulation_steps()
         return self.scaler.scale
 
     def _window_carries(self, factor) -> None:
-        """The accumulation window's gradients carry ``factor`` (their loss's multiplier; None: a new window):
-        the step divides their sum by it times the accumulation steps (engine/backward.py)."""
+        """The window's gradients carry ``factor`` (None: a new window); the step divides it out (backward.py)."""
         self.optimizer.window_multiplier = None if factor is None else factor * self.gradient_accumulation_steps()
 
     def _begin_backward(self) -> None:

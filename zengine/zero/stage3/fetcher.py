@@ -394,40 +394,12 @@ class Fetcher:
             self.raise_diverged()
 
     def raise_diverged(self) -> None:
-        """Every rank calls this together once the sums show the ranks gathered differently: one failure-path
-        exchange of the gathers each rank issued, then FetchOrderError naming where they parted."""
-        check = self.check
-        crcs = [c for c, _, _ in check.log]
-        first = check.issued_count - len(crcs)  # index of the oldest gather still in the log
-        counts = collectives.all_gather_small(torch.tensor([check.issued_count, first], dtype=torch.int64)
-                                              .to(self.device), self.comm_group).view(-1, 2).cpu().tolist()
-        longest = max(n for n, _ in counts)
-        start = max(f for _, f in counts)
-        mine = torch.full((max(longest - start, 1),), -1, dtype=torch.int64)
-        window = crcs[start - first:]
-        mine[:len(window)] = torch.tensor(window, dtype=torch.int64)
-        rows = collectives.all_gather_small(mine.to(self.device), self.comm_group).view(self.world, -1).cpu()
-        differ = (rows != rows[0]).any(dim=0).nonzero()
-        at = int(differ[0]) if len(differ) else 0
-        index = start + at
-        entry = check.log[index - first] if first <= index < check.issued_count else None
-        label = (f"{entry[1]} [{', '.join(sp.name for sp in entry[2])}]" if entry is not None
-                 else "(nothing: this rank had gathered less)")
-        labels = self._exchange_labels(label)
-        lines = "\n".join(f"  rank {r}: gather {index + 1} of {n}: {lab}" for r, (lab, (n, _)) in
-                          enumerate(zip(labels, counts)))
-        check.reset()
-        raise FetchOrderError(f"stage 3: the ranks gathered different parameters in the same collective "
-                              f"(caught before any update; each rank's gather where they first parted):\n{lines}\n"
-                              + _LEAF_HINT)
+        """Every rank calls this together once the sums show the ranks gathered differently (see
+        ``raise_fetches_diverged``)."""
+        raise_fetches_diverged(self.check, self.device, self.comm_group, self.world)
 
     def _exchange_labels(self, label: str) -> list[str]:
-        """Every rank's label, as fixed-size byte tensors (all_gather_object would need numpy)."""
-        raw = label.encode()[:_LABEL_BYTES]
-        mine = torch.zeros(_LABEL_BYTES, dtype=torch.uint8)
-        mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-        gathered = collectives.all_gather_small(mine.to(self.device), self.comm_group).view(self.world, -1).cpu()
-        return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in gathered]
+        return exchange_labels(label, self.device, self.comm_group, self.world)
 
     def _position(self) -> str:
         """For a failed collective's report: this rank's latest gather."""
@@ -437,15 +409,7 @@ class Fetcher:
         return f"latest stage-3 gather {self.check.issued_count}: {label} [{', '.join(sp.name for sp in params)}]"
 
     def _gather_failed(self, params: list[ShardedParam], error: RuntimeError) -> BaseException:
-        """A gather the backend refused (gloo: the ranks' sizes differ): name it on this rank. A failure the
-        diagnosis already named (a timeout, a peer gone: each rank's position in its report) stays as it is."""
-        if error is diagnose.first_reported() or isinstance(error, (diagnose.CollectiveTimeoutError,
-                                                                    diagnose.RanksOutOfStepError)):
-            return error
-        return FetchOrderError(f"stage 3: rank {self.rank}'s gather {self.check.issued_count} of "
-                               f"[{', '.join(sp.name for sp in params)}] failed ({type(error).__name__}: {error}); "
-                               f"the likely cause is ranks gathering different parameters at this point.\n"
-                               + _LEAF_HINT)
+        return gather_failed(params, self.rank, self.check.issued_count, error)
 
     # -- debug ----------------------------------------------------------------------------------
     def _check_order(self, params: list[ShardedParam], tag: str) -> None:
@@ -459,3 +423,53 @@ class Fetcher:
             raise FetchOrderError(f"stage 3: ranks diverged at parameter fetch {self._seq}; each rank was about "
                                   f"to gather:\n{lines}\nThe ranks ran different modules (data-dependent control "
                                   f"flow?); every rank must run the same modules in the same order.")
+
+
+# -- the failure path of the gather check: one exchange, then the error -------------------------------
+def raise_fetches_diverged(check: FetchCheck, device: torch.device, comm_group, world: int) -> None:
+    """Every rank calls this together once the sums show the ranks gathered differently: one failure-path
+    exchange of the gathers each rank issued, then FetchOrderError naming where they parted."""
+    crcs = [c for c, _, _ in check.log]
+    first = check.issued_count - len(crcs)  # index of the oldest gather still in the log
+    counts = collectives.all_gather_small(torch.tensor([check.issued_count, first], dtype=torch.int64)
+                                          .to(device), comm_group).view(-1, 2).cpu().tolist()
+    longest = max(n for n, _ in counts)
+    start = max(f for _, f in counts)
+    mine = torch.full((max(longest - start, 1),), -1, dtype=torch.int64)
+    window = crcs[start - first:]
+    mine[:len(window)] = torch.tensor(window, dtype=torch.int64)
+    rows = collectives.all_gather_small(mine.to(device), comm_group).view(world, -1).cpu()
+    differ = (rows != rows[0]).any(dim=0).nonzero()
+    at = int(differ[0]) if len(differ) else 0
+    index = start + at
+    entry = check.log[index - first] if first <= index < check.issued_count else None
+    label = (f"{entry[1]} [{', '.join(sp.name for sp in entry[2])}]" if entry is not None
+             else "(nothing: this rank had gathered less)")
+    labels = exchange_labels(label, device, comm_group, world)
+    lines = "\n".join(f"  rank {r}: gather {index + 1} of {n}: {lab}" for r, (lab, (n, _)) in
+                      enumerate(zip(labels, counts)))
+    check.reset()
+    raise FetchOrderError(f"stage 3: the ranks gathered different parameters in the same collective "
+                          f"(caught before any update; each rank's gather where they first parted):\n{lines}\n"
+                          + _LEAF_HINT)
+
+
+def exchange_labels(label: str, device: torch.device, comm_group, world: int) -> list[str]:
+    """Every rank's label, as fixed-size byte tensors (all_gather_object would need numpy)."""
+    raw = label.encode()[:_LABEL_BYTES]
+    mine = torch.zeros(_LABEL_BYTES, dtype=torch.uint8)
+    mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    gathered = collectives.all_gather_small(mine.to(device), comm_group).view(world, -1).cpu()
+    return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in gathered]
+
+
+def gather_failed(params: list[ShardedParam], rank: int, count: int, error: RuntimeError) -> BaseException:
+    """A gather the backend refused (gloo: the ranks' sizes differ): name it on this rank. A failure the
+    diagnosis already named (a timeout, a peer gone: each rank's position in its report) stays as it is."""
+    if error is diagnose.first_reported() or isinstance(error, (diagnose.CollectiveTimeoutError,
+                                                                diagnose.RanksOutOfStepError)):
+        return error
+    return FetchOrderError(f"stage 3: rank {rank}'s gather {count} of "
+                           f"[{', '.join(sp.name for sp in params)}] failed ({type(error).__name__}: {error}); "
+                           f"the likely cause is ranks gathering different parameters at this point.\n"
+                           + _LEAF_HINT)
