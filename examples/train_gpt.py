@@ -101,12 +101,13 @@ def main() -> None:
     torch.manual_seed(args.seed)  # every rank builds the same initial weights
     model_cfg = tiny()
     model = GPT(model_cfg)
+    n_params = sum(p.numel() for p in model.parameters())  # before initialize: stage 3 cuts them to shards
     dataset = ByteWindows(model_cfg.seq_len)
     engine, _, loader, _ = zengine.initialize(model=model, config=load_config(args), training_data=dataset)
     rank = dist.get_rank()
     tokens_per_step = engine.train_batch_size() * model_cfg.seq_len
     if rank == 0:
-        print(f"GPT {model_cfg}: {sum(p.numel() for p in model.parameters()):,} parameters; "
+        print(f"GPT {model_cfg}: {n_params:,} parameters; "
               f"{len(dataset)} windows of {len(dataset.tokens):,} bytes; ZeRO stage "
               f"{engine.zero_optimization_stage()}, world size {engine.world_size}, "
               f"{engine.train_batch_size()} sequences per step, {torch.get_num_threads()} thread(s) per rank",
