@@ -14,7 +14,7 @@ from .api import initialize
 from .distributed import init_distributed
 from .distributed.agreement import CollectiveCallError
 from .distributed.diagnose import CollectiveTimeoutError, RanksOutOfStepError
-from .engine import Engine
+from .engine import DeepSpeedEngine, Engine
 from . import zero
 from .launcher.args import add_config_arguments
 from .zero.nonfinite import NonFiniteGradientError
@@ -22,7 +22,7 @@ from .zero.stage3.fetcher import FetchOrderError
 from .zero.stage3.grads import ExternalUseError
 
 __version__ = "0.1.0"
-__all__ = ["initialize", "init_distributed", "Engine", "add_config_arguments", "zero", "__version__",
+__all__ = ["initialize", "init_distributed", "Engine", "DeepSpeedEngine", "add_config_arguments", "zero", "__version__",
            # what a training step may raise (docs/API.md, "Errors and environment")
            "CollectiveCallError", "CollectiveTimeoutError", "ExternalUseError", "FetchOrderError", "NonFiniteGradientError",
            "RanksOutOfStepError"]

@@ -8,22 +8,36 @@ Inside that process only, ``deepspeed`` and the submodules scripts import
 ``deepspeed.ops.adam``, ``deepspeed.runtime.zero.partition_parameters`` ...)
 are zengine's modules of the same meaning (``ALIASES``); the features zengine
 does not have (pipeline and tensor parallelism, MoE, inference) fail at import
-with a message naming them. Nothing is installed under the name ``deepspeed``,
-so libraries that look for the installed distribution by name (transformers,
-accelerate, lightning: ``importlib.metadata.version("deepspeed")``) do not
-see one: this covers scripts that drive DeepSpeed directly.
+with a message naming them.
+
+Libraries that decide from the installed *distribution* (transformers and
+accelerate ask ``importlib.util.find_spec("deepspeed")`` and then
+``importlib.metadata.metadata`` / ``version("deepspeed")``) get their answers
+from the same finder: inside the process, a ``deepspeed`` distribution of
+version ``DEEPSPEED_VERSION`` (the DeepSpeed release whose surface zengine
+follows) is visible. Nothing is written to site-packages, so other processes
+see nothing. A real DeepSpeed importable beside zengine is never shadowed:
+``install()`` refuses, naming where it is.
+
+Launchers that start the processes themselves take the module as their target:
+``torchrun --nproc_per_node 2 -m zengine.compat train.py ...``,
+``accelerate launch -m zengine.compat train.py ...``.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import os
 import runpy
 import sys
 from typing import Optional, Sequence
 
 COMPAT_ENV = "ZENGINE_DEEPSPEED_COMPAT"
+# The DeepSpeed release whose public surface (initialize, config keys, engine members) zengine follows;
+# the version the compatibility mode reports for the ``deepspeed`` distribution.
+DEEPSPEED_VERSION = "0.19.8"
 
 # deepspeed module -> the zengine module that stands in for it
 ALIASES = {
@@ -48,6 +62,9 @@ ALIASES = {
     "deepspeed.monitor": "zengine.monitor",
     "deepspeed.elasticity": "zengine.elasticity",
     "deepspeed.launcher": "zengine.launcher",
+    "deepspeed.runtime.lr_schedules": "zengine.runtime.lr_schedules",
+    "deepspeed.checkpoint": "zengine.checkpoint",
+    "deepspeed.checkpoint.utils": "zengine.checkpoint.utils",
 }
 # DeepSpeed features outside ZeRO data parallelism: refused at import, by name
 REFUSED = {
@@ -80,6 +97,49 @@ class _DeepSpeedFinder(importlib.abc.MetaPathFinder):
                                       name=fullname) from None
         return importlib.machinery.ModuleSpec(fullname, _Existing(module))
 
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+        """``importlib.metadata``'s question: the stand-in ``deepspeed`` distribution, when asked for it
+        (or for every distribution)."""
+        name = getattr(context, "name", None)
+        if name is None or name.lower().replace("_", "-") == "deepspeed":
+            yield StandInDistribution()
+
+
+class StandInDistribution(importlib.metadata.Distribution):
+    """The ``deepspeed`` distribution as ``importlib.metadata`` reports it under the compatibility mode:
+    name, version ``DEEPSPEED_VERSION``, and a summary that says zengine stands in for it. It lists no
+    files (nothing is installed)."""
+
+    def read_text(self, filename: str) -> Optional[str]:
+        if filename in ("METADATA", "PKG-INFO"):
+            return (f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {DEEPSPEED_VERSION}\n"
+                    f"Summary: zengine standing in for DeepSpeed {DEEPSPEED_VERSION} (zengine.compat)\n"
+                    "Author: zengine\nLicense: Apache-2.0\n")
+        if filename == "top_level.txt":
+            return "deepspeed\n"
+        return None
+
+    def locate_file(self, path):
+        import pathlib
+
+        return pathlib.Path(os.path.dirname(os.path.abspath(__file__))) / str(path)
+
+
+class RealDeepSpeedError(RuntimeError):
+    """zengine.compat was asked to stand in for DeepSpeed where a real DeepSpeed is importable."""
+
+
+def real_deepspeed() -> Optional[str]:
+    """Where a real DeepSpeed would be imported from (a path), or None. Looks on ``sys.path`` with the
+    standard finder only, and at a ``deepspeed`` module already imported that is not zengine."""
+    loaded = sys.modules.get("deepspeed")
+    if loaded is not None and getattr(loaded, "__name__", None) != "zengine":
+        return getattr(loaded, "__file__", None) or repr(loaded)
+    spec = importlib.machinery.PathFinder.find_spec("deepspeed")
+    if spec is None:
+        return None
+    return spec.origin or ", ".join(spec.submodule_search_locations or []) or "sys.path"
+
 
 class _Existing(importlib.abc.Loader):
     """Loads a name as an already imported module."""
@@ -95,7 +155,16 @@ class _Existing(importlib.abc.Loader):
 
 
 def install() -> None:
-    """Make ``import deepspeed`` (and its submodules) resolve to zengine in this process."""
+    """Make ``import deepspeed`` (and its submodules) resolve to zengine in this process, and let
+    ``importlib.util.find_spec`` / ``importlib.metadata`` see a ``deepspeed`` distribution
+    (``DEEPSPEED_VERSION``). Raises ``RealDeepSpeedError`` when a real DeepSpeed is importable: the
+    compatibility mode never hides it (uninstall it, or run without the compatibility mode)."""
+    if not any(isinstance(f, _DeepSpeedFinder) for f in sys.meta_path):
+        where = real_deepspeed()
+        if where is not None:
+            raise RealDeepSpeedError(
+                f"zengine.compat: a real DeepSpeed is importable ({where}); the compatibility mode would shadow "
+                "it. Use DeepSpeed itself, or uninstall it (pip uninstall deepspeed) to run this script on zengine")
     for name, target in ALIASES.items():
         if name not in sys.modules:
             try:

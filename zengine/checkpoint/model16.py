@@ -122,3 +122,29 @@ def _whole(opt, params):
     if not sharded or not hasattr(opt, "full_params"):
         return contextlib.nullcontext()
     return opt.full_params(sharded)
+
+
+def consolidated_state_dict(engine, exclude_frozen_parameters: bool = False):
+    """Collective: the full model's state_dict in the compute dtype, on rank 0's host (None on the other
+    ranks), gathered module by module as ``save_16bit_model`` does. A parameter reached under several names
+    (tied weights) is one tensor under all of them; ``exclude_frozen_parameters`` leaves out the
+    parameters that do not require a gradient. DeepSpeed's ``_zero3_consolidated_16bit_state_dict``."""
+    opt = engine.optimizer
+    model = meta_mod.describe_model(engine.module, set())
+    shapes = {id(p): model["params"][n]["shape"] for n, p in engine.module.named_parameters()}
+    out = {} if engine.global_rank == 0 else None
+    first: dict[int, torch.Tensor] = {}
+    for prefix, module in engine.module.named_modules(remove_duplicate=False):
+        pre = f"{prefix}." if prefix else ""
+        params = [(pre + n, p) for n, p in module._parameters.items()
+                  if p is not None and not (exclude_frozen_parameters and not p.requires_grad)]
+        with _whole(opt, [p for _, p in params if id(p) not in first]):
+            for key, p in params:
+                if id(p) not in first:
+                    first[id(p)] = p.detach().reshape(shapes[id(p)]).clone().cpu() if out is not None else p
+                if out is not None:
+                    out[key] = first[id(p)]
+        for n, b in module._buffers.items():
+            if out is not None and b is not None and n not in module._non_persistent_buffers_set:
+                out[pre + n] = b.detach().clone().cpu()
+    return out

@@ -15,7 +15,7 @@ rendering.
 """
 from .batch import BatchSizes, resolve_batch_sizes, resolve_elastic_batch_sizes
 from .elastic import ElasticityConfig
-from .load import ConfigError, ConfigWarning, load_config
+from .load import ConfigError, ConfigWarning, load_config, load_zero_sections
 from .models import ZengineConfig
 from .optimizer import SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS, OptimizerConfig, SchedulerConfig
 from .precision import BF16Config, FP16Config
@@ -41,7 +41,7 @@ __all__ = [
     "ZengineConfig",
     "ZeroConfig",
     "format_config",
-    "load_config",
+    "load_config", "load_zero_sections",
     "resolve_batch_sizes",
     "resolve_elastic_batch_sizes",
 ]

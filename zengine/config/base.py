@@ -77,6 +77,18 @@ PositiveSize = Annotated[int, BeforeValidator(_whole_number), Field(ge=1)]
 """A buffer or bucket size, which must hold at least one element."""
 Count = Annotated[int, BeforeValidator(_integer), Field(ge=1)]
 """A small positive count (buffers, threads, steps)."""
+NEVER = 2 ** 63 - 1
+"""An interval of steps that never comes round: what ``float("inf")`` becomes (accelerate's ``steps_per_print``)."""
+
+
+def _interval(value: Any) -> Any:
+    if isinstance(value, float) and value == math.inf:
+        return NEVER
+    return _integer(value)
+
+
+Interval = Annotated[int, BeforeValidator(_interval), Field(ge=1)]
+"""A positive count of steps between events; ``float("inf")``: never."""
 BatchSize = Annotated[Optional[Annotated[int, Field(ge=1)]], BeforeValidator(_auto_is_unset)]
 """A batch key; None (or "auto") until ``load_config`` resolves it."""
 

@@ -104,6 +104,26 @@ def load_config(config: ConfigSource, world_size: int) -> ZengineConfig:
     return cfg
 
 
+ZERO_INIT_SECTIONS = ("zero_optimization", "aio", "fp16", "bf16")
+
+
+def load_zero_sections(config: ConfigSource) -> ZengineConfig:
+    """The sections ``zero.Init`` needs (``ZERO_INIT_SECTIONS``), validated alone: the rest of the config
+    is the engine's to check at ``initialize`` (Hugging Face enters ``zero.Init`` with "auto" still in the
+    optimizer and scheduler sections). A precision section whose ``enabled`` is "auto" is left out.
+    Raises ``ConfigError`` listing the problems of those sections."""
+    source, raw = _read(config)
+    wanted = {key: raw[key] for key in ZERO_INIT_SECTIONS if key in raw
+              and not (isinstance(raw[key], Mapping) and raw[key].get("enabled") == "auto")}
+    try:
+        return ZengineConfig.model_validate(wanted)
+    except ValidationError as error:
+        problems = _describe(error)
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        raise ConfigError(f"invalid zengine config {source} for zero.Init ({count}):\n"
+                          + "\n".join(f"  {p}" for p in problems)) from None
+
+
 def _read(config: Any) -> Tuple[str, Dict[str, Any]]:
     """Return ``(a name for messages, a private copy of the raw dict)``."""
     if isinstance(config, Mapping):

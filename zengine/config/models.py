@@ -16,7 +16,7 @@ import torch
 from pydantic import Field, PrivateAttr, model_validator
 
 from .activation_checkpointing import ActivationCheckpointingConfig
-from .base import BatchSize, Count, Flag, Number, _Section
+from .base import BatchSize, Count, Flag, Interval, Number, _Section
 from .elastic import ElasticityConfig
 from .monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from .optimizer import NonFiniteGradientsConfig, OptimizerConfig, SchedulerConfig
@@ -52,7 +52,8 @@ class ZengineConfig(_Section):
         "grad_accum_dtype: the dtype gradients are summed in across micro-steps."))
     gradient_clipping: Number = Field(0.0, ge=0, description="Clip the global gradient norm to this; 0 "
                                                              "disables clipping.")
-    steps_per_print: Count = Field(10, description="Log progress every this many optimizer steps.")
+    steps_per_print: Interval = Field(10, description="Log progress every this many optimizer steps "
+                                                      "(float('inf'), as accelerate sets it: never).")
     auto_resume: Optional[str] = Field(None, description=(
         "zengine only: a save_dir of engine.save_checkpoint; initialize loads its latest checkpoint when "
         "there is one (a restarted or resubmitted job continues where it was), and starts fresh when not."))
@@ -114,6 +115,19 @@ class ZengineConfig(_Section):
                              f"(set by the fp16/bf16 sections); "
                              f"DeepSpeed requires them to match: omit param_dtype or enable the matching section")
         return self
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """DeepSpeed's ``engine.config`` is a dict; read as one (``config.get("zero_optimization", {}).get(
+        "stage")``), a section comes back as a plain dict of its values, a top-level key as its value."""
+        if key not in type(self).model_fields:
+            return default
+        value = getattr(self, key)
+        return value.model_dump() if isinstance(value, _Section) else value
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in type(self).model_fields:
+            raise KeyError(key)
+        return self.get(key)
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -69,11 +69,13 @@ class BackwardTracker:
         self._warned_unscaled = False
 
     @contextlib.contextmanager
-    def explicit(self):
-        """``engine.backward``: the loss is already multiplied by ``factor()``; bracket the pass."""
+    def explicit(self, carried: Optional[float] = None):
+        """``engine.backward``: the loss is already multiplied by ``factor()``; bracket the pass. ``carried``:
+        what the pass's gradients carry when that is not ``factor()`` (a loss the caller divided by the
+        accumulation steps: ``scale_wrt_gas=False``)."""
         if self.mode is not BackwardMode.IDLE:
             raise RuntimeError("engine.backward() was called inside another backward pass (from a gradient hook?)")
-        factor = self._factor()
+        factor = self._factor() if carried is None else carried
         self._note(factor)
         self._begin()
         self.mode = BackwardMode.EXPLICIT

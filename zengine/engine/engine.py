@@ -115,8 +115,7 @@ class Engine(DeepSpeedMembers, nn.Module):
         return self.placement.device
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next ``step()`` completes a global batch (or as set_gradient_accumulation_boundary
-        said)."""
+        """True when the next ``step()`` completes a global batch (or as set_gradient_accumulation_boundary said)."""
         return self.accumulation.is_boundary(self.micro_steps, self.gradient_accumulation_steps())
 
     def get_lr(self) -> list[float]:
@@ -152,7 +151,7 @@ class Engine(DeepSpeedMembers, nn.Module):
         finally:
             self._no_sync = previous
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` (in fp32 and bf16 as it is; with fp16 times the loss scale over the
         accumulation steps, as DeepSpeed does, to keep fp16's range: every gradient of the pass carries that
         factor once, whatever its path, and the step divides it out).
@@ -162,12 +161,14 @@ class Engine(DeepSpeedMembers, nn.Module):
         counts once whatever path it took: a plain ``loss.backward()`` (see ``backward.py``), a loss built
         from several outputs or from another engine's output, a term computed outside the forward.
         Several backward calls before one ``step()`` add up, as one backward of the summed losses would.
-        """
+        ``scale_wrt_gas=False`` (HF's Trainer): the loss is already divided by the accumulation steps; the
+        pass is recorded as carrying that division, so the step does not divide again."""
         self._check_alive("backward")
-        factor = self._grad_factor()
+        factor = self._grad_factor() if scale_wrt_gas else self.scaler.scale  # else: the caller divided by gas
+        carried = None if scale_wrt_gas else factor / self.gradient_accumulation_steps()
         scaled = loss.float() * factor if factor != 1.0 else loss
         self._step_report.record_loss(loss, self.is_gradient_accumulation_boundary())
-        with self.timers(BACKWARD), self._backward.explicit():
+        with self.timers(BACKWARD), self._backward.explicit(carried):
             try:
                 scaled.backward(retain_graph=retain_graph)
             except RuntimeError as e:  # autograd's words for a misuse the stage can name
@@ -293,7 +294,7 @@ class Engine(DeepSpeedMembers, nn.Module):
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        missing_ok: bool = False, *, trust_client_state: bool = False):
+                        missing_ok: bool = False, load_module_strict: bool = True, *, trust_client_state: bool = False):
         """Collective: load ``load_dir/tag`` (default: ``latest``), saved by any world size and stage.
 
         Returns ``(path, client_state)``. A missing ``load_dir``, ``latest`` or tag raises
@@ -301,26 +302,11 @@ class Engine(DeepSpeedMembers, nn.Module):
         ``(None, None)`` (DeepSpeed's value) and logs it. A damaged checkpoint (a failed checksum, a
         truncated file, an edited meta.json) or an empty ``latest`` raises either way. state.pt loads
         weights-only (tensors, plain values): other objects (in ``client_state``) raise
-        ``CheckpointUntrustedError`` unless ``trust_client_state=True``, which may run the file's code."""
+        ``CheckpointUntrustedError`` unless ``trust_client_state=True``, which may run the file's code.
+        ``load_module_strict`` (DeepSpeed's keyword) is accepted either way: the checkpoint must hold this model."""
         with agreement.collective_call("load_checkpoint"):
             return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                                               load_module_only, missing_ok, trust_client_state=trust_client_state)
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """Collective: rank 0 writes the full model's state_dict in the compute dtype, module by module.
-
-        At stage 3 this needs ``stage3_gather_16bit_weights_on_model_save`` (as in DeepSpeed): without
-        it nothing is written and False is returned, with a warning naming the key.
-        """
-        zero = self.config.zero_optimization
-        if zero.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
-            if self.global_rank == 0:
-                logger.warning("save_16bit_model: nothing saved: at stage 3 the full 16-bit weights are gathered "
-                               "only with zero_optimization.stage3_gather_16bit_weights_on_model_save true (as in "
-                               "DeepSpeed); set it, or export a checkpoint with zengine-to-fp32")
-            return False
-        with agreement.collective_call("save_16bit_model"):
-            return checkpoint.save_16bit_model(self, save_dir, save_filename)
 
     # -- accounting -----------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:

@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
+from ..checkpoint.model16 import consolidated_state_dict, save_16bit_model as write_16bit_model
+from ..distributed.agreement import collective_call
+from ..log import setup_logging
 from ..precision.loss_scaler import loss_carries_accumulation
 from .accumulation import Accumulation
 
@@ -37,6 +40,7 @@ class OffloadDeviceEnum(str, enum.Enum):
     nvme = "nvme"
 
 
+_logger = setup_logging()
 _KINDS = {"optim_states": "optimizer_states", "hp_params": "master_weights", "lp_params": "parameters",
           "lp_grads": "gradients", "contiguous_grad_buffer": "gradients"}
 
@@ -214,6 +218,33 @@ class DeepSpeedMembers:
         self.held_states.clear()
 
     # -- saving ---------------------------------------------------------------------------------
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Collective: rank 0 writes the full model's state_dict in the compute dtype, module by module.
+
+        At stage 3 this needs ``stage3_gather_16bit_weights_on_model_save`` (as in DeepSpeed): without
+        it nothing is written and False is returned, with a warning naming the key.
+        """
+        zero = self.config.zero_optimization
+        if zero.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
+            if self.global_rank == 0:
+                _logger.warning("save_16bit_model: nothing saved: at stage 3 the full 16-bit weights are gathered "
+                                "only with zero_optimization.stage3_gather_16bit_weights_on_model_save true (as in "
+                                "DeepSpeed); set it, or export a checkpoint with zengine-to-fp32")
+            return False
+        with collective_call("save_16bit_model"):
+            return write_16bit_model(self, save_dir, save_filename)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether stage 3 gathers the full 16-bit weights to save the model
+        (``zero_optimization.stage3_gather_16bit_weights_on_model_save``)."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Optional[dict]:
+        """Collective: the full state_dict in the compute dtype on rank 0's host, None elsewhere (DeepSpeed's
+        member, which accelerate's ``get_state_dict`` calls); tied weights stay one tensor. Any stage."""
+        with collective_call("_zero3_consolidated_16bit_state_dict"):
+            return consolidated_state_dict(self, exclude_frozen_parameters)
+
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's older name of ``save_16bit_model``."""
         return self.save_16bit_model(save_dir, save_filename)

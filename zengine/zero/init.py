@@ -111,7 +111,7 @@ class Init:
         for cls, name, original in reversed(self._patched):
             setattr(cls, name, original)
         self._patched = []
-        if exc[0] is None:
+        if exc[0] is None and self.enabled:  # disabled (enabled=False): nothing was made
             warn_lost_writes(self._made, "zero.Init")
         return False
 
@@ -140,11 +140,11 @@ class Init:
         """The GrowingSwap that ``offload_param: {device: nvme}`` (or ``remote_device="nvme"``) asks for."""
         if self._config is None and self._remote_device != "nvme":
             return None
-        from ..config import ConfigError, load_config
+        from ..config import ConfigError, load_zero_sections
         from ..offload.placement import make_aio
         from ..offload.param_swap import GrowingSwap
 
-        cfg = load_config(self._config, self.world) if self._config is not None else None
+        cfg = load_zero_sections(self._config) if self._config is not None else None  # only what Init reads
         offload = cfg.zero_optimization.offload_param if cfg is not None else None
         wants = self._remote_device == "nvme" or (offload is not None and offload.device == "nvme")
         if not wants or self._remote_device == "cpu":
@@ -193,8 +193,12 @@ def _standalone_fetcher(device: torch.device) -> Fetcher:
 
 
 @contextlib.contextmanager
-def GatheredParameters(params, modifier_rank: Optional[int] = None, enabled: bool = True):
-    """Gather ``params`` (a parameter or an iterable of them) in full for the block; see the module doc."""
+def GatheredParameters(params, modifier_rank: Optional[int] = None, fwd_module: Optional[nn.Module] = None,
+                       enabled: bool = True):
+    """Gather ``params`` (a parameter or an iterable of them) in full for the block; see the module doc.
+    DeepSpeed's signature: ``fwd_module`` (whose forward uses parameters it does not own, which
+    DeepSpeed then registers as external) is accepted and needs nothing here: zengine's stage-3 hooks
+    gather a parameter wherever it is used."""
     if isinstance(params, torch.Tensor):
         params = [params]
     sharded = [sp for sp in (lookup(p) for p in params) if sp is not None]
