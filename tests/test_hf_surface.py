@@ -204,3 +204,16 @@ def test_trainer_style_step_and_members_match_torch(stage, tmp_path):
             assert out["diff"] < 1e-5, out  # gas 2, divided once (by the Trainer), as torch on the global batch
         else:
             assert out["none_elsewhere"]
+
+
+def test_torchrun_with_zengine_compat_as_target(tmp_path):
+    """The opt-in for launchers that start the processes themselves: ``-m zengine.compat`` as the target."""
+    from harness import free_port
+
+    script = tmp_path / "ask.py"
+    script.write_text(_ASK)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(free_port()), "-m", "zengine.compat", str(script)], env=_env(), capture_output=True,
+                         text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split().count(DEEPSPEED_VERSION) == 2, run.stdout
