@@ -191,6 +191,15 @@ def _hf_run(stage: int, ckpt: str):
     weight = engine.module.fc.weight
     with zengine.zero.GatheredParameters([weight], modifier_rank=0, fwd_module=engine.module, enabled=True):
         out["gathered_shape"] = list(weight.shape)
+    x, y = batches[0]  # one window mixing both kinds of pass: refused, by name, at the step
+    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+    engine.backward(engine(x[rows], y[rows]))
+    engine.step()
+    engine.backward(engine(x[rows], y[rows]) / GAS, scale_wrt_gas=False)
+    try:
+        engine.step()
+    except RuntimeError as e:
+        out["mixed"] = "scale_wrt_gas=False" in str(e)
     return out
 
 
@@ -198,7 +207,7 @@ def _hf_run(stage: int, ckpt: str):
 def test_trainer_style_step_and_members_match_torch(stage, tmp_path):
     for rank, out in enumerate(spawn(_hf_run, 2, stage, str(tmp_path / "ckpt"))):
         assert out["stage"] == stage and out["gather_on_save"] and out["is_engine"] and out["loaded"]
-        assert out["gathered_shape"] == [DIM, DIM]
+        assert out["gathered_shape"] == [DIM, DIM] and out.get("mixed"), out
         if rank == 0:
             assert out["tied_shared"] and out["keys"] == ["emb.weight", "fc.bias", "fc.weight", "head.weight"]
             assert out["diff"] < 1e-5, out  # gas 2, divided once (by the Trainer), as torch on the global batch

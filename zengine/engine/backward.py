@@ -137,9 +137,10 @@ class BackwardTracker:
             self._mixed = None
             raise RuntimeError(
                 f"engine.step(): the backward passes since the last step carried different factors ({first:g} and "
-                f"{other:g}): with fp16, engine.backward(loss) multiplies the loss by the loss scale over the "
-                f"accumulation steps and a plain loss.backward() cannot, so their gradients do not add up. Use "
-                f"one of them for every micro-step of an accumulation window.")
+                f"{other:g}), so their gradients do not add up: with fp16, engine.backward(loss) multiplies the loss "
+                f"by the loss scale over the accumulation steps and a plain loss.backward() cannot; "
+                f"engine.backward(loss, scale_wrt_gas=False) takes a loss already divided by them. Use one of "
+                f"them for every micro-step of an accumulation window.")
 
     def end_window(self) -> None:
         """After a boundary step: the next pass starts a new window."""
