@@ -85,7 +85,9 @@ def test_transformers_sees_deepspeed_and_its_members_under_compat():
 
 
 def test_compat_refuses_beside_a_real_deepspeed(tmp_path):
-    (tmp_path / "deepspeed").mkdir()
+    (tmp_path / "deepspeed").mkdir()  # a plain folder of that name (say, of configs) is no DeepSpeed
+    out = _python("import zengine.compat as c; c.install()\n" + _ASK, extra_path=str(tmp_path))
+    assert out.returncode == 0 and out.stdout.split()[1] == DEEPSPEED_VERSION, out.stderr
     (tmp_path / "deepspeed" / "__init__.py").write_text("__version__ = '0.19.8'\n")
     out = _python("import zengine.compat as c\ntry:\n    c.install()\nexcept c.RealDeepSpeedError as e:\n"
                   "    print('refused', e)\nimport deepspeed; print(deepspeed.__file__)", extra_path=str(tmp_path))

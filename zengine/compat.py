@@ -131,14 +131,15 @@ class RealDeepSpeedError(RuntimeError):
 
 def real_deepspeed() -> Optional[str]:
     """Where a real DeepSpeed would be imported from (a path), or None. Looks on ``sys.path`` with the
-    standard finder only, and at a ``deepspeed`` module already imported that is not zengine."""
+    standard finder only (a folder named ``deepspeed`` without ``__init__.py`` is no package), and at a
+    ``deepspeed`` module already imported that is not zengine."""
     loaded = sys.modules.get("deepspeed")
     if loaded is not None and getattr(loaded, "__name__", None) != "zengine":
         return getattr(loaded, "__file__", None) or repr(loaded)
     spec = importlib.machinery.PathFinder.find_spec("deepspeed")
-    if spec is None:
+    if spec is None or spec.origin in (None, "namespace"):  # none, or a plain folder named deepspeed (configs)
         return None
-    return spec.origin or ", ".join(spec.submodule_search_locations or []) or "sys.path"
+    return spec.origin
 
 
 class _Existing(importlib.abc.Loader):
