@@ -84,6 +84,19 @@ def test_transformers_sees_deepspeed_and_its_members_under_compat():
     assert out.stdout.split() == ["ok"]
 
 
+def test_accelerate_sees_deepspeed_under_compat():
+    pytest.importorskip("accelerate")
+    code = ("import zengine.compat as c; c.install()\n"
+            "from accelerate.utils import is_deepspeed_available, compare_versions\n"
+            "assert is_deepspeed_available() and compare_versions('deepspeed', '>=', '0.9.3')\n"
+            "from deepspeed.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME\n"  # accelerate launch --use_deepspeed
+            "from accelerate.utils.deepspeed import DeepSpeedEngineWrapper\n"
+            "print('ok')\n")
+    out = _python(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["ok"]
+
+
 def test_compat_refuses_beside_a_real_deepspeed(tmp_path):
     (tmp_path / "deepspeed").mkdir()  # a plain folder of that name (say, of configs) is no DeepSpeed
     out = _python("import zengine.compat as c; c.install()\n" + _ASK, extra_path=str(tmp_path))

@@ -57,6 +57,7 @@ EXPORT_NAMES = ("PATH",)
 # Files of extra KEY=VALUE lines for remote hosts, looked for in ~ then in the
 # working directory (later files win).
 ENV_FILE_NAMES = (".deepspeed_env", ".zengine_env")
+DEEPSPEED_ENVIRONMENT_NAME = ENV_FILE_NAMES[0]  # DeepSpeed's name of it (accelerate's launcher imports it)
 
 
 class LaunchError(ValueError):
