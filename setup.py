@@ -58,7 +58,7 @@ setup(
     ],
     # transformers: the drop-in tests train Hugging Face models built from a config (nothing downloaded);
     # it does not require torch, so the pin above still decides which torch is installed.
-    extras_require={"test": ["pytest", "transformers>=4.40"]},
+    extras_require={"test": ["pytest", "transformers>=4.40", "accelerate>=1.0"]},
     entry_points={
         "console_scripts": [
             "zengine=zengine.launcher.runner:main",
