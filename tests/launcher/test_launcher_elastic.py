@@ -191,7 +191,9 @@ def test_lost_node_continues_at_the_smaller_world_size(tmp_path, stage, batch):
     expected, got = _losses(plain.stdout), _losses(out)
     assert sorted(got) == sorted(expected) == [1, *range(2, STEPS + 1, 2)], (expected, got)
     for step in expected:
-        assert got[step] == pytest.approx(expected[step], rel=1e-5), (step, expected, got)
+        # the losses are printed to 4 decimals: values a hair apart (W=2 and W=4 sum in other orders) can round
+        # one unit apart in the last digit; the parameters below are the fine comparison
+        assert got[step] == pytest.approx(expected[step], abs=1.01e-4), (step, expected, got)
     a = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "plain"))
     b = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "elastic"))
     assert a.keys() == b.keys()
