@@ -48,6 +48,7 @@ C++ (no CUDA device guard), and the engine needs both.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import sys
 import types
@@ -319,3 +320,24 @@ class HostReads:
             yield self
         finally:
             zsync.read_to_host = saved
+
+
+def _fresh_child(fn, args, queue) -> None:
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # device_guard and models, for fn
+    os.environ["ZENGINE_DEVICE"] = "meta"
+    torch.set_num_threads(1)
+    queue.put(fn(*args))
+
+
+def run_on_meta(fn, *args, timeout: float = 240):
+    """``fn(*args)`` in a fresh process whose compute device is the stand-in ``meta`` (the guard patches module
+    state, so each run gets its own process); ``fn`` must be module-level and return something picklable."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_fresh_child, args=(fn, args, queue))
+    proc.start()
+    try:
+        return queue.get(timeout=timeout)
+    finally:
+        proc.join(timeout=10)

@@ -9,7 +9,6 @@ gives. Four cases prove the guard fails on the bugs it is for: a norm accumulate
 first GPU crash zengine had), a collective given a host tensor, a gradient read to the host in the
 step and an upload from pageable memory.
 """
-import multiprocessing
 import os
 import tempfile
 
@@ -110,26 +109,15 @@ def _run_case(stage, precision, offload, init, sabotage):
         dist.destroy_process_group()
 
 
-def _child(cases, queue):
-    import os
-    import sys
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    os.environ["ZENGINE_DEVICE"] = "meta"
-    import torch
-    torch.set_num_threads(1)
-    queue.put([_run_case(*case) for case in cases])
+def _run_cases(cases):
+    return [_run_case(*case) for case in cases]
 
 
 def _run(cases):
     """Run the cases one after another in a fresh process (the guard patches module state)."""
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(cases, queue))
-    proc.start()
-    try:
-        return queue.get(timeout=240)
-    finally:
-        proc.join(timeout=10)
+    from device_guard import run_on_meta
+
+    return run_on_meta(_run_cases, cases)
 
 
 CASES = ([(s, p, "none", False, None) for s in (0, 1, 2, 3) for p in ("fp32", "bf16", "fp16")]

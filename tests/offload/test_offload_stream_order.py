@@ -11,7 +11,6 @@ CI has no GPU, so the stand-in device of ``device_guard.py`` (``meta``) gets sid
 log what they do: the test asserts the order of record, synchronize and the optimizer's update.
 """
 import inspect
-import multiprocessing
 import os
 import tempfile
 
@@ -119,24 +118,10 @@ def _run_case(offload: str) -> dict:
         dist.destroy_process_group()
 
 
-def _child(offload, queue):
-    import sys
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    os.environ["ZENGINE_DEVICE"] = "meta"
-    import torch
-    torch.set_num_threads(1)
-    queue.put(_run_case(offload))
-
-
 def _run(offload: str) -> dict:
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(offload, queue))
-    proc.start()
-    try:
-        return queue.get(timeout=180)
-    finally:
-        proc.join(timeout=10)
+    from device_guard import run_on_meta
+
+    return run_on_meta(_run_case, offload, timeout=180)
 
 
 def test_the_step_waits_for_uploads_from_host_shards_before_writing_them():

@@ -53,11 +53,12 @@ class Pending:
             except RuntimeError as err:
                 raise diagnose.collective_failed(_describe(self.what), err) from err
             return
-        long_wait = waiting.LongWait(_describe(self.what), self.group)  # told to the peers once it has lasted a while
+        long_wait = None  # made after the first slice (most waits end inside it), told to the peers later
         while True:
             try:
                 self.work.wait(timeout=_WAIT_SLICE)
-                long_wait.done()
+                if long_wait is not None:
+                    long_wait.done()
                 return
             except RuntimeError as err:
                 if self.work.is_completed():  # the collective itself failed (not just this slice)
@@ -67,6 +68,7 @@ class Pending:
             if elsewhere:
                 raise agreement.stranded_error(_describe(self.what), elsewhere)
             departed = diagnose.peer_departed()
+            long_wait = long_wait or waiting.LongWait(_describe(self.what), self.group)
             long_wait.tick(compare_now=departed)  # ranks waiting in different collectives: a deadlock, named
             if departed:
                 raise diagnose.collective_failed(_describe(self.what), diagnose.PeerLeft(
