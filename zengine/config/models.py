@@ -17,6 +17,7 @@ from pydantic import Field, PrivateAttr, model_validator
 
 from .activation_checkpointing import ActivationCheckpointingConfig
 from .base import BatchSize, Count, Flag, Interval, Number, _Section
+from .compile import CompileConfig
 from .elastic import ElasticityConfig
 from .monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from .optimizer import NonFiniteGradientsConfig, OptimizerConfig, SchedulerConfig
@@ -30,7 +31,7 @@ class ZengineConfig(_Section):
     DEPRECATED_KEYS: ClassVar[Dict[str, str]] = {"bfloat16": "bf16"}
     SECTIONS: ClassVar[Tuple[str, ...]] = ("fp16", "bf16", "data_types", "zero_optimization", "aio",
                                            "activation_checkpointing", "tensorboard", "csv_monitor", "wandb",
-                                           "elasticity")
+                                           "elasticity", "compile")
 
     train_batch_size: BatchSize = Field(None, description="Samples per optimizer step over all data-parallel "
                                                           "ranks: micro batch * accumulation steps * world size.")
@@ -81,6 +82,9 @@ class ZengineConfig(_Section):
     elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig, description=(
         "Elastic batch sizes: when enabled, one global batch size usable at many world sizes, with the micro "
         "batch and accumulation steps derived at the run's world size."))
+    compile: CompileConfig = Field(default_factory=CompileConfig, description=(
+        "torch.compile of the model (DeepSpeed 0.14-0.16's enabled/backend/kwargs); engine.compile() does "
+        "the same on demand."))
 
     _ignored_keys: Tuple[str, ...] = PrivateAttr(default=())
     _derived_batch_keys: Tuple[str, ...] = PrivateAttr(default=())

@@ -128,7 +128,14 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _ignorable("checkpoint", "checkpoint tag validation and storage options"),
     _ignorable("nebula", "Nebula checkpoint service"),
     _ignorable("autotuning", "autotuner"),
-    _ignorable("compile", "torch.compile / DeepCompile"),
+    # DeepCompile (compile.deepcompile) is refused; its other keys act only with it (config/compile.py).
+    _flag("compile.deepcompile", "DeepCompile (ZeRO communication rewritten into the compiled graph; "
+          "engine.compile() compiles the model with zengine's own hooks instead)", False),
+    *(_ignorable(f"compile.{key}", "a DeepCompile setting (acts only with compile.deepcompile)") for key in (
+        "free_activation", "free_activation_threshold", "offload_activation", "offload_opt_states",
+        "double_buffer", "symmetric_memory", "debug_log", "offload_parameters", "sync_before_reduce",
+        "sync_after_reduce", "sync_before_allgather", "sync_after_allgather", "keep_int_input_tensors",
+        "keep_all_input_tensors", "passes")),
     _ignorable("graph_harvesting", "CUDA graph harvesting"),
     _ignorable("seq_parallel_comm_data_type", "sequence-parallel communication dtype"),
     _ignorable("use_data_before_expert_parallelism", "MoE process-group layout"),

@@ -41,12 +41,13 @@ from .accumulation import Accumulation
 from .backward import BackwardTracker
 from .build import (UntrainedParameters, make_dataloader, make_scheduler, named_param_groups, optimizer_factory,
                     place_model)
+from .compile import CompileMembers, take_user_compile
 from .members import DeepSpeedMembers
 
 logger = setup_logging()
 
 
-class Engine(DeepSpeedMembers, nn.Module):
+class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
     """A model wrapped for ZeRO data-parallel training (see docs/API.md for the members; the
     DeepSpeed accessors beyond training are in members.py)."""
 
@@ -56,6 +57,7 @@ class Engine(DeepSpeedMembers, nn.Module):
         super().__init__()
         self.config = config
         self.placement = placement
+        model, user_compiler = take_user_compile(model)  # torch.compile(model): train the model inside (compile.py)
         self.module = model
         self.global_steps = 0
         self.micro_steps = 0
@@ -88,6 +90,7 @@ class Engine(DeepSpeedMembers, nn.Module):
         self.training_dataloader = (make_dataloader(training_data, config, placement, collate_fn)
                                     if training_data is not None else None)
         self._destroyed = False
+        self._compile_as_given(user_compiler)  # a model compiled before initialize, or the config's compile section
         shutdown.track(self)  # destroy() runs at exit if the script does not call it
         me = weakref.ref(self)  # a failed collective reports these counters (distributed/diagnose.py)
         diagnose.track_progress(lambda: (me().global_steps, me().micro_steps) if me() is not None else (0, 0))

@@ -1,0 +1,325 @@
+"""engine.compile() and the ``compile`` config section at every stage: compiled training matches eager
+training, stage 3 compiles each gather unit's forward with the hooks outside (one graph per block, no graph
+break, nothing recompiled after the second step, prefetch as in eager mode), and what cannot be compiled is
+refused by name.
+
+Tolerances: with backend "aot_eager" the compiled graphs run the same ATen ops in the same order as eager
+mode, so fp32 matches to 1e-6 and bf16 to 1e-2 (a bf16 ulp at the parameters' magnitude: AOT autograd may
+order a bf16 gradient sum differently); inductor fuses and reorders fp32 arithmetic: 1e-5.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zengine
+from harness import spawn
+from models import EdgeNet, edge_param_groups, make_batches, micro_batch
+from zengine.config import ConfigError, load_config
+from zengine.engine.compile import CompileError
+from zengine.models import GPT, GPTConfig
+from zengine.models.gpt import Block
+from zengine.zero.stage3.compiled import compile_targets
+
+MICRO, LR, STEPS = 2, 1e-2, 3
+TOL = {"fp32": 1e-6, "bf16": 1e-2}
+
+
+class Counting:
+    """A torch.compile backend that counts the graphs it is handed (each a compile: first or recompile)
+    and runs them with aot_eager."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo import lookup_backend
+
+        self.graphs += 1
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+
+class CheckpointedEdgeNet(EdgeNet):
+    """The parity model with its fc1 -> frozen segment under zengine.checkpointing (recomputed in backward)."""
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        h = zengine.checkpointing.checkpoint(lambda t: torch.tanh(self.frozen(torch.relu(self.fc1(t)))), h)
+        h = self.norm(self.fc2(h))
+        h = h + self.mix(torch.tanh(self.mix(h)))
+        logits = self.head(h) + 0.5 * torch.nn.functional.linear(h, self.emb.weight)
+        return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+
+
+def _config(stage, dtype, gas, offload=False):
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu"}
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}}, "zero_optimization": zero,
+            "bf16": {"enabled": dtype == "bf16"}}
+
+
+def _train(engine, batches, gas):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for batch in batches:
+        for m in range(gas):
+            loss = engine(*micro_batch(batch, rank, world, MICRO, m))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    with engine.summon_full_params(writeback=False):
+        return losses, {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
+
+def parity_cases(cases):
+    """Each case: the parity model trained eagerly and compiled (aot_eager), same config; returns the largest
+    differences of the losses and of the parameters, and the graphs compiled after the first two steps."""
+    out = []
+    for stage, dtype, gas, offload, checkpointed in cases:
+        batches = make_batches(STEPS, MICRO * gas * dist.get_world_size())
+        torch.manual_seed(0)
+        base = (CheckpointedEdgeNet if checkpointed else EdgeNet)()
+        results = []
+        for compiled in (False, True):
+            model = copy.deepcopy(base)
+            engine, *_ = zengine.initialize(model=model, model_parameters=edge_param_groups(model, LR),
+                                            config=_config(stage, dtype, gas, offload))
+            backend = Counting()
+            if compiled:
+                engine.compile(backend=backend)
+            losses, params = _train(engine, batches[:2], gas)
+            settled = backend.graphs
+            more_losses, params = _train(engine, batches[2:], gas)
+            results.append((losses + more_losses, params, backend.graphs - settled, len(engine.compiled_units)))
+            engine.destroy()
+        (eager_l, eager_p, _, _), (comp_l, comp_p, late, units) = results
+        out.append(dict(case=(stage, dtype, gas, offload, checkpointed), units=units, late_graphs=late,
+                        loss=max(abs(a - b) for a, b in zip(eager_l, comp_l)),
+                        param=max((eager_p[n] - comp_p[n]).abs().max().item() for n in eager_p)))
+    return out
+
+
+CASES = [(0, "fp32", 1, False, False), (1, "bf16", 2, False, False), (2, "fp32", 2, False, True),
+         (2, "bf16", 1, True, False), (3, "fp32", 2, False, True), (3, "bf16", 1, True, False)]
+
+
+def test_compiled_matches_eager_at_every_stage():
+    for r in spawn(parity_cases, 2, CASES)[0]:
+        stage, dtype = r["case"][:2]
+        assert r["units"] >= 1, r
+        assert r["late_graphs"] == 0, r  # nothing recompiled after the first two steps
+        assert r["loss"] <= TOL[dtype] and r["param"] <= TOL[dtype], r
+
+
+# -- stage 3: per-block graphs, no break, no recompile, prefetch ------------------------------------------------
+def gpt_blocks_run(leaf):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=3, n_head=2, d_model=32))
+    if leaf:
+        zengine.utils.set_z3_leaf_modules(model, [Block])
+    engine, *_ = zengine.initialize(model=model, config=_config(3, "fp32", 1))
+    backend = Counting()
+    engine.compile(backend=backend)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    per_step, prefetched = [], []
+    for _ in range(4):
+        before = engine.optimizer.fetcher.check.issued_count
+        x = torch.randint(0, 64, (2, 16), generator=g)
+        engine.backward(engine(x, x))
+        log = list(engine.optimizer.fetcher.check.log)[before - engine.optimizer.fetcher.check.issued_count:]
+        prefetched.append(sum("(prefetch)" in label for _, label, _ in log))
+        engine.step()
+        per_step.append(backend.graphs)
+    with torch.no_grad():
+        engine.eval()
+        engine(x)  # inference recompiles once (grad mode is guarded), then not again
+        engine(x)
+    return dict(units=[u.name for u in engine.compiled_units], graphs=per_step, after_eval=backend.graphs,
+                breaks=sum(counters["graph_break"].values()), eager=[u.eager_calls for u in engine.compiled_units],
+                prefetched=prefetched)
+
+
+def behaviour_runs(tmp):
+    """The stage-3 and compiled-before runs in one pair of processes (process start and dynamo's import
+    dominate their time)."""
+    return dict(blocks=gpt_blocks_run(True), external=external_read_run(), before=compiled_before_run(tmp))
+
+
+@pytest.fixture(scope="module")
+def behaviour():
+    with tempfile.TemporaryDirectory() as tmp:
+        return spawn(behaviour_runs, 2, tmp)[0]
+
+
+def test_stage3_compiles_one_graph_per_block_with_the_hooks_outside(behaviour):
+    r = behaviour["blocks"]
+    assert r["units"] == ["tok_emb", "pos_emb", "blocks.0", "blocks.1", "blocks.2", "ln_final", "head"]
+    assert r["breaks"] == 0  # the hooks run outside: no graph break inside a unit
+    # step 1 runs each unit eagerly (watching for reads of other units' parameters); step 2 compiles one graph
+    # per distinct forward and input shape (Embedding of [2, 16] tokens and of [16] positions, Block, LayerNorm,
+    # Linear: the three blocks share theirs), then nothing more
+    assert r["graphs"] == [0, 5, 5, 5], r
+    assert r["after_eval"] == 10, r  # the no_grad forward: once per graph, not per call
+    assert r["eager"] == [1] * 7  # the watched first call only
+    assert r["prefetched"][2] > 0 and r["prefetched"][2] == r["prefetched"][3]  # prefetch follows the trace
+
+
+class ReadsNeighbour(nn.Module):
+    """A module whose forward reads another unit's parameter: stage 3 gathers it mid-forward (eager only)."""
+
+    def __init__(self, other: nn.Linear):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+        self.other = [other]  # not a submodule: its parameters are another unit's
+
+    def forward(self, h):
+        return torch.nn.functional.linear(h * self.scale, self.other[0].weight)
+
+
+class Neighbours(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = ReadsNeighbour(self.a)
+
+    def forward(self, x):
+        return self.b(self.a(x)).pow(2).mean()
+
+
+def external_read_run():
+    torch.manual_seed(0)
+    out = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        engine, *_ = zengine.initialize(model=Neighbours(), config=_config(3, "fp32", 1))
+        if compiled:
+            engine.compile(backend="aot_eager")
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+        losses = []
+        for _ in range(3):
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out.append((losses, {u.name: (u.stays_eager, u.eager_calls) for u in engine.compiled_units}))
+    return out
+
+
+def test_a_unit_that_reads_another_units_parameter_stays_eager(behaviour):
+    (eager, _), (compiled, units) = behaviour["external"]
+    assert units == {"a": (False, 1), "b": (True, 3)}
+    assert compiled == pytest.approx(eager, abs=1e-6)
+
+
+# -- models compiled before initialize, checkpoints, no_sync, refusals ----------------------------------------
+def compiled_before_run(tmp):
+    out = {}
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    for how, stage in (("torch.compile", 2), ("torch.compile", 3), ("in place", 3), ("block in place", 3)):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32))
+        zengine.utils.set_z3_leaf_modules(model, [Block])
+        if how == "torch.compile":
+            model = torch.compile(model, backend="aot_eager")
+        elif how == "in place":
+            model.compile(backend="aot_eager")
+        else:
+            model.blocks[1].compile(backend="aot_eager")
+        engine, *_ = zengine.initialize(model=model, config=_config(stage, "fp32", 1))
+        with engine.no_sync():
+            engine.backward(engine(x, x))
+        engine.backward(engine(x, x))
+        engine.step()
+        out[(how, stage)] = dict(names=sorted(engine.module.state_dict())[:1],
+                                 units=[u.name for u in engine.compiled_units], compiled=engine.is_compiled)
+        if (how, stage) == ("torch.compile", 3):
+            engine.save_checkpoint(tmp, tag="t")
+            loss = engine(x, x).item()
+            torch.manual_seed(1)
+            other, *_ = zengine.initialize(model=GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2,
+                                                               d_model=32)), config=_config(3, "fp32", 1))
+            other.compile(backend="aot_eager")
+            other.load_checkpoint(tmp, tag="t")
+            out["reloaded"] = abs(other(x, x).item() - loss)
+            errors = []
+            for kwargs in ({"schedule": [1]}, {"compiled_autograd_enabled": True}):
+                try:
+                    other.compile(**kwargs)
+                except CompileError as e:
+                    errors.append(str(e))
+            out["errors"] = errors
+    return out
+
+
+def test_models_compiled_before_initialize_checkpoints_and_refusals(behaviour):
+    r = behaviour["before"]
+    for key in (("torch.compile", 2), ("torch.compile", 3)):
+        assert r[key]["names"] == ["blocks.0.attn.out.bias"]  # the model's own names, no _orig_mod. prefix
+        assert r[key]["compiled"]
+    assert r[("torch.compile", 2)]["units"] == ["<root>"]
+    assert r[("torch.compile", 3)]["units"] == r[("in place", 3)]["units"] == [
+        "tok_emb", "pos_emb", "blocks.0", "blocks.1", "ln_final", "head"]
+    assert r[("block in place", 3)]["units"] == ["blocks.1"]  # only what the user compiled
+    assert r["reloaded"] < 1e-6
+    assert "schedule" in r["errors"][0] and "compiled_autograd_enabled" in r["errors"][1]
+
+
+def test_compile_section():
+    cfg = load_config({"train_batch_size": 2, "compile": {"enabled": True, "backend": "aot_eager",
+                                                          "kwargs": {"fullgraph": True}, "free_activation": True}}, 1)
+    assert (cfg.compile.enabled, cfg.compile.backend, cfg.compile.kwargs) == (True, "aot_eager", {"fullgraph": True})
+    assert "compile.free_activation" in cfg.ignored_keys  # acts only with deepcompile
+    for section, words in (({"deepcompile": True}, "compile.deepcompile: zengine does not implement DeepSpeed's "
+                                                   "DeepCompile"),
+                           ({"backend": "nope"}, "compile.backend: unknown torch.compile backend 'nope'"),
+                           ({"kwargs": {"backend": "eager"}}, "compile.kwargs: \"backend\" belongs in compile.backend")):
+        with pytest.raises(ConfigError, match=words.replace("(", r"\(")[:60]):
+            load_config({"train_batch_size": 2, "compile": section}, 1)
+
+
+def test_compile_targets():
+    model = GPT(GPTConfig(vocab_size=16, seq_len=4, n_layer=2, n_head=1, d_model=4))
+    owners = {m for m in model.modules() if m._parameters and any(p is not None for p in m._parameters.values())}
+    names = [n for n, _ in compile_targets(model, owners)]
+    assert names[:3] == ["tok_emb", "pos_emb", "blocks.0.ln_attn"] and "blocks.0" not in names  # no leaves
+    leaves = owners - {m for b in model.blocks for m in b.modules()} | set(model.blocks)
+    assert [n for n, _ in compile_targets(model, leaves)] == ["tok_emb", "pos_emb", "blocks.0", "blocks.1",
+                                                              "ln_final", "head"]
+    assert [n for n, _ in compile_targets(model, set())] == ["<root>"]  # stages 0-2: the whole model
+
+
+def inductor_run():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 1))  # one small unit: inductor builds C++ kernels, slowly on a small box
+    out = []
+    for compiled in (False, True):
+        engine, *_ = zengine.initialize(model=copy.deepcopy(model), config=_config(3, "fp32", 1))
+        if compiled:
+            engine.compile()  # inductor, the default
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+        losses = []
+        for _ in range(3):
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out.append(losses)
+    return out
+
+
+def test_inductor_at_stage3():
+    eager, compiled = spawn(inductor_run, 1)[0]
+    assert compiled == pytest.approx(eager, abs=1e-5)

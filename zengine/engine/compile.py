@@ -1,0 +1,159 @@
+"""``engine.compile()``: torch.compile of the engine's model at every ZeRO stage.
+
+What is compiled is each part's ``forward``, never the engine's own work: casting the inputs, hooking
+the outputs for backward, the gradient hooks and the step stay eager, and so do stage 3's fetch/release
+hooks, which run around each gather unit's compiled forward (``zero/stage3/compiled.py``). Stages 0-2
+compile the model's forward whole (no zengine code runs inside it: gradients are taken by hooks on the
+parameters after autograd accumulates them, which AOT autograd's compiled backward does as eager
+backward does).
+
+A model compiled before ``initialize`` is compiled the way its owner asked:
+
+- ``torch.compile(model)`` (an ``OptimizedModule``): the engine takes the model inside, so that parameter
+  and checkpoint names are the model's own (no ``_orig_mod.`` prefix), and compiles it with the same
+  backend and settings;
+- ``model.compile()`` or ``block.compile()`` (compiled in place): kept as it is at stages 0-2; at stage 3
+  each such module is compiled again per gather unit, with the same settings, since its compiled
+  ``__call__`` would hold the hooks.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from ..zero.stage3.compiled import CompiledForward, Compiler, compile_units, install
+
+logger = logging.getLogger("zengine")
+
+
+class CompileError(RuntimeError):
+    """A torch.compile request the engine cannot carry out as asked; the message names the way out."""
+
+
+def make_compiler(backend: Any, compile_kwargs: Optional[dict]) -> Compiler:
+    """``torch.compile`` with ``backend`` and ``compile_kwargs`` (its keywords: mode, fullgraph, dynamic,
+    options), as a function from a callable to its compiled form."""
+    kwargs = dict(compile_kwargs or {})
+    if "backend" in kwargs:  # DeepSpeed warns and overrides; a silent override hides a mistake, so warn too
+        logger.warning("zengine: engine.compile: compile_kwargs['backend']=%r is overridden by backend=%r",
+                       kwargs.pop("backend"), backend)
+    return functools.partial(torch.compile, backend=backend, **kwargs)
+
+
+def _context_of(compiled: Callable) -> Optional[Callable]:
+    """The dynamo context that made ``compiled`` (what ``torch.compile`` returned for a function): applied
+    to another function it compiles that one with the same backend and settings. None if not found."""
+    from torch._dynamo.eval_frame import _TorchDynamoContext
+
+    for cell in getattr(compiled, "__closure__", None) or ():
+        if isinstance(cell.cell_contents, _TorchDynamoContext):
+            return cell.cell_contents
+    return None
+
+
+def take_user_compile(model: nn.Module) -> tuple[nn.Module, Optional[Compiler]]:
+    """The model to train and, when the user passed ``torch.compile(model)``, the compiler it was made with
+    (the engine compiles the inner model with it once built)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled (its import is slow)
+    if eval_frame is None or not isinstance(model, eval_frame.OptimizedModule):
+        return model, None
+    inner = model._orig_mod
+    if not isinstance(inner, nn.Module):
+        raise CompileError(f"zengine.initialize: the compiled model wraps a {type(inner).__name__}, not an "
+                           "nn.Module; pass the module itself and call engine.compile() after initialize")
+    return inner, model.dynamo_ctx
+
+
+def compiled_in_place(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the modules of ``model`` compiled in place (``module.compile()``)."""
+    return [(name or "<root>", m) for name, m in model.named_modules()
+            if getattr(m, "_compiled_call_impl", None) is not None]
+
+
+class CompileMembers:
+    """``engine.compile`` and ``engine.is_compiled`` (DeepSpeed's members); a mix-in of ``Engine``."""
+
+    module: nn.Module
+    optimizer: Any
+    config: Any
+    _compiled_units: Optional[list] = None  # the CompiledForward wrappers installed, once compiled
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether the engine's model has been compiled (by ``compile()``, the config's ``compile`` section,
+        or by the user before ``initialize``)."""
+        return self._compiled_units is not None
+
+    @property
+    def compiled_units(self) -> list[CompiledForward]:
+        """The compiled forwards, one per compiled module (the model at stages 0-2, the gather units at stage 3)."""
+        return list(self._compiled_units or ())
+
+    def compile(self, backend: Any = "inductor", compile_kwargs: Optional[dict] = None, schedule: Any = None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """Compile the model with ``torch.compile(backend=backend, **compile_kwargs)`` (DeepSpeed's signature).
+
+        Stages 0-2 compile the model's forward; stage 3 compiles each gather unit's forward, with the hooks
+        that gather and free its parameters outside the compiled code (mark transformer blocks as leaves
+        with ``set_z3_leaf_modules`` to compile a graph per block). A second call does nothing.
+        ``schedule`` (a DeepCompile pass schedule) must be None, and ``compiled_autograd_enabled`` False:
+        zengine's gradient hooks run eagerly in backward (each raises ``CompileError`` otherwise).
+        """
+        if schedule is not None:
+            raise CompileError("engine.compile(schedule=...): a schedule orders DeepCompile's passes, which "
+                               "zengine does not have; leave schedule=None")
+        if compiled_autograd_enabled:
+            raise CompileError("engine.compile(compiled_autograd_enabled=True): zengine reduces gradients from "
+                               "hooks that run eagerly in backward (and at stage 3 gathers parameters there), "
+                               "which compiled autograd would trace; pass False: the forward and the backward "
+                               "AOT autograd derives from it are compiled either way")
+        if self.is_compiled:
+            logger.info("zengine: engine.compile(): the model is already compiled; nothing to do")
+            return
+        self._compile_with(make_compiler(backend, compile_kwargs))
+
+    def _compile_with(self, compiler: Compiler, roots: Optional[list] = None) -> None:
+        """Install ``compiler``'s compiled forwards under ``roots`` ((name, module) pairs; default the whole
+        model). The first call of each compiles, not this."""
+        hooks = getattr(self.optimizer, "module_hooks", None)  # stage 3's fetch/release hooks
+        if hooks is None:
+            units = [install(self.module, "<root>", compiler)]
+        else:
+            units = []
+            for name, m in roots or [("", self.module)]:
+                m._compiled_call_impl = None  # a compiled __call__ would hold the hooks
+                units += compile_units(m, hooks, compiler, "" if name == "<root>" else name)
+            logger.info("zengine: compile: stage 3 compiles %d gather unit(s) (the hooks stay outside): %s",
+                        len(units), ", ".join(u.name for u in units))
+        self._compiled_units = units
+
+    def _compile_as_given(self, user_compiler: Optional[Compiler]) -> None:
+        """At the end of ``__init__``: compile as the user asked before ``initialize`` (see the module's
+        docstring) or as the config's ``compile`` section says."""
+        if user_compiler is not None:
+            self._compile_with(user_compiler)
+            return
+        in_place = compiled_in_place(self.module)
+        if in_place and getattr(self.optimizer, "module_hooks", None) is None:
+            self._compiled_units = []  # stages 0-2: torch's in-place compile stands as the user made it
+            return
+        if in_place:
+            contexts = {id(c): c for c in (_context_of(m._compiled_call_impl) for _, m in in_place)}
+            if None in contexts.values() or len(contexts) != 1:
+                names = ", ".join(name for name, _ in in_place)
+                raise CompileError(f"zengine.initialize: stage 3 cannot keep the in-place compile of {names} "
+                                   "(its compiled __call__ would hold the gather hooks, and its settings could "
+                                   "not be taken over); build the model uncompiled and call engine.compile(backend, "
+                                   "compile_kwargs) after initialize")
+            outermost = [(n, m) for n, m in in_place
+                         if not any(o is not m and m in set(o.modules()) for _, o in in_place)]
+            self._compile_with(next(iter(contexts.values())), outermost)
+            return
+        cfg = self.config.compile
+        if cfg.enabled:
+            self.compile(backend=cfg.backend, compile_kwargs=cfg.kwargs)
