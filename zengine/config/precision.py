@@ -51,10 +51,20 @@ class FP16Config(_Section):
         return float(2 ** self.initial_scale_power)
 
 
+CpuMatmul = Literal["auto", "fp32", "native"]
+"""Where bf16 matrix multiplies on the CPU run: ``bf16.cpu_matmul``'s values."""
+
+
 class BF16Config(_Section):
     """bfloat16 mixed precision (no loss scaling needed)."""
 
     enabled: Flag = Field(False, description="Compute in bfloat16, keeping fp32 master weights.")
+    cpu_matmul: CpuMatmul = Field("auto", description=(
+        "How nn.Linear's matrix multiplies run when the compute device is the CPU (GPU runs are not touched): "
+        "\"native\" in torch's bf16 GEMM; \"fp32\" on the bf16 values upcast to fp32, each result rounded to "
+        "bf16 (parameters, activations, gradients, communication and swap stay bf16); \"auto\" picks native on "
+        "a CPU with AMX-BF16 and fp32 elsewhere, where torch's bf16 GEMM runs below its fp32 rate (down to "
+        "1/100 of it without AVX512-BF16). zengine-report shows the rates measured on this CPU."))
 
 
 class DataTypesConfig(_Section):

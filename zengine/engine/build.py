@@ -13,6 +13,7 @@ from ..distributed import collectives
 from ..distributed.process_group import ProcessPlacement
 from ..optim import build_optimizer, build_scheduler
 from ..precision.cast import cast_module
+from ..precision.cpu_matmul import MatmulPolicy, choose_matmul_policy, log_choice
 
 logger = logging.getLogger("zengine")
 
@@ -32,6 +33,16 @@ def place_model(model: nn.Module, config: ZengineConfig, placement: ProcessPlace
                   placement.rank)
     cast_module(model, config.compute_dtype, placement.device)  # buffers, and parameters stages 0-2 keep whole
     broadcast_from_rank0(model, placement.world_size)
+
+
+def route_matmuls(model: nn.Module, config: ZengineConfig, placement: ProcessPlacement) -> MatmulPolicy:
+    """Choose where the model's bf16 matrix multiplies run on this CPU (``bf16.cpu_matmul``; any other
+    device or dtype is left alone), apply it to the model and say so once on rank 0."""
+    policy = choose_matmul_policy(config.bf16.cpu_matmul, config.compute_dtype, placement.device)
+    routed = policy.apply(model)
+    if placement.rank == 0:
+        log_choice(policy, routed)
+    return policy
 
 
 def broadcast_from_rank0(model: nn.Module, world: int) -> None:

@@ -40,7 +40,7 @@ from ..zero.optimizer import Ranks, StepOutcome
 from .accumulation import Accumulation
 from .backward import BackwardTracker
 from .build import (UntrainedParameters, make_dataloader, make_scheduler, named_param_groups, optimizer_factory,
-                    place_model)
+                    place_model, route_matmuls)
 from .compile import CompileMembers, take_user_compile
 from .members import DeepSpeedMembers
 
@@ -77,6 +77,7 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         checkpointing.configure_from_config(config.activation_checkpointing)  # unless the script configured it
 
         place_model(model, config, placement)  # stage 3: cut one parameter at a time, never whole on the device
+        self.matmul = route_matmuls(model, config, placement)  # CPU bf16 without native bf16: fp32 products
         named_groups = named_param_groups(model, model_parameters, optimizer)
         self._untrained = UntrainedParameters(model, named_groups)  # named at the step if unfrozen later
         self.scaler = make_loss_scaler(config.fp16)
@@ -246,6 +247,7 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
             return
         self._destroyed = True
         self.optimizer.close()
+        self.matmul.remove()  # the model's linear layers get their own forward back
         self._step_report.close()  # the monitor's files and writers
 
     def _check_alive(self, what: str) -> None:

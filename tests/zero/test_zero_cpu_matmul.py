@@ -1,0 +1,39 @@
+"""bf16 with ``bf16.cpu_matmul: "fp32"`` (every nn.Linear's products in fp32, bf16 in and out) at stages 2 and 3,
+stage 3 also with parameters and optimizer on NVMe: the bf16 parity tolerances of test_zero_parity.py hold
+against the single-process fp32 reference, and the fp32 path is the one that ran."""
+import torch
+
+import test_zero_parity as parity
+from harness import spawn
+
+CASES = [(2, "bf16", 1), (2, "bf16", 3), (3, "bf16", 1), (3, "bf16", 3, "infinity")]
+
+
+def _parity_with_fp32_matmuls(cases, setting):
+    from zengine.precision import cpu_matmul
+
+    calls = []
+    routed = cpu_matmul.fp32_linear
+
+    def counted(x, weight, bias, scratch):
+        calls.append(x.dtype)
+        return routed(x, weight, bias, scratch)
+
+    cpu_matmul.fp32_linear = counted
+    plain_config = parity.engine_config
+
+    def config(*args, **kwargs):
+        cfg = plain_config(*args, **kwargs)
+        cfg["bf16"]["cpu_matmul"] = setting
+        return cfg
+
+    parity.engine_config = config
+    worst = parity.parity_matrix(cases)
+    return worst, len(calls), set(calls)
+
+
+def test_bf16_parity_with_fp32_matmuls():
+    # ("native" is what every other bf16 test runs on a CPU with AMX; "auto" on this one is "fp32")
+    for worst, calls, dtypes in spawn(_parity_with_fp32_matmuls, 2, CASES, "fp32"):
+        # EdgeNet runs fc1, frozen, fc2, mix twice and the tied head in every forward
+        assert calls >= 6 * parity.STEPS * len(CASES) and dtypes == {torch.bfloat16}
