@@ -73,10 +73,11 @@ def test_scratch_is_reused():
 
 FLAGS = {"avx2 (issue 29)": ({"avx2", "fma", "f16c"}, None, "fp32"),
          "avx512 without bf16": ({"avx2", "avx512f", "avx512bw"}, None, "fp32"),
-         "avx512_bf16 without amx (this box)": ({"avx2", "avx512f", "avx512_bf16"}, None, "fp32"),
+         "avx512_bf16 without amx (this box)": ({"avx2", "avx512f", "avx512_bf16"}, None, "native"),
          "amx": ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, None, "native"),
          "amx, oneDNN capped at AVX2": ({"avx512_bf16", "amx_bf16"}, "AVX2", "fp32"),
-         "amx, oneDNN cap above amx": ({"avx512_bf16", "amx_bf16"}, "avx512_core_amx", "native"),
+         "amx, oneDNN cap at amx": ({"avx512_bf16", "amx_bf16"}, "avx512_core_amx", "native"),
+         "avx512_bf16, oneDNN capped below it": ({"avx512_bf16"}, "AVX512_CORE", "fp32"),
          "flags unknown": (set(), None, "fp32")}
 
 
@@ -89,15 +90,25 @@ def test_auto_follows_the_cpu_flags(case, monkeypatch):
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
     policy = choose_matmul_policy("auto", BF16, torch.device("cpu"), flags)
     assert policy.mode == expected and policy.reason.startswith("auto: ")
-    if expected == "fp32":
-        assert "native" in policy.reason  # the way out is named
+    assert ("\"native\"" if expected == "fp32" else "\"fp32\"") in policy.reason  # the other way is named
+
+
+def test_kernel_flags_are_py_cpuinfo_flags():
+    import cpuinfo
+
+    kernel = cpu_matmul._kernel_flags()
+    if kernel is None:
+        pytest.skip("no /proc/cpuinfo here")
+    assert {"avx2", "avx512_bf16", "amx_bf16"} & kernel == {"avx2", "avx512_bf16", "amx_bf16"} & set(
+        cpuinfo.get_cpu_info()["flags"])
 
 
 def test_auto_reads_py_cpuinfo(monkeypatch):
     import cpuinfo
 
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    for flags, expected in ((["avx2", "fma"], "fp32"), (["avx512_bf16", "amx_bf16"], "native")):
+    monkeypatch.setattr(cpu_matmul, "_kernel_flags", lambda: None)  # as on a system without /proc/cpuinfo
+    for flags, expected in ((["avx2", "fma"], "fp32"), (["avx512_bf16"], "native")):
         monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda flags=flags: {"flags": flags})
         cpu_matmul.cpu_flags.cache_clear()
         try:

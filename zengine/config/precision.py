@@ -63,8 +63,8 @@ class BF16Config(_Section):
         "How nn.Linear's matrix multiplies run when the compute device is the CPU (GPU runs are not touched): "
         "\"native\" in torch's bf16 GEMM; \"fp32\" on the bf16 values upcast to fp32, each result rounded to "
         "bf16 (parameters, activations, gradients, communication and swap stay bf16); \"auto\" picks native on "
-        "a CPU with AMX-BF16 and fp32 elsewhere, where torch's bf16 GEMM runs below its fp32 rate (down to "
-        "1/100 of it without AVX512-BF16). zengine-report shows the rates measured on this CPU."))
+        "a CPU with bf16 instructions (avx512_bf16, amx_bf16) and fp32 elsewhere, where torch emulates bf16 "
+        "at 1/4 to 1/100 of its fp32 rate. zengine-report shows the rates measured on this CPU."))
 
 
 class DataTypesConfig(_Section):

@@ -1,7 +1,8 @@
 """``zengine-report``: the environment the compiled ops see, and where each op stands.
 
-    zengine-report            # versions, CPU features, op status (builds nothing)
+    zengine-report            # versions, CPU features, op status (builds nothing), bf16 GEMM rates
     zengine-report --build    # also build every op that is not built yet, and time it
+    zengine-report --no-gemm  # without timing the GEMMs (about a second; longer on CPUs without native bf16)
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 
 __all__ = ["main", "collect"]
 
-_SIMD_FLAGS = ("avx512f", "avx2", "fma", "f16c", "avx", "sse4_2", "neon", "asimd")
+_SIMD_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "fma", "f16c", "avx", "sse4_2", "neon", "asimd")
 
 
 def _first_line(cmd: list[str]) -> str:
@@ -37,8 +38,23 @@ def _cpu_features() -> tuple[str, list[str]]:
     return info.get("brand_raw", platform.machine()), [f for f in _SIMD_FLAGS if f in flags]
 
 
-def collect() -> dict[str, object]:
-    """Everything the report prints, as a dict (for tests and tools)."""
+def _bf16_matmul(measure: bool) -> dict[str, object]:
+    """What an engine computing bf16 on this CPU does with its matrix multiplies under the default
+    ``bf16.cpu_matmul`` ("auto"), and (``measure``) the GEMM rates behind it."""
+    import torch
+
+    from ..precision.cpu_matmul import choose_matmul_policy, measure_gemm_rates
+
+    policy = choose_matmul_policy("auto", torch.bfloat16, torch.device("cpu"))
+    out: dict[str, object] = {"bf16_cpu_matmul": f"{policy.mode} ({policy.reason})"}
+    if measure:
+        out["gemm_rates"] = measure_gemm_rates()
+    return out
+
+
+def collect(measure_gemm: bool = False) -> dict[str, object]:
+    """Everything the report prints, as a dict (for tests and tools); ``measure_gemm`` also times the
+    GEMMs of a linear layer per dtype and layout (``gemm_rates``, GFLOP/s)."""
     import torch
 
     from .adam import simd_path, simd_paths
@@ -60,6 +76,7 @@ def collect() -> dict[str, object]:
         "cache": str(cache_dir()),
         "ZENGINE_SIMD": os.environ.get("ZENGINE_SIMD", "(unset)"),
         "ZENGINE_DISABLE_OPS": os.environ.get("ZENGINE_DISABLE_OPS", "(unset)"),
+        **_bf16_matmul(measure_gemm),
         "ops": {},
     }
     for spec in ALL_OPS:
@@ -77,7 +94,7 @@ def collect() -> dict[str, object]:
 def _print(report: dict[str, object]) -> None:
     width = 22
     for key, value in report.items():
-        if key == "ops":
+        if key in ("ops", "gemm_rates"):
             continue
         if isinstance(value, list):
             value = " ".join(value)
@@ -87,11 +104,24 @@ def _print(report: dict[str, object]) -> None:
     for name, (state, detail, description) in report["ops"].items():
         print(f"{name:<14} {state:<14} {detail}")
         print(f"{'':<14} {'':<14} ({description})")
+    if "gemm_rates" in report:
+        _print_rates(report["gemm_rates"], report["torch_threads"])
+
+
+def _print_rates(rates: dict[str, dict[str, float]], threads: object) -> None:
+    layouts = list(next(iter(rates.values())))
+    print()
+    print(f"GEMM GFLOP/s on this CPU (best call; {threads} torch threads; 64 tokens, 1024 -> 4096 as a linear layer):")
+    print(f"{'dtype':<14} " + " ".join(f"{name:>20}" for name in layouts))
+    for dtype, per_layout in rates.items():
+        print(f"{dtype:<14} " + " ".join(f"{per_layout[name]:>20.1f}" for name in layouts))
+    print("(bf16 via fp32: bf16 operands upcast, product rounded to bf16: what bf16.cpu_matmul \"fp32\" runs)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zengine-report", description=__doc__.splitlines()[0])
     parser.add_argument("--build", action="store_true", help="build every op that is not built yet, timing each")
+    parser.add_argument("--no-gemm", action="store_true", help="do not time the fp32/bf16 GEMMs")
     args = parser.parse_args(argv)
     if args.build:
         from .builder import get_builder
@@ -102,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             ok = get_builder(spec.name).load() is not None
             print(f"{spec.name}: {'ready' if ok else 'unavailable'} in {time.perf_counter() - start:.1f} s")
         print()
-    _print(collect())
+    _print(collect(measure_gemm=not args.no_gemm))
     return 0
 
 

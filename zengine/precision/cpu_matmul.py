@@ -1,16 +1,18 @@
 """Where bf16 matrix multiplies on the CPU run: the matmul policy, chosen once when the engine is built.
 
-torch computes a CPU bf16 GEMM natively only with AMX-BF16 (Sapphire Rapids and later). Elsewhere
-it is emulated: with AVX512-BF16 (no AMX) measured at 0.5-0.9x of the fp32 rate, and without it
-(AVX2, AVX-512 without BF16: most x86 servers in use) at 1/4 to 1/100 of it, the input-gradient
-layout ``grad @ weight`` slowest (0.5 GFLOP/s against 86). Up-casting the operands costs one pass over
-each, far less than the product, so on such CPUs ``Fp32Matmul`` runs every ``nn.Linear`` through
-``Fp32Linear`` (fp32 products, bf16 in and out): storage, communication and swap stay bf16 as asked.
+torch computes a CPU bf16 GEMM with bf16 dot-product instructions where the CPU has them (AVX512-BF16,
+AMX-BF16). Elsewhere (AVX2, AVX-512 without BF16: most x86 servers in use) it is emulated, at 1/4 to
+1/100 of the fp32 rate, the input-gradient layout ``grad @ weight`` slowest (0.5 GFLOP/s against 86 in
+fp32). Up-casting the operands costs one pass over each, far less than an emulated product, so on such
+CPUs ``Fp32Matmul`` runs every ``nn.Linear`` through ``Fp32Linear`` (fp32 products, bf16 in and out):
+storage, communication and swap stay bf16 as asked.
 
-``bf16.cpu_matmul`` chooses: "native", "fp32", or "auto" (the CPU's flags, read with py-cpuinfo, and
-oneDNN's ``ONEDNN_MAX_CPU_ISA`` cap when set). Only CPU-computed bf16 is touched: any other compute
-device or dtype gets ``NativeMatmul``, which does nothing. ``measure_gemm_rates`` (``zengine-report``)
-times the three products of a linear layer per dtype on this CPU.
+``bf16.cpu_matmul`` chooses: "native", "fp32", or "auto" (the CPU's flags, from /proc/cpuinfo or
+py-cpuinfo, and oneDNN's ``ONEDNN_MAX_CPU_ISA`` cap when set). With AVX512-BF16 but no AMX the two are
+close (torch's bf16 GEMM measured at 0.5-1x its fp32 rate; the upcasts cost as much as the product at a
+few dozen tokens): "auto" keeps native there, and ``zengine-report`` shows this CPU's rates for a choice
+by hand. Only CPU-computed bf16 is touched: any other compute device or dtype gets ``NativeMatmul``,
+which does nothing. ``measure_gemm_rates`` times the three products of a linear layer per dtype.
 """
 from __future__ import annotations
 
@@ -27,19 +29,33 @@ from .fp32_linear import Fp32Scratch, fp32_linear
 
 logger = logging.getLogger("zengine")
 
-NATIVE_BF16_FLAGS = ("amx_bf16",)
-"""CPU flags (py-cpuinfo's names) with which torch's bf16 GEMM is faster than its fp32 one."""
-BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-"""Flags of any bf16 dot-product instruction (reported; AVX512-BF16 alone is still slower than fp32)."""
-# oneDNN runs torch's CPU bf16 GEMMs; a cap below AMX (ONEDNN_MAX_CPU_ISA=AVX2, AVX512_CORE_BF16, ...)
-# leaves the emulated or AVX512-BF16 kernels, whatever the CPU has.
-_ONEDNN_AMX_ISAS = ("AVX512_CORE_AMX", "AVX10_1_512_AMX", "AVX10_2_512_AMX", "ALL", "DEFAULT")
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+"""CPU flags (the kernel's and py-cpuinfo's names) of the bf16 dot-product instructions torch's GEMM uses."""
+# oneDNN runs torch's CPU bf16 GEMMs; ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16 (AVX2, AVX512_CORE, ...)
+# leaves its emulated kernels, whatever the CPU has. The ISA names from AVX512_CORE_BF16 up hold one of these.
+_ONEDNN_BF16_ISA_WORDS = ("BF16", "FP16", "AMX", "AVX10", "ALL", "DEFAULT")
+
+
+def _kernel_flags() -> Optional[frozenset]:
+    """The flags line of /proc/cpuinfo (Linux; the kernel's names, which py-cpuinfo reports too), else None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset:
-    """This CPU's feature flags (py-cpuinfo's names, e.g. ``avx2``, ``avx512_bf16``, ``amx_bf16``);
-    empty when py-cpuinfo is missing or fails."""
+    """This CPU's feature flags (e.g. ``avx2``, ``avx512_bf16``, ``amx_bf16``): /proc/cpuinfo's where there
+    is one (read in microseconds), else py-cpuinfo's (about a second: it probes in a subprocess); empty
+    when neither is available."""
+    flags = _kernel_flags()
+    if flags is not None:
+        return flags
     try:
         import cpuinfo
 
@@ -49,11 +65,11 @@ def cpu_flags() -> frozenset:
 
 
 def native_bf16(flags: Iterable[str], onednn_isa: Optional[str] = None) -> bool:
-    """True when torch's CPU bf16 GEMM is faster than its fp32 one: the CPU has AMX-BF16 and oneDNN is
-    not capped below it (``onednn_isa``: the value of ``ONEDNN_MAX_CPU_ISA``, None when unset)."""
+    """True when torch's CPU bf16 GEMM runs on bf16 instructions: the CPU has AVX512-BF16 or AMX-BF16 and
+    oneDNN is not capped below them (``onednn_isa``: the value of ``ONEDNN_MAX_CPU_ISA``, None when unset)."""
     if not any(f in NATIVE_BF16_FLAGS for f in flags):
         return False
-    return onednn_isa is None or onednn_isa.strip().upper() in _ONEDNN_AMX_ISAS
+    return onednn_isa is None or any(word in onednn_isa.upper() for word in _ONEDNN_BF16_ISA_WORDS)
 
 
 class MatmulPolicy:
@@ -137,18 +153,17 @@ def choose_matmul_policy(setting: str, compute_dtype: torch.dtype, device: torch
     flags = cpu_flags() if flags is None else frozenset(flags)
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA")
     if native_bf16(flags, isa):
-        return NativeMatmul("auto: the CPU has AMX-BF16")
-    have = [f for f in BF16_FLAGS if f in flags]
+        have = " and ".join(f for f in NATIVE_BF16_FLAGS if f in flags)
+        return NativeMatmul(f"auto: the CPU has {have}; set bf16.cpu_matmul to \"fp32\" where zengine-report "
+                            "measures fp32 faster")
     if any(f in NATIVE_BF16_FLAGS for f in flags):
         why = f"oneDNN is capped at ONEDNN_MAX_CPU_ISA={isa}"
     elif not flags:
-        why = "the CPU's flags are unknown (py-cpuinfo)"
-    elif have:
-        why = f"the CPU has {' and '.join(have)} but no amx_bf16"
+        why = "the CPU's flags are unknown"
     else:
-        why = "the CPU has no bf16 instructions"
-    return Fp32Matmul(f"auto: {why}, where torch's bf16 GEMM is slower than fp32; "
-                      "set bf16.cpu_matmul to \"native\" to keep it")
+        why = "the CPU has no bf16 instructions (avx512_bf16, amx_bf16)"
+    return Fp32Matmul(f"auto: {why}, where torch's bf16 GEMM is emulated and slow; set bf16.cpu_matmul to "
+                      "\"native\" to keep it")
 
 
 _logged: set = set()
@@ -169,30 +184,41 @@ LAYOUTS = {"forward x @ W.T": lambda x, w, g: x @ w.t(),
 """The three products of a linear layer (x [tokens, in], W [out, in], g [tokens, out])."""
 
 
+def _via_fp32(scratch: Fp32Scratch) -> dict:
+    """``LAYOUTS`` on bf16 operands as ``Fp32Linear`` runs them: upcast (weight-sized ones in the scratch),
+    multiply in fp32, round the product to bf16."""
+    return {"forward x @ W.T": lambda x, w, g: (x.float() @ scratch.upcast(w).t()).bfloat16(),
+            "weight grad g.T @ x": lambda x, w, g: torch.mm(g.float().t(), x.float(),
+                                                            out=scratch.take(w.shape)).bfloat16(),
+            "input grad g @ W": lambda x, w, g: (g.float() @ scratch.upcast(w)).bfloat16()}
+
+
 def _rate(fn, flops: float, budget_s: float) -> float:
+    """GFLOP/s of the fastest of the calls made within ``budget_s`` (at least two): the least disturbed by
+    other work on a shared machine."""
     fn()  # warm-up (kernel selection, first-touch pages)
-    began, calls = time.perf_counter(), 0
+    began, best = time.perf_counter(), float("inf")
     while True:
+        t0 = time.perf_counter()
         fn()
-        calls += 1
-        elapsed = time.perf_counter() - began
-        if elapsed >= budget_s:
-            return flops * calls / elapsed / 1e9
+        t1 = time.perf_counter()
+        best = min(best, t1 - t0)
+        if t1 - began >= budget_s:
+            return flops / best / 1e9
 
 
-def measure_gemm_rates(tokens: int = 64, width: int = 1024, budget_s: float = 0.05) -> dict[str, dict[str, float]]:
-    """GFLOP/s of each linear-layer product (``LAYOUTS``) on this CPU with torch's current threads:
-    ``{"fp32": {...}, "bf16": {...}, "bf16 via fp32": {...}}``, the last with the operands upcast from
-    bf16 and the product rounded back (what ``Fp32Matmul`` runs; upcasts included in its time)."""
+def measure_gemm_rates(tokens: int = 64, width: int = 1024, budget_s: float = 0.1) -> dict[str, dict[str, float]]:
+    """GFLOP/s of each linear-layer product (``LAYOUTS``; ``tokens`` x ``width`` -> 4 ``width``) on this CPU
+    with torch's current threads: ``{"fp32": {...}, "bf16": {...}, "bf16 via fp32": {...}}``, the last as
+    ``Fp32Matmul`` runs it (upcasts and the rounding included)."""
     g = torch.Generator().manual_seed(0)
     x, w, grad = (torch.randn(shape, generator=g) for shape in ((tokens, width), (4 * width, width),
                                                                 (tokens, 4 * width)))
     flops = 2.0 * tokens * width * 4 * width
+    runs = (("fp32", torch.float32, LAYOUTS), ("bf16", torch.bfloat16, LAYOUTS),
+            ("bf16 via fp32", torch.bfloat16, _via_fp32(Fp32Scratch())))
     out: dict[str, dict[str, float]] = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    for name, dtype, layouts in runs:
         a, b, c = x.to(dtype), w.to(dtype), grad.to(dtype)
-        out[name] = {k: _rate(lambda f=f: f(a, b, c), flops, budget_s) for k, f in LAYOUTS.items()}
-    a, b, c = x.bfloat16(), w.bfloat16(), grad.bfloat16()
-    out["bf16 via fp32"] = {k: _rate(lambda f=f: f(a.float(), b.float(), c.float()).bfloat16(), flops, budget_s)
-                            for k, f in LAYOUTS.items()}
+        out[name] = {k: _rate(lambda f=f: f(a, b, c), flops, budget_s) for k, f in layouts.items()}
     return out
