@@ -30,6 +30,7 @@ from ..log import logger
 from . import atomic, collectives, holdings, meta as meta_mod, rng
 from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, CheckpointUntrustedError
 from .holdings import Holding
+from .ds_reader import open_reader
 from .reader import CheckpointReader
 
 
@@ -112,7 +113,9 @@ def _read(engine, directory: str, with_optimizer: bool, trusted: bool) -> dict[s
     """Phase 1: check the checkpoint and read this rank's share of it in place; state.pt (weights-only unless
     ``trusted``) with the meta."""
     opt, module = engine.optimizer, engine.module
-    with CheckpointReader(directory) as reader:
+    # zengine's own layout, or DeepSpeed's (ds_reader.py): the same questions answered from either
+    with open_reader(directory, trusted, [holdings.group_names(g) for g in opt.groups],
+                     engine.gradient_accumulation_steps()) as reader:
         meta = reader.meta
         meta_mod.check_same_model(meta, meta_mod.describe_model(module, holdings.trained_names(opt)), directory)
         state = reader.read_state(trusted)
