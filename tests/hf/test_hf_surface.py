@@ -241,3 +241,44 @@ def test_torchrun_with_zengine_compat_as_target(tmp_path):
                          text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split().count(DEEPSPEED_VERSION) == 2, run.stdout
+
+
+# -- GatheredParameters inside the forward, around a tied head (TRL's fused loss does this) ----------------
+class _FusedHead(_Tied):
+    """The loss reads the head's weight directly, gathered for the call, as TRL's SFTTrainer does under ZeRO-3:
+    the head module never runs, and its weight is the embedding's (released after the embedding ran)."""
+
+    def forward(self, x, y):
+        h = torch.tanh(self.fc(self.emb(x)))
+        with zengine.zero.GatheredParameters([self.head.weight]):
+            logits = F.linear(h, self.head.weight)
+        return F.cross_entropy(logits.view(-1, VOCAB), y.view(-1))
+
+
+def _fused_head_run():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = _FusedHead()
+    torch.manual_seed(0)
+    model = _FusedHead()
+    cfg = _filled(_hf_config(3))
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = zengine.initialize(model=model, config=cfg)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for x, y in _batches(3):
+        for m in range(GAS):
+            rows = slice((m * world + rank) * MICRO, (m * world + rank + 1) * MICRO)
+            engine.backward(engine(x[rows], y[rows]))
+            engine.step()
+        ref_opt.zero_grad()
+        reference(x, y).backward()
+        ref_opt.step()
+    state = engine._zero3_consolidated_16bit_state_dict()
+    if rank == 0:
+        return max((state[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+
+
+def test_gathered_parameters_inside_forward_on_a_tied_head():
+    """It used to fail at the first step: the gather's own parameter swaps were taken for a user's reads."""
+    diff = spawn(_fused_head_run, 2)[0]
+    assert diff < 1e-5, diff

@@ -68,7 +68,7 @@ class ModuleHooks:
     def _pre_forward(self, m: nn.Module, args) -> None:
         if not self.enabled:
             return
-        with self._own_work():
+        with self.own_work():
             self.fetcher.fetch(self.units[m], self.names[m])
         self.frames.append([])
         self.running.append({id(sp) for sp in self.units[m]})
@@ -80,7 +80,7 @@ class ModuleHooks:
         if self.running:
             self.running.pop()
         unit = self.units[m]
-        with self._own_work():
+        with self.own_work():
             self.fetcher.release(unit + externals)
         if torch.is_grad_enabled():
             self._fetch_before_backward(out, unit, self.names[m] + " (backward)")
@@ -98,7 +98,7 @@ class ModuleHooks:
             t.register_hook(fetch)
 
     @contextlib.contextmanager
-    def _own_work(self):
+    def own_work(self):
         previous, self.internal = self.internal, True
         try:
             yield
@@ -112,13 +112,13 @@ class ModuleHooks:
     def external_use(self, params: list[ShardedParam], func, args, kwargs):
         """Run ``func`` that reads sharded parameters outside their module's forward."""
         tag = "external " + ",".join(sp.name for sp in params)
-        with self._own_work():
+        with self.own_work():
             self.fetcher.fetch(params, tag)
         out = func(*args, **kwargs)
         if self.frames:
             self.frames[-1].extend(params)
         else:
-            with self._own_work():
+            with self.own_work():
                 self.fetcher.release(params)
         if torch.is_grad_enabled():
             self._fetch_before_backward(out, params, tag + " (backward)")

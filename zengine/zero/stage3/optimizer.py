@@ -148,8 +148,11 @@ class Stage3Optimizer(ZeroOptimizer):
                     rank0_only: bool = False, offload_to_cpu: bool = False):
         """Gather ``params`` whole for the duration; see Engine.summon_full_params and zero.GatheredParameters."""
         params = list(params)
-        self.fetcher.gather_now([sp for sp in params if sp.state is ParamState.GATHERED])
-        self.fetcher.fetch([sp for sp in params if sp.state is ParamState.SHARDED], "gathered parameters")
+        # Our own gathering, even when the caller is inside a forward (GatheredParameters around a tied head, as
+        # TRL's fused loss does): the external-use mode must not take our parameter swaps for a user's reads.
+        with self.module_hooks.own_work():
+            self.fetcher.gather_now([sp for sp in params if sp.state is ParamState.GATHERED])
+            self.fetcher.fetch([sp for sp in params if sp.state is ParamState.SHARDED], "gathered parameters")
         for sp in params:
             sp.pinned = True
         saved = {}
@@ -162,26 +165,31 @@ class Stage3Optimizer(ZeroOptimizer):
         try:
             yield
         finally:
-            if saved:
-                for sp in params:
-                    view = saved[id(sp)]
-                    if writeback and (not rank0_only or self.rank == 0) and offload_to_cpu:
-                        view.copy_(sp.param.data)
-                    sp.param.data = view
-            if modifier_rank is not None:
-                for sp in params:
-                    collectives.broadcast(sp.full, modifier_rank, self.comm_group)
-            if modifier_rank is not None or writeback:
-                if rank0_only and writeback and modifier_rank is None:
-                    for sp in params:
-                        collectives.broadcast(sp.full, 0, self.comm_group)
-                for sp in params:
-                    sp.write_back_full()
-                self.sync_masters()
+            with self.module_hooks.own_work():
+                self._end_full_params(params, saved, modifier_rank, writeback, rank0_only, offload_to_cpu)
+
+    def _end_full_params(self, params, saved, modifier_rank, writeback, rank0_only, offload_to_cpu) -> None:
+        """Leave full_params: restore what the caller saw, write modifications back, release."""
+        if saved:
             for sp in params:
-                sp.pinned = False
-            self.fetcher.release(params, force=True)
-            self.fetcher.drop_staging()
+                view = saved[id(sp)]
+                if writeback and (not rank0_only or self.rank == 0) and offload_to_cpu:
+                    view.copy_(sp.param.data)
+                sp.param.data = view
+        if modifier_rank is not None:
+            for sp in params:
+                collectives.broadcast(sp.full, modifier_rank, self.comm_group)
+        if modifier_rank is not None or writeback:
+            if rank0_only and writeback and modifier_rank is None:
+                for sp in params:
+                    collectives.broadcast(sp.full, 0, self.comm_group)
+            for sp in params:
+                sp.write_back_full()
+            self.sync_masters()
+        for sp in params:
+            sp.pinned = False
+        self.fetcher.release(params, force=True)
+        self.fetcher.drop_staging()
 
     @contextlib.contextmanager
     def summon(self, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False,
