@@ -56,9 +56,10 @@ setup(
         "py-cpuinfo",
         "ninja",
     ],
-    # transformers: the drop-in tests train Hugging Face models built from a config (nothing downloaded);
-    # it does not require torch, so the pin above still decides which torch is installed.
-    extras_require={"test": ["pytest", "transformers>=4.40", "accelerate>=1.0"]},
+    # transformers, accelerate, TRL: the drop-in tests drive zengine through Hugging Face's Trainer,
+    # accelerate's DeepSpeedPlugin and TRL's SFTTrainer on models built from a config (nothing downloaded);
+    # none of them requires torch, so the pin above still decides which torch is installed.
+    extras_require={"test": ["pytest", "transformers>=4.40", "accelerate>=1.0", "trl>=0.20"]},
     entry_points={
         "console_scripts": [
             "zengine=zengine.launcher.runner:main",
