@@ -9,6 +9,7 @@ reductions (see the tolerances below).
 """
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import zengine
+from zengine.checkpoint.ds_export import export_deepspeed_checkpoint
 from deepspeed_runs import CONTINUED, SAVED_AT, TiedLM, batches, config, make_optimizer, train
 from harness import spawn
 
@@ -44,9 +46,9 @@ def _full_state(engine) -> dict:
     return out
 
 
-def load_and_continue(targets: list) -> list:
+def load_and_continue(targets: list, save_dir: str) -> bytes:
     """Rank body: for each (fixture, stage), a fresh engine (other initial weights) loads DeepSpeed's
-    checkpoint, then trains CONTINUED steps."""
+    checkpoint, saves it as a zengine checkpoint in ``save_dir/<fixture>``, then trains CONTINUED steps."""
     world = torch.distributed.get_world_size()
     out = []
     for fixture, stage, precision in targets:
@@ -60,6 +62,7 @@ def load_and_continue(targets: list) -> list:
             frozen = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters() if not p.requires_grad}
             tied = engine.module.lm_head.weight is engine.module.wte.weight
         counters = (engine.global_steps, engine.global_samples)
+        engine.save_checkpoint(os.path.join(save_dir, fixture))
         losses = train(engine, batches(SAVED_AT + CONTINUED)[SAVED_AT:])
         out.append({"loaded": loaded, "client_state": client_state, "at_load": at_load, "frozen": frozen,
                     "tied": tied, "counters": counters, "losses": losses, "after": _full_state(engine)["master"]})
@@ -88,10 +91,10 @@ CASES = {1: [("s3_bf16_w2", 1), ("s2_fp32_w2", 2)],
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_deepspeed_checkpoint_continues(world):
+def test_deepspeed_checkpoint_continues(world, tmp_path):
     refs = {fixture: reference(fixture) for fixture, _ in CASES[world]}
     targets = [(fixture, stage, refs[fixture]["precision"]) for fixture, stage in CASES[world]]
-    for (fixture, stage, precision), got in zip(targets, _results(spawn(load_and_continue, world, targets)[0])):
+    for (fixture, stage, precision), got in zip(targets, _results(spawn(load_and_continue, world, targets, str(tmp_path))[0])):
         ref, tol = refs[fixture], TOLERANCE[precision]
         where = f"{fixture} -> zengine W={world} stage {stage}"
         trained = set(ref["at_save"])
@@ -109,3 +112,44 @@ def test_deepspeed_checkpoint_continues(world):
         assert got["losses"] == pytest.approx(ref["losses_after"], rel=tol["loss"]), where
         worst = _worst(got["after"], ref["after"])
         assert worst <= tol["param"], f"{where}: masters after {CONTINUED} steps differ by {worst:.3g}"
+
+
+def deepspeed_continue(targets: list) -> bytes:
+    """Rank body under DeepSpeed itself: load each export of zengine's, read its masters, train on."""
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    world = torch.distributed.get_world_size()
+    out = []
+    for path, stage, precision in targets:
+        torch.manual_seed(1)
+        model = TiedLM()
+        engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(model),
+                                          config=config(stage, precision, world))
+        loaded, _ = engine.load_checkpoint(os.path.dirname(path))  # the save_dir, with its 'latest'
+        assert loaded is not None, f"DeepSpeed found no checkpoint in {os.path.dirname(path)}"
+        masters = {n: deepspeed.utils.safe_get_full_fp32_param(p).detach().cpu().clone()
+                   for n, p in engine.module.named_parameters() if p.requires_grad}
+        out.append({"masters": masters, "steps": engine.global_steps,
+                    "losses": train(engine, batches(SAVED_AT + CONTINUED)[SAVED_AT:])})
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="DeepSpeed is not installed: run this file with the venv that make_fixtures.py describes")
+def test_deepspeed_continues_from_zengine_export(tmp_path):
+    """DeepSpeed 0.19.8 loads zengine's export (other stages than the checkpoint it came from) and trains on as
+    it trained on from its own checkpoint."""
+    targets = [("s3_fp32_w2", 1, "fp32"), ("s2_bf16_w2", 2, "bf16")]
+    zengine_runs = _results(spawn(load_and_continue, 2, targets, str(tmp_path))[0])
+    exports = []
+    for (fixture, _, precision), ds_stage in zip(targets, (2, 1)):  # bf16 stage 1: DeepSpeed's bf16 optimizer
+        exports.append((export_deepspeed_checkpoint(str(tmp_path / fixture), str(tmp_path / f"ds-{fixture}"), 2,
+                                                    config(ds_stage, precision, 2)), ds_stage, precision))
+    ran = _results(spawn(deepspeed_continue, 2, exports, env={"DS_ACCELERATOR": "cpu"})[0])
+    for (fixture, _, precision), zen, ds in zip(targets, zengine_runs, ran):
+        ref = reference(fixture)
+        assert ds["steps"] == SAVED_AT, fixture
+        assert _worst(ds["masters"], zen["at_load"]["master"]) == 0.0, fixture
+        assert ds["losses"] == pytest.approx(ref["losses_after"], rel=TOLERANCE[precision]["loss"]), fixture

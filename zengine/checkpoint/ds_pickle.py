@@ -11,6 +11,7 @@ DeepSpeed globals still stood in for.
 """
 from __future__ import annotations
 
+import copyreg
 import pickle
 from typing import Any
 
@@ -47,6 +48,21 @@ class DeepSpeedObject:
     def __repr__(self) -> str:
         return f"DeepSpeedObject({self.ds_class}, args={self.args!r})"
 
+    def __reduce__(self):
+        # pickled as DeepSpeed pickles its own: an enum by its value, an object by its attributes
+        if self.args:
+            return type(self), tuple(self.args)
+        return copyreg.__newobj__, (type(self),), self.state
+
+
+def make(dotted: str, *args: Any, **state: Any) -> DeepSpeedObject:
+    """A stand-in that ``save_ds_file`` writes as DeepSpeed's own class ``dotted`` (so that DeepSpeed, when
+    it loads the file, gets its real object): ``make("...ZeroStageEnum", 2)``, ``make("...LossScaler",
+    cur_scale=1.0, dynamic=False)``."""
+    obj = standin(dotted).__new__(standin(dotted))
+    obj.args, obj.state = args, state
+    return obj
+
 
 _STANDINS: dict[str, type] = {}
 
@@ -73,6 +89,31 @@ class _trusted_pickle:
     Unpickler = _TrustedUnpickler
     load = staticmethod(lambda f, **kw: _TrustedUnpickler(f, **kw).load())
     __name__ = "zengine_deepspeed_pickle"
+
+
+class _DeepSpeedPickler(pickle._Pickler):  # the Python pickler: its save_global can be overridden
+    """Writes a stand-in's class under DeepSpeed's name (it is not importable under that name here)."""
+
+    def save_global(self, obj, name=None):
+        dotted = getattr(obj, "ds_class", "")
+        if isinstance(obj, type) and issubclass(obj, DeepSpeedObject) and dotted:
+            module, _, qualname = dotted.rpartition(".")
+            self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+class _writing_pickle:
+    """A ``pickle_module`` for ``torch.save`` with that pickler."""
+
+    Pickler = _DeepSpeedPickler
+    __name__ = "zengine_deepspeed_pickle"
+
+
+def save_ds_file(obj: Any, path: str) -> None:
+    """``torch.save(obj, path)`` as DeepSpeed's files are written, stand-ins (``make``) as DeepSpeed's classes."""
+    torch.save(obj, path, pickle_module=_writing_pickle, pickle_protocol=2)
 
 
 def load_ds_file(path: str, trusted: bool = False) -> Any:

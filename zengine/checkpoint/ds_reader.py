@@ -17,8 +17,9 @@ What DeepSpeed 0.19 writes into ``save_dir/<tag>/`` and what is taken from it:
     zero_pp_rank_R_mp_rank_00_optim_states.pt
                                            rank R's flat fp32 masters and the wrapped torch optimizer's state
                                            (Adam's exp_avg/exp_avg_sq shaped like them, ``step``); the loss
-                                           scaler; ``bf16_`` prefixed when DeepSpeed's bf16 optimizer (bf16
-                                           at stage 1 with fp32 gradient accumulation) wrote them
+                                           scaler; named ``bf16_zero_pp_rank_*`` when bf16 was on (then at
+                                           stage 1 with fp32 gradient accumulation DeepSpeed's bf16 optimizer
+                                           wrote them: no ZeRO stage recorded, partitions kept padded)
 
 Element positions follow ds_layout.py. Model-parallel (``mp_rank_01``), pipeline (``layer_*``) and MoE
 (``expp_rank_*``, ``*expert_*``) checkpoints, and a DeepSpeed group that does not hold the same parameters
@@ -101,9 +102,11 @@ class DeepSpeedReader:
             raise CheckpointFileError(f"DeepSpeed checkpoint {directory} mixes bf16_zero_pp_rank_* and zero_pp_rank_* "
                                       f"files (two saves into one tag?); remove the stale ones")
         self.world = len(optim)
-        self.bf16_optimizer = optim[0][1]
         self._optim = [load_ds_file(os.path.join(directory, optim[r][0]))["optimizer_state_dict"]
                        for r in range(self.world)]
+        # the bf16_ prefix says bf16 was on; DeepSpeed's bf16 optimizer (stage 1 with fp32 gradient
+        # accumulation) is the one writer that records no ZeRO stage, and it keeps its partitions padded
+        self.bf16_optimizer = "zero_stage" not in self._optim[0]
         self.stage = self._stage()
         self._models = self._model_states(names, trusted)
         common = self._models[0]

@@ -28,9 +28,9 @@ import torch
 
 from ..log import logger
 from . import atomic, collectives, holdings, meta as meta_mod, rng
+from .ds_reader import open_reader
 from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, CheckpointUntrustedError
 from .holdings import Holding
-from .ds_reader import open_reader
 from .reader import CheckpointReader
 
 

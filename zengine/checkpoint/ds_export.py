@@ -1,0 +1,226 @@
+"""The way back to DeepSpeed: a zengine checkpoint rewritten in DeepSpeed 0.19's ZeRO layout, offline.
+
+``export_deepspeed_checkpoint(zengine_dir, save_dir, world_size, ds_config)`` writes ``save_dir/<tag>/``
+and ``save_dir/latest`` as DeepSpeed's ``save_checkpoint`` would have for ``world_size`` ranks running
+``ds_config`` (its ZeRO stage, bf16/fp16, bf16 gradient accumulation dtype): the fp32 masters and the
+optimizer's per-element states cut into DeepSpeed's flat partitions (ds_layout.py, the same rules the
+reader uses), the optimizer's hyper-parameters and ``step``, the module's state_dict in the 16-bit
+dtype, tied names, frozen parameters, LR scheduler, counters and client_state. DeepSpeed then continues
+with ``engine.load_checkpoint(save_dir)`` on that many ranks (it cannot change the world size of a ZeRO
+checkpoint itself). DeepSpeed's own objects in the files (loss scaler, ZeRO stage) are written under
+DeepSpeed's class names without DeepSpeed installed (ds_pickle.py).
+
+The flat order of each group is the order of the engine's optimizer group, which is the order of the
+param group given to ``initialize``: DeepSpeed builds the same order from the same param groups
+(``round_robin_gradients`` and ``parameter_alignment`` off, their defaults; both are refused here).
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections import OrderedDict
+from typing import Any, Optional
+
+import torch
+
+from . import ds_layout
+from .ds_pickle import make, save_ds_file
+from .fp32 import checkpoint_directory
+from .holdings import Holding
+from .pieces import Piece
+from .reader import CheckpointReader
+
+DS_VERSION = "0.19.8"  # the DeepSpeed whose layout this writes (and the one zengine's surface follows)
+_STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"
+_LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+
+
+class DeepSpeedExportError(ValueError):
+    """The export cannot write what DeepSpeed would load for the given config; the message says why."""
+
+
+def _target(ds_config: dict) -> tuple[int, torch.dtype, bool]:
+    """(stage, 16-bit or fp32 module dtype, whether DeepSpeed's bf16 optimizer would run)."""
+    zero = ds_config.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    if stage not in (1, 2, 3):
+        raise DeepSpeedExportError(f"export_deepspeed_checkpoint: ZeRO stage {stage} in the config; DeepSpeed's "
+                                   f"ZeRO layout exists for stages 1, 2 and 3")
+    for key in ("round_robin_gradients", "parameter_alignment"):
+        if zero.get(key):
+            raise DeepSpeedExportError(f"export_deepspeed_checkpoint: zero_optimization.{key} reorders or pads "
+                                       f"DeepSpeed's flat groups; run DeepSpeed without it to load this export")
+    bf16 = bool((ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled"))
+    fp16 = bool((ds_config.get("fp16") or {}).get("enabled"))
+    accumulate = str((ds_config.get("data_types") or {}).get("grad_accum_dtype") or "").lower()
+    bf16_optimizer = bf16 and stage == 1 and accumulate in ("fp32", "float32", "float", "torch.float32")
+    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+    return stage, dtype, bf16_optimizer
+
+
+def export_deepspeed_checkpoint(checkpoint_dir: str, save_dir: str, world_size: int, ds_config: dict,
+                                tag: Optional[str] = None, out_tag: Optional[str] = None,
+                                trusted: bool = False) -> str:
+    """Write the zengine checkpoint ``checkpoint_dir`` (``tag`` default: ``latest``) as DeepSpeed's
+    ``save_dir/<out_tag>`` (default ``global_step<N>``) for ``world_size`` ranks running ``ds_config``;
+    returns that directory. ``trusted``: state.pt may hold objects a weights-only load refuses."""
+    stage, dtype, bf16_optimizer = _target(ds_config)
+    directory = checkpoint_directory(checkpoint_dir, tag)
+    with CheckpointReader(directory) as reader:
+        state = reader.read_state(trusted)
+        meta = reader.meta
+        out_tag = str(out_tag) if out_tag is not None else f"global_step{meta['global_steps']}"
+        final = os.path.join(save_dir, out_tag)
+        staging = os.path.join(save_dir, f".tmp-export-{out_tag}")
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+        try:
+            _Writer(reader, state, world_size, ds_config, stage, dtype, bf16_optimizer).write(staging)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(staging, final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    with open(os.path.join(save_dir, "latest"), "w") as f:
+        f.write(out_tag)
+    return final
+
+
+class _Writer:
+    """The files of one export (see the module doc)."""
+
+    def __init__(self, reader: CheckpointReader, state: dict, world: int, ds_config: dict, stage: int,
+                 dtype: torch.dtype, bf16_optimizer: bool):
+        self.reader, self.state, self.world, self.config = reader, state, world, ds_config
+        self.stage, self.dtype, self.bf16_optimizer = stage, dtype, bf16_optimizer
+        self.meta = reader.meta
+        self.groups = [list(g.get("step_counts") or {}) for g in state["optimizer"]]
+        trained = [n for n, p in self.meta["params"].items() if p["trained"]]
+        if sorted(n for g in self.groups for n in g) != sorted(trained):
+            raise DeepSpeedExportError(f"export_deepspeed_checkpoint: {reader.directory} does not record which "
+                                       f"parameters each optimizer group holds (saved by an older zengine); save "
+                                       f"it again with this version")
+        self.numels = [[math.prod(self.meta["params"][n]["shape"]) for n in g] for g in self.groups]
+        sub_group = int((ds_config.get("zero_optimization") or {}).get("sub_group_size", 1e9))
+        if stage == 3 and any(sum(n) > sub_group for n in self.numels):
+            raise DeepSpeedExportError(f"export_deepspeed_checkpoint: a group has more than sub_group_size "
+                                       f"({sub_group}) elements: DeepSpeed would cut it into sub-groups, which "
+                                       f"this export does not write; raise zero_optimization.sub_group_size")
+
+    def _filled(self, numel: int, pieces: list, kinds: tuple, required: bool = True) -> torch.Tensor:
+        out = torch.zeros(numel, dtype=torch.float32)
+        self.reader.fill(Holding(out, pieces), kinds, required)
+        return out
+
+    def _partition(self, g: int, rank: int) -> tuple[list, int, int]:
+        """(pieces, saved elements, padding recorded) of rank ``rank``'s partition of group ``g``."""
+        names, numels = self.groups[g], self.numels[g]
+        if self.stage == 3:
+            size = ds_layout.sharded_group_numel(numels, self.world)
+            return ds_layout.sharded_group_pieces(names, numels, rank, self.world), size, 0
+        partition = ds_layout.partition_numel(numels, [0] * len(numels), self.world)
+        total = sum(numels)
+        real = min(partition, max(0, total - rank * partition))
+        if self.bf16_optimizer:  # saved padded; the last rank records the group's padding
+            padding = partition * self.world - total if rank == self.world - 1 else 0
+            return ds_layout.flat_group_pieces(names, numels, None, rank, partition, partition), partition, padding
+        return ds_layout.flat_group_pieces(names, numels, None, rank, partition, real), real, partition - real
+
+    def _optimizer_file(self, rank: int) -> dict[str, Any]:
+        masters, states, paddings, groups = [], {}, [], []
+        for g, saved in enumerate(self.state["optimizer"]):
+            pieces, numel, padding = self._partition(g, rank)
+            masters.append(self._filled(numel, pieces, ("master", "param")))
+            paddings.append(padding)
+            # the moments span the whole partition, the group padding included
+            full = numel + (padding if self.stage < 3 and not self.bf16_optimizer else 0)
+            entry = {}
+            for key in saved["keys"]:
+                if key in saved["scalars"]:
+                    value = saved["scalars"][key]
+                    entry[key] = value.clone() if torch.is_tensor(value) else value
+                else:
+                    entry[key] = self._filled(full, pieces, (f"state.{key}",), required=False)
+            if entry and "step" not in entry and saved.get("step_counts"):
+                entry = {"step": torch.tensor(float(max(saved["step_counts"].values()))), **entry}
+            states[g] = entry
+            groups.append({**saved["hyper"], "params": [g]})
+        optimizer = {"state": {g: s for g, s in states.items() if s}, "param_groups": groups}
+        if self.stage == 3:
+            sd = {"zero_stage": make(_STAGE_ENUM, 3), "loss_scaler": self._loss_scaler(),
+                  "dynamic_loss_scale": False, "overflow": False, "partition_count": self.world,
+                  "optimizer_state_dict": optimizer, "fp32_flat_groups": masters}
+        elif self.bf16_optimizer:
+            sd = {"clip_grad": float(self.config.get("gradient_clipping", 0.0)), "base_optimizer_state": optimizer,
+                  "single_partition_of_fp32_groups": masters, "group_paddings": paddings,
+                  "partition_count": [self.world] * len(masters), "ds_version": DS_VERSION}
+        else:
+            sd = {"loss_scaler": self._loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
+                  "clip_grad": float(self.config.get("gradient_clipping", 0.0)), "base_optimizer_state": optimizer,
+                  "single_partition_of_fp32_groups": masters, "zero_stage": make(_STAGE_ENUM, self.stage),
+                  "group_paddings": paddings, "param_alignment_paddings": [[0] * len(g) for g in self.groups],
+                  "partition_count": [self.world] * len(masters), "ds_version": DS_VERSION}
+        return {"optimizer_state_dict": sd, "ds_config": self.config, "ds_version": DS_VERSION}
+
+    def _loss_scaler(self):
+        scale = float(self.state.get("loss_scaler", {}).get("scale", 1.0))
+        return make(_LOSS_SCALER, cur_scale=scale, dynamic=False)
+
+    def _whole(self, name: str) -> torch.Tensor:
+        entry = self.meta["params"][name]
+        numel = math.prod(entry["shape"])
+        return self._filled(numel, [Piece(name, 0, numel, 0)], ("master", "param")).view(entry["shape"])
+
+    def _model_file(self, rank: int) -> dict[str, Any]:
+        module: OrderedDict = OrderedDict()
+        first: dict[tuple[str, str], str] = {}
+        shared = {}
+        for key, kind, source in self.meta["state_dict"]:
+            if kind == "buffer":
+                module[key] = self.reader.read_buffer(source)
+                continue
+            if ("param", source) in first:
+                shared[key] = source
+            first.setdefault(("param", source), key)
+            module[key] = (torch.empty(0, dtype=self.dtype) if self.stage == 3
+                           else self._whole(source).to(self.dtype))
+        frozen = [n for n, p in self.meta["params"].items() if not p["trained"]]
+        shapes = fragments = None
+        if self.stage >= 2:
+            shapes = OrderedDict((n, torch.Size(self.meta["params"][n]["shape"])) for n in frozen)
+            fragments = OrderedDict((n, self._frozen_fragment(n, rank)) for n in frozen)
+        state = self.state
+        out = {"module": module, "buffer_names": [k for k, kind, _ in self.meta["state_dict"] if kind == "buffer"],
+               "optimizer": None,
+               "param_shapes": [OrderedDict((n, torch.Size(self.meta["params"][n]["shape"])) for n in g)
+                                for g in self.groups],
+               "frozen_param_shapes": shapes, "shared_params": shared, "frozen_param_fragments": fragments,
+               "lr_scheduler": state.get("lr_scheduler"), "data_sampler": None, "random_ltd": None,
+               "skipped_steps": 0, "global_steps": self.meta["global_steps"],
+               "global_samples": self.meta["global_samples"], "dp_world_size": self.world, "mp_world_size": 1,
+               "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+               "ds_config": self.config, "ds_version": DS_VERSION}
+        out.update(state.get("client_state") or {})
+        return out
+
+    def _frozen_fragment(self, name: str, rank: int) -> torch.Tensor:
+        whole = self._whole(name).to(self.dtype)
+        if self.stage < 3:
+            return whole
+        chunk = ds_layout.chunk_numel(whole.numel(), self.world)
+        out = torch.zeros(chunk, dtype=self.dtype)
+        part = whole.view(-1)[rank * chunk:(rank + 1) * chunk]
+        out[:part.numel()] = part
+        return out
+
+    def write(self, directory: str) -> None:
+        prefix = "bf16_" if self.dtype == torch.bfloat16 else ""  # DeepSpeed names them by the bf16 flag
+        for rank in range(self.world):
+            save_ds_file(self._optimizer_file(rank),
+                         os.path.join(directory, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+        if self.stage == 3:
+            for rank in range(self.world):
+                save_ds_file(self._model_file(rank),
+                             os.path.join(directory, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"))
+        else:
+            save_ds_file(self._model_file(0), os.path.join(directory, "mp_rank_00_model_states.pt"))
