@@ -1,6 +1,6 @@
 """Train a tiny byte-level GPT on the repository's own text with zengine.
 
-    zengine --num_procs 2 examples/train_gpt.py --deepspeed_config configs/zero2.json [--steps N]
+    zengine --num_procs 2 examples/train_gpt.py --deepspeed_config configs/zero2.json [--steps N] [--compile]
 
 Rank 0 prints, every ``--print_every`` optimizer steps: the mean loss of those
 steps over all ranks, the tokens per second of the whole job, and each rank's
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import zengine
 from zengine.models import GPT, ByteWindows, tiny
+from zengine.models.gpt import Block
 
 MB = 1024 * 1024
 
@@ -39,6 +40,10 @@ def parse_args() -> argparse.Namespace:
                         help="checkpoint here every --save_every steps and at the end; a run started again "
                              "(or restarted by `zengine --max_restarts`) resumes from the latest one")
     parser.add_argument("--save_every", type=int, default=0, help="optimizer steps between checkpoints")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model (engine.compile): at stage 3 each transformer block becomes "
+                             "one gather unit (a stage-3 leaf), compiled as one graph with the gathers outside it")
+    parser.add_argument("--compile_backend", default="inductor", help="torch.compile backend for --compile")
     zengine.add_config_arguments(parser)
     args = parser.parse_args()
     if not (args.deepspeed_config or args.zengine_config):
@@ -103,7 +108,11 @@ def main() -> None:
     model = GPT(model_cfg)
     n_params = sum(p.numel() for p in model.parameters())  # before initialize: stage 3 cuts them to shards
     dataset = ByteWindows(model_cfg.seq_len)
+    if args.compile:  # stage 3 only reads the mark: a block gathered whole is what one compiled graph needs
+        zengine.utils.set_z3_leaf_modules(model, [Block])
     engine, _, loader, _ = zengine.initialize(model=model, config=load_config(args), training_data=dataset)
+    if args.compile:
+        engine.compile(backend=args.compile_backend)  # the first steps compile (slower); the rest run compiled
     rank = dist.get_rank()
     tokens_per_step = engine.train_batch_size() * model_cfg.seq_len
     if rank == 0:

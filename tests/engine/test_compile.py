@@ -285,7 +285,7 @@ def test_compile_section():
     for section, words in (({"deepcompile": True}, "compile.deepcompile: zengine does not implement DeepSpeed's "
                                                    "DeepCompile"),
                            ({"backend": "nope"}, "compile.backend: unknown torch.compile backend 'nope'"),
-                           ({"kwargs": {"backend": "eager"}}, "compile.kwargs: \"backend\" belongs in compile.backend")):
+                           ({"kwargs": {"backend": "eager"}}, 'compile.kwargs: "backend" belongs in compile.backend')):
         with pytest.raises(ConfigError, match=words.replace("(", r"\(")[:60]):
             load_config({"train_batch_size": 2, "compile": section}, 1)
 

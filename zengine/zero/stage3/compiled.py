@@ -22,6 +22,7 @@ runs eagerly and watches for such reads; a unit that makes one stays eager, name
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Callable, Optional
 
@@ -78,6 +79,7 @@ class CompiledForward:
     def __init__(self, module: nn.Module, name: str, compiler: Compiler, hooks: Optional[ModuleHooks] = None):
         self.name = name
         self.eager = module.forward  # the bound method (or a forward the user set on the instance)
+        functools.update_wrapper(self, self.eager)  # inspect.signature(module.forward) still shows the model's
         self.compiled = compiler(self.eager)
         self.hooks = hooks
         self.watching = hooks is not None  # until the first step has shown whether it reads other units' parameters

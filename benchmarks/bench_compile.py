@@ -1,0 +1,204 @@
+"""torch.compile's effect on a training step, side by side: eager vs compiled zengine, and compiled DDP.
+
+    python benchmarks/bench_compile.py [--backend inductor] [--warmup 3] [--steps 5] [--rounds 1]
+                                       [--contenders ddp,ddp-compiled,zengine-2,zengine-2-compiled,...]
+
+The model and data are bench_zero.py's (``bench20m``: the main job's GPT at 21M parameters, fp32, AdamW,
+micro batch 4 per rank, CPU gloo ranks). Contenders:
+
+- ``ddp`` / ``ddp-compiled``: torch DistributedDataParallel, eager / ``torch.compile(ddp_model)``
+  (DDP's optimizer splits the graph at its bucket boundaries so that reductions overlap backward);
+- ``zengine-S`` / ``zengine-S-compiled`` (S = 0, 2, 3): zengine at stage S, eager / ``engine.compile()``.
+  At stage 3 every transformer block is a leaf (``set_z3_leaf_modules``), eager and compiled alike: one
+  gather unit per block, compiled as one graph.
+
+Each contender runs in fresh processes; with ``--rounds R`` all run R times in alternating order and the
+median step time is over every round's timed steps (absolute times drift on a shared machine: compare the
+ratios of one run). Reported: the median step time (slower rank; wall clock, and the CPU time the process
+used, which other users of a shared machine disturb less), the time of the untimed first steps beyond
+``warmup x median`` (compilation, mostly: zengine-3 compiles at its second step, after a first step run
+eagerly), and peak resident memory per rank above the process's size after imports. The table goes to
+stdout and to ``benchmarks/results/compile_<date>.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_zero import BUCKET, MB, batch_for, free_port, torch_adamw, zero_config  # noqa: E402
+from zengine.models import GPT, ByteWindows, bench20m  # noqa: E402
+
+CONTENDERS = ["ddp", "ddp-compiled", "zengine-0-compiled", "zengine-2", "zengine-2-compiled", "zengine-3",
+              "zengine-3-compiled"]
+
+
+def build(name: str, model: torch.nn.Module, backend: str):
+    """(forward_backward(x, y) -> loss, optimizer_step()) of contender ``name``."""
+    compiled = name.endswith("-compiled")
+    if name.startswith("ddp"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, bucket_cap_mb=BUCKET * 4 / MB)
+        run = torch.compile(ddp, backend=backend) if compiled else ddp
+        opt = torch_adamw(ddp.parameters())
+
+        def forward_backward(x, y):
+            loss = run(x, y)
+            loss.backward()
+            return loss
+
+        def optimizer_step():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return forward_backward, optimizer_step
+    import zengine
+    from zengine.models.gpt import Block
+
+    stage = int(name.split("-")[1])
+    if stage == 3:
+        zengine.utils.set_z3_leaf_modules(model, [Block])  # one gather unit (and one graph) per block
+    engine, *_ = zengine.initialize(model=model, config=zero_config(stage, BUCKET))
+    if compiled:
+        engine.compile(backend=backend)
+
+    def forward_backward(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        return loss
+
+    return forward_backward, engine.step
+
+
+def worker(rank: int, name: str, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    result = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10))
+        importlib.import_module("torch._dynamo")  # imports are not the training's memory
+        if name.startswith("zengine"):
+            importlib.import_module("zengine")
+        baseline_rss = psutil.Process().memory_info().rss
+        torch.manual_seed(0)
+        cfg = bench20m()
+        model = GPT(cfg)
+        dataset = ByteWindows(cfg.seq_len)
+        forward_backward, optimizer_step = build(name, model, args.backend)
+        times, cpu_times = [], []
+        loss = None
+        for i in range(args.warmup + args.steps):
+            x, y = batch_for(dataset, i, rank, world)
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = forward_backward(x, y)
+            optimizer_step()
+            times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
+        step_times = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(step_times, op=dist.ReduceOp.MAX)  # a step ends when the slower rank's does
+        step_cpu = torch.tensor(cpu_times, dtype=torch.float64)
+        dist.all_reduce(step_cpu, op=dist.ReduceOp.MAX)
+        final_loss = loss.detach().double().clone()
+        dist.all_reduce(final_loss)
+        result.update(times=step_times.tolist(), cpu_times=step_cpu.tolist(), final_loss=final_loss.item() / world,
+                      baseline_rss=baseline_rss, peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        result["error"] = traceback.format_exc(limit=8)
+    Path(out_dir, f"{name}.{rank}.json").write_text(json.dumps(result))
+
+
+def run_contender(name: str, args: argparse.Namespace) -> list[dict]:
+    with tempfile.TemporaryDirectory() as out_dir, tempfile.TemporaryDirectory() as cache:
+        # a fresh inductor cache per run (the workers inherit it): every compile time is a whole compile, not a
+        # cache hit on graphs an earlier contender compiled
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        try:
+            mp.spawn(worker, args=(name, args.world, free_port(), args, out_dir), nprocs=args.world, join=True)
+        except Exception as err:
+            print(f"  {name}: a worker failed: {err}", file=sys.stderr)
+        return [json.loads(Path(out_dir, f"{name}.{r}.json").read_text()) if Path(out_dir, f"{name}.{r}.json").exists()
+                else {"rank": r, "error": "no result"} for r in range(args.world)]
+
+
+def summarize(runs: dict[str, list[list[dict]]], args: argparse.Namespace, command: str) -> str:
+    rows, medians = [], {}
+    for name, rounds in runs.items():
+        errors = [r["error"] for results in rounds for r in results if "error" in r]
+        if errors:
+            rows.append(f"| {name} | failed: {errors[0].strip().splitlines()[-1]} | | | | | |")
+            continue
+        timed = [t for results in rounds for t in results[0]["times"][args.warmup:]]
+        median = medians[name] = statistics.median(timed)
+        cpu = statistics.median([t for results in rounds for t in results[0]["cpu_times"][args.warmup:]])
+        first = statistics.mean(sum(results[0]["times"][:args.warmup]) for results in rounds)
+        peak = "/".join(f"{(r['peak_rss'] - r['baseline_rss']) / MB:.0f}" for r in rounds[-1])
+        loss = rounds[-1][0]["final_loss"]
+        compile_s = max(0.0, first - args.warmup * median)
+        rows.append(f"| {name} | {median:.3f} | {cpu:.3f} | {{ratio_{name}}} | {compile_s:.1f} | {peak} | {loss:.4f} |")
+    table = "\n".join(rows)
+    for name in runs:
+        eager = name[:-len("-compiled")] if name.endswith("-compiled") else None
+        base = medians.get("ddp-compiled")
+        parts = []
+        if name in medians and base:
+            parts.append(f"{medians[name] / base:.2f}x ddp-compiled")
+        if name in medians and eager in medians:
+            parts.append(f"{medians[name] / medians[eager]:.2f}x {eager}")
+        table = table.replace(f"{{ratio_{name}}}", ", ".join(parts))
+    return (f"# torch.compile, side by side ({datetime.date.today()})\n\n"
+            f"`{command}`\n\n"
+            f"Host: {platform.node()} ({os.cpu_count()} CPUs, shared), torch {torch.__version__}, backend "
+            f"{args.backend}, W={args.world} gloo ranks (1 thread each), model bench20m (21M parameters, fp32, "
+            f"AdamW, micro batch 4), {args.warmup} untimed + {args.steps} timed steps x {args.rounds} round(s).\n\n"
+            "| contender | s/step (median, wall) | CPU s/step (median) | wall ratio | compile s (first steps beyond "
+            "warmup x median) | peak RSS MB per rank | final loss |\n|---|---|---|---|---|---|---|\n" + table + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend of every compiled contender")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation happens here)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=1, help="times every contender runs, interleaved")
+    parser.add_argument("--world", type=int, default=2, help="gloo ranks")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the markdown table")
+    args = parser.parse_args()
+    names = args.contenders.split(",")
+    runs: dict[str, list] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            print(f"round {r + 1}: {name}", file=sys.stderr, flush=True)
+            runs[name].append(run_contender(name, args))
+    report = summarize(runs, args, "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]))
+    print(report)
+    out = Path(args.out, f"compile_{datetime.date.today()}.md")
+    out.write_text(report)
+    print(f"written to {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
