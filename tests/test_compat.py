@@ -72,10 +72,18 @@ def test_compat_aliases_and_refusals_in_process():
             "from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus;"
             "from deepspeed.accelerator import get_accelerator;"
             "from deepspeed.utils import RepeatingLoader, logger;"
-            "print(deepspeed.__name__, dist.get_world_size(), get_accelerator().device_name());"
+            # DeepSpeed's CIFAR-10 example imports the MoE helpers with its MoE switch off
+            "from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as split;"
+            "import torch; p = torch.nn.Parameter(torch.ones(2)); groups = split({'params': [p], 'lr': 1});"
+            "print(deepspeed.__name__, dist.get_world_size(), get_accelerator().device_name(), len(groups),"
+            "      groups[0]['params'][0] is p);"
+            "from deepspeed.moe.layer import MoE\n"
+            "try:\n    MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2)\n"
+            "except NotImplementedError as e:\n    print('refused:', e)\n"
             "import deepspeed.pipe")
     out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
-    assert out.stdout.split() == ["zengine", "1", "cpu"], out.stderr
+    assert out.stdout.split()[:5] == ["zengine", "1", "cpu", "1", "True"], out.stderr
+    assert "refused: deepspeed.moe.layer.MoE: zengine does not implement mixture-of-experts" in out.stdout
     assert "pipeline parallelism is not part of zengine" in out.stderr
 
 

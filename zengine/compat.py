@@ -7,7 +7,7 @@ Inside that process only, ``deepspeed`` and the submodules scripts import
 (``deepspeed.comm``, ``deepspeed.accelerator``, ``deepspeed.utils``,
 ``deepspeed.ops.adam``, ``deepspeed.runtime.zero.partition_parameters`` ...)
 are zengine's modules of the same meaning (``ALIASES``); the features zengine
-does not have (pipeline and tensor parallelism, MoE, inference) fail at import
+does not have (pipeline and tensor parallelism, inference) fail at import; MoE layers fail when built
 with a message naming them.
 
 Libraries that decide from the installed *distribution* (transformers and
@@ -65,12 +65,14 @@ ALIASES = {
     "deepspeed.runtime.lr_schedules": "zengine.runtime.lr_schedules",
     "deepspeed.checkpoint": "zengine.checkpoint",
     "deepspeed.checkpoint.utils": "zengine.checkpoint.utils",
+    "deepspeed.moe": "zengine.moe",  # the import surface; building an MoE layer is refused (zengine/moe)
+    "deepspeed.moe.utils": "zengine.moe.utils",
+    "deepspeed.moe.layer": "zengine.moe.layer",
 }
 # DeepSpeed features outside ZeRO data parallelism: refused at import, by name
 REFUSED = {
     "deepspeed.pipe": "pipeline parallelism",
     "deepspeed.runtime.pipe": "pipeline parallelism",
-    "deepspeed.moe": "mixture of experts",
     "deepspeed.inference": "the inference engine",
     "deepspeed.module_inject": "kernel injection / tensor parallelism",
     "deepspeed.sequence": "sequence parallelism",

@@ -28,10 +28,10 @@ def test_defaults_equal_deepspeed():
     assert zero.stage3_debug_fetch_order is False
     opt = zero.offload_optimizer
     assert (opt.device, opt.nvme_path, opt.pin_memory, opt.buffer_count, opt.fast_init) == \
-        ("none", None, False, 4, False)
+        ("none", None, True, 4, False)  # pinned by default, as DeepSpeed since 0.19.5
     par = zero.offload_param
     assert (par.device, par.nvme_path, par.pin_memory, par.buffer_count, par.buffer_size, par.max_in_cpu) == \
-        ("none", None, False, 5, 100_000_000, 1_000_000_000)
+        ("none", None, True, 5, 100_000_000, 1_000_000_000)
     aio = cfg.aio
     assert (aio.block_size, aio.queue_depth, aio.thread_count, aio.single_submit, aio.overlap_events) == \
         (1_048_576, 8, 1, False, True)

@@ -67,6 +67,11 @@ def test_ignorable_keys_are_accepted_and_named(path):
     ("zero_optimization.zero_quantized_gradients", True),
     ("zero_optimization.zero_hpz_partition_size", 8),
     ("zero_optimization.mics_shard_size", 4),
+    ("zero_optimization.offload_optimizer.ratio", 0.3),
+    ("managed_gradient_accumulation", False),
+    ("checkpoint.load_universal", True),
+    ("checkpoint.use_node_local_storage", True),
+    ("checkpoint.writer", {"type": "fast"}),
 ])
 def test_result_changing_keys_are_refused(path, value):
     with pytest.raises(ConfigError) as info:
@@ -86,6 +91,9 @@ def test_result_changing_keys_are_refused(path, value):
     ("zero_optimization.zero_quantized_weights", False),
     ("zero_optimization.zero_hpz_partition_size", 1),
     ("bfloat16.bf16_master_weights_and_grads", False),
+    ("managed_gradient_accumulation", True),
+    ("checkpoint.load_universal", False),
+    ("zero_optimization.offload_optimizer.ratio", 1.0),
 ])
 def test_result_changing_keys_accepted_when_inert(path, value):
     cfg, notes = _load(_nest(path, value))
@@ -116,3 +124,12 @@ def test_one_warning_names_every_ignored_key():
     for key in ("comet", "comms_logger", "flops_profiler", "zero_allow_untested_optimizer",
                 "zero_optimization.round_robin_gradients", "zero_optimization.ignore_unused_parameters"):
         assert key in notes[0] and key in cfg.ignored_keys
+
+
+def test_checkpoint_tag_validation_read_as_deepspeed_reads_it():
+    """DeepSpeed's checkpoint.tag_validation in any case; zengine always fails on different tags per rank."""
+    cfg, _ = _load({**BASE, "checkpoint": {"tag_validation": "fail"}})
+    assert cfg.checkpoint.tag_validation == "Fail"
+    assert _load(dict(BASE))[0].checkpoint.tag_validation == "Warn"
+    with pytest.raises(ConfigError, match="tag_validation"):
+        load_config({**BASE, "checkpoint": {"tag_validation": "sometimes"}}, 1)

@@ -17,6 +17,7 @@ from pydantic import Field, PrivateAttr, model_validator
 
 from .activation_checkpointing import ActivationCheckpointingConfig
 from .base import BatchSize, Count, Flag, Interval, Number, _Section
+from .checkpoint import CheckpointConfig
 from .compile import CompileConfig
 from .elastic import ElasticityConfig
 from .monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
@@ -31,7 +32,7 @@ class ZengineConfig(_Section):
     DEPRECATED_KEYS: ClassVar[Dict[str, str]] = {"bfloat16": "bf16"}
     SECTIONS: ClassVar[Tuple[str, ...]] = ("fp16", "bf16", "data_types", "zero_optimization", "aio",
                                            "activation_checkpointing", "tensorboard", "csv_monitor", "wandb",
-                                           "elasticity", "compile")
+                                           "elasticity", "compile", "checkpoint")
 
     train_batch_size: BatchSize = Field(None, description="Samples per optimizer step over all data-parallel "
                                                           "ranks: micro batch * accumulation steps * world size.")
@@ -85,6 +86,8 @@ class ZengineConfig(_Section):
     compile: CompileConfig = Field(default_factory=CompileConfig, description=(
         "torch.compile of the model (DeepSpeed 0.14-0.16's enabled/backend/kwargs); engine.compile() does "
         "the same on demand."))
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description=(
+        "DeepSpeed's checkpoint options: tag_validation (ranks with different tags always fail)."))
 
     _ignored_keys: Tuple[str, ...] = PrivateAttr(default=())
     _derived_batch_keys: Tuple[str, ...] = PrivateAttr(default=())

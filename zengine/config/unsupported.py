@@ -125,7 +125,17 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _ignorable("eigenvalue", "eigenvalue monitor"),
     _ignorable("vocabulary_size", "vocabulary size hint"),
     # Mechanisms whose absence does not change the numbers.
-    _ignorable("checkpoint", "checkpoint tag validation and storage options"),
+    # The checkpoint section: tag_validation is config/checkpoint.py's; the rest is not implemented.
+    _flag("checkpoint.load_universal", "universal checkpoint loading (zengine loads its own checkpoints at any "
+          "world size and stage, and DeepSpeed's ZeRO checkpoints directly, with load_checkpoint)", False),
+    _flag("checkpoint.use_node_local_storage", "node-local checkpoint storage (zengine's checkpoints need one "
+          "folder every rank can reach)", False),
+    _flag("checkpoint.writer", "checkpoint writers (decoupled / fast); zengine's save writes "
+          "synchronously", None),
+    _ignorable("checkpoint.parallel_write", "pipeline-stage parallel checkpoint writes (no pipeline parallelism)"),
+    # managed_gradient_accumulation false: every step() a boundary; zengine counts micro-steps (its default)
+    _flag("managed_gradient_accumulation", "caller-owned accumulation boundaries (use "
+          "engine.set_gradient_accumulation_boundary() or gradient_accumulation_steps instead)", True),
     _ignorable("nebula", "Nebula checkpoint service"),
     _ignorable("autotuning", "autotuner"),
     # DeepCompile (compile.deepcompile) is refused; its other keys act only with it (config/compile.py).
@@ -168,7 +178,8 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _ignorable("zero_optimization.offload_optimizer.pipeline", "pipelined NVMe optimizer swap"),
     _ignorable("zero_optimization.offload_optimizer.pipeline_read", "pipelined NVMe optimizer reads"),
     _ignorable("zero_optimization.offload_optimizer.pipeline_write", "pipelined NVMe optimizer writes"),
-    _ignorable("zero_optimization.offload_optimizer.ratio", "partial optimizer offload"),
+    _flag("zero_optimization.offload_optimizer.ratio", "partial optimizer offload (zengine offloads every "
+          "optimizer state or none)", 1.0),
     _ignorable("zero_optimization.offload_optimizer.super_offload", "Superchip offload"),
     _ignorable("zero_optimization.offload_optimizer.convert_grad_on_cpu", "CPU gradient conversion"),
     _ignorable("zero_optimization.offload_optimizer.cpuadam_cores_perc", "CPU Adam core share"),

@@ -21,7 +21,8 @@ class OffloadOptimizerConfig(_Section):
     device: OffloadDevice = Field("none", description='"none" keeps states on the device; "cpu" or "nvme" '
                                                       'moves them there and steps on the CPU.')
     nvme_path: Optional[Path] = Field(None, description="Directory for swapped states; required with nvme.")
-    pin_memory: Flag = Field(False, description="Use page-locked host buffers for faster copies.")
+    pin_memory: Flag = Field(True, description="Use page-locked host buffers for faster copies (on a GPU "
+                                               "machine; DeepSpeed's default since 0.19.5).")
     buffer_count: Count = Field(4, description="Host buffers in the NVMe swap pool; at least the number of "
                                                "tensors per parameter the optimizer keeps.")
     fast_init: Flag = Field(False, description="Skip writing initial optimizer states to NVMe.")
@@ -38,7 +39,8 @@ class OffloadParamConfig(_Section):
     device: OffloadDevice = Field("none", description='"none" keeps shards on the device; "cpu" or "nvme" '
                                                       'moves them there.')
     nvme_path: Optional[Path] = Field(None, description="Directory for swapped parameters; required with nvme.")
-    pin_memory: Flag = Field(False, description="Use page-locked host buffers for faster copies.")
+    pin_memory: Flag = Field(True, description="Use page-locked host buffers for faster copies (on a GPU "
+                                               "machine; DeepSpeed's default since 0.19.5).")
     buffer_count: Count = Field(5, description="Buffers in the NVMe parameter swap pool.")
     buffer_size: PositiveSize = Field(100_000_000, description="Elements per NVMe parameter swap buffer.")
     max_in_cpu: Size = Field(1_000_000_000, description="Parameter elements kept in CPU memory with NVMe "
