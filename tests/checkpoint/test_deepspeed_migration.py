@@ -9,15 +9,27 @@ reductions (see the tolerances below).
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import io
+import math
 import os
+import re
+import shutil
 
 import pytest
 import torch
 
 import zengine
+from zengine.checkpoint import ds_layout
 from zengine.checkpoint.ds_export import export_deepspeed_checkpoint
+from zengine.checkpoint.ds_pickle import load_ds_file, save_ds_file
+from zengine.checkpoint.ds_reader import DeepSpeedCheckpointError, DeepSpeedReader, open_reader
+from zengine.checkpoint.errors import CheckpointFileError, CheckpointUntrustedError
+from zengine.checkpoint.hf_export import export_safetensors, load_safetensors_state_dict
+from zengine.checkpoint.holdings import Holding
+from zengine.checkpoint.pieces import Piece
+from zengine.checkpoint.reader import CheckpointReader
 from deepspeed_runs import CONTINUED, SAVED_AT, TiedLM, batches, config, make_optimizer, train
 from harness import spawn
 
@@ -46,11 +58,41 @@ def _full_state(engine) -> dict:
     return out
 
 
+class RenamedLM(TiedLM):
+    """TiedLM with one parameter under another name: a checkpoint of TiedLM is not this model's."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = self.ln
+        del self.ln
+
+    def forward(self, x, y):
+        self.ln = self.norm
+        return super().forward(x, y)
+
+
+def refused_before_any_change(fixture: str) -> dict:
+    """Rank body: loading into a model with other parameter names raises, and no parameter has changed."""
+    torch.manual_seed(1)
+    model = RenamedLM()
+    engine, *_ = zengine.initialize(model=model, optimizer=make_optimizer(model), config=config(2, "fp32", 1))
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    try:
+        engine.load_checkpoint(os.path.join(FIXTURES, fixture))
+        error = None
+    except Exception as e:  # the class and message are checked by the test
+        error = (type(e).__name__, str(e))
+    same = all(torch.equal(p.detach(), before[n]) for n, p in engine.module.named_parameters())
+    engine.destroy()
+    return {"error": error, "unchanged": same and engine.global_steps == 0}
+
+
 def load_and_continue(targets: list, save_dir: str) -> bytes:
     """Rank body: for each (fixture, stage), a fresh engine (other initial weights) loads DeepSpeed's
-    checkpoint, saves it as a zengine checkpoint in ``save_dir/<fixture>``, then trains CONTINUED steps."""
+    checkpoint, saves it as a zengine checkpoint in ``save_dir/<fixture>``, then trains CONTINUED steps.
+    At W=1 it first tries a model with other parameter names (in this process group, to save a start-up)."""
     world = torch.distributed.get_world_size()
-    out = []
+    out = [refused_before_any_change(targets[0][0])] if world == 1 else []
     for fixture, stage, precision in targets:
         torch.manual_seed(1)
         model = TiedLM()
@@ -62,7 +104,7 @@ def load_and_continue(targets: list, save_dir: str) -> bytes:
             frozen = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters() if not p.requires_grad}
             tied = engine.module.lm_head.weight is engine.module.wte.weight
         counters = (engine.global_steps, engine.global_samples)
-        engine.save_checkpoint(os.path.join(save_dir, fixture))
+        engine.save_checkpoint(os.path.join(save_dir, fixture), client_state=client_state)
         losses = train(engine, batches(SAVED_AT + CONTINUED)[SAVED_AT:])
         out.append({"loaded": loaded, "client_state": client_state, "at_load": at_load, "frozen": frozen,
                     "tied": tied, "counters": counters, "losses": losses, "after": _full_state(engine)["master"]})
@@ -83,19 +125,39 @@ def _worst(got: dict, want: dict) -> float:
     return max((got[n].float().reshape(-1) - want[n].float().reshape(-1)).abs().max().item() for n in want)
 
 
-# world size -> [(fixture, stage)]: one process group per world size; every fixture loads into another
-# world size and stage, and each zengine stage and world size receives fp32 and bf16 checkpoints
-CASES = {1: [("s3_bf16_w2", 1), ("s2_fp32_w2", 2)],
+# world size -> [(fixture, stage)]: one process group per world size (W=3 costs most on 2 cores, so it
+# gets one); every fixture loads into another world size or stage, every zengine stage gets fp32 and bf16,
+# odd and even world sizes load into each other
+CASES = {1: [("s3_bf16_w2", 1), ("s2_fp32_w2", 2), ("s1_bf16_w2", 2)],
          2: [("s3_fp32_w2", 1), ("s2_bf16_w2", 3), ("s2_fp32_w3", 3), ("s3_bf16_w3", 2)],
-         3: [("s1_fp32_w2", 3), ("s1_bf16_w2", 2)]}
+         3: [("s1_fp32_w2", 3)]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """world -> (targets, per-target results, the folder of the zengine checkpoints saved right after loading);
+    one process group per world size, started when a test first asks for it."""
+    cache: dict = {}
+
+    def run(world: int):
+        if world not in cache:
+            save_dir = str(tmp_path_factory.mktemp(f"zengine-w{world}"))
+            targets = [(fixture, stage, reference(fixture)["precision"]) for fixture, stage in CASES[world]]
+            cache[world] = targets, _results(spawn(load_and_continue, world, targets, save_dir)[0]), save_dir
+        return cache[world]
+    return run
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_deepspeed_checkpoint_continues(world, tmp_path):
-    refs = {fixture: reference(fixture) for fixture, _ in CASES[world]}
-    targets = [(fixture, stage, refs[fixture]["precision"]) for fixture, stage in CASES[world]]
-    for (fixture, stage, precision), got in zip(targets, _results(spawn(load_and_continue, world, targets, str(tmp_path))[0])):
-        ref, tol = refs[fixture], TOLERANCE[precision]
+def test_deepspeed_checkpoint_continues(world, runs):
+    targets, results, _ = runs(world)
+    if world == 1:
+        refusal, results = results[0], results[1:]
+        assert refusal["error"] is not None and refusal["error"][0] == "CheckpointMismatchError", refusal
+        assert "norm.weight" in refusal["error"][1] and "ln.weight" in refusal["error"][1], refusal["error"][1]
+        assert refusal["unchanged"], "a refused load changed the engine"
+    for (fixture, stage, precision), got in zip(targets, results):
+        ref, tol = reference(fixture), TOLERANCE[precision]
         where = f"{fixture} -> zengine W={world} stage {stage}"
         trained = set(ref["at_save"])
         assert got["loaded"] == os.path.join(FIXTURES, fixture, ref["tag"]), where
@@ -136,17 +198,143 @@ def deepspeed_continue(targets: list) -> bytes:
     return buf.getvalue()
 
 
+def _every_value(reader) -> dict:
+    """Every master, frozen parameter and per-element optimizer state of a checkpoint, whole, by kind and name."""
+    out = {}
+    for name, entry in reader.meta["params"].items():
+        numel = math.prod(entry["shape"])
+        kinds = [("master", "param")] + ([("state.exp_avg",), ("state.exp_avg_sq",)] if entry["trained"] else [])
+        for kind in kinds:
+            whole = torch.zeros(numel)
+            reader.fill(Holding(whole, [Piece(name, 0, numel, 0)]), kind)
+            out[(kind[0], name)] = whole
+    return out
+
+
+# (world size, stage, precision) DeepSpeed would run the export with; bf16 at stage 1 is its bf16 optimizer
+EXPORTS = [(3, 2), (2, 3), (2, 1)]
+
+
+def test_export_round_trip(runs):
+    """zengine -> DeepSpeed's layout -> zengine's reader: the same bytes for every master, moment and frozen
+    weight, the same step, scheduler, counters and client_state, at world sizes and stages other than the
+    checkpoint's."""
+    targets, _, save_dir = runs(2)
+    for fixture, _, precision in targets:
+        with CheckpointReader(os.path.join(save_dir, fixture, "global_step3")) as ours:
+            want, state = _every_value(ours), ours.read_state()
+            groups = [list(g["step_counts"]) for g in state["optimizer"]]
+            for world, stage in EXPORTS:
+                where = f"{fixture} exported for W={world} stage {stage} {precision}"
+                out = export_deepspeed_checkpoint(os.path.join(save_dir, fixture),
+                                                  os.path.join(save_dir, f"ds-{fixture}-{world}-{stage}"), world,
+                                                  config(stage, precision, world))
+                with open_reader(out, False, groups, 1) as back:
+                    assert isinstance(back, DeepSpeedReader) and (back.world, back.stage) == (world, stage), where
+                    got = _every_value(back)
+                    assert set(got) == set(want), where
+                    assert all(torch.equal(got[k], want[k]) for k in want), where
+                    again = back.read_state()
+                    assert [g["scalars"] for g in again["optimizer"]] == [
+                        {"step": g["scalars"]["step"]} for g in state["optimizer"]], where
+                    assert again["lr_scheduler"] == state["lr_scheduler"], where
+                    assert again["client_state"] == state["client_state"] == reference(fixture)["client_state"], where
+                    assert back.meta["global_steps"] == SAVED_AT and back.meta["shared_params"] == {
+                        "lm_head.weight": "wte.weight"}, where
+
+
+def _copy(fixture: str, tmp_path) -> str:
+    """A writable copy of a fixture's checkpoint folder."""
+    path = str(tmp_path / fixture)
+    shutil.copytree(os.path.join(FIXTURES, fixture, reference(fixture)["tag"]), path)
+    return path
+
+
+GROUPS = [["wte.weight", "wpe.weight", "fc.weight", "proj.weight"], ["ln.weight", "ln.bias", "fc.bias", "proj.bias"]]
+
+
+@pytest.mark.parametrize("extra,words", [("mp_rank_01_model_states.pt", "tensor (model) parallel"),
+                                         ("layer_01-model_00-model_states.pt", "pipeline-parallel"),
+                                         ("expp_rank_0_mp_rank_00_optim_states.pt", "mixture-of-experts")])
+def test_unsupported_deepspeed_layouts_are_refused(tmp_path, extra, words):
+    path = _copy("s2_fp32_w2", tmp_path)
+    open(os.path.join(path, extra), "wb").close()
+    with pytest.raises(DeepSpeedCheckpointError, match=re.escape(words)) as e:
+        open_reader(path, False, GROUPS, 1)
+    assert extra in str(e.value) and "zero_to_fp32" in str(e.value)
+
+
+def test_bad_deepspeed_checkpoints_are_refused_by_name(tmp_path):
+    path = _copy("s2_fp32_w2", tmp_path)
+    with pytest.raises(DeepSpeedCheckpointError, match="optimizer groups hold other parameters"):
+        open_reader(path, False, GROUPS[::-1], 1).read_state()  # the engine's groups in the other order
+    os.remove(os.path.join(path, "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    with pytest.raises(CheckpointFileError, match="partitioned over \\[2\\] ranks but holds 1"):
+        open_reader(path, False, GROUPS, 1)
+
+
+def test_deepspeed_client_state_is_loaded_weights_only(tmp_path):
+    """An object of another class in a DeepSpeed client_state is refused unless trusted (nothing runs)."""
+    path = _copy("s1_fp32_w2", tmp_path)
+    model_file = os.path.join(path, "mp_rank_00_model_states.pt")
+    states = load_ds_file(model_file)
+    states["args"] = argparse.Namespace(lr=0.5)  # as scripts keep their command line in client_state
+    save_ds_file(states, model_file + ".new")  # then renamed: the loaded file is memory-mapped
+    os.replace(model_file + ".new", model_file)
+    with pytest.raises(CheckpointUntrustedError, match="argparse.Namespace"):
+        open_reader(path, False, GROUPS, 1)
+    with open_reader(path, True, GROUPS, 1) as reader:
+        assert reader.read_state()["client_state"]["args"] == argparse.Namespace(lr=0.5)
+
+
+def test_deepspeed_layout_arithmetic():
+    """DeepSpeed's rules on sizes no world size divides: stage 1-2 partitions of a group of 5 + 3 elements
+    over 3 ranks (aligned to 2 * 3 = 6: 12 elements, 4 per rank, the last rank only padding), stage-3
+    chunks of ceil(numel / world)."""
+    assert ds_layout.partition_numel([5, 3], [0, 0], 3) == 4
+    assert ds_layout.flat_group_pieces(["a", "b"], [5, 3], None, 0, 4, 4) == [Piece("a", 0, 4, 0)]
+    assert ds_layout.flat_group_pieces(["a", "b"], [5, 3], None, 1, 4, 4) == [Piece("a", 4, 5, 0), Piece("b", 0, 3, 1)]
+    assert ds_layout.flat_group_pieces(["a", "b"], [5, 3], None, 2, 4, 0) == []
+    assert ds_layout.flat_group_pieces(["a", "b"], [5, 3], [3, 0], 1, 4, 4) == [Piece("a", 4, 5, 0)]
+    assert ds_layout.flat_group_pieces(["a", "b"], [5, 3], [3, 0], 2, 4, 4) == [Piece("b", 0, 3, 0)]
+    assert ds_layout.sharded_group_pieces(["a", "b"], [5, 3], 0, 2) == [Piece("a", 0, 3, 0), Piece("b", 0, 2, 3)]
+    assert ds_layout.sharded_group_pieces(["a", "b"], [5, 3], 1, 2) == [Piece("a", 3, 5, 0), Piece("b", 2, 3, 3)]
+    assert ds_layout.sharded_group_numel([5, 3], 2) == 5
+
+
+def test_safetensors_export_keeps_tied_weights_once(runs, tmp_path):
+    """One fp32 model.safetensors: the tied head stored once (recorded in the metadata), readable by the
+    safetensors package, loading into the model with the checkpoint's masters."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    targets, results, save_dir = runs(2)
+    fixture = targets[0][0]
+    path = str(tmp_path / "model.safetensors")
+    assert export_safetensors(os.path.join(save_dir, fixture), path) == {"lm_head.weight": "wte.weight"}
+    plain = safetensors.load_file(path)
+    model = TiedLM()
+    assert set(plain) == set(model.state_dict()) - {"lm_head.weight"}
+    state = load_safetensors_state_dict(path)
+    assert state["lm_head.weight"] is state["wte.weight"]
+    model.load_state_dict(state)
+    assert model.lm_head.weight is model.wte.weight
+    masters = results[0]["at_load"]["master"]
+    assert all(torch.equal(model.get_parameter(n).detach(), t) for n, t in masters.items())
+    assert torch.equal(model.position_scale, plain["position_scale"])
+
+
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                     reason="DeepSpeed is not installed: run this file with the venv that make_fixtures.py describes")
-def test_deepspeed_continues_from_zengine_export(tmp_path):
+def test_deepspeed_continues_from_zengine_export(runs, tmp_path):
     """DeepSpeed 0.19.8 loads zengine's export (other stages than the checkpoint it came from) and trains on as
     it trained on from its own checkpoint."""
-    targets = [("s3_fp32_w2", 1, "fp32"), ("s2_bf16_w2", 2, "bf16")]
-    zengine_runs = _results(spawn(load_and_continue, 2, targets, str(tmp_path))[0])
+    targets, results, save_dir = runs(2)
+    chosen = {"s3_fp32_w2": 2, "s2_bf16_w2": 1}  # DeepSpeed's stage for each; bf16 stage 1: its bf16 optimizer
+    targets, zengine_runs = zip(*[(t, r) for t, r in zip(targets, results) if t[0] in chosen])
     exports = []
-    for (fixture, _, precision), ds_stage in zip(targets, (2, 1)):  # bf16 stage 1: DeepSpeed's bf16 optimizer
-        exports.append((export_deepspeed_checkpoint(str(tmp_path / fixture), str(tmp_path / f"ds-{fixture}"), 2,
-                                                    config(ds_stage, precision, 2)), ds_stage, precision))
+    for fixture, _, precision in targets:
+        exports.append((export_deepspeed_checkpoint(os.path.join(save_dir, fixture), str(tmp_path / f"ds-{fixture}"),
+                                                    2, config(chosen[fixture], precision, 2)),
+                        chosen[fixture], precision))
     ran = _results(spawn(deepspeed_continue, 2, exports, env={"DS_ACCELERATOR": "cpu"})[0])
     for (fixture, _, precision), zen, ds in zip(targets, zengine_runs, ran):
         ref = reference(fixture)

@@ -116,7 +116,7 @@ class DeepSpeedReader:
         self._offsets: dict[tuple[int, int, str], int] = {}
         self._ds_groups = self._build_index(common["param_shapes"])
         self._frozen = self._frozen_values()
-        self._check_groups(engine_groups)
+        self._engine_groups = engine_groups
         self.meta = self._describe(common, gas)
 
     def __enter__(self) -> "DeepSpeedReader":
@@ -301,7 +301,9 @@ class DeepSpeedReader:
 
     def read_state(self, trusted: bool = False) -> dict[str, Any]:
         """The engine state in zengine's form: per optimizer group the hyper-parameters, the state keys and
-        the scalar states (Adam's ``step``); the LR scheduler; the loss scale; the client_state."""
+        the scalar states (Adam's ``step``); the LR scheduler; the loss scale; the client_state. Checks first
+        that DeepSpeed's groups hold the engine's (after load.py compared the parameter names)."""
+        self._check_groups(self._engine_groups)
         base = self._optim[0]["optimizer_state_dict" if self.stage == 3 else "base_optimizer_state"]
         groups = []
         for group in base["param_groups"]:
