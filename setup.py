@@ -55,6 +55,9 @@ setup(
         "psutil",
         "py-cpuinfo",
         "ninja",
+        # torch's CPU wheels do not require numpy but warn at every import without it ("Failed to
+        # initialize NumPy", once per process: three times in the quick start)
+        "numpy",
     ],
     # transformers, accelerate, TRL: the drop-in tests drive zengine through Hugging Face's Trainer,
     # accelerate's DeepSpeedPlugin and TRL's SFTTrainer on models built from a config (nothing downloaded);

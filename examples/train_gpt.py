@@ -52,13 +52,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def load_config(args: argparse.Namespace):
-    """The config path as given, or its contents with the peak learning rate replaced by ``--lr`` and
-    ``auto_resume`` pointed at ``--save_dir``."""
+    """The config file's contents, with the peak learning rate replaced by ``--lr``, ``auto_resume`` pointed
+    at ``--save_dir``, and the engine's own progress line off (this script prints one line per report)."""
     path = args.zengine_config or args.deepspeed_config
-    if args.lr is None and args.save_dir is None:
-        return path
     with open(path) as f:
         config = dict(hjson.load(f))
+    config["steps_per_print"] = float("inf")  # as Hugging Face's integrations do: one progress format
     if args.save_dir is not None:
         config["auto_resume"] = args.save_dir  # initialize loads the latest checkpoint there, if any
     if args.lr is None:

@@ -69,3 +69,15 @@ def test_lines_are_aligned_and_cover_every_field():
     assert len({line.index(" = ") for line in rows}) == 1
     assert any(line.startswith("aio.overlap_events") for line in rows)
     assert any(line.startswith("zero_optimization.stage3_debug_fetch_order") for line in rows)
+
+
+def test_changed_only_lists_the_changes_and_counts_the_rest():
+    cfg = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+                       "zero_optimization": {"stage": 2}}, 2)
+    full, short = format_config(cfg).splitlines(), format_config(cfg, changed_only=True).splitlines()
+    squeeze = lambda lines: [" ".join(line.split()) for line in lines]  # (alignment widths differ)
+    assert squeeze(line for line in full if line.rstrip().endswith(("*", "(derived)"))) == squeeze(short[:-2])
+    assert any(line.startswith("zero_optimization.stage") for line in short)
+    assert not any(line.startswith("fp16.enabled") for line in short)  # a default
+    hidden = sum(1 for line in full if " = " in line) - sum(1 for line in short if " = " in line)
+    assert short[-2] == f"({hidden} more settings at their defaults; ZENGINE_PRINT_CONFIG=full logs every one)"

@@ -3,7 +3,8 @@
 A ``*`` after a value marks one that differs from zengine's (DeepSpeed's)
 default, so the few settings a run changed stand out among the many it did not.
 Batch keys have no default: a given one is marked ``*``, a derived one
-``(derived)``. The engine logs this on rank 0 at start.
+``(derived)``. The engine logs the changed settings on rank 0 at start, and every
+setting when ``ZENGINE_PRINT_CONFIG=full`` is set (``PRINT_FULL_ENV``).
 """
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from .elastic import abbreviate
 from .models import ZengineConfig
 
 CHANGED = "*"
+PRINT_FULL_ENV = "ZENGINE_PRINT_CONFIG"  # "full": the engine logs every setting, not only the changed ones
 
 
-def format_config(cfg: ZengineConfig) -> str:
-    """Render ``cfg`` one ``key.path = value`` per line, aligned, with changed values marked."""
+def format_config(cfg: ZengineConfig, changed_only: bool = False) -> str:
+    """Render ``cfg`` one ``key.path = value`` per line, aligned, with changed values marked; with
+    ``changed_only`` the changed and derived ones alone, and a count of the others."""
     reference = ZengineConfig()
     # overlap_comm's default depends on the stage: compare with the default for the stage in use.
     reference.zero_optimization.overlap_comm = cfg.zero_optimization.stage == 3
@@ -32,8 +35,14 @@ def format_config(cfg: ZengineConfig) -> str:
         else:
             mark = CHANGED if value != default else ""
         rows.append((path, _render(value), mark))
-    width = max(len(path) for path, _, _ in rows)
+    hidden = 0
+    if changed_only:
+        shown = [row for row in rows if row[2]]
+        hidden, rows = len(rows) - len(shown), shown
+    width = max((len(path) for path, _, _ in rows), default=0)
     lines = [f"{path.ljust(width)} = {text} {mark}".rstrip() for path, text, mark in rows]
+    if hidden:
+        lines.append(f"({hidden} more settings at their defaults; {PRINT_FULL_ENV}=full logs every one)")
     if cfg.world_size is not None:
         lines.append(f"(batch sizes resolved for data-parallel world size {cfg.world_size})")
     if cfg.elastic_world_sizes:

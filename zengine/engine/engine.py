@@ -18,6 +18,7 @@ One training step through the modules:
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import weakref
 from typing import Any, Iterable, Optional
@@ -27,6 +28,7 @@ from torch import nn
 
 from .. import checkpoint, checkpointing
 from ..config import ZengineConfig, format_config
+from ..config.report import PRINT_FULL_ENV
 from ..distributed import diagnose, shutdown
 from ..distributed import agreement
 from ..distributed.process_group import ProcessPlacement
@@ -73,7 +75,8 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         self.timers = Timers.for_device(config.wall_clock_breakdown, placement.device)  # no-op unless enabled
         self._step_report = StepReport(self.monitor, self.timers, fp16=config.fp16.enabled)
         if placement.rank == 0:
-            logger.info("zengine config (* = changed from default):\n%s", format_config(config))
+            full = os.environ.get(PRINT_FULL_ENV, "").lower() == "full"
+            logger.info("zengine config (* = changed from default):\n%s", format_config(config, changed_only=not full))
         checkpointing.configure_from_config(config.activation_checkpointing)  # unless the script configured it
 
         place_model(model, config, placement)  # stage 3: cut one parameter at a time, never whole on the device
@@ -96,10 +99,9 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         me = weakref.ref(self)  # a failed collective reports these counters (distributed/diagnose.py)
         diagnose.track_progress(lambda: (me().global_steps, me().micro_steps) if me() is not None else (0, 0))
         if config.auto_resume:  # what DeepSpeed users write by hand at the top of their loop
-            path, _ = self.load_checkpoint(config.auto_resume, missing_ok=True)
-            if placement.rank == 0:
-                logger.info("zengine: auto_resume: %s", f"resumed from {path} at step {self.global_steps}" if path
-                            else f"no checkpoint in {config.auto_resume}; starting fresh")
+            path, _ = self.load_checkpoint(config.auto_resume, missing_ok=True)  # (it says when there is none)
+            if placement.rank == 0 and path is not None:
+                logger.info("auto_resume: resumed from %s at step %d", path, self.global_steps)
 
     # -- placement and config accessors ---------------------------------------------------------
     @property
