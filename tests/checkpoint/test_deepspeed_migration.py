@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import io
+import json
 import math
 import os
 import re
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 import zengine
-from zengine.checkpoint import ds_layout
+from zengine.checkpoint import convert, ds_layout
 from zengine.checkpoint.ds_export import export_deepspeed_checkpoint
 from zengine.checkpoint.ds_pickle import load_ds_file, save_ds_file
 from zengine.checkpoint.ds_reader import DeepSpeedCheckpointError, DeepSpeedReader, open_reader
@@ -320,6 +321,25 @@ def test_safetensors_export_keeps_tied_weights_once(runs, tmp_path):
     masters = results[0]["at_load"]["master"]
     assert all(torch.equal(model.get_parameter(n).detach(), t) for n, t in masters.items())
     assert torch.equal(model.position_scale, plain["position_scale"])
+
+
+def test_convert_command(runs, tmp_path, capsys):
+    """zengine-convert's two ways out; a config DeepSpeed has no ZeRO layout for exits 1 naming the stage."""
+    _, _, save_dir = runs(2)
+    source = os.path.join(save_dir, "s2_bf16_w2")
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(config(3, "bf16", 2)))
+    assert convert.main(["to-deepspeed", source, str(tmp_path / "ds"), "--world-size", "2", "--config", str(cfg)]) == 0
+    assert sorted(os.listdir(tmp_path / "ds" / "global_step3")) == [
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
+    assert (tmp_path / "ds" / "latest").read_text() == "global_step3"
+    assert convert.main(["to-safetensors", source, str(tmp_path / "model.safetensors")]) == 0
+    assert "lm_head.weight" in capsys.readouterr().out
+    cfg.write_text(json.dumps(config(0, "fp32", 2)))
+    assert convert.main(["to-deepspeed", source, str(tmp_path / "ds0"), "--world-size", "2", "--config",
+                         str(cfg)]) == 1
+    assert "ZeRO stage 0" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,

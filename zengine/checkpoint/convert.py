@@ -1,0 +1,68 @@
+"""``zengine-convert``: a zengine checkpoint out to DeepSpeed or to one safetensors file, offline.
+
+    zengine-convert to-deepspeed CHECKPOINT_DIR OUTPUT_DIR --world-size N --config ds_config.json [--tag T]
+    zengine-convert to-safetensors CHECKPOINT_DIR OUTPUT_FILE [--tag T]
+
+``to-deepspeed`` writes DeepSpeed 0.19's ZeRO layout for N ranks running that DeepSpeed config
+(ds_export.py); DeepSpeed continues with ``engine.load_checkpoint(OUTPUT_DIR)``. ``to-safetensors`` writes
+the fp32 model with tied weights once (hf_export.py). The other way needs no command: zengine's
+``engine.load_checkpoint(deepspeed_save_dir, tag)`` reads DeepSpeed's checkpoints directly.
+Also runs as ``python -m zengine.checkpoint.convert``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+import hjson
+
+from .ds_export import DeepSpeedExportError, export_deepspeed_checkpoint
+from .errors import CheckpointError
+from .hf_export import export_safetensors
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zengine-convert", description="Convert a zengine checkpoint (any stage, "
+                                     "any world size) for DeepSpeed or for Hugging Face, without a process group.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ds = sub.add_parser("to-deepspeed", help="DeepSpeed 0.19's ZeRO layout (save_dir/<tag>/ and latest)")
+    ds.add_argument("checkpoint_dir", help="the save_dir of engine.save_checkpoint, or one checkpoint's folder")
+    ds.add_argument("output_dir", help="the DeepSpeed save_dir to write (its <tag>/ and 'latest')")
+    ds.add_argument("--world-size", type=int, required=True, help="the data-parallel ranks DeepSpeed will run")
+    ds.add_argument("--config", required=True, help="the DeepSpeed config JSON DeepSpeed will run (its ZeRO "
+                                                     "stage and precision decide the layout)")
+    ds.add_argument("--tag", default=None, help="the zengine checkpoint tag (default: the one in 'latest')")
+    ds.add_argument("--out-tag", default=None, help="the DeepSpeed tag (default: global_step<N>)")
+    ds.add_argument("--trust", action="store_true", help="state.pt may hold objects of your own classes "
+                                                         "(unpickled as torch.load(weights_only=False) would)")
+    st = sub.add_parser("to-safetensors", help="one fp32 model.safetensors, tied weights stored once")
+    st.add_argument("checkpoint_dir")
+    st.add_argument("output_file")
+    st.add_argument("--tag", default=None)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "to-deepspeed":
+            with open(args.config) as f:
+                config = hjson.load(f)
+            if args.world_size < 1:
+                raise DeepSpeedExportError(f"--world-size must be at least 1, got {args.world_size}")
+            written = export_deepspeed_checkpoint(args.checkpoint_dir, args.output_dir, args.world_size, config,
+                                                  args.tag, args.out_tag, args.trust)
+        else:
+            tied = export_safetensors(args.checkpoint_dir, args.output_file, args.tag)
+            written = args.output_file + (f" (tied, stored once: {tied})" if tied else "")
+    except (CheckpointError, DeepSpeedExportError, OSError, ValueError) as e:
+        print(f"zengine-convert: {e}", file=sys.stderr)
+        return 1
+    print(f"zengine-convert: wrote {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
