@@ -1,6 +1,7 @@
 """Step time and per-rank memory of ZeRO implementations side by side, on CPU gloo ranks.
 
     python benchmarks/bench_zero.py [--warmup 3] [--steps 4] [--rounds 2] [--contenders ddp,zengine-2,...]
+    python benchmarks/bench_zero.py --bf16    # zengine-2/3 in fp32, bf16 as torch runs it, bf16 with fp32 products
 
 The model is ``zengine.models.bench20m()`` (about 21M parameters: 4 layers,
 d_model 512, seq 128), trained in fp32 with AdamW on the same byte windows,
@@ -13,6 +14,10 @@ micro batch 4 per rank. Contenders:
   over a CPU device mesh (gloo), + torch.optim.AdamW(fused=True) on the DTensor parameters
 - ``deepspeed-1/2/3``: DeepSpeed ZeRO with DS_ACCELERATOR=cpu, given the same torch
   fused AdamW as a client optimizer; skipped with a note when ``import deepspeed`` fails.
+- ``zengine-2/3-bf16-native`` and ``-bf16-fp32mm``: zengine in bf16 with ``bf16.cpu_matmul`` "native"
+  (torch's bf16 GEMM, emulated on CPUs without bf16 instructions) and "fp32" (nn.Linear's products in
+  fp32, bf16 in and out). ``--bf16`` runs them beside zengine-2/3 in fp32 and adds a table of step,
+  forward+backward and optimizer seconds against fp32 (report ``zero_bf16_<date>.md``, with the CPU).
 
 zengine-3 and deepspeed-3 get the same stage-3 settings (``STAGE3``: DeepSpeed's defaults).
 
@@ -172,11 +177,15 @@ def zero_config(stage: int, bucket: int, offload: str | None = None) -> dict:
     return cfg
 
 
-def build_zengine(stage: int, offload: str | None = None):
+def build_zengine(stage: int, offload: str | None = None, cpu_matmul: str | None = None):
+    """zengine at ``stage``; ``cpu_matmul`` set: in bf16 with that ``bf16.cpu_matmul`` ("native", "fp32")."""
     def build(model: torch.nn.Module, bucket: int) -> Trainer:
         import zengine
 
-        engine, optimizer, _, _ = zengine.initialize(model=model, config=zero_config(stage, bucket, offload))
+        config = zero_config(stage, bucket, offload)
+        if cpu_matmul is not None:
+            config["bf16"] = {"enabled": True, "cpu_matmul": cpu_matmul}
+        engine, optimizer, _, _ = zengine.initialize(model=model, config=config)
         inner = getattr(optimizer, "optimizer", optimizer)
         fused = getattr(inner, "defaults", {}).get("fused")
 
@@ -290,7 +299,12 @@ CONTENDERS: dict[str, tuple[Callable, str]] = {
     "zengine-2-offload": (build_zengine(2, "cpu"), "os+g"),
     "zengine-2-nvme": (build_zengine(2, "nvme"), "os+g-nvme"),
     "deepspeed-2-offload": (build_deepspeed(2, "cpu"), "os+g"),
+    # bf16 (formulas are fp32's: not applied), torch's bf16 GEMM or fp32 products (bf16.cpu_matmul)
+    **{f"zengine-{s}-bf16-{label}": (build_zengine(s, cpu_matmul=mode), "bf16")
+       for s in (2, 3) for label, mode in (("native", "native"), ("fp32mm", "fp32"))},
 }
+BF16_SET = ["zengine-2", "zengine-2-bf16-native", "zengine-2-bf16-fp32mm",
+            "zengine-3", "zengine-3-bf16-native", "zengine-3-bf16-fp32mm"]
 
 
 def formula_bytes(kind: str, numel: int, world: int, gathered: int = 0) -> float:
@@ -298,11 +312,11 @@ def formula_bytes(kind: str, numel: int, world: int, gathered: int = 0) -> float
     with parameters partitioned too (stage 3), plus 4 bytes per element of the parameters held whole."""
     return {"ddp": 16 * numel, "os": 8 * numel + 8 * numel / world, "os+g": 4 * numel + 12 * numel / world,
             "p+os+g": 16 * numel / world + 4 * gathered,
-            "os+g-nvme": 4 * numel + 4 * numel / world}[kind]
+            "os+g-nvme": 4 * numel + 4 * numel / world, "bf16": float("nan")}[kind]
 
 
 FORMULA_TEXT = {"ddp": "16Ψ", "os": "8Ψ+8Ψ/W", "os+g": "4Ψ+12Ψ/W", "p+os+g": "16Ψ/W+4·gathered",
-                "os+g-nvme": "4Ψ+4Ψ/W (+swap buffers; moments on disk)"}
+                "os+g-nvme": "4Ψ+4Ψ/W (+swap buffers; moments on disk)", "bf16": "fp32 formulas n/a"}
 
 
 # -- one worker ----------------------------------------------------------------------------------
@@ -330,7 +344,7 @@ def worker(rank: int, name: str, world: int, port: int, warmup: int, steps: int,
         numel = sum(p.numel() for p in model.parameters())
         dataset = ByteWindows(cfg.seq_len)
         trainer = CONTENDERS[name][0](model, bucket)
-        times, cpu_times, state_bytes, gathered_numel = [], [], 0, 0
+        times, cpu_times, fwd_bwd, state_bytes, gathered_numel = [], [], [], 0, 0
         loss = None
         for i in range(warmup + steps):
             x, y = batch_for(dataset, i, rank, world)
@@ -343,16 +357,20 @@ def worker(rank: int, name: str, world: int, port: int, warmup: int, steps: int,
             t2, c2 = time.perf_counter(), time.process_time()
             trainer.optimizer_step()
             times.append(t1 - t0 + time.perf_counter() - t2)
+            fwd_bwd.append(t1 - t0)
             cpu_times.append(c1 - c0 + time.process_time() - c2)
         # A step ends on a rank when its last collective does; take the slower rank's time per step.
         step_times = torch.tensor(times[warmup:], dtype=torch.float64)
         dist.all_reduce(step_times, op=dist.ReduceOp.MAX)
         step_cpu = torch.tensor(cpu_times[warmup:], dtype=torch.float64)
         dist.all_reduce(step_cpu, op=dist.ReduceOp.MAX)
+        fwd_bwd_times = torch.tensor(fwd_bwd[warmup:], dtype=torch.float64)
+        dist.all_reduce(fwd_bwd_times, op=dist.ReduceOp.MAX)
         final_loss = loss.detach().double().clone()
         dist.all_reduce(final_loss)
         result.update(
-            step_times=step_times.tolist(), cpu_times=step_cpu.tolist(), final_loss=final_loss.item() / world,
+            step_times=step_times.tolist(), cpu_times=step_cpu.tolist(), fwd_bwd_times=fwd_bwd_times.tolist(),
+            final_loss=final_loss.item() / world,
             numel=numel, state_bytes=state_bytes, gathered_numel=gathered_numel, note=trainer.note,
             baseline_rss=baseline_rss, peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         dist.barrier()
@@ -396,6 +414,39 @@ def per_rank(values) -> str:
     return "/".join(f"{v / MB:.0f}" for v in values)
 
 
+def cpu_line() -> str:
+    """The CPU model, its bf16-relevant flags, and any variable that caps the ISA torch's kernels use."""
+    from zengine.precision.cpu_matmul import choose_matmul_policy, cpu_flags
+
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags()) or "none known"
+    caps = " ".join(f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
+                                                      "MKL_ENABLE_INSTRUCTIONS") if k in os.environ)
+    auto = choose_matmul_policy("auto", torch.bfloat16, torch.device("cpu"))
+    return (f"CPU: {model} ({flags}){'; ISA capped by ' + caps if caps else ''}; bf16.cpu_matmul \"auto\" "
+            f"here: {auto.mode}.")
+
+
+def precision_table(ok: dict, median: dict) -> list[str]:
+    """Per stage: fp32, bf16 native and bf16 with fp32 products side by side, seconds and ratios to fp32."""
+    def part(name, key):
+        return statistics.median(t for rs in ok[name] for t in rs[0][key])
+
+    lines = ["| contender | step s | fwd+bwd s | optimizer s | step × fp32 | fwd+bwd × fp32 | CPU s/step "
+             "| CPU × fp32 | final loss |", "|---|---|---|---|---|---|---|---|---|"]
+    for name in ok:
+        fp32 = name.split("-bf16")[0]
+        if not name.startswith("zengine-") or fp32 not in ok or (name != fp32 and "-bf16-" not in name):
+            continue
+        fb, base_fb = part(name, "fwd_bwd_times"), part(fp32, "fwd_bwd_times")
+        cpu, base_cpu = part(name, "cpu_times"), part(fp32, "cpu_times")
+        lines.append(f"| {name} | {median[name]:.3f} | {fb:.3f} | {median[name] - fb:.3f} | "
+                     f"{median[name] / median[fp32]:.2f} | {fb / base_fb:.2f} | {cpu:.3f} | {cpu / base_cpu:.2f} | "
+                     f"{ok[name][-1][0]['final_loss']:.4f} |")
+    return lines if len(lines) > 3 else []
+
+
 def summarize(runs: dict[str, list[list[dict]]], args, notes: list[str]) -> str:
     """The markdown report: a header with the settings, the table, then notes."""
     numel = next((r[0]["numel"] for rs in runs.values() for r in rs if "numel" in r[0]), 0)
@@ -425,7 +476,9 @@ def summarize(runs: dict[str, list[list[dict]]], args, notes: list[str]) -> str:
         kind = CONTENDERS[name][1]
         gathered = rounds[-1][0].get("gathered_numel", 0)
         formula = f"{formula_bytes(kind, numel, args.world, gathered) / MB:.0f} ({FORMULA_TEXT[kind]})"
-        if kind == "p+os+g":
+        if kind == "bf16":
+            formula = "n/a (the formulas are fp32's)"
+        elif kind == "p+os+g":
             formula = formula[:-1] + f", {gathered:,} gathered)"
         table.append(f"| {name} | {median[name]:.3f} | {ratio} | {best[name]:.3f} | {best_ratio} | {cpu[name]:.3f} "
                      f"| {cpu_ratio} | {peak} | {growth} "
@@ -457,10 +510,14 @@ def summarize(runs: dict[str, list[list[dict]]], args, notes: list[str]) -> str:
         "(fp32, reshard after forward).",
         "",
         f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs, "
-        f"load average at the end {os.getloadavg()[0]:.1f}.",
+        f"load average at the end {os.getloadavg()[0]:.1f}. {cpu_line()}",
         "",
     ]
-    return "\n".join(header + table + ["", "Notes:", ""] + notes + lines) + "\n"
+    side = precision_table(ok, median)
+    if side:
+        side = ["", "bf16 beside fp32 (medians over the timed steps; optimizer s = step − fwd+bwd; fp32 = the "
+                "same stage in fp32; -native: torch's bf16 GEMM, -fp32mm: bf16.cpu_matmul \"fp32\"):", ""] + side
+    return "\n".join(header + table + side + ["", "Notes:", ""] + notes + lines) + "\n"
 
 
 def main() -> None:
@@ -474,7 +531,11 @@ def main() -> None:
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset of "
                         + ", ".join(CONTENDERS))
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the markdown table")
+    parser.add_argument("--bf16", action="store_true", help="contenders " + ",".join(BF16_SET)
+                        + " (fp32 and bf16 side by side; overrides --contenders)")
     args = parser.parse_args()
+    if args.bf16:
+        args.contenders = ",".join(BF16_SET)
     args.bucket = int(args.bucket)
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONTENDERS]
@@ -509,7 +570,7 @@ def main() -> None:
             print(f"round {r + 1}/{args.rounds} {name}: {status} ({time.perf_counter() - t0:.0f} s)",
                   file=sys.stderr, flush=True)
 
-    write_report(summarize(runs, args, notes), args.out, "zero")
+    write_report(summarize(runs, args, notes), args.out, "zero_bf16" if args.bf16 else "zero")
 
 
 def write_report(report: str, out_dir: str, name: str) -> Path:

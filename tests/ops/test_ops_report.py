@@ -6,7 +6,7 @@ from zengine.ops.report import collect, main
 
 
 def test_report_lists_every_op(capsys):
-    assert main([]) == 0
+    assert main(["--no-gemm"]) == 0
     text = capsys.readouterr().out
     for key in ("torch", "compiler", "ninja", "cpu_features"):
         assert key in text
@@ -21,3 +21,15 @@ def test_collect_states(monkeypatch):
     assert set(states) == {spec.name for spec in ALL_OPS}
     assert states["unscale_norm"] in ("disabled", "built", "prebuilt")  # already loaded ones stay loaded
     assert all(s in ("prebuilt", "built", "can be built", "disabled", "unavailable") for s in states.values())
+
+
+def test_report_shows_the_bf16_matmul_choice_and_rates(capsys, monkeypatch):
+    from zengine.precision import cpu_matmul
+
+    small = cpu_matmul.measure_gemm_rates
+    monkeypatch.setattr(cpu_matmul, "measure_gemm_rates", lambda: small(tokens=8, width=64, budget_s=0.001))
+    assert main([]) == 0
+    text = capsys.readouterr().out
+    assert "bf16_cpu_matmul" in text and ("native (auto: " in text or "fp32 (auto: " in text)
+    rows = {line.split()[0] for line in text.splitlines()[-5:]}
+    assert {"fp32", "bf16"} <= rows and "input grad g @ W" in text
