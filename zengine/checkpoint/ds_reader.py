@@ -74,17 +74,23 @@ def open_reader(directory: str, trusted: bool, engine_groups: Sequence[Sequence[
     return CheckpointReader(directory)
 
 
+def _model_parallel_rank(name: str) -> Optional[int]:
+    match = _OPTIM.fullmatch(name) or _MODEL.fullmatch(name)
+    return int(match.group(match.lastindex)) if match else None
+
+
 def _refuse_unsupported(directory: str, names: list[str]) -> None:
-    other_mp = sorted(n for n in names if (m := _OPTIM.fullmatch(n) or _MODEL.fullmatch(n)) and int(m.group(m.lastindex)) != 0)
-    pipeline = sorted(n for n in names if n.startswith("layer_") and "expert" not in n)
-    moe = sorted(n for n in names if n.startswith("expp_rank_") or "_expert_" in n)
+    """Model-parallel, pipeline and MoE checkpoints: refused by name before anything is read."""
+    other_mp = [n for n in names if _model_parallel_rank(n) not in (None, 0)]
+    pipeline = [n for n in names if n.startswith("layer_") and "_expert_" not in n]
+    moe = [n for n in names if n.startswith("expp_rank_") or "_expert_" in n]
     for found, what in ((other_mp, "tensor (model) parallel ranks other than mp_rank_00"),
                         (pipeline, "pipeline-parallel layer files"), (moe, "mixture-of-experts files")):
         if found:
             raise DeepSpeedCheckpointError(
                 f"DeepSpeed checkpoint {directory} has {what} ({', '.join(found[:4])}): zengine loads data-parallel "
-                f"ZeRO checkpoints (one mp_rank_00). Convert it to one fp32 state_dict first (DeepSpeed's "
-                f"ds_to_universal.py or zero_to_fp32.py) and load that with load_state_dict")
+                f"ZeRO checkpoints (one mp_rank_00). Consolidate it with DeepSpeed's own tools first "
+                f"(ds_to_universal.py, zero_to_fp32.py) and load the weights with load_state_dict")
 
 
 class DeepSpeedReader:
@@ -226,17 +232,19 @@ class DeepSpeedReader:
         return {n: t.reshape(-1) for n, t in common["module"].items() if n not in skip}
 
     def _check_groups(self, engine_groups: Sequence[Sequence[str]]) -> None:
-        ds = self._ds_groups
-        if len(ds) != len(engine_groups) or any(set(d) - set(e) for d, e in zip(ds, engine_groups)) or any(
-                (set(e) & set(self._index)) - set(d) for d, e in zip(ds, engine_groups)):
-            listing = "\n  ".join(f"group {i}: DeepSpeed {d if i < len(ds) else '-'}, engine "
-                                  f"{list(e) if i < len(engine_groups) else '-'}"
-                                  for i, (d, e) in enumerate(zip(ds + [[]] * 9, list(engine_groups) + [[]] * 9))
-                                  if i < max(len(ds), len(engine_groups)))
-            raise DeepSpeedCheckpointError(
-                f"DeepSpeed checkpoint {self.directory}: its optimizer groups hold other parameters than the "
-                f"engine's; build the optimizer with the same param groups, in the same order, as the DeepSpeed "
-                f"run did:\n  {listing}")
+        """DeepSpeed's group i must hold the engine's group i, less what only one of them trains (a parameter
+        frozen on one side loads as a parameter, without optimizer state)."""
+        trained_here = {n for g in engine_groups for n in g}
+        ds = [set(g) & trained_here for g in self._ds_groups]
+        ours = [set(g) & set(self._index) for g in engine_groups]
+        if ds == ours:
+            return
+        rows = [f"group {i}: DeepSpeed {self._ds_groups[i] if i < len(ds) else '-'}, engine "
+                f"{list(engine_groups[i]) if i < len(ours) else '-'}" for i in range(max(len(ds), len(ours)))]
+        raise DeepSpeedCheckpointError(
+            f"DeepSpeed checkpoint {self.directory}: its optimizer groups hold other parameters than the engine's; "
+            f"build the optimizer with the same param groups, in the same order, as the DeepSpeed run did:\n  "
+            + "\n  ".join(rows))
 
     def _describe(self, common: dict, gas: int) -> dict[str, Any]:
         params: dict[str, dict] = {}
