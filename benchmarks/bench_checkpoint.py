@@ -7,7 +7,9 @@ The model is ``layers`` square ``nn.Linear(width, width)`` (6 x 4096: about
 100M parameters), fp32, AdamW, one step taken so that the optimizer states
 exist: a checkpoint is 12 bytes per parameter (master, exp_avg, exp_avg_sq).
 ``world`` gloo ranks at ZeRO ``stage`` save it ``rounds`` times and load it
-back as many times; each load starts cold (the checkpoint's pages are dropped
+back as many times, and saves it ``rounds`` times asynchronously (``async_save=True``: the
+time until ``save_checkpoint`` returns is what the training step waits; the time until
+``wait_for_checkpoint`` returns is when the checkpoint is published); each load starts cold (the checkpoint's pages are dropped
 from the page cache with POSIX_FADV_DONTNEED). In the same run, one process
 measures the disk's sequential bandwidth on a file of the checkpoint's size
 in the same directory: written in 16 MiB blocks then fsynced, dropped from
@@ -107,6 +109,15 @@ def rank_job(rank: int, world: int, port: int, args, out: str) -> None:
         engine.save_checkpoint(save_dir, tag=f"round{r}")
         dist.barrier()
         saves.append(time.perf_counter() - t0)
+    stalls, published = [], []
+    for r in range(args.rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.save_checkpoint(save_dir, tag=f"async{r}", async_save=True)
+        stalls.append(time.perf_counter() - t0)  # what the step waits (the same on every rank: a collective)
+        engine.wait_for_checkpoint()
+        dist.barrier()
+        published.append(time.perf_counter() - t0)
     for r in range(args.rounds):
         if rank == 0:
             for f in checkpoint_files(os.path.join(save_dir, f"round{r}")):
@@ -123,7 +134,7 @@ def rank_job(rank: int, world: int, port: int, args, out: str) -> None:
     if rank == 0:
         size = sum(os.path.getsize(f) for f in checkpoint_files(os.path.join(save_dir, "round0")))
         with open(out, "w") as f:
-            json.dump({"saves": saves, "loads": loads, "bytes": size}, f)
+            json.dump({"saves": saves, "loads": loads, "bytes": size, "stalls": stalls, "published": published}, f)
     dist.destroy_process_group()
 
 
@@ -179,6 +190,7 @@ def report(args, res, write_bw, read_bw, exports) -> None:
     params = args.layers * (args.width * args.width + args.width)
     size = res["bytes"]
     save, load = statistics.median(res["saves"]), statistics.median(res["loads"])
+    stall, published = statistics.median(res["stalls"]), statistics.median(res["published"])
     largest = args.width * args.width * 4
     lines = [
         f"# Checkpoint throughput and export memory, {datetime.datetime.now():%Y-%m-%d %H:%M}",
@@ -197,6 +209,9 @@ def report(args, res, write_bw, read_bw, exports) -> None:
         f"| disk sequential write + fsync | {size / write_bw:.2f} | {write_bw / MB:,.0f} | 1.00 |",
         f"| save_checkpoint ({args.world} ranks) | {save:.2f} | {size / save / MB:,.0f} | "
         f"{size / save / write_bw:.2f} |",
+        f"| save_checkpoint(async_save=True): the step's stall | {stall:.2f} | | {stall / save:.2f} x the sync save |",
+        f"| save_checkpoint(async_save=True): until published | {published:.2f} | {size / published / MB:,.0f} | "
+        f"{size / published / write_bw:.2f} |",
         f"| disk sequential read (cold) | {size / read_bw:.2f} | {read_bw / MB:,.0f} | 1.00 |",
         f"| load_checkpoint ({args.world} ranks, cold) | {load:.2f} | {size / load / MB:,.0f} | "
         f"{size / load / read_bw:.2f} |",

@@ -71,7 +71,6 @@ def test_ignorable_keys_are_accepted_and_named(path):
     ("managed_gradient_accumulation", False),
     ("checkpoint.load_universal", True),
     ("checkpoint.use_node_local_storage", True),
-    ("checkpoint.writer", {"type": "fast"}),
 ])
 def test_result_changing_keys_are_refused(path, value):
     with pytest.raises(ConfigError) as info:

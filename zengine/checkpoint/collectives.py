@@ -43,6 +43,15 @@ def _world(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
+def group_ranks(group=None) -> list[int]:
+    """The global ranks of ``group`` in its rank order (all_gather's order)."""
+    if not dist.is_initialized():
+        return [0]
+    if group is None or group is dist.GroupMember.WORLD:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
 def all_gather(obj: Any, group=None) -> list:
     """Every rank's ``obj``, indexed by rank."""
     if _world(group) == 1:

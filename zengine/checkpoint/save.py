@@ -29,14 +29,16 @@ from typing import Any, Optional
 
 import torch
 
-from . import atomic, collectives, holdings, meta as meta_mod, rng
+from . import atomic, background, collectives, holdings, meta as meta_mod, rng
 from .errors import CheckpointSaveError
 from .tensorfile import write_tensor_file
 
 
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                    save_latest: bool = True) -> bool:
-    """Collective: write a checkpoint of ``engine`` to ``save_dir/tag``; see the module doc."""
+                    save_latest: bool = True, async_save: bool = False) -> bool:
+    """Collective: write a checkpoint of ``engine`` to ``save_dir/tag``; see the module doc. ``async_save``:
+    snapshot to host memory and write in the background (background.py)."""
+    background.wait(engine)  # the previous asynchronous save first (its errors raise here)
     group = engine.optimizer.comm_group
     rank = engine.global_rank
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
@@ -58,7 +60,10 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
         raise CheckpointSaveError(f"save_checkpoint: {error}")
 
     with engine.optimizer.states_resident():
-        _write(engine, staging, save_dir, tag, client_state, save_latest)
+        if async_save:
+            _start_background(engine, staging, save_dir, tag, client_state, save_latest)
+        else:
+            _write(engine, staging, save_dir, tag, client_state, save_latest)
     return True
 
 
@@ -67,10 +72,9 @@ def _write(engine, staging: str, save_dir: str, tag: str, client_state, save_lat
     group, rank = engine.optimizer.comm_group, engine.global_rank
     path = os.path.join(staging, meta_mod.rank_file(rank))
     try:
-        entries, pieces, state_keys = _rank_entries(engine)
-        info = write_tensor_file(path, entries, {"rank": rank, "pieces": pieces})
-        mine = {"size": info.size, "crc": info.header_crc, "pieces": pieces, "keys": state_keys,
-                "rng": rng.capture(), "scalars_by_count": _scalars_by_count(engine.optimizer)}
+        entries, mine = _rank_part(engine)
+        info = write_tensor_file(path, entries, {"rank": rank, "pieces": mine["pieces"]})
+        mine.update(size=info.size, crc=info.header_crc)
     except Exception as e:  # a full disk, a permission: reported on every rank below
         mine = {"error": f"rank {rank} writing {path}: {type(e).__name__}: {e}"}
     everyone = collectives.all_gather(mine, group)
@@ -79,7 +83,7 @@ def _write(engine, staging: str, save_dir: str, tag: str, client_state, save_lat
     if rank == 0:
         if not errors:
             try:
-                _publish(engine, staging, save_dir, tag, client_state, everyone, save_latest)
+                _finish(staging, save_dir, tag, *_shared_part(engine, client_state, everyone), everyone, save_latest)
             except Exception as e:
                 errors = [f"rank 0: {type(e).__name__}: {e}"]
         if errors:
@@ -88,6 +92,55 @@ def _write(engine, staging: str, save_dir: str, tag: str, client_state, save_lat
     if errors:
         raise CheckpointSaveError(f"save_checkpoint: could not write checkpoint {tag!r} in {save_dir}; the previous "
                                   f"checkpoint and 'latest' are untouched:\n  " + "\n  ".join(errors))
+
+
+def _start_background(engine, staging: str, save_dir: str, tag: str, client_state, save_latest: bool) -> None:
+    """Snapshot this rank's part to host memory, agree that every rank has, and leave the writing to a thread
+    (background.py); rank 0 also captures the shared part now, before training changes it."""
+    group, rank = engine.optimizer.comm_group, engine.global_rank
+    path = os.path.join(staging, meta_mod.rank_file(rank))
+    try:
+        entries, mine = _rank_part(engine)
+        snapshot, ready = background.host_snapshot(entries)
+    except Exception as e:  # out of host memory: reported on every rank below
+        mine = {"error": f"rank {rank} copying its part of the checkpoint to host memory: {type(e).__name__}: {e}"}
+    everyone = collectives.all_gather(mine, group)
+    errors = [r["error"] for r in everyone if "error" in r]
+    shared = None
+    if rank == 0 and not errors:
+        try:
+            shared = _shared_part(engine, client_state, everyone)
+        except Exception as e:
+            errors = [f"rank 0: {type(e).__name__}: {e}"]
+    errors = collectives.broadcast(errors, group)
+    if errors:
+        if rank == 0:
+            atomic.discard(staging)
+        raise CheckpointSaveError(f"save_checkpoint: could not start checkpoint {tag!r} in {save_dir}; the previous "
+                                  f"checkpoint and 'latest' are untouched:\n  " + "\n  ".join(errors))
+
+    def write() -> dict:
+        if ready is not None:
+            ready.synchronize()  # the device-to-host copies have landed
+        info = write_tensor_file(path, snapshot, {"rank": rank, "pieces": mine["pieces"]})
+        snapshot.clear()
+        return {"size": info.size, "crc": info.header_crc}
+
+    def finish(posted: list[dict]) -> None:  # rank 0's thread, once every rank posted its file
+        full = [{**before, **after} for before, after in zip(everyone, posted)]
+        _finish(staging, save_dir, tag, *shared, full, save_latest)
+
+    ranks = collectives.group_ranks(group)
+    name = f"{os.path.basename(staging)}"  # unique per save (rank 0's random staging name, broadcast)
+    background.track(engine, background.BackgroundSave(name, rank, ranks, staging, save_dir, tag, write,
+                                                       finish if rank == 0 else None).start())
+
+
+def _rank_part(engine) -> tuple[list, dict]:
+    """This rank's file entries, and what it tells rank 0 about them (pieces, state keys, RNG, step scalars)."""
+    entries, pieces, state_keys = _rank_entries(engine)
+    return entries, {"pieces": pieces, "keys": state_keys, "rng": rng.capture(),
+                     "scalars_by_count": _scalars_by_count(engine.optimizer)}
 
 
 def _rank_entries(engine) -> tuple[list, dict, list]:
@@ -144,11 +197,21 @@ def _engine_state(engine, client_state, everyone) -> dict[str, Any]:
             "client_state": client_state if client_state is not None else {}}
 
 
-def _publish(engine, staging: str, save_dir: str, tag: str, client_state, everyone: list, save_latest: bool):
-    """Rank 0: state.pt and meta.json into the staging directory, then rename it into place."""
+def _shared_part(engine, client_state, everyone: list) -> tuple[bytes, dict]:
+    """Rank 0: state.pt's bytes and meta.json's engine fields, read from the engine now."""
     buf = io.BytesIO()
     torch.save(_engine_state(engine, client_state, everyone), buf)
-    raw = buf.getvalue()
+    meta = {"world_size": engine.world_size, "zero_stage": engine.zero_optimization_stage(),
+            "compute_dtype": meta_mod.dtype_name(engine.config.compute_dtype),
+            "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+            "global_samples": engine.global_samples,
+            **meta_mod.describe_model(engine.module, holdings.trained_names(engine.optimizer))}
+    return buf.getvalue(), meta
+
+
+def _finish(staging: str, save_dir: str, tag: str, raw: bytes, engine_meta: dict, everyone: list,
+            save_latest: bool) -> None:
+    """Rank 0: state.pt and meta.json into the staging directory, then rename it into place."""
     with open(os.path.join(staging, meta_mod.STATE), "wb") as f:
         f.write(raw)
         f.flush()
@@ -162,13 +225,7 @@ def _publish(engine, staging: str, save_dir: str, tag: str, client_state, everyo
     keys = []
     for info in everyone:
         keys += [k for k in info["keys"] if k not in keys]
-    meta = {"format": meta_mod.FORMAT, "version": meta_mod.VERSION, "tag": tag, "world_size": engine.world_size,
-            "zero_stage": engine.zero_optimization_stage(),
-            "compute_dtype": meta_mod.dtype_name(engine.config.compute_dtype),
-            "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-            "global_samples": engine.global_samples,
-            **meta_mod.describe_model(engine.module, holdings.trained_names(engine.optimizer)),
-            "optimizer_state_keys": keys, "files": files, "pieces": index}
+    meta = {"format": meta_mod.FORMAT, "version": meta_mod.VERSION, "tag": tag, **engine_meta, "optimizer_state_keys": keys, "files": files, "pieces": index}
     meta_mod.write_meta(staging, meta)
     # as DeepSpeed does: a script beside the checkpoints that turns one into a single fp32 state_dict
     # (before publishing: a failure here leaves the previous checkpoint and 'latest' as they were)

@@ -1,11 +1,13 @@
-"""The ``checkpoint`` section (DeepSpeed's checkpoint options).
+"""The ``checkpoint`` section (DeepSpeed's checkpoint options): tag validation and the writer.
 
 zengine honours ``tag_validation`` in the only form its checkpoints allow: every rank writes into one
 folder that appears whole or not at all (checkpoint/atomic.py), so ranks passing different tags always
 fail, by name, before anything is written (DeepSpeed's ``Fail``); ``Ignore`` and ``Warn`` are accepted
-for configs written for DeepSpeed and act the same. The section's other keys are in ``unsupported.py``:
-``load_universal`` and ``use_node_local_storage`` and the ``writer`` sub-section are refused unless
-inert, ``parallel_write`` (pipeline stages) is ignored.
+for configs written for DeepSpeed and act the same. ``writer.decoupled`` makes every
+``save_checkpoint`` asynchronous (checkpoint/background.py), as DeepSpeed's decoupled writer does; the
+writer's tuning keys are accepted and ignored. The section's other keys are in ``unsupported.py``:
+``load_universal`` and ``use_node_local_storage`` are refused unless inert, ``parallel_write``
+(pipeline stages) is ignored.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from .base import _Section
+from .base import Flag, _Section
 
 
 def _tag_validation(value: Any) -> Any:
@@ -24,9 +26,21 @@ def _tag_validation(value: Any) -> Any:
 TagValidation = Annotated[Literal["Ignore", "Warn", "Fail"], BeforeValidator(_tag_validation)]
 
 
+class CheckpointWriterConfig(_Section):
+    """How checkpoints are written (DeepSpeed's ``checkpoint.writer``)."""
+
+    type: Literal["python", "fast"] = Field("python", description=(
+        "DeepSpeed's writer implementation; zengine has one writer (streamed, fsynced, checksummed) for both."))
+    decoupled: Flag = Field(False, description=(
+        "Write in the background: save_checkpoint returns after a copy to host memory; the next save, "
+        "load_checkpoint, wait_for_checkpoint() or destroy waits for it."))
+
+
 class CheckpointConfig(_Section):
-    """Checkpoint options: tag validation."""
+    """Checkpoint options: tag validation and the writer."""
 
     tag_validation: TagValidation = Field("Warn", description=(
         "What to do when ranks save with different tags: zengine always fails (one folder per checkpoint, "
         "written by every rank); Ignore and Warn are accepted for DeepSpeed configs."))
+    writer: CheckpointWriterConfig = Field(default_factory=CheckpointWriterConfig, description=(
+        "The checkpoint writer: decoupled (asynchronous) or not."))

@@ -130,8 +130,8 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
           "world size and stage, and DeepSpeed's ZeRO checkpoints directly, with load_checkpoint)", False),
     _flag("checkpoint.use_node_local_storage", "node-local checkpoint storage (zengine's checkpoints need one "
           "folder every rank can reach)", False),
-    _flag("checkpoint.writer", "checkpoint writers (decoupled / fast); zengine's save writes "
-          "synchronously", None),
+    *(_ignorable(f"checkpoint.writer.{key}", "a checkpoint writer tuning setting") for key in (
+        "io_buffer_size", "io_buffer_double", "show_statistics", "data_parallel")),
     _ignorable("checkpoint.parallel_write", "pipeline-stage parallel checkpoint writes (no pipeline parallelism)"),
     # managed_gradient_accumulation false: every step() a boundary; zengine counts micro-steps (its default)
     _flag("managed_gradient_accumulation", "caller-owned accumulation boundaries (use "

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .. import checkpoint, checkpointing
+from ..checkpoint import background
 from ..config import ZengineConfig, format_config
 from ..config.report import PRINT_FULL_ENV
 from ..distributed import diagnose, shutdown
@@ -248,7 +249,10 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         if self._destroyed:
             return
         self._destroyed = True
-        self.optimizer.close()
+        try:
+            background.wait(self)  # an asynchronous save in flight is written and published first
+        finally:
+            self.optimizer.close()
         self.matmul.remove()  # the model's linear layers get their own forward back
         self._step_report.close()  # the monitor's files and writers
 
@@ -293,11 +297,15 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
 
     # -- checkpoints (zengine/checkpoint/) ------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                        save_latest: bool = True) -> bool:
+                        save_latest: bool = True, async_save: Optional[bool] = None) -> bool:
         """Collective: write a sharded checkpoint to ``save_dir/tag`` (default tag ``global_step<N>``)
-        atomically, then record ``tag`` in ``save_dir/latest``. Every rank writes only what it holds."""
+        atomically, then record ``tag`` in ``save_dir/latest``. Every rank writes only what it holds.
+        ``async_save`` (default: the config's ``checkpoint.writer.decoupled``): return after a copy to host
+        memory, write in the background (see ``wait_for_checkpoint``)."""
+        if async_save is None:
+            async_save = self.config.checkpoint.writer.decoupled
         with agreement.collective_call("save_checkpoint"):
-            return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+            return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, async_save)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
@@ -312,6 +320,7 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         ``CheckpointUntrustedError`` unless ``trust_client_state=True``, which may run the file's code.
         ``load_module_strict`` (DeepSpeed's keyword) is accepted either way: the checkpoint must hold this model."""
         with agreement.collective_call("load_checkpoint"):
+            background.wait(self)  # an asynchronous save still writing: published (or failed) first
             return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                                               load_module_only, missing_ok, trust_client_state=trust_client_state)
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
+from ..checkpoint import background
 from ..checkpoint.model16 import consolidated_state_dict, save_16bit_model as write_16bit_model
 from ..distributed.agreement import collective_call
 from ..log import setup_logging
@@ -218,6 +219,12 @@ class DeepSpeedMembers:
         self.held_states.clear()
 
     # -- saving ---------------------------------------------------------------------------------
+    def wait_for_checkpoint(self) -> None:
+        """Collective: until the asynchronous checkpoint in flight (``save_checkpoint(async_save=True)``) is
+        written and published; raises ``CheckpointSaveError`` on every rank if any rank failed. The next save,
+        ``load_checkpoint`` and ``destroy`` (at exit too) wait by themselves."""
+        background.wait(self)
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Collective: rank 0 writes the full model's state_dict in the compute dtype, module by module.
 
