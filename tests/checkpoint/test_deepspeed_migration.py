@@ -343,6 +343,18 @@ def test_convert_command(runs, tmp_path, capsys):
     assert "ZeRO stage 0" in capsys.readouterr().err
 
 
+def test_deepspeed_checkpoint_to_safetensors(tmp_path):
+    """A DeepSpeed checkpoint (stage 3: masters and frozen weights in per-rank chunks) straight to one
+    safetensors file without DeepSpeed: DeepSpeed's recorded masters and frozen weights, the head tied once."""
+    ref = reference("s3_bf16_w2")
+    path = str(tmp_path / "model.safetensors")
+    assert export_safetensors(os.path.join(FIXTURES, "s3_bf16_w2"), path) == {"lm_head.weight": "wte.weight"}
+    model = TiedLM()
+    model.load_state_dict(load_safetensors_state_dict(path))
+    assert all(torch.equal(model.get_parameter(n).detach(), t) for n, t in ref["at_save"].items())
+    assert all(torch.equal(model.get_parameter(n).detach(), t.float()) for n, t in ref["frozen_at_save"].items())
+
+
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                     reason="DeepSpeed is not installed: run this file with the venv that make_fixtures.py describes")
 def test_deepspeed_continues_from_zengine_export(runs, tmp_path):

@@ -1,11 +1,12 @@
 """``zengine-convert``: a zengine checkpoint out to DeepSpeed or to one safetensors file, offline.
 
     zengine-convert to-deepspeed CHECKPOINT_DIR OUTPUT_DIR --world-size N --config ds_config.json [--tag T]
-    zengine-convert to-safetensors CHECKPOINT_DIR OUTPUT_FILE [--tag T]
+    zengine-convert to-safetensors CHECKPOINT_DIR OUTPUT_FILE [--tag T] [--trust]
 
 ``to-deepspeed`` writes DeepSpeed 0.19's ZeRO layout for N ranks running that DeepSpeed config
 (ds_export.py); DeepSpeed continues with ``engine.load_checkpoint(OUTPUT_DIR)``. ``to-safetensors`` writes
-the fp32 model with tied weights once (hf_export.py). The other way needs no command: zengine's
+the fp32 model with tied weights once (hf_export.py), from a zengine checkpoint or from a DeepSpeed one
+(without DeepSpeed installed). The other way needs no command: zengine's
 ``engine.load_checkpoint(deepspeed_save_dir, tag)`` reads DeepSpeed's checkpoints directly.
 Also runs as ``python -m zengine.checkpoint.convert``.
 """
@@ -23,8 +24,8 @@ from .hf_export import export_safetensors
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zengine-convert", description="Convert a zengine checkpoint (any stage, "
-                                     "any world size) for DeepSpeed or for Hugging Face, without a process group.")
+    parser = argparse.ArgumentParser(prog="zengine-convert", description="Convert a checkpoint (any stage, any world "
+                                     "size) for DeepSpeed or for Hugging Face, without a process group.")
     sub = parser.add_subparsers(dest="command", required=True)
     ds = sub.add_parser("to-deepspeed", help="DeepSpeed 0.19's ZeRO layout (save_dir/<tag>/ and latest)")
     ds.add_argument("checkpoint_dir", help="the save_dir of engine.save_checkpoint, or one checkpoint's folder")
@@ -37,9 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     ds.add_argument("--trust", action="store_true", help="state.pt may hold objects of your own classes "
                                                          "(unpickled as torch.load(weights_only=False) would)")
     st = sub.add_parser("to-safetensors", help="one fp32 model.safetensors, tied weights stored once")
-    st.add_argument("checkpoint_dir")
+    st.add_argument("checkpoint_dir", help="a zengine or DeepSpeed save_dir, or one checkpoint's folder")
     st.add_argument("output_file")
-    st.add_argument("--tag", default=None)
+    st.add_argument("--tag", default=None, help="the checkpoint tag (default: the one in 'latest')")
+    st.add_argument("--trust", action="store_true", help="a DeepSpeed client_state may hold objects of your "
+                                                         "own classes")
     return parser
 
 
@@ -55,7 +58,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             written = export_deepspeed_checkpoint(args.checkpoint_dir, args.output_dir, args.world_size, config,
                                                   args.tag, args.out_tag, args.trust)
         else:
-            tied = export_safetensors(args.checkpoint_dir, args.output_file, args.tag)
+            tied = export_safetensors(args.checkpoint_dir, args.output_file, args.tag, args.trust)
             written = args.output_file + (f" (tied, stored once: {tied})" if tied else "")
     except (CheckpointError, DeepSpeedExportError, OSError, ValueError) as e:
         print(f"zengine-convert: {e}", file=sys.stderr)

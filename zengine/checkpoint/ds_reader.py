@@ -256,12 +256,17 @@ class DeepSpeedReader:
             params[n] = {"shape": list(shape), "dtype": dtype_name(t.dtype), "trained": False}
         buffers = {n: {"shape": list(common["module"][n].shape), "dtype": dtype_name(common["module"][n].dtype)}
                    for n in common.get("buffer_names") or []}
+        # the module's state_dict keys in order, a tied name pointing at the parameter DeepSpeed stored
+        shared = dict(common.get("shared_params") or {})
+        buffer_names = set(buffers)
+        keys = [[k, "buffer" if k in buffer_names else "param", shared.get(k, k)] for k in common["module"]
+                if k in buffer_names or shared.get(k, k) in params]
         steps = int(common.get("global_steps", 0))
         return {"format": "deepspeed", "ds_version": common.get("ds_version"), "zero_stage": self.stage,
                 "world_size": self.world, "params": params, "buffers": buffers, "global_steps": steps,
                 "micro_steps": steps * gas, "global_samples": int(common.get("global_samples", 0)),
                 "skipped_steps": int(common.get("skipped_steps", 0)),
-                "shared_params": dict(common.get("shared_params") or {})}
+                "shared_params": shared, "state_dict": keys}
 
     # -- what load.py asks ---------------------------------------------------------------------
     def fill(self, holding: Holding, kinds: Sequence[str], required: bool = True) -> None:

@@ -1,4 +1,6 @@
-"""A zengine checkpoint as one Hugging Face style ``model.safetensors``: fp32, tied weights stored once.
+"""A checkpoint as one Hugging Face style ``model.safetensors``: fp32, tied weights stored once.
+
+The checkpoint is zengine's, or DeepSpeed 0.19's (read by ds_reader.py: DeepSpeed need not be installed).
 
 safetensors has no shared tensors. Hugging Face's ``save_pretrained`` therefore writes a tied weight under
 its first name only (GPT-2's ``transformer.wte.weight``, not ``lm_head.weight``) and ``from_pretrained``
@@ -22,6 +24,7 @@ from typing import Optional
 import torch
 
 from . import meta as meta_mod
+from .ds_reader import DeepSpeedReader, is_deepspeed_checkpoint
 from .fp32 import Alias, _entries, _scratch, checkpoint_directory
 from .reader import CheckpointReader
 from .tensorfile import TensorFileWriter, TensorSpec
@@ -29,13 +32,26 @@ from .tensorfile import TensorFileWriter, TensorSpec
 TIED_KEY = "tied"
 
 
-def export_safetensors(checkpoint_dir: str, output_file: str, tag: Optional[str] = None) -> dict[str, str]:
-    """Write the fp32 model of a zengine checkpoint (any stage, any world size) to ``output_file`` in the
-    safetensors format, each tied weight once. Returns the aliases left out ({alias: stored name})."""
-    directory = checkpoint_directory(checkpoint_dir, tag)
+def _open(checkpoint_dir: str, tag: Optional[str], trusted: bool):
+    """zengine's reader, or DeepSpeed's for a DeepSpeed checkpoint (its save_dir, or one tag's folder)."""
+    if tag is None and is_deepspeed_checkpoint(checkpoint_dir):
+        directory = checkpoint_dir
+    else:
+        directory = checkpoint_directory(checkpoint_dir, tag)
+    if is_deepspeed_checkpoint(directory):  # no optimizer groups to compare: only the weights are read
+        return DeepSpeedReader(directory, trusted, [], 1)
+    return CheckpointReader(directory)
+
+
+def export_safetensors(checkpoint_dir: str, output_file: str, tag: Optional[str] = None,
+                       trusted: bool = False) -> dict[str, str]:
+    """Write the fp32 model of a zengine checkpoint (any stage, any world size), or of a DeepSpeed 0.19 ZeRO
+    checkpoint (without DeepSpeed), to ``output_file`` in the safetensors format, each tied weight once.
+    Returns the aliases left out ({alias: stored name}). ``trusted``: a DeepSpeed client_state may hold
+    objects of your own classes (only then is it unpickled beyond tensors and plain values)."""
     tmp = f"{output_file}.tmp-{secrets.token_hex(4)}"
     try:
-        with CheckpointReader(directory) as reader:
+        with _open(checkpoint_dir, tag, trusted) as reader:
             tied = _write(reader, tmp)
         os.replace(tmp, output_file)
     finally:
@@ -44,7 +60,7 @@ def export_safetensors(checkpoint_dir: str, output_file: str, tag: Optional[str]
     return tied
 
 
-def _write(reader: CheckpointReader, path: str) -> dict[str, str]:
+def _write(reader, path: str) -> dict[str, str]:
     meta = reader.meta
     first: dict[tuple[str, str], str] = {}
     specs, tied = [], {}
