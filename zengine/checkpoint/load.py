@@ -117,6 +117,10 @@ def _read(engine, directory: str, with_optimizer: bool, trusted: bool) -> dict[s
     with open_reader(directory, trusted, [holdings.group_names(g) for g in opt.groups],
                      engine.gradient_accumulation_steps()) as reader:
         meta = reader.meta
+        if meta.get("format") == "deepspeed" and engine.global_rank == 0:
+            logger.info(f"load_checkpoint: {directory} is a DeepSpeed {meta['ds_version']} ZeRO-{meta['zero_stage']} "
+                        f"checkpoint of {meta['world_size']} ranks; loading it into stage "
+                        f"{engine.zero_optimization_stage()} on {engine.world_size}")
         meta_mod.check_same_model(meta, meta_mod.describe_model(module, holdings.trained_names(opt)), directory)
         state = reader.read_state(trusted)
         if with_optimizer and state["optimizer"] and len(state["optimizer"]) != len(opt.groups):
