@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import agreement, diagnose, waiting
+from . import agreement, diagnose, traffic, waiting
 from .process_group import backend_device_types
 
 
@@ -137,18 +137,21 @@ def check_devices(what: str, group, *tensors: torch.Tensor) -> None:
 def all_reduce_sum(tensor: torch.Tensor, group=None, async_op: bool = False) -> Work:
     """Sum ``tensor`` in place over the group."""
     check_devices("all_reduce_sum", group, tensor)
+    traffic.record("all_reduce", tensor.numel() * tensor.element_size(), group)
     return _run("all_reduce", tensor, dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def reduce_sum_to(tensor: torch.Tensor, dst: int, group=None, async_op: bool = False) -> Work:
     """Sum ``tensor`` over the group into rank ``dst`` (others keep garbage)."""
     check_devices("reduce_sum_to", group, tensor)
+    traffic.record("reduce", tensor.numel() * tensor.element_size(), group)
     return _run("reduce", tensor, dist.reduce, tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False) -> Work:
     """Copy ``tensor`` from rank ``src`` to every rank of the group."""
     check_devices("broadcast", group, tensor)
+    traffic.record("broadcast", tensor.numel() * tensor.element_size(), group)
     return _run("broadcast", tensor, dist.broadcast, tensor, src=src, group=group, async_op=async_op)
 
 
@@ -162,6 +165,7 @@ def all_gather_rows(rows: torch.Tensor, rank: int, group=None, async_op: bool = 
     if rows.shape[0] == 1:
         return []
     check_devices("all_gather_rows", group, rows)
+    traffic.record("all_gather", rows.numel() * rows.element_size(), group)
     if is_gloo(group):
         works = [_run("broadcast (all-gather by rows)", rows, dist.broadcast, row, src=_global_rank(r, group),
                       group=group, async_op=True) for r, row in enumerate(rows.unbind(0))]
@@ -196,6 +200,7 @@ def gather_strided(full: torch.Tensor, shard_numel: int, lo: int, hi: int, rank:
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False) -> Work:
     """Sum ``full`` ([world * n]) over the group; this rank keeps its n-element part in ``out``."""
     check_devices("reduce_scatter", group, out, full)
+    traffic.record("reduce_scatter", full.numel() * full.element_size(), group)
     return _run("reduce_scatter", full, _reduce_scatter_flat, out, full, op=dist.ReduceOp.SUM, group=group,
                 async_op=async_op)
 
@@ -220,6 +225,7 @@ def all_gather_small(tensor: torch.Tensor, group=None) -> torch.Tensor:
     check_devices("all_gather_small", group, tensor)
     world = dist.get_world_size(group)
     out = torch.empty((world, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    traffic.record("all_gather", out.numel() * out.element_size(), group)
     if is_gloo(group):
         _run("all_gather", out, dist.all_gather, list(out.unbind(0)), tensor.contiguous(), group=group)
     else:

@@ -13,6 +13,7 @@ import torch
 
 from ..checkpoint import background
 from ..checkpoint.model16 import consolidated_state_dict, save_16bit_model as write_16bit_model
+from ..distributed import traffic
 from ..distributed.agreement import collective_call
 from ..log import setup_logging
 from ..precision.loss_scaler import loss_carries_accumulation
@@ -219,6 +220,12 @@ class DeepSpeedMembers:
         self.held_states.clear()
 
     # -- saving ---------------------------------------------------------------------------------
+    def comm_stats(self, reset: bool = False) -> dict:
+        """What this process's engine collectives moved since the last reset: ``{"intra"|"inter": {collective:
+        {"calls", "bytes", "ring_bytes"}}}`` (payload bytes, and bytes this rank sends on a ring), by whether
+        the group stays on one node (``LOCAL_WORLD_SIZE`` ranks per node). See distributed/traffic.py."""
+        return traffic.snapshot(reset)
+
     def wait_for_checkpoint(self) -> None:
         """Collective: until the asynchronous checkpoint in flight (``save_checkpoint(async_save=True)``) is
         written and published; raises ``CheckpointSaveError`` on every rank if any rank failed. The next save,

@@ -1,0 +1,135 @@
+"""Bytes each rank's collectives move per optimizer step, measured, against the ZeRO formulas.
+
+    python benchmarks/bench_comm.py [--world 4] [--per-node 2] [--steps 4] [--stages 1,2,3]
+
+W gloo ranks as W / per-node "nodes" (``LOCAL_WORLD_SIZE``; 4 as 2 x 2 by default) train the main job's
+GPT (``zengine.models.tiny()``, fp32, AdamW, micro batch 4) for ``steps`` steps at each stage, after two
+warm-up steps; ``engine.comm_stats()`` (zengine/distributed/traffic.py) counts the payload of every
+collective the engine ran, by collective and by whether its group spans nodes. The table gives bytes per
+step in units of Ψ (the model's parameter bytes in the compute dtype) next to the formula's, and the bytes
+one rank sends on a ring, with stage 3's persistence threshold and reuse distance at 0 so that every
+parameter is gathered for the forward and again for the backward (with DeepSpeed's default reuse distance,
+1e9, a model this small stays gathered from its forward to its backward: one all-gather per step).
+
+The rows of ZeRO++ (hpZ, qwZ, qgZ) and MiCS that zengine does not implement yet are their formulas only, so
+that a later run can put measurements beside them. Results go to ``benchmarks/results/comm_<date>.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import zengine  # noqa: E402
+from zengine.distributed import traffic  # noqa: E402
+from zengine.models import GPT, ByteWindows, tiny  # noqa: E402
+
+MICRO = 4
+# What the ZeRO paper counts per step, in Ψ, for the collectives zengine runs on CPU (gloo): stages 1-2
+# reduce the gradients with an all-reduce (measured faster than reduce-scatter on gloo; the same Ψ payload)
+# and all-gather the updated parameters; stage 3 gathers the parameters twice (forward and backward) and
+# reduce-scatters the gradients.
+# On gloo stage 3 also sums gradients with an all-reduce in place of the reduce-scatter (the same payload).
+FORMULA = {1: {"all_reduce": 1.0, "all_gather": 1.0}, 2: {"all_reduce": 1.0, "all_gather": 1.0},
+           3: {"all_gather": 2.0, "all_reduce": 1.0}}
+
+
+def rank_job(rank: int, world: int, per_node: int, port: int, args, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    for stage in args.stages:
+        torch.manual_seed(0)
+        cfg = tiny()
+        model = GPT(cfg)
+        psi = sum(p.numel() * p.element_size() for p in model.parameters())
+        engine, _, loader, _ = zengine.initialize(model=model, training_data=ByteWindows(cfg.seq_len), config={
+            "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                                  "stage3_max_reuse_distance": 0}})
+        batches = iter(loader)
+        for step in range(2 + args.steps):
+            if step == 2:
+                engine.comm_stats(reset=True)
+            x, y = next(batches)
+            engine.backward(engine(x, y))
+            engine.step()
+        stats = engine.comm_stats(reset=True)
+        results[stage] = {"psi": psi, "stats": stats}
+        engine.destroy()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--per-node", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--stages", default="1,2,3")
+    args = parser.parse_args()
+    args.stages = [int(s) for s in args.stages.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "comm.json")
+        port = 29500 + os.getpid() % 1000
+        mp.spawn(rank_job, args=(args.world, args.per_node, port, args, out), nprocs=args.world, join=True)
+        with open(out) as f:
+            results = {int(k): v for k, v in json.load(f).items()}
+    report(args, results)
+
+
+def report(args, results: dict) -> None:
+    nodes = args.world // args.per_node
+    lines = [f"# Communication per optimizer step, {datetime.datetime.now():%Y-%m-%d %H:%M}", "",
+             f"{args.world} gloo ranks as {nodes} nodes of {args.per_node} (LOCAL_WORLD_SIZE), the main job's GPT "
+             f"(fp32), micro batch {MICRO}, {args.steps} steps after 2 warm-up steps; stage 3 with persistence "
+             f"threshold and reuse distance 0. Ψ = the model's parameter bytes. Payload: the buffer each collective moves as a whole; "
+             f"ring: what one rank sends for it on a ring ((W-1)/W of it, twice for an all-reduce). Every engine "
+             f"group here is the world group, which spans both nodes: all of it is inter-node traffic.", "",
+             f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs. Command: "
+             f"`python benchmarks/bench_comm.py --world {args.world} --per-node {args.per_node} "
+             f"--steps {args.steps}`.", "",
+             "| stage | collective | group | calls / step | payload / step (Ψ) | formula (Ψ) | ring sent / step (Ψ) |",
+             "|---|---|---|---|---|---|---|"]
+    for stage, res in sorted(results.items()):
+        psi, stats = res["psi"], res["stats"]
+        for kind, per in stats.items():
+            for collective, v in per.items():
+                expected = FORMULA.get(stage, {}).get(collective)
+                lines.append(f"| {stage} | {collective} | {kind} | {v['calls'] / args.steps:.1f} | "
+                             f"{v['bytes'] / args.steps / psi:.3f} | "
+                             f"{'' if expected is None else f'{expected:.2f}'} | "
+                             f"{v['ring_bytes'] / args.steps / psi:.3f} |")
+        total = traffic.total(stats) / args.steps / psi
+        lines.append(f"| {stage} | **all** | | | **{total:.3f}** | {sum(FORMULA.get(stage, {}).values()):.2f} | |")
+    lines += ["", "ZeRO++ and MiCS, formulas only (not implemented yet; inter-node payload per step in Ψ of a "
+              "2-byte model, stage 3): plain 3.0 (forward and backward all-gather, reduce-scatter); qwZ (int8 "
+              "weights in the forward all-gather) 2.5; hpZ (backward all-gather inside the node) 2.0; qgZ (int4 "
+              "gradient reduce-scatter) replaces 1.0 by 0.25; qwZ + hpZ + qgZ 0.75 (4x less); MiCS with shards "
+              "inside a node: 2(R-1)/R x Ψ/s for the gradient all-reduce across R replicas of s-rank groups."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    results_dir = REPO / "benchmarks" / "results"
+    results_dir.mkdir(exist_ok=True)
+    (results_dir / f"comm_{datetime.date.today():%Y%m%d}.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
