@@ -151,8 +151,9 @@ def summarize(runs: dict[str, list[list[dict]]], args: argparse.Namespace, comma
             rows.append(f"| {name} | failed: {errors[0].strip().splitlines()[-1]} | | | | | |")
             continue
         timed = [t for results in rounds for t in results[0]["times"][args.warmup:]]
-        median = medians[name] = statistics.median(timed)
+        median = statistics.median(timed)
         cpu = statistics.median([t for results in rounds for t in results[0]["cpu_times"][args.warmup:]])
+        medians[name] = (median, cpu)
         first = statistics.mean(sum(results[0]["times"][:args.warmup]) for results in rounds)
         peak = "/".join(f"{(r['peak_rss'] - r['baseline_rss']) / MB:.0f}" for r in rounds[-1])
         loss = rounds[-1][0]["final_loss"]
@@ -161,19 +162,19 @@ def summarize(runs: dict[str, list[list[dict]]], args: argparse.Namespace, comma
     table = "\n".join(rows)
     for name in runs:
         eager = name[:-len("-compiled")] if name.endswith("-compiled") else None
-        base = medians.get("ddp-compiled")
         parts = []
-        if name in medians and base:
-            parts.append(f"{medians[name] / base:.2f}x ddp-compiled")
-        if name in medians and eager in medians:
-            parts.append(f"{medians[name] / medians[eager]:.2f}x {eager}")
+        for other in ("ddp-compiled", eager):
+            if name in medians and other in medians and other != name:
+                wall = medians[name][0] / medians[other][0]
+                cpu = medians[name][1] / medians[other][1]
+                parts.append(f"{wall:.2f}x / {cpu:.2f}x {other}")
         table = table.replace(f"{{ratio_{name}}}", ", ".join(parts))
     return (f"# torch.compile, side by side ({datetime.date.today()})\n\n"
             f"`{command}`\n\n"
             f"Host: {platform.node()} ({os.cpu_count()} CPUs, shared), torch {torch.__version__}, backend "
             f"{args.backend}, W={args.world} gloo ranks (1 thread each), model bench20m (21M parameters, fp32, "
             f"AdamW, micro batch 4), {args.warmup} untimed + {args.steps} timed steps x {args.rounds} round(s).\n\n"
-            "| contender | s/step (median, wall) | CPU s/step (median) | wall ratio | compile s (first steps beyond "
+            "| contender | s/step (median, wall) | CPU s/step (median) | ratio (wall / CPU) | compile s (first steps beyond "
             "warmup x median) | peak RSS MB per rank | final loss |\n|---|---|---|---|---|---|---|\n" + table + "\n")
 
 

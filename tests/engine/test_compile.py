@@ -228,7 +228,8 @@ def test_a_unit_that_reads_another_units_parameter_stays_eager(behaviour):
 def compiled_before_run(tmp):
     out = {}
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
-    for how, stage in (("torch.compile", 2), ("torch.compile", 3), ("in place", 3), ("block in place", 3)):
+    for how, stage in (("torch.compile", 2), ("torch.compile", 3), ("in place", 3), ("blocks in place", 3),
+                       ("config", 3)):
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32))
         zengine.utils.set_z3_leaf_modules(model, [Block])
@@ -236,9 +237,13 @@ def compiled_before_run(tmp):
             model = torch.compile(model, backend="aot_eager")
         elif how == "in place":
             model.compile(backend="aot_eager")
-        else:
-            model.blocks[1].compile(backend="aot_eager")
-        engine, *_ = zengine.initialize(model=model, config=_config(stage, "fp32", 1))
+        elif how == "blocks in place":  # torchtitan's way: each block compiled on its own
+            for block in model.blocks:
+                block.compile(backend="aot_eager")
+        config = _config(stage, "fp32", 1)
+        if how == "config":
+            config["compile"] = {"enabled": True, "backend": "aot_eager"}
+        engine, *_ = zengine.initialize(model=model, config=config)
         with engine.no_sync():
             engine.backward(engine(x, x))
         engine.backward(engine(x, x))
@@ -272,7 +277,8 @@ def test_models_compiled_before_initialize_checkpoints_and_refusals(behaviour):
     assert r[("torch.compile", 2)]["units"] == ["<root>"]
     assert r[("torch.compile", 3)]["units"] == r[("in place", 3)]["units"] == [
         "tok_emb", "pos_emb", "blocks.0", "blocks.1", "ln_final", "head"]
-    assert r[("block in place", 3)]["units"] == ["blocks.1"]  # only what the user compiled
+    assert r[("blocks in place", 3)]["units"] == ["blocks.0", "blocks.1"]  # only what the user compiled
+    assert r[("config", 3)]["units"] == r[("in place", 3)]["units"] and r[("config", 3)]["compiled"]
     assert r["reloaded"] < 1e-6
     assert "schedule" in r["errors"][0] and "compiled_autograd_enabled" in r["errors"][1]
 

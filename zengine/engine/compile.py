@@ -143,16 +143,19 @@ class CompileMembers:
             self._compiled_units = []  # stages 0-2: torch's in-place compile stands as the user made it
             return
         if in_place:
-            contexts = {id(c): c for c in (_context_of(m._compiled_call_impl) for _, m in in_place)}
-            if None in contexts.values() or len(contexts) != 1:
-                names = ", ".join(name for name, _ in in_place)
-                raise CompileError(f"zengine.initialize: stage 3 cannot keep the in-place compile of {names} "
-                                   "(its compiled __call__ would hold the gather hooks, and its settings could "
-                                   "not be taken over); build the model uncompiled and call engine.compile(backend, "
-                                   "compile_kwargs) after initialize")
             outermost = [(n, m) for n, m in in_place
                          if not any(o is not m and m in set(o.modules()) for _, o in in_place)]
-            self._compile_with(next(iter(contexts.values())), outermost)
+            lost = [n for n, m in outermost if _context_of(m._compiled_call_impl) is None]
+            if lost:
+                raise CompileError(f"zengine.initialize: stage 3 cannot keep the in-place compile of "
+                                   f"{', '.join(lost)} (its compiled __call__ would hold the gather hooks, and its "
+                                   "settings could not be taken over); build the model uncompiled and call "
+                                   "engine.compile(backend, compile_kwargs) after initialize")
+            units = []
+            for name, m in outermost:  # each with its own settings (block.compile() per block makes one each)
+                self._compile_with(_context_of(m._compiled_call_impl), [(name, m)])
+                units += self._compiled_units
+            self._compiled_units = units
             return
         cfg = self.config.compile
         if cfg.enabled:
