@@ -58,8 +58,9 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(param_groups(model), lr=LR, betas=(0.9, 0.999), eps=1e-8)
 
 
-def config(stage: int, precision: str, world: int) -> dict:
-    """The DeepSpeed JSON config both engines read (same keys)."""
+def config(stage: int, precision: str, world: int, aligned: bool = False) -> dict:
+    """The DeepSpeed JSON config both engines read (same keys). ``aligned``: DeepSpeed's
+    ``parameter_alignment`` (each parameter padded to 16 bytes in its flat group; DeepSpeed only)."""
     cfg = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_accumulation_steps": 1,
@@ -70,6 +71,8 @@ def config(stage: int, precision: str, world: int) -> dict:
         "steps_per_print": 1000,
         "wall_clock_breakdown": False,
     }
+    if aligned:
+        cfg["zero_optimization"]["parameter_alignment"] = True
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
         if stage == 1:  # DeepSpeed's BF16_Optimizer (files named bf16_zero_pp_rank_*)

@@ -127,12 +127,12 @@ def _worst(got: dict, want: dict) -> float:
     return max((got[n].float().reshape(-1) - want[n].float().reshape(-1)).abs().max().item() for n in want)
 
 
-# world size -> [(fixture, stage)]: one process group per world size (W=3 costs most on 2 cores, so it
-# gets one); every fixture loads into another world size or stage, every zengine stage gets fp32 and bf16,
-# odd and even world sizes load into each other
+# world size -> [(fixture, stage)]: one process group per world size; every fixture loads into another world
+# size or stage, every zengine stage gets fp32 and bf16, odd and even world sizes load into each other, and
+# DeepSpeed's parameter_alignment padding (s2_bf16_w2_aligned) is read too
 CASES = {1: [("s3_bf16_w2", 1), ("s2_fp32_w2", 2), ("s1_bf16_w2", 2)],
          2: [("s3_fp32_w2", 1), ("s2_bf16_w2", 3), ("s2_fp32_w3", 3), ("s3_bf16_w3", 2)],
-         3: [("s1_fp32_w2", 3)]}
+         3: [("s1_fp32_w2", 3), ("s2_bf16_w2_aligned", 1)]}
 
 
 @pytest.fixture(scope="module")
