@@ -4,13 +4,13 @@ break, nothing recompiled after the second step, prefetch as in eager mode), and
 refused by name.
 
 Tolerances: with backend "aot_eager" the compiled graphs run the same ATen ops in the same order as eager
-mode, so fp32 matches to 1e-6 and bf16 to 1e-2 (a bf16 ulp at the parameters' magnitude: AOT autograd may
-order a bf16 gradient sum differently); inductor fuses and reorders fp32 arithmetic: 1e-5.
+mode: measured equal to the bit at every case here; allowed: 1e-6 in fp32 and 4e-3 in bf16 (one bf16 ulp at
+1.0, should AOT autograd order a bf16 sum differently). Inductor fuses and reorders fp32 arithmetic: 1e-5.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-import os
 import tempfile
 
 import pytest
@@ -28,7 +28,7 @@ from zengine.models.gpt import Block
 from zengine.zero.stage3.compiled import compile_targets
 
 MICRO, LR, STEPS = 2, 1e-2, 3
-TOL = {"fp32": 1e-6, "bf16": 1e-2}
+TOL = {"fp32": 1e-6, "bf16": 4e-3}
 
 
 class Counting:
@@ -73,8 +73,10 @@ def _train(engine, batches, gas):
     losses = []
     for batch in batches:
         for m in range(gas):
-            loss = engine(*micro_batch(batch, rank, world, MICRO, m))
-            engine.backward(loss)
+            # the micro-steps before the last accumulate under no_sync (reduced at the boundary backward)
+            with engine.no_sync() if m < gas - 1 else contextlib.nullcontext():
+                loss = engine(*micro_batch(batch, rank, world, MICRO, m))
+                engine.backward(loss)
             engine.step()
             losses.append(loss.item())
     with engine.summon_full_params(writeback=False):
@@ -100,23 +102,25 @@ def parity_cases(cases):
             losses, params = _train(engine, batches[:2], gas)
             settled = backend.graphs
             more_losses, params = _train(engine, batches[2:], gas)
-            results.append((losses + more_losses, params, backend.graphs - settled, len(engine.compiled_units)))
+            results.append((losses + more_losses, params, (backend.graphs, backend.graphs - settled),
+                            len(engine.compiled_units)))
             engine.destroy()
-        (eager_l, eager_p, _, _), (comp_l, comp_p, late, units) = results
-        out.append(dict(case=(stage, dtype, gas, offload, checkpointed), units=units, late_graphs=late,
+        (eager_l, eager_p, _, _), (comp_l, comp_p, (graphs, late), units) = results
+        out.append(dict(case=(stage, dtype, gas, offload, checkpointed), units=units, graphs=graphs, late_graphs=late,
                         loss=max(abs(a - b) for a, b in zip(eager_l, comp_l)),
                         param=max((eager_p[n] - comp_p[n]).abs().max().item() for n in eager_p)))
     return out
 
 
-CASES = [(0, "fp32", 1, False, False), (1, "bf16", 2, False, False), (2, "fp32", 2, False, True),
-         (2, "bf16", 1, True, False), (3, "fp32", 2, False, True), (3, "bf16", 1, True, False)]
+CASES = [(0, "fp32", 1, False, False), (1, "bf16", 2, True, False), (2, "fp32", 2, False, True),
+         (3, "fp32", 2, False, True), (3, "bf16", 1, True, False)]
 
 
 def test_compiled_matches_eager_at_every_stage():
     for r in spawn(parity_cases, 2, CASES)[0]:
+        print(r)  # the differences measured (pytest -s)
         stage, dtype = r["case"][:2]
-        assert r["units"] >= 1, r
+        assert r["units"] >= 1 and r["graphs"] >= 1, r  # compiled code ran
         assert r["late_graphs"] == 0, r  # nothing recompiled after the first two steps
         assert r["loss"] <= TOL[dtype] and r["param"] <= TOL[dtype], r
 
@@ -155,7 +159,8 @@ def gpt_blocks_run(leaf):
 def behaviour_runs(tmp):
     """The stage-3 and compiled-before runs in one pair of processes (process start and dynamo's import
     dominate their time)."""
-    return dict(blocks=gpt_blocks_run(True), external=external_read_run(), before=compiled_before_run(tmp))
+    return dict(blocks=gpt_blocks_run(True), external=external_read_run(), before=compiled_before_run(tmp),
+                inductor=inductor_run())
 
 
 @pytest.fixture(scope="module")
@@ -315,7 +320,7 @@ def inductor_run():
         engine, *_ = zengine.initialize(model=copy.deepcopy(model), config=_config(3, "fp32", 1))
         if compiled:
             engine.compile()  # inductor, the default
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
         losses = []
         for _ in range(3):
             loss = engine(x).pow(2).mean()
@@ -326,6 +331,6 @@ def inductor_run():
     return out
 
 
-def test_inductor_at_stage3():
-    eager, compiled = spawn(inductor_run, 1)[0]
+def test_inductor_at_stage3(behaviour):
+    eager, compiled = behaviour["inductor"]
     assert compiled == pytest.approx(eager, abs=1e-5)
