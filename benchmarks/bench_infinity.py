@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import zengine  # noqa: E402
 from zengine.models.gpt import GPT, GPTConfig  # noqa: E402
 from zengine.ops.aio import AsyncIO, SwapFile, aligned_empty  # noqa: E402
-from bench_zero import cpu_line, write_report  # noqa: E402
+from bench_zero import cpu_line, isa_caps, write_report  # noqa: E402
 
 GiB = 1 << 30
 # --variants: the precision sections of each ({} = fp32)
@@ -201,7 +201,8 @@ def main() -> None:
     x, y = tokens[:, :-1], tokens[:, 1:]
     results = {v: _train_variant(v, {**base, **VARIANTS[v]}, cfg, args, x, y) for v in variants}
     drive = 2 / (1 / drive_w + 1 / drive_r)  # reads and writes in equal measure
-    command = (f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')} python benchmarks/bench_infinity.py "
+    command = (" ".join(isa_caps() + [f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}"])
+               + " python benchmarks/bench_infinity.py "
                f"--layers {args.layers} --d-model {args.d_model} --steps {args.steps} --variants {','.join(variants)}")
     lines = [
         f"# ZeRO-Infinity, {datetime.date.today()}: {n_params / 1e9:.2f}B-parameter GPT on one process",

@@ -418,14 +418,30 @@ def cpu_line() -> str:
     """The CPU model, its bf16-relevant flags, and any variable that caps the ISA torch's kernels use."""
     from zengine.precision.cpu_matmul import choose_matmul_policy, cpu_flags
 
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    model = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):  # the model name, and the family/model numbers a VM's name may hide
+        info = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
+                    if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        model = f"{info.get('model name', model)}, family {info.get('cpu family', '?')} model {info.get('model', '?')}"
     flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags()) or "none known"
-    caps = " ".join(f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
-                                                      "MKL_ENABLE_INSTRUCTIONS") if k in os.environ)
+    caps = " ".join(isa_caps())
     auto = choose_matmul_policy("auto", torch.bfloat16, torch.device("cpu"))
     return (f"CPU: {model} ({flags}){'; ISA capped by ' + caps if caps else ''}; bf16.cpu_matmul \"auto\" "
             f"here: {auto.mode}.")
+
+
+def isa_caps() -> list[str]:
+    """``NAME=value`` of the set variables that cap the instruction sets torch's CPU kernels use (set them to
+    measure an AVX2 CPU's bf16 on a newer one: ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+    MKL_ENABLE_INSTRUCTIONS=AVX2)."""
+    return [f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+            if k in os.environ]
+
+
+def command_line() -> str:
+    """This run's command, with the variables that cap the CPU's instruction sets in front."""
+    return " ".join(isa_caps() + ["python", "benchmarks/bench_zero.py", *sys.argv[1:]])
 
 
 def precision_table(ok: dict, median: dict) -> list[str]:
@@ -487,7 +503,10 @@ def summarize(runs: dict[str, list[list[dict]]], args, notes: list[str]) -> str:
     header = [
         f"# ZeRO step time and memory, {datetime.datetime.now():%Y-%m-%d %H:%M}",
         "",
-        f"Model: bench20m() GPT, Ψ = {numel:,} parameters, fp32; the same byte windows for every contender, "
+        f"`{command_line()}`",
+        "",
+        f"Model: bench20m() GPT, Ψ = {numel:,} parameters, fp32 (bf16 where the name says); the same byte windows "
+        "for every contender, "
         f"micro batch {MICRO_BATCH} × seq {bench20m().seq_len}; {args.world} gloo ranks × 1 thread. "
         f"AdamW lr {LR}, betas {BETAS}, eps {EPS}, weight_decay {WEIGHT_DECAY}; no clipping, no LR schedule. "
         "Every contender steps torch's fused AdamW: the torch peers and DeepSpeed get "
