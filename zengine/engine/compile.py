@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..zero.stage3.compiled import CompiledForward, Compiler, compile_units, install
+from ..zero.stage3.leaf import z3_leaf_module
 
 logger = logging.getLogger("zengine")
 
@@ -81,6 +82,7 @@ class CompileMembers:
     module: nn.Module
     optimizer: Any
     config: Any
+    global_rank: int
     _compiled_units: Optional[list] = None  # the CompiledForward wrappers installed, once compiled
 
     @property
@@ -128,8 +130,14 @@ class CompileMembers:
             for name, m in roots or [("", self.module)]:
                 m._compiled_call_impl = None  # a compiled __call__ would hold the hooks
                 units += compile_units(m, hooks, compiler, "" if name == "<root>" else name)
-            logger.info("zengine: compile: stage 3 compiles %d gather unit(s) (the hooks stay outside): %s",
-                        len(units), ", ".join(u.name for u in units))
+            leafless = not any(z3_leaf_module(getattr(u.eager, "__self__", None)) for u in units)
+            if self.global_rank == 0:
+                logger.info("zengine: compile: stage 3 compiles %d gather unit(s) (the hooks stay outside): %s%s",
+                            len(units), ", ".join(u.name for u in units),
+                            "; no unit is a leaf, so only modules that own parameters compile and the code between "
+                            "them stays eager: mark the blocks as leaves (zengine.utils.set_z3_leaf_modules(model, "
+                            "[Block]) before initialize) to compile each block whole" if leafless and len(units) > 1
+                            else "")
         self._compiled_units = units
 
     def _compile_as_given(self, user_compiler: Optional[Compiler]) -> None:
