@@ -1,6 +1,6 @@
 """Bytes each rank's collectives move per optimizer step, measured, against the ZeRO formulas.
 
-    python benchmarks/bench_comm.py [--world 4] [--per-node 2] [--steps 4] [--stages 1,2,3]
+    python benchmarks/bench_comm.py [--world 4] [--per-node 2] [--steps 4] [--stages 1,2,3,3q]
 
 W gloo ranks as W / per-node "nodes" (``LOCAL_WORLD_SIZE``; 4 as 2 x 2 by default) train the main job's
 GPT (``zengine.models.tiny()``, fp32, AdamW, micro batch 4) for ``steps`` steps at each stage, after two
@@ -11,8 +11,9 @@ one rank sends on a ring, with stage 3's persistence threshold and reuse distanc
 parameter is gathered for the forward and again for the backward (with DeepSpeed's default reuse distance,
 1e9, a model this small stays gathered from its forward to its backward: one all-gather per step).
 
-The rows of ZeRO++ (hpZ, qwZ, qgZ) and MiCS that zengine does not implement yet are their formulas only, so
-that a later run can put measurements beside them. Results go to ``benchmarks/results/comm_<date>.md``.
+``3q`` is stage 3 with ZeRO++'s quantized weights (``zero_quantized_weights``: the parameter gathers as
+blockwise int8), with its loss after the run beside stage 3's. The rows of hpZ, qgZ and MiCS, which zengine
+does not implement yet, are their formulas only. Results go to ``benchmarks/results/comm_<date>.md``.
 """
 from __future__ import annotations
 
@@ -42,8 +43,10 @@ MICRO = 4
 # and all-gather the updated parameters; stage 3 gathers the parameters twice (forward and backward) and
 # reduce-scatters the gradients.
 # On gloo stage 3 also sums gradients with an all-reduce in place of the reduce-scatter (the same payload).
-FORMULA = {1: {"all_reduce": 1.0, "all_gather": 1.0}, 2: {"all_reduce": 1.0, "all_gather": 1.0},
-           3: {"all_gather": 2.0, "all_reduce": 1.0}}
+FORMULA = {"1": {"all_reduce": 1.0, "all_gather": 1.0}, "2": {"all_reduce": 1.0, "all_gather": 1.0},
+           "3": {"all_gather": 2.0, "all_reduce": 1.0},
+           # int8 + one fp32 scale per 256 elements, against the fp32 model's 4 bytes per element
+           "3q": {"all_gather": 2.0 * (1 + 4 / 256) / 4, "all_reduce": 1.0}}
 
 
 def rank_job(rank: int, world: int, per_node: int, port: int, args, out: str) -> None:
@@ -52,7 +55,8 @@ def rank_job(rank: int, world: int, per_node: int, port: int, args, out: str) ->
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
-    for stage in args.stages:
+    for name in args.stages:
+        stage = int(name[0])
         torch.manual_seed(0)
         cfg = tiny()
         model = GPT(cfg)
@@ -61,16 +65,17 @@ def rank_job(rank: int, world: int, per_node: int, port: int, args, out: str) ->
             "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                  "stage3_max_reuse_distance": 0}})
+                                  "stage3_max_reuse_distance": 0, "zero_quantized_weights": name.endswith("q")}})
         batches = iter(loader)
         for step in range(2 + args.steps):
             if step == 2:
                 engine.comm_stats(reset=True)
             x, y = next(batches)
-            engine.backward(engine(x, y))
+            loss = engine(x, y)
+            engine.backward(loss)
             engine.step()
         stats = engine.comm_stats(reset=True)
-        results[stage] = {"psi": psi, "stats": stats}
+        results[name] = {"psi": psi, "stats": stats, "loss": loss.item()}
         engine.destroy()
     if rank == 0:
         with open(out, "w") as f:
@@ -83,15 +88,15 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--per-node", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--stages", default="1,2,3")
+    parser.add_argument("--stages", default="1,2,3,3q")
     args = parser.parse_args()
-    args.stages = [int(s) for s in args.stages.split(",")]
+    args.stages = args.stages.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "comm.json")
         port = 29500 + os.getpid() % 1000
         mp.spawn(rank_job, args=(args.world, args.per_node, port, args, out), nprocs=args.world, join=True)
         with open(out) as f:
-            results = {int(k): v for k, v in json.load(f).items()}
+            results = json.load(f)
     report(args, results)
 
 
@@ -106,9 +111,10 @@ def report(args, results: dict) -> None:
              f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs. Command: "
              f"`python benchmarks/bench_comm.py --world {args.world} --per-node {args.per_node} "
              f"--steps {args.steps}`.", "",
-             "| stage | collective | group | calls / step | payload / step (Ψ) | formula (Ψ) | ring sent / step (Ψ) |",
-             "|---|---|---|---|---|---|---|"]
-    for stage, res in sorted(results.items()):
+             "| stage | collective | group | calls / step | payload / step (Ψ) | formula (Ψ) | ring sent / step (Ψ) | "
+             "loss at the end |",
+             "|---|---|---|---|---|---|---|---|"]
+    for stage, res in results.items():
         psi, stats = res["psi"], res["stats"]
         for kind, per in stats.items():
             for collective, v in per.items():
@@ -116,11 +122,12 @@ def report(args, results: dict) -> None:
                 lines.append(f"| {stage} | {collective} | {kind} | {v['calls'] / args.steps:.1f} | "
                              f"{v['bytes'] / args.steps / psi:.3f} | "
                              f"{'' if expected is None else f'{expected:.2f}'} | "
-                             f"{v['ring_bytes'] / args.steps / psi:.3f} |")
+                             f"{v['ring_bytes'] / args.steps / psi:.3f} | |")
         total = traffic.total(stats) / args.steps / psi
-        lines.append(f"| {stage} | **all** | | | **{total:.3f}** | {sum(FORMULA.get(stage, {}).values()):.2f} | |")
-    lines += ["", "ZeRO++ and MiCS, formulas only (not implemented yet; inter-node payload per step in Ψ of a "
-              "2-byte model, stage 3): plain 3.0 (forward and backward all-gather, reduce-scatter); qwZ (int8 "
+        lines.append(f"| {stage} | **all** | | | **{total:.3f}** | {sum(FORMULA.get(stage, {}).values()):.2f} | | "
+                     f"{res['loss']:.4f} |")
+    lines += ["", "ZeRO++ and MiCS formulas (inter-node payload per step in Ψ of a 2-byte model, stage 3; qwZ is "
+              "measured above as 3q, the others are not implemented yet): plain 3.0 (forward and backward all-gather, reduce-scatter); qwZ (int8 "
               "weights in the forward all-gather) 2.5; hpZ (backward all-gather inside the node) 2.0; qgZ (int4 "
               "gradient reduce-scatter) replaces 1.0 by 0.25; qwZ + hpZ + qgZ 0.75 (4x less); MiCS with shards "
               "inside a node: 2(R-1)/R x Ψ/s for the gradient all-reduce across R replicas of s-rank groups."]

@@ -106,7 +106,6 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _flag("bf16.bf16_master_weights_and_grads", "bf16 master weights", False),
     _flag("bf16.bf16_optimizer_states", "bf16 optimizer states", False),
     # ZeRO sub-keys that change the numbers (quantized or hierarchical ZeRO++, MiCS, ZenFlow).
-    _flag("zero_optimization.zero_quantized_weights", "ZeRO++ quantized weights", False),
     _flag("zero_optimization.zero_quantized_nontrainable_weights", "ZeRO++ quantized frozen weights", False),
     _flag("zero_optimization.zero_quantized_gradients", "ZeRO++ quantized gradients", False),
     _flag("zero_optimization.zero_hpz_partition_size", "ZeRO++ hierarchical partitioning", 1),

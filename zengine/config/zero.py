@@ -119,6 +119,10 @@ class ZeroConfig(_Section):
                                                                                "weights when saving the model.")
     leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig,
                                           description="Stage-3 leaf modules (data-dependent execution).")
+    zero_quantized_weights: Flag = Field(False, description=(
+        "ZeRO++ qwZ: stage 3's parameter gathers for compute travel as blockwise int8 with an fp32 scale per "
+        "256 elements (a quarter of fp32's bytes, half of bf16's); shards, masters and the gathers handed to "
+        "the user stay exact."))
     stage3_debug_fetch_order: Flag = Field(False, description=(
         "zengine only: every rank records the sequence of stage-3 parameter fetches of the first step and "
         "the ranks compare them, naming the first parameter where they diverge. A diverging order "
@@ -157,6 +161,9 @@ class ZeroConfig(_Section):
         if self.offload_param.enabled and self.stage < 3:
             problems.append(f"offload_param.device: parameter offload ({self.offload_param.device!r}) needs "
                             f"stage 3; stage is {self.stage}")
+        if self.zero_quantized_weights and self.stage < 3:
+            problems.append(f"zero_quantized_weights: quantized parameter gathers (ZeRO++) need stage 3; stage is "
+                            f"{self.stage}")
         if self.offload_optimizer.enabled and self.stage == 0:
             problems.append(f"offload_optimizer.device: optimizer offload ({self.offload_optimizer.device!r}) "
                             f"needs stage 1, 2 or 3; stage is 0")

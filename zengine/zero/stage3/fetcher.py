@@ -45,6 +45,7 @@ import torch
 from ...distributed import collectives, diagnose
 from ...offload.copies import device_streams
 from .param import ParamState, ShardedParam
+from .quantized import ExactGather, gather_codec
 
 logger = logging.getLogger("zengine")
 _LABEL_BYTES = 1024
@@ -67,6 +68,7 @@ class _Pending:
     def __init__(self, params: list[ShardedParam], staging: torch.Tensor, works: list, direct: bool = False,
                  tag: Optional[torch.Tensor] = None):
         self.params, self.staging, self.works, self.direct, self.tag = params, staging, works, direct, tag
+        self.decode = None  # a quantized gather: turns the received rows back into the compute dtype
 
 
 def _tag_row(crc: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -149,6 +151,9 @@ class Fetcher:
         self._seq = 0
         self.swap = swap  # offload_param nvme: the ParamSwap whose reads follow the trace ahead of the gathers
         self.check = FetchCheck(device)
+        # how gathers for compute travel (zero_quantized_weights: int8); gathers for the user stay exact
+        self.exact = ExactGather()
+        self.codec = gather_codec(zero_cfg) if world > 1 else self.exact
         self._host_reads = None  # event after the latest uploads from host shards (_note_host_reads)
         position = weakref.WeakMethod(self._position)  # the registry must not keep an old engine alive
         diagnose.register_position("stage 3", lambda: position()() if position() is not None else "")
@@ -187,8 +192,9 @@ class Fetcher:
             self.swap.forget_prefetched()
 
     # -- fetch and release ----------------------------------------------------------------------
-    def fetch(self, params: Sequence[ShardedParam], tag: str) -> None:
-        """Make ``params`` whole; ranks must call this in the same order."""
+    def fetch(self, params: Sequence[ShardedParam], tag: str, exact: bool = False) -> None:
+        """Make ``params`` whole; ranks must call this in the same order. ``exact``: never quantized (for the
+        user's own use of the whole parameters)."""
         self._note(params, tag)
         todo = [sp for sp in params if sp.state is ParamState.SHARDED and id(sp) not in self._pending]
         waiting = {id(self._pending[id(sp)]): self._pending[id(sp)] for sp in params if id(sp) in self._pending}
@@ -197,7 +203,7 @@ class Fetcher:
         if todo:
             if self.debug:
                 self._check_order(todo, tag)
-            self._finish(self._start(todo, tag))
+            self._finish(self._start(todo, tag, exact=exact))
         for sp in params:
             if not sp.persistent:
                 sp.holders += 1
@@ -224,7 +230,7 @@ class Fetcher:
         self._free_staging = []
 
     # -- collectives ----------------------------------------------------------------------------
-    def _start(self, params: list[ShardedParam], label: str, refresh: bool = False) -> _Pending:
+    def _start(self, params: list[ShardedParam], label: str, refresh: bool = False, exact: bool = False) -> _Pending:
         total = sum(sp.chunk for sp in params)
         dtype, device = params[0].full.dtype, params[0].full.device
         # One parameter: its full storage [world * chunk] is already laid out rank-major, so the gather lands
@@ -253,11 +259,13 @@ class Fetcher:
                     sp.store.give_back(sp)
                 col += sp.chunk
             self._note_host_reads(staging)
+        codec = self.exact if (refresh or exact) else self.codec
         try:
-            works = collectives.all_gather_rows(staging, self.rank, self.comm_group, async_op=True)
+            works, coded = codec.start(staging, total, self.rank, self.comm_group)
         except RuntimeError as e:
-            raise self._gather_failed(params, e) from e
+            raise gather_failed(params, self.rank, self.check.issued_count, e) from e
         pending = _Pending(params, staging, works, direct, tag)
+        pending.decode = (lambda: codec.finish(staging, total, coded)) if codec.quantized else None
         if not refresh:
             for sp in params:
                 self._pending[id(sp)] = pending
@@ -268,7 +276,10 @@ class Fetcher:
             for w in pending.works:
                 w.wait()
         except RuntimeError as e:
-            raise self._gather_failed(pending.params, e) from e
+            raise gather_failed(pending.params, self.rank, self.check.issued_count, e) from e
+        if pending.decode is not None:
+            pending.decode()
+            pending.decode = None
         if pending.tag is not None:
             self.check.compare(pending.staging[:, -_TAG:], pending.tag)
         col = 0
@@ -398,18 +409,12 @@ class Fetcher:
         ``raise_fetches_diverged``)."""
         raise_fetches_diverged(self.check, self.device, self.comm_group, self.world)
 
-    def _exchange_labels(self, label: str) -> list[str]:
-        return exchange_labels(label, self.device, self.comm_group, self.world)
-
     def _position(self) -> str:
         """For a failed collective's report: this rank's latest gather."""
         if not self.check.log:
             return ""
         _, label, params = self.check.log[-1]
         return f"latest stage-3 gather {self.check.issued_count}: {label} [{', '.join(sp.name for sp in params)}]"
-
-    def _gather_failed(self, params: list[ShardedParam], error: RuntimeError) -> BaseException:
-        return gather_failed(params, self.rank, self.check.issued_count, error)
 
     # -- debug ----------------------------------------------------------------------------------
     def _check_order(self, params: list[ShardedParam], tag: str) -> None:
@@ -418,7 +423,7 @@ class Fetcher:
         digest = torch.tensor([zlib.crc32(label.encode())], dtype=torch.int64).to(self.device)
         everyone = collectives.all_gather_small(digest, self.comm_group).view(-1).tolist()  # a debug mode: a host read is fine
         if any(d != everyone[self.rank] for d in everyone):
-            labels = self._exchange_labels(label)
+            labels = exchange_labels(label, self.device, self.comm_group, self.world)
             lines = "\n".join(f"  rank {r}: {lab}" for r, lab in enumerate(labels))
             raise FetchOrderError(f"stage 3: ranks diverged at parameter fetch {self._seq}; each rank was about "
                                   f"to gather:\n{lines}\nThe ranks ran different modules (data-dependent control "

@@ -152,7 +152,8 @@ class Stage3Optimizer(ZeroOptimizer):
         # TRL's fused loss does): the external-use mode must not take our parameter swaps for a user's reads.
         with self.module_hooks.own_work():
             self.fetcher.gather_now([sp for sp in params if sp.state is ParamState.GATHERED])
-            self.fetcher.fetch([sp for sp in params if sp.state is ParamState.SHARDED], "gathered parameters")
+            self.fetcher.fetch([sp for sp in params if sp.state is ParamState.SHARDED], "gathered parameters",
+                               exact=True)
         for sp in params:
             sp.pinned = True
         saved = {}

@@ -1,0 +1,86 @@
+"""How a stage-3 gather moves its rows: exact, or as blockwise int8 (ZeRO++'s ``zero_quantized_weights``).
+
+A gather's staging buffer is ``[world, n (+ tag)]`` in the compute dtype; each rank fills its own row. The
+exact codec all-gathers those rows as they are. ``Int8Gather`` sends each row as int8 values with one fp32
+scale per block of ``BLOCK`` elements (scale = the block's largest magnitude / 127, values rounded to the
+nearest step): a quarter of fp32's bytes, half of bf16's, plus 4 bytes per block. After the gather every
+row, this rank's included, is the dequantized one, so every rank computes with the same weights. The
+error of an element is at most half a step, ``max|block| / 254``. The fetch check's tag columns travel
+exactly beside the scales.
+
+Only the gathers that feed compute are quantized: the masters and shards stay exact, and the gathers that
+hand parameters to the user (``summon_full_params``, ``GatheredParameters``, the re-gather after a step of
+parameters that stay whole) are exact.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...distributed import collectives
+
+BLOCK = 256  # elements per scale (DeepSpeed's ZeRO++ quantizes in groups too; smaller: finer, more scales)
+
+
+class ExactGather:
+    """All-gather the staging rows as they are."""
+
+    quantized = False
+
+    def start(self, staging: torch.Tensor, ncols: int, rank: int, group) -> tuple[list, object]:
+        return collectives.all_gather_rows(staging, rank, group, async_op=True), None
+
+    def finish(self, staging: torch.Tensor, ncols: int, state) -> None:
+        pass
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ([n], float) as (int8 [blocks * BLOCK], fp32 scales [blocks]), zero-padded to whole blocks."""
+    n = x.numel()
+    blocks = -(-n // BLOCK)
+    padded = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=x.device)  # [blocks * BLOCK]
+    padded[:n].copy_(x)
+    view = padded.view(blocks, BLOCK)
+    scales = view.abs().amax(dim=1).div_(127.0)  # [blocks]
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = view.div_(safe.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8)
+    return q.view(-1), scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, n: int, out: torch.Tensor) -> None:
+    """Rows of int8 ``q`` ([rows, blocks * BLOCK]) times their ``scales`` ([rows, blocks]) into ``out``
+    ([rows, >= n], any float dtype), columns [0, n)."""
+    rows, blocks = scales.shape
+    values = q.view(rows, blocks, BLOCK).to(torch.float32).mul_(scales.unsqueeze(2))  # [rows, blocks, BLOCK]
+    out[:, :n].copy_(values.view(rows, -1)[:, :n])
+
+
+class Int8Gather:
+    """All-gather the staging rows as blockwise int8 with fp32 scales (see the module doc)."""
+
+    quantized = True
+
+    def start(self, staging: torch.Tensor, ncols: int, rank: int, group) -> tuple[list, object]:
+        world, width = staging.shape
+        blocks = -(-ncols // BLOCK)
+        extra = width - ncols  # the fetch check's tag columns: sent exactly, after the scales
+        q = torch.empty(world, blocks * BLOCK, dtype=torch.int8, device=staging.device)  # [world, blocks * BLOCK]
+        side = torch.empty(world, blocks + extra, dtype=torch.float32, device=staging.device)  # [world, blocks + tag]
+        mine_q, mine_scales = quantize(staging[rank, :ncols])
+        q[rank].copy_(mine_q)
+        side[rank, :blocks].copy_(mine_scales)
+        if extra:
+            side[rank, blocks:].copy_(staging[rank, ncols:])
+        works = collectives.all_gather_rows(q, rank, group, async_op=True)
+        works += collectives.all_gather_rows(side, rank, group, async_op=True)
+        return works, (q, side, blocks)
+
+    def finish(self, staging: torch.Tensor, ncols: int, state) -> None:
+        q, side, blocks = state
+        dequantize(q, side[:, :blocks], ncols, staging)
+        if side.shape[1] > blocks:
+            staging[:, ncols:].copy_(side[:, blocks:])
+
+
+def gather_codec(zero_cfg) -> "ExactGather | Int8Gather":
+    """The codec the config asks for (``zero_quantized_weights``)."""
+    return Int8Gather() if getattr(zero_cfg, "zero_quantized_weights", False) else ExactGather()
