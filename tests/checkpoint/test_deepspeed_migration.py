@@ -355,6 +355,28 @@ def test_deepspeed_checkpoint_to_safetensors(tmp_path):
     assert all(torch.equal(model.get_parameter(n).detach(), t.float()) for n, t in ref["frozen_at_save"].items())
 
 
+def test_fp16_export_keeps_dynamic_loss_scaling(runs, tmp_path):
+    """DeepSpeed replaces its loss scaler with the file's: an fp16 export must carry a dynamic one, with the
+    config's window, hysteresis and floor (a static scale would silently end dynamic scaling)."""
+    _, _, save_dir = runs(2)
+    cfg = config(2, "fp32", 2)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 50, "hysteresis": 3,
+                   "min_loss_scale": 0.5}
+    out = export_deepspeed_checkpoint(os.path.join(save_dir, "s3_fp32_w2"), str(tmp_path / "ds"), 2, cfg)
+    saved = load_ds_file(os.path.join(out, "zero_pp_rank_1_mp_rank_00_optim_states.pt"))["optimizer_state_dict"]
+    scaler = saved["loss_scaler"]
+    assert scaler.ds_class == "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler" and saved["dynamic_loss_scale"]
+    assert {k: scaler.get(k) for k in ("cur_scale", "scale_window", "delayed_shift", "cur_hysteresis", "min_scale",
+                                       "cur_iter", "dynamic")} == {
+        "cur_scale": 4096.0, "scale_window": 50, "delayed_shift": 3, "cur_hysteresis": 3, "min_scale": 0.5,
+        "cur_iter": 0, "dynamic": True}
+    if importlib.util.find_spec("deepspeed") is not None:  # DeepSpeed's own class comes back, with them
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+        real = torch.load(os.path.join(out, "zero_pp_rank_1_mp_rank_00_optim_states.pt"), weights_only=False)
+        real = real["optimizer_state_dict"]["loss_scaler"]
+        assert isinstance(real, DynamicLossScaler) and real.loss_scale == 4096.0 and real.scale_window == 50
+
+
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                     reason="DeepSpeed is not installed: run this file with the venv that make_fixtures.py describes")
 def test_deepspeed_continues_from_zengine_export(runs, tmp_path):

@@ -8,7 +8,9 @@ reader uses), the optimizer's hyper-parameters and ``step``, the module's state_
 dtype, tied names, frozen parameters, LR scheduler, counters and client_state. DeepSpeed then continues
 with ``engine.load_checkpoint(save_dir)`` on that many ranks (it cannot change the world size of a ZeRO
 checkpoint itself). DeepSpeed's own objects in the files (loss scaler, ZeRO stage) are written under
-DeepSpeed's class names without DeepSpeed installed (ds_pickle.py).
+DeepSpeed's class names without DeepSpeed installed (ds_pickle.py); DeepSpeed takes the file's loss
+scaler for its own, so an fp16 config gets a dynamic one built from its fp16 section (with zengine's
+scale and counters when zengine trained in fp16 with a dynamic scale).
 
 The flat order of each group is the order of the engine's optimizer group, which is the order of the
 param group given to ``initialize``: DeepSpeed builds the same order from the same param groups
@@ -34,6 +36,7 @@ from .reader import CheckpointReader
 DS_VERSION = "0.19.8"  # the DeepSpeed whose layout this writes (and the one zengine's surface follows)
 _STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"
 _LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+_DYNAMIC_SCALER = "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
 
 
 class DeepSpeedExportError(ValueError):
@@ -148,14 +151,14 @@ class _Writer:
         optimizer = {"state": {g: s for g, s in states.items() if s}, "param_groups": groups}
         if self.stage == 3:
             sd = {"zero_stage": make(_STAGE_ENUM, 3), "loss_scaler": self._loss_scaler(),
-                  "dynamic_loss_scale": False, "overflow": False, "partition_count": self.world,
+                  "dynamic_loss_scale": self._dynamic(), "overflow": False, "partition_count": self.world,
                   "optimizer_state_dict": optimizer, "fp32_flat_groups": masters}
         elif self.bf16_optimizer:
             sd = {"clip_grad": float(self.config.get("gradient_clipping", 0.0)), "base_optimizer_state": optimizer,
                   "single_partition_of_fp32_groups": masters, "group_paddings": paddings,
                   "partition_count": [self.world] * len(masters), "ds_version": DS_VERSION}
         else:
-            sd = {"loss_scaler": self._loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
+            sd = {"loss_scaler": self._loss_scaler(), "dynamic_loss_scale": self._dynamic(), "overflow": False,
                   "clip_grad": float(self.config.get("gradient_clipping", 0.0)), "base_optimizer_state": optimizer,
                   "single_partition_of_fp32_groups": masters, "zero_stage": make(_STAGE_ENUM, self.stage),
                   "group_paddings": paddings, "param_alignment_paddings": [[0] * len(g) for g in self.groups],
@@ -163,8 +166,26 @@ class _Writer:
         return {"optimizer_state_dict": sd, "ds_config": self.config, "ds_version": DS_VERSION}
 
     def _loss_scaler(self):
-        scale = float(self.state.get("loss_scaler", {}).get("scale", 1.0))
-        return make(_LOSS_SCALER, cur_scale=scale, dynamic=False)
+        """DeepSpeed's scaler for the target precision (it replaces its own with the one in the file): a
+        static scale, or fp16's dynamic one carrying zengine's scale and counters when it had them."""
+        fp16 = self.config.get("fp16") or {}
+        saved = self.state.get("loss_scaler") or {}
+        if not fp16.get("enabled") or fp16.get("loss_scale", 0) > 0:
+            return make(_LOSS_SCALER, cur_scale=float(fp16.get("loss_scale", 0) or 1.0), dynamic=False)
+        dynamic = "iteration" in saved  # zengine trained in fp16 with a dynamic scale: carry it over
+        hysteresis = int(fp16.get("hysteresis", 2))
+        return make(_DYNAMIC_SCALER,
+                    cur_scale=float(saved["scale"]) if dynamic else 2.0 ** fp16.get("initial_scale_power", 16),
+                    cur_iter=int(saved.get("iteration", 0)),
+                    last_overflow_iter=int(saved.get("last_overflow_iteration", -1)), scale_factor=2.0,
+                    scale_window=int(fp16.get("loss_scale_window", 1000)),
+                    min_scale=float(fp16.get("min_loss_scale", 1)), delayed_shift=hysteresis,
+                    cur_hysteresis=int(saved.get("hysteresis_left", hysteresis)),
+                    consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)),
+                    raise_error_at_min_scale=True, dynamic=True, dtype=torch.float16)
+
+    def _dynamic(self) -> bool:
+        return self._loss_scaler().ds_class == _DYNAMIC_SCALER
 
     def _whole(self, name: str) -> torch.Tensor:
         entry = self.meta["params"][name]
