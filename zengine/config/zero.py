@@ -119,6 +119,10 @@ class ZeroConfig(_Section):
                                                                                "weights when saving the model.")
     leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig,
                                           description="Stage-3 leaf modules (data-dependent execution).")
+    zero_hpz_partition_size: Count = Field(1, description=(
+        "ZeRO++ hpZ: ranks per group of consecutive ranks (a node: its GPU count) that keep a secondary shard "
+        "of each parameter gathered in the forward, so that the backward gathers inside the group; 1: off. "
+        "Stage 3 only; must divide the data-parallel world size."))
     zero_quantized_weights: Flag = Field(False, description=(
         "ZeRO++ qwZ: stage 3's parameter gathers for compute travel as blockwise int8 with an fp32 scale per "
         "256 elements (a quarter of fp32's bytes, half of bf16's); shards, masters and the gathers handed to "
@@ -161,6 +165,9 @@ class ZeroConfig(_Section):
         if self.offload_param.enabled and self.stage < 3:
             problems.append(f"offload_param.device: parameter offload ({self.offload_param.device!r}) needs "
                             f"stage 3; stage is {self.stage}")
+        if self.zero_hpz_partition_size > 1 and self.stage < 3:
+            problems.append(f"zero_hpz_partition_size: hierarchical partitioning (ZeRO++ hpZ) needs stage 3; stage "
+                            f"is {self.stage}")
         if self.zero_quantized_weights and self.stage < 3:
             problems.append(f"zero_quantized_weights: quantized parameter gathers (ZeRO++) need stage 3; stage is "
                             f"{self.stage}")

@@ -21,6 +21,7 @@ from ..init import warn_lost_writes
 from ..masters import make_master_store
 from ..optimizer import Ranks, StepRules
 from .fetcher import Fetcher
+from .hierarchical import secondary_partition
 from .grads import Stage3Gradients, SwappedStage3Gradients
 from .leaf import mark_from_config
 from .group import ShardedParamGroup
@@ -57,7 +58,8 @@ def build_stage3_optimizer(module: nn.Module, config, named_groups: Sequence, ma
     members = [[lookup(p) for _, p in named] for named, _ in named_groups]
     placement = make_placement(zero_cfg, ranks.device, dtype, config.aio, [[sp.chunk for sp in sps] for sps in members])
     home = placement.params
-    fetcher = Fetcher(zero_cfg, ranks.world, ranks.rank, ranks.device, ranks.group, swap=home.swap)
+    fetcher = Fetcher(zero_cfg, ranks.world, ranks.rank, ranks.device, ranks.group, swap=home.swap,
+                      hpz=secondary_partition(zero_cfg, ranks.world, ranks.rank))
     align = placement.alignment(dtype)
     groups = [ShardedParamGroup(sps, hyper, dtype, home.shard_device, fetcher.gather_now, home.pin, home.swap, align)
               for sps, (_, hyper) in zip(members, named_groups)]

@@ -44,6 +44,7 @@ import torch
 
 from ...distributed import collectives, diagnose
 from ...offload.copies import device_streams
+from .hierarchical import SecondaryPartition
 from .param import ParamState, ShardedParam
 from .quantized import ExactGather, gather_codec
 
@@ -69,6 +70,7 @@ class _Pending:
                  tag: Optional[torch.Tensor] = None):
         self.params, self.staging, self.works, self.direct, self.tag = params, staging, works, direct, tag
         self.decode = None  # a quantized gather: turns the received rows back into the compute dtype
+        self.widths: Optional[list[int]] = None  # a gather from the node's secondary shards: columns per param
 
 
 def _tag_row(crc: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -131,8 +133,10 @@ class FetchCheck:
 class Fetcher:
     """Gathers and releases sharded parameters for the hooks; keeps the live-element count."""
 
-    def __init__(self, zero_cfg, world: int, rank: int, device: torch.device, comm_group=None, swap=None):
+    def __init__(self, zero_cfg, world: int, rank: int, device: torch.device, comm_group=None, swap=None,
+                 hpz: Optional[SecondaryPartition] = None):
         self.world, self.rank, self.comm_group = world, rank, comm_group
+        self.hpz = hpz  # zero_hpz_partition_size: backward gathers from the node's secondary shards
         self.device = device  # the compute device: the debug check's messages travel there
         self.prefetch_numel = int(zero_cfg.stage3_prefetch_bucket_size)
         self.max_live = int(zero_cfg.stage3_max_live_parameters)
@@ -172,6 +176,8 @@ class Fetcher:
         self._recording = []
         self._record = training and self.trace is None
         self._following = training and self.trace is not None
+        if self.hpz is not None:
+            self.hpz.active = training
         if self.swap is not None:
             self.swap.check()
 
@@ -182,6 +188,9 @@ class Fetcher:
         self._recording = []
         self._record = self._following = False
         self.drain()
+        if self.hpz is not None:
+            self.hpz.forget()
+            self.hpz.active = False
 
     def drain(self) -> None:
         """Finish every gather in flight (a prefetch nobody used) and drop the staging storage."""
@@ -202,7 +211,7 @@ class Fetcher:
             self._finish(pending)
         if todo:
             if self.debug:
-                self._check_order(todo, tag)
+                _check_order(self, todo, tag)
             self._finish(self._start(todo, tag, exact=exact))
         for sp in params:
             if not sp.persistent:
@@ -231,6 +240,8 @@ class Fetcher:
 
     # -- collectives ----------------------------------------------------------------------------
     def _start(self, params: list[ShardedParam], label: str, refresh: bool = False, exact: bool = False) -> _Pending:
+        if self.hpz is not None and not (refresh or exact) and self.hpz.ready(params):
+            return self._start_secondary(params, label)
         total = sum(sp.chunk for sp in params)
         dtype, device = params[0].full.dtype, params[0].full.device
         # One parameter: its full storage [world * chunk] is already laid out rank-major, so the gather lands
@@ -243,21 +254,7 @@ class Fetcher:
         staging = params[0].allocate() if direct else self._staging(total + (_TAG if tag is not None else 0), dtype, device)
         if tag is not None:
             staging[self.rank, total:].copy_(tag)
-        for sp in params:  # shards on NVMe: every read in flight at once
-            if sp.shard is None:
-                sp.store.start_read(sp)
-        if not direct and all(sp.shard is not None and sp.shard.device == device for sp in params):
-            # shards on the device: one multi-tensor copy into this rank's row rather than a launch per shard
-            mine = staging[self.rank, :total].split([sp.chunk for sp in params])
-            torch._foreach_copy_(list(mine), [sp.shard for sp in params])
-        else:
-            col = 0
-            for sp in params:
-                source = sp.shard if sp.shard is not None else sp.store.take(sp)  # host memory with offload_param
-                staging[self.rank, col:col + sp.chunk].copy_(source, non_blocking=True)
-                if sp.shard is None:
-                    sp.store.give_back(sp)
-                col += sp.chunk
+        if not _fill_row(staging[self.rank, :total], params, direct, device):
             self._note_host_reads(staging)
         codec = self.exact if (refresh or exact) else self.codec
         try:
@@ -282,13 +279,16 @@ class Fetcher:
             pending.decode = None
         if pending.tag is not None:
             self.check.compare(pending.staging[:, -_TAG:], pending.tag)
-        col = 0
-        for sp in pending.params:
+        col, rows = 0, pending.staging.shape[0]
+        for i, sp in enumerate(pending.params):
             self._pending.pop(id(sp), None)
             was_sharded = sp.state is ParamState.SHARDED
+            width = sp.chunk if pending.widths is None else pending.widths[i]
             if not pending.direct:
-                sp.allocate().copy_(pending.staging[:, col:col + sp.chunk])
-            col += sp.chunk
+                sp.allocate().view(rows, width).copy_(pending.staging[:, col:col + width])
+            col += width
+            if self.hpz is not None and pending.widths is None:
+                self.hpz.keep(sp)  # in a training forward: this rank's piece for the backward's gather
             if was_sharded:
                 sp.state = ParamState.GATHERED
                 if not sp.persistent:
@@ -298,6 +298,18 @@ class Fetcher:
         if not pending.direct:  # a parameter's own storage is not staging to reuse
             self._free_staging.append(pending.staging.view(-1))
         pending.staging = None
+
+    def _start_secondary(self, params: list[ShardedParam], label: str) -> _Pending:
+        """hpZ: gather ``params`` from the node's secondary shards (hierarchical.py)."""
+        crc, _ = self.check.unit(params, params[0].full.dtype, params[0].full.device, staged=False)
+        self.check.issued(crc, label, params)
+        widths = self.hpz.widths(params)
+        staging = torch.empty(self.hpz.size, sum(widths), dtype=params[0].full.dtype, device=params[0].full.device)
+        pending = _Pending(params, staging, self.hpz.start(params, staging))
+        pending.widths = widths
+        for sp in params:
+            self._pending[id(sp)] = pending
+        return pending
 
     def _staging(self, total: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A [world, total] buffer carved from released staging storage when one fits (no fresh pages)."""
@@ -343,7 +355,7 @@ class Fetcher:
                 if size > budget or self.live_numel + self._pending_numel() + size > self.max_live:
                     break
                 if self.debug:
-                    self._check_order(todo, self.trace[pos][0][0] + " (prefetch)")
+                    _check_order(self, todo, self.trace[pos][0][0] + " (prefetch)")
                 self._start(todo, self.trace[pos][0][0] + " (prefetch)")
                 budget -= size
             pos += 1
@@ -416,18 +428,38 @@ class Fetcher:
         _, label, params = self.check.log[-1]
         return f"latest stage-3 gather {self.check.issued_count}: {label} [{', '.join(sp.name for sp in params)}]"
 
-    # -- debug ----------------------------------------------------------------------------------
-    def _check_order(self, params: list[ShardedParam], tag: str) -> None:
-        self._seq += 1
-        label = f"#{self._seq} {tag} [{', '.join(sp.name for sp in params)}]"
-        digest = torch.tensor([zlib.crc32(label.encode())], dtype=torch.int64).to(self.device)
-        everyone = collectives.all_gather_small(digest, self.comm_group).view(-1).tolist()  # a debug mode: a host read is fine
-        if any(d != everyone[self.rank] for d in everyone):
-            labels = exchange_labels(label, self.device, self.comm_group, self.world)
-            lines = "\n".join(f"  rank {r}: {lab}" for r, lab in enumerate(labels))
-            raise FetchOrderError(f"stage 3: ranks diverged at parameter fetch {self._seq}; each rank was about "
-                                  f"to gather:\n{lines}\nThe ranks ran different modules (data-dependent control "
-                                  f"flow?); every rank must run the same modules in the same order.")
+def _check_order(self: "Fetcher", params: list[ShardedParam], tag: str) -> None:
+    """stage3_debug_fetch_order: before a fetch, the ranks compare what they are about to gather."""
+    self._seq += 1
+    label = f"#{self._seq} {tag} [{', '.join(sp.name for sp in params)}]"
+    digest = torch.tensor([zlib.crc32(label.encode())], dtype=torch.int64).to(self.device)
+    everyone = collectives.all_gather_small(digest, self.comm_group).view(-1).tolist()  # a debug mode: a host read is fine
+    if any(d != everyone[self.rank] for d in everyone):
+        labels = exchange_labels(label, self.device, self.comm_group, self.world)
+        lines = "\n".join(f"  rank {r}: {lab}" for r, lab in enumerate(labels))
+        raise FetchOrderError(f"stage 3: ranks diverged at parameter fetch {self._seq}; each rank was about "
+                              f"to gather:\n{lines}\nThe ranks ran different modules (data-dependent control "
+                              f"flow?); every rank must run the same modules in the same order.")
+
+
+def _fill_row(row: torch.Tensor, params: list[ShardedParam], direct: bool, device: torch.device) -> bool:
+    """This rank's chunks of ``params`` into its ``row`` of a gather. True when they all came from shards on
+    the device; else some came from host memory or NVMe (offload_param) and the caller notes the reads."""
+    for sp in params:  # shards on NVMe: every read in flight at once
+        if sp.shard is None:
+            sp.store.start_read(sp)
+    if not direct and all(sp.shard is not None and sp.shard.device == device for sp in params):
+        # shards on the device: one multi-tensor copy into this rank's row rather than a launch per shard
+        torch._foreach_copy_(list(row.split([sp.chunk for sp in params])), [sp.shard for sp in params])
+        return True
+    col = 0
+    for sp in params:
+        source = sp.shard if sp.shard is not None else sp.store.take(sp)  # host memory with offload_param
+        row[col:col + sp.chunk].copy_(source, non_blocking=True)
+        if sp.shard is None:
+            sp.store.give_back(sp)
+        col += sp.chunk
+    return False
 
 
 # -- the failure path of the gather check: one exchange, then the error -------------------------------
