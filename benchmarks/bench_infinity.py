@@ -137,7 +137,8 @@ def _train_variant(name: str, config: dict, cfg: GPTConfig, args, x, y) -> tuple
     for step in range(args.steps):
         row = _step_row(engine, x, y, step + 1)
         rows.append(row)
-        print(f"[{name}] step {row['step']}: loss {row['loss']:.4f}  fwd+bwd {row['fwd_bwd_s']:.1f} s (waited "
+        print(f"[{name}] step {row['step']}: loss {row['loss']:.4f}  fwd+bwd {row['fwd_bwd_s']:.1f} s "
+              f"({row['fwd_bwd_cpu_s']:.1f} s of CPU; waited "
               f"{row['swap_in_wait_s']:.1f} s on reads, {row['grad_out_wait_s']:.1f} s on gradient writes)  "
               f"step {row['step_s']:.1f} s (waited {row['opt_io_wait_s']:.1f} s on I/O)  read "
               f"{row['read_gb']:.1f} GB, wrote {row['written_gb']:.1f} GB, {row['gbps']:.2f} GB/s overall, "
@@ -228,12 +229,13 @@ def main() -> None:
             f"- {policy}; on disk {on_disk / 1e9:.1f} GB; built under zero.Init in {built:.0f} s",
             f"- loss {' -> '.join(f'{val:.4f}' for val in losses)}: {'falling and finite' if ok else 'NOT falling'}",
             "",
-            "| step | loss | fwd+bwd s | waited on reads s | waited on grad writes s | optimizer s | "
+            "| step | loss | fwd+bwd s | fwd+bwd CPU s | waited on reads s | waited on grad writes s | optimizer s | "
             "optimizer I/O wait s | GB read | GB written | GB/s overall | optimizer GB/s | vs drive |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
-            lines.append(f"| {r['step']} | {r['loss']:.4f} | {r['fwd_bwd_s']:.1f} | {r['swap_in_wait_s']:.1f} | "
+            lines.append(f"| {r['step']} | {r['loss']:.4f} | {r['fwd_bwd_s']:.1f} | {r['fwd_bwd_cpu_s']:.1f} | "
+                         f"{r['swap_in_wait_s']:.1f} | "
                          f"{r['grad_out_wait_s']:.1f} | {r['step_s']:.1f} | {r['opt_io_wait_s']:.1f} | "
                          f"{r['read_gb']:.1f} | {r['written_gb']:.1f} | {r['gbps']:.2f} | {r['opt_gbps']:.2f} | "
                          f"{r['opt_gbps'] / drive:.2f} |")

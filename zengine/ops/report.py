@@ -116,6 +116,10 @@ def _print_rates(rates: dict[str, dict[str, float]], threads: object) -> None:
     for dtype, per_layout in rates.items():
         print(f"{dtype:<14} " + " ".join(f"{per_layout[name]:>20.1f}" for name in layouts))
     print("(bf16 via fp32: bf16 operands upcast, product rounded to bf16: what bf16.cpu_matmul \"fp32\" runs)")
+    # a layer's forward+backward runs each product once: its time is the sum of the three
+    per_step = {dtype: sum(1.0 / r for r in per_layout.values()) for dtype, per_layout in rates.items()}
+    print("one layer's forward+backward, relative to fp32: " + ", ".join(
+        f"{dtype} {t / per_step['fp32']:.2f}x" for dtype, t in per_step.items()))
 
 
 def main(argv: list[str] | None = None) -> int:

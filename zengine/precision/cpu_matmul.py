@@ -72,6 +72,10 @@ def native_bf16(flags: Iterable[str], onednn_isa: Optional[str] = None) -> bool:
     return onednn_isa is None or any(word in onednn_isa.upper() for word in _ONEDNN_BF16_ISA_WORDS)
 
 
+NOT_CPU_BF16 = "not bf16 on the CPU"
+"""The reason of the policy of every run that does not compute bf16 on the CPU (nothing is routed or logged)."""
+
+
 class MatmulPolicy:
     """Where the model's bf16 matrix multiplies run; ``apply`` once to the model, ``remove`` to undo.
 
@@ -141,9 +145,9 @@ class Fp32Matmul(MatmulPolicy):
 def choose_matmul_policy(setting: str, compute_dtype: torch.dtype, device: torch.device,
                          flags: Optional[Iterable[str]] = None) -> MatmulPolicy:
     """The policy for ``bf16.cpu_matmul`` = ``setting`` ("auto", "fp32", "native"). Anything but bf16
-    computed on the CPU gets ``NativeMatmul``. ``flags``: the CPU's (default: read with py-cpuinfo)."""
+    computed on the CPU gets ``NativeMatmul``. ``flags``: the CPU's (default: ``cpu_flags()``)."""
     if compute_dtype is not torch.bfloat16 or torch.device(device).type != "cpu":
-        return NativeMatmul("not bf16 on the CPU")
+        return NativeMatmul(NOT_CPU_BF16)
     if setting == "native":
         return NativeMatmul("bf16.cpu_matmul is \"native\"")
     if setting == "fp32":
@@ -172,7 +176,7 @@ _logged: set = set()
 def log_choice(policy: MatmulPolicy, routed: int) -> None:
     """Log the choice, once per process for each distinct choice (several engines say it once)."""
     line = policy.describe() + (f"; {routed} nn.Linear layer(s) routed" if policy.mode == "fp32" else "")
-    if policy.reason != "not bf16 on the CPU" and line not in _logged:
+    if policy.reason != NOT_CPU_BF16 and line not in _logged:  # GPU, fp32, fp16 runs: nothing to say
         _logged.add(line)
         logger.info("zengine: %s", line)
 
