@@ -62,6 +62,36 @@ def test_parameters_concatenated_and_stacked_in_forward_train_as_in_torch():
         assert max(errors.values()) < 1e-5, errors
 
 
+class ViewNet(ConcatNet):
+    """Views of other modules' weights in the root's forward: a slice of a position table (GPT code indexes
+    ``wpe.weight[:T]`` rather than calling the module) and a transposed weight in a matmul. The views used to
+    outlive the parameter's release and read freed storage (a segfault)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Embedding(8, DIM)
+
+    def forward(self, x, y):
+        h = x + self.pos.weight[:3].sum(0)  # a slice
+        h = torch.tanh(h @ self.q.weight.t() + self.q.bias)  # a transposed view into a matmul (saved for backward)
+        h = torch.cat([h, h * self.k.weight.t()[0]], dim=-1)  # a view of a view
+        return F.mse_loss(self.out(h).squeeze(-1), y)
+
+
+def view_training() -> dict:
+    torch.manual_seed(0)
+    model = ViewNet()
+    reference = copy.deepcopy(model)
+    engine, *_ = zengine.initialize(model=model, config=_config())
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+    return train_beside_reference(engine, reference, ref_opt, _batches(dist.get_world_size()), MICRO)
+
+
+def test_views_of_parameters_in_forward_train_as_in_torch():
+    for errors in spawn(view_training, 2):
+        assert max(errors.values()) < 1e-5, errors
+
+
 def regulariser_outside_forward() -> str:
     torch.manual_seed(0)
     model = ConcatNet()

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .fetcher import Fetcher
 from .leaf import z3_leaf_module
@@ -34,6 +34,17 @@ from .param import ShardedParam, lookup
 def _tensors(out: Any) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(out)
     return [t for t in leaves if torch.is_tensor(t) and t.requires_grad]
+
+
+def _not_a_view(out: Any, params: list[ShardedParam]) -> Any:
+    """``out`` with every tensor that is a view of one of ``params`` (``weight[:n]``, ``weight.t()``) replaced by
+    a copy: the parameter is released after the op, and a view would outlive it, reading freed storage."""
+    storages = {sp.full.untyped_storage().data_ptr() for sp in params}
+
+    def own(t: Any) -> Any:
+        return t.clone() if torch.is_tensor(t) and t.untyped_storage().data_ptr() in storages else t
+
+    return tree_map(own, out)
 
 
 class ModuleHooks:
@@ -115,6 +126,8 @@ class ModuleHooks:
         with self.own_work():
             self.fetcher.fetch(params, tag)
         out = func(*args, **kwargs)
+        with self.own_work():
+            out = _not_a_view(out, params)
         if self.frames:
             self.frames[-1].extend(params)
         else:
