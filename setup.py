@@ -67,6 +67,7 @@ setup(
         "console_scripts": [
             "zengine=zengine.launcher.runner:main",
             "zengine-report=zengine.ops.report:main",
+            "zengine-convert=zengine.checkpoint.convert:main",
             "zengine-to-fp32=zengine.checkpoint.to_fp32:main",
         ]
     },

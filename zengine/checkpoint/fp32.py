@@ -12,6 +12,7 @@ the rank files (raw tensor bytes) are read, never state.pt, so an export runs no
 from __future__ import annotations
 
 import collections
+import json
 import math
 import os
 import secrets
@@ -106,8 +107,9 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_file:
                                                ) -> None:
     """Write the fp32 state_dict to ``output_file``, streaming one tensor at a time.
 
-    ``*.safetensors``: the safetensors format (tied keys are written as copies, as safetensors has no
-    shared tensors); anything else: a ``torch.save`` file (tied keys share one storage). The file
+    ``*.safetensors``: the safetensors format, each tied weight once, its aliases in the metadata (as Hugging
+    Face's ``save_pretrained``; ``load_safetensors_state_dict`` gives every key back); anything else: a
+    ``torch.save`` file (tied keys share one storage). The file
     appears under its name only once complete.
     """
     directory = checkpoint_directory(checkpoint_dir, tag)
@@ -115,7 +117,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_file:
     try:
         with CheckpointReader(directory) as reader:
             if output_file.endswith(".safetensors"):
-                _write_safetensors(reader, tmp)
+                write_safetensors(reader, tmp)
             else:
                 _write_torch(reader, tmp)
         os.replace(tmp, output_file)
@@ -138,19 +140,31 @@ def _write_torch(reader: CheckpointReader, path: str) -> None:
         raise
 
 
-def _write_safetensors(reader: CheckpointReader, path: str) -> None:
+TIED_KEY = "tied"  # safetensors metadata: {alias: stored name} of the tied weights written once
+
+
+def write_safetensors(reader, path: str) -> dict[str, str]:
+    """The fp32 model in ``reader``'s checkpoint to ``path`` as safetensors, streamed one tensor at a time,
+    each tied weight once (safetensors has no shared tensors: as Hugging Face's ``save_pretrained``, the first
+    name is stored and the aliases are recorded in the metadata under ``TIED_KEY``). Returns the aliases."""
     meta = reader.meta
-    specs = []
+    first: dict[tuple[str, str], str] = {}
+    specs, tied = [], {}
     for key, kind, source in meta["state_dict"]:
+        if (kind, source) in first:
+            tied[key] = first[(kind, source)]
+            continue
+        first[(kind, source)] = key
         entry = meta["params" if kind == "param" else "buffers"][source]
         dtype = torch.float32 if kind == "param" else meta_mod.dtype_of(entry["dtype"])
         specs.append(TensorSpec(key, dtype, tuple(entry["shape"])))
-    writer = TensorFileWriter(path, specs, plain_metadata={"format": "pt"})
-    scratch = _scratch(reader)
+    writer = TensorFileWriter(path, specs, plain_metadata={"format": "pt", TIED_KEY: json.dumps(tied)})
     try:
-        for key, kind, source in meta["state_dict"]:
-            writer.write(key, _assemble(reader, kind, source, scratch))
+        for key, value in _entries(reader, _scratch(reader)):
+            if not isinstance(value, Alias):
+                writer.write(key, value)
         writer.close()
     except BaseException:
         writer.abort()
         raise
+    return tied

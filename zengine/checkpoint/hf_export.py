@@ -23,13 +23,10 @@ from typing import Optional
 
 import torch
 
-from . import meta as meta_mod
 from .ds_reader import DeepSpeedReader, is_deepspeed_checkpoint
-from .fp32 import Alias, _entries, _scratch, checkpoint_directory
+from .fp32 import TIED_KEY, checkpoint_directory, write_safetensors
 from .reader import CheckpointReader
-from .tensorfile import TensorFileWriter, TensorSpec
 
-TIED_KEY = "tied"
 
 
 def _open(checkpoint_dir: str, tag: Optional[str], trusted: bool):
@@ -52,35 +49,11 @@ def export_safetensors(checkpoint_dir: str, output_file: str, tag: Optional[str]
     tmp = f"{output_file}.tmp-{secrets.token_hex(4)}"
     try:
         with _open(checkpoint_dir, tag, trusted) as reader:
-            tied = _write(reader, tmp)
+            tied = write_safetensors(reader, tmp)
         os.replace(tmp, output_file)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    return tied
-
-
-def _write(reader, path: str) -> dict[str, str]:
-    meta = reader.meta
-    first: dict[tuple[str, str], str] = {}
-    specs, tied = [], {}
-    for key, kind, source in meta["state_dict"]:
-        if (kind, source) in first:
-            tied[key] = first[(kind, source)]
-            continue
-        first[(kind, source)] = key
-        entry = meta["params" if kind == "param" else "buffers"][source]
-        dtype = torch.float32 if kind == "param" else meta_mod.dtype_of(entry["dtype"])
-        specs.append(TensorSpec(key, dtype, tuple(entry["shape"])))
-    writer = TensorFileWriter(path, specs, plain_metadata={"format": "pt", TIED_KEY: json.dumps(tied)})
-    try:
-        for key, value in _entries(reader, _scratch(reader)):
-            if not isinstance(value, Alias):
-                writer.write(key, value)
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
     return tied
 
 
