@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zengine
-from checkpoint_runs import LR, BufferedNet, batches, config, make_engine, train
+from checkpoint_runs import LR, BufferedNet, batches, config, full_params, make_engine, train
 from harness import spawn
 from models import DIM, HIDDEN, edge_param_groups
 from zengine.checkpoint import (CheckpointError, CheckpointMismatchError, CheckpointSaveError,
@@ -65,6 +65,14 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     assert all(torch.equal(restored[n], p) for n, p in expected.items())
 
 
+class PlusNet(BufferedNet):
+    """BufferedNet with a layer added (what load_module_strict=False lets load)."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(2, 2)
+
+
 class WiderNet(BufferedNet):
     """BufferedNet with one layer resized and one added."""
 
@@ -105,6 +113,19 @@ def bad_inputs(root: str) -> dict:
     model = WiderNet()
     other, *_ = zengine.initialize(model=model, config=config(2), model_parameters=edge_param_groups(model, LR))
     out["mismatch"] = _expect(CheckpointMismatchError, other.load_checkpoint, root, tag="good")
+    # DeepSpeed's load_module_strict=False: a reshaped parameter still raises; one the checkpoint lacks keeps
+    # its value, one only the checkpoint has is ignored, and training goes on
+    out["lenient_reshaped"] = _expect(CheckpointMismatchError, other.load_checkpoint, root, tag="good",
+                                      load_module_strict=False)
+    model = PlusNet()
+    plus, *_ = zengine.initialize(model=model, config=config(2), model_parameters=edge_param_groups(model, LR))
+    before = full_params(plus)
+    out["lenient_path"] = plus.load_checkpoint(root, tag="good", load_module_strict=False)[0] is not None
+    loaded, saved = full_params(plus), full_params(engine)
+    out["lenient_same"] = all(torch.equal(loaded[n], saved[n]) for n in saved)
+    extra = [n for n in loaded if n.startswith("extra.")]
+    out["lenient_kept"] = len(extra) == 2 and all(torch.equal(loaded[n], before[n]) for n in extra)
+    out["lenient_trains"] = len(train(plus, batches(1))) == 1
 
     if rank == 0:
         for tag in ("cut", "flip"):
@@ -133,6 +154,9 @@ def test_bad_inputs(tmp_path):
         for expected in ("fc2.weight: shape (23, 41) in the checkpoint, (23, 42) in the model",
                          "missing from the checkpoint: extra.weight, extra.bias"):
             assert expected in out["mismatch"], out["mismatch"]
+        assert "fc2.weight: shape (23, 41) in the checkpoint, (23, 42) in the model" in out["lenient_reshaped"]
+        assert "missing from the checkpoint" not in out["lenient_reshaped"]
+        assert out["lenient_path"] and out["lenient_same"] and out["lenient_kept"] and out["lenient_trains"], out
         assert "rank_00001.safetensors" in out["truncated"] and "truncated" in out["truncated"], out["truncated"]
         assert "rank_00001.safetensors" in out["corrupt"] and "checksum" in out["corrupt"], out["corrupt"]
         assert out["good_after"]

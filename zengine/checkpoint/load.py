@@ -36,13 +36,16 @@ from .reader import CheckpointReader
 
 def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False, missing_ok: bool = False,
-                    *, trust_client_state: bool = False):
+                    *, trust_client_state: bool = False, strict: bool = True):
     """Collective: load ``load_dir/tag`` (default: the tag in ``load_dir/latest``) into ``engine``.
 
     Returns ``(checkpoint directory, client_state)``. When there is no checkpoint there (no ``load_dir``,
     no ``latest``, no such tag) it raises CheckpointNotFoundError, or with ``missing_ok`` returns
     ``(None, None)``; an empty ``latest`` or a damaged checkpoint raises either way.
-    ``load_module_only`` loads the parameters and buffers alone.
+    ``load_module_only`` loads the parameters and buffers alone. Not ``strict`` (DeepSpeed's
+    ``load_module_strict=False``): parameters and buffers the checkpoint lacks keep their values (and start
+    with fresh optimizer state), those only the checkpoint has are ignored, both named on rank 0; a reshaped
+    one still raises.
 
     state.pt is unpickled weights-only (tensors and plain values; see safe_load.py): an object of another
     type (say in ``client_state``) raises CheckpointUntrustedError on every rank, and nothing of the file
@@ -63,7 +66,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optim
     failure = None
     try:
         with opt.states_resident():
-            state = _read(engine, directory, with_optimizer, trust_client_state)
+            state = _read(engine, directory, with_optimizer, trust_client_state, strict)
     except Exception as e:  # reported on every rank before any collective of phase 2
         failure = e
     errors = collectives.all_gather(None if failure is None else (type(failure).__name__, f"rank {rank}: {failure}"),
@@ -109,7 +112,7 @@ def _agree_on_directory(engine, load_dir: str, tag: Optional[str]) -> str:
                           + "\n  ".join(f"rank {r}: {what}" for r, what in enumerate(seen)))
 
 
-def _read(engine, directory: str, with_optimizer: bool, trusted: bool) -> dict[str, Any]:
+def _read(engine, directory: str, with_optimizer: bool, trusted: bool, strict: bool = True) -> dict[str, Any]:
     """Phase 1: check the checkpoint and read this rank's share of it in place; state.pt (weights-only unless
     ``trusted``) with the meta."""
     opt, module = engine.optimizer, engine.module
@@ -121,21 +124,38 @@ def _read(engine, directory: str, with_optimizer: bool, trusted: bool) -> dict[s
             logger.info(f"load_checkpoint: {directory} is a DeepSpeed {meta['ds_version']} ZeRO-{meta['zero_stage']} "
                         f"checkpoint of {meta['world_size']} ranks; loading it into stage "
                         f"{engine.zero_optimization_stage()} on {engine.world_size}")
-        meta_mod.check_same_model(meta, meta_mod.describe_model(module, holdings.trained_names(opt)), directory)
+        ours = meta_mod.describe_model(module, holdings.trained_names(opt))
+        lacking = meta_mod.check_same_model(meta, ours, directory, strict)
+        if not strict and engine.global_rank == 0:
+            _log_lenient(directory, lacking, {n for kind in ("params", "buffers") for n in meta[kind]
+                                              if n not in ours[kind]})
         state = reader.read_state(trusted)
         if with_optimizer and state["optimizer"] and len(state["optimizer"]) != len(opt.groups):
             raise CheckpointMismatchError(f"checkpoint {directory} has {len(state['optimizer'])} optimizer param "
                                           f"groups, the engine {len(opt.groups)}")
         for gi, master in enumerate(holdings.masters(opt, engine.world_size, saving=False)):
-            reader.fill(master, ("master", "param"))
+            reader.fill(_present(master, lacking), ("master", "param"))
             if with_optimizer:
                 _load_optimizer_group(reader, opt, gi, master, state["optimizer"][gi])
         for held in holdings.untrained(module, opt, engine.global_rank, engine.world_size, saving=False):
-            reader.fill(held, ("param", "master"))
+            reader.fill(_present(held, lacking), ("param", "master"))
         for name, b in holdings.buffers(module).items():
-            reader.buffer_into(name, b.data)
+            if name not in lacking:
+                reader.buffer_into(name, b.data)
     state["meta"] = meta
     return state
+
+
+def _present(held: Holding, lacking: set[str]) -> Holding:
+    """``held`` without the pieces of parameters the checkpoint lacks (load_module_strict=False keeps them)."""
+    return held if not lacking else Holding(held.buffer, [p for p in held.pieces if p.name not in lacking])
+
+
+def _log_lenient(directory: str, lacking: set[str], ignored: set[str]) -> None:
+    if lacking or ignored:
+        logger.warning(f"load_checkpoint(load_module_strict=False) from {directory}: "
+                       + (f"not in the checkpoint, kept as they are: {', '.join(sorted(lacking))}; " if lacking else "")
+                       + (f"only in the checkpoint, ignored: {', '.join(sorted(ignored))}" if ignored else ""))
 
 
 def _load_optimizer_group(reader: CheckpointReader, opt, gi: int, master: Holding, saved: dict[str, Any]) -> None:

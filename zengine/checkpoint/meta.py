@@ -73,14 +73,19 @@ def describe_model(module: nn.Module, trained_names: set[str]) -> dict[str, Any]
     return {"params": params, "buffers": buffers, "state_dict": keys}
 
 
-def check_same_model(meta: dict[str, Any], model: dict[str, Any], where: str) -> None:
-    """Raise CheckpointMismatchError listing every parameter or buffer that is missing, extra, or reshaped."""
-    problems = []
+def check_same_model(meta: dict[str, Any], model: dict[str, Any], where: str, strict: bool = True) -> set[str]:
+    """Raise CheckpointMismatchError listing every parameter or buffer that is missing, extra, or reshaped.
+    Not ``strict`` (DeepSpeed's ``load_module_strict=False``): only a reshaped one raises; returns the names of
+    the model's parameters and buffers the checkpoint lacks (the caller leaves them as they are)."""
+    problems, lacking = [], set()
     for kind in ("params", "buffers"):
         saved, ours = meta[kind], model[kind]
         label = "parameter" if kind == "params" else "buffer"
         missing = [n for n in ours if n not in saved]
         extra = [n for n in saved if n not in ours]
+        lacking.update(missing)
+        if not strict:
+            missing = extra = []
         if missing:
             problems.append(f"{label}s of the model missing from the checkpoint: {', '.join(missing)}")
         if extra:
@@ -92,6 +97,7 @@ def check_same_model(meta: dict[str, Any], model: dict[str, Any], where: str) ->
     if problems:
         raise CheckpointMismatchError(f"checkpoint {where} was saved from a different model:\n  "
                                       + "\n  ".join(problems))
+    return lacking
 
 
 def file_info(meta: dict[str, Any], name: str) -> FileInfo:

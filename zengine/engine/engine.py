@@ -318,11 +318,13 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         truncated file, an edited meta.json) or an empty ``latest`` raises either way. state.pt loads
         weights-only (tensors, plain values): other objects (in ``client_state``) raise
         ``CheckpointUntrustedError`` unless ``trust_client_state=True``, which may run the file's code.
-        ``load_module_strict`` (DeepSpeed's keyword) is accepted either way: the checkpoint must hold this model."""
+        ``load_module_strict=False``: parameters and buffers the checkpoint lacks keep their values, those it
+        alone has are ignored (both logged); a reshaped one still raises."""
         with agreement.collective_call("load_checkpoint"):
             background.wait(self)  # an asynchronous save still writing: published (or failed) first
             return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                                              load_module_only, missing_ok, trust_client_state=trust_client_state)
+                                              load_module_only, missing_ok, trust_client_state=trust_client_state,
+                                              strict=load_module_strict)
 
     # -- accounting -----------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:
