@@ -18,12 +18,15 @@ def _model():
     return nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 12), nn.Tanh(), nn.Linear(12, 3))
 
 
-def _run(hpz: int, quantized: bool = False, gas: int = 1) -> dict:
-    engine, *_ = zengine.initialize(model=_model(), config={
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-                              "zero_hpz_partition_size": hpz, "zero_quantized_weights": quantized}})
+def _config(hpz: int, quantized: bool = False, gas: int = 1) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                                  "zero_hpz_partition_size": hpz, "zero_quantized_weights": quantized}}
+
+
+def _run(hpz: int, quantized: bool = False, gas: int = 1, save_dir: str = None) -> dict:
+    engine, *_ = zengine.initialize(model=_model(), config=_config(hpz, quantized, gas))
     g = torch.Generator().manual_seed(torch.distributed.get_rank())
     losses = []
     engine.comm_stats(reset=True)
@@ -35,17 +38,27 @@ def _run(hpz: int, quantized: bool = False, gas: int = 1) -> dict:
         losses.append(loss.item())
     stats = engine.comm_stats(reset=True)
     params = {n: zengine.utils.safe_get_full_fp32_param(p).tolist() for n, p in engine.module.named_parameters()}
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir, tag="hpz")
     psi = sum(p.ds_numel * 4 for p in engine.module.parameters())
     return {"losses": losses, "params": params, "stats": stats, "psi": psi}
 
 
-def _compare() -> dict:
-    return {"plain": _run(1), "hpz": _run(2), "plain_q": _run(1, True), "hpz_q": _run(2, True),
+def _compare(save_dir: str) -> dict:
+    return {"plain": _run(1), "hpz": _run(2, save_dir=save_dir), "plain_q": _run(1, True), "hpz_q": _run(2, True),
             "plain_gas": _run(1, gas=2), "hpz_gas": _run(2, gas=2)}
 
 
-def test_hpz_keeps_the_backward_gather_on_the_node_and_trains_bit_identically():
-    out = spawn(_compare, 4, env={"LOCAL_WORLD_SIZE": "2"})  # 4 ranks as 2 "nodes" of 2
+def _load_plain(save_dir: str) -> dict:
+    engine, *_ = zengine.initialize(model=_model(), config=_config(1))
+    engine.load_checkpoint(save_dir)
+    return {n: zengine.utils.safe_get_full_fp32_param(p).tolist() for n, p in engine.module.named_parameters()}
+
+
+def test_hpz_keeps_the_backward_gather_on_the_node_and_trains_bit_identically(tmp_path):
+    out = spawn(_compare, 4, str(tmp_path), env={"LOCAL_WORLD_SIZE": "2"})  # 4 ranks as 2 "nodes" of 2
+    # its checkpoint is a plain stage-3 one: it loads into plain stage 3 at another world size
+    assert spawn(_load_plain, 2, str(tmp_path))[0] == out[0]["hpz"]["params"]
     for rank, res in enumerate(out):
         for plain, hpz in (("plain", "hpz"), ("plain_q", "hpz_q"), ("plain_gas", "hpz_gas")):
             assert res[hpz]["losses"] == res[plain]["losses"], (rank, plain)
