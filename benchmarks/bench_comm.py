@@ -1,6 +1,6 @@
 """Bytes each rank's collectives move per optimizer step, measured, against the ZeRO formulas.
 
-    python benchmarks/bench_comm.py [--world 4] [--per-node 2] [--steps 4] [--stages 1,2,3,3q,3h,3qh]
+    python benchmarks/bench_comm.py [--world 4] [--per-node 2] [--steps 4] [--stages 1,2,3,3q,3h,3g,3qhg]
 
 W gloo ranks as W / per-node "nodes" (``LOCAL_WORLD_SIZE``; 4 as 2 x 2 by default) train the main job's
 GPT (``zengine.models.tiny()``, fp32, AdamW, micro batch 4) for ``steps`` steps at each stage, after two
@@ -13,8 +13,9 @@ parameter is gathered for the forward and again for the backward (with DeepSpeed
 
 ``3q`` is stage 3 with ZeRO++'s quantized weights (``zero_quantized_weights``: the parameter gathers as
 blockwise int8), ``3h`` with its hierarchical partitioning (``zero_hpz_partition_size`` = ranks per node:
-the backward's gathers inside the node), ``3qh`` both; each with its loss after the run beside stage 3's.
-The rows of qgZ and MiCS, which zengine does not implement yet, are their formulas only. Results go to ``benchmarks/results/comm_<date>.md``.
+the backward's gathers inside the node), ``3g`` with its quantized gradients (``zero_quantized_gradients``:
+an int8 all-to-all in place of the reduction), ``3qhg`` all three; each with its loss after the run beside
+stage 3's. MiCS, which zengine does not implement yet, is a formula only. Results go to ``benchmarks/results/comm_<date>.md``.
 """
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ FORMULA = {  # (collective, group kind) -> Ψ per step
     "3q": {("all_gather", "inter"): 2.0 * (1 + 4 / 256) / 4, ("all_reduce", "inter"): 1.0},
     # the backward's gathers inside the node (from the secondary shards, exact)
     "3h": {("all_gather", "inter"): 1.0, ("all_gather", "intra"): 1.0, ("all_reduce", "inter"): 1.0},
-    "3qh": {("all_gather", "inter"): (1 + 4 / 256) / 4, ("all_gather", "intra"): 1.0, ("all_reduce", "inter"): 1.0},
+    "3g": {("all_gather", "inter"): 2.0, ("all_to_all", "inter"): (1 + 4 / 256) / 4},
+    "3qhg": {("all_gather", "inter"): (1 + 4 / 256) / 4, ("all_gather", "intra"): 1.0,
+             ("all_to_all", "inter"): (1 + 4 / 256) / 4},
 }
 
 
@@ -73,6 +76,7 @@ def rank_job(rank: int, world: int, per_node: int, port: int, args, out: str) ->
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
                                   "stage3_max_reuse_distance": 0, "zero_quantized_weights": "q" in name,
+                                  "zero_quantized_gradients": "g" in name,
                                   "zero_hpz_partition_size": per_node if "h" in name else 1}})
         batches = iter(loader)
         for step in range(2 + args.steps):
@@ -96,7 +100,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--per-node", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--stages", default="1,2,3,3q,3h,3qh")
+    parser.add_argument("--stages", default="1,2,3,3q,3h,3g,3qhg")
     args = parser.parse_args()
     args.stages = args.stages.split(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,7 +139,7 @@ def report(args, results: dict) -> None:
         lines.append(f"| {stage} | **all** | | | **{total:.3f}** | {sum(FORMULA.get(stage, {}).values()):.2f} | | "
                      f"{res['loss']:.4f} |")
     lines += ["", "ZeRO++ and MiCS formulas (inter-node payload per step in Ψ of a 2-byte model, stage 3; qwZ is "
-              "measured above as 3q, hpZ as 3h; qgZ and MiCS are not implemented yet): plain 3.0 (forward and backward all-gather, reduce-scatter); qwZ (int8 "
+              "measured above as 3q, hpZ as 3h, qgZ (int8 here) as 3g; MiCS is not implemented yet): plain 3.0 (forward and backward all-gather, reduce-scatter); qwZ (int8 "
               "weights in the forward all-gather) 2.5; hpZ (backward all-gather inside the node) 2.0; qgZ (int4 "
               "gradient reduce-scatter) replaces 1.0 by 0.25; qwZ + hpZ + qgZ 0.75 (4x less); MiCS with shards "
               "inside a node: 2(R-1)/R x Ψ/s for the gradient all-reduce across R replicas of s-rank groups."]

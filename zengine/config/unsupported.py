@@ -107,7 +107,6 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _flag("bf16.bf16_optimizer_states", "bf16 optimizer states", False),
     # ZeRO sub-keys that change the numbers (quantized or hierarchical ZeRO++, MiCS, ZenFlow).
     _flag("zero_optimization.zero_quantized_nontrainable_weights", "ZeRO++ quantized frozen weights", False),
-    _flag("zero_optimization.zero_quantized_gradients", "ZeRO++ quantized gradients", False),
     _flag("zero_optimization.zeropp_loco_param", "LoCo-ZeRO++ error feedback", None),
     _flag("zero_optimization.mics_shard_size", "MiCS sharding", -1),
     _flag("zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical gather", False),

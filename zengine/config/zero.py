@@ -127,6 +127,10 @@ class ZeroConfig(_Section):
         "ZeRO++ qwZ: stage 3's parameter gathers for compute travel as blockwise int8 with an fp32 scale per "
         "256 elements (a quarter of fp32's bytes, half of bf16's); shards, masters and the gathers handed to "
         "the user stay exact."))
+    zero_quantized_gradients: Flag = Field(False, description=(
+        "ZeRO++ qgZ: stage 3's gradient reduction sends each rank's gradients as blockwise int8 with an fp32 "
+        "scale per 256 elements (an all-to-all), summed in fp32 after dequantizing: a quarter of fp32's "
+        "bytes, half of bf16's (int8 where DeepSpeed sends int4)."))
     stage3_debug_fetch_order: Flag = Field(False, description=(
         "zengine only: every rank records the sequence of stage-3 parameter fetches of the first step and "
         "the ranks compare them, naming the first parameter where they diverge. A diverging order "
@@ -168,6 +172,9 @@ class ZeroConfig(_Section):
         if self.zero_hpz_partition_size > 1 and self.stage < 3:
             problems.append(f"zero_hpz_partition_size: hierarchical partitioning (ZeRO++ hpZ) needs stage 3; stage "
                             f"is {self.stage}")
+        if self.zero_quantized_gradients and self.stage < 3:
+            problems.append(f"zero_quantized_gradients: quantized gradient reduction (ZeRO++ qgZ) needs stage 3; "
+                            f"stage is {self.stage}")
         if self.zero_quantized_weights and self.stage < 3:
             problems.append(f"zero_quantized_weights: quantized parameter gathers (ZeRO++) need stage 3; stage is "
                             f"{self.stage}")

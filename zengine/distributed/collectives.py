@@ -205,6 +205,13 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group=None, async_op: 
                 async_op=async_op)
 
 
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False) -> Work:
+    """Row r of ``inp`` ([world, n]) goes to rank r; row s of ``out`` comes from rank s."""
+    check_devices("all_to_all", group, out, inp)
+    traffic.record("all_to_all", inp.numel() * inp.element_size(), group)
+    return _run("all_to_all", inp, dist.all_to_all_single, out, inp, group=group, async_op=async_op)
+
+
 def message_device(group=None) -> torch.device:
     """Where small host-side messages (checkpoint metadata, errors) travel for ``group``: the CPU,
     unless the backend takes only accelerator tensors (NCCL), then this process's current device of

@@ -2,8 +2,9 @@
 
 Every collective function in ``collectives.py`` records here the payload it moved as a whole (the
 gathered buffer of an all-gather, the summed buffer of a reduce-scatter or an all-reduce, the broadcast
-tensor), and the bytes this rank sends over the wire for it on a ring (``ring_bytes``: (W-1)/W of the
-payload for an all-gather or a reduce-scatter, twice that for an all-reduce), split by whether the group
+tensor, the sent buffer of an all-to-all), and the bytes this rank sends over the wire for it on a ring
+(``ring_bytes``: (W-1)/W of the payload for an all-gather, a reduce-scatter or an all-to-all, twice that
+for an all-reduce), split by whether the group
 stays on one node (``intra``) or spans nodes (``inter``). The node of a rank is ``rank //
 LOCAL_WORLD_SIZE`` (torchrun and zengine's launcher set it; 4 gloo ranks as 2 "nodes" of 2 set 2).
 
@@ -19,7 +20,8 @@ from typing import Optional
 import torch.distributed as dist
 
 INTRA, INTER = "intra", "inter"
-_RING_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "broadcast": 1.0, "reduce": 1.0}
+_RING_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "broadcast": 1.0, "reduce": 1.0,
+                "all_to_all": 1.0}
 
 # (group kind, collective) -> [calls, payload bytes, ring bytes sent by this rank]
 _counts: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0, 0.0])

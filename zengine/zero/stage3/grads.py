@@ -30,6 +30,7 @@ from ..layout import Bucket, FlatLayout
 from .group import ShardedParamGroup
 from ...offload.param_swap import on_disk
 from .param import ShardedParam
+from .quantized import quantized_reduce_scatter
 
 
 class ExternalUseError(RuntimeError):
@@ -51,10 +52,11 @@ class Stage3Gradients(ShardReducer):
 
     def __init__(self, groups: list[ShardedParamGroup], bucket_numel: int, world: int, rank: int, placement,
                  after_grad: Callable[[ShardedParam], None], dtypes: GradDtypes, comm_group=None,
-                 in_flight: int = 2):
+                 in_flight: int = 2, quantized: bool = False):
         self.groups, self.world, self.rank = groups, world, rank
         self.after_grad = after_grad  # releases the parameter's full data
         self.use_reduce_scatter = dist.get_backend(comm_group) != "gloo"
+        self.quantized = quantized and world > 1
         shards = self._make_shards(groups, placement, dtypes.shard_dtype(placement.cpu_optimizer))
         # Buckets count chunk elements; a bucket of c chunk elements moves world * c elements.
         super().__init__([_BucketQueue(_ChunkView(g), max(1, bucket_numel // world)) for g in groups], shards,
@@ -131,6 +133,8 @@ class Stage3Gradients(ShardReducer):
         return [placement.empty(g.shard_numel, dtype, g.shard_flat.device) for g in groups]
 
     def _reduce(self, gi: int, bucket: Bucket, buf: torch.Tensor):
+        if self.quantized:  # zero_quantized_gradients: int8 all-to-all, summed in fp32 (quantized.py)
+            return quantized_reduce_scatter(buf, self.comm_group)
         if self.use_reduce_scatter:
             out = torch.empty(bucket.numel, dtype=buf.dtype, device=buf.device)
             return [collectives.reduce_scatter(out, buf.view(-1), self.comm_group, async_op=True)], out
@@ -140,8 +144,11 @@ class Stage3Gradients(ShardReducer):
         return self.shards[gi][bucket.start:bucket.end]
 
     def _accumulate(self, gi: int, bucket: Bucket, buf: torch.Tensor, out) -> None:
-        mine = out if out is not None else buf[self.rank]
-        self._add(gi, bucket, mine)
+        self._add(gi, bucket, self._mine(buf, out))
+
+    def _mine(self, buf: torch.Tensor, out) -> torch.Tensor:
+        """This rank's reduced part: the reduce-scatter's output, the quantized sum, or its row of the all-reduce."""
+        return out() if callable(out) else out if out is not None else buf[self.rank]
 
 
 class SwappedStage3Gradients(Stage3Gradients):
@@ -159,8 +166,7 @@ class SwappedStage3Gradients(Stage3Gradients):
         return [on_disk() for _ in groups]  # in the swap file, fp32
 
     def _accumulate(self, gi: int, bucket: Bucket, buf: torch.Tensor, out) -> None:
-        mine = out if out is not None else buf[self.rank]
-        self.sq[(gi, bucket.index)] = self.sink.accumulate(gi, bucket.start, bucket.end, mine)
+        self.sq[(gi, bucket.index)] = self.sink.accumulate(gi, bucket.start, bucket.end, self._mine(buf, out))
 
     def owned_grad(self, gi: int) -> torch.Tensor:
         self.drain()

@@ -1,4 +1,5 @@
-"""How a stage-3 gather moves its rows: exact, or as blockwise int8 (ZeRO++'s ``zero_quantized_weights``).
+"""ZeRO++'s quantized communication at stage 3: blockwise int8 parameter gathers (``zero_quantized_weights``,
+the codecs below) and gradient reductions (``zero_quantized_gradients``, ``quantized_reduce_scatter``).
 
 A gather's staging buffer is ``[world, n (+ tag)]`` in the compute dtype; each rank fills its own row. The
 exact codec all-gathers those rows as they are. ``Int8Gather`` sends each row as int8 values with one fp32
@@ -79,6 +80,38 @@ class Int8Gather:
         dequantize(q, side[:, :blocks], ncols, staging)
         if side.shape[1] > blocks:
             staging[:, ncols:].copy_(side[:, blocks:])
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x`` ([rows, n]) as int8 ([rows, blocks * BLOCK]) and fp32 scales ([rows, blocks])."""
+    rows, n = x.shape
+    blocks = -(-n // BLOCK)
+    padded = torch.zeros(rows, blocks * BLOCK, dtype=torch.float32, device=x.device)  # [rows, blocks * BLOCK]
+    padded[:, :n].copy_(x)
+    view = padded.view(rows, blocks, BLOCK)
+    scales = view.abs().amax(dim=2).div_(127.0)  # [rows, blocks]
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = view.div_(safe.unsqueeze(2)).round_().clamp_(-127, 127).to(torch.int8)
+    return q.view(rows, -1), scales
+
+
+def quantized_reduce_scatter(buf: torch.Tensor, group) -> tuple[list, "callable"]:
+    """qgZ: sum ``buf`` ([world, n], row r destined for rank r) over the group, this rank keeping its row's
+    sum, with each rank's rows sent as blockwise int8 (an all-to-all) and summed in fp32 after
+    dequantizing. Returns the works and a function giving the summed row ([n], ``buf``'s dtype) once they
+    are done. The error of an element is at most the sum over ranks of half their block's step."""
+    world, n = buf.shape
+    q, scales = quantize_rows(buf)
+    got_q, got_scales = torch.empty_like(q), torch.empty_like(scales)
+    works = [collectives.all_to_all(got_q, q, group, async_op=True),
+             collectives.all_to_all(got_scales, scales, group, async_op=True)]
+
+    def summed() -> torch.Tensor:
+        rows = torch.empty(world, n, dtype=torch.float32, device=buf.device)  # [world, n]: each rank's part
+        dequantize(got_q, got_scales, n, rows)
+        return rows.sum(dim=0).to(buf.dtype)
+
+    return works, summed
 
 
 def gather_codec(zero_cfg) -> "ExactGather | Int8Gather":
