@@ -48,9 +48,9 @@ def _batches(world: int):
             for _ in range(STEPS)]
 
 
-def concat_training() -> dict:
+def concat_training(model_cls=None) -> dict:
     torch.manual_seed(0)
-    model = ConcatNet()
+    model = (model_cls or ConcatNet)()
     reference = copy.deepcopy(model)
     engine, *_ = zengine.initialize(model=model, config=_config())
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
@@ -78,17 +78,8 @@ class ViewNet(ConcatNet):
         return F.mse_loss(self.out(h).squeeze(-1), y)
 
 
-def view_training() -> dict:
-    torch.manual_seed(0)
-    model = ViewNet()
-    reference = copy.deepcopy(model)
-    engine, *_ = zengine.initialize(model=model, config=_config())
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
-    return train_beside_reference(engine, reference, ref_opt, _batches(dist.get_world_size()), MICRO)
-
-
 def test_views_of_parameters_in_forward_train_as_in_torch():
-    for errors in spawn(view_training, 2):
+    for errors in spawn(concat_training, 2, ViewNet):
         assert max(errors.values()) < 1e-5, errors
 
 
