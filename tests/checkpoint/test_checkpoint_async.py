@@ -46,7 +46,7 @@ def _async_run(stage: int, save_dir: str) -> dict:
             "latest": open(os.path.join(save_dir, "latest")).read()}
 
 
-@pytest.mark.parametrize("stage,world", [(2, 2), (3, 3)])
+@pytest.mark.parametrize("stage,world", [(3, 3)])  # (the save path is stage-independent; stage 2 in the others)
 def test_async_save_is_the_state_at_the_save(stage, world, tmp_path):
     for out in spawn(_async_run, world, stage, str(tmp_path)):
         assert out["in_flight"] and out["decoupled_in_flight"], out

@@ -264,13 +264,17 @@ def adopted_gradient_run(precision, adopt=True):
     return [p.tolist() for p in params], [p.tolist() for p in ref.parameters()], sum(adopted)
 
 
+def _adopted_and_copied(precision):
+    return adopted_gradient_run(precision), adopted_gradient_run(precision, False)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_gradients_reduced_in_place_match_torch(precision):
     """A bucket of one unpadded weight reduces autograd's gradient itself: the same parameters, bit for
     bit, as copying it into a bucket buffer first, and (fp32) those of plain torch."""
     for world in (2, 3):
-        runs = spawn(adopted_gradient_run, world, precision)
-        copied = spawn(adopted_gradient_run, world, precision, False)
+        both = spawn(_adopted_and_copied, world, precision)  # one process group for both runs
+        runs, copied = [b[0] for b in both], [b[1] for b in both]
         torch.manual_seed(0)
         start = list(Chain().parameters())
         for (params, ref, adopted), (params_copied, _, none) in zip(runs, copied):
