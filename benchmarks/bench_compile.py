@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_zero import BUCKET, MB, batch_for, free_port, torch_adamw, zero_config  # noqa: E402
+from bench_zero import BUCKET, MB, batch_for, free_port, torch_adamw, torch_steps, zero_config  # noqa: E402
 from zengine.models import GPT, ByteWindows, bench20m  # noqa: E402
 
 CONTENDERS = ["ddp", "ddp-compiled", "zengine-0-compiled", "zengine-2", "zengine-2-compiled", "zengine-3",
@@ -60,18 +60,7 @@ def build(name: str, model: torch.nn.Module, backend: str):
 
         ddp = DistributedDataParallel(model, bucket_cap_mb=BUCKET * 4 / MB)
         run = torch.compile(ddp, backend=backend) if compiled else ddp
-        opt = torch_adamw(ddp.parameters())
-
-        def forward_backward(x, y):
-            loss = run(x, y)
-            loss.backward()
-            return loss
-
-        def optimizer_step():
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return forward_backward, optimizer_step
+        return torch_steps(run, torch_adamw(ddp.parameters()))
     import zengine
     from zengine.models.gpt import Block
 

@@ -46,7 +46,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import zengine  # noqa: E402
 from zengine.models.gpt import GPT, GPTConfig  # noqa: E402
 from zengine.ops.aio import AsyncIO, SwapFile, aligned_empty  # noqa: E402
-from bench_zero import cpu_line, isa_caps, write_report  # noqa: E402
+from bench_zero import write_report  # noqa: E402
+from host import cpu_line, isa_caps  # noqa: E402
 
 GiB = 1 << 30
 # --variants: the precision sections of each ({} = fp32)

@@ -57,6 +57,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from zengine.models import GPT, ByteWindows, bench20m  # noqa: E402
+from host import cpu_line, isa_caps  # noqa: E402
 
 MB = 1024 * 1024
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
@@ -412,31 +413,6 @@ def deepspeed_status() -> tuple[bool, str]:
 
 def per_rank(values) -> str:
     return "/".join(f"{v / MB:.0f}" for v in values)
-
-
-def cpu_line() -> str:
-    """The CPU model, its bf16-relevant flags, and any variable that caps the ISA torch's kernels use."""
-    from zengine.precision.cpu_matmul import choose_matmul_policy, cpu_flags
-
-    model = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):  # the model name, and the family/model numbers a VM's name may hide
-        info = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
-                    if ":" in line)
-        info = {k.strip(): v.strip() for k, v in info.items()}
-        model = f"{info.get('model name', model)}, family {info.get('cpu family', '?')} model {info.get('model', '?')}"
-    flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags()) or "none known"
-    caps = " ".join(isa_caps())
-    auto = choose_matmul_policy("auto", torch.bfloat16, torch.device("cpu"))
-    return (f"CPU: {model} ({flags}){'; ISA capped by ' + caps if caps else ''}; bf16.cpu_matmul \"auto\" "
-            f"here: {auto.mode}.")
-
-
-def isa_caps() -> list[str]:
-    """``NAME=value`` of the set variables that cap the instruction sets torch's CPU kernels use (set them to
-    measure an AVX2 CPU's bf16 on a newer one: ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
-    MKL_ENABLE_INSTRUCTIONS=AVX2)."""
-    return [f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
-            if k in os.environ]
 
 
 def command_line() -> str:
