@@ -63,7 +63,7 @@ def test_ignorable_keys_are_accepted_and_named(path):
     ("tensor_parallel", {"autotp_size": 2}),
     ("fp16.fp16_master_weights_and_grads", True),
     ("bf16.bf16_master_weights_and_grads", True),
-    ("zero_optimization.mics_shard_size", 4),
+    ("zero_optimization.zero_quantized_nontrainable_weights", True),
     ("zero_optimization.offload_optimizer.ratio", 0.3),
     ("managed_gradient_accumulation", False),
     ("checkpoint.load_universal", True),

@@ -18,7 +18,7 @@ STEPS, MICRO, LR, CLIP = 6, 2, 1e-2, 0.5
 TOLERANCE = {"fp32": (1e-5, 1e-5, 1e-5), "bf16": (None, 0.15, 3e-2), "fp16": (None, 0.06, 1.5e-2)}
 
 
-def engine_config(stage, precision, gas, world, offload=False):
+def engine_config(stage, precision, gas, world, offload=False, zero_extra=None):
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,
@@ -43,6 +43,7 @@ def engine_config(stage, precision, gas, world, offload=False):
         cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "buffer_count": 3, "buffer_size": 4096,
                                                      "max_in_cpu": 50, "nvme_path": os.path.join(
                                                          tempfile.gettempdir(), "zswap-params")}
+    cfg["zero_optimization"].update(zero_extra or {})  # e.g. MiCS's keys (test_zero_mics.py)
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     if precision == "fp16":
@@ -50,13 +51,13 @@ def engine_config(stage, precision, gas, world, offload=False):
     return cfg
 
 
-def train(stage, precision, gas, offload=False, seed=0):
+def train(stage, precision, gas, offload=False, seed=0, zero_extra=None):
     world = dist.get_world_size()
     torch.manual_seed(seed)
     model = EdgeNet()
     init = copy.deepcopy(model)
     batches = make_batches(STEPS, MICRO * gas * world)
-    engine, *_ = zengine.initialize(model=model, config=engine_config(stage, precision, gas, world, offload),
+    engine, *_ = zengine.initialize(model=model, config=engine_config(stage, precision, gas, world, offload, zero_extra),
                                     model_parameters=edge_param_groups(model, LR))
     if offload:  # the offloaded step runs on the compiled CPUAdam (or its torch fallback, same class)
         swapped = offload in ("nvme", "param+nvme", "infinity")
@@ -71,8 +72,8 @@ def train(stage, precision, gas, offload=False, seed=0):
     return losses, params, init, batches, norms
 
 
-def check_parity(stage, precision, gas, offload=False):
-    losses, params, init, batches, norms = train(stage, precision, gas, offload)
+def check_parity(stage, precision, gas, offload=False, zero_extra=None):
+    losses, params, init, batches, norms = train(stage, precision, gas, offload, zero_extra=zero_extra)
     ref_norms = []
     ref_losses, ref_params = reference_run(init, batches, LR, CLIP, norms=ref_norms)
     p_tol, move_tol, l_tol = TOLERANCE[precision]

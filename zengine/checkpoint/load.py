@@ -70,7 +70,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optim
     except Exception as e:  # reported on every rank before any collective of phase 2
         failure = e
     errors = collectives.all_gather(None if failure is None else (type(failure).__name__, f"rank {rank}: {failure}"),
-                                    opt.comm_group)
+                                    opt.dp_group)
     if failure is not None:
         raise failure
     if any(errors):  # another rank failed: the same error class when it was a refused state.pt
@@ -101,7 +101,7 @@ def _agree_on_directory(engine, load_dir: str, tag: Optional[str]) -> str:
     except Exception as e:  # compared below, so that no rank goes on alone into a collective
         mine, failure = None, e
     found = collectives.all_gather((mine, None if failure is None else (type(failure).__name__, str(failure))),
-                                   engine.optimizer.comm_group)
+                                   engine.optimizer.dp_group)
     if all(f == found[0] for f in found):
         if failure is not None:
             raise failure

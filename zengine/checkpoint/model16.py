@@ -48,7 +48,7 @@ def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.
             if sink is not None and b is not None and n not in module._non_persistent_buffers_set:
                 sink.write(pre + n, b.detach(), list(b.shape))
     error = sink.finish() if sink is not None else None
-    error = collectives.broadcast(error, opt.comm_group)
+    error = collectives.broadcast(error, opt.dp_group)
     if error:
         raise CheckpointSaveError(f"save_16bit_model: could not write {path}: {error}")
     return True

@@ -39,7 +39,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     """Collective: write a checkpoint of ``engine`` to ``save_dir/tag``; see the module doc. ``async_save``:
     snapshot to host memory and write in the background (background.py)."""
     background.wait(engine)  # the previous asynchronous save first (its errors raise here)
-    group = engine.optimizer.comm_group
+    group = engine.optimizer.dp_group
     rank = engine.global_rank
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     tags = collectives.all_gather(tag, group)
@@ -69,7 +69,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
 
 def _write(engine, staging: str, save_dir: str, tag: str, client_state, save_latest: bool) -> None:
     """The rank files, then (rank 0) the shared files and the publishing rename; errors on any rank raise on all."""
-    group, rank = engine.optimizer.comm_group, engine.global_rank
+    group, rank = engine.optimizer.dp_group, engine.global_rank
     path = os.path.join(staging, meta_mod.rank_file(rank))
     try:
         entries, mine = _rank_part(engine)
@@ -97,7 +97,7 @@ def _write(engine, staging: str, save_dir: str, tag: str, client_state, save_lat
 def _start_background(engine, staging: str, save_dir: str, tag: str, client_state, save_latest: bool) -> None:
     """Snapshot this rank's part to host memory, agree that every rank has, and leave the writing to a thread
     (background.py); rank 0 also captures the shared part now, before training changes it."""
-    group, rank = engine.optimizer.comm_group, engine.global_rank
+    group, rank = engine.optimizer.dp_group, engine.global_rank
     path = os.path.join(staging, meta_mod.rank_file(rank))
     try:
         entries, mine = _rank_part(engine)

@@ -105,11 +105,9 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _flag("fp16.fp16_master_weights_and_grads", "fp16 master weights", False),
     _flag("bf16.bf16_master_weights_and_grads", "bf16 master weights", False),
     _flag("bf16.bf16_optimizer_states", "bf16 optimizer states", False),
-    # ZeRO sub-keys that change the numbers (quantized or hierarchical ZeRO++, MiCS, ZenFlow).
+    # ZeRO sub-keys that change the numbers (quantized frozen weights, LoCo, ZenFlow).
     _flag("zero_optimization.zero_quantized_nontrainable_weights", "ZeRO++ quantized frozen weights", False),
     _flag("zero_optimization.zeropp_loco_param", "LoCo-ZeRO++ error feedback", None),
-    _flag("zero_optimization.mics_shard_size", "MiCS sharding", -1),
-    _flag("zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical gather", False),
     _flag("zero_optimization.legacy_stage1", "the legacy stage-1 implementation", False),
     _flag("zero_optimization.zenflow", "ZenFlow asynchronous updates", None),
     # Monitoring, logging and profiling (tensorboard, csv_monitor and wandb are implemented: monitor.py).

@@ -131,6 +131,14 @@ class ZeroConfig(_Section):
         "ZeRO++ qgZ: stage 3's gradient reduction sends each rank's gradients as blockwise int8 with an fp32 "
         "scale per 256 elements (an all-to-all), summed in fp32 after dequantizing: a quarter of fp32's "
         "bytes, half of bf16's (int8 where DeepSpeed sends int4)."))
+    mics_shard_size: Integer = Field(-1, description=(
+        "MiCS: shard the model states over groups of this many consecutive ranks (a node, or a few) and "
+        "replicate them across the groups; gradients are reduce-scattered inside a group and all-reduced "
+        "across the groups. -1 (or the world size): plain stage 3. Stage 3 only; must divide the world size."))
+    mics_hierarchical_params_gather: Flag = Field(False, description=(
+        "MiCS: when a shard group spans nodes, gather parameters in two hops (across nodes among the ranks "
+        "with the same local rank, then inside each node), so each parameter crosses nodes once per node "
+        "rather than once per rank. Needs mics_shard_size; ranks per node from LOCAL_WORLD_SIZE."))
     stage3_debug_fetch_order: Flag = Field(False, description=(
         "zengine only: every rank records the sequence of stage-3 parameter fetches of the first step and "
         "the ranks compare them, naming the first parameter where they diverge. A diverging order "
@@ -178,6 +186,7 @@ class ZeroConfig(_Section):
         if self.zero_quantized_weights and self.stage < 3:
             problems.append(f"zero_quantized_weights: quantized parameter gathers (ZeRO++) need stage 3; stage is "
                             f"{self.stage}")
+        problems += self._mics_problems()
         if self.offload_optimizer.enabled and self.stage == 0:
             problems.append(f"offload_optimizer.device: optimizer offload ({self.offload_optimizer.device!r}) "
                             f"needs stage 1, 2 or 3; stage is 0")
@@ -187,6 +196,26 @@ class ZeroConfig(_Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+
+    def _mics_problems(self) -> List[str]:
+        """MiCS's keys against the stage and the other features (sizes against the world: zero/mics.py)."""
+        if self.mics_shard_size in (-1, 0):  # DeepSpeed's "off"
+            if self.mics_hierarchical_params_gather:
+                return ["mics_hierarchical_params_gather: needs mics_shard_size (the ranks per shard group)"]
+            return []
+        if self.mics_shard_size < 1:
+            return [f"mics_shard_size: expected -1 (off) or a positive number of ranks, got {self.mics_shard_size}"]
+        problems = []
+        if self.stage < 3:
+            problems.append(f"mics_shard_size: MiCS shards the parameters, which needs stage 3; stage is {self.stage}")
+        if self.zero_hpz_partition_size > 1:
+            problems.append("mics_shard_size with zero_hpz_partition_size: MiCS and ZeRO++'s hpZ are two answers to "
+                            "the same problem (DeepSpeed takes one or the other); keep one of them")
+        if self.offload_param.device == "nvme" or self.offload_optimizer.device == "nvme":
+            problems.append("mics_shard_size with NVMe offload: not supported (ZeRO-Infinity keeps one copy of the "
+                            "states per rank, MiCS one per shard group); offload to cpu, or drop mics_shard_size")
+        return problems
 
 
 def _stage_of(data: Dict[str, Any]) -> Optional[int]:

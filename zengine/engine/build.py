@@ -14,11 +14,12 @@ from ..distributed.process_group import ProcessPlacement
 from ..optim import build_optimizer, build_scheduler
 from ..precision.cast import cast_module
 from ..precision.cpu_matmul import MatmulPolicy, choose_matmul_policy, log_choice
+from ..zero.optimizer import Ranks
 
 logger = logging.getLogger("zengine")
 
 
-def place_model(model: nn.Module, config: ZengineConfig, placement: ProcessPlacement) -> None:
+def place_model(model: nn.Module, config: ZengineConfig, ranks: Ranks) -> None:
     """Put the model on the compute device in the compute dtype, every replica starting from rank 0's values.
 
     At stage 3 the parameters are cut as they move, one at a time (``zero.init.partition``, what
@@ -29,10 +30,9 @@ def place_model(model: nn.Module, config: ZengineConfig, placement: ProcessPlace
     if config.zero_optimization.stage == 3:
         from ..zero.init import partition
 
-        partition(list(model.named_parameters()), placement.device, config.compute_dtype, placement.world_size,
-                  placement.rank)
-    cast_module(model, config.compute_dtype, placement.device)  # buffers, and parameters stages 0-2 keep whole
-    broadcast_from_rank0(model, placement.world_size)
+        partition(list(model.named_parameters()), ranks.device, config.compute_dtype, ranks.world, ranks.rank)
+    cast_module(model, config.compute_dtype, ranks.device)  # buffers, and parameters stages 0-2 keep whole
+    broadcast_from_rank0(model, ranks.dp_world)
 
 
 def route_matmuls(model: nn.Module, config: ZengineConfig, placement: ProcessPlacement) -> MatmulPolicy:

@@ -39,7 +39,8 @@ from ..monitor.timers import BACKWARD, FORWARD, STEP, Timers
 from ..precision.cast import cast_floating
 from ..precision.loss_scaler import loss_carries_accumulation, make_loss_scaler
 from ..zero import build_zero_optimizer
-from ..zero.optimizer import Ranks, StepOutcome
+from ..zero.optimizer import StepOutcome
+from ..zero.stages import data_parallel_ranks
 from .accumulation import Accumulation
 from .backward import BackwardTracker
 from .build import (UntrainedParameters, make_dataloader, make_scheduler, named_param_groups, optimizer_factory,
@@ -80,7 +81,8 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
             logger.info("zengine config (* = changed from default):\n%s", format_config(config, changed_only=not full))
         checkpointing.configure_from_config(config.activation_checkpointing)  # unless the script configured it
 
-        place_model(model, config, placement)  # stage 3: cut one parameter at a time, never whole on the device
+        ranks = data_parallel_ranks(config.zero_optimization, placement.world_size, placement.rank, placement.device)
+        place_model(model, config, ranks)  # stage 3 (MiCS: over shard groups): cut one parameter at a time
         self.matmul = route_matmuls(model, config, placement)  # CPU bf16 without native bf16: fp32 products
         named_groups = named_param_groups(model, model_parameters, optimizer)
         self._untrained = UntrainedParameters(model, named_groups)  # named at the step if unfrozen later
@@ -88,9 +90,8 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         # every backward is bracketed (backward.py): a plain one the outputs miss opens at its first parameter gradient
         self._backward = BackwardTracker(self._begin_backward, self._end_backward, self._grad_factor,
                                          self._window_carries)
-        self.optimizer = build_zero_optimizer(
-            model, config, named_groups, optimizer_factory(optimizer, config), self.scaler,
-            Ranks(placement.world_size, placement.rank, placement.device), self._backward.on_param_grad)
+        self.optimizer = build_zero_optimizer(model, config, named_groups, optimizer_factory(optimizer, config),
+                                              self.scaler, ranks, self._backward.on_param_grad)
         self.lr_scheduler = make_scheduler(lr_scheduler, config, self.optimizer)
         self.training_dataloader = (make_dataloader(training_data, config, placement, collate_fn)
                                     if training_data is not None else None)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed import agreement, collectives
+from .mics import groups as mics_groups, sharding
 from .stage3.fetcher import Fetcher
 from .stage3.param import ParamState, ShardedParam, lookup, register
 
@@ -47,7 +48,7 @@ def partition(named: list, device: torch.device, dtype: Optional[torch.dtype], w
         with torch.no_grad():
             if p.device != device or (dtype is not None and p.is_floating_point() and p.dtype != dtype):
                 p.data = p.data.to(device=device, dtype=dtype if p.is_floating_point() else None)
-            if world > 1:
+            if dist.is_initialized() and dist.get_world_size() > 1:  # every rank (MiCS: every shard group too)
                 collectives.broadcast(p.data, 0)
         sp = ShardedParam(name, p, world, rank)
         register(sp)
@@ -94,9 +95,12 @@ class Init:
         from ..distributed.process_group import ProcessPlacement, init_distributed
 
         init_distributed()
-        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        cfg = self._zero_sections()
+        # the ranks the engine will shard over: all of them, or with MiCS this rank's shard group (mics.py)
+        zero_cfg = cfg.zero_optimization if cfg is not None else None
+        self.world, self.rank, _, _ = sharding(zero_cfg, dist.get_world_size(), dist.get_rank())
         self.device = ProcessPlacement.current().device  # parameters are cut where the engine will compute with them
-        self.swap = self._nvme_swap()
+        self.swap = self._nvme_swap(cfg)
         self._made: list[ShardedParam] = []
         for cls in _subclasses(nn.Module):
             if "__init__" in cls.__dict__:
@@ -136,15 +140,20 @@ class Init:
         named = [(f"{type(module).__name__}.{name}", p) for name, p in module._parameters.items()]  # full names at initialize
         self._made += partition(named, self.device, None, self.world, self.rank, self.swap)
 
-    def _nvme_swap(self):
+    def _zero_sections(self):
+        """The config's sections Init reads (``None`` without a config)."""
+        from ..config import load_zero_sections
+
+        return load_zero_sections(self._config) if self._config is not None else None
+
+    def _nvme_swap(self, cfg):
         """The GrowingSwap that ``offload_param: {device: nvme}`` (or ``remote_device="nvme"``) asks for."""
-        if self._config is None and self._remote_device != "nvme":
+        if cfg is None and self._remote_device != "nvme":
             return None
-        from ..config import ConfigError, load_zero_sections
+        from ..config import ConfigError
         from ..offload.placement import make_aio
         from ..offload.param_swap import GrowingSwap
 
-        cfg = load_zero_sections(self._config) if self._config is not None else None  # only what Init reads
         offload = cfg.zero_optimization.offload_param if cfg is not None else None
         wants = self._remote_device == "nvme" or (offload is not None and offload.device == "nvme")
         if not wants or self._remote_device == "cpu":
@@ -154,6 +163,19 @@ class Init:
                               "nvme_path (pass config_dict_or_path=ds_config)")
         dtype = self._dtype or (cfg.compute_dtype if cfg is not None else torch.float32)
         return GrowingSwap(offload, dtype, make_aio(cfg.aio), self.device)
+
+
+class MiCS_Init(Init):  # noqa: N801 (DeepSpeed's name)
+    """DeepSpeed's ``zero.MiCS_Init``: ``Init`` for a MiCS config (``mics_shard_size``), which it needs to cut the
+    parameters over the shard groups. ``Init`` itself reads ``mics_shard_size`` from the config too."""
+
+    def __init__(self, *args, config_dict_or_path=None, config=None, **kwargs):
+        if config_dict_or_path is None and config is None:
+            from ..config import ConfigError
+
+            raise ConfigError("zero.MiCS_Init needs the config (config_dict_or_path=ds_config): its mics_shard_size "
+                              "says which ranks shard the parameters")
+        super().__init__(*args, config_dict_or_path=config_dict_or_path, config=config, **kwargs)
 
 
 def _apply_gathered(module: nn.Module, fn):
@@ -186,10 +208,12 @@ def warn_lost_writes(sharded, where: str) -> None:
                 sp.freed_version = sp.param._version
 
 
-def _standalone_fetcher(device: torch.device) -> Fetcher:
+def _standalone_fetcher(sp: ShardedParam) -> Fetcher:
+    """A fetcher over the ranks ``sp`` was cut over (every rank, or its MiCS shard group)."""
     cfg = SimpleNamespace(stage3_prefetch_bucket_size=0, stage3_max_live_parameters=10**18,
                           stage3_max_reuse_distance=0, stage3_debug_fetch_order=False)
-    return Fetcher(cfg, dist.get_world_size(), dist.get_rank(), device)
+    group = None if sp.world == dist.get_world_size() else mics_groups(sp.world)[0]
+    return Fetcher(cfg, sp.world, sp.rank, sp.full.device, group)
 
 
 @contextlib.contextmanager
@@ -211,7 +235,7 @@ def GatheredParameters(params, modifier_rank: Optional[int] = None, fwd_module: 
             with owner.full_params(sharded, modifier_rank=modifier_rank):
                 yield
             return
-        fetcher = _standalone_fetcher(sharded[0].full.device)  # parameters partitioned by Init, not yet in an engine
+        fetcher = _standalone_fetcher(sharded[0])  # parameters partitioned by Init, not yet in an engine
         todo = [sp for sp in sharded if sp.state is ParamState.SHARDED]
         fetcher.fetch(todo, "GatheredParameters")
         try:

@@ -51,6 +51,7 @@ from ..precision.loss_scaler import LossScaler
 from . import full_state
 from .flat_group import FlatParamGroup  # or any group with the same interface (stage 3's)
 from .masters import MastersInMemory
+from .mics import Replication
 from .nonfinite import NonFinitePolicy
 from .step_counts import RunStepper, StepCounts
 from .step_stats import gather_stats
@@ -64,6 +65,22 @@ class Ranks:
     rank: int
     device: torch.device  # the compute device
     group: Any = None     # the process group (None: the default one)
+    replication: Replication = Replication()  # MiCS: other ranks hold the same shards (mics.py)
+
+    @property
+    def dp_world(self) -> int:
+        """Every data-parallel rank: the gradient is the mean over these."""
+        return self.world * self.replication.count
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank among every data-parallel rank (shard groups are consecutive ranks)."""
+        return self.replication.index * self.world + self.rank
+
+    @property
+    def dp_group(self) -> Any:
+        """The group of every data-parallel rank: the step's agreement and checkpoints run over it."""
+        return self.group if self.replication.count == 1 else self.replication.everyone
 
 
 @dataclass(frozen=True)
@@ -101,7 +118,9 @@ class ZeroOptimizer:
                  rules: StepRules, ranks: Ranks, on_unbracketed_grad: Callable[[], None] = lambda: None):
         self.groups = groups
         self.device = ranks.device  # the compute device: the step's control values are reduced there
-        self.world, self.rank, self.comm_group = ranks.world, ranks.rank, ranks.group
+        self.world, self.rank, self.comm_group = ranks.world, ranks.rank, ranks.group  # the ranks sharded over
+        self.replication = ranks.replication  # MiCS: the dp_* below count each shard group's copy too
+        self.dp_world, self.dp_rank, self.dp_group = ranks.dp_world, ranks.dp_rank, ranks.dp_group
         self.nonfinite = rules.nonfinite
         self.clip = rules.clip
         self.allgather_bucket_numel = int(rules.allgather_bucket_numel)
@@ -185,14 +204,14 @@ class ZeroOptimizer:
     # -- the boundary step ----------------------------------------------------------------------
     def grad_unscale(self) -> float:
         """What the summed gradients are multiplied by to become the mean gradient of the global batch:
-        1 / (world x loss scale x accumulation steps). In fp32/bf16 the accumulation steps are divided here,
+        1 / (data-parallel world x loss scale x accumulation steps). In fp32/bf16 the accumulation steps are divided here,
         once, rather than in each loss, so a gradient counts once whichever path it took to its parameter
         (engine/backward.py); fp16 divides each loss instead (``accumulation_steps`` is then 1). The engine
         sets ``window_multiplier`` (loss factor x accumulation steps) from the passes it saw: a plain fp16
         ``loss.backward()`` carries no loss scale."""
         if self.window_multiplier is not None:  # set by the engine: what this window's passes multiplied
-            return 1.0 / (self.world * self.window_multiplier)
-        return 1.0 / (self.world * self.scaler.scale * self.accumulation_steps)
+            return 1.0 / (self.dp_world * self.window_multiplier)
+        return 1.0 / (self.dp_world * self.scaler.scale * self.accumulation_steps)
 
     def _master_grads(self) -> list[torch.Tensor]:
         return self.master_store.grads(self)
@@ -207,8 +226,9 @@ class ZeroOptimizer:
         used = [u for g in self.groups for u in g.used]
 
         def stats_of(master_grads: list[torch.Tensor], **extra):
+            # over every data-parallel rank: with MiCS only copy 0 counts its shards in the norm (norm_range)
             return gather_stats(self._sq_norm(master_grads), self._had_backward, micro_step, used, self.device,
-                                self.world, self.rank, self.comm_group, fetches=self._fetch_check(), **extra)
+                                self.dp_world, self.dp_rank, self.dp_group, fetches=self._fetch_check(), **extra)
 
         unreduced = self.grads.unreduced  # the boundary backward ran under no_sync: no sum over ranks yet
         master_grads = self._master_grads() if not unreduced else []  # (it scales the summed gradient in place)

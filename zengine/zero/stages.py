@@ -17,7 +17,15 @@ from .grad_dtypes import GradDtypes
 from .grads import FullGradients, ShardedGradients, buckets_in_flight
 from .masters import make_master_store
 from .nonfinite import NonFinitePolicy
+from .mics import sharding
 from .optimizer import Ranks, StepRules, ZeroOptimizer
+
+
+def data_parallel_ranks(zero_cfg, world: int, rank: int, device: torch.device) -> Ranks:
+    """The ranks the model states are sharded over: all ``world`` ranks of the default group, or with MiCS
+    (``mics_shard_size``) this rank's shard group, the copies across groups in ``Ranks.replication``."""
+    size, shard_rank, group, replication = sharding(zero_cfg, world, rank)
+    return Ranks(size, shard_rank, device, group, replication)
 
 
 def build_zero_optimizer(module: nn.Module, config, named_groups: Sequence[tuple[list[tuple[str, nn.Parameter]], dict]],
@@ -35,7 +43,7 @@ def build_zero_optimizer(module: nn.Module, config, named_groups: Sequence[tuple
     zero_cfg, dtype = config.zero_optimization, config.compute_dtype
     nonfinite = config.nonfinite_gradients
     rules = StepRules(config.gradient_clipping, NonFinitePolicy(nonfinite.skip, nonfinite.max_consecutive_skips,
-                                                                nonfinite.warn_every, ranks.rank),
+                                                                nonfinite.warn_every, ranks.dp_rank),
                       zero_cfg.allgather_bucket_size,
                       1 if loss_carries_accumulation(config.fp16) else config.gradient_accumulation_steps)
     if zero_cfg.stage == 3:

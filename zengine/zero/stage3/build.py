@@ -19,6 +19,7 @@ from ..grad_dtypes import GradDtypes
 from ..grads import buckets_in_flight
 from ..init import warn_lost_writes
 from ..masters import make_master_store
+from ..mics import MicsConfigError
 from ..optimizer import Ranks, StepRules
 from .fetcher import Fetcher
 from .hierarchical import secondary_partition
@@ -38,6 +39,11 @@ def shard_parameters(module: nn.Module, zero_cfg, dtype: torch.dtype, ranks: Ran
         if sp is None:
             sp = ShardedParam(name, p, ranks.world, ranks.rank)
             register(sp)
+        elif sp.world != ranks.world:
+            raise MicsConfigError(
+                f"{name}: zero.Init partitioned it over {sp.world} ranks, but this engine shards over {ranks.world} "
+                f"(mics_shard_size): pass the same config to zero.Init (config_dict_or_path=ds_config) or use "
+                f"zengine.zero.MiCS_Init")
         sp.name = name
         if sp.state is ParamState.SHARDED:  # partitioned by zero.Init: gather in the compute dtype
             sp.retype(dtype, ranks.device)
@@ -61,18 +67,19 @@ def build_stage3_optimizer(module: nn.Module, config, named_groups: Sequence, ma
     fetcher = Fetcher(zero_cfg, ranks.world, ranks.rank, ranks.device, ranks.group, swap=home.swap,
                       hpz=secondary_partition(zero_cfg, ranks.world, ranks.rank))
     align = placement.alignment(dtype)
-    groups = [ShardedParamGroup(sps, hyper, dtype, home.shard_device, fetcher.gather_now, home.pin, home.swap, align)
-              for sps, (_, hyper) in zip(members, named_groups)]
+    primary = ranks.replication.primary  # MiCS: only copy 0 counts in the norm and writes checkpoints
+    groups = [ShardedParamGroup(sps, hyper, dtype, home.shard_device, fetcher.gather_now, home.pin, home.swap, align,
+                                primary) for sps, (_, hyper) in zip(members, named_groups)]
     in_groups = {id(sp) for g in groups for sp in g.sharded}
     frozen = ShardedParamGroup([sp for sp in all_sharded if id(sp) not in in_groups], {}, dtype, home.shard_device,
-                               fetcher.gather_now, home.pin)
+                               fetcher.gather_now, home.pin, primary=primary)
     for sp in all_sharded:
         if not sp.persistent and sp.state is ParamState.GATHERED:
             sp.free()
     masters = make_master_store(placement, groups, dtype)
     grad_args = (groups, zero_cfg.reduce_bucket_size, ranks.world, ranks.rank, placement.optimizer,
                  lambda sp: fetcher.release([sp], force=True), GradDtypes.from_config(config), ranks.group,
-                 buckets_in_flight(zero_cfg.overlap_comm), zero_cfg.zero_quantized_gradients)
+                 buckets_in_flight(zero_cfg.overlap_comm), zero_cfg.zero_quantized_gradients, ranks.replication)
     if masters.grad_sink is not None:  # ZeRO-Infinity: reduced gradients go to the swap records
         grads = SwappedStage3Gradients(*grad_args, sink=masters.grad_sink)
     else:

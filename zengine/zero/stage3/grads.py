@@ -27,6 +27,7 @@ from ...distributed import collectives
 from ..grad_dtypes import GradDtypes
 from ..grads import ShardReducer, _BucketQueue
 from ..layout import Bucket, FlatLayout
+from ..mics import Replication
 from .group import ShardedParamGroup
 from ...offload.param_swap import on_disk
 from .param import ShardedParam
@@ -52,8 +53,9 @@ class Stage3Gradients(ShardReducer):
 
     def __init__(self, groups: list[ShardedParamGroup], bucket_numel: int, world: int, rank: int, placement,
                  after_grad: Callable[[ShardedParam], None], dtypes: GradDtypes, comm_group=None,
-                 in_flight: int = 2, quantized: bool = False):
+                 in_flight: int = 2, quantized: bool = False, replication: Replication = Replication()):
         self.groups, self.world, self.rank = groups, world, rank
+        self.replication = replication  # MiCS: each reduced shard is summed over the shard groups' copies too
         self.after_grad = after_grad  # releases the parameter's full data
         self.use_reduce_scatter = dist.get_backend(comm_group) != "gloo"
         self.quantized = quantized and world > 1
@@ -147,8 +149,11 @@ class Stage3Gradients(ShardReducer):
         self._add(gi, bucket, self._mine(buf, out))
 
     def _mine(self, buf: torch.Tensor, out) -> torch.Tensor:
-        """This rank's reduced part: the reduce-scatter's output, the quantized sum, or its row of the all-reduce."""
-        return out() if callable(out) else out if out is not None else buf[self.rank]
+        """This rank's reduced part: the reduce-scatter's output, the quantized sum, or its row of the all-reduce;
+        with MiCS then summed over the copies of this shard in the other shard groups."""
+        mine = out() if callable(out) else out if out is not None else buf[self.rank]
+        self.replication.all_reduce(mine)
+        return mine
 
 
 class SwappedStage3Gradients(Stage3Gradients):

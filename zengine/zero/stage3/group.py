@@ -20,8 +20,9 @@ class ShardedParamGroup:
 
     def __init__(self, sharded: Sequence[ShardedParam], hyper: dict[str, Any], dtype: torch.dtype,
                  device: torch.device, refresh: Callable[[list[ShardedParam]], None], pin: bool = False,
-                 swap=None, align: int = 1):
+                 swap=None, align: int = 1, primary: bool = True):
         self.sharded = list(sharded)
+        self.primary = primary  # False: another rank's identical copy is counted and saved (MiCS, zero/mics.py)
         self.params = [sp.param for sp in self.sharded]
         self.hyper = hyper
         self.swap = swap  # NVMe offload (nvme.ParamSwap): the shards live in its file, not in memory
@@ -96,7 +97,9 @@ class ShardedParamGroup:
         return tuple(self.sharded[pi].shape)
 
     def norm_range(self, world: int) -> tuple[int, int]:
-        return 0, self.shard_numel
+        """What of the shard this rank counts in the gradient norm and writes to a checkpoint: all of it, or
+        nothing when it is a MiCS copy of another rank's shard."""
+        return (0, self.shard_numel) if self.primary else (0, 0)
 
     def publish(self, bucket_numel: int, comm_group=None) -> None:
         """Parameters that stay gathered (persistent ones) are re-gathered from the updated shards."""

@@ -160,7 +160,7 @@ class Stage3Optimizer(ZeroOptimizer):
         if offload_to_cpu or rank0_only:
             for sp in params:
                 saved[id(sp)] = sp.param.data
-                keep = (not rank0_only) or self.rank == 0
+                keep = (not rank0_only) or self.dp_rank == 0
                 sp.param.data = (sp.param.data.to("cpu", copy=True) if offload_to_cpu else sp.param.data) if keep \
                     else torch.empty(0, dtype=sp.full.dtype, device=sp.full.device)
         try:
@@ -174,16 +174,17 @@ class Stage3Optimizer(ZeroOptimizer):
         if saved:
             for sp in params:
                 view = saved[id(sp)]
-                if writeback and (not rank0_only or self.rank == 0) and offload_to_cpu:
+                if writeback and (not rank0_only or self.dp_rank == 0) and offload_to_cpu:
                     view.copy_(sp.param.data)
                 sp.param.data = view
+        # over every data-parallel rank (all hold the gathered parameter): with MiCS the shard groups' copies too
         if modifier_rank is not None:
             for sp in params:
-                collectives.broadcast(sp.full, modifier_rank, self.comm_group)
+                collectives.broadcast(sp.full, modifier_rank, self.dp_group)
         if modifier_rank is not None or writeback:
             if rank0_only and writeback and modifier_rank is None:
                 for sp in params:
-                    collectives.broadcast(sp.full, 0, self.comm_group)
+                    collectives.broadcast(sp.full, 0, self.dp_group)
             for sp in params:
                 sp.write_back_full()
             self.sync_masters()
@@ -195,7 +196,7 @@ class Stage3Optimizer(ZeroOptimizer):
     @contextlib.contextmanager
     def summon(self, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False,
                with_grads: bool = False):
-        with agreement.collective_call("summon_full_params", self.comm_group), \
+        with agreement.collective_call("summon_full_params", self.dp_group), \
                 self.full_params(self.all_sharded, writeback=writeback, rank0_only=rank0_only,
                                  offload_to_cpu=offload_to_cpu):
             if with_grads:
