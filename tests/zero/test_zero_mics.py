@@ -14,6 +14,7 @@ from models import EdgeNet, edge_param_groups, make_batches, train_global_batch
 from zengine.config import ConfigError, load_config
 
 MICS2 = {"mics_shard_size": 2}
+TWO_HOP = {"mics_shard_size": 4, "mics_hierarchical_params_gather": True}  # one shard group over both nodes
 STEPS, MICRO = 3, 2
 
 
@@ -29,7 +30,7 @@ def _memory_and_traffic(extra: dict) -> dict:
         train_global_batch(engine, batch, MICRO, 1)
     stats = engine.comm_stats(reset=True)
     shard = sum(g.shard_numel for g in engine.optimizer.groups)
-    return {"shard": shard, "stats": stats}
+    return {"shard": shard, "stats": stats, "params": _params(engine)}
 
 
 @pytest.mark.parametrize("zero,message", [
@@ -37,6 +38,8 @@ def _memory_and_traffic(extra: dict) -> dict:
     ({"stage": 3, "mics_shard_size": 2, "zero_hpz_partition_size": 2}, "keep one of them"),
     ({"stage": 3, "mics_shard_size": -3}, "expected -1"),
     ({"stage": 3, "mics_hierarchical_params_gather": True}, "needs mics_shard_size"),
+    ({"stage": 3, "mics_shard_size": 2, "mics_hierarchical_params_gather": True, "zero_quantized_weights": True},
+     "keep one of them"),
     ({"stage": 3, "mics_shard_size": 2, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, "NVMe"),
 ])
 def test_mics_config_refusals(zero, message):
@@ -107,6 +110,7 @@ def _mics_cases(save_dir: str) -> dict:
     worst = [check_parity(3, "fp32", 1, False, MICS2), check_parity(3, "bf16", 3, False, MICS2),
              check_parity(3, "fp32", 3, "param", MICS2)]  # the last with parameters and optimizer on the host
     return {"worst": worst, "plain": _memory_and_traffic({}), "mics": _memory_and_traffic(MICS2),
+            "two_hop": _memory_and_traffic(TWO_HOP),
             **_checkpoints(save_dir)}
 
 
@@ -121,6 +125,12 @@ def test_mics_trains_like_the_reference_sharded_inside_each_node(tmp_path):
         assert set(mics["stats"]["inter"]) == {"all_reduce"}, mics["stats"]
         assert mics["stats"]["intra"]["all_gather"]["bytes"] > 0
         assert plain["stats"]["inter"]["all_gather"]["bytes"] > 0
+        # the two-hop gather: the same values as the flat one, half the gathered bytes across the nodes
+        two_hop = res["two_hop"]
+        assert two_hop["params"] == plain["params"], rank
+        inter, flat = two_hop["stats"]["inter"]["all_gather"]["bytes"], plain["stats"]["inter"]["all_gather"]["bytes"]
+        assert inter == pytest.approx(flat / 2, rel=0.02), (inter, flat)
+        assert two_hop["stats"]["intra"]["all_gather"]["bytes"] == pytest.approx(flat, rel=0.02)
         # resumed from the checkpoint: bit-identical; every rank saved the same values
         for name in res["after"]:
             assert res["resumed"][name] == res["after"][name], (rank, name)

@@ -212,6 +212,9 @@ class ZeroConfig(_Section):
         if self.zero_hpz_partition_size > 1:
             problems.append("mics_shard_size with zero_hpz_partition_size: MiCS and ZeRO++'s hpZ are two answers to "
                             "the same problem (DeepSpeed takes one or the other); keep one of them")
+        if self.mics_hierarchical_params_gather and self.zero_quantized_weights:
+            problems.append("mics_hierarchical_params_gather with zero_quantized_weights: the two-hop gather sends "
+                            "exact rows; keep one of them")
         if self.offload_param.device == "nvme" or self.offload_optimizer.device == "nvme":
             problems.append("mics_shard_size with NVMe offload: not supported (ZeRO-Infinity keeps one copy of the "
                             "states per rank, MiCS one per shard group); offload to cpu, or drop mics_shard_size")

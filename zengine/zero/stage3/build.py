@@ -23,6 +23,7 @@ from ..mics import MicsConfigError
 from ..optimizer import Ranks, StepRules
 from .fetcher import Fetcher
 from .hierarchical import secondary_partition
+from .two_hop import gather_codec_for
 from .grads import Stage3Gradients, SwappedStage3Gradients
 from .leaf import mark_from_config
 from .group import ShardedParamGroup
@@ -65,7 +66,8 @@ def build_stage3_optimizer(module: nn.Module, config, named_groups: Sequence, ma
     placement = make_placement(zero_cfg, ranks.device, dtype, config.aio, [[sp.chunk for sp in sps] for sps in members])
     home = placement.params
     fetcher = Fetcher(zero_cfg, ranks.world, ranks.rank, ranks.device, ranks.group, swap=home.swap,
-                      hpz=secondary_partition(zero_cfg, ranks.world, ranks.rank))
+                      hpz=secondary_partition(zero_cfg, ranks.world, ranks.rank),
+                      codec=gather_codec_for(zero_cfg, ranks.world))  # MiCS's two-hop gather, when asked
     align = placement.alignment(dtype)
     primary = ranks.replication.primary  # MiCS: only copy 0 counts in the norm and writes checkpoints
     groups = [ShardedParamGroup(sps, hyper, dtype, home.shard_device, fetcher.gather_now, home.pin, home.swap, align,

@@ -134,7 +134,7 @@ class Fetcher:
     """Gathers and releases sharded parameters for the hooks; keeps the live-element count."""
 
     def __init__(self, zero_cfg, world: int, rank: int, device: torch.device, comm_group=None, swap=None,
-                 hpz: Optional[SecondaryPartition] = None):
+                 hpz: Optional[SecondaryPartition] = None, codec=None):
         self.world, self.rank, self.comm_group = world, rank, comm_group
         self.hpz = hpz  # zero_hpz_partition_size: backward gathers from the node's secondary shards
         self.device = device  # the compute device: the debug check's messages travel there
@@ -157,7 +157,8 @@ class Fetcher:
         self.check = FetchCheck(device)
         # how gathers for compute travel (zero_quantized_weights: int8); gathers for the user stay exact
         self.exact = ExactGather()
-        self.codec = gather_codec(zero_cfg) if world > 1 else self.exact
+        # (``codec``: MiCS's two-hop gather, two_hop.py)
+        self.codec = codec or (gather_codec(zero_cfg) if world > 1 else self.exact)
         self._host_reads = None  # event after the latest uploads from host shards (_note_host_reads)
         position = weakref.WeakMethod(self._position)  # the registry must not keep an old engine alive
         diagnose.register_position("stage 3", lambda: position()() if position() is not None else "")
@@ -262,7 +263,8 @@ class Fetcher:
         except RuntimeError as e:
             raise gather_failed(params, self.rank, self.check.issued_count, e) from e
         pending = _Pending(params, staging, works, direct, tag)
-        pending.decode = (lambda: codec.finish(staging, total, coded)) if codec.quantized else None
+        finishes = codec.quantized or getattr(codec, "finishes", False)  # dequantize, or the two-hop's second hop
+        pending.decode = (lambda: codec.finish(staging, total, coded)) if finishes else None
         if not refresh:
             for sp in params:
                 self._pending[id(sp)] = pending
