@@ -1,6 +1,6 @@
 """Bytes each rank's collectives move per optimizer step, measured, against the ZeRO formulas.
 
-    python benchmarks/bench_comm.py [--world 4] [--per-node 2] [--steps 4] [--stages 1,2,3,3q,3h,3g,3qhg]
+    python benchmarks/bench_comm.py [--world 4] [--per-node 2] [--steps 4] [--stages 1,2,3,3q,3h,3g,3qhg,3m,3mh]
 
 W gloo ranks as W / per-node "nodes" (``LOCAL_WORLD_SIZE``; 4 as 2 x 2 by default) train the main job's
 GPT (``zengine.models.tiny()``, fp32, AdamW, micro batch 4) for ``steps`` steps at each stage, after two
@@ -15,7 +15,10 @@ parameter is gathered for the forward and again for the backward (with DeepSpeed
 blockwise int8), ``3h`` with its hierarchical partitioning (``zero_hpz_partition_size`` = ranks per node:
 the backward's gathers inside the node), ``3g`` with its quantized gradients (``zero_quantized_gradients``:
 an int8 all-to-all in place of the reduction), ``3qhg`` all three; each with its loss after the run beside
-stage 3's. MiCS, which zengine does not implement yet, is a formula only. Results go to ``benchmarks/results/comm_<date>.md``.
+stage 3's. ``3m`` is MiCS with a shard group per node (``mics_shard_size`` = ranks per node: the gathers and the
+gradient reduction inside the node, the shards' all-reduce across the copies), ``3mh`` MiCS with one shard group
+over every rank and its two-hop gather (``mics_hierarchical_params_gather``). Results go to
+``benchmarks/results/comm_<date>.md``.
 """
 from __future__ import annotations
 
@@ -56,6 +59,11 @@ FORMULA = {  # (collective, group kind) -> Ψ per step
     "3g": {("all_gather", "inter"): 2.0, ("all_to_all", "inter"): (1 + 4 / 256) / 4},
     "3qhg": {("all_gather", "inter"): (1 + 4 / 256) / 4, ("all_gather", "intra"): 1.0,
              ("all_to_all", "inter"): (1 + 4 / 256) / 4},
+    # MiCS, 2 groups of 2 (one per node): gathers and the gradient sum inside the node, then the Ψ/2 shard summed
+    # over the 2 copies across the nodes
+    "3m": {("all_gather", "intra"): 2.0, ("all_reduce", "intra"): 1.0, ("all_reduce", "inter"): 0.5},
+    # MiCS, one group of 4, two-hop gathers: each gather's first hop across the nodes carries half the rows
+    "3mh": {("all_gather", "inter"): 1.0, ("all_gather", "intra"): 2.0, ("all_reduce", "inter"): 1.0},
 }
 
 
@@ -77,7 +85,9 @@ def rank_job(rank: int, world: int, per_node: int, port: int, args, out: str) ->
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
                                   "stage3_max_reuse_distance": 0, "zero_quantized_weights": "q" in name,
                                   "zero_quantized_gradients": "g" in name,
-                                  "zero_hpz_partition_size": per_node if "h" in name else 1}})
+                                  "zero_hpz_partition_size": per_node if name in ("3h", "3qhg") else 1,
+                                  "mics_shard_size": {"3m": per_node, "3mh": world}.get(name, -1),
+                                  "mics_hierarchical_params_gather": name == "3mh"}})
         batches = iter(loader)
         for step in range(2 + args.steps):
             if step == 2:
@@ -100,7 +110,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--per-node", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--stages", default="1,2,3,3q,3h,3g,3qhg")
+    parser.add_argument("--stages", default="1,2,3,3q,3h,3g,3qhg,3m,3mh")
     args = parser.parse_args()
     args.stages = args.stages.split(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,8 +128,8 @@ def report(args, results: dict) -> None:
              f"{args.world} gloo ranks as {nodes} nodes of {args.per_node} (LOCAL_WORLD_SIZE), the main job's GPT "
              f"(fp32), micro batch {MICRO}, {args.steps} steps after 2 warm-up steps; stage 3 with persistence "
              f"threshold and reuse distance 0. Ψ = the model's parameter bytes. Payload: the buffer each collective moves as a whole; "
-             f"ring: what one rank sends for it on a ring ((W-1)/W of it, twice for an all-reduce). Every engine "
-             f"group here is the world group, which spans both nodes: all of it is inter-node traffic.", "",
+             f"ring: what one rank sends for it on a ring ((W-1)/W of it, twice for an all-reduce). A group is "
+             f"inter-node when its ranks are on more than one node (the world group is).", "",
              f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs. Command: "
              f"`python benchmarks/bench_comm.py --world {args.world} --per-node {args.per_node} "
              f"--steps {args.steps}`.", "",
@@ -139,7 +149,7 @@ def report(args, results: dict) -> None:
         lines.append(f"| {stage} | **all** | | | **{total:.3f}** | {sum(FORMULA.get(stage, {}).values()):.2f} | | "
                      f"{res['loss']:.4f} |")
     lines += ["", "ZeRO++ and MiCS formulas (inter-node payload per step in Ψ of a 2-byte model, stage 3; qwZ is "
-              "measured above as 3q, hpZ as 3h, qgZ (int8 here) as 3g; MiCS is not implemented yet): plain 3.0 (forward and backward all-gather, reduce-scatter); qwZ (int8 "
+              "measured above as 3q, hpZ as 3h, qgZ (int8 here) as 3g, MiCS as 3m and 3mh): plain 3.0 (forward and backward all-gather, reduce-scatter); qwZ (int8 "
               "weights in the forward all-gather) 2.5; hpZ (backward all-gather inside the node) 2.0; qgZ (int4 "
               "gradient reduce-scatter) replaces 1.0 by 0.25; qwZ + hpZ + qgZ 0.75 (4x less); MiCS with shards "
               "inside a node: 2(R-1)/R x Ψ/s for the gradient all-reduce across R replicas of s-rank groups."]

@@ -18,15 +18,17 @@ def _model():
     return nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 12), nn.Tanh(), nn.Linear(12, 3))
 
 
-def _config(hpz: int, quantized: bool = False, gas: int = 1) -> dict:
+def _config(hpz: int, quantized: bool = False, gas: int = 1, offload: bool = False) -> dict:
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+            "zero_hpz_partition_size": hpz, "zero_quantized_weights": quantized}
+    if offload:  # parameters and optimizer on the host (CPU-Adam)
+        zero.update(offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-                                  "zero_hpz_partition_size": hpz, "zero_quantized_weights": quantized}}
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": zero}
 
 
-def _run(hpz: int, quantized: bool = False, gas: int = 1, save_dir: str = None) -> dict:
-    engine, *_ = zengine.initialize(model=_model(), config=_config(hpz, quantized, gas))
+def _run(hpz: int, quantized: bool = False, gas: int = 1, save_dir: str = None, offload: bool = False) -> dict:
+    engine, *_ = zengine.initialize(model=_model(), config=_config(hpz, quantized, gas, offload))
     g = torch.Generator().manual_seed(torch.distributed.get_rank())
     losses = []
     engine.comm_stats(reset=True)
@@ -46,7 +48,8 @@ def _run(hpz: int, quantized: bool = False, gas: int = 1, save_dir: str = None) 
 
 def _compare(save_dir: str) -> dict:
     return {"plain": _run(1), "hpz": _run(2, save_dir=save_dir), "plain_q": _run(1, True), "hpz_q": _run(2, True),
-            "plain_gas": _run(1, gas=2), "hpz_gas": _run(2, gas=2)}
+            "plain_gas": _run(1, gas=2), "hpz_gas": _run(2, gas=2),
+            "plain_off": _run(1, True, offload=True), "hpz_off": _run(2, True, offload=True)}
 
 
 def _load_plain(save_dir: str) -> dict:
@@ -60,7 +63,7 @@ def test_hpz_keeps_the_backward_gather_on_the_node_and_trains_bit_identically(tm
     # its checkpoint is a plain stage-3 one: it loads into plain stage 3 at another world size
     assert spawn(_load_plain, 2, str(tmp_path))[0] == out[0]["hpz"]["params"]
     for rank, res in enumerate(out):
-        for plain, hpz in (("plain", "hpz"), ("plain_q", "hpz_q"), ("plain_gas", "hpz_gas")):
+        for plain, hpz in (("plain", "hpz"), ("plain_q", "hpz_q"), ("plain_gas", "hpz_gas"), ("plain_off", "hpz_off")):
             assert res[hpz]["losses"] == res[plain]["losses"], (rank, plain)
             assert res[hpz]["params"] == res[plain]["params"], (rank, plain)
         stats, psi = res["hpz"]["stats"], res["hpz"]["psi"]
