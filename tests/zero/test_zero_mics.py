@@ -103,6 +103,8 @@ def _load_plain(save_dir: str) -> dict:
         refusal = "built"
     except ValueError as e:
         refusal = str(e)
+    # groups of one rank: every rank holds whole states, the gradients summed over 3 copies
+    check_parity(3, "fp32", 3, False, {"mics_shard_size": 1})
     return {"params": params, "refusal": refusal}
 
 
