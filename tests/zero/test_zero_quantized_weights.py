@@ -1,5 +1,5 @@
 """ZeRO++ quantized communication (zero/stage3/quantized.py): with ``zero_quantized_weights`` stage 3's gathers
-for compute travel as blockwise int8, with ``zero_quantized_gradients`` its gradient reduction (an int8
+for compute travel as blockwise int8, with ``zero_quantized_gradients`` its gradient reduction (an int8, or int4,
 all-to-all summed in fp32); training follows the exact run closely, the bytes drop to about a quarter of
 fp32's, and what the user is handed whole (GatheredParameters, summon_full_params) stays exact."""
 import pytest
@@ -8,7 +8,8 @@ from torch import nn
 
 import zengine
 from harness import spawn
-from zengine.zero.stage3.quantized import BLOCK, dequantize, quantize
+from zengine.distributed import traffic
+from zengine.zero.stage3.quantized import BLOCK, dequantize, quantize, quantized_reduce_scatter
 
 STEPS = 6
 
@@ -102,3 +103,35 @@ def test_quantized_gradient_reduction_trains_like_the_exact_one():
         ratio = int8["reduced"] / exact["reduced"]
         assert 0.2 < ratio < 0.32, ratio
         assert int8["gathered"] == exact["gathered"]  # the weights travel exact
+
+
+def _reduce_scatter_both_widths() -> dict:
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    n = 3 * BLOCK + 17  # the last block padded
+    scale = torch.logspace(-2, 2, n)
+    bufs = [torch.randn(world, n, generator=torch.Generator().manual_seed(r)) * scale for r in range(world)]
+    exact = sum(b[rank] for b in bufs)
+    out = {}
+    for bits, qmax in ((8, 127), (4, 7)):
+        traffic.snapshot(reset=True)
+        works, summed = quantized_reduce_scatter(bufs[rank], None, bits)
+        for work in works:
+            work.wait()
+        got = summed()
+        sent = traffic.total(traffic.snapshot(reset=True))
+        # at most half a step of each rank's block: max|block| / (2 qmax), summed over the ranks
+        padded = [torch.nn.functional.pad(b[rank], (0, 4 * BLOCK - n)).view(4, BLOCK) for b in bufs]
+        bound = sum((p.abs().amax(1) / (2 * qmax)).repeat_interleave(BLOCK)[:n] for p in padded)
+        out[bits] = {"over": ((got - exact).abs() - bound * (1 + 1e-5)).max().item(),
+                     "err": (got - exact).abs().max().item(), "bytes": sent, "dtype": str(got.dtype)}
+    return out
+
+
+def test_quantized_reduce_scatter_int4_sends_half_of_int8_within_half_a_step():
+    for out in spawn(_reduce_scatter_both_widths, 2):
+        int8, int4 = out[8], out[4]
+        assert int8["over"] <= 0 and int4["over"] <= 0, out  # within the bound
+        assert int4["err"] > int8["err"] > 0  # both quantize, int4 more coarsely
+        # codes: a byte per element against half a byte, plus the same 4 bytes of scale per block
+        assert int4["bytes"] == (int8["bytes"] - 2 * 4 * 4) / 2 + 2 * 4 * 4, out
+        assert int8["dtype"] == int4["dtype"] == "torch.float32"

@@ -4,6 +4,7 @@
   shards, optionally writing bf16/fp16 copies of the updated parameters in the same pass.
 - ``flatten`` / ``unflatten_into``: threaded copies between tensor lists and flat buffers.
 - ``unscale_and_norm_``: gradient unscale + sum of squares + non-finite check in one pass.
+- ``quantize_blocks`` / ``dequantize_blocks`` / ``dequantize_sum``: ZeRO++'s blockwise int8/int4 codec.
 
 The kernels live in ``csrc/`` and are declared in ``ops.py``; ``builder.py`` builds them on
 first use (or uses the ones ``ZENGINE_BUILD_OPS=1`` installed) and falls back to torch, with
@@ -15,6 +16,7 @@ from .builder import build_all, get_builder, load_op
 from .flatten import flatten, unflatten_into
 from .grad import GradStats, unscale_and_norm_
 from .ops import ALL_OPS
+from .quantize import dequantize_blocks, dequantize_sum, quantize_blocks
 
 __all__ = [
     "CPUAdam",
@@ -27,6 +29,9 @@ __all__ = [
     "unflatten_into",
     "GradStats",
     "unscale_and_norm_",
+    "quantize_blocks",
+    "dequantize_blocks",
+    "dequantize_sum",
     "load_op",
     "get_builder",
     "build_all",

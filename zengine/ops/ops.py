@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["OpSpec", "CPU_ADAM", "FLATTEN", "UNSCALE_NORM", "ASYNC_IO", "ALL_OPS", "COMMON_CFLAGS", "COMMON_LDFLAGS"]
+__all__ = ["OpSpec", "CPU_ADAM", "FLATTEN", "UNSCALE_NORM", "ASYNC_IO", "QUANTIZE", "ALL_OPS", "COMMON_CFLAGS",
+           "COMMON_LDFLAGS"]
 
 # -O3 and no -g keep builds small and fast; -ffp-contract=off keeps a*b+c as two roundings
 # so every SIMD path gives the scalar path's bits; no -march: each SIMD path carries its
@@ -68,4 +69,11 @@ ASYNC_IO = OpSpec(
     include_dirs=("includes", "aio"),
 )
 
-ALL_OPS: tuple[OpSpec, ...] = (CPU_ADAM, FLATTEN, UNSCALE_NORM, ASYNC_IO)
+QUANTIZE = OpSpec(
+    name="quantize",
+    sources=("quantize/quantize.cpp", "quantize/bindings.cpp"),
+    description="ZeRO++ blockwise int8/int4 quantize and dequantize (SIMD, OpenMP)",
+    include_dirs=("includes", "quantize"),
+)
+
+ALL_OPS: tuple[OpSpec, ...] = (CPU_ADAM, FLATTEN, UNSCALE_NORM, ASYNC_IO, QUANTIZE)

@@ -9,6 +9,11 @@ row, this rank's included, is the dequantized one, so every rank computes with t
 error of an element is at most half a step, ``max|block| / 254``. The fetch check's tag columns travel
 exactly beside the scales.
 
+The gradient reduction can also send int4 codes (``bits=4``: scale = the block's largest magnitude / 7, two
+codes a byte: half of int8's bytes again, error at most ``max|block| / 14``). The codec itself is
+``zengine.ops.quantize``: the compiled ``quantize`` op for CPU tensors (SIMD, threads), the same operations
+as torch ops elsewhere (device tensors, or where the op cannot be built), bit for bit alike.
+
 Only the gathers that feed compute are quantized: the masters and shards stay exact, and the gathers that
 hand parameters to the user (``summon_full_params``, ``GatheredParameters``, the re-gather after a step of
 parameters that stay whole) are exact.
@@ -18,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ...distributed import collectives
+from ...ops.quantize import dequantize_blocks, dequantize_sum, quantize_blocks
 
 BLOCK = 256  # elements per scale (DeepSpeed's ZeRO++ quantizes in groups too; smaller: finer, more scales)
 
@@ -36,23 +42,13 @@ class ExactGather:
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ([n], float) as (int8 [blocks * BLOCK], fp32 scales [blocks]), zero-padded to whole blocks."""
-    n = x.numel()
-    blocks = -(-n // BLOCK)
-    padded = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=x.device)  # [blocks * BLOCK]
-    padded[:n].copy_(x)
-    view = padded.view(blocks, BLOCK)
-    scales = view.abs().amax(dim=1).div_(127.0)  # [blocks]
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = view.div_(safe.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8)
-    return q.view(-1), scales
+    return quantize_blocks(x, 8, BLOCK)
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, n: int, out: torch.Tensor) -> None:
     """Rows of int8 ``q`` ([rows, blocks * BLOCK]) times their ``scales`` ([rows, blocks]) into ``out``
     ([rows, >= n], any float dtype), columns [0, n)."""
-    rows, blocks = scales.shape
-    values = q.view(rows, blocks, BLOCK).to(torch.float32).mul_(scales.unsqueeze(2))  # [rows, blocks, BLOCK]
-    out[:, :n].copy_(values.view(rows, -1)[:, :n])
+    dequantize_blocks(q, scales, n, out, 8, BLOCK)
 
 
 class Int8Gather:
@@ -66,9 +62,7 @@ class Int8Gather:
         extra = width - ncols  # the fetch check's tag columns: sent exactly, after the scales
         q = torch.empty(world, blocks * BLOCK, dtype=torch.int8, device=staging.device)  # [world, blocks * BLOCK]
         side = torch.empty(world, blocks + extra, dtype=torch.float32, device=staging.device)  # [world, blocks + tag]
-        mine_q, mine_scales = quantize(staging[rank, :ncols])
-        q[rank].copy_(mine_q)
-        side[rank, :blocks].copy_(mine_scales)
+        quantize_blocks(staging[rank, :ncols], 8, BLOCK, codes=q[rank], scales=side[rank, :blocks])
         if extra:
             side[rank, blocks:].copy_(staging[rank, ncols:])
         works = collectives.all_gather_rows(q, rank, group, async_op=True)
@@ -82,34 +76,28 @@ class Int8Gather:
             staging[:, ncols:].copy_(side[:, blocks:])
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of ``x`` ([rows, n]) as int8 ([rows, blocks * BLOCK]) and fp32 scales ([rows, blocks])."""
-    rows, n = x.shape
-    blocks = -(-n // BLOCK)
-    padded = torch.zeros(rows, blocks * BLOCK, dtype=torch.float32, device=x.device)  # [rows, blocks * BLOCK]
-    padded[:, :n].copy_(x)
-    view = padded.view(rows, blocks, BLOCK)
-    scales = view.abs().amax(dim=2).div_(127.0)  # [rows, blocks]
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = view.div_(safe.unsqueeze(2)).round_().clamp_(-127, 127).to(torch.int8)
-    return q.view(rows, -1), scales
+def quantize_rows(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x`` ([rows, n]) as codes ([rows, blocks * BLOCK] int8, or [rows, blocks * BLOCK / 2]
+    uint8 for ``bits`` 4: two codes a byte) and fp32 scales ([rows, blocks])."""
+    return quantize_blocks(x, bits, BLOCK)
 
 
-def quantized_reduce_scatter(buf: torch.Tensor, group) -> tuple[list, "callable"]:
+def quantized_reduce_scatter(buf: torch.Tensor, group, bits: int = 8) -> tuple[list, "callable"]:
     """qgZ: sum ``buf`` ([world, n], row r destined for rank r) over the group, this rank keeping its row's
-    sum, with each rank's rows sent as blockwise int8 (an all-to-all) and summed in fp32 after
-    dequantizing. Returns the works and a function giving the summed row ([n], ``buf``'s dtype) once they
-    are done. The error of an element is at most the sum over ranks of half their block's step."""
+    sum, with each rank's rows sent as blockwise int8 (``bits`` 8) or int4 (``bits`` 4, as DeepSpeed's qgZ
+    sends them: half the bytes again) in an all-to-all and summed in fp32, in rank order, after decoding.
+    Returns the works and a function giving the summed row ([n], ``buf``'s dtype) once they are done. The
+    error of an element is at most the sum over ranks of half their block's step (``max|block| / 254`` for
+    int8, ``max|block| / 14`` for int4)."""
     world, n = buf.shape
-    q, scales = quantize_rows(buf)
+    q, scales = quantize_rows(buf, bits)
     got_q, got_scales = torch.empty_like(q), torch.empty_like(scales)
     works = [collectives.all_to_all(got_q, q, group, async_op=True),
              collectives.all_to_all(got_scales, scales, group, async_op=True)]
 
     def summed() -> torch.Tensor:
-        rows = torch.empty(world, n, dtype=torch.float32, device=buf.device)  # [world, n]: each rank's part
-        dequantize(got_q, got_scales, n, rows)
-        return rows.sum(dim=0).to(buf.dtype)
+        out = torch.empty(n, dtype=buf.dtype, device=buf.device)  # [n]: this rank's part, summed
+        return dequantize_sum(got_q, got_scales, n, out, bits, BLOCK)
 
     return works, summed
 
