@@ -157,9 +157,10 @@ def prepare_zengine(config: Callable[[str | None], dict]):
     """``config(nvme_dir)`` gives the zengine config."""
     def prepare(model: nn.Module, nvme_dir: str | None):
         import zengine
+        from zengine.engine.engine import model_state_bytes
 
         engine, *_ = zengine.initialize(model=model, config=config(nvme_dir))
-        return (engine, engine.backward, engine.step, lambda: sum(engine.memory_breakdown().values()),
+        return (engine, engine.backward, engine.step, lambda: model_state_bytes(engine.memory_breakdown()),
                 engine.destroy)
     prepare.config = config  # for zengine.estimate's prediction in the table
     return prepare
@@ -377,7 +378,7 @@ def summarize(runs: dict[tuple[str, int], list[dict]], args: argparse.Namespace,
         "states per rank for fp32 Adam (1 unit each of parameters and gradients, 2 of Adam's moments; "
         "stage 0 and DDP 4, stage 1 2+2/W, stage 2 1+3/W, stage 3 4/W; with the CPU as the device, CPU "
         "offload changes nothing). counted: the model-state tensors the contender holds between the last "
-        "backward and step (zengine: sum(engine.memory_breakdown().values()); DDP: parameters, gradients and "
+        "backward and step (zengine: model_state_bytes(engine.memory_breakdown()), its kinds summed; DDP: parameters, gradients and "
         "AdamW states). after steps: own memory (RssAnon) after the last step. peak: its high-water mark over the whole run (VmHWM less the shared library pages); build ... step: "
         "the peak during that kind of phase (forward, backward, step: the highest of the steps). "
         "peak per rank: each rank's peak. estimate: `zengine.estimate` before training (model states on "

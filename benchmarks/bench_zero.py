@@ -182,6 +182,7 @@ def build_zengine(stage: int, offload: str | None = None, cpu_matmul: str | None
     """zengine at ``stage``; ``cpu_matmul`` set: in bf16 with that ``bf16.cpu_matmul`` ("native", "fp32")."""
     def build(model: torch.nn.Module, bucket: int) -> Trainer:
         import zengine
+        from zengine.engine.engine import model_state_bytes
 
         config = zero_config(stage, bucket, offload)
         if cpu_matmul is not None:
@@ -195,7 +196,7 @@ def build_zengine(stage: int, offload: str | None = None, cpu_matmul: str | None
             engine.backward(loss)
             return loss
 
-        trainer = Trainer(forward_backward, engine.step, lambda: sum(engine.memory_breakdown().values()),
+        trainer = Trainer(forward_backward, engine.step, lambda: model_state_bytes(engine.memory_breakdown()),
                           f"engine.memory_breakdown(); optimizer {type(inner).__name__}(fused={fused})",
                           lambda: whole_param_numel(model))
         fetcher = getattr(engine.optimizer, "fetcher", None)  # stage 3: the engine's own gather accounting
@@ -204,7 +205,7 @@ def build_zengine(stage: int, offload: str | None = None, cpu_matmul: str | None
                 trainer.note = (f"engine.memory_breakdown(); optimizer {type(inner).__name__}(fused={fused}); "
                                 f"most gathered at once during the step (engine accounting, persistent ones "
                                 f"left out): {fetcher.peak_live_numel:,} elements")
-                return sum(engine.memory_breakdown().values())
+                return model_state_bytes(engine.memory_breakdown())
             trainer.state_bytes = state_bytes
         return trainer
     return build

@@ -221,15 +221,19 @@ class CopyTally:
 @contextlib.contextmanager
 def side_streams_on_meta():
     """The stand-in device gets the CUDA paths of ``zengine.offload.copies``: side streams (stand-ins that
-    order nothing: meta has no data to order) and pinned host buffers for what it exchanges with the host."""
+    order nothing: meta has no data to order) and pinned host buffers for what it exchanges with the host
+    (``PinnedMemory``'s, also on a machine with CUDA, where ``offload/pinned.py`` would register real ones
+    that the record does not know)."""
     from zengine.accelerator import CpuAccelerator
-    from zengine.offload import copies
+    from zengine.offload import copies, pinned
 
     copies.SIDE_STREAMS["meta"] = CpuAccelerator()
+    runtime, pinned.RUNTIME = pinned.RUNTIME, False
     try:
         yield
     finally:
         del copies.SIDE_STREAMS["meta"]
+        pinned.RUNTIME = runtime
 
 
 def _host_copy_of_meta(func, args, kwargs):

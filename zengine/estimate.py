@@ -16,7 +16,10 @@ top come the transients this engine has during a step, each bounded by a config 
 (autograd's fresh gradient of the parameter in hand). Activations are the model's and are not counted.
 
 "device" is the compute device and "host" the CPU memory that offload uses; on a CPU-only run they
-are the same memory and add up.
+are the same memory and add up. ``pinned`` is the part of "host" that is page-locked on a GPU machine
+(what DeepSpeed's estimators call CPU memory for offload): the offloaded shards and swap buffers where
+``pin_memory`` asks (the default), and the staging of the side-stream copies always. Each is pinned at
+its exact size (``offload/pinned.py``), not rounded up to a power of two as torch's pinned allocator would.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ class MemoryEstimate:
     device: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
     transients: dict[str, int] = field(default_factory=dict)  # on the compute device
+    pinned: dict[str, int] = field(default_factory=dict)  # entries of ``host`` that are page-locked
     label: str = ""
 
     @property
@@ -53,6 +57,11 @@ class MemoryEstimate:
     @property
     def host_states(self) -> int:
         return sum(self.host.values())
+
+    @property
+    def pinned_host(self) -> int:
+        """Page-locked host bytes (a part of ``host_states``), at their exact sizes."""
+        return sum(self.pinned.values())
 
     @property
     def peak_device(self) -> int:
@@ -67,7 +76,8 @@ class MemoryEstimate:
             if shown:
                 lines.append(f"  {where:9s} GiB: {shown}")
         lines.append(f"  per rank: device {self.device_states / GiB:.2f} GiB of states, peak "
-                     f"{self.peak_device / GiB:.2f} GiB with transients; host {self.host_states / GiB:.2f} GiB")
+                     f"{self.peak_device / GiB:.2f} GiB with transients; host {self.host_states / GiB:.2f} GiB"
+                     + (f", {self.pinned_host / GiB:.2f} GiB of it pinned" if self.pinned_host else ""))
         return "\n".join(lines)
 
 
@@ -148,12 +158,16 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
         count = min(int(zero.offload_optimizer.buffer_count), max(2, math.ceil(sharded_opt / chunk)))  # as offload/state_swap.py
         parts = 4 if infinity else 2  # [exp_avg | exp_avg_sq] or, ZeRO-Infinity, [... | master | grad] fp32
         est.host["optimizer swap buffers"] = count * parts * 4 * chunk
-        if infinity:  # gradient pieces written behind (swap.GradSwap.IN_FLIGHT)
-            est.transients["gradient writes"] = 4 * 4 * min(chunk, int(zero.reduce_bucket_size), share)
+        if infinity:  # gradient pieces written behind (swap.GradSwap.IN_FLIGHT): on a GPU machine pinned
+            # and kept from step to step (registered once), so host memory for good
+            writes = 4 * 4 * min(chunk, int(zero.reduce_bucket_size), share)
+            (est.transients if cpu_training else est.host)["gradient writes"] = writes
     elif offload_opt == "cpu":
         est.host["optimizer states"] = 8 * sharded_opt
     else:
         est.device["optimizer states"] = 8 * sharded_opt
+    if not cpu_training:
+        _pinned(est, zero, half, sharded_opt, offload_opt, offload_par, infinity)
     # transients of a step
     largest = int(largest_param) if largest_param is not None else max(numels, default=0)
     est.transients["autograd gradient"] = half * largest
@@ -177,6 +191,32 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
             # a module of several sharded parameters gathers through one staging buffer, then copies
             est.transients["prefetch staging"] = half * min(int(zero.stage3_prefetch_bucket_size), psi)
     return est
+
+
+def _pinned(est: MemoryEstimate, zero, half: int, sharded_opt: int, offload_opt: str, offload_par: str,
+            infinity: bool) -> None:
+    """Add the host memory that is pinned on a GPU machine (the copy staging to ``host`` too), as
+    ``offload/`` allocates it: shards and swap buffers where the section's ``pin_memory`` asks, the
+    staging of side-stream copies always (``copies.StreamCopies``, ``state_swap.GradSwap``)."""
+    pin_opt = offload_opt != "none" and bool(zero.offload_optimizer.pin_memory)
+    pin_par = offload_par != "none" and bool(zero.offload_param.pin_memory)
+    if pin_opt:
+        for key in ("master weights", "gradients", "optimizer swap buffers"):  # (CPUAdam's moments: pageable)
+            if key in est.host:
+                est.pinned[key] = est.host[key]
+    if pin_par:
+        for key in ("parameters", "parameter swap buffers", "parameters kept in memory"):
+            if key in est.host:
+                est.pinned[key] = est.host[key]
+    if "gradient writes" in est.host:
+        est.pinned["gradient writes"] = est.host["gradient writes"]
+    if offload_opt != "none" and offload_par == "none":
+        if infinity:  # each updated chunk goes up through 2 staging buffers (copies.StreamCopies.upload)
+            chunk = min(int(zero.sub_group_size), MAX_CHUNK, max(1, sharded_opt))
+            staging = 2 * half * chunk
+        else:  # CPUAdam writes the compute-dtype parameters into one staging buffer per group
+            staging = half * sharded_opt
+        est.host["copy staging"] = est.pinned["copy staging"] = staging
 
 
 def _has_multi_parameter_modules(model, threshold: int) -> bool:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import zengine
 from harness import spawn
 from models import EdgeNet, edge_param_groups, make_batches, micro_batch, reference_run, train_global_batch
+from zengine.engine.engine import model_state_bytes
 from zengine.zero.stage3.param import ParamState, lookup
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -547,7 +548,7 @@ def memory_case(case, device: str, nvme_dir: str, errors: list) -> dict:
         engine.backward(engine(torch.randn(2, MEM_WIDTH, device=dev)).pow(2).mean())
         engine.step()
     peak = peak_bytes(dev)
-    counted = sum(engine.memory_breakdown().values()) / unit
+    counted = model_state_bytes(engine.memory_breakdown()) / unit
     engine.destroy()
     return {"errors": errors, "peak": None if peak is None else (peak - base) / unit, "counted": counted,
             "estimate": predicted}

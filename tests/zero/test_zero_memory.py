@@ -35,7 +35,7 @@ def expected(stage, precision, world):
         # (the gradient shard accumulates in fp32 at stages 2-3: zero/grad_dtypes.py)
         return {"parameters": half * owned, "gradients": 4 * owned,
                 "master_weights": 4 * owned if precision == "bf16" else 0, "optimizer_states": 8 * owned,
-                "buffers": 0}
+                "buffers": 0, "pinned_host": 0}  # (nothing is pinned on the CPU)
     shards = 1 if stage == 0 else world
     n = padded_size(PSI, shards)
     half = 2 if precision == "bf16" else 4
@@ -46,6 +46,7 @@ def expected(stage, precision, world):
         "master_weights": 4 * owned if precision == "bf16" else 0,  # fp32 masters alias the parameters
         "optimizer_states": 8 * owned,  # Adam: exp_avg and exp_avg_sq
         "buffers": 0,
+        "pinned_host": 0,  # nothing is pinned on the CPU
     }
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 import zengine
 from harness import spawn
+from zengine.engine.engine import model_state_bytes
 from zengine.estimate import estimate
 
 LAYERS, WIDTH = 12, 2048  # 50M parameters: 201 MB, so that fixed costs (code, op libraries) are noise
@@ -83,8 +84,8 @@ def _peaks(stage: int, with_init: bool = False, reversed_order: bool = False):
         from zengine.zero.stage3.param import ParamState, lookup
 
         assert all(lookup(p).state is ParamState.SHARDED for p in model.parameters())
-        return phases, sum(held.values()) / UNIT, held["parameters"] / UNIT
-    return phases, sum(held.values()) / UNIT
+        return phases, model_state_bytes(held) / UNIT, held["parameters"] / UNIT
+    return phases, model_state_bytes(held) / UNIT
 
 
 class _Reversed(nn.Module):

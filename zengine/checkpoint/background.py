@@ -13,7 +13,8 @@ keep running on the group meanwhile. The protocol stays atomic (save.py): until 
 folder the previous checkpoint and 'latest' are untouched, so a kill -9 during the background write loses
 only the checkpoint being written. The snapshot costs host memory equal to this rank's share of the
 checkpoint while it is written (as torch's ``async_save``); on a GPU it is pinned and copied without
-blocking, ordered by an event the thread waits on.
+blocking, ordered by an event the thread waits on. The pinned buffer, sized exactly, is kept for the next
+save (pinned once: ``_SnapshotBuffer``) until ``engine.destroy()``.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..distributed import diagnose
+from ..offload import pinned
 from . import atomic
 from .errors import CheckpointSaveError
 
@@ -33,20 +35,77 @@ _pending: "weakref.WeakKeyDictionary[Any, BackgroundSave]" = weakref.WeakKeyDict
 
 
 def host_snapshot(entries: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.Tensor]], Any]:
-    """Copies of ``entries`` in host memory, and an event to wait on before reading them (None on the CPU)."""
+    """Copies of ``entries`` in host memory, and an event to wait on before reading them (None on the CPU).
+    Those of device tensors are views into one pinned buffer (``_SnapshotBuffer``)."""
     out, event = [], None
+    views = iter(_SnapshotBuffer.views([t for _, t in entries if t.device.type != "cpu"]))
     for key, t in entries:
         t = t.detach()
         if t.device.type == "cpu":
             out.append((key, t.clone()))
         else:  # pinned, so that the copy need not block the step; the thread waits on the event
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host = next(views)
             host.copy_(t, non_blocking=True)
             out.append((key, host))
             event = torch.Event(device=t.device)
     if event is not None:
         event.record()
     return out, event
+
+
+class _SnapshotBuffer:
+    """The pinned host memory of asynchronous snapshots: one buffer, sized exactly to a save and kept for
+    the next (saves of one run are the same size), so it is pinned once, not per save (registering takes
+    about a second per few GiB, on the step's time; ``offload/pinned.py``). A save's views hold a lease;
+    when the last of them is gone (the writer dropped the snapshot) the buffer is free for the next save.
+    ``release()`` drops a free one (engine.destroy)."""
+
+    ALIGN = 64  # bytes each view starts on (any dtype's alignment)
+    _lock = threading.Lock()
+    _idle: Optional[torch.Tensor] = None  # [bytes] uint8, pinned, lent to no snapshot
+
+    @classmethod
+    def views(cls, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Host tensors shaped as ``tensors``, views into the buffer, leased until they are all gone."""
+        offsets, total = [], 0
+        for t in tensors:
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // cls.ALIGN) * cls.ALIGN
+        if not tensors:
+            return []
+        with cls._lock:
+            buf, cls._idle = cls._idle, None
+        if buf is None or buf.numel() != total:  # the first save, or another model's: pinned anew
+            del buf  # (the old one is unpinned and freed before the new one is allocated)
+            buf = pinned.empty(total, torch.uint8, kind=pinned.SNAPSHOT)
+        lease = _Lease()
+        weakref.finalize(lease, cls._give_back, buf).atexit = False
+        out = []
+        for t, at in zip(tensors, offsets):
+            view = buf[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view._zengine_snapshot_lease = lease  # (a tensor's attribute lives as long as the tensor)
+            out.append(view)
+        return out
+
+    @classmethod
+    def _give_back(cls, buf: torch.Tensor) -> None:
+        with cls._lock:
+            cls._idle = buf
+
+    @classmethod
+    def release(cls) -> None:
+        """Unpin the free buffer, if any (one lent to a save in flight goes when that save is written)."""
+        with cls._lock:
+            cls._idle = None
+
+
+class _Lease:
+    """Held by a snapshot's views; its finalizer gives the buffer back."""
+
+
+def release_snapshot_memory() -> None:
+    """Drop the pinned snapshot buffer kept for the next asynchronous save (no save in flight needs it)."""
+    _SnapshotBuffer.release()
 
 
 class _LocalStore:

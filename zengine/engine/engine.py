@@ -36,6 +36,7 @@ from ..distributed.process_group import ProcessPlacement
 from ..log import setup_logging
 from ..monitor import StepReport, build_monitor
 from ..monitor.timers import BACKWARD, FORWARD, STEP, Timers
+from ..offload import pinned
 from ..precision.cast import cast_floating
 from ..precision.loss_scaler import loss_carries_accumulation, make_loss_scaler
 from ..zero import build_zero_optimizer
@@ -71,6 +72,7 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         self.skipped_steps = 0  # boundary steps skipped for a non-finite gradient (DeepSpeed's name)
         self.accumulation = Accumulation()  # where the engine is in a global batch
         self.held_states: list = []  # (device storage, host copy) pairs offload_states moved; reload_states refills
+        self.pinned_spares: list = []  # pinned host copies reload_states gave back, for the next offload_states
         self._warned_idle_step = False
         self._last_report = (time.perf_counter(), 0)
         self.monitor = build_monitor(config, placement.rank)  # DeepSpeed's monitor sections; no-op unless enabled
@@ -253,6 +255,8 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         try:
             background.wait(self)  # an asynchronous save in flight is written and published first
         finally:
+            background.release_snapshot_memory()  # the pinned buffer kept for the next asynchronous save
+            self.pinned_spares.clear()
             self.optimizer.close()
         self.matmul.remove()  # the model's linear layers get their own forward back
         self._step_report.close()  # the monitor's files and writers
@@ -335,6 +339,12 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         outside them (frozen ones); ``gradients`` the gradient buffers or
         shards; ``master_weights`` fp32 masters stored apart from the
         parameters; ``optimizer_states`` the wrapped optimizer's tensors.
+
+        ``pinned_host`` is not a kind but where some of them are: the page-locked
+        host bytes zengine holds in this process (offloaded shards, copy staging,
+        swap buffers, an asynchronous checkpoint's snapshot; ``offload/pinned.py``,
+        by kind in ``zengine.offload.pinned.held()``), each pinned at its exact
+        size. It overlaps the kinds above: leave it out of a sum (``model_state_bytes``).
         """
         kinds = self.optimizer.memory_tensors()
         kinds["parameters"] = kinds["parameters"] + list(self.module.parameters())
@@ -350,7 +360,16 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
             out[kind] = total
+        out[PINNED_HOST] = pinned.held_bytes()
         return out
+
+
+PINNED_HOST = "pinned_host"  # memory_breakdown()'s entry that is a place, not a kind
+
+
+def model_state_bytes(breakdown: dict[str, int]) -> int:
+    """The bytes a ``memory_breakdown()`` counts: its kinds summed, the ``pinned_host`` overlay left out."""
+    return sum(v for k, v in breakdown.items() if k != PINNED_HOST)
 
 
 DeepSpeedEngine = Engine  # DeepSpeed's name (deepspeed.runtime.engine.DeepSpeedEngine), for isinstance checks

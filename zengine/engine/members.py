@@ -16,6 +16,7 @@ from ..checkpoint.model16 import consolidated_state_dict, save_16bit_model as wr
 from ..distributed import traffic
 from ..distributed.agreement import collective_call
 from ..log import setup_logging
+from ..offload import pinned
 from ..precision.loss_scaler import loss_carries_accumulation
 from .accumulation import Accumulation
 
@@ -57,6 +58,7 @@ class DeepSpeedMembers:
     optimizer: "ZeroOptimizer"
     accumulation: Accumulation
     held_states: list
+    pinned_spares: list
     world_size: int
     global_rank: int
     micro_steps: int
@@ -202,7 +204,7 @@ class DeepSpeedMembers:
                 if t.device.type == "cpu" or storage.nbytes() == 0 or storage.data_ptr() in seen:
                     continue
                 seen.add(storage.data_ptr())
-                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin_memory)  # [bytes]
+                host = self._offload_host(storage.nbytes(), pin_memory)  # [bytes]
                 host.untyped_storage().copy_(storage, non_blocking=non_blocking)
                 moved.append((storage, host))
         if moved and non_blocking:
@@ -213,11 +215,23 @@ class DeepSpeedMembers:
             storage.resize_(0)
 
     def reload_states(self, non_blocking: bool = False) -> None:
-        """Bring back what ``offload_states`` moved, into the same storage (views stay valid)."""
+        """Bring back what ``offload_states`` moved, into the same storage (views stay valid). Pinned host
+        copies are kept for the next ``offload_states`` (pinned once, as DeepSpeed keeps its pinned buffers)."""
         for storage, host in self.held_states:
             storage.resize_(host.numel())
             storage.copy_(host.untyped_storage(), non_blocking=non_blocking)
+            if host.is_pinned():  # (a later offload's copy into it is queued after this one on the stream)
+                self.pinned_spares.append(host)
         self.held_states.clear()
+
+    def _offload_host(self, nbytes: int, pin: bool) -> torch.Tensor:
+        """[nbytes] uint8 host memory for one offloaded storage: a kept pinned one of that size, or new
+        (pinned sized exactly: ``offload/pinned.py``)."""
+        if pin:
+            for i, host in enumerate(self.pinned_spares):
+                if host.numel() == nbytes:
+                    return self.pinned_spares.pop(i)
+        return pinned.empty(nbytes, torch.uint8, kind=pinned.OFFLOADED_STATES, pin=pin)
 
     # -- saving ---------------------------------------------------------------------------------
     def comm_stats(self, reset: bool = False) -> dict:

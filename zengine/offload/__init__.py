@@ -6,7 +6,9 @@
 - ``state_swap.py`` + ``swapped_adam.py``: optimizer states in an NVMe swap file, stepped by
   CPU Adam as they stream through a few host buffers;
 - ``param_swap.py``: stage-3 parameter shards in an NVMe swap file, read ahead of the gathers;
-- ``infinity.py``: ZeRO-Infinity's link between the swapped step and the parameter shards.
+- ``infinity.py``: ZeRO-Infinity's link between the swapped step and the parameter shards;
+- ``pinned.py``: page-locked host buffers sized exactly (registered, not torch's power-of-two cache),
+  and the count of pinned bytes held.
 
 Layering: ``zero/`` uses this package; this package uses ``ops/`` and never imports ``zero/``.
 """

@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 
 from ..accelerator import Accelerator, CudaAccelerator
+from . import pinned
 
 
 class Landed:
@@ -155,6 +156,8 @@ class StreamCopies(HostCopies):
         # The copy lands in the pinned shard itself when the piece is the first since the gradients were
         # zeroed (nothing for the host to do then), else in pinned staging that the host adds in later.
         direct = overwrite and shard_slice.is_pinned()
+        # A bucket piece's staging lives until the host added it: torch's caching allocator hands the same
+        # blocks back step after step, which a registration per piece (pinned.py) could not do cheaply.
         staging = None if direct else torch.empty(piece.shape, dtype=shard_slice.dtype, pin_memory=True)  # [n] fp32
         landing = self.download(shard_slice if direct else staging, piece)
         self.pending.append((landing, staging, shard_slice, overwrite))
@@ -203,7 +206,7 @@ class StreamCopies(HostCopies):
             done.synchronize()  # waits only when the device is that many uploads behind
             if buf.dtype == dtype and buf.numel() >= numel:
                 return buf[:numel]
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
+        return pinned.empty(numel, dtype, kind=pinned.STAGING)
 
     def _drain(self, block: bool) -> None:
         while self.pending and (block or self.pending[0][0].query()):
@@ -219,7 +222,7 @@ class StreamCopies(HostCopies):
         if owned.device.type == "cpu":
             return owned
         if gi not in self.staging:  # a group's parameter shard never moves: one staging buffer each
-            self.staging[gi] = (torch.empty(owned.numel(), dtype=owned.dtype, pin_memory=True), owned)
+            self.staging[gi] = (pinned.empty(owned.numel(), owned.dtype, kind=pinned.STAGING), owned)
         return self.staging[gi][0]
 
     def before_step(self) -> None:

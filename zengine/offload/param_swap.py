@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from ..ops.aio import ALIGN, AsyncIO, IORequest, SwapFile
+from . import pinned
 from .copies import device_streams, host_pinning
 from .state_swap import check_intact, host_buffer
 
@@ -143,13 +144,14 @@ class ParamSwap:
         need = round_up(sp.chunk, self.align)
         if not self.slots:  # [min(buffer_size, largest shard)] compute dtype each
             self.buffer_numel = min(self.buffer_numel, max(self.largest, need))
-            self.slots = [_Slot(host_buffer(self.buffer_numel, self.dtype, self.pin)) for _ in range(self.buffer_count)]
+            self.slots = [_Slot(host_buffer(self.buffer_numel, self.dtype, self.pin, pinned.SWAP))
+                          for _ in range(self.buffer_count)]
         slot = self._free_slot(evict=not prefetch) if need <= self.buffer_numel else None
         if slot is None:
             if prefetch:
                 return False
             # every buffer is in use (or, under zero.Init, this shard is larger than the first ones): one more
-            slot = _Slot(host_buffer(max(need, self.buffer_numel), self.dtype, self.pin))
+            slot = _Slot(host_buffer(max(need, self.buffer_numel), self.dtype, self.pin, pinned.SWAP))
             self.extra_buffers += 1
             logger.debug("offload_param: swap pool exhausted; a temporary buffer for %s", sp.name)
         if slot.used is not None:

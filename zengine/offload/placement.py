@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.aio import AsyncIO
+from . import pinned
 from .copies import HostCopies, host_pinning, make_copies
 from .param_swap import ParamSwap, align_elems, round_up
 from .state_swap import StateSwapper
@@ -77,7 +78,7 @@ class CPUPlacement(DevicePlacement):
         return torch.device("cpu")
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.zeros(numel, dtype=dtype, pin_memory=self.pin)
+        return pinned.zeros(numel, dtype, kind=pinned.OPTIMIZER, pin=self.pin)  # pinned sized exactly
 
 
 class NVMePlacement(CPUPlacement):

@@ -29,17 +29,22 @@ from typing import Callable, Optional
 import torch
 
 from ..ops.aio import ALIGN, AsyncIO, IORequest, SwapFile, aligned_empty
+from . import pinned
 from .copies import HostCopies
 
 MAX_CHUNK = 1 << 24  # elements; 4 buffers of this size hold 512 MiB of moments
 _ALIGN_ELEMS = ALIGN // 4  # fp32 elements per aligned block
 
 
-def host_buffer(numel: int, dtype: torch.dtype = torch.float32, pin: bool = False) -> torch.Tensor:
+def host_buffer(numel: int, dtype: torch.dtype = torch.float32, pin: bool = False,
+                kind: str = pinned.SWAP) -> torch.Tensor:
     """An aligned host buffer for swap I/O, in host memory even inside a ``torch.device(...)`` context
-    (a model built under ``with torch.device("cuda"), zero.Init(...)``)."""
+    (a model built under ``with torch.device("cuda"), zero.Init(...)``); ``pin``: page-locked, sized
+    exactly and counted under ``kind`` (``pinned.py``)."""
+    if pin:
+        return pinned.empty(numel, dtype, kind=kind, align=ALIGN)
     with torch.device("cpu"):
-        return aligned_empty(numel, dtype, pin)
+        return aligned_empty(numel, dtype)
 
 
 def check_intact(file: SwapFile) -> None:
@@ -200,6 +205,8 @@ class GradSwap:
         self._landing: deque = deque()  # (landing, chunk, a, b, buffer, add the file's sum, total) in order
         self._writes: list[tuple[IORequest, torch.Tensor]] = []
         self._spare: list[torch.Tensor] = []
+        self._largest = 0  # elements of the largest piece yet (the size new buffers get)
+        self._bases: dict[int, torch.Tensor] = {}  # data_ptr -> a buffer in use or spare, whole
         self._unchecked = True  # the file's size is checked before a window's first write (they would extend it)
 
     def _grad_offset(self, c: Chunk, element: int) -> int:
@@ -248,8 +255,12 @@ class GradSwap:
     def _wait_writes(self) -> None:
         for request, buf in self._writes:
             self.swapper.wait(request)
-            self._spare.append(buf)
+            self._spare.append(self._whole(buf))
         self._writes = []
+
+    def _whole(self, buf: torch.Tensor) -> torch.Tensor:
+        """The whole buffer a piece's ``buf`` (its first elements) was cut from."""
+        return self._bases.get(buf.data_ptr(), buf)
 
     def _buffer(self, n: int) -> torch.Tensor:
         self._finish(block=False)
@@ -257,14 +268,22 @@ class GradSwap:
             if self._writes:
                 request, buf = self._writes.pop(0)
                 self.swapper.wait(request)
-                self._spare.append(buf)
+                self._spare.append(self._whole(buf))
             else:  # every buffer is still copying down: wait for the oldest
                 self._finish_one()
         for i, buf in enumerate(self._spare):
             if buf.numel() >= n:
                 return self._spare.pop(i)[:n]
-        # pinned where the device copies into host memory asynchronously (staging, whatever pin_memory says)
-        return host_buffer(n, torch.float32, self.copies.pins)
+        # pinned where the device copies into host memory asynchronously (staging, whatever pin_memory says).
+        # None of the spares fits: they go, and the new one is as large as the largest piece so far, so that
+        # pinned buffers settle at IN_FLIGHT of one size, registered once (pinned.py), not every step.
+        for buf in self._spare:
+            self._bases.pop(buf.data_ptr(), None)
+        self._spare = []
+        self._largest = max(self._largest, n)
+        buf = host_buffer(self._largest, torch.float32, self.copies.pins, pinned.STAGING)
+        self._bases[buf.data_ptr()] = buf
+        return buf[:n]
 
     def _finish_one(self) -> None:
         self._landing[0][0].synchronize()
@@ -272,11 +291,11 @@ class GradSwap:
 
     def flush(self) -> None:
         """Finish every piece and wait for every write behind (before anything reads the records or the
-        sums of squares); drop the buffers."""
+        sums of squares); drop the buffers, unless pinned (registered once, kept for the next step)."""
         self._finish(block=True)
-        for request, _ in self._writes:
-            self.swapper.wait(request)
-        self._writes, self._spare = [], []
+        self._wait_writes()
+        if not self.copies.pins:
+            self._spare, self._bases = [], {}
 
     def reset(self) -> None:
         """A new accumulation window: the next write of each range replaces what the file holds."""

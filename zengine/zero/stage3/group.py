@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ...offload import pinned
 from ...offload.param_swap import on_disk, round_up
 from .param import ParamState, ShardedParam
 
@@ -35,8 +36,9 @@ class ShardedParamGroup:
             offset += round_up(sp.chunk, align)
         self.shard_numel = round_up(offset, align)
         if swap is None:
-            # [sum of chunks] compute dtype; on the host with offload_param (pinned on a GPU machine)
-            self.shard_flat = torch.zeros(self.shard_numel, dtype=dtype, device=device, pin_memory=pin)
+            # [sum of chunks] compute dtype; on the host with offload_param (pinned on a GPU machine, sized exactly)
+            self.shard_flat = (pinned.zeros(self.shard_numel, dtype, kind=pinned.PARAMETERS) if pin
+                               else torch.zeros(self.shard_numel, dtype=dtype, device=device))
             for sp, off in zip(self.sharded, self.offsets):
                 sp.attach_shard(self.shard_flat.narrow(0, off, sp.chunk))
         else:

@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ...offload import pinned
+
 
 class ParamState(enum.Enum):
     SHARDED = "sharded"    # only this rank's chunk exists; the full storage is freed
@@ -150,7 +152,7 @@ class ShardedParam:
         with torch.no_grad():
             value = self.current_shard()
             if resident:  # a cache of the file in host memory, as it holds it (pinned where the swap pins)
-                value = torch.empty(self.chunk, dtype=store.dtype, device="cpu", pin_memory=store.pin).copy_(value)
+                value = pinned.empty(self.chunk, store.dtype, kind=pinned.PARAMETERS, pin=store.pin).copy_(value)
             self._leave_store()
             self.store, self.file_elem = store, elem
             self.shard = value if resident else None
