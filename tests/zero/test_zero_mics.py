@@ -18,7 +18,7 @@ TWO_HOP = {"mics_shard_size": 4, "mics_hierarchical_params_gather": True}  # one
 STEPS, MICRO = 3, 2
 
 
-def _memory_and_traffic(extra: dict) -> dict:
+def _memory_and_traffic(extra: dict, save_dir: str = None) -> dict:
     """A few steps of the parity model: this rank's shard elements and the bytes moved by group kind."""
     torch.manual_seed(0)
     model = EdgeNet()
@@ -29,6 +29,8 @@ def _memory_and_traffic(extra: dict) -> dict:
     for batch in make_batches(STEPS, MICRO * dist.get_world_size()):
         train_global_batch(engine, batch, MICRO, 1)
     stats = engine.comm_stats(reset=True)
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir, tag="plain")
     shard = sum(g.shard_numel for g in engine.optimizer.groups)
     return {"shard": shard, "stats": stats, "params": _params(engine)}
 
@@ -47,7 +49,7 @@ def test_mics_config_refusals(zero, message):
         load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, 4)
 
 
-def _engine(extra: dict, init: bool = False):
+def _engine(extra: dict, init: bool = False, groups: bool = False):
     torch.manual_seed(0)
     cfg = engine_config(3, "fp32", 1, dist.get_world_size(), zero_extra=extra)
     if init:  # built already cut over the shard groups, as Hugging Face does with the config
@@ -57,7 +59,8 @@ def _engine(extra: dict, init: bool = False):
         model = EdgeNet()
     # one param group: under Init the parameters show empty 1-D tensors, so edge_param_groups' split by
     # p.dim() would differ between the engines compared
-    engine, *_ = zengine.initialize(model=model, config=cfg)
+    engine, *_ = zengine.initialize(model=model, config=cfg,
+                                    model_parameters=edge_param_groups(model, 1e-2) if groups else None)
     return engine
 
 
@@ -111,7 +114,10 @@ def _load_plain(save_dir: str) -> dict:
 def _mics_cases(save_dir: str) -> dict:
     worst = [check_parity(3, "fp32", 1, False, MICS2), check_parity(3, "bf16", 3, False, MICS2),
              check_parity(3, "fp32", 3, "param", MICS2)]  # the last with parameters and optimizer on the host
-    return {"worst": worst, "plain": _memory_and_traffic({}), "mics": _memory_and_traffic(MICS2),
+    plain = _memory_and_traffic({}, save_dir)
+    from_plain = _engine(MICS2, groups=True)  # a plain stage-3 checkpoint (W=4) loaded by MiCS (groups of 2)
+    from_plain.load_checkpoint(save_dir, tag="plain")
+    return {"worst": worst, "plain": plain, "mics": _memory_and_traffic(MICS2), "from_plain": _params(from_plain),
             "two_hop": _memory_and_traffic(TWO_HOP),
             **_checkpoints(save_dir)}
 
@@ -127,6 +133,7 @@ def test_mics_trains_like_the_reference_sharded_inside_each_node(tmp_path):
         assert set(mics["stats"]["inter"]) == {"all_reduce"}, mics["stats"]
         assert mics["stats"]["intra"]["all_gather"]["bytes"] > 0
         assert plain["stats"]["inter"]["all_gather"]["bytes"] > 0
+        assert res["from_plain"] == plain["params"], rank
         # the two-hop gather: the same values as the flat one, half the gathered bytes across the nodes
         two_hop = res["two_hop"]
         assert two_hop["params"] == plain["params"], rank
