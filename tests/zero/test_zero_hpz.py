@@ -27,12 +27,16 @@ def _config(hpz: int, quantized: bool = False, gas: int = 1, offload: bool = Fal
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": zero}
 
 
-def _run(hpz: int, quantized: bool = False, gas: int = 1, save_dir: str = None, offload: bool = False) -> dict:
+def _run(hpz: int, quantized: bool = False, gas: int = 1, save_dir: str = None, offload: bool = False,
+         load_dir: str = None, steps: int = STEPS) -> dict:
     engine, *_ = zengine.initialize(model=_model(), config=_config(hpz, quantized, gas, offload))
-    g = torch.Generator().manual_seed(torch.distributed.get_rank())
+    if load_dir is not None:
+        engine.load_checkpoint(load_dir)
     losses = []
     engine.comm_stats(reset=True)
-    for _ in range(STEPS * gas):
+    for _ in range(steps * gas):
+        # each micro-step's data from its own seed, so that a resumed run sees what an uninterrupted one does
+        g = torch.Generator().manual_seed(1000 * torch.distributed.get_rank() + engine.micro_steps)
         x, y = torch.randn(2, 12, generator=g), torch.randn(2, 3, generator=g)
         loss = (engine(x) - y).pow(2).mean()
         engine.backward(loss)
@@ -49,7 +53,9 @@ def _run(hpz: int, quantized: bool = False, gas: int = 1, save_dir: str = None, 
 def _compare(save_dir: str) -> dict:
     return {"plain": _run(1), "hpz": _run(2, save_dir=save_dir), "plain_q": _run(1, True), "hpz_q": _run(2, True),
             "plain_gas": _run(1, gas=2), "hpz_gas": _run(2, gas=2),
-            "plain_off": _run(1, True, offload=True), "hpz_off": _run(2, True, offload=True)}
+            "plain_off": _run(1, True, offload=True), "hpz_off": _run(2, True, offload=True),
+            # resumed from the checkpoint saved after STEPS steps: the same as STEPS more steps without a stop
+            "hpz_long": _run(2, steps=2 * STEPS), "hpz_resumed": _run(2, load_dir=save_dir)}
 
 
 def _load_plain(save_dir: str) -> dict:
@@ -66,6 +72,8 @@ def test_hpz_keeps_the_backward_gather_on_the_node_and_trains_bit_identically(tm
         for plain, hpz in (("plain", "hpz"), ("plain_q", "hpz_q"), ("plain_gas", "hpz_gas"), ("plain_off", "hpz_off")):
             assert res[hpz]["losses"] == res[plain]["losses"], (rank, plain)
             assert res[hpz]["params"] == res[plain]["params"], (rank, plain)
+        assert res["hpz_resumed"]["params"] == res["hpz_long"]["params"], rank
+        assert res["hpz_resumed"]["losses"] == res["hpz_long"]["losses"][STEPS:], rank
         stats, psi = res["hpz"]["stats"], res["hpz"]["psi"]
         # plain stage 3 gathers 2 psi per step across the nodes; with hpZ the forward's psi stays inter-node and
         # the backward's psi moves inside the node
