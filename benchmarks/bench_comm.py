@@ -28,7 +28,9 @@ import json
 import os
 import platform
 import sys
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -89,15 +91,18 @@ def rank_job(rank: int, world: int, per_node: int, port: int, args, out: str) ->
                                   "mics_shard_size": {"3m": per_node, "3mh": world}.get(name, -1),
                                   "mics_hierarchical_params_gather": name == "3mh"}})
         batches = iter(loader)
+        times = []
         for step in range(2 + args.steps):
             if step == 2:
                 engine.comm_stats(reset=True)
+            start = time.perf_counter()
             x, y = next(batches)
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
+            times.append(time.perf_counter() - start)
         stats = engine.comm_stats(reset=True)
-        results[name] = {"psi": psi, "stats": stats, "loss": loss.item()}
+        results[name] = {"psi": psi, "stats": stats, "loss": loss.item(), "step_s": statistics.median(times[2:])}
         engine.destroy()
     if rank == 0:
         with open(out, "w") as f:
@@ -132,10 +137,12 @@ def report(args, results: dict) -> None:
              f"inter-node when its ranks are on more than one node (the world group is).", "",
              f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs. Command: "
              f"`python benchmarks/bench_comm.py --world {args.world} --per-node {args.per_node} "
-             f"--steps {args.steps}`.", "",
+             f"--steps {args.steps}`. Step times are CPU processes on gloo sharing this machine's cores (every "
+             f"collective is a local copy): they show the cost of the extra work (quantizing, two hops), not what a "
+             f"network would save.", "",
              "| stage | collective | group | calls / step | payload / step (Ψ) | formula (Ψ) | ring sent / step (Ψ) | "
-             "loss at the end |",
-             "|---|---|---|---|---|---|---|---|"]
+             "loss at the end | s/step (rank 0, median) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for stage, res in results.items():
         psi, stats = res["psi"], res["stats"]
         for kind, per in stats.items():
@@ -144,10 +151,10 @@ def report(args, results: dict) -> None:
                 lines.append(f"| {stage} | {collective} | {kind} | {v['calls'] / args.steps:.1f} | "
                              f"{v['bytes'] / args.steps / psi:.3f} | "
                              f"{'' if expected is None else f'{expected:.2f}'} | "
-                             f"{v['ring_bytes'] / args.steps / psi:.3f} | |")
+                             f"{v['ring_bytes'] / args.steps / psi:.3f} | | |")
         total = traffic.total(stats) / args.steps / psi
         lines.append(f"| {stage} | **all** | | | **{total:.3f}** | {sum(FORMULA.get(stage, {}).values()):.2f} | | "
-                     f"{res['loss']:.4f} |")
+                     f"{res['loss']:.4f} | {res['step_s']:.3f} |")
     lines += ["", "ZeRO++ and MiCS formulas (inter-node payload per step in Ψ of a 2-byte model, stage 3; qwZ is "
               "measured above as 3q, hpZ as 3h, qgZ (int8 here) as 3g, MiCS as 3m and 3mh): plain 3.0 (forward and backward all-gather, reduce-scatter); qwZ (int8 "
               "weights in the forward all-gather) 2.5; hpZ (backward all-gather inside the node) 2.0; qgZ (int4 "
