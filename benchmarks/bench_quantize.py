@@ -12,9 +12,10 @@ For fp32 and bf16 inputs of ``--numel`` elements, int8 and int4 codes with a sca
 The figure is GB/s of those bytes (1e9 bytes per second) from the best of ``--rounds`` runs, for the kernel
 (``zengine.ops.quantize``'s compiled path, the widest SIMD path of this CPU) and the torch fallback (the same
 operations as torch ops, what a failed build or ``ZENGINE_DISABLE_OPS=quantize`` runs). The memory roof
-is measured in the same run, with the same threads, on buffers of the same size: torch's ``copy_`` of the
-fp32 input (read + write) and ``sum`` (read only); ../shared/MEASURED.md has the reference machine's
-figures. The markdown table goes to stdout and to ``benchmarks/results/quantize_<date>.md``.
+is measured with the same threads on buffers of the same size, right before each kernel's timing (bandwidth
+drifts on a shared machine): torch's ``copy_`` of the fp32 input (read + write); the kernel is quoted as a
+fraction of the roof next to it. ../shared/MEASURED.md has the reference machine's figures. The markdown
+table goes to stdout and to ``benchmarks/results/quantize_<date>.md``.
 """
 from __future__ import annotations
 
@@ -31,15 +32,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.bench_adam import parse_size  # noqa: E402
 from benchmarks.host import cpu_line  # noqa: E402
 from zengine.ops import load_op, simd_path  # noqa: E402
 from zengine.ops import quantize as codec  # noqa: E402
-
-
-def parse_size(text: str) -> int:
-    """``64M`` -> 67108864 (K, M, G: powers of 1024)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
 
 
 def best_seconds(fn: Callable[[], object], rounds: int) -> float:
@@ -53,13 +49,11 @@ def best_seconds(fn: Callable[[], object], rounds: int) -> float:
     return best
 
 
-def measure(numel: int, rounds: int) -> tuple[list[tuple[str, float, float | None]], dict[str, float]]:
-    """Rows of (case, torch GB/s, kernel GB/s) and the memory roof (GB/s)."""
+def measure(numel: int, rounds: int) -> list[tuple[str, float, float | None, float]]:
+    """Rows of (case, torch GB/s, kernel GB/s, copy_ roof GB/s measured just before the kernel)."""
     gen = torch.Generator().manual_seed(0)
     x32 = torch.randn(numel, generator=gen)
     dst = torch.empty_like(x32)
-    roof = {"copy_ (read + write)": 2 * x32.nbytes / best_seconds(lambda: dst.copy_(x32), rounds),
-            "sum (read)": x32.nbytes / best_seconds(x32.sum, rounds)}
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         x = x32.to(dtype).view(1, -1)
@@ -82,6 +76,7 @@ def measure(numel: int, rounds: int) -> tuple[list[tuple[str, float, float | Non
                 cases.append((f"sum of 4 rows int{bits}", coded + total.nbytes,
                               lambda: codec.dequantize_sum(four_codes, four_scales, numel // 4, total, bits)))
             for case, nbytes, fn in cases:
+                roof = 2 * x32.nbytes / best_seconds(lambda: dst.copy_(x32), rounds) / 1e9
                 kernel = nbytes / best_seconds(fn, rounds) / 1e9 if load_op("quantize") is not None else None
                 real_load = codec.load_op
                 codec.load_op = lambda name: None  # the torch fallback, as where the op cannot be built
@@ -89,24 +84,23 @@ def measure(numel: int, rounds: int) -> tuple[list[tuple[str, float, float | Non
                     fallback = nbytes / best_seconds(fn, max(1, rounds // 2)) / 1e9
                 finally:
                     codec.load_op = real_load
-                rows.append((case, fallback, kernel))
+                rows.append((case, fallback, kernel, roof))
                 print(f"{case}: torch {fallback:.2f} GB/s, kernel {kernel or float('nan'):.2f} GB/s", file=sys.stderr)
-    return rows, {k: v / 1e9 for k, v in roof.items()}
+    return rows
 
 
-def render(rows, roof: dict[str, float], meta: dict[str, str]) -> str:
+def render(rows, meta: dict[str, str]) -> str:
     """The markdown report."""
     lines = ["# ZeRO++ blockwise codec on CPU: compiled op against the torch fallback", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
-    lines += [f"- memory roof, {k}: {v:.1f} GB/s" for k, v in roof.items()]
-    lines += ["", "| case | torch GB/s | kernel GB/s | kernel / torch | kernel / copy_ roof |", "|---|---|---|---|---|"]
-    copy_roof = roof["copy_ (read + write)"]
-    for case, fallback, kernel in rows:
+    lines += ["", "| case | torch GB/s | kernel GB/s | kernel / torch | copy_ roof GB/s | kernel / roof |",
+              "|---|---|---|---|---|---|"]
+    for case, fallback, kernel, roof in rows:
         if kernel is None:
-            lines.append(f"| {case} | {fallback:.2f} | n/a | n/a | n/a |")
+            lines.append(f"| {case} | {fallback:.2f} | n/a | n/a | {roof:.1f} | n/a |")
         else:
-            lines.append(f"| {case} | {fallback:.2f} | {kernel:.2f} | {kernel / fallback:.1f}x | "
-                         f"{kernel / copy_roof:.2f} |")
+            lines.append(f"| {case} | {fallback:.2f} | {kernel:.2f} | {kernel / fallback:.1f}x | {roof:.1f} | "
+                         f"{kernel / roof:.2f} |")
     lines += ["", "GB/s counts the bytes each case must move (input + codes + scales, or codes + scales + output);",
               "the copy_ roof counts its read and its write, the same way."]
     return "\n".join(lines) + "\n"
@@ -127,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": cpu_line(),
             "threads": str(torch.get_num_threads()), "torch": torch.__version__,
             "SIMD path": str(simd_path()), "elements": f"{numel:,}", "rounds": str(args.rounds)}
-    rows, roof = measure(numel, args.rounds)
-    table = render(rows, roof, meta)
+    table = render(measure(numel, args.rounds), meta)
     print(table)
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"quantize_{datetime.date.today()}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
