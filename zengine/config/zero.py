@@ -130,7 +130,11 @@ class ZeroConfig(_Section):
     zero_quantized_gradients: Flag = Field(False, description=(
         "ZeRO++ qgZ: stage 3's gradient reduction sends each rank's gradients as blockwise int8 with an fp32 "
         "scale per 256 elements (an all-to-all), summed in fp32 after dequantizing: a quarter of fp32's "
-        "bytes, half of bf16's (int8 where DeepSpeed sends int4)."))
+        "bytes, half of bf16's (int8 by default; zero_quantized_gradients_bits: 4 for DeepSpeed's int4)."))
+    zero_quantized_gradients_bits: Literal[8, 4] = Field(8, description=(
+        "ZeRO++ qgZ: the width of the codes zero_quantized_gradients sends: 8 (scale = max / 127 per 256 "
+        "elements) or 4 (two codes a byte, scale = max / 7, as DeepSpeed's qgZ: an eighth of fp32's bytes, "
+        "a coarser sum: up to max|block| / 14 per rank). Read only with zero_quantized_gradients."))
     mics_shard_size: Integer = Field(-1, description=(
         "MiCS: shard the model states over groups of this many consecutive ranks (a node, or a few) and "
         "replicate them across the groups; gradients are reduce-scattered inside a group and all-reduced "

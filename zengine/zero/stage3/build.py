@@ -81,7 +81,8 @@ def build_stage3_optimizer(module: nn.Module, config, named_groups: Sequence, ma
     masters = make_master_store(placement, groups, dtype)
     grad_args = (groups, zero_cfg.reduce_bucket_size, ranks.world, ranks.rank, placement.optimizer,
                  lambda sp: fetcher.release([sp], force=True), GradDtypes.from_config(config), ranks.group,
-                 buckets_in_flight(zero_cfg.overlap_comm), zero_cfg.zero_quantized_gradients, ranks.replication)
+                 buckets_in_flight(zero_cfg.overlap_comm),
+                 zero_cfg.zero_quantized_gradients_bits if zero_cfg.zero_quantized_gradients else 0, ranks.replication)
     if masters.grad_sink is not None:  # ZeRO-Infinity: reduced gradients go to the swap records
         grads = SwappedStage3Gradients(*grad_args, sink=masters.grad_sink)
     else:

@@ -53,12 +53,12 @@ class Stage3Gradients(ShardReducer):
 
     def __init__(self, groups: list[ShardedParamGroup], bucket_numel: int, world: int, rank: int, placement,
                  after_grad: Callable[[ShardedParam], None], dtypes: GradDtypes, comm_group=None,
-                 in_flight: int = 2, quantized: bool = False, replication: Replication = Replication()):
+                 in_flight: int = 2, quantized_bits: int = 0, replication: Replication = Replication()):
         self.groups, self.world, self.rank = groups, world, rank
         self.replication = replication  # MiCS: each reduced shard is summed over the shard groups' copies too
         self.after_grad = after_grad  # releases the parameter's full data
         self.use_reduce_scatter = dist.get_backend(comm_group) != "gloo"
-        self.quantized = quantized and world > 1
+        self.quantized_bits = quantized_bits if world > 1 else 0  # zero_quantized_gradients: 8 or 4 (0: exact)
         shards = self._make_shards(groups, placement, dtypes.shard_dtype(placement.cpu_optimizer))
         # Buckets count chunk elements; a bucket of c chunk elements moves world * c elements.
         super().__init__([_BucketQueue(_ChunkView(g), max(1, bucket_numel // world)) for g in groups], shards,
@@ -135,8 +135,8 @@ class Stage3Gradients(ShardReducer):
         return [placement.empty(g.shard_numel, dtype, g.shard_flat.device) for g in groups]
 
     def _reduce(self, gi: int, bucket: Bucket, buf: torch.Tensor):
-        if self.quantized:  # zero_quantized_gradients: int8 all-to-all, summed in fp32 (quantized.py)
-            return quantized_reduce_scatter(buf, self.comm_group)
+        if self.quantized_bits:  # zero_quantized_gradients: int8/int4 all-to-all, summed in fp32 (quantized.py)
+            return quantized_reduce_scatter(buf, self.comm_group, self.quantized_bits)
         if self.use_reduce_scatter:
             out = torch.empty(bucket.numel, dtype=buf.dtype, device=buf.device)
             return [collectives.reduce_scatter(out, buf.view(-1), self.comm_group, async_op=True)], out
