@@ -36,7 +36,6 @@ from ..distributed.process_group import ProcessPlacement
 from ..log import setup_logging
 from ..monitor import StepReport, build_monitor
 from ..monitor.timers import BACKWARD, FORWARD, STEP, Timers
-from ..offload import pinned
 from ..precision.cast import cast_floating
 from ..precision.loss_scaler import loss_carries_accumulation, make_loss_scaler
 from ..zero import build_zero_optimizer
@@ -48,6 +47,7 @@ from .build import (UntrainedParameters, make_dataloader, make_scheduler, named_
                     place_model, route_matmuls)
 from .compile import CompileMembers, take_user_compile
 from .members import DeepSpeedMembers
+from .memory import PINNED_HOST, memory_breakdown, model_state_bytes  # noqa: F401 (public names here too)
 
 logger = setup_logging()
 
@@ -333,43 +333,8 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
 
     # -- accounting -----------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds, by kind, counted from the tensors themselves.
-
-        ``parameters`` covers the flat compute-dtype buffers and any parameter
-        outside them (frozen ones); ``gradients`` the gradient buffers or
-        shards; ``master_weights`` fp32 masters stored apart from the
-        parameters; ``optimizer_states`` the wrapped optimizer's tensors.
-
-        ``pinned_host`` is not a kind but where some of them are: the page-locked
-        host bytes zengine holds in this process (offloaded shards, copy staging,
-        swap buffers, an asynchronous checkpoint's snapshot; ``offload/pinned.py``,
-        by kind in ``zengine.offload.pinned.held()``), each pinned at its exact
-        size. It overlaps the kinds above: leave it out of a sum (``model_state_bytes``).
-        """
-        kinds = self.optimizer.memory_tensors()
-        kinds["parameters"] = kinds["parameters"] + list(self.module.parameters())
-        kinds["buffers"] = list(self.module.buffers())
-        seen: set[int] = set()
-        out = {}
-        for kind in ("parameters", "gradients", "master_weights", "optimizer_states", "buffers"):
-            total = 0
-            for t in kinds[kind]:
-                storage = t.untyped_storage()
-                if storage.data_ptr() in seen or storage.nbytes() == 0:
-                    continue
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-            out[kind] = total
-        out[PINNED_HOST] = pinned.held_bytes()
-        return out
-
-
-PINNED_HOST = "pinned_host"  # memory_breakdown()'s entry that is a place, not a kind
-
-
-def model_state_bytes(breakdown: dict[str, int]) -> int:
-    """The bytes a ``memory_breakdown()`` counts: its kinds summed, the ``pinned_host`` overlay left out."""
-    return sum(v for k, v in breakdown.items() if k != PINNED_HOST)
+        """Bytes this rank holds, by kind, counted from the tensors themselves (``memory.py``)."""
+        return memory_breakdown(self.module, self.optimizer)
 
 
 DeepSpeedEngine = Engine  # DeepSpeed's name (deepspeed.runtime.engine.DeepSpeedEngine), for isinstance checks

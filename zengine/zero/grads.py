@@ -18,17 +18,9 @@ ahead (see ``ARMED_AHEAD``), so no rank ever holds the whole gradient: the
 gradient transient of a step is about ``max(in_flight, 1) + 1`` buckets of
 ``reduce_bucket_size`` elements.
 
-Buckets launch strictly in one order, the same on every rank: collectives
-are matched by order, so a bucket waiting for a parameter that this rank did
-not use holds back the ones after it until the end of backward. The order
-starts as the buckets' (reverse registration order, how a sequential model's
-gradients arrive) and becomes, after the first boundary step, the order in
-which buckets actually completed in the first synchronised backward, if every
-rank recorded the same one (checked in the step's all-reduce): a model whose
-backward runs in another order than its parameters were registered would
-otherwise hold every bucket until the one the queue waits for completes
-(measured: the whole gradient, +1.1 units of the model at stage 2, W=2,
-against +0.26 in order).
+Buckets launch in one sequence over every group, the same on every rank (``bucket_order.py``): collectives
+are matched by order, so a bucket waiting for a parameter that this rank did not use holds back the ones
+after it until the end of backward.
 
 Bucket buffers are in the reduce dtype and the sums over micro-steps in the
 accumulate dtype (``grad_dtypes.py``). Where the reduce dtype is not autograd's,
@@ -46,7 +38,8 @@ import torch
 from ..distributed import collectives
 from .flat_group import FlatParamGroup
 from .grad_dtypes import GradDtypes
-from .layout import Bucket, gradient_buckets, intersect
+from .bucket_order import BucketQueue, LaunchSequence
+from .layout import Bucket, intersect
 
 
 def stage2_bucket_buffers(in_flight: int, armed: bool) -> int:
@@ -62,63 +55,6 @@ def buckets_in_flight(overlap_comm: bool) -> int:
     before backward continues (on a GPU that orders the streams; on CPU the rank waits), the least
     memory. Measured on CPU gloo (bench_zero, W=2): stage 2 1.07x DDP without, 1.06x with one."""
     return 2 if overlap_comm else 0
-
-
-class _BucketQueue:
-    """Readiness tracking for one group's buckets; launches them in ``order`` (module doc)."""
-
-    def __init__(self, group: FlatParamGroup, bucket_numel: int):
-        self.buckets = gradient_buckets(group.layout, bucket_numel)
-        self.bucket_of = {}
-        for b in self.buckets:
-            for i in b.params:
-                self.bucket_of[i] = b.index
-        self.set_order(list(range(len(self.buckets))))
-        self.recording = True  # until the launch order is settled after the first synchronised backward
-        self.completed: list[int] = []  # buckets in the order they completed while recording
-        self.reset()
-
-    def reset(self) -> None:
-        self.missing = [len(b.params) for b in self.buckets]
-        self.next = 0  # position in ``order`` of the next bucket to launch
-
-    def mark_ready(self, param_index: int) -> list[Bucket]:
-        """Count one parameter in; returns the buckets that may launch now, in order."""
-        b = self.bucket_of[param_index]
-        self.missing[b] -= 1
-        if self.recording and self.missing[b] == 0:
-            self.completed.append(b)
-        return self.pop_ready()
-
-    def pop_ready(self, flush: bool = False) -> list[Bucket]:
-        out = []
-        while self.next < len(self.order) and (flush or self.missing[self.order[self.next]] == 0):
-            out.append(self.buckets[self.order[self.next]])
-            self.next += 1
-        return out
-
-    def set_order(self, order: list[int]) -> None:
-        """Launch the buckets in ``order`` (bucket indices) from now on."""
-        self.order = order
-        self.position = {b: i for i, b in enumerate(order)}  # bucket index -> place in ``order``
-
-    def after(self, index: Optional[int], k: int) -> Optional[int]:
-        """The bucket ``k`` places after bucket ``index`` in launch order (``index`` None: from the start)."""
-        pos = (self.position[index] + k) if index is not None else k
-        return self.order[pos] if pos < len(self.order) else None
-
-    def recorded_order(self) -> list[int]:
-        """The completion order seen while recording, then the buckets that never completed."""
-        seen = set(self.completed)
-        return self.completed + [b for b in self.order if b not in seen]
-
-
-def _launch_remaining(queues: list[_BucketQueue], launch) -> None:
-    """End of a synchronised backward: launch every bucket not launched yet, in order, and reset."""
-    for gi, q in enumerate(queues):
-        for bucket in q.pop_ready(flush=True):
-            launch(gi, bucket)
-        q.reset()
 
 
 class GradientStore:
@@ -159,7 +95,7 @@ class FullGradients(GradientStore):
     """
 
     def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, dtypes: GradDtypes, comm_group=None,
-                 in_flight: int = 0):
+                 in_flight: int = 0, positions=None):
         self.groups = groups
         self.comm_group = comm_group
         self.views = dtypes.accumulate == dtypes.compute  # the parameters' .grad can be views into the buffers
@@ -168,9 +104,9 @@ class FullGradients(GradientStore):
         self.in_flight_limit = max(0, int(in_flight))  # converted copies left in flight when a launch returns
         self.flat_grads = [torch.zeros(g.flat.shape, dtype=dtypes.accumulate, device=g.flat.device)
                            for g in groups]  # [padded] accumulate dtype per group
-        self.queues = [_BucketQueue(g, bucket_numel) for g in groups]
-        for q in self.queues:  # the full buffers exist anyway: the launch order changes no memory here
-            q.recording = False
+        self.queues = [BucketQueue(g, bucket_numel) for g in groups]
+        # (not recording: the full buffers exist anyway, a better launch order would save no memory here)
+        self.sequence = LaunchSequence(self.queues, positions, recording=False)
         self.works: deque = deque()  # (work, bucket piece, its converted copy or None) in launch order
         self.sync = True
         self.world = torch.distributed.get_world_size(comm_group)
@@ -207,8 +143,8 @@ class FullGradients(GradientStore):
                 view.add_(p.grad.reshape(-1))
             p.grad = view.view(span.shape)
         if self.sync:
-            for bucket in self.queues[gi].mark_ready(pi):
-                self._launch(gi, bucket)
+            for g, bucket in self.sequence.mark_ready(gi, pi):
+                self._launch(g, bucket)
 
     def _launch(self, gi: int, bucket: Bucket) -> None:
         piece = self.flat_grads[gi][bucket.start:bucket.end]
@@ -228,7 +164,7 @@ class FullGradients(GradientStore):
 
     def end_backward(self) -> None:
         if self.sync:
-            _launch_remaining(self.queues, self._launch)
+            self.sequence.finish(self._launch)
         self.drain()
         if self.sync:
             self.reduced, self.unreduced = True, False
@@ -265,9 +201,10 @@ class ShardReducer(GradientStore):
     accumulating into ``.grad`` until the next synchronised backward.
     """
 
-    def __init__(self, queues: list[_BucketQueue], shards: list[torch.Tensor], copies, dtypes: GradDtypes,
-                 comm_group=None, in_flight: int = 1):
+    def __init__(self, queues: list[BucketQueue], shards: list[torch.Tensor], copies, dtypes: GradDtypes,
+                 comm_group=None, in_flight: int = 1, positions=None):
         self.queues = queues
+        self.sequence = LaunchSequence(queues, positions)  # one launch order over every group
         self.in_flight_limit = max(0, int(in_flight))  # reductions left running when a launch returns
         self.dtypes = dtypes  # bucket buffers in dtypes.reduce
         self.shards = shards  # [this rank's part] per group: dtypes.shard_dtype, on the host when offloaded
@@ -281,7 +218,7 @@ class ShardReducer(GradientStore):
         self.copied: set[tuple[int, int]] = set()
         self.in_flight: deque = deque()
         self.sync = True
-        self._proposal: Optional[list[list[int]]] = None  # launch order per group, until the first step
+        self._proposal: Optional[list[tuple[int, int]]] = None  # the recorded launch order, until the first step
         self._order_settled = False
         # Buckets whose part of the shard holds nothing since the gradients were zeroed: the first piece is
         # copied in rather than added, so zeroing costs no fill (5 GB of host memory written per step for a
@@ -328,9 +265,9 @@ class ShardReducer(GradientStore):
         self.copied.add((gi, pi))
 
     def _launch_ready(self, gi: int, pi: int) -> None:
-        """Count parameter pi in and launch the buckets that became ready (in order)."""
-        for bucket in self.queues[gi].mark_ready(pi):
-            self._launch(gi, bucket)
+        """Count parameter pi in and launch the buckets that became ready (in sequence, over every group)."""
+        for g, bucket in self.sequence.mark_ready(gi, pi):
+            self._launch(g, bucket)
 
     def _launch(self, gi: int, bucket: Bucket) -> None:
         for pi in bucket.params:  # gradients left from no_sync micro-steps and not produced again
@@ -356,15 +293,14 @@ class ShardReducer(GradientStore):
 
     def end_backward(self) -> None:
         if self.sync:
-            _launch_remaining(self.queues, self._launch)
+            self.sequence.finish(self._launch)
             self.copied.clear()
             self.unreduced = False
         self.drain()
         self._free = []  # reused within a backward; nothing beyond the shards is held between steps
         if self.sync and not self._order_settled and self._proposal is None:
-            self._proposal = [q.recorded_order() for q in self.queues]  # settled at the boundary step
-            for q in self.queues:
-                q.recording = False
+            self._proposal = self.sequence.recorded_order()  # settled at the boundary step
+            self.sequence.recording = False
 
     def order_digests(self) -> tuple[int, int]:
         """Two 20-bit digests of the launch order this rank proposes (the completion order of its first
@@ -381,11 +317,9 @@ class ShardReducer(GradientStore):
         if self._order_settled:
             return
         self._order_settled = True
-        for gi, q in enumerate(self.queues):
-            if agreed and self._proposal is not None:
-                q.set_order(self._proposal[gi])
-            q.recording = False
-            q.completed = []
+        if agreed and self._proposal is not None:
+            self.sequence.set_order(self._proposal)
+        self.sequence.stop_recording()
         self._proposal = None
 
     def drain(self) -> None:
@@ -429,14 +363,14 @@ class ShardedGradients(ShardReducer):
     """Stage 2: buckets are contiguous flat ranges; each rank keeps the part inside its shard."""
 
     def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, dtypes: GradDtypes, use_reduce: bool,
-                 placement, comm_group=None, in_flight: int = 1):
+                 placement, comm_group=None, in_flight: int = 1, positions=None):
         self.groups = groups
         self.use_reduce = use_reduce  # reduce to owners (NCCL) rather than all-reduce then slice (gloo)
         self.armed = dtypes.grad_lands_in_bucket  # autograd writes into bucket buffers armed ahead
         dtype = dtypes.shard_dtype(placement.cpu_optimizer)
         shards = [placement.empty(g.layout.shard_numel, dtype, g.flat.device) for g in groups]
-        super().__init__([_BucketQueue(g, bucket_numel) for g in groups], shards, placement.copies, dtypes,
-                         comm_group, in_flight)
+        super().__init__([BucketQueue(g, bucket_numel) for g in groups], shards, placement.copies, dtypes,
+                         comm_group, in_flight, positions)
         for g in groups:
             for p in g.params:
                 p.grad = None

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..offload.placement import make_placement
 from ..precision.loss_scaler import LossScaler, loss_carries_accumulation
+from .bucket_order import registration_positions
 from .flat_group import FlatParamGroup
 from .grad_dtypes import GradDtypes
 from .grads import FullGradients, ShardedGradients, buckets_in_flight
@@ -54,12 +55,13 @@ def build_zero_optimizer(module: nn.Module, config, named_groups: Sequence[tuple
     placement = make_placement(zero_cfg, ranks.device, dtype, config.aio)
     groups = [FlatParamGroup(named, hyper, num_shards, ranks.rank, dtype, ranks.device) for named, hyper in named_groups]
     dtypes, in_flight = GradDtypes.from_config(config), buckets_in_flight(zero_cfg.overlap_comm)
+    positions = registration_positions(module, groups)  # the buckets' launch order over the groups
     if zero_cfg.stage == 2:
         use_reduce = zero_cfg.reduce_scatter and torch.distributed.get_backend(ranks.group) != "gloo"
         grads = ShardedGradients(groups, zero_cfg.reduce_bucket_size, dtypes, use_reduce, placement.optimizer,
-                                 ranks.group, in_flight)
+                                 ranks.group, in_flight, positions)
     else:
-        grads = FullGradients(groups, zero_cfg.reduce_bucket_size, dtypes, ranks.group, in_flight)
+        grads = FullGradients(groups, zero_cfg.reduce_bucket_size, dtypes, ranks.group, in_flight, positions)
     cpu = placement.optimizer.cpu_optimizer
     return ZeroOptimizer(groups, grads, placement, make_master_store(placement, groups, dtype),
                          lambda g: make_optimizer(g, cpu), scaler, rules, ranks, on_unbracketed_grad)

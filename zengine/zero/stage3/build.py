@@ -15,6 +15,7 @@ from torch import nn
 
 from ...offload.placement import make_placement
 from ...precision.loss_scaler import LossScaler
+from ..bucket_order import registration_positions
 from ..grad_dtypes import GradDtypes
 from ..grads import buckets_in_flight
 from ..init import warn_lost_writes
@@ -83,10 +84,11 @@ def build_stage3_optimizer(module: nn.Module, config, named_groups: Sequence, ma
                  lambda sp: fetcher.release([sp], force=True), GradDtypes.from_config(config), ranks.group,
                  buckets_in_flight(zero_cfg.overlap_comm),
                  zero_cfg.zero_quantized_gradients_bits if zero_cfg.zero_quantized_gradients else 0, ranks.replication)
+    positions = registration_positions(module, groups)  # the buckets' launch order over the groups
     if masters.grad_sink is not None:  # ZeRO-Infinity: reduced gradients go to the swap records
-        grads = SwappedStage3Gradients(*grad_args, sink=masters.grad_sink)
+        grads = SwappedStage3Gradients(*grad_args, positions=positions, sink=masters.grad_sink)
     else:
-        grads = Stage3Gradients(*grad_args)
+        grads = Stage3Gradients(*grad_args, positions=positions)
     cpu = placement.optimizer.cpu_optimizer
     return Stage3Optimizer(ShardedModel(module, fetcher, all_sharded, frozen), groups, grads, placement, masters,
                            lambda g: make_optimizer(g, cpu), scaler, rules, ranks, on_unbracketed_grad)

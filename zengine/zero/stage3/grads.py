@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from ...distributed import collectives
 from ..grad_dtypes import GradDtypes
-from ..grads import ShardReducer, _BucketQueue
+from ..bucket_order import BucketQueue
+from ..grads import ShardReducer
 from ..layout import Bucket, FlatLayout
 from ..mics import Replication
 from .group import ShardedParamGroup
@@ -53,7 +54,8 @@ class Stage3Gradients(ShardReducer):
 
     def __init__(self, groups: list[ShardedParamGroup], bucket_numel: int, world: int, rank: int, placement,
                  after_grad: Callable[[ShardedParam], None], dtypes: GradDtypes, comm_group=None,
-                 in_flight: int = 2, quantized_bits: int = 0, replication: Replication = Replication()):
+                 in_flight: int = 2, quantized_bits: int = 0, replication: Replication = Replication(),
+                 positions=None):
         self.groups, self.world, self.rank = groups, world, rank
         self.replication = replication  # MiCS: each reduced shard is summed over the shard groups' copies too
         self.after_grad = after_grad  # releases the parameter's full data
@@ -61,8 +63,8 @@ class Stage3Gradients(ShardReducer):
         self.quantized_bits = quantized_bits if world > 1 else 0  # zero_quantized_gradients: 8 or 4 (0: exact)
         shards = self._make_shards(groups, placement, dtypes.shard_dtype(placement.cpu_optimizer))
         # Buckets count chunk elements; a bucket of c chunk elements moves world * c elements.
-        super().__init__([_BucketQueue(_ChunkView(g), max(1, bucket_numel // world)) for g in groups], shards,
-                         placement.copies, dtypes, comm_group, in_flight)
+        super().__init__([BucketQueue(_ChunkView(g), max(1, bucket_numel // world)) for g in groups], shards,
+                         placement.copies, dtypes, comm_group, in_flight, positions)
         self._direct: set[tuple[int, int]] = set()  # (group, bucket) reduced in autograd's gradient itself
 
     def on_grad(self, gi: int, pi: int) -> None:

@@ -1,0 +1,42 @@
+"""``engine.memory_breakdown()``: the bytes a rank holds, by kind, counted from the tensors themselves."""
+from __future__ import annotations
+
+from torch import nn
+
+from ..offload import pinned
+
+PINNED_HOST = "pinned_host"  # memory_breakdown()'s entry that is a place, not a kind
+KINDS = ("parameters", "gradients", "master_weights", "optimizer_states", "buffers")
+
+
+def memory_breakdown(module: nn.Module, optimizer) -> dict[str, int]:
+    """Bytes held by kind: ``parameters`` covers the flat compute-dtype buffers and any parameter outside them
+    (frozen ones); ``gradients`` the gradient buffers or shards; ``master_weights`` fp32 masters stored apart
+    from the parameters; ``optimizer_states`` the wrapped optimizer's tensors; ``buffers`` the module's. Each
+    storage counts once.
+
+    ``pinned_host`` is not a kind but where some of them are: the page-locked host bytes zengine holds in this
+    process (offloaded shards, copy staging, swap buffers, an asynchronous checkpoint's snapshot;
+    ``offload/pinned.py``, by kind in ``zengine.offload.pinned.held()``), each pinned at its exact size. It
+    overlaps the kinds: leave it out of a sum (``model_state_bytes``)."""
+    kinds = optimizer.memory_tensors()
+    kinds["parameters"] = kinds["parameters"] + list(module.parameters())
+    kinds["buffers"] = list(module.buffers())
+    seen: set[int] = set()
+    out = {}
+    for kind in KINDS:
+        total = 0
+        for t in kinds[kind]:
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        out[kind] = total
+    out[PINNED_HOST] = pinned.held_bytes()
+    return out
+
+
+def model_state_bytes(breakdown: dict[str, int]) -> int:
+    """The bytes a ``memory_breakdown()`` counts: its kinds summed, the ``pinned_host`` overlay left out."""
+    return sum(v for k, v in breakdown.items() if k != PINNED_HOST)
