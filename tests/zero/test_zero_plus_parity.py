@@ -1,6 +1,7 @@
 """ZeRO++ on the edge-case parity model (tied weights, a frozen and an unused layer, sizes no world size divides,
-two param groups) against the single-process torch reference (test_zero_parity.py's harness): hpZ within the
-exact tolerances, the quantized modes within a documented bound, at W=4 as 2 "nodes" of 2 and at W=3."""
+two param groups) against the single-process torch reference (test_zero_parity.py's harness): the quantized
+modes, alone and with hpZ, within a documented bound at W=4 as 2 "nodes" of 2 and at W=3 (hpZ alone is
+bit-identical to plain stage 3: test_zero_hpz.py)."""
 from harness import spawn
 from test_zero_parity import check_parity
 
@@ -25,7 +26,7 @@ def _cases(cases) -> list:
 
 
 def test_zero_plus_modes_train_the_parity_model_like_the_reference():
-    two_nodes = [("fp32", 1, HPZ, None),  # hpZ is exact: fp32's own tolerance
-                 ("bf16", 3, QW, LOSSY), ("fp32", 3, {**QW, **QG, **HPZ}, LOSSY)]
+    # (hpZ alone is bit-identical to plain stage 3, itself checked against the reference: test_zero_hpz.py)
+    two_nodes = [("bf16", 3, QW, LOSSY), ("fp32", 3, {**QW, **QG, **HPZ}, LOSSY)]
     spawn(_cases, 4, two_nodes, env={"LOCAL_WORLD_SIZE": "2"})
     spawn(_cases, 3, [("fp32", 1, QG, LOSSY), ("fp32", 1, QG4, LOSSY4)])
