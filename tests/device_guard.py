@@ -39,7 +39,11 @@ holds no data:
 - ``side_streams_on_meta`` gives ``meta`` the CUDA paths of zengine's offload
   copies (``zengine.offload.copies.SIDE_STREAMS``): side streams and events
   (stand-ins that order nothing: meta has no data) and pinned host buffers
-  where the config asks for ``pin_memory``.
+  where the config asks for ``pin_memory``; ``side_streams_on_meta(StreamLog())``
+  gives it streams and events that log, in order, every record, wait and host
+  synchronize asked of them, the copies issued on each stream
+  (``DeviceRulesMode.watch``) and, with ``adam_logged``, each CPU-Adam call:
+  the order of the offload pipeline, checked by ``tests/offload/test_offload_overlap.py``.
 
 torch's ``FakeTensorMode`` would fake ``cuda`` tensors directly, but on a
 CPU-only build its ``copy_`` and ``.data =`` on fake CUDA tensors fail in
@@ -48,11 +52,13 @@ C++ (no CUDA device guard), and the engine needs both.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing
 import os
 import sys
 import types
 from collections import Counter
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -77,6 +83,8 @@ class DeviceRulesMode(TorchDispatchMode):
         super().__init__()
         self.pinned = PinnedMemory()
         self.copies = CopyTally()
+        # called as watch(kind, host (start, end) bytes or None, site) for each copy that crosses (StreamLog.copy)
+        self.watch: Optional[Callable] = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -87,7 +95,10 @@ class DeviceRulesMode(TorchDispatchMode):
         if func.overloadpacket in _CROSSING:
             crossing = _crossing(func, args, kwargs)
             if crossing is not None:
-                self.copies.add(*self._classify(*crossing))
+                kind, where = self._classify(*crossing)
+                self.copies.add(kind, where)
+                if self.watch is not None:
+                    self.watch(kind, _byte_range(crossing[1]), where)
             moved = _host_copy_of_meta(func, args, kwargs)
             if moved is not None:
                 return self.pinned.add(moved) if crossing[3] else moved  # (a non_blocking .to("cpu"))
@@ -161,6 +172,10 @@ def _crossing(func, args, kwargs):
     return to_host, dst if to_host else src, bool(non_blocking), False, direct
 
 
+def _byte_range(t: Optional[torch.Tensor]) -> Optional[tuple[int, int]]:
+    return None if t is None else (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+
+
 def _caller() -> str:
     """file:line of the innermost zengine frame that made the copy (not a torch function mode's pass-through)."""
     frame = sys._getframe(2)
@@ -219,21 +234,166 @@ class CopyTally:
 
 
 @contextlib.contextmanager
-def side_streams_on_meta():
+def side_streams_on_meta(streams=None):
     """The stand-in device gets the CUDA paths of ``zengine.offload.copies``: side streams (stand-ins that
-    order nothing: meta has no data to order) and pinned host buffers for what it exchanges with the host
-    (``PinnedMemory``'s, also on a machine with CUDA, where ``offload/pinned.py`` would register real ones
-    that the record does not know)."""
+    order nothing: meta has no data to order; ``streams``, e.g. a ``StreamLog``, instead of the CPU's) and
+    pinned host buffers for what it exchanges with the host (``PinnedMemory``'s, also on a machine with CUDA,
+    where ``offload/pinned.py`` would register real ones that the record does not know)."""
     from zengine.accelerator import CpuAccelerator
     from zengine.offload import copies, pinned
 
-    copies.SIDE_STREAMS["meta"] = CpuAccelerator()
+    copies.SIDE_STREAMS["meta"] = streams if streams is not None else CpuAccelerator()
     runtime, pinned.RUNTIME = pinned.RUNTIME, False
     try:
         yield
     finally:
         del copies.SIDE_STREAMS["meta"]
         pinned.RUNTIME = runtime
+
+
+def _sites(depth: int = 2) -> str:
+    """The innermost ``depth`` zengine frames of the caller, as "file.py:function < file.py:function"."""
+    out, frame = [], sys._getframe(2)
+    while frame is not None and len(out) < depth:
+        name = frame.f_code.co_filename
+        if f"{os.sep}zengine{os.sep}" in name and not name.endswith("accelerator.py"):
+            out.append(f"{os.path.basename(name)}:{frame.f_code.co_name}")
+        frame = frame.f_back
+    return " < ".join(out) or "<outside zengine>"
+
+
+class _LoggedStream:
+    """A stream of the stand-in device: what is asked of it goes into its ``StreamLog``."""
+
+    def __init__(self, log: "StreamLog", name: str):
+        self.log, self.name = log, name
+        self.device = torch.device("meta")
+        self.recorded: list = []  # its events, in record order
+
+    def wait_event(self, event) -> None:
+        self.log.add("wait", self.name, event.id, _sites())
+
+    def wait_stream(self, other) -> None:
+        self.log.add("wait_stream", self.name, other.name, _sites())
+
+    def record_event(self, event=None):
+        event = event if event is not None else self.log.Event()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        self.log.add("stream_sync", self.name, _sites())
+        for event in self.recorded:
+            event.landed = True
+
+    def query(self) -> bool:
+        return all(e.landed for e in self.recorded)
+
+
+class _LoggedEvent:
+    """An event of the stand-in device. It lands only when the host waits for it or for a later event of its
+    stream (``synchronize``): the stand-in device does nothing on its own, so what the host never waited for
+    is still in flight, and ``query()`` says so."""
+
+    def __init__(self, log: "StreamLog", *args, **kwargs):
+        self.log, self.id = log, next(log.ids)
+        self.stream: Optional[_LoggedStream] = None
+        self.landed = True  # (never recorded: nothing to wait for)
+
+    def record(self, stream=None) -> None:
+        self.stream = stream if stream is not None else self.log.current
+        self.stream.recorded.append(self)
+        self.landed = False
+        self.log.add("record", self.id, self.stream.name, _sites())
+
+    def synchronize(self) -> None:
+        self.log.add("sync", self.id, _sites())
+        if self.stream is not None:  # a stream runs in order: what it ran before this event has landed too
+            for event in self.stream.recorded[:self.stream.recorded.index(self) + 1]:
+                event.landed = True
+
+    def query(self) -> bool:
+        return self.landed
+
+    def wait(self, stream=None) -> None:
+        (stream if stream is not None else self.log.current).wait_event(self)
+
+    def elapsed_time(self, end) -> float:
+        return 0.0
+
+
+class StreamLog:
+    """Side streams for the stand-in device (an accelerator's ``Stream``, ``Event``, ``stream``,
+    ``current_stream``) that log in ``entries``, in order:
+
+    - ``("record", event, stream, site)``: an event recorded on a stream;
+    - ``("wait", stream, event, site)``: a stream waits for an event (on the device: the host goes on);
+      ``("wait_stream", stream, other, site)``;
+    - ``("sync", event, site)``: the host waits for an event; ``("stream_sync", stream, site)``;
+    - ``("copy", kind, stream, (start, end) host bytes or None, site)``: a copy between the device and the host
+      issued on a stream (``DeviceRulesMode.watch = log.copy``; kinds as ``CopyTally`` counts them);
+    - ``("adam", (start, end) of the gradient, (start, end) of the copy-out target or None)``: each CPU-Adam call
+      (``adam_logged``); and whatever the test adds (``add``), e.g. where each forward starts.
+
+    Streams are named "compute" (the current stream outside ``stream(s)``), then "side1", "side2"... in the
+    order they are made. Events land only when the host waits for them (``_LoggedEvent``).
+    """
+
+    def __init__(self):
+        self.entries: list[tuple] = []
+        self.ids = itertools.count(1)
+        self._names = itertools.count(1)
+        self.compute = _LoggedStream(self, "compute")
+        self.current = self.compute
+
+    def add(self, *entry) -> None:
+        self.entries.append(entry)
+
+    def copy(self, kind: str, host: Optional[tuple[int, int]], site: str) -> None:
+        """``DeviceRulesMode.watch``: a copy between the device and the host, on the current stream."""
+        self.add("copy", kind, self.current.name, host, site)
+
+    # -- the accelerator's stream API ------------------------------------------------------------
+    def Stream(self, *args, **kwargs) -> _LoggedStream:  # noqa: N802 (the accelerator's name)
+        return _LoggedStream(self, f"side{next(self._names)}")
+
+    def Event(self, *args, **kwargs) -> _LoggedEvent:  # noqa: N802
+        return _LoggedEvent(self, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        saved, self.current = self.current, stream
+        try:
+            yield stream
+        finally:
+            self.current = saved
+
+    def current_stream(self, device_index=None) -> _LoggedStream:
+        return self.current
+
+    def default_stream(self, device_index=None) -> _LoggedStream:
+        return self.compute
+
+    def synchronize(self, device_index=None) -> None:
+        self.add("device_sync", _sites())
+
+
+@contextlib.contextmanager
+def adam_logged(log: StreamLog):
+    """Each call of ``zengine.ops.adam.adam_step_`` (CPU-Adam over one range) goes into ``log`` first."""
+    import zengine.ops.adam as adam
+
+    original = adam.adam_step_
+
+    def logged(param, grad, exp_avg, exp_avg_sq, **kwargs):
+        log.add("adam", _byte_range(grad), _byte_range(kwargs.get("copy_out")))
+        return original(param, grad, exp_avg, exp_avg_sq, **kwargs)
+
+    adam.adam_step_ = logged
+    try:
+        yield
+    finally:
+        adam.adam_step_ = original
 
 
 def _host_copy_of_meta(func, args, kwargs):

@@ -28,6 +28,7 @@ from . import pinned
 from .copies import HostCopies, host_pinning, make_copies
 from .param_swap import ParamSwap, align_elems, round_up
 from .state_swap import StateSwapper
+from .step_pipeline import piece_elements
 from .swapped_adam import SwappedAdam
 
 WRITE_CHUNK = 1 << 24  # elements per write when NVMe shards are refreshed from masters in memory
@@ -37,6 +38,7 @@ class DevicePlacement:
     """Masters and optimizer states on the compute device."""
 
     cpu_optimizer = False  # the optimizer built for the shards is the CPU one (CPUAdam)
+    piece = piece_elements(1_000_000_000)  # elements per piece of an offloaded step taken in pieces (step_pipeline.py)
     swaps_masters = False  # ZeRO-Infinity: the masters and their gradients live in the swap file
 
     def __init__(self):
@@ -70,9 +72,10 @@ class CPUPlacement(DevicePlacement):
 
     cpu_optimizer = True
 
-    def __init__(self, offload_cfg, device: torch.device):
+    def __init__(self, offload_cfg, device: torch.device, sub_group_size: int = 1_000_000_000):
         self.pin = bool(offload_cfg.pin_memory) and host_pinning(device)  # pinned only to copy to a GPU
         self.copies = make_copies(device)
+        self.piece = piece_elements(sub_group_size)
 
     def master_device(self, device: torch.device) -> torch.device:
         return torch.device("cpu")
@@ -86,7 +89,7 @@ class NVMePlacement(CPUPlacement):
 
     def __init__(self, zero_cfg, device: torch.device, aio_cfg=None):
         offload_cfg = zero_cfg.offload_optimizer
-        super().__init__(offload_cfg, device)
+        super().__init__(offload_cfg, device, zero_cfg.sub_group_size)
         self.directory = str(offload_cfg.nvme_path)
         self.chunk = int(zero_cfg.sub_group_size)
         self.buffer_count = int(offload_cfg.buffer_count)
@@ -223,7 +226,7 @@ def optimizer_placement(zero_cfg, device: torch.device, aio_cfg=None) -> DeviceP
     offload_cfg = zero_cfg.offload_optimizer
     target = getattr(offload_cfg, "device", "none") if offload_cfg is not None else "none"
     if target == "cpu":
-        return CPUPlacement(offload_cfg, device)
+        return CPUPlacement(offload_cfg, device, zero_cfg.sub_group_size)
     if target == "nvme":
         return (InfinityPlacement if zero_cfg.stage == 3 else NVMePlacement)(zero_cfg, device, aio_cfg)
     return DevicePlacement()

@@ -22,6 +22,8 @@ class SwappedAdam(CPUAdam):
     into ``state[p]`` as ordinary tensors (for checkpoints) and puts them back on exit.
     """
 
+    steps_in_pieces = False  # its step streams the moments chunk by chunk from the file: one call per step
+
     def __init__(self, param_groups, defaults: dict, swapper: StateSwapper):
         super().__init__(param_groups, **defaults)
         self._params = [p for g in self.param_groups for p in g["params"]]

@@ -169,6 +169,7 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
 
     writes_params = True  # ShardOptimizer: step_runs (and step_with_copy) write copies while stepping
     steps_runs = True  # ShardOptimizer: step_runs
+    steps_in_pieces = True  # ShardOptimizer: a step as step_runs over pieces (the arithmetic is per element)
 
     def __init__(
         self,
@@ -226,6 +227,16 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
         self._runs = {id(p): list(r) for p, r in runs.items()}
         try:
             return self._step(None, {id(p): out for p, out in copy_out.items()})
+        finally:
+            self._runs = {}
+
+    def record_steps(self, runs: Mapping[torch.Tensor, list[tuple[int, int, int]]]) -> None:
+        """Each parameter's ``state["step"]`` as ``step_runs(runs, ...)`` sets it, without stepping: after a step
+        taken as ``step_runs`` calls over pieces of ``runs``, each of which showed only its own runs' count."""
+        self._runs = {id(p): list(r) for p, r in runs.items()}
+        try:
+            for _ in self._due():
+                pass
         finally:
             self._runs = {}
 

@@ -29,12 +29,18 @@ class ShardOptimizer:
 
     writes_params = False  # True: ``step_runs`` can write the compute-dtype parameters while stepping
     steps_runs = False  # True: ``step_runs``; else the ZeRO step hands a torch optimizer views (zero/step_counts.py)
+    steps_in_pieces = False  # True: one step may be ``step_runs`` calls over disjoint pieces, then ``record_steps``
 
     def step_runs(self, runs: Mapping[torch.Tensor, list[tuple[int, int, int]]],
                   copy_out: Mapping[torch.Tensor, torch.Tensor]):
         """One step over ``runs[param]``: elements [lo, hi) each at its step number (1 for the first), the
         rest of ``param`` untouched; each updated parameter also into ``copy_out[param]`` (if ``writes_params``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot step ranges")
+
+    def record_steps(self, runs: Mapping[torch.Tensor, list[tuple[int, int, int]]]) -> None:
+        """After a step taken as ``step_runs`` calls over pieces of ``runs`` (if ``steps_in_pieces``): the
+        bookkeeping one ``step_runs(runs, ...)`` call would leave (the step numbers its state shows)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot step in pieces")
 
     def states_in_memory(self) -> ContextManager:
         """A context inside which every state tensor is in ``optimizer.state`` (for checkpoints)."""

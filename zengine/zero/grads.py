@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from ..distributed import collectives
+from ..ops.grad import sum_of_squares
 from .flat_group import FlatParamGroup
 from .grad_dtypes import GradDtypes
 from .bucket_order import BucketQueue, LaunchSequence
@@ -82,6 +83,17 @@ class GradientStore:
 
     def settle_order(self, agreed: bool) -> None:
         """Fix the bucket launch order at the first boundary step (nothing to fix by default)."""
+
+    def landing_grad(self, gi: int) -> torch.Tensor:
+        """Group gi's summed gradient shard where it lives, before every piece has landed in it (with offload
+        on a device with side streams): settle a range (``copies.settle_range``) before reading it."""
+        return self.owned_grad(gi)
+
+    def landing_squares(self, gi: int, lo: int, hi: int) -> tuple[list[torch.Tensor], float]:
+        """The sum of squares of ``landing_grad(gi)[lo:hi]``, as (0-dim float64 parts on the compute device,
+        a host part): what can be summed on the device is, so the step's norm need not wait for the copies."""
+        part = sum_of_squares(self.owned_grad(gi)[lo:hi])
+        return ([], float(part)) if part.device.type == "cpu" else ([part], 0.0)
 
 
 class FullGradients(GradientStore):
@@ -213,8 +225,14 @@ class ShardReducer(GradientStore):
         self.buffers: dict[tuple[int, int], torch.Tensor] = {}
         # Released bucket storage, reused by the next bucket of the same backward: a fresh large
         # allocation for every bucket costs page faults on first touch. At most
-        # in_flight + ARMED_AHEAD of them exist, so still no whole gradient.
-        self._free: list[torch.Tensor] = []
+        # in_flight + ARMED_AHEAD of them exist, so still no whole gradient. Each with the copies' mark
+        # after its download read it (offload: the compute stream waits for that, on the device, before
+        # the storage is rewritten; the only point where the compute stream waits for a download; up to
+        # DOWNLOAD_BACKLOG_BYTES of them more exist while their downloads run).
+        self._free: list[tuple[torch.Tensor, object]] = []
+        # Offload on a device with side streams: the sums of squares of the pieces that are their region's
+        # whole value, taken on the device (the host copies land later; the step's norm need not wait)
+        self.squares: Optional[RegionSquares] = RegionSquares() if copies.defers else None
         self.copied: set[tuple[int, int]] = set()
         self.in_flight: deque = deque()
         self.sync = True
@@ -224,27 +242,48 @@ class ShardReducer(GradientStore):
         # copied in rather than added, so zeroing costs no fill (5 GB of host memory written per step for a
         # 1.3B model with offload); a part still unwritten when the shard is read is zeroed then.
         self._fresh: set[tuple[int, int]] = set()
+        if self.squares is not None:  # the shards start zeroed: the first step's pieces are their regions' values
+            ShardReducer.zero(self)
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
         self.sync = not no_sync
         self.unreduced = self.unreduced or no_sync  # the gradients stay in .grad until a synced backward
 
+    # Offload on a device with side streams: bytes of released bucket buffers whose download may still be
+    # reading them that backward may hold before it reuses one (the compute stream then waits for that read,
+    # on the device). Below it, backward never waits for the copies to the host: 1 GiB is 10 buckets of the
+    # bench_gpu 1.3B model (50M elements, bf16), the downloads it may trail by without slowing backward.
+    DOWNLOAD_BACKLOG_BYTES = 1 << 30
+
     def _new_buffer(self, key: tuple[int, int], shape: tuple, device: torch.device) -> torch.Tensor:
         """A zeroed bucket buffer of ``shape`` in the reduce dtype on ``device``, carved from released
-        storage when one is big enough."""
+        storage when one is big enough (and no download still reads it, below the backlog)."""
         numel = 1
         for n in shape:
             numel *= n
         dtype = self.dtypes.reduce
-        for i, store in enumerate(self._free):
-            if store.numel() >= numel and store.dtype == dtype and store.device == device:
-                self._free.pop(i)
-                buf = store[:numel].view(shape).zero_()
-                break
+        i = self._reusable(numel, dtype, device)
+        if i is not None:
+            store, read = self._free.pop(i)
+            if read is not None and not read.query():
+                self.copies.before_reuse(read)  # its download still reads it: the device waits, not the host
+            buf = store[:numel].view(shape).zero_()
         else:
             buf = torch.zeros(shape, dtype=dtype, device=device)
         self.buffers[key] = buf
         return buf
+
+    def _reusable(self, numel: int, dtype: torch.dtype, device: torch.device) -> Optional[int]:
+        """The released buffer to carve a bucket from: the first big enough that no download reads any more,
+        else, once those still read hold ``DOWNLOAD_BACKLOG_BYTES``, the oldest big enough; None: a new one."""
+        fits = [i for i, (store, _) in enumerate(self._free)
+                if store.numel() >= numel and store.dtype == dtype and store.device == device]
+        for i in fits:
+            read = self._free[i][1]
+            if read is None or read.query():
+                return i
+        held = sum(store.numel() * store.element_size() for store, read in self._free if read is not None)
+        return fits[0] if fits and held >= self.DOWNLOAD_BACKLOG_BYTES else None
 
     def _bucket_of(self, gi: int, pi: int) -> Bucket:
         q = self.queues[gi]
@@ -289,14 +328,16 @@ class ShardReducer(GradientStore):
     def _recycle(self, gi: int, bucket: Bucket, buf: torch.Tensor) -> None:
         """Keep a reduced bucket's storage for the next bucket of this backward."""
         base = buf._base if buf._base is not None else buf
-        self._free.append(base.view(-1))
+        self._free.append((base.view(-1), self.copies.reuse_marker()))
 
     def end_backward(self) -> None:
         if self.sync:
             self.sequence.finish(self._launch)
             self.copied.clear()
             self.unreduced = False
-        self.drain()
+        # The reductions only: the copies to the host go on landing (offload/copies.py), and whoever reads
+        # the shards settles them (owned_grad, or the step range by range: landing_grad).
+        self._finish_reductions()
         self._free = []  # reused within a backward; nothing beyond the shards is held between steps
         if self.sync and not self._order_settled and self._proposal is None:
             self._proposal = self.sequence.recorded_order()  # settled at the boundary step
@@ -322,20 +363,48 @@ class ShardReducer(GradientStore):
         self.sequence.stop_recording()
         self._proposal = None
 
-    def drain(self) -> None:
-        """Wait for every reduction and copy in flight, launching nothing new."""
+    def _finish_reductions(self) -> None:
         while self.in_flight:
             self._complete(*self.in_flight.popleft())
+
+    def drain(self) -> None:
+        """Wait for every reduction and copy in flight, launching nothing new."""
+        self._finish_reductions()
         self.copies.settle()
 
     def owned_grad(self, gi: int) -> torch.Tensor:
         """The summed gradient shard of group gi."""
-        self._zero_unwritten(gi)
+        self.copies.settle()
+        return self.landing_grad(gi)
+
+    def landing_grad(self, gi: int) -> torch.Tensor:
+        self._zero_unwritten(gi)  # (no copy lands in these: zeroed on the host now)
         return self.shards[gi]
 
+    def landing_squares(self, gi: int, lo: int, hi: int) -> tuple[list[torch.Tensor], float]:
+        shard = self.shards[gi]
+        if self.squares is None or (lo, hi) != (0, shard.numel()):
+            self.copies.settle_range(shard[lo:hi])
+            return [], float(sum_of_squares(shard[lo:hi]))
+        device, host = [], 0.0
+        for bucket in self.queues[gi].buckets:
+            known = self.squares.known.get((gi, bucket.index), 0.0)  # absent: nothing written, zero
+            if torch.is_tensor(known):
+                device.append(known)
+            elif known is None:  # several pieces summed on the host: only the host has the sum
+                region = self._region(gi, bucket)
+                self.copies.settle_range(region)
+                host += float(sum_of_squares(region))
+        return device, host
+
     def zero(self) -> None:
+        # Offload: copies still landing (a skipped step read none of them) land before the next backward's
+        # first pieces, which land in the shards directly (nothing to wait for after a step: it read them all).
+        self.copies.settle()
         self._fresh = {(gi, b.index) for gi, q in enumerate(self.queues) for b in q.buckets
                        if self._region(gi, b) is not None}
+        if self.squares is not None:
+            self.squares.known.clear()
 
     def _region(self, gi: int, bucket: Bucket) -> Optional[torch.Tensor]:
         """The part of group gi's shard that ``bucket`` writes (None: none of it is this rank's)."""
@@ -345,7 +414,9 @@ class ShardReducer(GradientStore):
         """Add ``piece`` into the bucket's part of the shard (copy it in, the first time since zero())."""
         fresh = (gi, bucket.index) in self._fresh
         self._fresh.discard((gi, bucket.index))
-        self.copies.accumulate(self._region(gi, bucket), piece, overwrite=fresh)
+        if self.squares is not None:
+            self.squares.note((gi, bucket.index), piece if fresh else None)
+        self.copies.accumulate_async(self._region(gi, bucket), piece, overwrite=fresh)  # (reuse: _new_buffer)
 
     def _zero_unwritten(self, gi: int) -> None:
         if not self._fresh:
@@ -356,7 +427,20 @@ class ShardReducer(GradientStore):
                 self._region(gi, bucket).zero_()
 
     def tensors(self) -> list[torch.Tensor]:
-        return list(self.shards) + list(self.buffers.values()) + self._free
+        return list(self.shards) + list(self.buffers.values()) + [store for store, _ in self._free]
+
+
+class RegionSquares:
+    """Sums of squares of the regions of the gradient shards (one per bucket), taken on the device from the
+    reduced piece when that piece is the region's whole value (the first since the gradients were zeroed),
+    before its copy to the host lands; None once a later piece was added on the host."""
+
+    def __init__(self):
+        self.known: dict[tuple[int, int], Optional[torch.Tensor]] = {}  # (group, bucket) -> 0-dim float64 or None
+
+    def note(self, key: tuple[int, int], whole: Optional[torch.Tensor]) -> None:
+        """A piece went to region ``key``: ``whole``, its entire value (on the device), or None: added there."""
+        self.known[key] = sum_of_squares(whole) if whole is not None else None
 
 
 class ShardedGradients(ShardReducer):

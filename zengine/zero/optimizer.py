@@ -31,7 +31,10 @@ parameters while stepping, hold its states in a swap file) it declares
 
 Where the states live (device, host memory, NVMe) is not a branch here: the
 ``placement`` and the master store (``masters.py``) that ``stages.py``
-chooses differ, and the step calls them.
+chooses differ, and the step calls them. With the optimizer on the host of a
+device with side streams the master store takes step 4 in pieces, overlapped
+with the copies of gradients down and parameters up (``masters.py``,
+``offload/step_pipeline.py``).
 """
 from __future__ import annotations
 
@@ -81,6 +84,17 @@ class Ranks:
     def dp_group(self) -> Any:
         """The group of every data-parallel rank: the step's agreement and checkpoints run over it."""
         return self.group if self.replication.count == 1 else self.replication.everyone
+
+
+def shard_runs(groups: list, shard_params: list, plans: list) -> dict:
+    """Shard param -> its (lo, hi, step number) runs, for an optimizer that steps ranges (``step_runs``)."""
+    runs = {}
+    for g, sp, plan in zip(groups, shard_params, plans):
+        if plan.uniform is not None:  # the whole shard, padding included, as one run
+            runs[sp] = [(0, g.owned[1] - g.owned[0], plan.uniform + 1)]
+        else:
+            runs[sp] = [(r.lo, r.hi, r.count + 1) for r in plan.runs]
+    return runs
 
 
 @dataclass(frozen=True)
@@ -264,12 +278,15 @@ class ZeroOptimizer:
             sp.grad = grad
         used = self._used_by_group(stats.used_counts)
         plans = [self.step_counts.plan(gi, u) for gi, u in enumerate(used)]
-        copy_out = self._copy_out_targets() if all(p.uniform is not None for p in plans) else {}
-        self._run_optimizer(plans, copy_out)
+        owned = self._copy_out_owned() if all(p.uniform is not None for p in plans) else {}
+        if self.master_store.pieces_owe(master_grads):  # offload on a device with side streams: with the copies
+            self.master_store.step_in_pieces(self, shard_runs(self.groups, self.shard_params, plans), owned)
+        else:
+            self._run_optimizer(plans, owned)
         for gi, u in enumerate(used):
             self.step_counts.advance(gi, u)
             self.run_stepper.prune(gi)
-        self.write_back(skip_copy=bool(copy_out))
+        self.write_back(skip_copy=bool(owned))
         if finite:
             self.scaler.update(False)
         self.zero_grad()
@@ -305,18 +322,16 @@ class ZeroOptimizer:
             k += len(g.params)
         return out
 
-    def _run_optimizer(self, plans, copy_out: dict) -> None:
+    def _run_optimizer(self, plans, owned: dict[int, torch.Tensor]) -> None:
         """Step the wrapped optimizer as the plans say: an optimizer that steps ranges itself gets each
-        group's runs with their step numbers; any other steps whole groups whole and the rest by runs."""
+        group's runs with their step numbers; any other steps whole groups whole and the rest by runs.
+        ``owned`` (``_copy_out_owned``): the parameter slices it writes as it steps."""
         if not self.abilities.steps_runs:
             self.run_stepper.step(self.optimizer, self.shard_params, plans)
             return
-        runs = {}
-        for g, sp, plan in zip(self.groups, self.shard_params, plans):
-            if plan.uniform is not None:  # the whole shard, padding included, as one run
-                runs[sp] = [(0, g.owned[1] - g.owned[0], plan.uniform + 1)]
-            else:
-                runs[sp] = [(r.lo, r.hi, r.count + 1) for r in plan.runs]
+        runs = shard_runs(self.groups, self.shard_params, plans)
+        copies = self.placement.optimizer.copies
+        copy_out = {self.shard_params[gi]: copies.copy_out_target(gi, o) for gi, o in owned.items()}
         if copy_out:
             # CPUAdam writes the updated master into the compute-dtype parameters in the same pass
             # (on a GPU, into pinned staging that the placement's copies then upload).
@@ -327,13 +342,12 @@ class ZeroOptimizer:
             self.abilities.step_runs(runs, {})
 
     # -- write-back and gather ------------------------------------------------------------------
-    def _copy_out_targets(self) -> dict:
-        """Shard param -> compute-dtype parameter slice, where the optimizer can write it while stepping."""
+    def _copy_out_owned(self) -> dict[int, torch.Tensor]:
+        """gi -> the compute-dtype parameter slice, for the groups whose parameters the optimizer can write
+        while stepping (not a master that is their own storage; on a device, through staging: copies.py)."""
         if not (self.abilities.writes_params and self.placement.copies_out):
             return {}
-        copies = self.placement.optimizer.copies
-        return {sp: copies.copy_out_target(gi, g.owned_params())
-                for gi, (sp, g, m) in enumerate(zip(self.shard_params, self.groups, self.masters))
+        return {gi: g.owned_params() for gi, (g, m) in enumerate(zip(self.groups, self.masters))
                 if m.data_ptr() != g.owned_params().data_ptr()}
 
     def write_back(self, skip_copy: bool = False) -> None:

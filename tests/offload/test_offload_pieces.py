@@ -1,0 +1,163 @@
+"""An offloaded step taken in pieces as its gradients land (``offload/step_pipeline.py``) computes what the step
+taken whole computes, bit for bit.
+
+On a GPU the pieces run when the copies have side streams; here the host stands in for the device with
+copies that defer like those (``LateCopies``: each download lands only when the host waits for it, or for a
+later one, or after a few polls), so the CPU run takes the pieces path with real data: many pieces
+(``sub_group_size`` 100) in landing order, each scaled, clipped and stepped by CPU-Adam on its own runs,
+gradient accumulation summing late pieces in launch order. Without gradient clipping the parameters, the
+optimizer states and their step counts equal the whole step's exactly; with clipping the norm is summed by
+region (on a GPU, on the device) in another order, so they agree to rounding.
+"""
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zengine
+from harness import spawn
+from models import EdgeNet, edge_param_groups, make_batches, micro_batch
+from zengine.offload.arrivals import Arrivals
+from zengine.offload.copies import HostCopies, Landed
+
+STEPS, MICRO, WORLD = 3, 2, 1
+
+
+class _Late(Landed):
+    """A copy that lands when waited for (with every copy queued before it) or after ``polls`` queries."""
+
+    def __init__(self, queue: list, dst: torch.Tensor, src: torch.Tensor, polls: int):
+        self.queue, self.dst, self.src, self.polls = queue, dst, src, polls
+        queue.append(self)
+
+    def query(self) -> bool:
+        self.polls -= 1
+        if self.polls < 0 and self.src is not None:
+            self.synchronize()
+        return self.src is None
+
+    def synchronize(self) -> None:
+        while self.src is not None:  # the older ones land first, as on one stream
+            first = self.queue.pop(0)
+            first.dst.copy_(first.src)
+            first.src = None
+
+
+class LateCopies(HostCopies):
+    """Host copies that defer like ``StreamCopies``: each download lands late (``_Late``)."""
+
+    defers = True
+
+    def __init__(self, polls: int):
+        self.arrivals, self.queue, self.polls = Arrivals(), [], polls
+        self.ranges_settled = 0  # the step in pieces settles one range per piece
+
+    def accumulate(self, shard_slice, piece, overwrite=False):
+        staging = None if overwrite else torch.empty(piece.shape, dtype=shard_slice.dtype)
+        landing = _Late(self.queue, shard_slice if overwrite else staging, piece.detach().clone(), self.polls)
+        self.arrivals.add(landing, staging, shard_slice, overwrite)
+        self.arrivals.poll()
+
+    def settle(self):
+        self.arrivals.settle()
+
+    def settle_range(self, view):
+        self.ranges_settled += 1
+        self.arrivals.settle_range(view)
+
+    def arrival(self, view):
+        return self.arrivals.arrival(view)
+
+
+def _mlp() -> nn.Module:
+    """Every parameter used: the step writes the bf16 parameters while stepping (copy-out)."""
+    return nn.Sequential(nn.Embedding(37, 23), nn.Linear(23, 41), nn.Tanh(), nn.Linear(41, 37))
+
+
+class _Loss(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.net(x).float().view(-1, 37), y.view(-1))
+
+
+def _train(model_name: str, stage: int, gas: int, clip: float, offload: str, late):
+    """(parameters, optimizer states, norms) after STEPS steps; ``late``: polls of the deferred copies, None:
+    the host's own copies (the step taken whole)."""
+    import zengine.offload.placement as placement
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = EdgeNet() if model_name == "edge" else _Loss(_mlp())
+    groups = edge_param_groups(model, 1e-2)
+    zero = {"stage": stage, "reduce_bucket_size": 300, "sub_group_size": 100, "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": "cpu"}}
+    if offload == "param":
+        zero["offload_param"] = {"device": "cpu"}
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "bf16": {"enabled": True},
+           "steps_per_print": 10**6, "zero_optimization": zero}
+    original = placement.make_copies
+    if late is not None:
+        placement.make_copies = lambda device: LateCopies(late)
+    try:
+        engine, *_ = zengine.initialize(model=model, config=cfg, model_parameters=groups)
+    finally:
+        placement.make_copies = original
+    copies = engine.optimizer.placement.optimizer.copies
+    assert copies.defers == (late is not None)
+    norms = []
+    for batch in make_batches(STEPS, MICRO * gas * world):
+        for m in range(gas):
+            x, y = micro_batch(batch, dist.get_rank(), world, MICRO, m)
+            engine.backward(engine(x, y))
+            engine.step()
+        norms.append(engine.get_global_grad_norm())
+    opt = engine.optimizer
+    with engine.summon_full_params(writeback=False):
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    states = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.optimizer.state[sp].items()}
+              for sp in opt.shard_params]
+    masters = [m.clone() for m in opt.masters]
+    if late is not None:  # several pieces per step, every copy landed and added
+        assert copies.ranges_settled >= 3 * STEPS and not copies.queue and not copies.arrivals.pending
+    engine.destroy()
+    return params, states, masters, norms
+
+
+# (model, stage, accumulation steps, gradient clipping, offload): the edge model has unused parameters (the
+# step by runs, parameters written after it), the MLP none (CPU-Adam writes the bf16 parameters as it steps)
+CASES = [("edge", 2, 3, 0.0, "cpu"), ("mlp", 2, 1, 0.0, "cpu"), ("mlp", 3, 3, 0.0, "cpu"), ("edge", 3, 1, 0.0, "param"),
+         ("mlp", 2, 3, 0.5, "cpu")]
+
+
+def _compare(cases) -> list[str]:
+    out = []
+    for case in cases:
+        whole = _train(*case, late=None)
+        for polls in (1,):  # the oldest lands at the second poll (backward polls at each piece), the rest when waited for
+            pieces = _train(*case, late=polls)
+            exact = case[3] == 0.0
+            for name, a in whole[0].items():
+                b = pieces[0][name]
+                if not (torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-5, atol=1e-6)):
+                    out.append(f"{case} polls {polls}: {name} differs by {(a - b).abs().max().item():.3g}")
+            for sa, sb in zip(whole[1], pieces[1]):
+                for key in sa:
+                    same = torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])) if exact else \
+                        torch.allclose(torch.as_tensor(sa[key]).float(), torch.as_tensor(sb[key]).float(), rtol=1e-4,
+                                       atol=1e-7)
+                    if not same:
+                        out.append(f"{case} polls {polls}: optimizer state {key} differs")
+            if exact and not all(torch.equal(a, b) for a, b in zip(whole[2], pieces[2])):
+                out.append(f"{case} polls {polls}: masters differ")
+            # the norm is summed by region, unscaled then times the factor squared: equal to rounding
+            if max(abs(a - b) / a for a, b in zip(whole[3], pieces[3])) > 1e-6:
+                out.append(f"{case} polls {polls}: norms {whole[3]} vs {pieces[3]}")
+    return out
+
+
+def test_a_step_in_pieces_equals_the_step_taken_whole():
+    failures = spawn(_compare, WORLD, CASES)
+    assert failures == [[]] * WORLD, failures
