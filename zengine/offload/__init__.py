@@ -3,6 +3,9 @@
 - ``placement.py``: the placement objects, one per run, chosen from the config: device, CPU or
   NVMe for the fp32 masters, their gradients and the optimizer states;
 - ``copies.py``: moving gradients down and parameters up between the device and host memory;
+- ``arrivals.py``: gradient pieces still on their way down, settled range by range;
+- ``step_pipeline.py``: the offloaded step in pieces, as gradients land, each piece's parameters going
+  up while CPU-Adam steps the next;
 - ``state_swap.py`` + ``swapped_adam.py``: optimizer states in an NVMe swap file, stepped by
   CPU Adam as they stream through a few host buffers;
 - ``param_swap.py``: stage-3 parameter shards in an NVMe swap file, read ahead of the gathers;
