@@ -61,6 +61,13 @@ def test_transients_are_bounded_by_their_keys():
     assert with_bias.transients["prefetch staging"] == 4 * 50_000  # weight and bias share a staging buffer
     assert est3.device["persistent parameters"] == 4 * (10_000 + 20) // 2  # small ones kept whole
     assert est3.device["parameters"] == 4 * -(-numel // 2)
+    # optimizer offload on a GPU: reduced buckets kept while their copies down run, at most 1 GiB, at most the gradient
+    off = {"device": "cpu"}
+    small = estimate(model, _cfg(2, offload_optimizer=off), 2)
+    assert small.transients["gradient downloads"] == 4 * numel
+    assert estimate(10**9, _cfg(3, offload_optimizer=off), 4).transients["gradient downloads"] == 1 << 30
+    assert "gradient downloads" not in estimate(model, _cfg(2, offload_optimizer=off), 2, cpu_training=True).transients
+    assert "gradient downloads" not in estimate(model, _cfg(2), 2).transients
 
 
 def test_every_choice_and_the_command_line(capsys):
