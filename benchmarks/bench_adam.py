@@ -45,6 +45,7 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.host import write_result  # noqa: E402
 from zengine.ops import CPUAdam, simd_path  # noqa: E402
 
 BYTES_PER_PARAM = 28  # fp32 Adam: read p, g, m, v; write p, m, v
@@ -347,10 +348,7 @@ def main(argv=None) -> int:
     results = measure(sizes, args.rounds, ds_cls, include_slow=not args.skip_slow)
     table = render(results, sizes, meta)
     print(table)
-    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"adam_{datetime.date.today():%Y%m%d}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(table)
-    print(f"written to {out}", file=sys.stderr)
+    write_result(table, REPO / "benchmarks" / "results" / f"adam_{datetime.date.today():%Y%m%d}.md", args.out)
     return 0
 
 

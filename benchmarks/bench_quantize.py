@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_adam import parse_size  # noqa: E402
-from benchmarks.host import cpu_line  # noqa: E402
+from benchmarks.host import cpu_line, write_result  # noqa: E402
 from zengine.ops import load_op, simd_path  # noqa: E402
 from zengine.ops import quantize as codec  # noqa: E402
 
@@ -123,10 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             "SIMD path": str(simd_path()), "elements": f"{numel:,}", "rounds": str(args.rounds)}
     table = render(measure(numel, args.rounds), meta)
     print(table)
-    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"quantize_{datetime.date.today()}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(table)
-    print(f"written to {out}", file=sys.stderr)
+    write_result(table, REPO / "benchmarks" / "results" / f"quantize_{datetime.date.today()}.md", args.out)
     return 0
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
+from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -31,3 +34,12 @@ def isa_caps() -> list[str]:
     MKL_ENABLE_INSTRUCTIONS=AVX2)."""
     return [f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
             if k in os.environ]
+
+
+def write_result(text: str, default: Path, out: Optional[str] = None) -> Path:
+    """Write a benchmark's table to ``out`` (or ``default``, under benchmarks/results/) and say where on stderr."""
+    path = Path(out) if out else default
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"written to {path}", file=sys.stderr)
+    return path
