@@ -10,8 +10,9 @@ m in place of W.
 
 Everything that shards (the fetcher, the gradient buckets, zero.Init's cuts) sees ``Ranks(world=m,
 rank=rank % m, group=shard group)``; ``Replication`` tells the optimizer the rest: how many copies of each
-shard exist, which one this rank holds, the replica group for the gradient all-reduce, and the group of
-everyone for the step's agreement (norm, ranks in step, gathers agreed) and for checkpoints. Only copy 0
+shard exist, which one this rank holds, and the replica group for the gradient all-reduce;
+the default group (MiCS cuts the whole world) serves the step's agreement (norm, ranks in step, gathers
+agreed) and checkpoints. Only copy 0
 counts its shards in the gradient norm and writes them to a checkpoint, so a MiCS checkpoint is a plain
 stage-3 checkpoint of world m, loadable at any world size and stage.
 """
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..distributed import collectives
 
 
 class MicsConfigError(ValueError):
@@ -35,7 +38,6 @@ class Replication:
     count: int = 1        # copies of every shard: W / mics_shard_size
     index: int = 0        # which copy this rank holds (its shard group's number)
     group: Any = None     # the ranks holding the same shard as this one (the replica group)
-    everyone: Any = None  # every data-parallel rank (None: the default process group)
 
     @property
     def primary(self) -> bool:
@@ -45,8 +47,6 @@ class Replication:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the copies (in place; nothing with one copy)."""
         if self.count > 1:
-            from ..distributed import collectives
-
             collectives.all_reduce_sum(tensor, self.group)
 
 
@@ -57,9 +57,7 @@ def groups(size: int) -> tuple[Any, Any]:
     """This rank's (shard group, replica group) for shard groups of ``size`` consecutive ranks of the default
     group, made once per process (every rank makes every group, in the same order: torch's rule)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    if size < 1 or world % size:
-        raise MicsConfigError(f"mics_shard_size {size} must divide the data-parallel world size {world} (it cuts "
-                              f"the ranks into groups of consecutive ranks, each holding a whole sharded copy)")
+    _check_divides(size, world)
     key = (world, size)
     if key not in _groups:
         shard = replica = None
@@ -80,10 +78,14 @@ def shard_size(zero_cfg, world: int) -> int:
     size = int(getattr(zero_cfg, "mics_shard_size", -1) or -1)
     if int(getattr(zero_cfg, "stage", 0)) < 3 or size <= 0 or size == world:
         return world
-    if world % size:
+    _check_divides(size, world)
+    return size
+
+
+def _check_divides(size: int, world: int) -> None:
+    if size < 1 or world % size:
         raise MicsConfigError(f"mics_shard_size {size} must divide the data-parallel world size {world} (it cuts "
                               f"the ranks into groups of consecutive ranks, each holding a whole sharded copy)")
-    return size
 
 
 def sharding(zero_cfg, world: int, rank: int) -> tuple[int, int, Any, Replication]:

@@ -83,7 +83,7 @@ class Ranks:
     @property
     def dp_group(self) -> Any:
         """The group of every data-parallel rank: the step's agreement and checkpoints run over it."""
-        return self.group if self.replication.count == 1 else self.replication.everyone
+        return self.group if self.replication.count == 1 else None  # MiCS cuts the default group
 
 
 def shard_runs(groups: list, shard_params: list, plans: list) -> dict:

@@ -69,7 +69,7 @@ class _Pending:
     def __init__(self, params: list[ShardedParam], staging: torch.Tensor, works: list, direct: bool = False,
                  tag: Optional[torch.Tensor] = None):
         self.params, self.staging, self.works, self.direct, self.tag = params, staging, works, direct, tag
-        self.decode = None  # a quantized gather: turns the received rows back into the compute dtype
+        self.decode = None  # a codec's finish (dequantize, a second hop): run once the gather lands
         self.widths: Optional[list[int]] = None  # a gather from the node's secondary shards: columns per param
 
 
@@ -263,8 +263,8 @@ class Fetcher:
         except RuntimeError as e:
             raise gather_failed(params, self.rank, self.check.issued_count, e) from e
         pending = _Pending(params, staging, works, direct, tag)
-        finishes = codec.quantized or getattr(codec, "finishes", False)  # dequantize, or the two-hop's second hop
-        pending.decode = (lambda: codec.finish(staging, total, coded)) if finishes else None
+        # dequantize, or the two-hop's second hop
+        pending.decode = (lambda: codec.finish(staging, total, coded)) if codec.finishes else None
         if not refresh:
             for sp in params:
                 self._pending[id(sp)] = pending

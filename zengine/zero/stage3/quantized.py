@@ -31,7 +31,7 @@ BLOCK = 256  # elements per scale (DeepSpeed's ZeRO++ quantizes in groups too; s
 class ExactGather:
     """All-gather the staging rows as they are."""
 
-    quantized = False
+    finishes = False  # nothing to do after the gather lands
 
     def start(self, staging: torch.Tensor, ncols: int, rank: int, group) -> tuple[list, object]:
         return collectives.all_gather_rows(staging, rank, group, async_op=True), None
@@ -54,7 +54,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, n: int, out: torch.Tensor)
 class Int8Gather:
     """All-gather the staging rows as blockwise int8 with fp32 scales (see the module doc)."""
 
-    quantized = True
+    finishes = True  # dequantize the received rows (``finish``) once the gather lands
 
     def start(self, staging: torch.Tensor, ncols: int, rank: int, group) -> tuple[list, object]:
         world, width = staging.shape

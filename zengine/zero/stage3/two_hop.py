@@ -32,8 +32,7 @@ class TwoHopConfigError(ValueError):
 class TwoHopGather:
     """All-gather a shard group's staging rows in two hops (see the module doc)."""
 
-    quantized = False
-    finishes = True  # the fetcher calls ``finish`` after the first hop's works are waited for
+    finishes = True  # the fetcher calls ``finish`` (the second hop) after the first hop's works are waited for
 
     def __init__(self, size: int, per_node: int):
         world, me = dist.get_world_size(), dist.get_rank()
