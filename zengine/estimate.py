@@ -177,9 +177,8 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
         # converted copies of the full buffer's buckets: those in flight and the one launching
         est.transients["gradient buckets"] = wire * bucket * (in_flight + 1)
     if stage == 2:
-        # those in flight, the one launching and, when gradients land in buckets, the one armed ahead
-        est.transients["gradient buckets"] = wire * bucket * stage2_bucket_buffers(in_flight,
-                                                                                   dtypes.grad_lands_in_bucket)
+        # those in flight and the one launching
+        est.transients["gradient buckets"] = wire * bucket * stage2_bucket_buffers(in_flight)
     if stage >= 2 and offload_opt == "cpu" and not cpu_training:
         # on a GPU, reduced buckets whose copies to the host still run are kept until then (a backlog bounded by
         # ShardReducer.DOWNLOAD_BACKLOG_BYTES, and by the whole gradient): the price of not waiting for them

@@ -60,6 +60,12 @@ def test_bytes_per_rank_match_zero_formulas(world):
     results = spawn(all_cases, world, cases)
     for rank_results in results:
         for (stage, precision), held in zip(cases, rank_results):
+            # kept for reuse, not model state: released gradient buckets of 4000 elements in the compute dtype, at
+            # most the in-flight ones + 1 (stage 2: none in flight; stage 3: 2, overlap_comm's default there; a
+            # bucket that is one parameter's whole gradient is reduced in place and not kept)
+            workspace = held.pop("workspace")
+            assert workspace <= (1 if stage == 2 else 3 if stage == 3 else 0) * 4000 * (4 if precision == "fp32" else 2)
+            assert workspace > 0 or stage != 2, held
             assert held == expected(stage, precision, world), (stage, precision, world)
     # the headline ratios: per-rank model-state bytes shrink as the formulas say (fp32, Adam: 16 bytes/param)
     fp32 = {s: sum(results[0][i].values()) for i, (s, p) in enumerate(cases) if p == "fp32"}

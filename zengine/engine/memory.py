@@ -6,6 +6,7 @@ from torch import nn
 from ..offload import pinned
 
 PINNED_HOST = "pinned_host"  # memory_breakdown()'s entry that is a place, not a kind
+WORKSPACE = "workspace"  # memory_breakdown()'s entry for storage kept for reuse: not model state
 KINDS = ("parameters", "gradients", "master_weights", "optimizer_states", "buffers")
 
 
@@ -18,7 +19,12 @@ def memory_breakdown(module: nn.Module, optimizer) -> dict[str, int]:
     ``pinned_host`` is not a kind but where some of them are: the page-locked host bytes zengine holds in this
     process (offloaded shards, copy staging, swap buffers, an asynchronous checkpoint's snapshot;
     ``offload/pinned.py``, by kind in ``zengine.offload.pinned.held()``), each pinned at its exact size. It
-    overlaps the kinds: leave it out of a sum (``model_state_bytes``)."""
+    overlaps the kinds: leave it out of a sum (``model_state_bytes``).
+
+    ``workspace`` is memory held for reuse that holds no model state (on the host: released gradient bucket
+    buffers, kept for the next backward because the host's allocator would hand them back to the system and
+    fault every page in again; a device's caching allocator keeps such blocks itself, uncounted). It adds to the
+    kinds; ``model_state_bytes`` leaves it out."""
     kinds = optimizer.memory_tensors()
     kinds["parameters"] = kinds["parameters"] + list(module.parameters())
     kinds["buffers"] = list(module.buffers())
@@ -33,10 +39,13 @@ def memory_breakdown(module: nn.Module, optimizer) -> dict[str, int]:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
         out[kind] = total
+    out[WORKSPACE] = sum(t.untyped_storage().nbytes() for t in kinds.get(WORKSPACE, ())
+                         if t.untyped_storage().data_ptr() not in seen)
     out[PINNED_HOST] = pinned.held_bytes()
     return out
 
 
 def model_state_bytes(breakdown: dict[str, int]) -> int:
-    """The bytes a ``memory_breakdown()`` counts: its kinds summed, the ``pinned_host`` overlay left out."""
-    return sum(v for k, v in breakdown.items() if k != PINNED_HOST)
+    """The model-state bytes of a ``memory_breakdown()``: its kinds summed, ``pinned_host`` (an overlay) and
+    ``workspace`` (not model state) left out."""
+    return sum(v for k, v in breakdown.items() if k not in (PINNED_HOST, WORKSPACE))

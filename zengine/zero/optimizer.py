@@ -415,4 +415,5 @@ class ZeroOptimizer:
         states += self.abilities.host_buffers()  # the NVMe swap buffers
         grads = self.grads.tensors() + list(self.master_store.grad_buffers.values())  # (stages 0-1 offload: host)
         return {"parameters": [t for g in self.groups for t in g.tensors()], "gradients": grads,
-                "master_weights": masters, "optimizer_states": states}
+                "master_weights": masters, "optimizer_states": states,
+                "workspace": self.grads.workspace()}  # (engine/memory.py: not model state)

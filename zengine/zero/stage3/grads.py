@@ -110,6 +110,27 @@ class Stage3Gradients(ShardReducer):
             dst[full_rows, :tail].copy_(grad[full_rows * sp.chunk:])
         sp.param.grad = None
 
+    def _zero_unwritten_in(self, gi: int, bucket: Bucket, buf: torch.Tensor, written: list[int]) -> None:
+        if (gi, bucket.index) in self._direct:  # the gradient itself, whole: nothing unwritten
+            return
+        g = self.groups[gi]
+        at = 0  # bucket column up to which the buffer is accounted for
+        for pi in sorted(written, key=lambda i: g.offsets[i]):
+            sp, col = g.sharded[pi], g.offsets[pi] - bucket.start
+            if col > at:
+                buf[:, at:col].zero_()
+            # the parameter's numel elements fill its columns row by row: the rest of them is padding
+            full_rows, tail = divmod(sp.numel, sp.chunk)
+            block = buf[:, col:col + sp.chunk]
+            if tail:
+                block[full_rows, tail:].zero_()
+                full_rows += 1
+            if full_rows < self.world:
+                block[full_rows:].zero_()
+            at = max(at, col + sp.chunk)
+        if at < bucket.numel:
+            buf[:, at:].zero_()
+
     def _adopt(self, gi: int, bucket: Bucket, sp: ShardedParam) -> bool:
         """Use the gradient itself as the bucket buffer when the bucket is this one unpadded parameter."""
         key = (gi, bucket.index)
