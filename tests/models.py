@@ -103,12 +103,14 @@ def reference_run(model: nn.Module, batches, lr: float, clip: float, make_optimi
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train_beside_reference(engine, reference: nn.Module, ref_opt, batches, micro: int) -> dict[str, float]:
-    """Each global batch ``(x, y)`` through ``engine`` (this rank's ``micro`` rows, one step per batch) and
-    through the single-process ``reference`` (the whole batch); returns each parameter's largest
-    difference between the two afterwards (the engine's gathered whole)."""
+def train_beside_reference(engine, reference: nn.Module, ref_opt, batches, micro: int,
+                           before_each=lambda: None) -> dict[str, float]:
+    """Each global batch ``(x, y)`` through ``engine`` (this rank's ``micro`` rows, one step per batch, after
+    ``before_each()``) and through the single-process ``reference`` (the whole batch); returns each parameter's
+    largest difference between the two afterwards (the engine's gathered whole)."""
     rank = dist.get_rank()
     for x, y in batches:
+        before_each()
         mine = slice(rank * micro, (rank + 1) * micro)
         engine.backward(engine(x[mine], y[mine]))
         engine.step()

@@ -9,14 +9,14 @@ import torch.distributed as dist
 
 import zengine
 from harness import spawn
-from models import EdgeNet, edge_param_groups, make_batches
+from models import EdgeNet, edge_param_groups, make_batches, train_beside_reference
 
 LR, MICRO, STEPS = 1e-2, 2, 3
 
 
 def poisoned_runs():
     out = {}
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     batches = make_batches(STEPS, MICRO * world)
     for stage in (2, 3):
         torch.manual_seed(0)
@@ -27,20 +27,15 @@ def poisoned_runs():
                   "zero_optimization": {"stage": stage, "reduce_bucket_size": 96, "overlap_comm": stage == 3,
                                         "stage3_param_persistence_threshold": 0}}
         engine, *_ = zengine.initialize(model=model, model_parameters=edge_param_groups(model, LR), config=config)
-        poisoned = 0
-        for x, y in batches:
-            for store in engine.optimizer.grads.workspace():  # what the next backward's buckets are carved from
+        poisoned = [0]
+
+        def poison():  # what the next backward's buckets are carved from
+            for store in engine.optimizer.grads.workspace():
                 store.fill_(float("nan"))
-                poisoned += store.numel()
-            mine = slice(rank * MICRO, (rank + 1) * MICRO)
-            engine.backward(engine(x[mine], y[mine]))
-            engine.step()
-            ref_opt.zero_grad()
-            reference(x, y).backward()
-            ref_opt.step()
-        with engine.summon_full_params(writeback=False):
-            got = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-        out[stage] = (poisoned, max((got[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()))
+                poisoned[0] += store.numel()
+
+        diffs = train_beside_reference(engine, reference, ref_opt, batches, MICRO, before_each=poison)
+        out[stage] = (poisoned[0], max(diffs.values()))
         engine.destroy()
     return out
 
