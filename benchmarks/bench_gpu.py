@@ -2,6 +2,8 @@
 
     python benchmarks/bench_gpu.py                                   # the 1.3B GPT below, every contender
     python benchmarks/bench_gpu.py --contenders torch,zengine-2 --steps 20
+    python benchmarks/bench_gpu.py --contenders torch,torch-compiled,zengine-2,zengine-2-compiled,zengine-3-blocks,\
+        zengine-3-blocks-compiled --warmup 3 --steps 10          # torch.compile's rows (issue #26)
     python benchmarks/bench_gpu.py --device cpu --layers 2 --d_model 64 --heads 4 --seq 32 --vocab 256 \\
         --micro_batch 2 --steps 2 --warmup 1                         # the CPU smoke run (gloo)
 
@@ -17,6 +19,9 @@ NCCL on a GPU, gloo with ``--device cpu``):
 - ``zengine-0`` .. ``zengine-3``: zengine with ``bf16.enabled`` (bf16 parameters, fp32 masters);
   ``zengine-3-blocks``: stage 3 with each transformer block one gather unit (``set_z3_leaf_modules``), as
   FSDP2 is given one ``fully_shard`` per block;
+- ``<contender>-compiled`` (torch, zengine-0 .. zengine-3, zengine-3-blocks): under ``torch.compile``
+  (``model.compile()`` for torch, ``engine.compile()`` for zengine), compiled during the warm-up steps (give
+  ``--warmup 3``: stage 3 compiles its units at the second step); not in the default list;
 - ``zengine-2-offload``: ZeRO-2 with the optimizer on the CPU (CPU-Adam); ``zengine-3-offload``: ZeRO-3 with
   parameters and optimizer on the CPU; ``zengine-infinity``: both on NVMe (``--nvme_path``).
 
@@ -50,6 +55,10 @@ ROOT = Path(__file__).resolve().parent.parent
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.95), 1e-8, 0.01
 CONTENDERS = ["torch", "fsdp2", "deepspeed-2", "deepspeed-3", "zengine-0", "zengine-1", "zengine-2", "zengine-3",
               "zengine-3-blocks", "zengine-2-offload", "deepspeed-2-offload", "zengine-3-offload", "zengine-infinity"]
+# "<contender>-compiled" runs the contender under torch.compile (inductor): torch.compile of the model for torch,
+# engine.compile() for zengine (#26's GPU rows; not in the default list: the compiles take minutes)
+COMPILABLE = ["torch", "zengine-0", "zengine-1", "zengine-2", "zengine-3", "zengine-3-blocks"]
+KNOWN = CONTENDERS + [f"{c}-compiled" for c in COMPILABLE]
 # dense bf16 tensor-core peaks (TFLOP/s), by device name
 PEAKS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
 
@@ -164,10 +173,19 @@ def build_engine(initialize, args, model, stage: int, offload: str | None, clien
         loss = engine(x, y)
         engine.backward(loss)
         return loss
+    forward_backward.engine = engine  # (a "-compiled" contender compiles it)
     return forward_backward, engine.step
 
 
 def build(name: str, args, model, device):
+    if name.endswith("-compiled"):  # the first steps (--warmup) compile; stage 3's units at the second
+        base = name[:-len("-compiled")]
+        if base == "torch":
+            model.compile()
+            return build_torch(args, model, device)
+        forward_backward, step = build(base, args, model, device)
+        forward_backward.engine.compile()
+        return forward_backward, step
     if name == "torch":
         return build_torch(args, model, device)
     if name == "fsdp2":
@@ -354,9 +372,9 @@ def main() -> None:
         with open(args.result, "w") as f:
             json.dump(result, f)
         return
-    unknown = [c for c in args.contenders.split(",") if c not in CONTENDERS]
+    unknown = [c for c in args.contenders.split(",") if c not in KNOWN]
     if unknown:
-        raise SystemExit(f"bench_gpu: unknown contenders {unknown}; known: {CONTENDERS}")
+        raise SystemExit(f"bench_gpu: unknown contenders {unknown}; known: {KNOWN}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("bench_gpu: no CUDA device here; --device cpu runs the CPU smoke run")
     argv = [a for a in sys.argv[1:]]

@@ -414,6 +414,5 @@ class ZeroOptimizer:
                   if torch.is_tensor(t) and t.numel() > 1]
         states += self.abilities.host_buffers()  # the NVMe swap buffers
         grads = self.grads.tensors() + list(self.master_store.grad_buffers.values())  # (stages 0-1 offload: host)
-        return {"parameters": [t for g in self.groups for t in g.tensors()], "gradients": grads,
-                "master_weights": masters, "optimizer_states": states,
-                "workspace": self.grads.workspace()}  # (engine/memory.py: not model state)
+        return {"parameters": [t for g in self.groups for t in g.tensors()], "gradients": grads, "master_weights": masters,
+                "optimizer_states": states, "workspace": self.grads.workspace()}  # (workspace: not model state)
