@@ -32,7 +32,7 @@ from torch import nn
 
 from .config import ZengineConfig, load_config
 from .zero.grad_dtypes import GradDtypes
-from .zero.grads import ShardReducer, buckets_in_flight, stage2_bucket_buffers
+from .zero.grads import ShardReducer, buckets_in_flight
 from .offload.state_swap import MAX_CHUNK
 
 GiB = 1 << 30
@@ -178,7 +178,7 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
         est.transients["gradient buckets"] = wire * bucket * (in_flight + 1)
     if stage == 2:
         # those in flight and the one launching
-        est.transients["gradient buckets"] = wire * bucket * stage2_bucket_buffers(in_flight)
+        est.transients["gradient buckets"] = wire * bucket * (in_flight + 1)
     if stage >= 2 and offload_opt == "cpu" and not cpu_training:
         # on a GPU, reduced buckets whose copies to the host still run are kept until then (a backlog bounded by
         # ShardReducer.DOWNLOAD_BACKLOG_BYTES, and by the whole gradient): the price of not waiting for them

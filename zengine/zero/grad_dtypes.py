@@ -54,8 +54,8 @@ class GradDtypes:
 
     @property
     def grad_lands_in_bucket(self) -> bool:
-        """Autograd may write a gradient straight into a bucket buffer (or be reduced itself): only when the
-        bucket has the gradient's dtype, since a parameter's ``.grad`` must have the parameter's."""
+        """A gradient may be reduced itself (stage 3: a bucket that is one unpadded parameter) rather than copied
+        into a bucket buffer: only when the bucket has the gradient's dtype."""
         return self.reduce == self.compute
 
     def shard_dtype(self, cpu_optimizer: bool) -> torch.dtype:

@@ -46,12 +46,6 @@ from .bucket_order import BucketQueue, LaunchSequence
 from .layout import Bucket, intersect
 
 
-def stage2_bucket_buffers(in_flight: int) -> int:
-    """Bucket buffers a stage-2 backward holds at most (``zengine.estimate`` counts them): while a bucket
-    launches, those still in flight and itself."""
-    return in_flight + 1
-
-
 def buckets_in_flight(overlap_comm: bool) -> int:
     """Reductions left running while backward goes on. With ``overlap_comm`` two, so that one reduction
     overlaps the next bucket's; without, none, DeepSpeed's meaning: each bucket's reduction completes
@@ -337,8 +331,22 @@ class ShardReducer(GradientStore):
 
     def _zero_unwritten_in(self, gi: int, bucket: Bucket, buf: torch.Tensor, written: list[int]) -> None:
         """Zero what no gradient was copied into in ``buf`` (``written``: the parameters that were): padding and
-        the parameters without a gradient in this backward."""
+        the parameters without a gradient in this backward. Positions run along ``buf``'s last dimension."""
+        at = 0  # bucket position up to which the buffer is accounted for
+        for lo, hi, pi in sorted(self._place(gi, bucket, pi) + (pi,) for pi in written):
+            if lo > at:
+                buf[..., at:lo].zero_()
+            self._zero_padding(gi, pi, buf[..., lo:hi])
+            at = max(at, hi)
+        if at < bucket.numel:
+            buf[..., at:].zero_()
+
+    def _place(self, gi: int, bucket: Bucket, pi: int) -> tuple[int, int]:
+        """Where parameter pi's gradient goes in its bucket's buffer: [lo, hi) along the last dimension."""
         raise NotImplementedError
+
+    def _zero_padding(self, gi: int, pi: int, block: torch.Tensor) -> None:
+        """Zero what parameter pi's gradient leaves unwritten of ``block``, its place (none by default)."""
 
     def _recycle(self, gi: int, bucket: Bucket, buf: torch.Tensor) -> None:
         """Keep a reduced bucket's storage for the next bucket."""
@@ -498,15 +506,9 @@ class ShardedGradients(ShardReducer):
         dst.copy_(p.grad.reshape(-1))  # (converted to the reduce dtype)
         p.grad = None
 
-    def _zero_unwritten_in(self, gi: int, bucket: Bucket, buf: torch.Tensor, written: list[int]) -> None:
-        spans = self.groups[gi].layout.spans
-        at = bucket.start  # flat index up to which the buffer is accounted for
-        for pi in sorted(written, key=lambda i: spans[i].offset):
-            if spans[pi].offset > at:
-                buf[at - bucket.start:spans[pi].offset - bucket.start].zero_()
-            at = max(at, spans[pi].offset + spans[pi].numel)
-        if at < bucket.end:
-            buf[at - bucket.start:].zero_()
+    def _place(self, gi: int, bucket: Bucket, pi: int) -> tuple[int, int]:
+        span = self.groups[gi].layout.spans[pi]
+        return span.offset - bucket.start, span.offset - bucket.start + span.numel
 
     def _reduce(self, gi: int, bucket: Bucket, buf: torch.Tensor):
         if not self.use_reduce:

@@ -111,25 +111,21 @@ class Stage3Gradients(ShardReducer):
         sp.param.grad = None
 
     def _zero_unwritten_in(self, gi: int, bucket: Bucket, buf: torch.Tensor, written: list[int]) -> None:
-        if (gi, bucket.index) in self._direct:  # the gradient itself, whole: nothing unwritten
-            return
-        g = self.groups[gi]
-        at = 0  # bucket column up to which the buffer is accounted for
-        for pi in sorted(written, key=lambda i: g.offsets[i]):
-            sp, col = g.sharded[pi], g.offsets[pi] - bucket.start
-            if col > at:
-                buf[:, at:col].zero_()
-            # the parameter's numel elements fill its columns row by row: the rest of them is padding
-            full_rows, tail = divmod(sp.numel, sp.chunk)
-            block = buf[:, col:col + sp.chunk]
-            if tail:
-                block[full_rows, tail:].zero_()
-                full_rows += 1
-            if full_rows < self.world:
-                block[full_rows:].zero_()
-            at = max(at, col + sp.chunk)
-        if at < bucket.numel:
-            buf[:, at:].zero_()
+        if (gi, bucket.index) not in self._direct:  # (an adopted gradient is whole: nothing unwritten)
+            super()._zero_unwritten_in(gi, bucket, buf, written)
+
+    def _place(self, gi: int, bucket: Bucket, pi: int) -> tuple[int, int]:
+        col = self.groups[gi].offsets[pi] - bucket.start  # its chunk's columns of the [world, chunks] buffer
+        return col, col + self.groups[gi].sharded[pi].chunk
+
+    def _zero_padding(self, gi: int, pi: int, block: torch.Tensor) -> None:
+        # the parameter's numel elements fill its [world, chunk] columns row by row: the rest is padding
+        sp = self.groups[gi].sharded[pi]
+        full_rows, tail = divmod(sp.numel, sp.chunk)
+        if tail:
+            block[full_rows, tail:].zero_()
+            full_rows += 1
+        block[full_rows:].zero_()
 
     def _adopt(self, gi: int, bucket: Bucket, sp: ShardedParam) -> bool:
         """Use the gradient itself as the bucket buffer when the bucket is this one unpadded parameter."""
