@@ -1,6 +1,6 @@
 """torch.compile's effect on a training step, side by side: eager vs compiled zengine, and compiled DDP.
 
-    python benchmarks/bench_compile.py [--backend inductor] [--warmup 3] [--steps 5] [--rounds 1]
+    python benchmarks/bench_compile.py [--backend inductor] [--warmup 3] [--steps 5] [--rounds 1] [--paired]
                                        [--contenders ddp,ddp-compiled,zengine-2,zengine-2-compiled,...]
 
 The model and data are bench_zero.py's (``bench20m``: the main job's GPT at 21M parameters, fp32, AdamW,
@@ -19,6 +19,12 @@ used, which other users of a shared machine disturb less), the time of the untim
 ``warmup x median`` (compilation, mostly: zengine-3 compiles at its second step, after a first step run
 eagerly), and peak resident memory per rank above the process's size after imports. The table goes to
 stdout and to ``benchmarks/results/compile_<date>.md``.
+
+``--paired`` instead builds every contender in the same processes and runs their steps in turn (the order
+reversed every step), so that a slower minute of a shared machine slows all alike: reported per contender,
+the median of its step's CPU (and wall) time over compiled DDP's step next to it (the first contender's
+without ``ddp-compiled``). Peak memory and
+compile times mean nothing there (the models share the processes): use the separate runs for those.
 """
 from __future__ import annotations
 
@@ -119,6 +125,61 @@ def worker(rank: int, name: str, world: int, port: int, args: argparse.Namespace
     Path(out_dir, f"{name}.{rank}.json").write_text(json.dumps(result))
 
 
+def paired_worker(rank: int, names: list[str], world: int, port: int, args: argparse.Namespace,
+                  out_dir: str) -> None:
+    """Every contender in these processes, one step of each in turn; writes the step times (slower rank)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10))
+    cfg = bench20m()
+    dataset = ByteWindows(cfg.seq_len)
+    steps = {}
+    for name in names:
+        torch.manual_seed(0)
+        steps[name] = build(name, GPT(cfg), args.backend)
+    cpu, wall, losses = ({n: [] for n in names} for _ in range(3))
+    for i in range(args.warmup + args.steps):
+        x, y = batch_for(dataset, i, rank, world)
+        for name in (names if i % 2 == 0 else names[::-1]):
+            forward_backward, optimizer_step = steps[name]
+            dist.barrier()  # each contender's step starts with both ranks ready
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = forward_backward(x, y)
+            optimizer_step()
+            if i >= args.warmup:
+                cpu[name].append(time.process_time() - c0)
+                wall[name].append(time.perf_counter() - t0)
+            losses[name] = loss.detach().double().clone()
+    times = torch.tensor([cpu[n] for n in names] + [wall[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    final = torch.stack([losses[n] for n in names])
+    dist.all_reduce(final)
+    if rank == 0:
+        k = len(names)
+        Path(out_dir, "paired.json").write_text(json.dumps({n: dict(cpu=times[j].tolist(), wall=times[k + j].tolist(),
+                                                                     loss=final[j].item() / world)
+                                                            for j, n in enumerate(names)}))
+    dist.destroy_process_group()
+
+
+def run_paired(names: list[str], args: argparse.Namespace) -> str:
+    """The ``--paired`` table: each contender's step against compiled DDP's step beside it (or the first's)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(paired_worker, args=(names, args.world, free_port(), args, out_dir), nprocs=args.world, join=True)
+        res = json.loads(Path(out_dir, "paired.json").read_text())
+    first = "ddp-compiled" if "ddp-compiled" in names else names[0]
+    base = res[first]
+    rows = []
+    for name in names:
+        r = res[name]
+        ratio = {k: statistics.median(a / b for a, b in zip(r[k], base[k])) for k in ("cpu", "wall")}
+        rows.append(f"| {name} | {statistics.median(r['cpu']):.3f} | {statistics.median(r['wall']):.3f} | "
+                    f"{ratio['cpu']:.3f}x / {ratio['wall']:.3f}x | {r['loss']:.4f} |")
+    return (f"| contender | CPU s/step (median) | s/step (median, wall) | paired ratio to {first} (CPU / wall) "
+            "| final loss |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+
+
 def run_contender(name: str, args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as out_dir, tempfile.TemporaryDirectory() as cache:
         # a fresh inductor cache per run (the workers inherit it): every compile time is a whole compile, not a
@@ -130,6 +191,12 @@ def run_contender(name: str, args: argparse.Namespace) -> list[dict]:
             print(f"  {name}: a worker failed: {err}", file=sys.stderr)
         return [json.loads(Path(out_dir, f"{name}.{r}.json").read_text()) if Path(out_dir, f"{name}.{r}.json").exists()
                 else {"rank": r, "error": "no result"} for r in range(args.world)]
+
+
+def host_line(args: argparse.Namespace) -> str:
+    return (f"Host: {platform.node()} ({os.cpu_count()} CPUs, shared), torch {torch.__version__}, backend "
+            f"{args.backend}, W={args.world} gloo ranks (1 thread each), model bench20m (21M parameters, fp32, "
+            f"AdamW, micro batch 4)")
 
 
 def summarize(runs: dict[str, list[list[dict]]], args: argparse.Namespace, command: str) -> str:
@@ -160,9 +227,7 @@ def summarize(runs: dict[str, list[list[dict]]], args: argparse.Namespace, comma
         table = table.replace(f"{{ratio_{name}}}", ", ".join(parts))
     return (f"# torch.compile, side by side ({datetime.date.today()})\n\n"
             f"`{command}`\n\n"
-            f"Host: {platform.node()} ({os.cpu_count()} CPUs, shared), torch {torch.__version__}, backend "
-            f"{args.backend}, W={args.world} gloo ranks (1 thread each), model bench20m (21M parameters, fp32, "
-            f"AdamW, micro batch 4), {args.warmup} untimed + {args.steps} timed steps x {args.rounds} round(s).\n\n"
+            f"{host_line(args)}, {args.warmup} untimed + {args.steps} timed steps x {args.rounds} round(s).\n\n"
             "| contender | s/step (median, wall) | CPU s/step (median) | ratio (wall / CPU) | compile s (first steps beyond "
             "warmup x median) | peak RSS MB per rank | final loss |\n|---|---|---|---|---|---|---|\n" + table + "\n")
 
@@ -176,16 +241,25 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2, help="gloo ranks")
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the markdown table")
+    parser.add_argument("--paired", action="store_true",
+                        help="every contender in the same processes, steps in turn: ratios to ddp-compiled's steps")
     args = parser.parse_args()
     names = args.contenders.split(",")
-    runs: dict[str, list] = {n: [] for n in names}
-    for r in range(args.rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            print(f"round {r + 1}: {name}", file=sys.stderr, flush=True)
-            runs[name].append(run_contender(name, args))
-    report = summarize(runs, args, "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]))
+    command = "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:])
+    if args.paired:
+        report = (f"# torch.compile, paired steps ({datetime.date.today()})\n\n`{command}`\n\n{host_line(args)}, "
+                  f"{args.warmup} untimed + {args.steps} timed steps, the contenders' steps in turn in the same "
+                  f"processes.\n\n" + run_paired(names, args))
+    else:
+        runs: dict[str, list] = {n: [] for n in names}
+        for r in range(args.rounds):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                print(f"round {r + 1}: {name}", file=sys.stderr, flush=True)
+                runs[name].append(run_contender(name, args))
+        report = summarize(runs, args, command)
     print(report)
     out = Path(args.out, f"compile_{datetime.date.today()}.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report)
     print(f"written to {out}", file=sys.stderr)
 

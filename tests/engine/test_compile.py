@@ -37,11 +37,13 @@ class Counting:
 
     def __init__(self):
         self.graphs = 0
+        self.calls: set[str] = set()  # the functions and modules the graphs call
 
     def __call__(self, gm, example_inputs):
         from torch._dynamo import lookup_backend
 
         self.graphs += 1
+        self.calls |= {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes}
         return lookup_backend("aot_eager")(gm, example_inputs)
 
 
@@ -152,6 +154,7 @@ def gpt_blocks_run(leaf):
         engine(x)  # inference recompiles once (grad mode is guarded), then not again
         engine(x)
     return dict(units=[u.name for u in engine.compiled_units], graphs=per_step, after_eval=backend.graphs,
+                loss_compiled="cross_entropy" in backend.calls,
                 breaks=sum(counters["graph_break"].values()), eager=[u.eager_calls for u in engine.compiled_units],
                 prefetched=prefetched)
 
@@ -160,7 +163,7 @@ def behaviour_runs(tmp):
     """The stage-3 and compiled-before runs in one pair of processes (process start and dynamo's import
     dominate their time)."""
     return dict(blocks=gpt_blocks_run(True), external=external_read_run(), before=compiled_before_run(tmp),
-                inductor=inductor_run())
+                inductor=inductor_run(), user_loss=user_loss_run())
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +176,7 @@ def test_stage3_compiles_one_graph_per_block_with_the_hooks_outside(behaviour):
     r = behaviour["blocks"]
     assert r["units"] == ["tok_emb", "pos_emb", "blocks.0", "blocks.1", "blocks.2", "ln_final", "head"]
     assert r["breaks"] == 0  # the hooks run outside: no graph break inside a unit
+    assert r["loss_compiled"]  # GPT computes its loss in its head: compiled with the head's unit, not left eager
     # step 1 runs each unit eagerly (watching for reads of other units' parameters); step 2 compiles one graph
     # per distinct forward and input shape (Embedding of [2, 16] tokens and of [16] positions, Block, LayerNorm,
     # Linear: the three blocks share theirs), then nothing more
@@ -226,6 +230,44 @@ def external_read_run():
 def test_a_unit_that_reads_another_units_parameter_stays_eager(behaviour):
     (eager, _), (compiled, units) = behaviour["external"]
     assert units == {"a": (False, 1), "b": (True, 3)}
+    assert compiled == pytest.approx(eager, abs=1e-6)
+
+
+class CompiledLoss(nn.Module):
+    """Two units and a loss function the user compiled: it runs between the units, from the eager root."""
+
+    def __init__(self, loss_fn):
+        super().__init__()
+        self.a, self.b, self.loss_fn = nn.Linear(8, 8), nn.Linear(8, 4), loss_fn
+
+    def forward(self, x, y):
+        return self.loss_fn(self.b(torch.tanh(self.a(x))), y)
+
+
+def user_loss_run():
+    """Stage 3, eager and ``engine.compile()``d, with a loss function under the user's own torch.compile."""
+    out = []
+    for compiled in (False, True):
+        backend = Counting()
+        torch.manual_seed(0)
+        model = CompiledLoss(torch.compile(lambda z, y: torch.nn.functional.cross_entropy(z.float(), y), backend=backend))
+        engine, *_ = zengine.initialize(model=model, config=_config(3, "fp32", 1))
+        if compiled:
+            engine.compile(backend="aot_eager")
+        g = torch.Generator().manual_seed(dist.get_rank())
+        losses = []
+        for _ in range(3):
+            loss = engine(torch.randn(2, 8, generator=g), torch.randint(0, 4, (2,), generator=g))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out.append((losses, "cross_entropy" in backend.calls))
+    return out
+
+
+def test_a_loss_function_compiled_by_the_user_runs_compiled_between_stage3_units(behaviour):
+    (eager, eager_compiled), (compiled, compiled_compiled) = behaviour["user_loss"]
+    assert eager_compiled and compiled_compiled  # dynamo compiled the user's loss, hooks or not around it
     assert compiled == pytest.approx(eager, abs=1e-6)
 
 

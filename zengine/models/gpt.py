@@ -4,6 +4,12 @@ Token and position embeddings, ``n_layer`` pre-LayerNorm blocks (causal
 self-attention, then a 4x GELU MLP, each added back to the residual stream),
 a final LayerNorm and an output head that shares its weight with the token
 embedding. Sizes come from :class:`GPTConfig`; presets are plain functions.
+
+The loss is computed inside the head module, not in ``GPT.forward``: under
+ZeRO-3 ``engine.compile()`` compiles each gather unit alone (the fetch hooks
+stay outside compiled code), so code between units runs eagerly; in the head
+the cross-entropy is compiled with the projection it follows (torchtitan
+compiles its loss for the same reason).
 """
 from __future__ import annotations
 
@@ -110,6 +116,17 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln_mlp(x)))
 
 
+class LMHead(nn.Linear):
+    """The output projection; given ``targets`` it returns the mean next-token cross-entropy (in fp32
+    whatever the compute dtype) instead of the logits, so that one compiled module holds both."""
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().forward(x)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 class GPT(nn.Module):
     """Decoder-only language model; ``forward(idx, targets)`` gives the mean next-token loss."""
 
@@ -121,7 +138,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_final = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head = LMHead(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied: one matrix reads and writes tokens
         self._init_weights()
 
@@ -154,7 +171,4 @@ class GPT(nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_final(x))
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return self.head(self.ln_final(x), targets)
