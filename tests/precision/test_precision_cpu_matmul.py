@@ -140,7 +140,9 @@ class _Custom(nn.Linear):
 
 def _net():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), _Custom(32, 32), nn.Linear(32, 8)).to(BF16)
+    from zengine.models.gpt import LMHead
+
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), _Custom(32, 32), LMHead(32, 8)).to(BF16)
 
 
 def test_routing_covers_plain_linears_and_is_undone():
@@ -149,11 +151,16 @@ def test_routing_covers_plain_linears_and_is_undone():
     policy = Fp32Matmul("test")
     assert policy.apply(model) == 2  # the subclass with its own forward is left alone
     assert "forward" in vars(model[0]) and "forward" not in vars(model[2])
+    assert "project" in vars(model[3]) and "forward" not in vars(model[3])  # GPT's head: its product routed
     x = torch.randn(4, 16).to(BF16)
     torch.testing.assert_close(model(x), plain(x), rtol=2 ** -6, atol=1e-2)
+    # routed: the head's product is fp32_linear's (fp32 products rounded once), not bf16 matmul's
+    h = plain[:3](x)
+    want = torch.nn.functional.linear(h.float(), model[3].weight.float(), model[3].bias.float()).to(BF16)
+    torch.testing.assert_close(model[3](h), want, rtol=0, atol=0)
     copy.deepcopy(model)(x)  # a deep copy (e.g. an EMA model) still runs
     policy.remove()
-    assert all("forward" not in vars(m) for m in model.modules())
+    assert all("forward" not in vars(m) and "project" not in vars(m) for m in model.modules())
     assert torch.equal(model(x), plain(x))
 
 

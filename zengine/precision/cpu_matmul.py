@@ -115,7 +115,10 @@ class _LinearForward:
 
 
 class Fp32Matmul(MatmulPolicy):
-    """Every ``nn.Linear`` (whose forward is nn.Linear's own, not a subclass's) runs its products in fp32.
+    """Every ``nn.Linear`` (whose forward is nn.Linear's own, not a subclass's) runs its products in fp32;
+    so does a subclass that adds behaviour around its product and computes that product through
+    ``self.project(x)`` with ``project = nn.Linear.forward`` (``zengine.models.gpt.LMHead``: the loss after
+    the projection); a subclass with any other forward is left alone.
 
     The layer keeps its class, parameters and hooks (stage 3's gathers, checkpointing's recompute run as
     before); only its ``forward`` is an instance attribute until ``remove``. Costs one fp32 buffer of the
@@ -130,15 +133,20 @@ class Fp32Matmul(MatmulPolicy):
 
     def apply(self, model: nn.Module) -> int:
         for m in model.modules():
-            if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and "forward" not in vars(m):
-                m.forward = _LinearForward(m, self.scratch)
-                self.routed.append(m)
+            if not isinstance(m, nn.Linear):
+                continue
+            for name in ("forward", "project"):  # the method that is nn.Linear's own product, if any
+                if getattr(type(m), name, None) is nn.Linear.forward and name not in vars(m):
+                    setattr(m, name, _LinearForward(m, self.scratch))
+                    self.routed.append(m)
+                    break
         return len(self.routed)
 
     def remove(self) -> None:
         for m in self.routed:
-            if isinstance(vars(m).get("forward"), _LinearForward):
-                del m.forward
+            for name in ("forward", "project"):
+                if isinstance(vars(m).get(name), _LinearForward):
+                    delattr(m, name)
         self.routed = []
 
 
