@@ -85,13 +85,18 @@ def build(name: str, model: torch.nn.Module, backend: str):
     return forward_backward, engine.step
 
 
-def worker(rank: int, name: str, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
+def join(rank: int, world: int, port: int) -> None:
+    """This process as gloo rank ``rank`` of ``world``, one compute thread."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10))
+
+
+def worker(rank: int, name: str, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
     result = {"rank": rank}
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10))
+        join(rank, world, port)
         importlib.import_module("torch._dynamo")  # imports are not the training's memory
         if name.startswith("zengine"):
             importlib.import_module("zengine")
@@ -128,10 +133,7 @@ def worker(rank: int, name: str, world: int, port: int, args: argparse.Namespace
 def paired_worker(rank: int, names: list[str], world: int, port: int, args: argparse.Namespace,
                   out_dir: str) -> None:
     """Every contender in these processes, one step of each in turn; writes the step times (slower rank)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10))
+    join(rank, world, port)
     cfg = bench20m()
     dataset = ByteWindows(cfg.seq_len)
     steps = {}

@@ -114,6 +114,11 @@ class _LinearForward:
         return fp32_linear(x, self.module.weight, self.module.bias, self.scratch)
 
 
+# The methods of an nn.Linear that may be nn.Linear's own forward, i.e. the product Fp32Matmul routes: forward
+# itself, or ``project`` in a subclass that adds behaviour around its product (zengine.models.gpt.LMHead).
+PRODUCT_METHODS = ("forward", "project")
+
+
 class Fp32Matmul(MatmulPolicy):
     """Every ``nn.Linear`` (whose forward is nn.Linear's own, not a subclass's) runs its products in fp32;
     so does a subclass that adds behaviour around its product and computes that product through
@@ -135,7 +140,7 @@ class Fp32Matmul(MatmulPolicy):
         for m in model.modules():
             if not isinstance(m, nn.Linear):
                 continue
-            for name in ("forward", "project"):  # the method that is nn.Linear's own product, if any
+            for name in PRODUCT_METHODS:
                 if getattr(type(m), name, None) is nn.Linear.forward and name not in vars(m):
                     setattr(m, name, _LinearForward(m, self.scratch))
                     self.routed.append(m)
@@ -144,7 +149,7 @@ class Fp32Matmul(MatmulPolicy):
 
     def remove(self) -> None:
         for m in self.routed:
-            for name in ("forward", "project"):
+            for name in PRODUCT_METHODS:
                 if isinstance(vars(m).get(name), _LinearForward):
                     delattr(m, name)
         self.routed = []

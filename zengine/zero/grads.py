@@ -500,10 +500,9 @@ class ShardedGradients(ShardReducer):
 
     def _copy_in(self, gi: int, pi: int) -> None:
         g = self.groups[gi]
-        p, span = g.params[pi], g.layout.spans[pi]
-        bucket = self._bucket_of(gi, pi)
-        dst = self._buffer(gi, bucket).narrow(0, span.offset - bucket.start, span.numel)
-        dst.copy_(p.grad.reshape(-1))  # (converted to the reduce dtype)
+        p, bucket = g.params[pi], self._bucket_of(gi, pi)
+        lo, hi = self._place(gi, bucket, pi)
+        self._buffer(gi, bucket)[lo:hi].copy_(p.grad.reshape(-1))  # (converted to the reduce dtype)
         p.grad = None
 
     def _place(self, gi: int, bucket: Bucket, pi: int) -> tuple[int, int]:

@@ -100,9 +100,9 @@ class Stage3Gradients(ShardReducer):
         bucket = self._bucket_of(gi, pi)
         if self._adopt(gi, bucket, sp):
             return
-        col = g.offsets[pi] - bucket.start
+        lo, hi = self._place(gi, bucket, pi)
         grad = sp.param.grad.reshape(-1)
-        dst = self._buffer(gi, bucket)[:, col:col + sp.chunk]  # [world, chunk]
+        dst = self._buffer(gi, bucket)[:, lo:hi]  # [world, chunk]
         full_rows, tail = divmod(sp.numel, sp.chunk)
         if full_rows:
             dst[:full_rows].copy_(grad[:full_rows * sp.chunk].view(full_rows, sp.chunk))
