@@ -9,7 +9,9 @@ on any rank raises here with that rank's traceback.
 Ranks are forked from a forkserver that imported torch and zengine once (a
 fresh interpreter per rank spent ~1.3 s of the suite's two cores on imports,
 hundreds of times); each rank then takes the caller's current environment,
-as a spawned process would.
+as a spawned process would. A test that measures a rank's resident memory asks for
+``start="spawn"``: a forked rank re-faults the library pages its parent had mapped, one code path
+at a time, which an upper bound of its own peak would count.
 """
 from __future__ import annotations
 
@@ -33,9 +35,10 @@ def free_port() -> int:
 PRELOAD = ["torch", "torch.distributed", "zengine"]  # imported once, in the forkserver
 
 
-def _context():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+def _context(start: str):
+    ctx = mp.get_context(start)
+    if start == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
@@ -56,6 +59,10 @@ def _worker(rank, world_size, port, backend, environ, env, fn, args, results):
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         out = fn(*args)
         results.put((rank, True, out))
+        # Rank 0 serves the rendezvous store: it stays until every rank is done with it (a rank that
+        # finished first and left would reset a peer still reading the store)
+        if dist.is_initialized():
+            dist.barrier()
     except BaseException:  # report everything, including assertion failures, to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -63,14 +70,16 @@ def _worker(rank, world_size, port, backend, environ, env, fn, args, results):
             dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo", env: dict | None = None) -> list:
+def spawn(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo", env: dict | None = None,
+          start: str = "forkserver") -> list:
     """Run ``fn(*args)`` on ``world_size`` ranks; return the per-rank results.
 
     ``backend`` "nccl" puts rank r on cuda:r (tests/cuda); ``env`` overrides each rank's environment
     (a None value removes the variable). A rank that dies without a result (a segfault, a CUDA abort)
-    is reported within seconds, not at the timeout.
+    is reported within seconds, not at the timeout. ``start`` "spawn" runs each rank in a fresh
+    interpreter (memory measurements).
     """
-    ctx = _context()
+    ctx = _context(start)
     results = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)

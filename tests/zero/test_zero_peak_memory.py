@@ -125,7 +125,7 @@ def test_peak_follows_the_formula(stage):
     formula = FORMULA[stage](world)
     predicted = estimate(_model(), _config(stage), world)  # zengine.estimate, before any training
     assert predicted.device_states / UNIT == pytest.approx(formula, rel=1e-3)
-    for rank, (phases, counted) in enumerate(spawn(_peaks, world, stage)):
+    for rank, (phases, counted) in enumerate(spawn(_peaks, world, stage, start="spawn")):
         assert counted == pytest.approx(formula, rel=1e-3), (rank, counted)
         worst = max(peak for _, peak in phases.values())
         held = phases["step"][0]
@@ -144,7 +144,7 @@ def test_stage3_with_zero_init_stays_partitioned_and_bounded():
     world = 4
     formula = 4.0 / world
     predicted = estimate(_model(), _config(3), world)
-    for rank, (phases, counted, parameters) in enumerate(spawn(_peaks, world, 3, True)):
+    for rank, (phases, counted, parameters) in enumerate(spawn(_peaks, world, 3, True, start="spawn")):
         report = f"stage 3 + zero.Init rank {rank}: " + ", ".join(f"{k} {c:.2f}/{p:.2f}" for k, (c, p) in phases.items())
         # a model built inside zero.Init holds 1/W of its parameters after training steps, as one the
         # engine partitioned does (it used to keep every parameter gathered after first use: 1.25 units)
@@ -167,6 +167,6 @@ def test_gradient_peak_does_not_depend_on_the_order_backward_runs_in():
     # the whole gradient waited for the first bucket, +1.1 units).
     world, stage = 2, 2
     formula = FORMULA[stage](world)
-    for rank, (phases, counted) in enumerate(spawn(_peaks, world, stage, False, True)):
+    for rank, (phases, counted) in enumerate(spawn(_peaks, world, stage, False, True, start="spawn")):
         report = f"reversed stage 2 rank {rank}: " + ", ".join(f"{k} {c:.2f}/{p:.2f}" for k, (c, p) in phases.items())
         assert phases["backward"][1] <= formula * 1.10 + 0.15, report  # the last step's backward
