@@ -59,15 +59,29 @@ def _worker(rank, world_size, port, backend, environ, env, fn, args, results):
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         out = fn(*args)
         results.put((rank, True, out))
-        # Rank 0 serves the rendezvous store: it stays until every rank is done with it (a rank that
-        # finished first and left would reset a peer still reading the store)
-        if dist.is_initialized():
-            dist.barrier()
     except BaseException:  # report everything, including assertion failures, to the parent
         results.put((rank, False, traceback.format_exc()))
+    try:
+        _leave_together(rank, world_size)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _leave_together(rank: int, world_size: int, wait_s: float = 60.0) -> None:
+    """Rank 0 serves the rendezvous store: it stays until every rank is done with it (had it left as soon
+    as its own work ended, a peer still reading the store in its last call would be reset). Counted in
+    the store, not with a collective: a test may leave the process group broken on purpose."""
+    if not dist.is_initialized():
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add("harness/done", 1)
+        deadline = time.monotonic() + wait_s
+        while rank == 0 and store.add("harness/done", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.002)
+    except Exception:  # a peer already gone took its part of the store with it: nothing to wait for
+        pass
 
 
 def spawn(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo", env: dict | None = None,
