@@ -8,9 +8,13 @@ micro batch 4 per rank, CPU gloo ranks). Contenders:
 
 - ``ddp`` / ``ddp-compiled``: torch DistributedDataParallel, eager / ``torch.compile(ddp_model)``
   (DDP's optimizer splits the graph at its bucket boundaries so that reductions overlap backward);
+- ``fsdp2`` / ``fsdp2-compiled``: torch FSDP2 (``fully_shard`` per transformer block, then the root),
+  eager / each block ``torch.compile``d before it is sharded, as torchtitan compiles: stage 3's own
+  peer, which gathers and frees each block's parameters as zengine-3 does;
 - ``zengine-S`` / ``zengine-S-compiled`` (S = 0, 2, 3): zengine at stage S, eager / ``engine.compile()``.
   At stage 3 every transformer block is a leaf (``set_z3_leaf_modules``), eager and compiled alike: one
-  gather unit per block, compiled as one graph.
+  gather unit per block, compiled as one graph. ``zengine-S-compiled-autograd``: also compiled autograd
+  (``engine.compile(compiled_autograd_enabled=True)``: the whole backward captured and compiled).
 
 Each contender runs in fresh processes; with ``--rounds R`` all run R times in alternating order and the
 median step time is over every round's timed steps (absolute times drift on a shared machine: compare the
@@ -51,22 +55,29 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_zero import BUCKET, MB, batch_for, free_port, torch_adamw, torch_steps, zero_config  # noqa: E402
+from bench_zero import BUCKET, MB, batch_for, build_fsdp2, free_port, torch_adamw, torch_steps, zero_config  # noqa: E402
 from zengine.models import GPT, ByteWindows, bench20m  # noqa: E402
 
-CONTENDERS = ["ddp", "ddp-compiled", "zengine-0-compiled", "zengine-2", "zengine-2-compiled", "zengine-3",
-              "zengine-3-compiled"]
+CONTENDERS = ["ddp", "ddp-compiled", "zengine-0-compiled", "zengine-2", "zengine-2-compiled", "fsdp2",
+              "fsdp2-compiled", "zengine-3", "zengine-3-compiled"]
 
 
 def build(name: str, model: torch.nn.Module, backend: str):
     """(forward_backward(x, y) -> loss, optimizer_step()) of contender ``name``."""
-    compiled = name.endswith("-compiled")
+    compiled = "-compiled" in name
+    autograd = name.endswith("-autograd")  # zengine: engine.compile(compiled_autograd_enabled=True)
     if name.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(model, bucket_cap_mb=BUCKET * 4 / MB)
         run = torch.compile(ddp, backend=backend) if compiled else ddp
         return torch_steps(run, torch_adamw(ddp.parameters()))
+    if name.startswith("fsdp2"):
+        if compiled:  # torchtitan's order: compile each block, then shard it (the hooks stay outside the graphs)
+            for block in model.blocks:
+                block.compile(backend=backend)
+        trainer = build_fsdp2(model, BUCKET)
+        return trainer.forward_backward, trainer.optimizer_step
     import zengine
     from zengine.models.gpt import Block
 
@@ -75,7 +86,7 @@ def build(name: str, model: torch.nn.Module, backend: str):
         zengine.utils.set_z3_leaf_modules(model, [Block])  # one gather unit (and one graph) per block
     engine, *_ = zengine.initialize(model=model, config=zero_config(stage, BUCKET))
     if compiled:
-        engine.compile(backend=backend)
+        engine.compile(backend=backend, compiled_autograd_enabled=autograd)
 
     def forward_backward(x, y):
         loss = engine(x, y)

@@ -88,8 +88,11 @@ def _train(engine, batches, gas):
 def parity_cases(cases):
     """Each case: the parity model trained eagerly and compiled (aot_eager), same config; returns the largest
     differences of the losses and of the parameters, and the graphs compiled after the first two steps."""
+    from torch._dynamo.utils import counters
+
     out = []
-    for stage, dtype, gas, offload, checkpointed in cases:
+    for stage, dtype, gas, offload, checkpointed, *autograd in cases:
+        autograd = bool(autograd and autograd[0])  # engine.compile(compiled_autograd_enabled=True)
         batches = make_batches(STEPS, MICRO * gas * dist.get_world_size())
         torch.manual_seed(0)
         base = (CheckpointedEdgeNet if checkpointed else EdgeNet)()
@@ -100,15 +103,18 @@ def parity_cases(cases):
                                             config=_config(stage, dtype, gas, offload))
             backend = Counting()
             if compiled:
-                engine.compile(backend=backend)
+                engine.compile(backend=backend, compiled_autograd_enabled=autograd)
+            counters["compiled_autograd"].clear()
             losses, params = _train(engine, batches[:2], gas)
-            settled = backend.graphs
+            settled, captured = backend.graphs, counters["compiled_autograd"]["captures"]
             more_losses, params = _train(engine, batches[2:], gas)
             results.append((losses + more_losses, params, (backend.graphs, backend.graphs - settled),
-                            len(engine.compiled_units)))
+                            len(engine.compiled_units),
+                            (captured, counters["compiled_autograd"]["captures"] - captured)))
             engine.destroy()
-        (eager_l, eager_p, _, _), (comp_l, comp_p, (graphs, late), units) = results
-        out.append(dict(case=(stage, dtype, gas, offload, checkpointed), units=units, graphs=graphs, late_graphs=late,
+        (eager_l, eager_p, _, _, _), (comp_l, comp_p, (graphs, late), units, (captures, late_captures)) = results
+        out.append(dict(case=(stage, dtype, gas, offload, checkpointed, autograd), units=units, graphs=graphs,
+                        late_graphs=late, captures=captures, late_captures=late_captures,
                         loss=max(abs(a - b) for a, b in zip(eager_l, comp_l)),
                         param=max((eager_p[n] - comp_p[n]).abs().max().item() for n in eager_p)))
     return out
@@ -118,13 +124,31 @@ CASES = [(0, "fp32", 1, False, False), (1, "bf16", 2, True, False), (2, "fp32", 
          (3, "fp32", 2, False, True), (3, "bf16", 1, True, False)]
 
 
+# compiled autograd (the 6th field): every stage, bf16, accumulation, activation checkpointing, offload
+AUTOGRAD_CASES = [(0, "fp32", 1, False, False, True), (1, "bf16", 2, False, True, True),
+                  (2, "fp32", 2, True, False, True), (3, "fp32", 1, False, True, True), (3, "bf16", 1, True, False, True)]
+# (stage 3 with accumulation under no_sync is refused with compiled autograd: test_models_compiled_before_...)
+
+
+def _check_parity(r):
+    print(r)  # the differences measured (pytest -s)
+    stage, dtype = r["case"][:2]
+    assert r["units"] >= 1 and r["graphs"] >= 1, r  # compiled code ran
+    assert r["late_graphs"] == 0, r  # nothing recompiled after the first two steps
+    assert r["loss"] <= TOL[dtype] and r["param"] <= TOL[dtype], r
+
+
 def test_compiled_matches_eager_at_every_stage():
     for r in spawn(parity_cases, 2, CASES)[0]:
-        print(r)  # the differences measured (pytest -s)
-        stage, dtype = r["case"][:2]
-        assert r["units"] >= 1 and r["graphs"] >= 1, r  # compiled code ran
-        assert r["late_graphs"] == 0, r  # nothing recompiled after the first two steps
-        assert r["loss"] <= TOL[dtype] and r["param"] <= TOL[dtype], r
+        _check_parity(r)
+        assert r["captures"] == 0, r  # compiled autograd only when asked
+
+
+def test_compiled_autograd_matches_eager_at_every_stage():
+    for r in spawn(parity_cases, 2, AUTOGRAD_CASES)[0]:
+        _check_parity(r)
+        # engine.backward ran under compiled autograd, and its graph was not captured again after two steps
+        assert r["captures"] >= 1 and r["late_captures"] == 0, r
 
 
 # -- stage 3: per-block graphs, no break, no recompile, prefetch ------------------------------------------------
@@ -307,11 +331,18 @@ def compiled_before_run(tmp):
             other.load_checkpoint(tmp, tag="t")
             out["reloaded"] = abs(other(x, x).item() - loss)
             errors = []
-            for kwargs in ({"schedule": [1]}, {"compiled_autograd_enabled": True}):
-                try:
-                    other.compile(**kwargs)
-                except CompileError as e:
-                    errors.append(str(e))
+            try:
+                other.compile(schedule=[1])
+            except CompileError as e:
+                errors.append(str(e))
+            other.compile(backend="aot_eager", compiled_autograd_enabled=True)  # compiled already: adds it
+            other.backward(other(x, x))  # (a micro-step of 2: the step comes later)
+            try:
+                with other.no_sync():
+                    other.backward(other(x, x))
+            except CompileError as e:
+                errors.append(str(e))
+            other.step()
             out["errors"] = errors
     return out
 
@@ -327,7 +358,8 @@ def test_models_compiled_before_initialize_checkpoints_and_refusals(behaviour):
     assert r[("blocks in place", 3)]["units"] == ["blocks.0", "blocks.1"]  # only what the user compiled
     assert r[("config", 3)]["units"] == r[("in place", 3)]["units"] and r[("config", 3)]["compiled"]
     assert r["reloaded"] < 1e-6
-    assert "schedule" in r["errors"][0] and "compiled_autograd_enabled" in r["errors"][1]
+    assert len(r["errors"]) == 2 and "schedule" in r["errors"][0], r["errors"]
+    assert "no_sync at stage 3 with compiled autograd" in r["errors"][1], r["errors"]
 
 
 def test_compile_section():

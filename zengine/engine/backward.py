@@ -67,6 +67,7 @@ class BackwardTracker:
         self._window: Optional[float] = None   # the factor of this accumulation window's first pass
         self._mixed: Optional[tuple[float, float]] = None
         self._warned_unscaled = False
+        self.output_hook: Callable = self._on_output_grad  # compiled autograd: wrapped in torch.compiler.disable
 
     @contextlib.contextmanager
     def explicit(self, carried: Optional[float] = None):
@@ -92,7 +93,7 @@ class BackwardTracker:
         leaves, _ = tree_flatten(out)
         for t in leaves:
             if torch.is_tensor(t) and t.requires_grad and t.is_floating_point():
-                t.register_hook(self._on_output_grad)
+                t.register_hook(self.output_hook)
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         if self.mode is BackwardMode.IDLE:

@@ -18,6 +18,7 @@ A model compiled before ``initialize`` is compiled the way its owner asked:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
@@ -81,9 +82,12 @@ class CompileMembers:
 
     module: nn.Module
     optimizer: Any
+    _backward: Any  # the engine's BackwardTracker (backward.py)
+    _no_sync: bool  # inside engine.no_sync()
     config: Any
     global_rank: int
     _compiled_units: Optional[list] = None  # the CompiledForward wrappers installed, once compiled
+    _autograd_compiler: Optional[Compiler] = None  # compiled_autograd_enabled: what compiles engine.backward's graph
 
     @property
     def is_compiled(self) -> bool:
@@ -103,21 +107,47 @@ class CompileMembers:
         Stages 0-2 compile the model's forward; stage 3 compiles each gather unit's forward, with the hooks
         that gather and free its parameters outside the compiled code (mark transformer blocks as leaves
         with ``set_z3_leaf_modules`` to compile a graph per block). A second call does nothing.
-        ``schedule`` (a DeepCompile pass schedule) must be None, and ``compiled_autograd_enabled`` False:
-        zengine's gradient hooks run eagerly in backward (each raises ``CompileError`` otherwise).
+        ``compiled_autograd_enabled``: ``engine.backward`` also runs under compiled autograd, which captures
+        the whole backward pass (the loss's and anything between the compiled parts too) and compiles it with
+        the same backend; zengine's own backward hooks (gradient reduction, stage 3's gathers) stay eager, called
+        from the compiled graph (a graph break at each). ``schedule`` (a DeepCompile pass schedule) must be
+        None (``CompileError`` otherwise).
         """
         if schedule is not None:
             raise CompileError("engine.compile(schedule=...): a schedule orders DeepCompile's passes, which "
                                "zengine does not have; leave schedule=None")
-        if compiled_autograd_enabled:
-            raise CompileError("engine.compile(compiled_autograd_enabled=True): zengine reduces gradients from "
-                               "hooks that run eagerly in backward (and at stage 3 gathers parameters there), "
-                               "which compiled autograd would trace; pass False: the forward and the backward "
-                               "AOT autograd derives from it are compiled either way")
+        compiler = make_compiler(backend, compile_kwargs)
+        if compiled_autograd_enabled and self._autograd_compiler is None:
+            import torch._dynamo
+
+            self._autograd_compiler = compiler
+            # compiled autograd would trace the hooks' collectives and bucket bookkeeping: they run eagerly
+            if self.optimizer is not None:
+                self.optimizer.grad_hooks.rewrap(torch._dynamo.disable)  # (zero/grad_hooks.py)
+            module_hooks = getattr(self.optimizer, "module_hooks", None)
+            if module_hooks is not None:  # stage 3: the gathers before each unit's backward
+                module_hooks.wrap = torch._dynamo.disable
+            self._backward.output_hook = torch._dynamo.disable(self._backward.output_hook)
         if self.is_compiled:
             logger.info("zengine: engine.compile(): the model is already compiled; nothing to do")
             return
-        self._compile_with(make_compiler(backend, compile_kwargs))
+        self._compile_with(compiler)
+
+    def _autograd_context(self):
+        """What ``engine.backward`` runs autograd inside: compiled autograd after
+        ``compile(compiled_autograd_enabled=True)``, else nothing."""
+        if self._autograd_compiler is None:
+            return contextlib.nullcontext()
+        if self._no_sync and getattr(self.optimizer, "module_hooks", None) is not None:
+            raise CompileError("engine.backward under no_sync at stage 3 with compiled autograd: the unreduced "
+                               "gradients would stay whole on the released (empty) parameters until the boundary, "
+                               "which compiled autograd cannot capture; leave no_sync out (stage 3 reduces each "
+                               "micro-step's gradients into the shards anyway) or compile with "
+                               "compiled_autograd_enabled=False")
+        from torch._dynamo import compiled_autograd
+
+        enable = getattr(compiled_autograd, "enable", None) or compiled_autograd._enable  # (private in torch 2.13)
+        return enable(self._autograd_compiler)
 
     def _compile_with(self, compiler: Compiler, roots: Optional[list] = None) -> None:
         """Install ``compiler``'s compiled forwards under ``roots`` ((name, module) pairs; default the whole

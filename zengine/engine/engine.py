@@ -178,7 +178,8 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         carried = None if scale_wrt_gas else factor / self.gradient_accumulation_steps()
         scaled = loss.float() * factor if factor != 1.0 else loss
         self._step_report.record_loss(loss, self.is_gradient_accumulation_boundary())
-        with self.timers(BACKWARD), self._backward.explicit(carried):
+        autograd = self._autograd_context()  # (refuses what compiled autograd cannot run, before any work)
+        with self.timers(BACKWARD), self._backward.explicit(carried), autograd:
             try:
                 scaled.backward(retain_graph=retain_graph)
             except RuntimeError as e:  # autograd's words for a misuse the stage can name

@@ -42,7 +42,6 @@ import contextlib
 import enum
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -52,6 +51,7 @@ from ..offload.placement import Placement
 from ..ops.shard_optimizer import abilities
 from ..precision.loss_scaler import LossScaler
 from . import full_state
+from .grad_hooks import GradHooks
 from .flat_group import FlatParamGroup  # or any group with the same interface (stage 3's)
 from .masters import MastersInMemory
 from .mics import Replication
@@ -156,8 +156,7 @@ class ZeroOptimizer:
         self.run_stepper = RunStepper(self.step_counts)  # steps any torch optimizer by runs when counts differ
         self.global_grad_norm: Optional[float] = None
         full_state.register(self)  # zengine.utils.safe_get_full_* find parameters through it
-        self.grad_hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, gi, pi))
-                           for gi, g in enumerate(groups) for pi, p in enumerate(g.params)]
+        self.grad_hooks = GradHooks(groups, self._on_grad)
         self._versions = [g.params_version() for g in groups]  # as last written by zengine (write_back)
 
     # -- torch.optim.Optimizer look-alike -------------------------------------------------------
@@ -211,9 +210,7 @@ class ZeroOptimizer:
         self.grads.drain()
         self.abilities.close()  # NVMe swapping owns a file and I/O threads
         self.placement.close()
-        for hook in self.grad_hooks:
-            hook.remove()
-        self.grad_hooks = []
+        self.grad_hooks.remove()
 
     # -- the boundary step ----------------------------------------------------------------------
     def grad_unscale(self) -> float:

@@ -19,7 +19,7 @@ gather it again for backward.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -57,6 +57,7 @@ class ModuleHooks:
         self.frames: list[list[ShardedParam]] = []  # externals fetched while each running module runs
         self.running: list[set[int]] = []  # ids of the parameters of each running module
         self.enabled = True
+        self.wrap: Callable[[Callable], Callable] = lambda fn: fn  # compiled autograd: torch.compiler.disable
         self.internal = False  # our own tensor work inside hooks is not an external use
         self.backward_count = 0  # backwards finished so far (end_backward); a retained graph runs again
         self.handles = []
@@ -105,8 +106,9 @@ class ModuleHooks:
                 self.fetcher.fetch(unit, tag)
             return None
 
+        hook = self.wrap(fetch)
         for t in _tensors(out):
-            t.register_hook(fetch)
+            t.register_hook(hook)
 
     @contextlib.contextmanager
     def own_work(self):
