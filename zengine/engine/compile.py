@@ -77,6 +77,20 @@ def compiled_in_place(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if getattr(m, "_compiled_call_impl", None) is not None]
 
 
+def _make_room_for(units: list) -> None:
+    """Raise dynamo's recompile limit to what the stage-3 units need. torch.compile of a bound method runs it
+    through one wrapper function shared by every compiled method, and dynamo keeps its graphs per code
+    object: each unit with its own parameter shapes, in training and under no_grad, is one more entry of the
+    same code, and past ``recompile_limit`` (8) the rest run eagerly (a warning, nothing else)."""
+    import torch._dynamo.config as dynamo_config
+
+    needed = 2 * len(units) + 8  # training and no-grad graphs per unit, and room for the user's own
+    if dynamo_config.recompile_limit < needed:
+        logger.info("zengine: compile: torch._dynamo.config.recompile_limit %d -> %d (stage 3 compiles %d gather "
+                    "units through one wrapper code object)", dynamo_config.recompile_limit, needed, len(units))
+        dynamo_config.recompile_limit = needed
+
+
 class CompileMembers:
     """``engine.compile`` and ``engine.is_compiled`` (DeepSpeed's members); a mix-in of ``Engine``."""
 
@@ -160,6 +174,7 @@ class CompileMembers:
             for name, m in roots or [("", self.module)]:
                 m._compiled_call_impl = None  # a compiled __call__ would hold the hooks
                 units += compile_units(m, hooks, compiler, "" if name == "<root>" else name)
+            _make_room_for(units)
             leafless = not any(z3_leaf_module(getattr(u.eager, "__self__", None)) for u in units)
             if self.global_rank == 0:
                 logger.info("zengine: compile: stage 3 compiles %d gather unit(s) (the hooks stay outside): %s%s",
