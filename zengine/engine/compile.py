@@ -91,6 +91,71 @@ def _make_room_for(units: list) -> None:
         dynamo_config.recompile_limit = needed
 
 
+class WholeModel:
+    """Stages 0-2: the model's forward is compiled whole. No zengine code runs inside it (gradients are taken by
+    hooks on the parameters after autograd accumulates them, which AOT autograd's compiled backward does as the
+    eager backward does), so an in-place ``model.compile()`` can stand as the user made it."""
+
+    keeps_in_place_compile = True
+
+    def install(self, module: nn.Module, compiler: Compiler, roots: Optional[list], announce: bool) -> list:
+        """The compiled forwards installed (one: the model's)."""
+        return [install(module, "<root>", compiler)]
+
+    def leave_backward_hooks_eager(self, disable: Callable) -> None:
+        """Nothing of the model's own runs in backward besides the gradient hooks (wrapped by the engine)."""
+
+    def check_backward(self, no_sync: bool) -> None:
+        """Compiled autograd runs every backward these stages make."""
+
+
+class PerUnit:
+    """Stage 3: each gather unit's forward compiled, the fetch/release hooks ``hooks`` around it
+    (``zero/stage3/compiled.py``)."""
+
+    keeps_in_place_compile = False  # a compiled __call__ would hold the hooks
+
+    def __init__(self, hooks: Any):
+        self.hooks = hooks
+
+    def install(self, module: nn.Module, compiler: Compiler, roots: Optional[list], announce: bool) -> list:
+        """The compiled forwards installed under ``roots`` ((name, module) pairs; default the whole model), one
+        per gather unit; ``announce``: log them (rank 0)."""
+        units = []
+        for name, m in roots or [("", module)]:
+            m._compiled_call_impl = None  # a compiled __call__ would hold the hooks
+            units += compile_units(m, self.hooks, compiler, "" if name == "<root>" else name)
+        _make_room_for(units)
+        leafless = not any(z3_leaf_module(getattr(u.eager, "__self__", None)) for u in units)
+        if announce:
+            logger.info("zengine: compile: stage 3 compiles %d gather unit(s) (the hooks stay outside): %s%s",
+                        len(units), ", ".join(u.name for u in units),
+                        "; no unit is a leaf, so only modules that own parameters compile and the code between "
+                        "them stays eager: mark the blocks as leaves (zengine.utils.set_z3_leaf_modules(model, "
+                        "[Block]) before initialize) to compile each block whole" if leafless and len(units) > 1
+                        else "")
+        return units
+
+    def leave_backward_hooks_eager(self, disable: Callable) -> None:
+        """The gathers before each unit's backward run eagerly, called from compiled autograd's graph."""
+        self.hooks.wrap = disable
+
+    def check_backward(self, no_sync: bool) -> None:
+        if no_sync:
+            raise CompileError("engine.backward under no_sync at stage 3 with compiled autograd: the unreduced "
+                               "gradients would stay whole on the released (empty) parameters until the boundary, "
+                               "which compiled autograd cannot capture; leave no_sync out (stage 3 reduces each "
+                               "micro-step's gradients into the shards anyway) or compile with "
+                               "compiled_autograd_enabled=False")
+
+
+def compile_plan(optimizer: Any) -> "WholeModel | PerUnit":
+    """How the engine compiles the model for ``optimizer``'s stage: per gather unit where stage-3 hooks gather
+    the parameters (its ``module_hooks``), else whole."""
+    hooks = getattr(optimizer, "module_hooks", None)
+    return WholeModel() if hooks is None else PerUnit(hooks)
+
+
 class CompileMembers:
     """``engine.compile`` and ``engine.is_compiled`` (DeepSpeed's members); a mix-in of ``Engine``."""
 
@@ -102,6 +167,14 @@ class CompileMembers:
     global_rank: int
     _compiled_units: Optional[list] = None  # the CompiledForward wrappers installed, once compiled
     _autograd_compiler: Optional[Compiler] = None  # compiled_autograd_enabled: what compiles engine.backward's graph
+    _plan: Optional["WholeModel | PerUnit"] = None
+
+    @property
+    def compile_plan(self) -> "WholeModel | PerUnit":
+        """Whole model (stages 0-2) or per gather unit (stage 3); chosen once."""
+        if self._plan is None:
+            self._plan = compile_plan(self.optimizer)
+        return self._plan
 
     @property
     def is_compiled(self) -> bool:
@@ -138,9 +211,7 @@ class CompileMembers:
             # compiled autograd would trace the hooks' collectives and bucket bookkeeping: they run eagerly
             if self.optimizer is not None:
                 self.optimizer.grad_hooks.rewrap(torch._dynamo.disable)  # (zero/grad_hooks.py)
-            module_hooks = getattr(self.optimizer, "module_hooks", None)
-            if module_hooks is not None:  # stage 3: the gathers before each unit's backward
-                module_hooks.wrap = torch._dynamo.disable
+            self.compile_plan.leave_backward_hooks_eager(torch._dynamo.disable)
             self._backward.output_hook = torch._dynamo.disable(self._backward.output_hook)
         if self.is_compiled:
             logger.info("zengine: engine.compile(): the model is already compiled; nothing to do")
@@ -152,12 +223,7 @@ class CompileMembers:
         ``compile(compiled_autograd_enabled=True)``, else nothing."""
         if self._autograd_compiler is None:
             return contextlib.nullcontext()
-        if self._no_sync and getattr(self.optimizer, "module_hooks", None) is not None:
-            raise CompileError("engine.backward under no_sync at stage 3 with compiled autograd: the unreduced "
-                               "gradients would stay whole on the released (empty) parameters until the boundary, "
-                               "which compiled autograd cannot capture; leave no_sync out (stage 3 reduces each "
-                               "micro-step's gradients into the shards anyway) or compile with "
-                               "compiled_autograd_enabled=False")
+        self.compile_plan.check_backward(self._no_sync)
         from torch._dynamo import compiled_autograd
 
         enable = getattr(compiled_autograd, "enable", None) or compiled_autograd._enable  # (private in torch 2.13)
@@ -166,24 +232,7 @@ class CompileMembers:
     def _compile_with(self, compiler: Compiler, roots: Optional[list] = None) -> None:
         """Install ``compiler``'s compiled forwards under ``roots`` ((name, module) pairs; default the whole
         model). The first call of each compiles, not this."""
-        hooks = getattr(self.optimizer, "module_hooks", None)  # stage 3's fetch/release hooks
-        if hooks is None:
-            units = [install(self.module, "<root>", compiler)]
-        else:
-            units = []
-            for name, m in roots or [("", self.module)]:
-                m._compiled_call_impl = None  # a compiled __call__ would hold the hooks
-                units += compile_units(m, hooks, compiler, "" if name == "<root>" else name)
-            _make_room_for(units)
-            leafless = not any(z3_leaf_module(getattr(u.eager, "__self__", None)) for u in units)
-            if self.global_rank == 0:
-                logger.info("zengine: compile: stage 3 compiles %d gather unit(s) (the hooks stay outside): %s%s",
-                            len(units), ", ".join(u.name for u in units),
-                            "; no unit is a leaf, so only modules that own parameters compile and the code between "
-                            "them stays eager: mark the blocks as leaves (zengine.utils.set_z3_leaf_modules(model, "
-                            "[Block]) before initialize) to compile each block whole" if leafless and len(units) > 1
-                            else "")
-        self._compiled_units = units
+        self._compiled_units = self.compile_plan.install(self.module, compiler, roots, self.global_rank == 0)
 
     def _compile_as_given(self, user_compiler: Optional[Compiler]) -> None:
         """At the end of ``__init__``: compile as the user asked before ``initialize`` (see the module's
@@ -192,7 +241,7 @@ class CompileMembers:
             self._compile_with(user_compiler)
             return
         in_place = compiled_in_place(self.module)
-        if in_place and getattr(self.optimizer, "module_hooks", None) is None:
+        if in_place and self.compile_plan.keeps_in_place_compile:
             self._compiled_units = []  # stages 0-2: torch's in-place compile stands as the user made it
             return
         if in_place:
