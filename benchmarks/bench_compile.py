@@ -8,6 +8,11 @@ micro batch 4 per rank, CPU gloo ranks). Contenders:
 
 - ``ddp`` / ``ddp-compiled``: torch DistributedDataParallel, eager / ``torch.compile(ddp_model)``
   (DDP's optimizer splits the graph at its bucket boundaries so that reductions overlap backward);
+- ``ddp-compiled+gather``: compiled DDP that also runs, before each forward, the collective stage 3 adds to
+  DDP's traffic: ZeRO-3 moves 1.5x DDP's bytes, an all-gather of the parameters besides the gradients'
+  reduction. Here it is that all-gather alone (zengine's collective, a broadcast per row on gloo, of every
+  parameter's chunks, within one persistent buffer: no copy in or out, no fresh memory). Where communication
+  is work on the compute cores, as on this CPU box, it is the least stage 3 can cost beyond DDP;
 - ``fsdp2`` / ``fsdp2-compiled``: torch FSDP2 (``fully_shard`` per transformer block, then the root),
   eager / each block ``torch.compile``d before it is sharded, as torchtitan compiles: stage 3's own
   peer, which gathers and frees each block's parameters as zengine-3 does;
@@ -58,7 +63,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from bench_zero import BUCKET, MB, batch_for, build_fsdp2, free_port, torch_adamw, torch_steps, zero_config  # noqa: E402
 from zengine.models import GPT, ByteWindows, bench20m  # noqa: E402
 
-CONTENDERS = ["ddp", "ddp-compiled", "zengine-0-compiled", "zengine-2", "zengine-2-compiled", "fsdp2",
+CONTENDERS = ["ddp", "ddp-compiled", "ddp-compiled+gather", "zengine-0-compiled", "zengine-2", "zengine-2-compiled", "fsdp2",
               "fsdp2-compiled", "zengine-3", "zengine-3-compiled"]
 
 
@@ -71,7 +76,11 @@ def build(name: str, model: torch.nn.Module, backend: str):
 
         ddp = DistributedDataParallel(model, bucket_cap_mb=BUCKET * 4 / MB)
         run = torch.compile(ddp, backend=backend) if compiled else ddp
-        return torch_steps(run, torch_adamw(ddp.parameters()))
+        forward_backward, optimizer_step = torch_steps(run, torch_adamw(ddp.parameters()))
+        if name.endswith("+gather"):
+            gather = stage3_gather(list(model.parameters()))
+            return (lambda x, y: (gather(), forward_backward(x, y))[1]), optimizer_step
+        return forward_backward, optimizer_step
     if name.startswith("fsdp2"):
         if compiled:  # torchtitan's order: compile each block, then shard it (the hooks stay outside the graphs)
             for block in model.blocks:
@@ -94,6 +103,16 @@ def build(name: str, model: torch.nn.Module, backend: str):
         return loss
 
     return forward_backward, engine.step
+
+
+def stage3_gather(params: list[torch.nn.Parameter]):
+    """A function doing the collective stage 3 adds to DDP's once a step (``ddp-compiled+gather``): every
+    parameter's chunks all-gathered, by rows, within one persistent buffer (no copy in or out)."""
+    from zengine.distributed.collectives import all_gather_rows
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = torch.zeros(world, sum(-(-p.numel() // world) for p in params))  # [world, sum of chunks]
+    return lambda: all_gather_rows(rows, rank)
 
 
 def join(rank: int, world: int, port: int) -> None:
