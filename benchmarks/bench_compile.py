@@ -20,6 +20,8 @@ micro batch 4 per rank, CPU gloo ranks). Contenders:
   At stage 3 every transformer block is a leaf (``set_z3_leaf_modules``), eager and compiled alike: one
   gather unit per block, compiled as one graph. ``zengine-S-compiled-autograd``: also compiled autograd
   (``engine.compile(compiled_autograd_enabled=True)``: the whole backward captured and compiled).
+  ``zengine-S[-compiled]-shm``: with ``shared_memory.enabled`` (its all-gathers and all-reduces through a
+  shared-memory segment instead of gloo's loopback TCP: ``zengine/distributed/shm.py``).
 
 Each contender runs in fresh processes; with ``--rounds R`` all run R times in alternating order and the
 median step time is over every round's timed steps (absolute times drift on a shared machine: compare the
@@ -93,7 +95,10 @@ def build(name: str, model: torch.nn.Module, backend: str):
     stage = int(name.split("-")[1])
     if stage == 3:
         zengine.utils.set_z3_leaf_modules(model, [Block])  # one gather unit (and one graph) per block
-    engine, *_ = zengine.initialize(model=model, config=zero_config(stage, BUCKET))
+    config = zero_config(stage, BUCKET)
+    if name.endswith("-shm"):  # collectives through shared memory (the ranks share this host)
+        config["shared_memory"] = {"enabled": True}
+    engine, *_ = zengine.initialize(model=model, config=config)
     if compiled:
         engine.compile(backend=backend, compiled_autograd_enabled=autograd)
 

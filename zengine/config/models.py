@@ -22,6 +22,7 @@ from .compile import CompileConfig
 from .elastic import ElasticityConfig
 from .monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from .optimizer import NonFiniteGradientsConfig, OptimizerConfig, SchedulerConfig
+from .shared_memory import SharedMemoryConfig
 from .precision import DTYPES, BF16Config, DataTypesConfig, DtypeName, FP16Config, precision_problem
 from .zero import AioConfig, ZeroConfig
 
@@ -32,7 +33,7 @@ class ZengineConfig(_Section):
     DEPRECATED_KEYS: ClassVar[Dict[str, str]] = {"bfloat16": "bf16"}
     SECTIONS: ClassVar[Tuple[str, ...]] = ("fp16", "bf16", "data_types", "zero_optimization", "aio",
                                            "activation_checkpointing", "tensorboard", "csv_monitor", "wandb",
-                                           "elasticity", "compile", "checkpoint")
+                                           "elasticity", "compile", "checkpoint", "shared_memory")
 
     train_batch_size: BatchSize = Field(None, description="Samples per optimizer step over all data-parallel "
                                                           "ranks: micro batch * accumulation steps * world size.")
@@ -62,6 +63,8 @@ class ZengineConfig(_Section):
     comm_timeout: Number = Field(300.0, gt=0, description=(
         "zengine only: seconds a collective operation of the process group may wait for the other ranks "
         "before it fails, so a rank that died or diverged ends the run with an error instead of a hang."))
+    shared_memory: SharedMemoryConfig = Field(default_factory=SharedMemoryConfig, description=(
+        "zengine only: collectives of CPU (gloo) ranks on one host through shared memory."))
     nonfinite_gradients: NonFiniteGradientsConfig = Field(default_factory=NonFiniteGradientsConfig, description=(
         "zengine only: skip, count and report steps whose gradient is NaN/Inf; stop after too many in a row."))
     wall_clock_breakdown: Flag = Field(False, description="Time forward, backward and step; rank 0 logs the "

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import agreement, diagnose, traffic, waiting
+from . import agreement, diagnose, shm, traffic, waiting
 from .process_group import backend_device_types
 
 
@@ -134,10 +134,20 @@ def check_devices(what: str, group, *tensors: torch.Tensor) -> None:
                                    f"tensors; it must be made on the compute device")
 
 
+def run_blocking(name: str, tensor: torch.Tensor, call, *args, group=None) -> None:
+    """``call(*args)``, a collective of ``tensor`` on ``group``, waited for (failures diagnosed as any)."""
+    _run(name, tensor, call, *args, group=group)
+
+
 def all_reduce_sum(tensor: torch.Tensor, group=None, async_op: bool = False) -> Work:
-    """Sum ``tensor`` in place over the group."""
+    """Sum ``tensor`` in place over the group (through shared memory where ``shm.py`` is installed: done
+    before this returns)."""
     check_devices("all_reduce_sum", group, tensor)
     traffic.record("all_reduce", tensor.numel() * tensor.element_size(), group)
+    transport = shm.for_group(group)
+    if transport is not None and transport.takes(tensor) and tensor.is_contiguous():
+        transport.all_reduce_sum(tensor)
+        return None
     return _run("all_reduce", tensor, dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
@@ -166,6 +176,10 @@ def all_gather_rows(rows: torch.Tensor, rank: int, group=None, async_op: bool = 
         return []
     check_devices("all_gather_rows", group, rows)
     traffic.record("all_gather", rows.numel() * rows.element_size(), group)
+    transport = shm.for_group(group)
+    if transport is not None and transport.takes(rows):  # shared memory (shm.py): done before this returns
+        transport.all_gather_rows(rows)
+        return []
     if is_gloo(group):
         works = [_run("broadcast (all-gather by rows)", rows, dist.broadcast, row, src=_global_rank(r, group),
                       group=group, async_op=True) for r, row in enumerate(rows.unbind(0))]
@@ -195,6 +209,18 @@ def gather_strided(full: torch.Tensor, shard_numel: int, lo: int, hi: int, rank:
         staging[rank].copy_(rows[rank])
         all_gather_rows(staging, rank, group)
         rows.copy_(staging)
+
+
+def reduce_scatter_rows(rows: torch.Tensor, group=None) -> Optional[torch.Tensor]:
+    """Through shared memory (``shm.py``), where installed for ``group`` and ``rows`` ([world, n], contiguous)
+    is large enough: this rank's row summed over the group, in place and returned, done before this
+    returns. None otherwise (nothing done: the caller reduces some other way)."""
+    transport = shm.for_group(group)
+    if transport is None or not transport.takes(rows) or not rows.is_contiguous():
+        return None
+    check_devices("reduce_scatter_rows", group, rows)
+    traffic.record("reduce_scatter", rows.numel() * rows.element_size(), group)
+    return transport.reduce_scatter_rows(rows)
 
 
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False) -> Work:
@@ -238,6 +264,11 @@ def all_gather_small(tensor: torch.Tensor, group=None) -> torch.Tensor:
     else:
         _run("all_gather", out, _all_gather_flat, out.view(-1), tensor.contiguous().view(-1), group=group)
     return out
+
+
+def global_rank(group_rank: int, group) -> int:
+    """The default group's rank of ``group``'s rank ``group_rank``."""
+    return _global_rank(group_rank, group)
 
 
 def _global_rank(group_rank: int, group) -> int:

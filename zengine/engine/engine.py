@@ -30,7 +30,7 @@ from .. import checkpoint, checkpointing
 from ..checkpoint import background
 from ..config import ZengineConfig, format_config
 from ..config.report import PRINT_FULL_ENV
-from ..distributed import diagnose, shutdown
+from ..distributed import diagnose, shm, shutdown
 from ..distributed import agreement
 from ..distributed.process_group import ProcessPlacement
 from ..log import setup_logging
@@ -84,6 +84,9 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         checkpointing.configure_from_config(config.activation_checkpointing)  # unless the script configured it
 
         ranks = data_parallel_ranks(config.zero_optimization, placement.world_size, placement.rank, placement.device)
+        # CPU ranks on one host: the data-parallel group's collectives through shared memory (distributed/shm.py)
+        self._shared_memory = (shm.install(ranks.group, config.shared_memory.piece_size)
+                               if config.shared_memory.enabled else None)
         place_model(model, config, ranks)  # stage 3 (MiCS: over shard groups): cut one parameter at a time
         self.matmul = route_matmuls(model, config, placement)  # CPU bf16 without native bf16: fp32 products
         named_groups = named_param_groups(model, model_parameters, optimizer)
@@ -259,6 +262,7 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
             background.release_snapshot_memory()  # the pinned buffer kept for the next asynchronous save
             self.pinned_spares.clear()
             self.optimizer.close()
+            shm.uninstall(self._shared_memory)
         self.matmul.remove()  # the model's linear layers get their own forward back
         self._step_report.close()  # the monitor's files and writers
 

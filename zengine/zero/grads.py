@@ -170,7 +170,8 @@ class FullGradients(GradientStore):
 
     @staticmethod
     def _complete(work, piece: torch.Tensor, wire: Optional[torch.Tensor]) -> None:
-        work.wait()
+        if work is not None:  # (None: done when launched, through shared memory)
+            work.wait()
         if wire is not None:
             piece.copy_(wire)
 

@@ -159,6 +159,9 @@ class Stage3Gradients(ShardReducer):
         if self.use_reduce_scatter:
             out = torch.empty(bucket.numel, dtype=buf.dtype, device=buf.device)
             return [collectives.reduce_scatter(out, buf.view(-1), self.comm_group, async_op=True)], out
+        mine = collectives.reduce_scatter_rows(buf, self.comm_group)  # shared memory (ranks on one host)
+        if mine is not None:
+            return [], mine
         return [collectives.all_reduce_sum(buf, self.comm_group, async_op=True)], None
 
     def _region(self, gi: int, bucket: Bucket) -> torch.Tensor:

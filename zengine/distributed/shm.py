@@ -1,0 +1,190 @@
+"""Collectives through shared memory for the ranks of a gloo group that all run on one host.
+
+On gloo every byte of a collective crosses the loopback TCP stack: copied into the kernel by the
+sender, out of it by the receiver, with the stack's work around it, all on the cores that also
+compute. Ranks on one host can instead see each other's data: each writes its part into a segment
+of shared memory that every rank has mapped, one small gloo all-reduce marks that all have written
+(the sync), and each reads what it needs straight from the others' parts. Measured on the 2-core box
+(84 MiB, 2 ranks): an all-gather by rows 14 ms of CPU against gloo's 27 ms, an all-reduce 28 ms
+against 53 ms (``benchmarks/bench_comm.py --shm``).
+
+The segment holds two slots of ``world x piece_bytes``; a collective moves its buffer a piece at a
+time, alternating slots, one sync per piece. Alternating makes one sync enough: a rank writes slot s
+for piece k only after the sync of piece k-1, which every rank entered after reading piece k-2, the
+slot's previous use. Every rank must call the same collectives in the same order (as for any
+collective); the pieces follow from the shapes, which agree.
+
+Sums are taken in rank order (``out = part 0 + part 1 + ...``), the same on every rank, so every rank
+holds the same bits (with 2 ranks exactly gloo's sums). The segment is unlinked as soon as every rank
+has mapped it: nothing is left in ``/dev/shm`` if a rank dies.
+
+``install(group, piece_bytes)`` (every rank of the group, together) sets a group's transport up when
+all its ranks share this host; ``collectives.py`` asks ``for_group`` before each all-gather by rows
+and each all-reduce and uses it for CPU tensors of at least ``MIN_BYTES``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+import zlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("zengine")
+
+MIN_BYTES = 64 * 1024  # below this gloo's latency is as low as a sync's, and the pieces' bookkeeping is not worth it
+_DIR = "/dev/shm"
+
+
+class SharedMemoryTransport:
+    """One group's segment and the collectives over it (see the module doc)."""
+
+    def __init__(self, group, rank: int, world: int, piece_bytes: int):
+        self.group, self.rank, self.world = group, rank, world
+        self.piece_bytes = int(piece_bytes)
+        self.users = 0  # engines using it (install/uninstall)
+        self._slot = 0  # the slot the next piece uses
+        self._flag = torch.zeros(1)
+        self.segment = self._map(2 * world * self.piece_bytes)  # [2 slots x world x piece_bytes] bytes
+
+    def _map(self, nbytes: int) -> torch.Tensor:
+        """Every rank maps one new segment of ``nbytes``; rank 0 makes it and unlinks it once all have it."""
+        from . import collectives
+
+        name = torch.zeros(16, dtype=torch.uint8)
+        if self.rank == 0:
+            name.copy_(torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8))
+        collectives.broadcast(name, collectives.global_rank(0, self.group), self.group)
+        path = os.path.join(_DIR, "zengine-" + bytes(name.tolist()).hex())
+        if self.rank == 0:
+            with open(path, "wb") as f:
+                f.truncate(nbytes)
+        self._sync()
+        try:
+            segment = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        finally:
+            self._sync()  # every rank has it mapped (or failed): the name can go
+            if self.rank == 0:
+                os.unlink(path)
+        return segment
+
+    def _sync(self) -> None:
+        """Return once every rank of the group has come here (what each wrote before is visible to all).
+        An all-reduce, not a barrier: gloo's barrier would first wait for every collective in flight."""
+        from . import collectives
+
+        collectives.run_blocking("shared-memory sync", self._flag, dist.all_reduce, self._flag, group=self.group)
+
+    def _piece(self, dtype: torch.dtype, width: int) -> torch.Tensor:
+        """The next slot as ``[world, width]`` of ``dtype``."""
+        slot, self._slot = self._slot, 1 - self._slot
+        size = self.world * self.piece_bytes
+        return self.segment[slot * size:(slot + 1) * size].view(dtype)[:self.world * width].view(self.world, width)
+
+    def takes(self, t: torch.Tensor) -> bool:
+        """Whether a collective of ``t`` goes through shared memory (a CPU tensor, large enough)."""
+        return t.device.type == "cpu" and t.numel() * t.element_size() >= MIN_BYTES
+
+    def all_gather_rows(self, rows: torch.Tensor) -> None:
+        """Row r of ``rows`` ([world, n], each row contiguous) on every rank from rank r's row r."""
+        n = rows.shape[1]
+        per = max(1, self.piece_bytes // rows.element_size())
+        for lo in range(0, n, per):
+            hi = min(n, lo + per)
+            piece = self._piece(rows.dtype, hi - lo)  # [world, hi - lo]
+            piece[self.rank].copy_(rows[self.rank, lo:hi])
+            self._sync()
+            for r in range(self.world):
+                if r != self.rank:
+                    rows[r, lo:hi].copy_(piece[r])
+
+    def reduce_scatter_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Row ``rank`` of ``rows`` ([world, n], contiguous) summed over the group, in rank order, into that row
+        (returned); the other rows are left as they were. Each rank reads only its own row of every part."""
+        n = rows.shape[1]
+        per = max(1, self.piece_bytes // (self.world * rows.element_size()))  # a piece: [world, per] of each rank
+        for lo in range(0, n, per):
+            hi = min(n, lo + per)
+            piece = self._piece(rows.dtype, self.world * (hi - lo)).view(self.world, self.world, hi - lo)
+            piece[self.rank].copy_(rows[:, lo:hi])  # [writer, row, hi - lo]
+            self._sync()
+            out = rows[self.rank, lo:hi]
+            torch.add(piece[0, self.rank], piece[1, self.rank], out=out)
+            for r in range(2, self.world):
+                out.add_(piece[r, self.rank])
+        return rows[self.rank]
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` (contiguous) in place over the group, in rank order."""
+        flat = tensor.view(-1)
+        per = max(1, self.piece_bytes // tensor.element_size())
+        for lo in range(0, flat.numel(), per):
+            hi = min(flat.numel(), lo + per)
+            piece = self._piece(tensor.dtype, hi - lo)  # [world, hi - lo]
+            piece[self.rank].copy_(flat[lo:hi])
+            self._sync()
+            out = flat[lo:hi]
+            torch.add(piece[0], piece[1], out=out)
+            for r in range(2, self.world):
+                out.add_(piece[r])
+
+
+_transports: dict[int, SharedMemoryTransport] = {}  # id(group) -> its transport
+
+
+def _host_id() -> int:
+    """This host, as a number every rank on it computes alike (the boot id where Linux has one)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            key = f.read().strip()
+    except OSError:
+        key = socket.gethostname()
+    return zlib.crc32(key.encode())
+
+
+def _key(group) -> int:
+    return id(group if group is not None else dist.GroupMember.WORLD)
+
+
+def install(group, piece_bytes: int) -> Optional[SharedMemoryTransport]:
+    """Set up (or reuse) ``group``'s transport; every rank of the group calls this together. None (the
+    group keeps gloo's own transport) when the group is not gloo, has one rank, or spans hosts."""
+    from . import collectives
+
+    if not dist.is_initialized() or not collectives.is_gloo(group) or dist.get_world_size(group) == 1:
+        return None
+    transport = _transports.get(_key(group))
+    if transport is None:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        hosts = collectives.all_gather_small(torch.tensor([_host_id()], dtype=torch.int64), group)
+        if not os.path.isdir(_DIR) or len(set(hosts.view(-1).tolist())) != 1:
+            if rank == 0:
+                logger.info("zengine: shared_memory: the ranks are on %d hosts (or there is no %s): gloo's transport "
+                            "stays", len(set(hosts.view(-1).tolist())), _DIR)
+            return None
+        transport = SharedMemoryTransport(group if group is not None else dist.GroupMember.WORLD, rank, world,
+                                          piece_bytes)
+        _transports[_key(group)] = transport
+        if rank == 0:
+            logger.info("zengine: shared_memory: collectives of %d ranks through a %.1f MiB segment", world,
+                        transport.segment.numel() / 2 ** 20)
+    transport.users += 1
+    return transport
+
+
+def uninstall(transport: Optional[SharedMemoryTransport]) -> None:
+    """An engine is done with ``transport``: unmapped once no engine uses it."""
+    if transport is None:
+        return
+    transport.users -= 1
+    if transport.users <= 0:
+        _transports.pop(_key(transport.group), None)
+
+
+def for_group(group) -> Optional[SharedMemoryTransport]:
+    """The transport installed for ``group``, or None."""
+    return _transports.get(_key(group)) if _transports else None
