@@ -72,6 +72,19 @@ class SharedMemoryTransport:
                 os.unlink(path)
         return segment
 
+    def sync(self) -> None:
+        """Return once every rank has come here: what each wrote into the piece before is visible to all."""
+        self._sync()
+
+    def piece(self, dtype: torch.dtype, width: int) -> torch.Tensor:
+        """The next slot as ``[world, width]`` of ``dtype`` (``width`` at most ``columns(dtype)``): write this
+        rank's row, ``sync()``, then read the others' rows, before the piece after next."""
+        return self._piece(dtype, width)
+
+    def columns(self, dtype: torch.dtype) -> int:
+        """Most columns of ``dtype`` a piece holds."""
+        return max(1, self.piece_bytes // torch.empty(0, dtype=dtype).element_size())
+
     def _sync(self) -> None:
         """Return once every rank of the group has come here (what each wrote before is visible to all).
         An all-reduce, not a barrier: gloo's barrier would first wait for every collective in flight."""

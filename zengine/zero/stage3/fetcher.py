@@ -42,11 +42,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from ...distributed import collectives, diagnose
+from ...distributed import collectives, diagnose, shm
 from ...offload.copies import device_streams
 from .hierarchical import SecondaryPartition
 from .param import ParamState, ShardedParam
 from .quantized import ExactGather, gather_codec
+from . import shm_gather
 
 logger = logging.getLogger("zengine")
 _LABEL_BYTES = 1024
@@ -251,13 +252,24 @@ class Fetcher:
         direct = len(params) == 1
         crc, tag = self.check.unit(params, dtype, device, staged=not direct and self.world > 1)
         self.check.issued(crc, label, params)
+        codec = self.exact if (refresh or exact) else self.codec
+        transport = shm.for_group(self.comm_group) if self.world > 1 and not codec.finishes else None
+        if transport is not None and shm_gather.can_gather(params, device):
+            # ranks on one host: straight from the shards into the parameters through shared memory
+            tags = shm_gather.gather(transport, params, self.rank, tag)
+            if tags is not None:
+                self.check.compare(tags, tag)
+            pending = _Pending(params, None, [], direct=True)  # whole already: _finish only keeps the books
+            if not refresh:
+                for sp in params:
+                    self._pending[id(sp)] = pending
+            return pending
         # [world, sum of chunks (+ tag)]
         staging = params[0].allocate() if direct else self._staging(total + (_TAG if tag is not None else 0), dtype, device)
         if tag is not None:
             staging[self.rank, total:].copy_(tag)
         if not _fill_row(staging[self.rank, :total], params, direct, device):
             self._note_host_reads(staging)
-        codec = self.exact if (refresh or exact) else self.codec
         try:
             works, coded = codec.start(staging, total, self.rank, self.comm_group)
         except RuntimeError as e:
@@ -281,7 +293,7 @@ class Fetcher:
             pending.decode = None
         if pending.tag is not None:
             self.check.compare(pending.staging[:, -_TAG:], pending.tag)
-        col, rows = 0, pending.staging.shape[0]
+        col, rows = 0, pending.staging.shape[0] if pending.staging is not None else self.world
         for i, sp in enumerate(pending.params):
             self._pending.pop(id(sp), None)
             was_sharded = sp.state is ParamState.SHARDED
