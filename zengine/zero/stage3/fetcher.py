@@ -255,15 +255,7 @@ class Fetcher:
         codec = self.exact if (refresh or exact) else self.codec
         transport = shm.for_group(self.comm_group) if self.world > 1 and not codec.finishes else None
         if transport is not None and shm_gather.can_gather(params, device):
-            # ranks on one host: straight from the shards into the parameters through shared memory
-            tags = shm_gather.gather(transport, params, self.rank, tag)
-            if tags is not None:
-                self.check.compare(tags, tag)
-            pending = _Pending(params, None, [], direct=True)  # whole already: _finish only keeps the books
-            if not refresh:
-                for sp in params:
-                    self._pending[id(sp)] = pending
-            return pending
+            return _start_shared(self, transport, params, tag, refresh)
         # [world, sum of chunks (+ tag)]
         staging = params[0].allocate() if direct else self._staging(total + (_TAG if tag is not None else 0), dtype, device)
         if tag is not None:
@@ -441,6 +433,20 @@ class Fetcher:
             return ""
         _, label, params = self.check.log[-1]
         return f"latest stage-3 gather {self.check.issued_count}: {label} [{', '.join(sp.name for sp in params)}]"
+
+def _start_shared(self: "Fetcher", transport, params: list[ShardedParam], tag: Optional[torch.Tensor],
+                  refresh: bool) -> _Pending:
+    """Ranks on one host: gather straight from the shards into the parameters through shared memory
+    (``shm_gather.py``), done before this returns; the pending gather left for ``_finish`` keeps the books."""
+    tags = shm_gather.gather(transport, params, self.rank, tag)
+    if tags is not None:
+        self.check.compare(tags, tag)
+    pending = _Pending(params, None, [], direct=True)  # direct: nothing to copy out
+    if not refresh:
+        for sp in params:
+            self._pending[id(sp)] = pending
+    return pending
+
 
 def _check_order(self: "Fetcher", params: list[ShardedParam], tag: str) -> None:
     """stage3_debug_fetch_order: before a fetch, the ranks compare what they are about to gather."""
