@@ -42,7 +42,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ...distributed import collectives, diagnose, shm
+from ...distributed import collectives, diagnose
 from ...offload.copies import device_streams
 from .hierarchical import SecondaryPartition
 from .param import ParamState, ShardedParam
@@ -248,15 +248,13 @@ class Fetcher:
         dtype, device = params[0].full.dtype, params[0].full.device
         # One parameter: its full storage [world * chunk] is already laid out rank-major, so the gather lands
         # there directly (no staging buffer, no copy); several: one staging buffer, one collective for all,
-        # each rank's row ending with the unit's tag (checked in _finish).
+        # each rank's row ending with the unit's tag (checked in _finish): [world, sum of chunks (+ tag)].
         direct = len(params) == 1
         crc, tag = self.check.unit(params, dtype, device, staged=not direct and self.world > 1)
         self.check.issued(crc, label, params)
         codec = self.exact if (refresh or exact) else self.codec
-        transport = shm.for_group(self.comm_group) if self.world > 1 and not codec.finishes else None
-        if transport is not None and shm_gather.can_gather(params, device):
-            return _start_shared(self, transport, params, tag, refresh)
-        # [world, sum of chunks (+ tag)]
+        if not codec.finishes and (transport := shm_gather.transport(self.comm_group, params, device)) is not None:
+            return _start_shared(self, transport, params, tag, refresh)  # ranks on one host: shared memory
         staging = params[0].allocate() if direct else self._staging(total + (_TAG if tag is not None else 0), dtype, device)
         if tag is not None:
             staging[self.rank, total:].copy_(tag)

@@ -13,13 +13,19 @@ from typing import Optional
 
 import torch
 
+from ...distributed import shm
 from ...distributed.shm import SharedMemoryTransport
 from .param import ShardedParam
 
 
-def can_gather(params: list[ShardedParam], device: torch.device) -> bool:
-    """Whether every shard is resident on this (CPU) device, which the copies below read."""
-    return device.type == "cpu" and all(sp.shard is not None and sp.shard.device == device for sp in params)
+def transport(group, params: list[ShardedParam], device: torch.device) -> Optional[SharedMemoryTransport]:
+    """``group``'s shared-memory transport when it has one and every shard of ``params`` is resident on this
+    (CPU) device, which ``gather`` reads; else None (the gather goes through the group's backend)."""
+    found = shm.for_group(group)
+    if found is None or device.type != "cpu" or not all(sp.shard is not None and sp.shard.device == device
+                                                         for sp in params):
+        return None
+    return found
 
 
 def gather(transport: SharedMemoryTransport, params: list[ShardedParam], rank: int,
