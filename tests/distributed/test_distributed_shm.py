@@ -110,3 +110,30 @@ def _not_on_one_host():
 
 def test_ranks_on_different_hosts_keep_gloo():
     assert all(spawn(_not_on_one_host, 2))
+
+
+def _no_room(which: str):
+    import zengine.distributed.shm as mod
+
+    rank = dist.get_rank()
+    if which == "make" and rank == 0:
+        mod._make = lambda path, nbytes: False  # /dev/shm full: posix_fallocate failed
+    if which == "map" and rank == 1:
+        def refuse(*args, **kwargs):
+            raise RuntimeError("mmap failed")
+        mod.torch = type("T", (), {"from_file": staticmethod(refuse), "zeros": torch.zeros,
+                                   "frombuffer": torch.frombuffer, "uint8": torch.uint8, "tensor": torch.tensor,
+                                   "int64": torch.int64})
+    before = len(_shm_files())
+    dist.barrier()
+    got = shm.install(None, PIECE)
+    dist.barrier()
+    ok = got is None and shm.for_group(None) is None
+    rows = torch.full((dist.get_world_size(), 20_000), float(rank))
+    collectives.all_gather_rows(rows, rank)  # gloo still carries the collectives
+    return ok and rows[:, 0].tolist() == list(range(dist.get_world_size())) and len(_shm_files()) == before
+
+
+@pytest.mark.parametrize("which", ["make", "map"])
+def test_no_room_for_the_segment_keeps_gloo_on_every_rank(which):
+    assert all(spawn(_no_room, 2, which))

@@ -10,7 +10,7 @@ import zengine
 from harness import spawn
 from models import EdgeNet, edge_param_groups, make_batches, train_global_batch
 from test_zero_parity import LR, MICRO, STEPS, engine_config
-from zengine.distributed import shm
+from zengine.distributed import shm, traffic
 
 
 def _train(stage, precision, gas, shared):
@@ -22,12 +22,15 @@ def _train(stage, precision, gas, shared):
     if shared:
         cfg["shared_memory"] = {"enabled": True, "piece_size": 256}  # small pieces: every buffer crosses several
     engine, *_ = zengine.initialize(model=model, config=cfg, model_parameters=edge_param_groups(model, LR))
+    traffic.snapshot(reset=True)
     used = shm.for_group(engine.optimizer.comm_group if hasattr(engine.optimizer, "comm_group") else None) is not None
     losses = [train_global_batch(engine, batch, MICRO, gas) for batch in batches]
     with engine.summon_full_params(writeback=False):
         params = {n: p.detach().float().flatten().tolist() for n, p in engine.module.named_parameters()}
+    moved = traffic.snapshot()
+    gathered = sum(kinds.get("all_gather", {}).get("bytes", 0) for kinds in moved.values())
     engine.destroy()
-    return losses, params, used, shm.for_group(None) is None
+    return losses, params, used, shm.for_group(None) is None, gathered
 
 
 def _both(stage, precision, gas):
@@ -43,6 +46,7 @@ def test_shared_memory_trains_as_gloo_does_on_two_ranks(stage, precision, gas):
         assert shared[2] and not plain[2]  # the transport was used, then released with the engine (shared[3])
         assert shared[3]
         assert shared[0] == plain[0]  # the losses, bit for bit
+        assert shared[4] == plain[4] > 0  # the gathers are counted alike (engine.comm_stats)
         for name, p in plain[1].items():
             assert shared[1][name] == p, name
 

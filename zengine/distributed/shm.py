@@ -45,36 +45,45 @@ class SharedMemoryTransport:
 
     def __init__(self, group, rank: int, world: int, piece_bytes: int):
         self.group, self.rank, self.world = group, rank, world
-        self.piece_bytes = int(piece_bytes)
+        self.piece_bytes = max(64, int(piece_bytes) // 64 * 64)  # whole elements of any dtype, aligned slots
         self.users = 0  # engines using it (install/uninstall)
         self._slot = 0  # the slot the next piece uses
         self._flag = torch.zeros(1)
         self.segment = self._map(2 * world * self.piece_bytes)  # [2 slots x world x piece_bytes] bytes
 
     def _map(self, nbytes: int) -> torch.Tensor:
-        """Every rank maps one new segment of ``nbytes``; rank 0 makes it and unlinks it once all have it."""
+        """Every rank maps one new segment of ``nbytes``; rank 0 makes it and unlinks it once all have it.
+        Its pages are reserved when it is made (``posix_fallocate``): a full ``/dev/shm`` (a container's
+        64 MiB default) is an ``OSError`` here, on every rank, not a SIGBUS at the first write."""
         from . import collectives
 
-        name = torch.zeros(16, dtype=torch.uint8)
+        head = torch.zeros(17, dtype=torch.uint8)  # the name's 16 bytes, then 1 when rank 0 made the file
+        path = None
         if self.rank == 0:
-            name.copy_(torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8))
-        collectives.broadcast(name, collectives.global_rank(0, self.group), self.group)
-        path = os.path.join(_DIR, "zengine-" + bytes(name.tolist()).hex())
-        if self.rank == 0:
-            with open(path, "wb") as f:
-                f.truncate(nbytes)
-        self._sync()
+            head[:16].copy_(torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8))
+            path = os.path.join(_DIR, "zengine-" + bytes(head[:16].tolist()).hex())
+            head[16] = _make(path, nbytes)
+        collectives.broadcast(head, collectives.global_rank(0, self.group), self.group)
+        if not head[16]:
+            raise OSError(f"no room for a {nbytes / 2 ** 20:.1f} MiB shared-memory segment in {_DIR}")
+        path = os.path.join(_DIR, "zengine-" + bytes(head[:16].tolist()).hex())
+        segment, failed = None, torch.zeros(1)
         try:
             segment = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        finally:
-            self._sync()  # every rank has it mapped (or failed): the name can go
+        except (OSError, RuntimeError):
+            failed += 1
+        finally:  # every rank has it mapped (or failed): the name can go
+            collectives.run_blocking("shared-memory map", failed, dist.all_reduce, failed, group=self.group)
             if self.rank == 0:
                 os.unlink(path)
+        if failed.item():
+            raise OSError(f"{int(failed.item())} rank(s) could not map the shared-memory segment")
         return segment
 
-    def sync(self) -> None:
-        """Return once every rank has come here: what each wrote into the piece before is visible to all."""
-        self._sync()
+    def sync(self, what: str = "all_gather") -> None:
+        """Return once every rank has come here: what each wrote into the piece before is visible to all.
+        ``what``: the collective the pieces carry (named if the sync fails)."""
+        self._sync(what)
 
     def piece(self, dtype: torch.dtype, width: int) -> torch.Tensor:
         """The next slot as ``[world, width]`` of ``dtype`` (``width`` at most ``columns(dtype)``): write this
@@ -85,12 +94,13 @@ class SharedMemoryTransport:
         """Most columns of ``dtype`` a piece holds."""
         return max(1, self.piece_bytes // torch.empty(0, dtype=dtype).element_size())
 
-    def _sync(self) -> None:
+    def _sync(self, what: str) -> None:
         """Return once every rank of the group has come here (what each wrote before is visible to all).
         An all-reduce, not a barrier: gloo's barrier would first wait for every collective in flight."""
         from . import collectives
 
-        collectives.run_blocking("shared-memory sync", self._flag, dist.all_reduce, self._flag, group=self.group)
+        collectives.run_blocking(f"{what} through shared memory (its sync)", self._flag, dist.all_reduce, self._flag,
+                                 group=self.group)
 
     def _piece(self, dtype: torch.dtype, width: int) -> torch.Tensor:
         """The next slot as ``[world, width]`` of ``dtype``."""
@@ -110,7 +120,7 @@ class SharedMemoryTransport:
             hi = min(n, lo + per)
             piece = self._piece(rows.dtype, hi - lo)  # [world, hi - lo]
             piece[self.rank].copy_(rows[self.rank, lo:hi])
-            self._sync()
+            self._sync("all_gather")
             for r in range(self.world):
                 if r != self.rank:
                     rows[r, lo:hi].copy_(piece[r])
@@ -124,7 +134,7 @@ class SharedMemoryTransport:
             hi = min(n, lo + per)
             piece = self._piece(rows.dtype, self.world * (hi - lo)).view(self.world, self.world, hi - lo)
             piece[self.rank].copy_(rows[:, lo:hi])  # [writer, row, hi - lo]
-            self._sync()
+            self._sync("reduce_scatter")
             out = rows[self.rank, lo:hi]
             torch.add(piece[0, self.rank], piece[1, self.rank], out=out)
             for r in range(2, self.world):
@@ -139,11 +149,27 @@ class SharedMemoryTransport:
             hi = min(flat.numel(), lo + per)
             piece = self._piece(tensor.dtype, hi - lo)  # [world, hi - lo]
             piece[self.rank].copy_(flat[lo:hi])
-            self._sync()
+            self._sync("all_reduce")
             out = flat[lo:hi]
             torch.add(piece[0], piece[1], out=out)
             for r in range(2, self.world):
                 out.add_(piece[r])
+
+
+def _make(path: str, nbytes: int) -> bool:
+    """Make the segment's file with every page reserved; False (nothing left behind) if there is no room."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return False
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return True
+    except OSError:
+        os.unlink(path)
+        return False
+    finally:
+        os.close(fd)
 
 
 _transports: dict[int, SharedMemoryTransport] = {}  # id(group) -> its transport
@@ -179,8 +205,14 @@ def install(group, piece_bytes: int) -> Optional[SharedMemoryTransport]:
                 logger.info("zengine: shared_memory: the ranks are on %d hosts (or there is no %s): gloo's transport "
                             "stays", len(set(hosts.view(-1).tolist())), _DIR)
             return None
-        transport = SharedMemoryTransport(group if group is not None else dist.GroupMember.WORLD, rank, world,
-                                          piece_bytes)
+        try:
+            transport = SharedMemoryTransport(group if group is not None else dist.GroupMember.WORLD, rank, world,
+                                              piece_bytes)
+        except OSError as err:  # every rank got the same error (the map's outcome is agreed)
+            if rank == 0:
+                logger.warning("zengine: shared_memory: %s; gloo's transport stays (free room in %s, or lower "
+                               "shared_memory.piece_size)", err, _DIR)
+            return None
         _transports[_key(group)] = transport
         if rank == 0:
             logger.info("zengine: shared_memory: collectives of %d ranks through a %.1f MiB segment", world,

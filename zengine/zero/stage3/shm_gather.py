@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ...distributed import shm
+from ...distributed import shm, traffic
 from ...distributed.shm import SharedMemoryTransport
 from .param import ShardedParam
 
@@ -38,6 +38,7 @@ def gather(transport: SharedMemoryTransport, params: list[ShardedParam], rank: i
     tags = torch.empty(world, tag.numel(), dtype=dtype) if tag is not None else None  # [world, tag]
     targets = [sp.allocate() for sp in params] + ([tags] if tag is not None else [])  # each [world, width]
     widths = [t.shape[1] for t in targets]
+    traffic.record("all_gather", world * sum(widths) * params[0].full.element_size(), transport.group)
     per = transport.columns(dtype)
     i, offset = 0, 0  # the target being copied and how far into its columns
     while i < len(targets):
