@@ -59,7 +59,7 @@ class CheckpointedEdgeNet(EdgeNet):
         return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
 
 
-def _config(stage, dtype, gas, offload=False):
+def _config(stage, dtype, gas, offload=False, shared=False):
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -67,7 +67,7 @@ def _config(stage, dtype, gas, offload=False):
             zero["offload_param"] = {"device": "cpu"}
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": LR}}, "zero_optimization": zero,
-            "bf16": {"enabled": dtype == "bf16"}}
+            "bf16": {"enabled": dtype == "bf16"}, "shared_memory": {"enabled": shared, "piece_size": 4096}}
 
 
 def _train(engine, batches, gas):
@@ -85,10 +85,15 @@ def _train(engine, batches, gas):
         return losses, {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
 
 
-def parity_cases(cases):
+def parity_cases(cases, shared=False):
     """Each case: the parity model trained eagerly and compiled (aot_eager), same config; returns the largest
-    differences of the losses and of the parameters, and the graphs compiled after the first two steps."""
+    differences of the losses and of the parameters, and the graphs compiled after the first two steps.
+    ``shared``: both with every collective through shared memory (small pieces)."""
     from torch._dynamo.utils import counters
+    from zengine.distributed import shm
+
+    if shared:
+        shm.MIN_BYTES = 0  # the parity model's buffers are small: all of them through the segment
 
     out = []
     for stage, dtype, gas, offload, checkpointed, *autograd in cases:
@@ -100,7 +105,7 @@ def parity_cases(cases):
         for compiled in (False, True):
             model = copy.deepcopy(base)
             engine, *_ = zengine.initialize(model=model, model_parameters=edge_param_groups(model, LR),
-                                            config=_config(stage, dtype, gas, offload))
+                                            config=_config(stage, dtype, gas, offload, shared))
             backend = Counting()
             if compiled:
                 engine.compile(backend=backend, compiled_autograd_enabled=autograd)
@@ -149,6 +154,13 @@ def test_compiled_autograd_matches_eager_at_every_stage():
         _check_parity(r)
         # engine.backward ran under compiled autograd, and its graph was not captured again after two steps
         assert r["captures"] >= 1 and r["late_captures"] == 0, r
+
+
+def test_compiled_matches_eager_with_collectives_through_shared_memory():
+    # stage 3 gathers straight into the parameters there (zero/stage3/shm_gather.py), also under compiled autograd
+    for r in spawn(parity_cases, 2, [(3, "fp32", 2, False, True), (3, "fp32", 1, True, False, True)], True)[0]:
+        _check_parity(r)
+        assert r["loss"] == 0.0 and r["param"] == 0.0, r  # aot_eager: the same arithmetic
 
 
 # -- stage 3: per-block graphs, no break, no recompile, prefetch ------------------------------------------------
