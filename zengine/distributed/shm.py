@@ -6,7 +6,7 @@ compute. Ranks on one host can instead see each other's data: each writes its pa
 of shared memory that every rank has mapped, one small gloo all-reduce marks that all have written
 (the sync), and each reads what it needs straight from the others' parts. Measured on the 2-core box
 (84 MiB, 2 ranks): an all-gather by rows 14 ms of CPU against gloo's 27 ms, an all-reduce 28 ms
-against 53 ms (``benchmarks/bench_comm.py --shm``).
+against 53 ms (``benchmarks/bench_shm.py``).
 
 The segment holds two slots of ``world x piece_bytes``; a collective moves its buffer a piece at a
 time, alternating slots, one sync per piece. Alternating makes one sync enough: a rank writes slot s

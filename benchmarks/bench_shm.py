@@ -1,0 +1,100 @@
+"""Collectives of CPU ranks on one host: gloo's transport against shared memory (``zengine/distributed/shm.py``).
+
+    python benchmarks/bench_shm.py [--world 2] [--sizes 1,16,84] [--repeats 9]
+
+For each size (MiB of the whole buffer) and each collective zengine sends through the transport (the
+all-gather by rows of stage 3's and the post-step gathers, the all-reduce of stages 0-2's gradients,
+stage 3's reduce-scatter of its [world, n] gradient buckets; gloo has no fast reduce-scatter, so zengine's
+gloo path all-reduces there), the median over the repeats (the first two left out) of the slowest rank's wall
+time and of the CPU time its process used (gloo's threads included). Each rank runs one compute thread, as
+the training benchmarks do. Prints a markdown table and writes it to ``benchmarks/results/shm_<date>.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_zero import free_port  # noqa: E402
+
+
+def _time(fn, repeats: int) -> tuple[float, float]:
+    wall, cpu = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    both = torch.tensor([statistics.median(wall[2:]), statistics.median(cpu[2:])], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)  # the slowest rank's
+    return both[0].item(), both[1].item()
+
+
+def worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, out: str) -> None:
+    from zengine.distributed import collectives, shm
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows_out = []
+    for mib in sizes:
+        n = mib * 2 ** 20 // 4 // world
+        buf = torch.randn(world, n)  # [world, n] fp32
+        cases = {"all-gather by rows": lambda: collectives.all_gather_rows(buf, rank),
+                 "all-reduce": lambda: collectives.all_reduce_sum(buf),
+                 "reduce-scatter of rows": lambda: (collectives.reduce_scatter_rows(buf)
+                                                    if shm.for_group(None) is not None
+                                                    else collectives.all_reduce_sum(buf))}
+        for name, fn in cases.items():
+            gloo = _time(fn, repeats)
+            transport = shm.install(None, 8 * 2 ** 20)
+            shared = _time(fn, repeats)
+            shm.uninstall(transport)
+            rows_out.append(f"| {mib} | {name} | {gloo[0] * 1e3:.1f} / {gloo[1] * 1e3:.1f} | "
+                            f"{shared[0] * 1e3:.1f} / {shared[1] * 1e3:.1f} | {gloo[1] / shared[1]:.2f}x |")
+    if rank == 0:
+        Path(out).write_text("\n".join(rows_out) + "\n")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--sizes", default="1,16,84", help="MiB of the whole buffer, comma-separated")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.md")
+        mp.spawn(worker, args=(args.world, free_port(), sizes, args.repeats, out), nprocs=args.world, join=True)
+        rows = Path(out).read_text()
+    command = "python benchmarks/bench_shm.py " + " ".join(sys.argv[1:])
+    text = (f"# Collectives through gloo and through shared memory ({datetime.date.today()})\n\n`{command}`\n\n"
+            f"{os.cpu_count()} CPUs, torch {torch.__version__}, W={args.world} gloo ranks (1 thread each), fp32, "
+            f"8 MiB pieces; times in ms, slowest rank, median of {args.repeats - 2}.\n\n"
+            "| MiB | collective | gloo wall / CPU | shared memory wall / CPU | CPU ratio |\n|---|---|---|---|---|\n"
+            + rows)
+    print(text)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / f"shm_{datetime.date.today()}.md"
+    path.write_text(text)
+    print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()
