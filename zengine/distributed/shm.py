@@ -80,20 +80,6 @@ class SharedMemoryTransport:
             raise OSError(f"{int(failed.item())} rank(s) could not map the shared-memory segment")
         return segment
 
-    def sync(self, what: str = "all_gather") -> None:
-        """Return once every rank has come here: what each wrote into the piece before is visible to all.
-        ``what``: the collective the pieces carry (named if the sync fails)."""
-        self._sync(what)
-
-    def piece(self, dtype: torch.dtype, width: int) -> torch.Tensor:
-        """The next slot as ``[world, width]`` of ``dtype`` (``width`` at most ``columns(dtype)``): write this
-        rank's row, ``sync()``, then read the others' rows, before the piece after next."""
-        return self._piece(dtype, width)
-
-    def columns(self, dtype: torch.dtype) -> int:
-        """Most columns of ``dtype`` a piece holds."""
-        return max(1, self.piece_bytes // torch.empty(0, dtype=dtype).element_size())
-
     def _sync(self, what: str) -> None:
         """Return once every rank of the group has come here (what each wrote before is visible to all).
         An all-reduce, not a barrier: gloo's barrier would first wait for every collective in flight."""
@@ -114,16 +100,35 @@ class SharedMemoryTransport:
 
     def all_gather_rows(self, rows: torch.Tensor) -> None:
         """Row r of ``rows`` ([world, n], each row contiguous) on every rank from rank r's row r."""
-        n = rows.shape[1]
-        per = max(1, self.piece_bytes // rows.element_size())
-        for lo in range(0, n, per):
-            hi = min(n, lo + per)
-            piece = self._piece(rows.dtype, hi - lo)  # [world, hi - lo]
-            piece[self.rank].copy_(rows[self.rank, lo:hi])
+        self.gather_columns([rows[self.rank]], [rows], rows.dtype, own_in_place=True)
+
+    def gather_columns(self, sources: list[torch.Tensor], targets: list[torch.Tensor], dtype: torch.dtype,
+                       own_in_place: bool = False) -> None:
+        """An all-gather of several buffers at once: row r of each target ([world, width_i]) on every rank from
+        rank r's source i ([width_i]), the targets' columns taken end to end a piece at a time.
+        ``own_in_place``: each source already is this rank's row of its target (not copied back)."""
+        widths = [t.shape[1] for t in targets]
+        per = max(1, self.piece_bytes // torch.empty(0, dtype=dtype).element_size())
+        i, offset = 0, 0  # the target the next piece starts in, and how far into its columns
+        while i < len(targets):
+            spans, width = [], 0  # (target, its first column, columns, the piece's first column)
+            while i < len(targets) and width < per:
+                take = min(widths[i] - offset, per - width)
+                spans.append((i, offset, take, width))
+                width, offset = width + take, offset + take
+                if offset == widths[i]:
+                    i, offset = i + 1, 0
+            piece = self._piece(dtype, width)  # [world, width]
+            for t, start, take, col in spans:
+                piece[self.rank, col:col + take].copy_(sources[t][start:start + take])
             self._sync("all_gather")
-            for r in range(self.world):
-                if r != self.rank:
-                    rows[r, lo:hi].copy_(piece[r])
+            for t, start, take, col in spans:
+                if own_in_place:
+                    for r in range(self.world):
+                        if r != self.rank:
+                            targets[t][r, start:start + take].copy_(piece[r, col:col + take])
+                else:
+                    targets[t][:, start:start + take].copy_(piece[:, col:col + take])
 
     def reduce_scatter_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Row ``rank`` of ``rows`` ([world, n], contiguous) summed over the group, in rank order, into that row

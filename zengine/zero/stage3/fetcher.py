@@ -283,13 +283,13 @@ class Fetcher:
             pending.decode = None
         if pending.tag is not None:
             self.check.compare(pending.staging[:, -_TAG:], pending.tag)
-        col, rows = 0, pending.staging.shape[0] if pending.staging is not None else self.world
+        col = 0
         for i, sp in enumerate(pending.params):
             self._pending.pop(id(sp), None)
             was_sharded = sp.state is ParamState.SHARDED
             width = sp.chunk if pending.widths is None else pending.widths[i]
             if not pending.direct:
-                sp.allocate().view(rows, width).copy_(pending.staging[:, col:col + width])
+                sp.allocate().view(pending.staging.shape[0], width).copy_(pending.staging[:, col:col + width])
             col += width
             if self.hpz is not None and pending.widths is None:
                 self.hpz.keep(sp)  # in a training forward: this rank's piece for the backward's gather
@@ -436,7 +436,7 @@ def _start_shared(self: "Fetcher", transport, params: list[ShardedParam], tag: O
                   refresh: bool) -> _Pending:
     """Ranks on one host: gather straight from the shards into the parameters through shared memory
     (``shm_gather.py``), done before this returns; the pending gather left for ``_finish`` keeps the books."""
-    tags = shm_gather.gather(transport, params, self.rank, tag)
+    tags = shm_gather.gather(transport, params, tag)
     if tags is not None:
         self.check.compare(tags, tag)
     pending = _Pending(params, None, [], direct=True)  # direct: nothing to copy out
