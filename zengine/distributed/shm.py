@@ -199,7 +199,12 @@ def install(group, piece_bytes: int) -> Optional[SharedMemoryTransport]:
     group keeps gloo's own transport) when the group is not gloo, has one rank, or spans hosts."""
     from . import collectives
 
-    if not dist.is_initialized() or not collectives.is_gloo(group) or dist.get_world_size(group) == 1:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return None
+    if not collectives.is_gloo(group):  # NCCL moves GPU tensors itself (NVLink, P2P): nothing to do here
+        if dist.get_rank(group) == 0:
+            logger.info("zengine: shared_memory: the %s backend carries its own collectives; shared memory is for "
+                        "gloo (CPU) ranks only", collectives.backend(group))
         return None
     transport = _transports.get(_key(group))
     if transport is None:
