@@ -55,9 +55,11 @@ def _collectives(seed: int):
     scattered = []
     for mine in cases:
         rows = mine.clone()
-        got = collectives.reduce_scatter_rows(rows)
-        scattered.append(None if got is None else (got.clone(), torch.equal(rows[torch.arange(world) != rank],
-                                                                           mine[torch.arange(world) != rank])))
+        works, got = collectives.reduce_scatter_rows(rows, rank)
+        for w in works:  # gloo's all-reduce (a small buffer)
+            w.wait()
+        scattered.append((works == [], got.clone(), torch.equal(rows[torch.arange(world) != rank],
+                                                                mine[torch.arange(world) != rank])))
     # the sums by hand in rank order: what every rank must hold
     by_rank = []
     for mine in cases:
@@ -75,9 +77,11 @@ def _collectives(seed: int):
                                           atol=2 ** -4 if a.dtype == torch.bfloat16 else 1e-6)  # bf16: two roundings apart
                            for a, b in zip(got_sum, expect_sum)],
                sums_equal_gloo=[torch.equal(a, b) for a, b in zip(got_sum, expect_sum)],
-               scattered=[s is not None for s in scattered],
-               scattered_rank_order=[torch.equal(s[0], b[rank]) and s[1] for s, b in zip(scattered, by_rank)
-                                     if s is not None],  # its row summed, the others untouched
+               scattered=[s[0] for s in scattered],  # through shared memory
+               scattered_rank_order=[torch.equal(s[1], b[rank]) and s[2] for s, b in zip(scattered, by_rank)
+                                     if s[0]],  # its row summed, the others untouched
+               scattered_close=[torch.allclose(s[1].float(), b[rank].float(), rtol=2 ** -6, atol=2 ** -4)
+                                for s, b in zip(scattered, by_rank)],  # the small one: gloo's all-reduce
                checksum=[float(t.double().sum()) for t in got_sum],
                uninstalled=shm.for_group(None) is None)
     return out
@@ -95,6 +99,7 @@ def test_shared_memory_collectives_equal_gloos(world):
         if world == 2:  # one addition per element: exactly gloo's
             assert all(r["sums_equal_gloo"]), r
         assert r["scattered"] == [True, True, True, False] and all(r["scattered_rank_order"]), r
+        assert all(r["scattered_close"]), r
         assert r["uninstalled"]
     assert all(r["checksum"] == results[0]["checksum"] for r in results)  # every rank the same bits
     assert _shm_files() <= before

@@ -211,16 +211,23 @@ def gather_strided(full: torch.Tensor, shard_numel: int, lo: int, hi: int, rank:
         rows.copy_(staging)
 
 
-def reduce_scatter_rows(rows: torch.Tensor, group=None) -> Optional[torch.Tensor]:
-    """Through shared memory (``shm.py``), where installed for ``group`` and ``rows`` ([world, n], contiguous)
-    is large enough: this rank's row summed over the group, in place and returned, done before this
-    returns. None otherwise (nothing done: the caller reduces some other way)."""
+def reduce_scatter_rows(rows: torch.Tensor, rank: int, group=None) -> tuple[list, torch.Tensor]:
+    """Row ``rank`` of ``rows`` ([world, n], contiguous) summed over the group, by the cheapest way the group has.
+
+    Returns ``(works, mine)``: once the works are waited for, ``mine`` holds this rank's sum. Through shared
+    memory (``shm.py``, CPU ranks on one host): done before this returns, in place (``mine`` is ``rows[rank]``).
+    On other gloo groups: an all-reduce of the whole buffer, whose row ``rank`` is kept (measured faster than
+    gloo's reduce-scatter). Otherwise (NCCL): a reduce-scatter into a new ``[n]`` tensor.
+    """
     transport = shm.for_group(group)
-    if transport is None or not transport.takes(rows) or not rows.is_contiguous():
-        return None
-    check_devices("reduce_scatter_rows", group, rows)
-    traffic.record("reduce_scatter", rows.numel() * rows.element_size(), group)
-    return transport.reduce_scatter_rows(rows)
+    if transport is not None and transport.takes(rows) and rows.is_contiguous():
+        check_devices("reduce_scatter_rows", group, rows)
+        traffic.record("reduce_scatter", rows.numel() * rows.element_size(), group)
+        return [], transport.reduce_scatter_rows(rows)
+    if is_gloo(group):
+        return [all_reduce_sum(rows, group, async_op=True)], rows[rank]
+    out = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
+    return [reduce_scatter(out, rows.view(-1), group, async_op=True)], out
 
 
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False) -> Work:

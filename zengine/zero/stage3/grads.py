@@ -2,9 +2,10 @@
 
 A bucket is a run of parameters (in reverse registration order, as
 gradients arrive) whose buffer is laid out rank-major, ``[world, sum of
-chunks]``, so that row r holds every parameter's chunk r: one reduce-scatter
-(NCCL) or one all-reduce whose row r is kept (gloo, measured faster) leaves
-each rank exactly its shard of every parameter in the bucket. A parameter's
+chunks]``, so that row r holds every parameter's chunk r: one
+``collectives.reduce_scatter_rows`` (NCCL's reduce-scatter, gloo's all-reduce
+whose row r is kept, or shared memory) leaves each rank exactly its shard of
+every parameter in the bucket. A parameter's
 full gradient is freed as soon as it is copied into its bucket, and its full
 data as soon as its gradient is done (nothing in backward needs it after).
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from ...distributed import collectives
 from ..grad_dtypes import GradDtypes
@@ -59,7 +59,6 @@ class Stage3Gradients(ShardReducer):
         self.groups, self.world, self.rank = groups, world, rank
         self.replication = replication  # MiCS: each reduced shard is summed over the shard groups' copies too
         self.after_grad = after_grad  # releases the parameter's full data
-        self.use_reduce_scatter = dist.get_backend(comm_group) != "gloo"
         self.quantized_bits = quantized_bits if world > 1 else 0  # zero_quantized_gradients: 8 or 4 (0: exact)
         shards = self._make_shards(groups, placement, dtypes.shard_dtype(placement.cpu_optimizer))
         # Buckets count chunk elements; a bucket of c chunk elements moves world * c elements.
@@ -156,13 +155,7 @@ class Stage3Gradients(ShardReducer):
     def _reduce(self, gi: int, bucket: Bucket, buf: torch.Tensor):
         if self.quantized_bits:  # zero_quantized_gradients: int8/int4 all-to-all, summed in fp32 (quantized.py)
             return quantized_reduce_scatter(buf, self.comm_group, self.quantized_bits)
-        if self.use_reduce_scatter:
-            out = torch.empty(bucket.numel, dtype=buf.dtype, device=buf.device)
-            return [collectives.reduce_scatter(out, buf.view(-1), self.comm_group, async_op=True)], out
-        mine = collectives.reduce_scatter_rows(buf, self.comm_group)  # shared memory (ranks on one host)
-        if mine is not None:
-            return [], mine
-        return [collectives.all_reduce_sum(buf, self.comm_group, async_op=True)], None
+        return collectives.reduce_scatter_rows(buf, self.rank, self.comm_group)
 
     def _region(self, gi: int, bucket: Bucket) -> torch.Tensor:
         return self.shards[gi][bucket.start:bucket.end]
@@ -173,7 +166,7 @@ class Stage3Gradients(ShardReducer):
     def _mine(self, buf: torch.Tensor, out) -> torch.Tensor:
         """This rank's reduced part: the reduce-scatter's output, the quantized sum, or its row of the all-reduce;
         with MiCS then summed over the copies of this shard in the other shard groups."""
-        mine = out() if callable(out) else out if out is not None else buf[self.rank]
+        mine = out() if callable(out) else out
         self.replication.all_reduce(mine)
         return mine
 
