@@ -20,7 +20,10 @@ def _leaf_fields():
         field = _model_at(path[:-1]).model_fields[path[-1]]
         annotation = field.annotation
         if typing.get_origin(annotation) is typing.Union:  # Optional[...], e.g. the batch keys
-            (inner,) = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+            inners = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+            if len(inners) > 1:  # a flag or "auto" (shared_memory.enabled): its own test below
+                continue
+            (inner,) = inners
             annotation = typing.get_args(inner)[0] if typing.get_origin(inner) is typing.Annotated else inner
         if annotation is bool:
             yield ".".join(path), "flag"
@@ -127,3 +130,11 @@ def test_deprecated_keys_do_not_hide_other_problems():
                  "zero_optimization.stage: expected an integer, not a boolean",
                  "zero_optimization.reduce_bucket_size:", "fp16.enabled:"):
         assert f"\n  {line}" in message, line
+
+
+def test_a_flag_or_auto_takes_those_three_only():
+    for value in (True, False, "auto"):
+        assert load_config({**BASE, "shared_memory": {"enabled": value}}, 1).shared_memory.enabled == value
+    assert ZengineConfig().shared_memory.enabled == "auto"
+    for value in (1, "yes", "on", None):
+        assert "\n  shared_memory.enabled: " in _error({**BASE, "shared_memory": {"enabled": value}}), value

@@ -15,9 +15,10 @@ written as a string ("8", "1.0") is read as before.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Dict, List, Optional, Tuple
+from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, StrictBool, ValidationError,
+                      model_validator)
 
 
 def _whole_number(value: Any) -> Any:
@@ -71,6 +72,16 @@ Number = Annotated[float, BeforeValidator(_not_bool)]
 """A decimal number; an int is welcome, a boolean is not."""
 Flag = StrictBool
 """true or false, nothing else (not 1, not "yes")."""
+
+
+def _flag_or_auto(value: Any) -> Any:
+    if value is True or value is False or value == "auto":
+        return value
+    raise ValueError(f'expected true, false or "auto" ({value!r})')
+
+
+FlagOrAuto = Annotated[Union[bool, Literal["auto"]], PlainValidator(_flag_or_auto)]
+"""true, false or "auto" (zengine decides), nothing else."""
 Size = Annotated[int, BeforeValidator(_whole_number), Field(ge=0)]
 """A count of elements or bytes; 0 is meaningful (e.g. no persistence)."""
 PositiveSize = Annotated[int, BeforeValidator(_whole_number), Field(ge=1)]

@@ -3,23 +3,29 @@
 On gloo (CPU ranks) every collective otherwise crosses the loopback TCP stack, on the cores that also
 compute; ranks on one host can read each other's data from one shared segment instead
 (``distributed/shm.py``: measured 1.9x less CPU for an all-gather, 1.9x for an all-reduce, at 84 MiB on
-2 ranks). Off by default: the segment is memory besides the model states (two slots of world x
-``piece_size`` bytes per host), and a group whose ranks span hosts keeps gloo's transport anyway.
+2 ranks; compiled stage 3 1.11x compiled DDP's step through gloo, 1.02x through shared memory).
+
+"auto" (the default) uses it wherever it applies, silently: a gloo group whose ranks all run on this host,
+with the segment's pieces no larger than the model (a model too small for any collective to take the
+segment gets none). ``true`` also says, on rank 0, why it does not apply where it does not (NCCL, ranks
+on several hosts, no room in ``/dev/shm``); ``false`` keeps gloo's transport.
 """
 from __future__ import annotations
 
 from pydantic import Field
 
-from .base import Flag, PositiveSize, _Section
+from .base import FlagOrAuto, PositiveSize, _Section
 
 
 class SharedMemoryConfig(_Section):
     """Collectives of CPU ranks on one host through shared memory (see the module doc)."""
 
-    enabled: Flag = Field(False, description=(
-        "Run the data-parallel group's all-gathers and all-reduces of CPU tensors (64 KiB and more) through a "
-        "shared-memory segment when every rank of the group is on this host; the group's other collectives, "
-        "and every collective of a group that spans hosts, stay on gloo."))
+    enabled: FlagOrAuto = Field("auto", description=(
+        "Run the data-parallel group's all-gathers, all-reduces and stage 3's gradient reduce-scatters of CPU "
+        "tensors (64 KiB and more) through a shared-memory segment when the group is gloo and every rank of it "
+        "is on this host; the group's other collectives, and every collective of a group that spans hosts, stay "
+        "on gloo. \"auto\": wherever that applies, pieces no larger than the model; true: also say why not "
+        "where it does not apply; false: never."))
     piece_size: PositiveSize = Field(8 * 2 ** 20, description=(
         "Bytes each rank moves per step of a collective; the segment is 2 x world x piece_size bytes. Larger "
-        "pieces mean fewer syncs, smaller ones less shared memory."))
+        "pieces mean fewer syncs, smaller ones less shared memory. With \"auto\" no more than the model's bytes."))

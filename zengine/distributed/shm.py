@@ -19,7 +19,8 @@ holds the same bits (with 2 ranks exactly gloo's sums). The segment is unlinked 
 has mapped it: nothing is left in ``/dev/shm`` if a rank dies.
 
 ``install(group, piece_bytes)`` (every rank of the group, together) sets a group's transport up when
-all its ranks share this host; ``collectives.py`` asks ``for_group`` before each all-gather by rows
+all its ranks share this host (the engine calls it through ``install_for``, as the ``shared_memory``
+config section says: by default wherever it applies); ``collectives.py`` asks ``for_group`` before each all-gather by rows
 and each all-reduce and uses it for CPU tensors of at least ``MIN_BYTES``.
 """
 from __future__ import annotations
@@ -194,16 +195,37 @@ def _key(group) -> int:
     return id(group if group is not None else dist.GroupMember.WORLD)
 
 
-def install(group, piece_bytes: int) -> Optional[SharedMemoryTransport]:
+def model_bytes(model: torch.nn.Module) -> int:
+    """What a collective of ``model`` moves per rank at most: its parameters' full elements (a ``zero.Init``
+    parameter's ``ds_numel``) at 4 bytes each, or more for a wider dtype (gradients are reduced in fp32)."""
+    return sum(getattr(p, "ds_numel", p.numel()) * max(4, p.element_size()) for p in model.parameters())
+
+
+def install_for(group, section, model_bytes: int) -> Optional[SharedMemoryTransport]:
+    """The engine's call: ``group``'s transport as the ``shared_memory`` config section asks, for a model of
+    ``model_bytes`` (its parameters at 4 bytes an element or more: no collective moves more per rank).
+    "auto": where it applies, quietly, pieces capped at the model's bytes; true: ``install`` as given."""
+    if section.enabled is False:
+        return None
+    if section.enabled is True:
+        return install(group, section.piece_size)
+    if model_bytes < MIN_BYTES:  # no collective of this model would take the segment
+        return None
+    return install(group, min(section.piece_size, model_bytes), asked=False)
+
+
+def install(group, piece_bytes: int, asked: bool = True) -> Optional[SharedMemoryTransport]:
     """Set up (or reuse) ``group``'s transport; every rank of the group calls this together. None (the
-    group keeps gloo's own transport) when the group is not gloo, has one rank, or spans hosts."""
+    group keeps gloo's own transport) when the group is not gloo, has one rank, or spans hosts: said on
+    rank 0 when ``asked`` (the config's explicit true), at debug level otherwise."""
     from . import collectives
 
+    say = logger.info if asked else logger.debug
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return None
     if not collectives.is_gloo(group):  # NCCL moves GPU tensors itself (NVLink, P2P): nothing to do here
         if dist.get_rank(group) == 0:
-            logger.info("zengine: shared_memory: the %s backend carries its own collectives; shared memory is for "
+            say("zengine: shared_memory: the %s backend carries its own collectives; shared memory is for "
                         "gloo (CPU) ranks only", collectives.backend(group))
         return None
     transport = _transports.get(_key(group))
@@ -212,7 +234,7 @@ def install(group, piece_bytes: int) -> Optional[SharedMemoryTransport]:
         hosts = collectives.all_gather_small(torch.tensor([_host_id()], dtype=torch.int64), group)
         if not os.path.isdir(_DIR) or len(set(hosts.view(-1).tolist())) != 1:
             if rank == 0:
-                logger.info("zengine: shared_memory: the ranks are on %d hosts (or there is no %s): gloo's transport "
+                say("zengine: shared_memory: the ranks are on %d hosts (or there is no %s): gloo's transport "
                             "stays", len(set(hosts.view(-1).tolist())), _DIR)
             return None
         try:
@@ -220,12 +242,12 @@ def install(group, piece_bytes: int) -> Optional[SharedMemoryTransport]:
                                               piece_bytes)
         except OSError as err:  # every rank got the same error (the map's outcome is agreed)
             if rank == 0:
-                logger.warning("zengine: shared_memory: %s; gloo's transport stays (free room in %s, or lower "
+                (logger.warning if asked else logger.info)("zengine: shared_memory: %s; gloo's transport stays (free room in %s, or lower "
                                "shared_memory.piece_size)", err, _DIR)
             return None
         _transports[_key(group)] = transport
         if rank == 0:
-            logger.info("zengine: shared_memory: collectives of %d ranks through a %.1f MiB segment", world,
+            say("zengine: shared_memory: collectives of %d ranks through a %.1f MiB segment", world,
                         transport.segment.numel() / 2 ** 20)
     transport.users += 1
     return transport

@@ -85,8 +85,7 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
 
         ranks = data_parallel_ranks(config.zero_optimization, placement.world_size, placement.rank, placement.device)
         # CPU ranks on one host: the data-parallel group's collectives through shared memory (distributed/shm.py)
-        self._shared_memory = (shm.install(ranks.group, config.shared_memory.piece_size)
-                               if config.shared_memory.enabled else None)
+        self._shared_memory = shm.install_for(ranks.group, config.shared_memory, shm.model_bytes(model))
         place_model(model, config, ranks)  # stage 3 (MiCS: over shard groups): cut one parameter at a time
         self.matmul = route_matmuls(model, config, placement)  # CPU bf16 without native bf16: fp32 products
         named_groups = named_param_groups(model, model_parameters, optimizer)
