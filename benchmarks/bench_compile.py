@@ -20,8 +20,10 @@ micro batch 4 per rank, CPU gloo ranks). Contenders:
   At stage 3 every transformer block is a leaf (``set_z3_leaf_modules``), eager and compiled alike: one
   gather unit per block, compiled as one graph. ``zengine-S-compiled-autograd``: also compiled autograd
   (``engine.compile(compiled_autograd_enabled=True)``: the whole backward captured and compiled).
-  ``zengine-S[-compiled]-shm``: with ``shared_memory.enabled`` (its all-gathers and all-reduces through a
-  shared-memory segment instead of gloo's loopback TCP: ``zengine/distributed/shm.py``).
+  zengine's collectives go through shared memory (``shared_memory``'s default "auto": the ranks share this
+  host; ``zengine/distributed/shm.py``); ``zengine-S[-compiled]-gloo``: ``shared_memory.enabled`` false,
+  gloo's loopback TCP. ``ddp-compiled+gather``'s all-gather takes whichever zengine uses on the group when
+  it runs: shared memory once a zengine contender without ``-gloo`` has been built in the processes.
 
 Each contender runs in fresh processes; with ``--rounds R`` all run R times in alternating order and the
 median step time is over every round's timed steps (absolute times drift on a shared machine: compare the
@@ -96,8 +98,8 @@ def build(name: str, model: torch.nn.Module, backend: str):
     if stage == 3:
         zengine.utils.set_z3_leaf_modules(model, [Block])  # one gather unit (and one graph) per block
     config = zero_config(stage, BUCKET)
-    if name.endswith("-shm"):  # collectives through shared memory (the ranks share this host)
-        config["shared_memory"] = {"enabled": True}
+    if name.endswith("-gloo"):  # gloo's transport, not shared memory (the default where the ranks share a host)
+        config["shared_memory"] = {"enabled": False}
     engine, *_ = zengine.initialize(model=model, config=config)
     if compiled:
         engine.compile(backend=backend, compiled_autograd_enabled=autograd)

@@ -44,7 +44,7 @@ def _time(fn, repeats: int) -> tuple[float, float]:
     return both[0].item(), both[1].item()
 
 
-def worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, out: str) -> None:
+def worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, out: str, piece: int) -> None:
     from zengine.distributed import collectives, shm
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -56,12 +56,11 @@ def worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, out
         buf = torch.randn(world, n)  # [world, n] fp32
         cases = {"all-gather by rows": lambda: collectives.all_gather_rows(buf, rank),
                  "all-reduce": lambda: collectives.all_reduce_sum(buf),
-                 "reduce-scatter of rows": lambda: (collectives.reduce_scatter_rows(buf)
-                                                    if shm.for_group(None) is not None
-                                                    else collectives.all_reduce_sum(buf))}
+                 # gloo: an all-reduce whose row is kept (zengine's way there); shared memory: each rank its row
+                 "reduce-scatter of rows": lambda: [w.wait() for w in collectives.reduce_scatter_rows(buf, rank)[0]]}
         for name, fn in cases.items():
             gloo = _time(fn, repeats)
-            transport = shm.install(None, 8 * 2 ** 20)
+            transport = shm.install(None, piece)
             shared = _time(fn, repeats)
             shm.uninstall(transport)
             rows_out.append(f"| {mib} | {name} | {gloo[0] * 1e3:.1f} / {gloo[1] * 1e3:.1f} | "
@@ -76,17 +75,18 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--sizes", default="1,16,84", help="MiB of the whole buffer, comma-separated")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--piece", type=float, default=8.0, help="MiB each rank moves per sync (shared_memory.piece_size)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.md")
-        mp.spawn(worker, args=(args.world, free_port(), sizes, args.repeats, out), nprocs=args.world, join=True)
+        mp.spawn(worker, args=(args.world, free_port(), sizes, args.repeats, out, int(args.piece * 2 ** 20)), nprocs=args.world, join=True)
         rows = Path(out).read_text()
     command = "python benchmarks/bench_shm.py " + " ".join(sys.argv[1:])
     text = (f"# Collectives through gloo and through shared memory ({datetime.date.today()})\n\n`{command}`\n\n"
             f"{os.cpu_count()} CPUs, torch {torch.__version__}, W={args.world} gloo ranks (1 thread each), fp32, "
-            f"8 MiB pieces; times in ms, slowest rank, median of {args.repeats - 2}.\n\n"
+            f"{args.piece:g} MiB pieces; times in ms, slowest rank, median of {args.repeats - 2}.\n\n"
             "| MiB | collective | gloo wall / CPU | shared memory wall / CPU | CPU ratio |\n|---|---|---|---|---|\n"
             + rows)
     print(text)

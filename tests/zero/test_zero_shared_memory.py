@@ -1,6 +1,8 @@
 """Training with ``shared_memory.enabled`` (collectives through shared memory, distributed/shm.py) gives what
-gloo's transport gives: bit for bit on 2 ranks (every sum is one addition), within float rounding on 3."""
+gloo's transport gives: bit for bit on 2 ranks (every sum is one addition), within float rounding on 3; and
+what the default ("auto") sets up, and says, for which models and groups."""
 import copy
+import logging
 
 import pytest
 import torch
@@ -19,8 +21,8 @@ def _train(stage, precision, gas, shared):
     model = EdgeNet()
     batches = make_batches(STEPS, MICRO * gas * world)
     cfg = engine_config(stage, precision, gas, world)
-    if shared:
-        cfg["shared_memory"] = {"enabled": True, "piece_size": 256}  # small pieces: every buffer crosses several
+    # small pieces: every buffer crosses several; plain: gloo's transport (shared memory is the default)
+    cfg["shared_memory"] = {"enabled": True, "piece_size": 256} if shared else {"enabled": False}
     engine, *_ = zengine.initialize(model=model, config=cfg, model_parameters=edge_param_groups(model, LR))
     traffic.snapshot(reset=True)
     used = shm.for_group(engine.optimizer.comm_group if hasattr(engine.optimizer, "comm_group") else None) is not None
@@ -57,3 +59,51 @@ def test_shared_memory_trains_as_gloo_does_on_three_ranks():
         assert shared[0] == pytest.approx(plain[0], rel=1e-6)
         for name, p in plain[1].items():
             torch.testing.assert_close(torch.tensor(shared[1][name]), torch.tensor(p), rtol=1e-5, atol=1e-6)
+
+
+WIDE = 1536  # a Linear of 9.0 MiB: pieces of 1.1 MiB on 2 ranks
+
+
+def _auto_cases():
+    """What ``initialize`` installs for each model and ``shared_memory`` section, and what rank 0 logged."""
+    import zengine.distributed.shm as mod
+
+    said = []
+    handler = logging.Handler(level=logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage()) if record.getMessage().startswith("zengine: shared_memory") else None
+    logging.getLogger("zengine").addHandler(handler)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    out = {}
+    for key, width, section in [("default", WIDE, None), ("small", 256, None), ("off", WIDE, {"enabled": False}),
+                                ("capped", WIDE, {"enabled": "auto", "piece_size": 2 ** 30}),
+                                ("asked", WIDE, {"enabled": "auto", "piece_size": 2 ** 20})]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(width, width)  # WIDE: 9.0 MiB of fp32 parameters; 256: 257 KiB
+        engine, *_ = zengine.initialize(model=model, config={**cfg, **({"shared_memory": section} if section else {})})
+        found = shm.for_group(None)
+        out[key] = None if found is None else found.piece_bytes
+        engine.destroy()
+    real_host = mod._host_id
+    mod._host_id = lambda: 1000 + dist.get_rank()  # as if each rank ran on its own host
+    for key in ("auto", True):
+        said.clear()
+        engine, *_ = zengine.initialize(model=torch.nn.Linear(WIDE, WIDE),
+                                        config={**cfg, "shared_memory": {"enabled": key}})
+        out[f"hosts_{key}"] = (shm.for_group(None) is None, list(said))
+        engine.destroy()
+    mod._host_id = real_host
+    return out
+
+
+def test_auto_is_the_default_on_one_host_sized_to_the_model_and_quiet_where_it_does_not_apply():
+    model_bytes = (WIDE * WIDE + WIDE) * 4
+    for rank, out in enumerate(spawn(_auto_cases, 2)):
+        # the segment (2 x world x piece) at most half the model's bytes (8 MiB pieces asked by default)
+        assert out["default"] == out["capped"] == model_bytes // 8 // 64 * 64 > shm.MIN_AUTO_PIECE
+        assert out["asked"] == 2 ** 20  # a piece_size under the cap is taken as given
+        assert out["small"] is None  # its pieces would be under 1 MiB: more syncs than data
+        assert out["off"] is None
+        assert out["hosts_auto"] == (True, [])  # ranks on two hosts: gloo, nothing said
+        gone, said = out["hosts_True"]
+        assert gone and (len(said) == 1 and "2 hosts" in said[0] if rank == 0 else said == [])

@@ -6,8 +6,9 @@ compute; ranks on one host can read each other's data from one shared segment in
 2 ranks; compiled stage 3 1.11x compiled DDP's step through gloo, 1.02x through shared memory).
 
 "auto" (the default) uses it wherever it applies, silently: a gloo group whose ranks all run on this host,
-with the segment's pieces no larger than the model (a model too small for any collective to take the
-segment gets none). ``true`` also says, on rank 0, why it does not apply where it does not (NCCL, ranks
+with pieces small enough that the segment is at most half the model's fp32 bytes (an eighth of its AdamW
+states); a model whose pieces would be under 1 MiB (8 MiB of parameters on 2 ranks) gets none, as there a
+sync per piece costs what it saves. ``true`` also says, on rank 0, why it does not apply where it does not (NCCL, ranks
 on several hosts, no room in ``/dev/shm``); ``false`` keeps gloo's transport.
 """
 from __future__ import annotations
@@ -24,8 +25,9 @@ class SharedMemoryConfig(_Section):
         "Run the data-parallel group's all-gathers, all-reduces and stage 3's gradient reduce-scatters of CPU "
         "tensors (64 KiB and more) through a shared-memory segment when the group is gloo and every rank of it "
         "is on this host; the group's other collectives, and every collective of a group that spans hosts, stay "
-        "on gloo. \"auto\": wherever that applies, pieces no larger than the model; true: also say why not "
-        "where it does not apply; false: never."))
+        "on gloo. \"auto\": wherever that applies, the segment at most half the model's fp32 bytes (none where "
+        "pieces would be under 1 MiB); true: also say why not where it does not apply; false: never."))
     piece_size: PositiveSize = Field(8 * 2 ** 20, description=(
         "Bytes each rank moves per step of a collective; the segment is 2 x world x piece_size bytes. Larger "
-        "pieces mean fewer syncs, smaller ones less shared memory. With \"auto\" no more than the model's bytes."))
+        "pieces mean fewer syncs, smaller ones less shared memory. With \"auto\" no more than the model's fp32 "
+        "bytes / (4 x world)."))
