@@ -83,6 +83,7 @@ def _auto_cases():
         engine, *_ = zengine.initialize(model=model, config={**cfg, **({"shared_memory": section} if section else {})})
         found = shm.for_group(None)
         out[key] = None if found is None else found.piece_bytes
+        out[f"{key}_counted"] = engine.memory_breakdown()["shared_segment"]  # not model state, one per host
         engine.destroy()
     real_host = mod._host_id
     mod._host_id = lambda: 1000 + dist.get_rank()  # as if each rank ran on its own host
@@ -104,6 +105,7 @@ def test_auto_is_the_default_on_one_host_sized_to_the_model_and_quiet_where_it_d
         assert out["asked"] == 2 ** 20  # a piece_size under the cap is taken as given
         assert out["small"] is None  # its pieces would be under 1 MiB: more syncs than data
         assert out["off"] is None
+        assert out["default_counted"] == 2 * 2 * out["default"] and out["off_counted"] == out["small_counted"] == 0
         assert out["hosts_auto"] == (True, [])  # ranks on two hosts: gloo, nothing said
         gone, said = out["hosts_True"]
         assert gone and (len(said) == 1 and "2 hosts" in said[0] if rank == 0 else said == [])

@@ -86,6 +86,7 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         ranks = data_parallel_ranks(config.zero_optimization, placement.world_size, placement.rank, placement.device)
         # CPU ranks on one host: the data-parallel group's collectives through shared memory (distributed/shm.py)
         self._shared_memory = shm.install_for(ranks.group, config.shared_memory, shm.model_bytes(model))
+        self._shared_memory_group = ranks.group  # (another engine's transport may serve it: memory_breakdown)
         place_model(model, config, ranks)  # stage 3 (MiCS: over shard groups): cut one parameter at a time
         self.matmul = route_matmuls(model, config, placement)  # CPU bf16 without native bf16: fp32 products
         named_groups = named_param_groups(model, model_parameters, optimizer)
@@ -338,7 +339,7 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
     # -- accounting -----------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, by kind, counted from the tensors themselves (``memory.py``)."""
-        return memory_breakdown(self.module, self.optimizer)
+        return memory_breakdown(self.module, self.optimizer, shm.for_group(self._shared_memory_group))
 
 
 DeepSpeedEngine = Engine  # DeepSpeed's name (deepspeed.runtime.engine.DeepSpeedEngine), for isinstance checks

@@ -7,10 +7,11 @@ from ..offload import pinned
 
 PINNED_HOST = "pinned_host"  # memory_breakdown()'s entry that is a place, not a kind
 WORKSPACE = "workspace"  # memory_breakdown()'s entry for storage kept for reuse: not model state
+SHARED_SEGMENT = "shared_segment"  # the collectives' shared-memory segment (distributed/shm.py): one per host
 KINDS = ("parameters", "gradients", "master_weights", "optimizer_states", "buffers")
 
 
-def memory_breakdown(module: nn.Module, optimizer) -> dict[str, int]:
+def memory_breakdown(module: nn.Module, optimizer, transport=None) -> dict[str, int]:
     """Bytes held by kind: ``parameters`` covers the flat compute-dtype buffers and any parameter outside them
     (frozen ones); ``gradients`` the gradient buffers or shards; ``master_weights`` fp32 masters stored apart
     from the parameters; ``optimizer_states`` the wrapped optimizer's tensors; ``buffers`` the module's. Each
@@ -24,7 +25,11 @@ def memory_breakdown(module: nn.Module, optimizer) -> dict[str, int]:
     ``workspace`` is memory held for reuse that holds no model state (on the host: released gradient bucket
     buffers, kept for the next backward because the host's allocator would hand them back to the system and
     fault every page in again; a device's caching allocator keeps such blocks itself, uncounted). It adds to the
-    kinds; ``model_state_bytes`` leaves it out."""
+    kinds; ``model_state_bytes`` leaves it out.
+
+    ``shared_segment`` is the bytes of the shared-memory segment the collectives go through (``transport``,
+    ``distributed/shm.py``), mapped by every rank on the host: one segment a host, not a rank. Not model
+    state: ``model_state_bytes`` leaves it out."""
     kinds = optimizer.memory_tensors()
     kinds["parameters"] = kinds["parameters"] + list(module.parameters())
     kinds["buffers"] = list(module.buffers())
@@ -42,10 +47,11 @@ def memory_breakdown(module: nn.Module, optimizer) -> dict[str, int]:
     out[WORKSPACE] = sum(t.untyped_storage().nbytes() for t in kinds.get(WORKSPACE, ())
                          if t.untyped_storage().data_ptr() not in seen)
     out[PINNED_HOST] = pinned.held_bytes()
+    out[SHARED_SEGMENT] = transport.segment.numel() if transport is not None else 0
     return out
 
 
 def model_state_bytes(breakdown: dict[str, int]) -> int:
     """The model-state bytes of a ``memory_breakdown()``: its kinds summed, ``pinned_host`` (an overlay) and
-    ``workspace`` (not model state) left out."""
-    return sum(v for k, v in breakdown.items() if k not in (PINNED_HOST, WORKSPACE))
+    ``workspace`` and ``shared_segment`` (not model state) left out."""
+    return sum(v for k, v in breakdown.items() if k not in (PINNED_HOST, WORKSPACE, SHARED_SEGMENT))
