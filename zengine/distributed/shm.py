@@ -213,16 +213,17 @@ def install_for(group, section, model_bytes: int) -> Optional[SharedMemoryTransp
         return None
     if section.enabled is True:
         return install(group, section.piece_size)
-    piece = min(section.piece_size, model_bytes // (4 * dist.get_world_size(group)))
-    if piece < MIN_AUTO_PIECE:  # more syncs than data: gloo's transport does as well
-        return None
-    return install(group, piece, asked=False)
+    # under MIN_AUTO_PIECE: more syncs than data, gloo's transport does as well
+    return install(group, min(section.piece_size, model_bytes // (4 * dist.get_world_size(group))), asked=False,
+                   least_piece=MIN_AUTO_PIECE)
 
 
-def install(group, piece_bytes: int, asked: bool = True) -> Optional[SharedMemoryTransport]:
+def install(group, piece_bytes: int, asked: bool = True, least_piece: int = 64) -> Optional[SharedMemoryTransport]:
     """Set up (or reuse) ``group``'s transport; every rank of the group calls this together. None (the
-    group keeps gloo's own transport) when the group is not gloo, has one rank, or spans hosts: said on
-    rank 0 when ``asked`` (the config's explicit true), at debug level otherwise."""
+    group keeps gloo's own transport) when the group is not gloo, has one rank, or spans hosts, or when the
+    smallest ``piece_bytes`` a rank asks for is under ``least_piece``: said on rank 0 when ``asked`` (the
+    config's explicit true), at debug level otherwise. What each rank sees is gathered first, so that every
+    rank decides alike."""
     from . import collectives
 
     say = logger.info if asked else logger.debug
@@ -230,30 +231,35 @@ def install(group, piece_bytes: int, asked: bool = True) -> Optional[SharedMemor
         return None
     if not collectives.is_gloo(group):  # NCCL moves GPU tensors itself (NVLink, P2P): nothing to do here
         if dist.get_rank(group) == 0:
-            say("zengine: shared_memory: the %s backend carries its own collectives; shared memory is for "
-                        "gloo (CPU) ranks only", collectives.backend(group))
+            say("zengine: shared_memory: the %s backend carries its own collectives; shared memory is for gloo (CPU) "
+                "ranks only", collectives.backend(group))
         return None
     transport = _transports.get(_key(group))
     if transport is None:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        hosts = collectives.all_gather_small(torch.tensor([_host_id()], dtype=torch.int64), group)
-        if not os.path.isdir(_DIR) or len(set(hosts.view(-1).tolist())) != 1:
+        host = _host_id() if os.path.isdir(_DIR) else -1 - rank  # no /dev/shm: a host of its own
+        seen = collectives.all_gather_small(torch.tensor([host, piece_bytes], dtype=torch.int64), group)
+        hosts, piece_bytes = len(set(seen[:, 0].tolist())), int(seen[:, 1].min())
+        if hosts != 1:
             if rank == 0:
-                say("zengine: shared_memory: the ranks are on %d hosts (or there is no %s): gloo's transport "
-                            "stays", len(set(hosts.view(-1).tolist())), _DIR)
+                say("zengine: shared_memory: the ranks are on %d hosts (or one has no %s): gloo's transport stays",
+                    hosts, _DIR)
+            return None
+        if piece_bytes < least_piece:
             return None
         try:
             transport = SharedMemoryTransport(group if group is not None else dist.GroupMember.WORLD, rank, world,
                                               piece_bytes)
         except OSError as err:  # every rank got the same error (the map's outcome is agreed)
             if rank == 0:
-                (logger.warning if asked else logger.info)("zengine: shared_memory: %s; gloo's transport stays (free room in %s, or lower "
-                               "shared_memory.piece_size)", err, _DIR)
+                (logger.warning if asked else logger.info)(
+                    "zengine: shared_memory: %s; gloo's transport stays (free room in %s, or lower "
+                    "shared_memory.piece_size)", err, _DIR)
             return None
         _transports[_key(group)] = transport
         if rank == 0:
             say("zengine: shared_memory: collectives of %d ranks through a %.1f MiB segment", world,
-                        transport.segment.numel() / 2 ** 20)
+                transport.segment.numel() / 2 ** 20)
     transport.users += 1
     return transport
 
