@@ -35,7 +35,7 @@ def expected(stage, precision, world):
         # (the gradient shard accumulates in fp32 at stages 2-3: zero/grad_dtypes.py)
         return {"parameters": half * owned, "gradients": 4 * owned,
                 "master_weights": 4 * owned if precision == "bf16" else 0, "optimizer_states": 8 * owned,
-                "buffers": 0, "pinned_host": 0}  # (nothing is pinned on the CPU)
+                "buffers": 0, "pinned_host": 0, "shared_segment": 0}  # (nothing pinned on the CPU; a small model)
     shards = 1 if stage == 0 else world
     n = padded_size(PSI, shards)
     half = 2 if precision == "bf16" else 4
@@ -47,6 +47,7 @@ def expected(stage, precision, world):
         "optimizer_states": 8 * owned,  # Adam: exp_avg and exp_avg_sq
         "buffers": 0,
         "pinned_host": 0,  # nothing is pinned on the CPU
+        "shared_segment": 0,  # a model this small gets no shared-memory segment for its collectives
     }
 
 

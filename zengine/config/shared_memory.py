@@ -8,8 +8,8 @@ compute; ranks on one host can read each other's data from one shared segment in
 "auto" (the default) uses it wherever it applies, silently: a gloo group whose ranks all run on this host,
 with pieces small enough that the segment is at most half the model's fp32 bytes (an eighth of its AdamW
 states); a model whose pieces would be under 1 MiB (8 MiB of parameters on 2 ranks) gets none, as there a
-sync per piece costs what it saves. ``true`` also says, on rank 0, why it does not apply where it does not (NCCL, ranks
-on several hosts, no room in ``/dev/shm``); ``false`` keeps gloo's transport.
+sync per piece costs what it saves. ``true`` also says, on rank 0, why it does not apply where it does not
+(NCCL, ranks on several hosts, no room in ``/dev/shm``); ``false`` keeps gloo's transport.
 """
 from __future__ import annotations
 

@@ -20,8 +20,9 @@ has mapped it: nothing is left in ``/dev/shm`` if a rank dies.
 
 ``install(group, piece_bytes)`` (every rank of the group, together) sets a group's transport up when
 all its ranks share this host (the engine calls it through ``install_for``, as the ``shared_memory``
-config section says: by default wherever it applies); ``collectives.py`` asks ``for_group`` before each all-gather by rows
-and each all-reduce and uses it for CPU tensors of at least ``MIN_BYTES``.
+config section says: by default wherever it applies); ``collectives.py`` asks ``for_group`` before
+each all-gather by rows, all-reduce and reduce-scatter of rows, and uses it for CPU tensors of at least
+``MIN_BYTES``.
 """
 from __future__ import annotations
 
