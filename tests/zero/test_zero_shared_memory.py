@@ -109,3 +109,34 @@ def test_auto_is_the_default_on_one_host_sized_to_the_model_and_quiet_where_it_d
         assert out["hosts_auto"] == (True, [])  # ranks on two hosts: gloo, nothing said
         gone, said = out["hosts_True"]
         assert gone and (len(said) == 1 and "2 hosts" in said[0] if rank == 0 else said == [])
+
+
+def _default_against_gloo(stage):
+    """A DeepSpeed user's config (no shared_memory key) on a model big enough for "auto", against gloo's."""
+    out = []
+    for section in (None, {"enabled": False}):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(WIDE, WIDE), torch.nn.ReLU(), torch.nn.Linear(WIDE, 16))
+        cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **({"shared_memory": section} if section else {})}
+        engine, *_ = zengine.initialize(model=model, config=cfg)
+        used = shm.for_group(None) is not None
+        torch.manual_seed(1 + dist.get_rank())
+        losses = []
+        for _ in range(3):
+            loss = engine(torch.randn(2, WIDE)).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        with engine.summon_full_params(writeback=False):
+            digest = [float(p.double().sum()) for p in engine.module.parameters()]
+        engine.destroy()
+        out.append((used, losses, digest))
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_default_trains_as_gloo_does(stage):
+    for (default, gloo) in spawn(_default_against_gloo, 2, stage):
+        assert default[0] and not gloo[0]  # "auto" took shared memory, false did not
+        assert default[1] == gloo[1] and default[2] == gloo[2]  # losses and parameters, bit for bit (W=2)

@@ -84,7 +84,9 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         checkpointing.configure_from_config(config.activation_checkpointing)  # unless the script configured it
 
         ranks = data_parallel_ranks(config.zero_optimization, placement.world_size, placement.rank, placement.device)
-        # CPU ranks on one host: the data-parallel group's collectives through shared memory (distributed/shm.py)
+        # CPU ranks on one host: the data-parallel group's collectives through shared memory (distributed/shm.py).
+        # Released by destroy() only (every rank together), not when __init__ raises below: a failure may be one
+        # rank's, and a transport dropped on some ranks only would split the group's collectives.
         self._shared_memory = shm.install_for(ranks.group, config.shared_memory, shm.model_bytes(model))
         self._shared_memory_group = ranks.group  # (another engine's transport may serve it: memory_breakdown)
         place_model(model, config, ranks)  # stage 3 (MiCS: over shard groups): cut one parameter at a time
