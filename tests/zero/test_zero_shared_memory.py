@@ -94,6 +94,14 @@ def _auto_cases():
         out[f"hosts_{key}"] = (shm.for_group(None) is None, list(said))
         engine.destroy()
     mod._host_id = real_host
+    real_room = mod._room
+    mod._room = lambda: 12 * 2 ** 20  # as if /dev/shm had 12 MiB left (a container's is 64 MiB in all)
+    for key in ("auto", True):
+        engine, *_ = zengine.initialize(model=torch.nn.Linear(WIDE, WIDE),
+                                        config={**cfg, "shared_memory": {"enabled": key, "piece_size": 2 ** 20}})
+        out[f"room_{key}"] = shm.for_group(None) is not None
+        engine.destroy()
+    mod._room = real_room
     return out
 
 
@@ -107,6 +115,8 @@ def test_auto_is_the_default_on_one_host_sized_to_the_model_and_quiet_where_it_d
         assert out["off"] is None
         assert out["default_counted"] == 2 * 2 * out["default"] and out["off_counted"] == out["small_counted"] == 0
         assert out["hosts_auto"] == (True, [])  # ranks on two hosts: gloo, nothing said
+        # a 4 MiB segment in a /dev/shm with 12 MiB left: "auto" takes at most a quarter, true takes it
+        assert not out["room_auto"] and out["room_True"]
         gone, said = out["hosts_True"]
         assert gone and (len(said) == 1 and "2 hosts" in said[0] if rank == 0 else said == [])
 

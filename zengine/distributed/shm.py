@@ -42,6 +42,8 @@ MIN_BYTES = 64 * 1024  # below this gloo's latency is as low as a sync's, and th
 # "auto" sets up no segment whose pieces would be smaller: measured (bench_shm.py --piece, W=2, 16-84 MiB), 1 MiB
 # pieces cost 1.2-1.9x less CPU than gloo, 256 KiB ones 1.3-2x more (a sync per piece)
 MIN_AUTO_PIECE = 2 ** 20
+# "auto" takes at most this share of the room left in /dev/shm (others use it too: DataLoader workers' tensors)
+AUTO_ROOM_SHARE = 0.25
 _DIR = "/dev/shm"
 
 
@@ -166,6 +168,15 @@ class SharedMemoryTransport:
                 out.add_(piece[r])
 
 
+def _room() -> int:
+    """Bytes left in ``/dev/shm`` for an unprivileged process (0 where there is none)."""
+    try:
+        st = os.statvfs(_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
 def _make(path: str, nbytes: int) -> bool:
     """Make the segment's file with every page reserved; False (nothing left behind) if there is no room."""
     try:
@@ -209,22 +220,25 @@ def install_for(group, section, model_bytes: int) -> Optional[SharedMemoryTransp
     """The engine's call: ``group``'s transport as the ``shared_memory`` config section asks, for a model of
     ``model_bytes`` (``model_bytes()``). true: ``install`` as given. "auto": where it applies, quietly, with
     pieces small enough that the segment (shared by the host's ranks) is at most half the model's bytes, an
-    eighth of its fp32 AdamW states; none for a model whose pieces would be under ``MIN_AUTO_PIECE``."""
+    eighth of its fp32 AdamW states; none for a model whose pieces would be under ``MIN_AUTO_PIECE``, nor where
+    the segment would take more than ``AUTO_ROOM_SHARE`` of the room left in ``/dev/shm``."""
     if section.enabled is False or not dist.is_initialized():
         return None
     if section.enabled is True:
         return install(group, section.piece_size)
     # under MIN_AUTO_PIECE: more syncs than data, gloo's transport does as well
     return install(group, min(section.piece_size, model_bytes // (4 * dist.get_world_size(group))), asked=False,
-                   least_piece=MIN_AUTO_PIECE)
+                   least_piece=MIN_AUTO_PIECE, room_share=AUTO_ROOM_SHARE)
 
 
-def install(group, piece_bytes: int, asked: bool = True, least_piece: int = 64) -> Optional[SharedMemoryTransport]:
+def install(group, piece_bytes: int, asked: bool = True, least_piece: int = 64,
+            room_share: float = 1.0) -> Optional[SharedMemoryTransport]:
     """Set up (or reuse) ``group``'s transport; every rank of the group calls this together. None (the
-    group keeps gloo's own transport) when the group is not gloo, has one rank, or spans hosts, or when the
-    smallest ``piece_bytes`` a rank asks for is under ``least_piece``: said on rank 0 when ``asked`` (the
-    config's explicit true), at debug level otherwise. What each rank sees is gathered first, so that every
-    rank decides alike."""
+    group keeps gloo's own transport) when the group is not gloo, has one rank, or spans hosts, when the
+    smallest ``piece_bytes`` a rank asks for is under ``least_piece``, or when the segment would take more
+    than ``room_share`` of the room left in ``/dev/shm``: said on rank 0 when ``asked`` (the config's
+    explicit true), at debug level otherwise. What each rank sees is gathered first, so that every rank
+    decides alike."""
     from . import collectives
 
     say = logger.info if asked else logger.debug
@@ -239,14 +253,20 @@ def install(group, piece_bytes: int, asked: bool = True, least_piece: int = 64) 
     if transport is None:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         host = _host_id() if os.path.isdir(_DIR) else -1 - rank  # no /dev/shm: a host of its own
-        seen = collectives.all_gather_small(torch.tensor([host, piece_bytes], dtype=torch.int64), group)
-        hosts, piece_bytes = len(set(seen[:, 0].tolist())), int(seen[:, 1].min())
+        seen = collectives.all_gather_small(torch.tensor([host, piece_bytes, _room()], dtype=torch.int64), group)
+        hosts, piece_bytes, room = len(set(seen[:, 0].tolist())), int(seen[:, 1].min()), int(seen[:, 2].min())
         if hosts != 1:
             if rank == 0:
                 say("zengine: shared_memory: the ranks are on %d hosts (or one has no %s): gloo's transport stays",
                     hosts, _DIR)
             return None
         if piece_bytes < least_piece:
+            return None
+        if 2 * world * piece_bytes > room_share * room:  # e.g. a container's 64 MiB /dev/shm, which DataLoader
+            if rank == 0:                                # workers need too
+                say("zengine: shared_memory: a %.1f MiB segment would take more than %.0f%% of the %.1f MiB left in "
+                    "%s: gloo's transport stays", 2 * world * piece_bytes / 2 ** 20, 100 * room_share,
+                    room / 2 ** 20, _DIR)
             return None
         try:
             transport = SharedMemoryTransport(group if group is not None else dist.GroupMember.WORLD, rank, world,
