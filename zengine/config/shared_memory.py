@@ -27,7 +27,8 @@ class SharedMemoryConfig(_Section):
         "tensors (64 KiB and more) through a shared-memory segment when the group is gloo and every rank of it "
         "is on this host; the group's other collectives, and every collective of a group that spans hosts, stay "
         "on gloo. \"auto\": wherever that applies, the segment at most half the model's fp32 bytes and a quarter "
-        "of the room left in /dev/shm (none where pieces would be under 1 MiB); true: also say why not where it does not apply; false: never."))
+        "of the room left in /dev/shm (none where pieces would be under 1 MiB); true: also say why not where it "
+        "does not apply; false: never."))
     piece_size: PositiveSize = Field(8 * 2 ** 20, description=(
         "Bytes each rank moves per step of a collective; the segment is 2 x world x piece_size bytes. Larger "
         "pieces mean fewer syncs, smaller ones less shared memory. With \"auto\" no more than the model's fp32 "
