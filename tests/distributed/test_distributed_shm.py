@@ -12,6 +12,15 @@ from zengine.distributed import collectives, shm
 PIECE = 64 * 1024  # bytes: small, so that the buffers below cross several pieces and both slots
 
 
+def _gaps(ranges: list, n: int) -> list:
+    """The ranges of [0, n) outside ``ranges`` (sorted, disjoint)."""
+    out, at = [], 0
+    for lo, hi in ranges:
+        out.append((at, lo))
+        at = hi
+    return out + [(at, n)]
+
+
 def _shm_files() -> set:
     return {f for f in os.listdir("/dev/shm") if f.startswith("zengine-")} if os.path.isdir("/dev/shm") else set()
 
@@ -60,6 +69,16 @@ def _collectives(seed: int):
             w.wait()
         scattered.append((works == [], got.clone(), torch.equal(rows[torch.arange(world) != rank],
                                                                 mine[torch.arange(world) != rank])))
+    owned = []  # reduce_to_owners: the flat buffer cut unevenly among the ranks, a rank owning two pieces
+    for mine in cases:
+        flat = mine.clone().view(-1)
+        n = flat.numel()
+        cuts = sorted({0, n, *(n * (2 * k + 1) // (2 * world + 1) for k in range(2 * world))})
+        pieces = [(i % world, lo, hi) for i, (lo, hi) in enumerate(zip(cuts, cuts[1:]))]
+        works = collectives.reduce_to_owners(flat, pieces, rank)
+        for w in works:
+            w.wait()
+        owned.append((works == [], flat.clone(), [(lo, hi) for o, lo, hi in pieces if o == rank]))
     # the sums by hand in rank order: what every rank must hold
     by_rank = []
     for mine in cases:
@@ -82,6 +101,12 @@ def _collectives(seed: int):
                                      if s[0]],  # its row summed, the others untouched
                scattered_close=[torch.allclose(s[1].float(), b[rank].float(), rtol=2 ** -6, atol=2 ** -4)
                                 for s, b in zip(scattered, by_rank)],  # the small one: gloo's all-reduce
+               owned_shared=[o[0] for o in owned],
+               owned_rank_order=[all(torch.equal(o[1][lo:hi], b.view(-1)[lo:hi]) for lo, hi in o[2])
+                                 and all(torch.equal(o[1][a:z], m.view(-1)[a:z]) for a, z in _gaps(o[2], m.numel()))
+                                 for o, b, m in zip(owned, by_rank, cases) if o[0]],  # the rest untouched
+               owned_close=[all(torch.allclose(o[1][lo:hi].float(), b.view(-1)[lo:hi].float(), rtol=2 ** -6,
+                                               atol=2 ** -4) for lo, hi in o[2]) for o, b in zip(owned, by_rank)],
                checksum=[float(t.double().sum()) for t in got_sum],
                uninstalled=shm.for_group(None) is None)
     return out
@@ -100,6 +125,8 @@ def test_shared_memory_collectives_equal_gloos(world):
             assert all(r["sums_equal_gloo"]), r
         assert r["scattered"] == [True, True, True, False] and all(r["scattered_rank_order"]), r
         assert all(r["scattered_close"]), r
+        assert r["owned_shared"] == [True, True, True, False] and all(r["owned_rank_order"]), r
+        assert all(r["owned_close"]), r
         assert r["uninstalled"]
     assert all(r["checksum"] == results[0]["checksum"] for r in results)  # every rank the same bits
     assert _shm_files() <= before

@@ -53,8 +53,9 @@ def test_shared_memory_trains_as_gloo_does_on_two_ranks(stage, precision, gas):
             assert shared[1][name] == p, name
 
 
-def test_shared_memory_trains_as_gloo_does_on_three_ranks():
-    for (plain, shared) in spawn(_both, 3, 3, "fp32", 1):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_shared_memory_trains_as_gloo_does_on_three_ranks(stage):
+    for (plain, shared) in spawn(_both, 3, stage, "fp32", 1):
         assert shared[2]
         assert shared[0] == pytest.approx(plain[0], rel=1e-6)
         for name, p in plain[1].items():

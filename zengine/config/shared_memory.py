@@ -23,7 +23,7 @@ class SharedMemoryConfig(_Section):
     """Collectives of CPU ranks on one host through shared memory (see the module doc)."""
 
     enabled: FlagOrAuto = Field("auto", description=(
-        "Run the data-parallel group's all-gathers, all-reduces and stage 3's gradient reduce-scatters of CPU "
+        "Run the data-parallel group's all-gathers, all-reduces and stage 2-3's gradient reductions of CPU "
         "tensors (64 KiB and more) through a shared-memory segment when the group is gloo and every rank of it "
         "is on this host; the group's other collectives, and every collective of a group that spans hosts, stay "
         "on gloo. \"auto\": wherever that applies, the segment at most half the model's fp32 bytes and a quarter "

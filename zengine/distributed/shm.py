@@ -21,8 +21,8 @@ has mapped it: nothing is left in ``/dev/shm`` if a rank dies.
 ``install(group, piece_bytes)`` (every rank of the group, together) sets a group's transport up when
 all its ranks share this host (the engine calls it through ``install_for``, as the ``shared_memory``
 config section says: by default wherever it applies); ``collectives.py`` asks ``for_group`` before
-each all-gather by rows, all-reduce and reduce-scatter of rows, and uses it for CPU tensors of at least
-``MIN_BYTES``.
+each all-gather by rows, all-reduce, reduce-scatter of rows and reduction to owners, and uses it for CPU
+tensors of at least ``MIN_BYTES``.
 """
 from __future__ import annotations
 
@@ -152,6 +152,31 @@ class SharedMemoryTransport:
             for r in range(2, self.world):
                 out.add_(piece[r, self.rank])
         return rows[self.rank]
+
+    def reduce_owned(self, flat: torch.Tensor, owned: list[tuple[int, int]]) -> None:
+        """``flat`` (1-d, contiguous) summed over the group, in rank order, within the ``[lo, hi)`` ranges this
+        rank owns (``owned``, each rank its own, disjoint); the rest of ``flat`` is left as it was. Each rank
+        writes only what the others own and reads only what it owns (stage 2: each rank keeps its shard)."""
+        per = max(1, self.piece_bytes // flat.element_size())
+        for lo in range(0, flat.numel(), per):
+            hi = min(flat.numel(), lo + per)
+            piece = self._piece(flat.dtype, hi - lo)  # [world, hi - lo]
+            mine = [(max(a, lo), min(b, hi)) for a, b in owned if max(a, lo) < min(b, hi)]
+            at = lo
+            for a, b in mine + [(hi, hi)]:  # the columns the others own (this rank's own never leave flat)
+                if at < a:
+                    piece[self.rank, at - lo:a - lo].copy_(flat[at:a])
+                at = max(at, b)
+            self._sync("reduce")
+            for a, b in mine:
+                out, cols = flat[a:b], slice(a - lo, b - lo)
+                parts = [out if r == self.rank else piece[r, cols] for r in range(self.world)]
+                acc = out if self.rank < 2 else torch.empty_like(out)  # out is a later term: sum apart
+                torch.add(parts[0], parts[1], out=acc)
+                for r in range(2, self.world):
+                    acc.add_(parts[r])
+                if acc is not out:
+                    out.copy_(acc)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` (contiguous) in place over the group, in rank order."""

@@ -478,10 +478,10 @@ class RegionSquares:
 class ShardedGradients(ShardReducer):
     """Stage 2: buckets are contiguous flat ranges; each rank keeps the part inside its shard."""
 
-    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, dtypes: GradDtypes, use_reduce: bool,
+    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, dtypes: GradDtypes, to_owners: bool,
                  placement, comm_group=None, in_flight: int = 1, positions=None):
         self.groups = groups
-        self.use_reduce = use_reduce  # reduce to owners (NCCL) rather than all-reduce then slice (gloo)
+        self.to_owners = to_owners  # each owner needs only its part (collectives.reduce_to_owners), or all-reduce
         dtype = dtypes.shard_dtype(placement.cpu_optimizer)
         shards = [placement.empty(g.layout.shard_numel, dtype, g.flat.device) for g in groups]
         super().__init__([BucketQueue(g, bucket_numel) for g in groups], shards, placement.copies, dtypes,
@@ -511,13 +511,11 @@ class ShardedGradients(ShardReducer):
         return span.offset - bucket.start, span.offset - bucket.start + span.numel
 
     def _reduce(self, gi: int, bucket: Bucket, buf: torch.Tensor):
-        if not self.use_reduce:
+        if not self.to_owners:  # reduce_scatter false: every rank sums the whole bucket
             return [collectives.all_reduce_sum(buf, self.comm_group, async_op=True)], None
-        works = []
-        for owner, lo, hi in self.groups[gi].layout.owner_ranges((bucket.start, bucket.end)):
-            piece = buf[lo - bucket.start:hi - bucket.start]
-            works.append(collectives.reduce_sum_to(piece, owner, self.comm_group, async_op=True))
-        return works, None
+        pieces = [(owner, lo - bucket.start, hi - bucket.start)
+                  for owner, lo, hi in self.groups[gi].layout.owner_ranges((bucket.start, bucket.end))]
+        return collectives.reduce_to_owners(buf, pieces, self.groups[gi].rank, self.comm_group), None
 
     def _region(self, gi: int, bucket: Bucket) -> Optional[torch.Tensor]:
         lo0, hi0 = self.groups[gi].owned

@@ -57,9 +57,8 @@ def build_zero_optimizer(module: nn.Module, config, named_groups: Sequence[tuple
     dtypes, in_flight = GradDtypes.from_config(config), buckets_in_flight(zero_cfg.overlap_comm)
     positions = registration_positions(module, groups)  # the buckets' launch order over the groups
     if zero_cfg.stage == 2:
-        use_reduce = zero_cfg.reduce_scatter and torch.distributed.get_backend(ranks.group) != "gloo"
-        grads = ShardedGradients(groups, zero_cfg.reduce_bucket_size, dtypes, use_reduce, placement.optimizer,
-                                 ranks.group, in_flight, positions)
+        grads = ShardedGradients(groups, zero_cfg.reduce_bucket_size, dtypes, zero_cfg.reduce_scatter,
+                                 placement.optimizer, ranks.group, in_flight, positions)
     else:
         grads = FullGradients(groups, zero_cfg.reduce_bucket_size, dtypes, ranks.group, in_flight, positions)
     cpu = placement.optimizer.cpu_optimizer
