@@ -144,8 +144,8 @@ def all_reduce_sum(tensor: torch.Tensor, group=None, async_op: bool = False) -> 
     before this returns)."""
     check_devices("all_reduce_sum", group, tensor)
     traffic.record("all_reduce", tensor.numel() * tensor.element_size(), group)
-    transport = shm.for_group(group)
-    if transport is not None and transport.takes(tensor) and tensor.is_contiguous():
+    transport = _shared_memory(group, tensor)
+    if transport is not None:
         transport.all_reduce_sum(tensor)
         return None
     return _run("all_reduce", tensor, dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
@@ -211,6 +211,12 @@ def gather_strided(full: torch.Tensor, shard_numel: int, lo: int, hi: int, rank:
         rows.copy_(staging)
 
 
+def _shared_memory(group, tensor: torch.Tensor) -> Optional["shm.SharedMemoryTransport"]:
+    """``group``'s shared-memory transport (``shm.py``) when it takes ``tensor`` as one contiguous buffer."""
+    transport = shm.for_group(group)
+    return transport if transport is not None and transport.takes(tensor) and tensor.is_contiguous() else None
+
+
 def reduce_scatter_rows(rows: torch.Tensor, rank: int, group=None) -> tuple[list, torch.Tensor]:
     """Row ``rank`` of ``rows`` ([world, n], contiguous) summed over the group, by the cheapest way the group has.
 
@@ -219,8 +225,8 @@ def reduce_scatter_rows(rows: torch.Tensor, rank: int, group=None) -> tuple[list
     On other gloo groups: an all-reduce of the whole buffer, whose row ``rank`` is kept (measured faster than
     gloo's reduce-scatter). Otherwise (NCCL): a reduce-scatter into a new ``[n]`` tensor.
     """
-    transport = shm.for_group(group)
-    if transport is not None and transport.takes(rows) and rows.is_contiguous():
+    transport = _shared_memory(group, rows)
+    if transport is not None:
         check_devices("reduce_scatter_rows", group, rows)
         traffic.record("reduce_scatter", rows.numel() * rows.element_size(), group)
         return [], transport.reduce_scatter_rows(rows)
@@ -238,8 +244,8 @@ def reduce_to_owners(flat: torch.Tensor, pieces: list[tuple[int, int, int]], ran
     pieces, done before this returns. On other gloo groups: an all-reduce of the whole (gloo's reduce is a
     chain of point-to-point sends, measured slower). Otherwise (NCCL): a reduce per piece to its owner.
     """
-    transport = shm.for_group(group)
-    if transport is not None and transport.takes(flat) and flat.is_contiguous():
+    transport = _shared_memory(group, flat)
+    if transport is not None:
         check_devices("reduce_to_owners", group, flat)
         traffic.record("reduce", flat.numel() * flat.element_size(), group)
         transport.reduce_owned(flat, [(lo, hi) for owner, lo, hi in pieces if owner == rank])

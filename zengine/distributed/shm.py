@@ -147,10 +147,7 @@ class SharedMemoryTransport:
             piece = self._piece(rows.dtype, self.world * (hi - lo)).view(self.world, self.world, hi - lo)
             piece[self.rank].copy_(rows[:, lo:hi])  # [writer, row, hi - lo]
             self._sync("reduce_scatter")
-            out = rows[self.rank, lo:hi]
-            torch.add(piece[0, self.rank], piece[1, self.rank], out=out)
-            for r in range(2, self.world):
-                out.add_(piece[r, self.rank])
+            _rank_order_sum(list(piece[:, self.rank]), rows[self.rank, lo:hi])
         return rows[self.rank]
 
     def reduce_owned(self, flat: torch.Tensor, owned: list[tuple[int, int]]) -> None:
@@ -169,14 +166,8 @@ class SharedMemoryTransport:
                 at = max(at, b)
             self._sync("reduce")
             for a, b in mine:
-                out, cols = flat[a:b], slice(a - lo, b - lo)
-                parts = [out if r == self.rank else piece[r, cols] for r in range(self.world)]
-                acc = out if self.rank < 2 else torch.empty_like(out)  # out is a later term: sum apart
-                torch.add(parts[0], parts[1], out=acc)
-                for r in range(2, self.world):
-                    acc.add_(parts[r])
-                if acc is not out:
-                    out.copy_(acc)
+                out = flat[a:b]
+                _rank_order_sum([out if r == self.rank else piece[r, a - lo:b - lo] for r in range(self.world)], out)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` (contiguous) in place over the group, in rank order."""
@@ -187,10 +178,18 @@ class SharedMemoryTransport:
             piece = self._piece(tensor.dtype, hi - lo)  # [world, hi - lo]
             piece[self.rank].copy_(flat[lo:hi])
             self._sync("all_reduce")
-            out = flat[lo:hi]
-            torch.add(piece[0], piece[1], out=out)
-            for r in range(2, self.world):
-                out.add_(piece[r])
+            _rank_order_sum(list(piece), flat[lo:hi])
+
+
+def _rank_order_sum(parts: list[torch.Tensor], out: torch.Tensor) -> None:
+    """``out = parts[0] + parts[1] + ...`` in that order, so that every rank gets the same bits (with two parts
+    exactly gloo's sum). ``out`` may be one of the parts: past the first two it is summed apart, then copied."""
+    acc = torch.empty_like(out) if any(p is out for p in parts[2:]) else out
+    torch.add(parts[0], parts[1], out=acc)
+    for p in parts[2:]:
+        acc.add_(p)
+    if acc is not out:
+        out.copy_(acc)
 
 
 def _room() -> int:
@@ -241,9 +240,9 @@ def model_bytes(model: torch.nn.Module) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) * max(4, p.element_size()) for p in model.parameters())
 
 
-def install_for(group, section, model_bytes: int) -> Optional[SharedMemoryTransport]:
+def install_for(group, section, nbytes: int) -> Optional[SharedMemoryTransport]:
     """The engine's call: ``group``'s transport as the ``shared_memory`` config section asks, for a model of
-    ``model_bytes`` (``model_bytes()``). true: ``install`` as given. "auto": where it applies, quietly, with
+    ``nbytes`` (``model_bytes(model)``). true: ``install`` as given. "auto": where it applies, quietly, with
     pieces small enough that the segment (shared by the host's ranks) is at most half the model's bytes, an
     eighth of its fp32 AdamW states; none for a model whose pieces would be under ``MIN_AUTO_PIECE``, nor where
     the segment would take more than ``AUTO_ROOM_SHARE`` of the room left in ``/dev/shm``."""
@@ -252,7 +251,7 @@ def install_for(group, section, model_bytes: int) -> Optional[SharedMemoryTransp
     if section.enabled is True:
         return install(group, section.piece_size)
     # under MIN_AUTO_PIECE: more syncs than data, gloo's transport does as well
-    return install(group, min(section.piece_size, model_bytes // (4 * dist.get_world_size(group))), asked=False,
+    return install(group, min(section.piece_size, nbytes // (4 * dist.get_world_size(group))), asked=False,
                    least_piece=MIN_AUTO_PIECE, room_share=AUTO_ROOM_SHARE)
 
 

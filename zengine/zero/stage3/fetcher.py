@@ -432,6 +432,7 @@ class Fetcher:
         _, label, params = self.check.log[-1]
         return f"latest stage-3 gather {self.check.issued_count}: {label} [{', '.join(sp.name for sp in params)}]"
 
+
 def _start_shared(self: "Fetcher", transport, params: list[ShardedParam], tag: Optional[torch.Tensor],
                   refresh: bool) -> _Pending:
     """Ranks on one host: gather straight from the shards into the parameters through shared memory
