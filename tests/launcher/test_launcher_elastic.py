@@ -68,7 +68,8 @@ def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path, confi
 
 
 def test_restarts_use_the_c10d_rendezvous():
-    from zengine.launcher.runner import build_parser, plan_launch, torchrun_argv
+    from zengine.launcher.options import build_parser
+    from zengine.launcher.plan import plan_launch, torchrun_argv
 
     args = build_parser().parse_args(["--num_procs", "2", "--max_restarts", "2", "--master_port", "29999", "x.py"])
     plan = plan_launch(args, None, 2, False)

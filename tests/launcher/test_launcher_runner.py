@@ -8,22 +8,14 @@ import subprocess
 
 import pytest
 
-from zengine.launcher import runner
+from zengine.launcher import remote, runner
 from zengine.launcher.args import add_config_arguments
 from zengine.launcher.entry import target_argv
-from zengine.launcher.runner import (
-    LaunchError,
-    build_parser,
-    check_args,
-    exported_env,
-    main,
-    plan_launch,
-    pdsh_command,
-    read_env_file,
-    ssh_command,
-    torchrun_argv,
-    worker_env,
-)
+from zengine.launcher.environment import exported_env, read_env_file, worker_env
+from zengine.launcher.options import LaunchError, build_parser, check_args
+from zengine.launcher.plan import LaunchPlan, NodePlan, plan_launch, torchrun_argv
+from zengine.launcher.remote import pdsh_command, resolve_for_ssh, ssh_command
+from zengine.launcher.runner import main
 
 HOSTS = {"worker-0": 4, "worker-1": 4, "worker-2": 2}
 
@@ -165,8 +157,8 @@ def test_hostfile_include_and_master_addr_override():
 def test_single_local_host_in_hostfile_runs_here():
     plan = plan_launch(parse("--include", "me:1", "t.py"), {"me": 2, "other": 2}, 0, False, lambda h: h == "me")
     assert not plan.remote and plan.nodes[0].slots == (1,)
-    remote = plan_launch(parse("--include", "other", "t.py"), {"me": 2, "other": 2}, 0, False, lambda h: h == "me")
-    assert remote.remote and remote.master_addr == "other"
+    away = plan_launch(parse("--include", "other", "t.py"), {"me": 2, "other": 2}, 0, False, lambda h: h == "me")
+    assert away.remote and away.master_addr == "other"
 
 
 # --- environment for workers ------------------------------------------------------
@@ -338,7 +330,7 @@ def test_pdsh_refuses_names_its_host_list_reads_otherwise():
     name (a leading '-' excludes, '^' reads a file, '/' filters, ',' separates) is refused."""
     args = parse("--launcher", "pdsh", "train.py")
     for odd in ("-oProxyCommand=x", "^/etc/hosts", "/wor/", "a,b"):
-        plan = runner.LaunchPlan(nodes=(runner.NodePlan("worker-0", 0, (0,)), runner.NodePlan(odd, 1, (0,))),
+        plan = LaunchPlan(nodes=(NodePlan("worker-0", 0, (0,)), NodePlan(odd, 1, (0,))),
                                  num_nodes=2, master_addr="worker-0", master_port=6000, remote=True)
         with pytest.raises(LaunchError, match=re.escape(f"pdsh would not read {odd!r} as host names")):
             pdsh_command(plan, args, {}, "/", "python")
@@ -361,13 +353,13 @@ def test_ssh_config_decides_which_name_must_resolve(monkeypatch):
         assert argv[:2] == ["ssh", "-G"] and kwargs["stdin"] is subprocess.DEVNULL
         return subprocess.CompletedProcess(argv, 0, config[argv[2]], "")
 
-    monkeypatch.setattr(runner.subprocess, "run", ssh_g)
-    runner.resolve_for_ssh("alias")
-    runner.resolve_for_ssh("inner")
+    monkeypatch.setattr(remote.subprocess, "run", ssh_g)
+    resolve_for_ssh("alias")
+    resolve_for_ssh("inner")
     with pytest.raises(socket.gaierror):
-        runner.resolve_for_ssh("typo")
+        resolve_for_ssh("typo")
     with pytest.raises(socket.gaierror):
-        runner.resolve_for_ssh("-oProxyCommand=x")  # never handed to ssh as an option
+        resolve_for_ssh("-oProxyCommand=x")  # never handed to ssh as an option
 
 
 def test_main_rejects_busy_master_port(capsys, script):
