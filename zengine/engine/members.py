@@ -208,7 +208,7 @@ class DeepSpeedMembers:
                 host.untyped_storage().copy_(storage, non_blocking=non_blocking)
                 moved.append((storage, host))
         if moved and non_blocking:
-            from ..accelerator import get_accelerator
+            from ..device import get_accelerator
 
             get_accelerator().synchronize()  # the copies must land before the device storage is freed
         for storage, _ in moved:
