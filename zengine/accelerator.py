@@ -1,6 +1,6 @@
-"""``zengine.accelerator.get_accelerator()``: DeepSpeed's device abstraction, for CUDA and for the CPU.
+"""``zengine.accelerator.get_accelerator()``: DeepSpeed's device abstraction, for CUDA and the CPU.
 
-    from zengine.accelerator import get_accelerator   # DeepSpeed: from deepspeed.accelerator import ...
+    from zengine.accelerator import get_accelerator   # DeepSpeed: deepspeed.accelerator
     device = get_accelerator().device_name(local_rank)  # "cuda:0", or "cpu" on a CPU-only machine
     x = x.to(get_accelerator().current_device_name())
 
@@ -9,6 +9,6 @@ accelerators live: which one is chosen (``device/current.py``: the engine's own 
 ``DS_ACCELERATOR``), and what the CPU's members mean (``device/host.py``).
 """
 from .device import Accelerator, CpuAccelerator, CudaAccelerator, get_accelerator, set_accelerator
-from .device.host import HostEvent as _HostEvent, HostStream as _HostStream  # their former names here
+from .device.host import HostEvent as _HostEvent, HostStream as _HostStream  # former names
 
 __all__ = ["Accelerator", "CpuAccelerator", "CudaAccelerator", "get_accelerator", "set_accelerator"]

@@ -10,5 +10,5 @@ from .cuda import CudaAccelerator
 from .current import get_accelerator, set_accelerator
 from .host import CpuAccelerator, HostEvent, HostStream
 
-__all__ = ["Accelerator", "CpuAccelerator", "CudaAccelerator", "HostEvent", "HostStream", "get_accelerator",
-           "set_accelerator"]
+__all__ = ["Accelerator", "CpuAccelerator", "CudaAccelerator", "HostEvent", "HostStream",
+           "get_accelerator", "set_accelerator"]

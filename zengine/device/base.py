@@ -1,4 +1,4 @@
-"""``Accelerator``: the members DeepSpeed scripts call on ``get_accelerator()``, common to every device."""
+"""``Accelerator``: what DeepSpeed scripts call on ``get_accelerator()``, for every device."""
 from __future__ import annotations
 
 from typing import Optional

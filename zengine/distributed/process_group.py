@@ -107,6 +107,11 @@ def local_rank(device_count: Callable[[], int] = visible_cuda_devices) -> int:
     return rank % count if count > 1 else 0
 
 
+def world_rank() -> int:
+    """This process's rank in the default process group (the world); 0 before one exists."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _visible(count: int) -> str:
     """The visible CUDA device count and where it came from, for messages."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")

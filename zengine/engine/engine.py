@@ -26,7 +26,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from .. import checkpoint, checkpointing
+from .. import checkpoint
+from ..activation import settings as activation_checkpointing
 from ..checkpoint import background
 from ..config import ZengineConfig, format_config
 from ..config.report import PRINT_FULL_ENV
@@ -81,7 +82,8 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         if placement.rank == 0:
             full = os.environ.get(PRINT_FULL_ENV, "").lower() == "full"
             logger.info("zengine config (* = changed from default):\n%s", format_config(config, changed_only=not full))
-        checkpointing.configure_from_config(config.activation_checkpointing)  # unless the script configured it
+        # unless the script configured it
+        activation_checkpointing.configure_from_config(config.activation_checkpointing)
 
         ranks = data_parallel_ranks(config.zero_optimization, placement.world_size, placement.rank, placement.device)
         # CPU ranks on one host: the data-parallel group's collectives through shared memory (distributed/shm.py).
