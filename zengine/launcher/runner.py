@@ -39,8 +39,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from zengine.compat import COMPAT_ENV
-from zengine.launcher.entry import NO_LOCAL_RANK_ENV, RUN_MODULE_ENV
+from zengine.launcher.entry import COMPAT_ENV, NO_LOCAL_RANK_ENV, RUN_MODULE_ENV
 from zengine.launcher.hostfile import (OPTION_LIKE, HostfileError, check_hosts_resolve, parse_hostfile,
                                        resolve_resources)
 from zengine.launcher.rendezvous import (NodeCountError, NodeRange, add_arguments as add_rendezvous_arguments,
