@@ -41,11 +41,12 @@ from ..precision.cast import cast_floating
 from ..precision.loss_scaler import loss_carries_accumulation, make_loss_scaler
 from ..zero import build_zero_optimizer
 from ..zero.optimizer import StepOutcome
+from ..zero.place import place_model
 from ..zero.stages import data_parallel_ranks
 from .accumulation import Accumulation
 from .backward import BackwardTracker
-from .build import (UntrainedParameters, make_dataloader, make_scheduler, named_param_groups, optimizer_factory,
-                    place_model, route_matmuls)
+from .build import (UntrainedParameters, make_dataloader, make_scheduler, named_param_groups,
+                    optimizer_factory, route_matmuls)
 from .compile import CompileMembers, take_user_compile
 from .members import DeepSpeedMembers
 from .memory import PINNED_HOST, memory_breakdown, model_state_bytes  # noqa: F401 (public names here too)
@@ -91,7 +92,8 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         # rank's, and a transport dropped on some ranks only would split the group's collectives.
         self._shared_memory = shm.install_for(ranks.group, config.shared_memory, shm.model_bytes(model))
         self._shared_memory_group = ranks.group  # (another engine's transport may serve it: memory_breakdown)
-        place_model(model, config, ranks)  # stage 3 (MiCS: over shard groups): cut one parameter at a time
+        # stage 3 (MiCS: over shard groups): cut one parameter at a time
+        place_model(model, config.zero_optimization.stage, config.compute_dtype, ranks)
         self.matmul = route_matmuls(model, config, placement)  # CPU bf16 without native bf16: fp32 products
         named_groups = named_param_groups(model, model_parameters, optimizer)
         self._untrained = UntrainedParameters(model, named_groups)  # named at the step if unfrozen later
