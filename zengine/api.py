@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .config import load_config
-from .distributed.process_group import DEFAULT_PORT, ProcessPlacement, init_distributed
+from .distributed.process_group import DEFAULT_PORT, ProcessRank, init_distributed
 from .engine.engine import Engine
 
 
@@ -124,9 +124,9 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         _apply_timeout_to_existing_group(cfg)
     elif dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, timeout=comm_timeout(cfg))
-    placement = ProcessPlacement.current()
-    if placement.device.type == "cuda":  # so that torch.cuda.current_device() (get_accelerator()) is ours
-        torch.cuda.set_device(placement.device)
-    engine = Engine(model, cfg, placement, model_parameters=model_parameters, optimizer=optimizer,
+    process_rank = ProcessRank.current()
+    if process_rank.device.type == "cuda":  # so that torch.cuda.current_device() (get_accelerator()) is ours
+        torch.cuda.set_device(process_rank.device)
+    engine = Engine(model, cfg, process_rank, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -10,19 +10,20 @@ import torch
 from torch import nn
 
 from ..config import ZengineConfig
-from ..distributed.process_group import ProcessPlacement
+from ..distributed.process_group import ProcessRank
 from ..optim import build_optimizer, build_scheduler
 from ..precision.cpu_matmul import MatmulPolicy, choose_matmul_policy, log_choice
 
 logger = logging.getLogger("zengine")
 
 
-def route_matmuls(model: nn.Module, config: ZengineConfig, placement: ProcessPlacement) -> MatmulPolicy:
+def route_matmuls(model: nn.Module, config: ZengineConfig,
+                  process_rank: ProcessRank) -> MatmulPolicy:
     """Choose where the model's bf16 matrix multiplies run on this CPU (``bf16.cpu_matmul``; any other
     device or dtype is left alone), apply it to the model and say so once on rank 0."""
-    policy = choose_matmul_policy(config.bf16.cpu_matmul, config.compute_dtype, placement.device)
+    policy = choose_matmul_policy(config.bf16.cpu_matmul, config.compute_dtype, process_rank.device)
     routed = policy.apply(model)
-    if placement.rank == 0:
+    if process_rank.rank == 0:
         log_choice(policy, routed)
     return policy
 
@@ -86,11 +87,12 @@ def make_scheduler(lr_scheduler, config: ZengineConfig, optimizer):
     return None
 
 
-def make_dataloader(data, config: ZengineConfig, placement: ProcessPlacement, collate_fn):
+def make_dataloader(data, config: ZengineConfig, process_rank: ProcessRank, collate_fn):
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
-    sampler = DistributedSampler(data, num_replicas=placement.world_size, rank=placement.rank)
+    sampler = DistributedSampler(data, num_replicas=process_rank.world_size,
+                                 rank=process_rank.rank)
     return DataLoader(data, batch_size=config.train_micro_batch_size_per_gpu, sampler=sampler,
                       collate_fn=collate_fn, drop_last=True)
 

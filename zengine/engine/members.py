@@ -2,7 +2,7 @@
 accumulation control, optimizer queries and moving the model states off the device between phases.
 
 ``Engine`` takes these by inheritance (``class Engine(DeepSpeedMembers, nn.Module)``) so that
-engine.py keeps to training; each member reads the engine's config, placement and optimizer.
+engine.py keeps to training; each member reads the engine's config, process rank and optimizer.
 """
 from __future__ import annotations
 

@@ -68,14 +68,14 @@ class Init:
     def __enter__(self):
         if not self.enabled:
             return self
-        from ..distributed.process_group import ProcessPlacement, init_distributed
+        from ..distributed.process_group import ProcessRank, init_distributed
 
         init_distributed()
         cfg = self._zero_sections()
         # the ranks the engine will shard over: all of them, or with MiCS this rank's shard group (mics.py)
         zero_cfg = cfg.zero_optimization if cfg is not None else None
         self.world, self.rank, _, _ = sharding(zero_cfg, dist.get_world_size(), dist.get_rank())
-        self.device = ProcessPlacement.current().device  # parameters are cut where the engine will compute with them
+        self.device = ProcessRank.current().device  # parameters are cut where the engine will compute with them
         self.swap = self._nvme_swap(cfg)
         self._made: list[ShardedParam] = []
         for cls in _subclasses(nn.Module):

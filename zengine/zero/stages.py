@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-import torch
 from torch import nn
 
+from ..config.zero import ZeroConfig
+from ..distributed.process_group import ProcessRank
 from ..offload.placement import make_placement
 from ..precision.loss_scaler import LossScaler, loss_carries_accumulation
 from .bucket_order import registration_positions
@@ -22,11 +23,13 @@ from .mics import sharding
 from .optimizer import Ranks, StepRules, ZeroOptimizer
 
 
-def data_parallel_ranks(zero_cfg, world: int, rank: int, device: torch.device) -> Ranks:
-    """The ranks the model states are sharded over: all ``world`` ranks of the default group, or with MiCS
-    (``mics_shard_size``) this rank's shard group, the copies across groups in ``Ranks.replication``."""
+def shard_group(zero_cfg: ZeroConfig, process_rank: ProcessRank) -> Ranks:
+    """The ranks the model states are sharded over, from this process's rank record: all ranks
+    of the default group, or with MiCS (``mics_shard_size``) this rank's shard group, the copies
+    across groups in ``Ranks.replication``."""
+    world, rank = process_rank.world_size, process_rank.rank
     size, shard_rank, group, replication = sharding(zero_cfg, world, rank)
-    return Ranks(size, shard_rank, device, group, replication)
+    return Ranks(size, shard_rank, process_rank.device, group, replication)
 
 
 def build_zero_optimizer(module: nn.Module, config, named_groups: Sequence[tuple[list[tuple[str, nn.Parameter]], dict]],
