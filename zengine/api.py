@@ -9,7 +9,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from .config import load_config
+from .config import ZengineConfig, load_config
 from .distributed.process_group import DEFAULT_PORT, ProcessRank, init_distributed
 from .engine.engine import Engine
 
@@ -34,7 +34,7 @@ def _config_source(config, config_params, args) -> Any:
     return source
 
 
-def comm_timeout(cfg) -> timedelta:
+def comm_timeout(cfg: ZengineConfig) -> timedelta:
     """The collectives' timeout: the launcher's ``--comm_timeout`` (``ZENGINE_COMM_TIMEOUT``) when given,
     else the config's ``comm_timeout``."""
     raw = os.environ.get("ZENGINE_COMM_TIMEOUT")
@@ -49,7 +49,7 @@ def comm_timeout(cfg) -> timedelta:
     return timedelta(seconds=cfg.comm_timeout)
 
 
-def _apply_timeout_to_existing_group(cfg) -> None:
+def _apply_timeout_to_existing_group(cfg: ZengineConfig) -> None:
     """The script started the process group itself: its timeout stands unless the config or the
     launcher asks for one (``comm_timeout`` set explicitly, or ``--comm_timeout``)."""
     if "comm_timeout" not in cfg.model_fields_set and not os.environ.get("ZENGINE_COMM_TIMEOUT"):
@@ -61,7 +61,7 @@ def _apply_timeout_to_existing_group(cfg) -> None:
                       "pass timeout= to init_process_group instead")
 
 
-def _refuse_unimplemented(cfg) -> None:
+def _refuse_unimplemented(cfg: ZengineConfig) -> None:
     """Valid DeepSpeed settings whose feature zengine does not have yet: refused before any work."""
     from .config import ConfigError
 

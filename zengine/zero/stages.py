@@ -5,11 +5,10 @@ here too, once (``offload/placement.make_placement``), and handed to the parts t
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from torch import nn
 
-from ..config.zero import ZeroConfig
 from ..distributed.process_group import ProcessRank
 from ..offload.placement import make_placement
 from ..precision.loss_scaler import LossScaler, loss_carries_accumulation
@@ -22,6 +21,10 @@ from .nonfinite import NonFinitePolicy
 from .mics import sharding
 from .optimizer import Ranks, StepRules, ZeroOptimizer
 
+if TYPE_CHECKING:  # annotations only
+    from ..config import ZengineConfig
+    from ..config.zero import ZeroConfig
+
 
 def shard_group(zero_cfg: ZeroConfig, process_rank: ProcessRank) -> Ranks:
     """The ranks the model states are sharded over, from this process's rank record: all ranks
@@ -32,7 +35,7 @@ def shard_group(zero_cfg: ZeroConfig, process_rank: ProcessRank) -> Ranks:
     return Ranks(size, shard_rank, process_rank.device, group, replication)
 
 
-def build_zero_optimizer(module: nn.Module, config, named_groups: Sequence[tuple[list[tuple[str, nn.Parameter]], dict]],
+def build_zero_optimizer(module: nn.Module, config: ZengineConfig, named_groups: Sequence[tuple[list[tuple[str, nn.Parameter]], dict]],
                          make_optimizer: Callable, scaler: LossScaler, ranks: Ranks,
                          on_unbracketed_grad: Callable[[], None] = lambda: None) -> ZeroOptimizer:
     """Flatten each group's trainable parameters and assemble the optimizer for the config's stage.
