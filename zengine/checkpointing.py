@@ -8,10 +8,10 @@
 
 DeepSpeed's public name over ``zengine.activation``, where it is implemented: what each
 ``configure`` argument and config key means here (``activation/settings.py``), how a segment is
-recomputed (``activation/checkpoint.py``), the named random streams (``activation/rng.py``).
+recomputed (``activation/recompute.py``), the named random streams (``activation/rng.py``).
 """
-from .activation.checkpoint import SAVED_ON_HOST as _HOST_COPIES  # noqa: F401 (benchmarks read it)
-from .activation.checkpoint import checkpoint, non_reentrant_checkpoint
+from .activation.recompute import SAVED_ON_HOST as _HOST_COPIES  # noqa: F401 (benchmarks read it)
+from .activation.recompute import checkpoint, non_reentrant_checkpoint
 from .activation.rng import (CudaRNGStatesTracker, get_cuda_rng_tracker,
                              model_parallel_cuda_manual_seed)
 from .activation.settings import configure, configure_from_config, is_configured, reset
