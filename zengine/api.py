@@ -125,7 +125,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     elif dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, timeout=comm_timeout(cfg))
     process_rank = ProcessRank.current()
-    if process_rank.device.type == "cuda":  # so that torch.cuda.current_device() (get_accelerator()) is ours
+    if process_rank.device.type == "cuda":  # torch.cuda.current_device() (get_accelerator()) is ours
         torch.cuda.set_device(process_rank.device)
     engine = Engine(model, cfg, process_rank, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)

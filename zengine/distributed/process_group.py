@@ -182,8 +182,8 @@ class ProcessRank:
 
     @classmethod
     def current(cls, device: Optional[str] = None) -> "ProcessRank":
-        """This process's rank record in the default process group (world size 1 without one); the device
-        from ``resolve_device`` unless ``device`` names one."""
+        """This process's rank record in the default process group (world size 1 without one);
+        the device from ``resolve_device`` unless ``device`` names one."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         local = local_rank()

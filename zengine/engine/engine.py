@@ -77,8 +77,8 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         self.pinned_spares: list = []  # pinned host copies reload_states gave back, for the next offload_states
         self._warned_idle_step = False
         self._last_report = (time.perf_counter(), 0)
-        self.monitor = build_monitor(config, process_rank.rank)  # DeepSpeed's monitor sections; no-op unless enabled
-        self.timers = Timers.for_device(config.wall_clock_breakdown, process_rank.device)  # no-op unless enabled
+        self.monitor = build_monitor(config, process_rank.rank)  # no-op unless enabled
+        self.timers = Timers.for_device(config.wall_clock_breakdown, process_rank.device)  # same
         self._step_report = StepReport(self.monitor, self.timers, fp16=config.fp16.enabled)
         if process_rank.rank == 0:
             full = os.environ.get(PRINT_FULL_ENV, "").lower() == "full"
@@ -94,7 +94,7 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         self._shared_memory_group = ranks.group  # (another engine's transport may serve it: memory_breakdown)
         # stage 3 (MiCS: over shard groups): cut one parameter at a time
         place_model(model, config.zero_optimization.stage, config.compute_dtype, ranks)
-        self.matmul = route_matmuls(model, config, process_rank)  # CPU bf16 without native bf16: fp32 products
+        self.matmul = route_matmuls(model, config, process_rank)  # bf16 on a CPU without it: fp32
         named_groups = named_param_groups(model, model_parameters, optimizer)
         self._untrained = UntrainedParameters(model, named_groups)  # named at the step if unfrozen later
         self.scaler = make_loss_scaler(config.fp16)

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from ..optimizer import Ranks
 
 
-def partition(named: list, device: torch.device, dtype: Optional[torch.dtype], world: int, rank: int,
-              swap=None) -> list[ShardedParam]:
+def partition(named: list, device: torch.device, dtype: Optional[torch.dtype], world: int,
+              rank: int, swap=None) -> list[ShardedParam]:
     """Cut each (name, parameter) not yet partitioned into this rank's shard, one at a time: moved
     to ``device`` (and ``dtype`` when given), broadcast from rank 0, cut, and released, so the
     device holds the shards and at most one whole parameter. With ``swap`` (NVMe) the shard goes to
@@ -32,8 +32,9 @@ def partition(named: list, device: torch.device, dtype: Optional[torch.dtype], w
         if p is None or lookup(p) is not None:
             continue
         with torch.no_grad():
-            if p.device != device or (dtype is not None and p.is_floating_point() and p.dtype != dtype):
-                p.data = p.data.to(device=device, dtype=dtype if p.is_floating_point() else None)
+            floating = p.is_floating_point()
+            if p.device != device or (dtype is not None and floating and p.dtype != dtype):
+                p.data = p.data.to(device=device, dtype=dtype if floating else None)
             # every rank (MiCS: every shard group too)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 collectives.broadcast(p.data, 0)
