@@ -1,8 +1,9 @@
-"""``zengine.accelerator.get_accelerator()``: DeepSpeed's members, on the CPU (CUDA ones skip without a GPU)."""
+"""``zengine.accelerator.get_accelerator()`` (``zengine/device/``): DeepSpeed's members, on the CPU
+(CUDA ones skip without a GPU)."""
 import pytest
 import torch
 
-from zengine import accelerator as acc_mod
+from zengine.device import current as acc_mod  # where the chosen accelerator is kept
 from zengine.accelerator import CpuAccelerator, CudaAccelerator, get_accelerator
 
 

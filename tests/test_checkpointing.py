@@ -10,6 +10,7 @@ from torch import nn
 import zengine
 from harness import spawn
 from zengine import checkpointing
+from zengine.activation import SAVED_ON_HOST, current as current_settings, restore_defaults
 from zengine.config import ConfigError, load_config
 
 DIM, HIDDEN = 12, 20
@@ -18,11 +19,11 @@ DIM, HIDDEN = 12, 20
 @pytest.fixture(autouse=True)
 def fresh_settings():
     """Each test starts as a fresh process would: default settings, not configured, no counts."""
-    checkpointing._restore_defaults()
-    checkpointing._HOST_COPIES.reset_counts()
+    restore_defaults()
+    SAVED_ON_HOST.reset_counts()
     checkpointing.get_cuda_rng_tracker().reset()
     yield
-    checkpointing._restore_defaults()
+    restore_defaults()
     checkpointing.get_cuda_rng_tracker().reset()
 
 
@@ -97,7 +98,7 @@ def test_cpu_checkpointing_keeps_the_inputs_in_cpu_memory():
     checkpointing.configure(None, checkpoint_in_cpu=True)
     torch.manual_seed(0)
     model, x = Stack(n=3, dropout=0.1), torch.randn(6, DIM)
-    copies = checkpointing._HOST_COPIES
+    copies = SAVED_ON_HOST
     model.use_checkpoint = True
     loss = model(x.requires_grad_(True))
     # one saved input per checkpointed block went through the host hooks, kept in CPU memory,
@@ -107,7 +108,7 @@ def test_cpu_checkpointing_keeps_the_inputs_in_cpu_memory():
     assert copies.moved_bytes == 0  # already on the CPU: kept, not copied a second time
     loss.backward()
     assert copies.unpacked == 3  # each recomputation took its input back
-    checkpointing._HOST_COPIES.reset_counts()
+    SAVED_ON_HOST.reset_counts()
     assert_same_gradients(model, x.detach())
     assert copies.packed == 3
 
@@ -115,7 +116,7 @@ def test_cpu_checkpointing_keeps_the_inputs_in_cpu_memory():
 def test_without_cpu_checkpointing_nothing_goes_through_the_host_hooks():
     model = Stack()
     gradients(model, torch.randn(4, DIM), use_checkpoint=True)
-    assert checkpointing._HOST_COPIES.packed == 0
+    assert SAVED_ON_HOST.packed == 0
 
 
 def test_return_values_shaped_as_deepspeed_shapes_them():
@@ -153,7 +154,7 @@ def test_configure_refuses_an_mpu_by_name():
 def test_configure_arguments_and_their_checks():
     checkpointing.configure(None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=4,
                             checkpoint_in_cpu=True, synchronize=True, profile=True)
-    settings = checkpointing._settings
+    settings = current_settings()
     assert (settings.partition_activations, settings.contiguous_memory_optimization, settings.number_checkpoints,
             settings.cpu_checkpointing, settings.synchronize_checkpoint_boundary, settings.profile) == \
         (True, True, 4, True, True, True)
@@ -171,16 +172,16 @@ def test_configure_from_a_deepspeed_config_file_dict_or_loaded_config(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
     for source in (str(path), path, config, load_config(config, world_size=2)):
-        checkpointing._restore_defaults()
+        restore_defaults()
         checkpointing.configure(None, deepspeed_config=source)
-        assert checkpointing._settings.cpu_checkpointing and checkpointing._settings.profile
-        assert checkpointing._settings.number_checkpoints == 8
+        assert current_settings().cpu_checkpointing and current_settings().profile
+        assert current_settings().number_checkpoints == 8
     # an argument overrides the file
     checkpointing.configure(None, deepspeed_config=config, checkpoint_in_cpu=False)
-    assert not checkpointing._settings.cpu_checkpointing and checkpointing._settings.profile
+    assert not current_settings().cpu_checkpointing and current_settings().profile
     # a file without the section: the defaults
     checkpointing.configure(None, deepspeed_config={"train_batch_size": 8})
-    assert not checkpointing._settings.cpu_checkpointing
+    assert not current_settings().cpu_checkpointing
     with pytest.raises(ConfigError, match="activation_checkpointing.cpu_checkpoint: unknown key; did you mean "
                                           "'cpu_checkpointing'"):
         checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"cpu_checkpoint": True}})
@@ -210,14 +211,14 @@ def test_is_configured_reset_and_the_engine_section():
     section = load_config({"train_batch_size": 2, "activation_checkpointing": {"cpu_checkpointing": True}},
                           world_size=1).activation_checkpointing
     checkpointing.configure_from_config(section)  # what the engine does at initialize
-    assert checkpointing._settings.cpu_checkpointing and not checkpointing.is_configured()
+    assert current_settings().cpu_checkpointing and not checkpointing.is_configured()
     checkpointing.configure(None, profile=True)  # the script's own call starts from the defaults
     assert checkpointing.is_configured()
-    assert checkpointing._settings.profile and not checkpointing._settings.cpu_checkpointing
+    assert current_settings().profile and not current_settings().cpu_checkpointing
     checkpointing.configure_from_config(section)  # a later initialize keeps what the script configured
-    assert checkpointing._settings.profile and not checkpointing._settings.cpu_checkpointing
+    assert current_settings().profile and not current_settings().cpu_checkpointing
     checkpointing.reset()  # DeepSpeed's reset frees buffers; the settings stay
-    assert checkpointing.is_configured() and checkpointing._settings.profile
+    assert checkpointing.is_configured() and current_settings().profile
 
 
 def test_profile_logs_forward_and_recompute_times():
@@ -277,7 +278,7 @@ def engine_config(stage: int, cpu_checkpointing: bool = False) -> dict:
 def train_run(stage: int, mode: str) -> list:
     """3 steps of a Stack whose blocks are checkpointed ("checkpoint", "cpu") or not ("plain");
     returns the whole parameters after them, as lists."""
-    checkpointing._restore_defaults()
+    restore_defaults()
     torch.manual_seed(0)
     model = Stack(n=3, dropout=0.1)
     model.use_checkpoint = mode != "plain"
@@ -288,12 +289,12 @@ def train_run(stage: int, mode: str) -> list:
     rank = torch.distributed.get_rank()
     g = torch.Generator().manual_seed(100 + rank)
     torch.manual_seed(7 + rank)  # dropout: the same masks in every mode
-    checkpointing._HOST_COPIES.reset_counts()
+    SAVED_ON_HOST.reset_counts()
     for _ in range(3):
         engine.backward(engine(torch.randn(4, DIM, generator=g)))
         engine.step()
     if mode == "cpu":
-        assert checkpointing._HOST_COPIES.packed == 9 and checkpointing._HOST_COPIES.unpacked == 9
+        assert SAVED_ON_HOST.packed == 9 and SAVED_ON_HOST.unpacked == 9
     with engine.summon_full_params(writeback=False):
         params = [p.detach().clone().tolist() for p in engine.module.parameters()]
     engine.destroy()
@@ -314,10 +315,10 @@ def test_training_through_initialize_matches_without_checkpointing(stage):
 
 
 def section_after_initialize() -> tuple:
-    checkpointing._restore_defaults()
+    restore_defaults()
     engine, *_ = zengine.initialize(model=Stack(), config={**engine_config(2, cpu_checkpointing=True)})
     engine.destroy()
-    return checkpointing._settings.cpu_checkpointing, checkpointing.is_configured()
+    return current_settings().cpu_checkpointing, checkpointing.is_configured()
 
 
 def test_initialize_applies_the_config_section():

@@ -12,13 +12,21 @@ MAX_FILE_LINES = 600
 MAX_CLASS_LINES = 300
 # Who may import whom at module level (a package is named by its folder under zengine/).
 FORBIDDEN = {
-    "offload": {"zero", "engine"},             # zero/ builds on offload/, never the reverse
-    "distributed": {"zero", "engine", "offload", "checkpoint"},
+    "offload": {"zero", "engine", "activation"},  # zero/ builds on offload/, never the reverse
+    "device": {"zero", "engine", "offload", "checkpoint", "activation"},  # offload/ builds on it
+    "distributed": {"zero", "engine", "offload", "checkpoint", "device", "activation"},
     "precision": {"zero", "engine", "offload"},
-    "ops": {"zero", "engine", "offload", "distributed"},
-    "config": {"zero", "engine", "offload", "elasticity"},
-    "zero": {"engine"},                       # the engine drives zero/; zero/ calls back only what it is given
+    "ops": {"zero", "engine", "offload", "distributed", "device"},
+    "config": {"zero", "engine", "offload", "elasticity", "device", "activation"},
+    "activation": {"zero", "engine", "offload", "checkpoint"},  # the engine applies its settings
+    "zero": {"engine"},  # the engine drives zero/; zero/ calls back only what it is given
 }
+# DeepSpeed's public names (docs/API.md): thin faces over the layers, for users. No module inside a
+# package imports one at module level; the package imports the implementation the face re-exports.
+FACES = {"api", "comm", "accelerator", "checkpointing", "compat", "elasticity", "utils", "runtime",
+         "moe"}
+# Faces whose implementation lives in a layer (zengine/device/, zengine/activation/): names only.
+REEXPORTING_FACES = ("accelerator", "checkpointing")
 
 
 def _modules() -> dict[str, str]:
@@ -109,6 +117,29 @@ def test_layers_import_downward():
             if target in FORBIDDEN.get(layer, ()):
                 wrong.append(f"{name} imports {dep}")
     assert not wrong, "imports against the layering (docs/architecture.md):\n" + "\n".join(sorted(wrong))
+
+
+def test_packages_do_not_import_the_faces():
+    modules = _modules()
+    wrong = []
+    for name, deps in _graph().items():
+        parts = name.split(".")
+        in_package = len(parts) > 2 or modules[name].endswith("__init__.py")
+        if len(parts) < 2 or parts[1] in FACES or not in_package:
+            continue  # zengine/__init__, the top-level modules and the faces themselves
+        faces = [dep for dep in deps if dep.count(".") and dep.split(".")[1] in FACES]
+        wrong += [f"{name} imports {face}" for face in faces]
+    assert not wrong, ("package modules importing a DeepSpeed face instead of its layer:\n"
+                       + "\n".join(sorted(wrong)))
+
+
+def test_reexporting_faces_define_nothing():
+    defined = []
+    for face in REEXPORTING_FACES:
+        tree = ast.parse(open(os.path.join(ROOT, face + ".py")).read())
+        defined += [f"zengine.{face}.{node.name}" for node in tree.body
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    assert not defined, "defined in a face instead of its layer: " + ", ".join(defined)
 
 
 def test_files_and_classes_stay_readable():

@@ -9,8 +9,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from .config import load_config
-from .distributed.process_group import DEFAULT_PORT, ProcessPlacement, init_distributed
+from .config import ZengineConfig, load_config
+from .distributed.process_group import DEFAULT_PORT, ProcessRank, init_distributed
 from .engine.engine import Engine
 
 
@@ -34,7 +34,7 @@ def _config_source(config, config_params, args) -> Any:
     return source
 
 
-def comm_timeout(cfg) -> timedelta:
+def comm_timeout(cfg: ZengineConfig) -> timedelta:
     """The collectives' timeout: the launcher's ``--comm_timeout`` (``ZENGINE_COMM_TIMEOUT``) when given,
     else the config's ``comm_timeout``."""
     raw = os.environ.get("ZENGINE_COMM_TIMEOUT")
@@ -49,7 +49,7 @@ def comm_timeout(cfg) -> timedelta:
     return timedelta(seconds=cfg.comm_timeout)
 
 
-def _apply_timeout_to_existing_group(cfg) -> None:
+def _apply_timeout_to_existing_group(cfg: ZengineConfig) -> None:
     """The script started the process group itself: its timeout stands unless the config or the
     launcher asks for one (``comm_timeout`` set explicitly, or ``--comm_timeout``)."""
     if "comm_timeout" not in cfg.model_fields_set and not os.environ.get("ZENGINE_COMM_TIMEOUT"):
@@ -61,7 +61,7 @@ def _apply_timeout_to_existing_group(cfg) -> None:
                       "pass timeout= to init_process_group instead")
 
 
-def _refuse_unimplemented(cfg) -> None:
+def _refuse_unimplemented(cfg: ZengineConfig) -> None:
     """Valid DeepSpeed settings whose feature zengine does not have yet: refused before any work."""
     from .config import ConfigError
 
@@ -124,9 +124,9 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         _apply_timeout_to_existing_group(cfg)
     elif dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, timeout=comm_timeout(cfg))
-    placement = ProcessPlacement.current()
-    if placement.device.type == "cuda":  # so that torch.cuda.current_device() (get_accelerator()) is ours
-        torch.cuda.set_device(placement.device)
-    engine = Engine(model, cfg, placement, model_parameters=model_parameters, optimizer=optimizer,
+    process_rank = ProcessRank.current()
+    if process_rank.device.type == "cuda":  # torch.cuda.current_device() (get_accelerator()) is ours
+        torch.cuda.set_device(process_rank.device)
+    engine = Engine(model, cfg, process_rank, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

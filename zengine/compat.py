@@ -34,7 +34,6 @@ import runpy
 import sys
 from typing import Optional, Sequence
 
-COMPAT_ENV = "ZENGINE_DEEPSPEED_COMPAT"
 # The DeepSpeed release whose public surface (initialize, config keys, engine members) zengine follows;
 # the version the compatibility mode reports for the ``deepspeed`` distribution.
 DEEPSPEED_VERSION = "0.19.8"

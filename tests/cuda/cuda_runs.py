@@ -565,8 +565,8 @@ def run_groups(plan: dict, device: str, tmp: str) -> dict:
     out = {}
     for group, cases in plan.items():
         out[group] = {case_id(c): _guard(runners[group], c, device, tmp) for c in cases}
-    from zengine.distributed.process_group import ProcessPlacement
-    out["process"] = {"backend": dist.get_backend(), "placement": str(ProcessPlacement.current().device), "device": str(dev),
+    from zengine.distributed.process_group import ProcessRank
+    out["process"] = {"backend": dist.get_backend(), "placement": str(ProcessRank.current().device), "device": str(dev),
                       "peak_bytes": peak_bytes(dev),
                       "name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
     return out
@@ -749,14 +749,14 @@ def stays_on_cpu() -> dict:
     """A gloo rank of the CPU suite, on any machine: placement and engine on the CPU, with and without
     ZENGINE_DEVICE=cpu (tests/conftest.py sets it; the backend alone must already mean the CPU), and no
     CUDA context made by training (a pinned buffer or a stray .cuda() would make one)."""
-    from zengine.distributed.process_group import ProcessPlacement
+    from zengine.distributed.process_group import ProcessRank
 
     out = {"cuda_initialized_before": torch.cuda.is_initialized()}
     previous = os.environ.pop("ZENGINE_DEVICE", None)
     try:
-        out["placement_default"] = str(ProcessPlacement.current().device)
+        out["placement_default"] = str(ProcessRank.current().device)
         os.environ["ZENGINE_DEVICE"] = "cpu"
-        out["placement_env_cpu"] = str(ProcessPlacement.current().device)
+        out["placement_env_cpu"] = str(ProcessRank.current().device)
         os.environ.pop("ZENGINE_DEVICE")
         rank, world = dist.get_rank(), dist.get_world_size()
         devices = {}

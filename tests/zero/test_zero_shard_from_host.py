@@ -2,7 +2,7 @@
 
 ``initialize`` used to move the whole model to the compute device and cut it there: a model that fits
 the device only sharded failed with an out-of-memory before training began, unless it was built under
-``zero.Init``. Now each parameter is moved, broadcast, cut and released in turn (``engine/build.py
+``zero.Init``. Now each parameter is moved, broadcast, cut and released in turn (``zero/place.py
 place_model``). CI has no GPU, and a CPU parameter cannot be re-pointed at a stand-in device, so the
 measure is taken on the CPU at W=4 (gloo): every tensor ``initialize`` makes is tracked, and the peak of
 the live bytes among them must stay near a quarter of the model, where the old path copied all of it

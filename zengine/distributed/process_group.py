@@ -1,10 +1,10 @@
-"""Process-group set-up and this process's placement (rank, local rank, device).
+"""Process-group set-up and this process's rank record (rank, local rank, world size, device).
 
 The compute device is decided once, here, from the process group's backend
 (``resolve_device``): NCCL computes on this rank's GPU; gloo on the CPU
 unless the caller asks otherwise with ``ZENGINE_DEVICE`` (``cpu``, ``cuda``
 or ``cuda:N``). Nothing else in the engine looks at whether CUDA happens to
-be visible: every tensor the engine makes is made on ``ProcessPlacement.device`` or,
+be visible: every tensor the engine makes is made on ``ProcessRank.device`` or,
 for host-side work (offload, swap, checkpoints), on the CPU by design.
 
 Which GPU is "this rank's" (torch's and DeepSpeed's rules, with the per-rank visibility that
@@ -107,6 +107,11 @@ def local_rank(device_count: Callable[[], int] = visible_cuda_devices) -> int:
     return rank % count if count > 1 else 0
 
 
+def world_rank() -> int:
+    """This process's rank in the default process group (the world); 0 before one exists."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _visible(count: int) -> str:
     """The visible CUDA device count and where it came from, for messages."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -165,8 +170,10 @@ def resolve_device(backend: Optional[str], local_rank: int, requested: Optional[
 
 
 @dataclass(frozen=True)
-class ProcessPlacement:
-    """Where this process sits: global rank, local rank, world size and compute device."""
+class ProcessRank:
+    """This process in the world: its global rank, its rank on its node, the world size, and the
+    device it computes on. The ranks the model states are sharded over (all of them, or a MiCS
+    shard group) are built from it: ``zero.stages.shard_group``."""
 
     rank: int
     local_rank: int
@@ -174,9 +181,9 @@ class ProcessPlacement:
     device: torch.device
 
     @classmethod
-    def current(cls, device: Optional[str] = None) -> "ProcessPlacement":
-        """This process's placement in the default process group (world size 1 without one); the device
-        from ``resolve_device`` unless ``device`` names one."""
+    def current(cls, device: Optional[str] = None) -> "ProcessRank":
+        """This process's rank record in the default process group (world size 1 without one);
+        the device from ``resolve_device`` unless ``device`` names one."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         local = local_rank()

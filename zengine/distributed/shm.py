@@ -31,10 +31,13 @@ import os
 import socket
 import uuid
 import zlib
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # annotations only
+    from ..config.shared_memory import SharedMemoryConfig  # config is a layer above
 
 logger = logging.getLogger("zengine")
 
@@ -240,7 +243,7 @@ def model_bytes(model: torch.nn.Module) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) * max(4, p.element_size()) for p in model.parameters())
 
 
-def install_for(group, section, nbytes: int) -> Optional[SharedMemoryTransport]:
+def install_for(group, section: SharedMemoryConfig, nbytes: int) -> Optional[SharedMemoryTransport]:
     """The engine's call: ``group``'s transport as the ``shared_memory`` config section asks, for a model of
     ``nbytes`` (``model_bytes(model)``). true: ``install`` as given. "auto": where it applies, quietly, with
     pieces small enough that the segment (shared by the host's ranks) is at most half the model's bytes, an

@@ -1,6 +1,7 @@
 """What the engine builds at start, from the model, the config and the script's arguments: the
-replicas' common starting point, the param groups, and the optimizer, scheduler and data loader
-factories (DeepSpeed's rules for client objects versus config sections)."""
+matmul routing, the param groups, and the optimizer, scheduler and data loader factories
+(DeepSpeed's rules for client objects versus config sections). Where the model starts (device,
+dtype, rank 0's values, stage 3's cut) is ``zero/place.py``'s."""
 from __future__ import annotations
 
 import logging
@@ -9,54 +10,22 @@ import torch
 from torch import nn
 
 from ..config import ZengineConfig
-from ..distributed import collectives
-from ..distributed.process_group import ProcessPlacement
+from ..distributed.process_group import ProcessRank
 from ..optim import build_optimizer, build_scheduler
-from ..precision.cast import cast_module
 from ..precision.cpu_matmul import MatmulPolicy, choose_matmul_policy, log_choice
-from ..zero.optimizer import Ranks
 
 logger = logging.getLogger("zengine")
 
 
-def place_model(model: nn.Module, config: ZengineConfig, ranks: Ranks) -> None:
-    """Put the model on the compute device in the compute dtype, every replica starting from rank 0's values.
-
-    At stage 3 the parameters are cut as they move, one at a time (``zero.init.partition``, what
-    ``zero.Init`` does as modules are built): the device holds this rank's shards and at most one whole
-    parameter, never the whole model, so a model that fits the device only sharded can be built on the
-    host and handed to ``initialize``. At stages 0-2 every rank holds the whole model anyway.
-    """
-    if config.zero_optimization.stage == 3:
-        from ..zero.init import partition
-
-        partition(list(model.named_parameters()), ranks.device, config.compute_dtype, ranks.world, ranks.rank)
-    cast_module(model, config.compute_dtype, ranks.device)  # buffers, and parameters stages 0-2 keep whole
-    broadcast_from_rank0(model, ranks.dp_world)
-
-
-def route_matmuls(model: nn.Module, config: ZengineConfig, placement: ProcessPlacement) -> MatmulPolicy:
+def route_matmuls(model: nn.Module, config: ZengineConfig,
+                  process_rank: ProcessRank) -> MatmulPolicy:
     """Choose where the model's bf16 matrix multiplies run on this CPU (``bf16.cpu_matmul``; any other
     device or dtype is left alone), apply it to the model and say so once on rank 0."""
-    policy = choose_matmul_policy(config.bf16.cpu_matmul, config.compute_dtype, placement.device)
+    policy = choose_matmul_policy(config.bf16.cpu_matmul, config.compute_dtype, process_rank.device)
     routed = policy.apply(model)
-    if placement.rank == 0:
+    if process_rank.rank == 0:
         log_choice(policy, routed)
     return policy
-
-
-def broadcast_from_rank0(model: nn.Module, world: int) -> None:
-    """Start every replica from rank 0's parameters and buffers (ranks may have initialised differently).
-
-    Parameters already partitioned by ``zero.Init`` are skipped: Init made them consistent.
-    """
-    if world == 1:
-        return
-    from ..zero.stage3.param import lookup
-
-    with torch.no_grad():
-        for t in [p for p in model.parameters() if lookup(p) is None] + list(model.buffers()):
-            collectives.broadcast(t.data, 0)
 
 
 def named_param_groups(model: nn.Module, model_parameters, client_optimizer) -> list:
@@ -118,11 +87,12 @@ def make_scheduler(lr_scheduler, config: ZengineConfig, optimizer):
     return None
 
 
-def make_dataloader(data, config: ZengineConfig, placement: ProcessPlacement, collate_fn):
+def make_dataloader(data, config: ZengineConfig, process_rank: ProcessRank, collate_fn):
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
-    sampler = DistributedSampler(data, num_replicas=placement.world_size, rank=placement.rank)
+    sampler = DistributedSampler(data, num_replicas=process_rank.world_size,
+                                 rank=process_rank.rank)
     return DataLoader(data, batch_size=config.train_micro_batch_size_per_gpu, sampler=sampler,
                       collate_fn=collate_fn, drop_last=True)
 

@@ -26,13 +26,14 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from .. import checkpoint, checkpointing
+from .. import checkpoint
+from ..activation import settings as activation_checkpointing
 from ..checkpoint import background
 from ..config import ZengineConfig, format_config
 from ..config.report import PRINT_FULL_ENV
 from ..distributed import diagnose, shm, shutdown
 from ..distributed import agreement
-from ..distributed.process_group import ProcessPlacement
+from ..distributed.process_group import ProcessRank
 from ..log import setup_logging
 from ..monitor import StepReport, build_monitor
 from ..monitor.timers import BACKWARD, FORWARD, STEP, Timers
@@ -40,11 +41,12 @@ from ..precision.cast import cast_floating
 from ..precision.loss_scaler import loss_carries_accumulation, make_loss_scaler
 from ..zero import build_zero_optimizer
 from ..zero.optimizer import StepOutcome
-from ..zero.stages import data_parallel_ranks
+from ..zero.place import place_model
+from ..zero.stages import shard_group
 from .accumulation import Accumulation
 from .backward import BackwardTracker
-from .build import (UntrainedParameters, make_dataloader, make_scheduler, named_param_groups, optimizer_factory,
-                    place_model, route_matmuls)
+from .build import (UntrainedParameters, make_dataloader, make_scheduler, named_param_groups,
+                    optimizer_factory, route_matmuls)
 from .compile import CompileMembers, take_user_compile
 from .members import DeepSpeedMembers
 from .memory import PINNED_HOST, memory_breakdown, model_state_bytes  # noqa: F401 (public names here too)
@@ -56,12 +58,12 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
     """A model wrapped for ZeRO data-parallel training (see docs/API.md for the members; the
     DeepSpeed accessors beyond training are in members.py)."""
 
-    def __init__(self, model: nn.Module, config: ZengineConfig, placement: ProcessPlacement,
+    def __init__(self, model: nn.Module, config: ZengineConfig, process_rank: ProcessRank,
                  model_parameters: Optional[Iterable] = None, optimizer: Any = None, lr_scheduler: Any = None,
                  training_data: Optional[torch.utils.data.Dataset] = None, collate_fn=None):
         super().__init__()
         self.config = config
-        self.placement = placement
+        self.process_rank = process_rank
         model, user_compiler = take_user_compile(model)  # torch.compile(model): train the model inside (compile.py)
         self.module = model
         self.global_steps = 0
@@ -75,22 +77,24 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         self.pinned_spares: list = []  # pinned host copies reload_states gave back, for the next offload_states
         self._warned_idle_step = False
         self._last_report = (time.perf_counter(), 0)
-        self.monitor = build_monitor(config, placement.rank)  # DeepSpeed's monitor sections; no-op unless enabled
-        self.timers = Timers.for_device(config.wall_clock_breakdown, placement.device)  # no-op unless enabled
+        self.monitor = build_monitor(config, process_rank.rank)  # no-op unless enabled
+        self.timers = Timers.for_device(config.wall_clock_breakdown, process_rank.device)  # same
         self._step_report = StepReport(self.monitor, self.timers, fp16=config.fp16.enabled)
-        if placement.rank == 0:
+        if process_rank.rank == 0:
             full = os.environ.get(PRINT_FULL_ENV, "").lower() == "full"
             logger.info("zengine config (* = changed from default):\n%s", format_config(config, changed_only=not full))
-        checkpointing.configure_from_config(config.activation_checkpointing)  # unless the script configured it
+        # unless the script configured it
+        activation_checkpointing.configure_from_config(config.activation_checkpointing)
 
-        ranks = data_parallel_ranks(config.zero_optimization, placement.world_size, placement.rank, placement.device)
+        ranks = shard_group(config.zero_optimization, process_rank)  # MiCS: this rank's shard group
         # CPU ranks on one host: the data-parallel group's collectives through shared memory (distributed/shm.py).
         # Released by destroy() only (every rank together), not when __init__ raises below: a failure may be one
         # rank's, and a transport dropped on some ranks only would split the group's collectives.
         self._shared_memory = shm.install_for(ranks.group, config.shared_memory, shm.model_bytes(model))
         self._shared_memory_group = ranks.group  # (another engine's transport may serve it: memory_breakdown)
-        place_model(model, config, ranks)  # stage 3 (MiCS: over shard groups): cut one parameter at a time
-        self.matmul = route_matmuls(model, config, placement)  # CPU bf16 without native bf16: fp32 products
+        # stage 3 (MiCS: over shard groups): cut one parameter at a time
+        place_model(model, config.zero_optimization.stage, config.compute_dtype, ranks)
+        self.matmul = route_matmuls(model, config, process_rank)  # bf16 on a CPU without it: fp32
         named_groups = named_param_groups(model, model_parameters, optimizer)
         self._untrained = UntrainedParameters(model, named_groups)  # named at the step if unfrozen later
         self.scaler = make_loss_scaler(config.fp16)
@@ -100,7 +104,7 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         self.optimizer = build_zero_optimizer(model, config, named_groups, optimizer_factory(optimizer, config),
                                               self.scaler, ranks, self._backward.on_param_grad)
         self.lr_scheduler = make_scheduler(lr_scheduler, config, self.optimizer)
-        self.training_dataloader = (make_dataloader(training_data, config, placement, collate_fn)
+        self.training_dataloader = (make_dataloader(training_data, config, process_rank, collate_fn)
                                     if training_data is not None else None)
         self._destroyed = False
         self._compile_as_given(user_compiler)  # a model compiled before initialize, or the config's compile section
@@ -109,25 +113,25 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         diagnose.track_progress(lambda: (me().global_steps, me().micro_steps) if me() is not None else (0, 0))
         if config.auto_resume:  # what DeepSpeed users write by hand at the top of their loop
             path, _ = self.load_checkpoint(config.auto_resume, missing_ok=True)  # (it says when there is none)
-            if placement.rank == 0 and path is not None:
+            if process_rank.rank == 0 and path is not None:
                 logger.info("auto_resume: resumed from %s at step %d", path, self.global_steps)
 
-    # -- placement and config accessors ---------------------------------------------------------
+    # -- rank and config accessors ------------------------------------------------------------
     @property
     def global_rank(self) -> int:
-        return self.placement.rank
+        return self.process_rank.rank
 
     @property
     def local_rank(self) -> int:
-        return self.placement.local_rank
+        return self.process_rank.local_rank
 
     @property
     def world_size(self) -> int:
-        return self.placement.world_size
+        return self.process_rank.world_size
 
     @property
     def device(self) -> torch.device:
-        return self.placement.device
+        return self.process_rank.device
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next ``step()`` completes a global batch (or as set_gradient_accumulation_boundary said)."""

@@ -2,7 +2,7 @@
 accumulation control, optimizer queries and moving the model states off the device between phases.
 
 ``Engine`` takes these by inheritance (``class Engine(DeepSpeedMembers, nn.Module)``) so that
-engine.py keeps to training; each member reads the engine's config, placement and optimizer.
+engine.py keeps to training; each member reads the engine's config, process rank and optimizer.
 """
 from __future__ import annotations
 
@@ -208,7 +208,7 @@ class DeepSpeedMembers:
                 host.untyped_storage().copy_(storage, non_blocking=non_blocking)
                 moved.append((storage, host))
         if moved and non_blocking:
-            from ..accelerator import get_accelerator
+            from ..device import get_accelerator
 
             get_accelerator().synchronize()  # the copies must land before the device storage is freed
         for storage, _ in moved:

@@ -23,8 +23,7 @@ import traceback
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from ..compat import COMPAT_ENV
-
+COMPAT_ENV = "ZENGINE_DEEPSPEED_COMPAT"  # "1": `import deepspeed` is zengine (zengine/compat.py)
 NO_LOCAL_RANK_ENV = "ZENGINE_NO_LOCAL_RANK"
 RUN_MODULE_ENV = "ZENGINE_RUN_MODULE"
 

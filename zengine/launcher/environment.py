@@ -8,8 +8,7 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 
-from zengine.compat import COMPAT_ENV
-from zengine.launcher.entry import NO_LOCAL_RANK_ENV, RUN_MODULE_ENV
+from zengine.launcher.entry import COMPAT_ENV, NO_LOCAL_RANK_ENV, RUN_MODULE_ENV
 from zengine.launcher.options import LaunchError
 from zengine.launcher.plan import NodePlan
 

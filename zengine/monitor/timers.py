@@ -1,6 +1,6 @@
 """Named wall-clock timers for ``wall_clock_breakdown``: how long forward, backward and step take.
 
-    timers = Timers.for_device(enabled=config.wall_clock_breakdown, device=placement.device)
+    timers = Timers.for_device(enabled=config.wall_clock_breakdown, device=process_rank.device)
     with timers(FORWARD):
         out = module(x)
     ...

@@ -44,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from ..accelerator import Accelerator, CudaAccelerator
+from ..device import Accelerator, CudaAccelerator
 from . import pinned
 from .arrivals import Arrivals
 
@@ -362,7 +362,7 @@ class StreamCopies(HostCopies):
             self._last_sent = None
 
 
-# device type -> its side-stream API: an accelerator of ``zengine.accelerator`` (``Stream``, ``Event``,
+# device type -> its side-stream API: an accelerator of ``zengine.device`` (``Stream``, ``Event``,
 # ``stream``, ``current_stream``). The CPU guard tests add their stand-in device here.
 SIDE_STREAMS: dict[str, Accelerator] = {"cuda": CudaAccelerator()}
 

@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from collections import OrderedDict, deque
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -31,6 +31,9 @@ from ..ops.aio import ALIGN, AsyncIO, IORequest, SwapFile
 from . import pinned
 from .copies import device_streams, host_pinning
 from .state_swap import check_intact, host_buffer
+
+if TYPE_CHECKING:  # annotations only
+    from ..config.zero import OffloadParamConfig
 
 logger = logging.getLogger("zengine")
 
@@ -65,7 +68,8 @@ class _Slot:
 class ParamSwap:
     """The swap file and the read pool for one rank's NVMe-offloaded parameter shards."""
 
-    def __init__(self, offload_cfg, dtype: torch.dtype, io: AsyncIO, device: torch.device, sizes: list[int]):
+    def __init__(self, offload_cfg: OffloadParamConfig, dtype: torch.dtype, io: AsyncIO,
+                 device: torch.device, sizes: list[int]):
         self.directory = str(offload_cfg.nvme_path)
         self.dtype = dtype
         self.item = torch.empty((), dtype=dtype).element_size()
@@ -287,7 +291,8 @@ class GrowingSwap(ParamSwap):
     in memory; the engine's ``ParamSwap`` takes the shards over (``forget``), and the file is closed
     once none is left."""
 
-    def __init__(self, offload_cfg, dtype: torch.dtype, io: AsyncIO, device: torch.device):
+    def __init__(self, offload_cfg: OffloadParamConfig, dtype: torch.dtype, io: AsyncIO,
+                 device: torch.device):
         super().__init__(offload_cfg, dtype, io, device, [0])
         self.live = 0
 

@@ -20,6 +20,7 @@ The stage optimizers never ask which placement they have: they call its methods,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -30,6 +31,9 @@ from .param_swap import ParamSwap, align_elems, round_up
 from .state_swap import StateSwapper
 from .step_pipeline import piece_elements
 from .swapped_adam import SwappedAdam
+
+if TYPE_CHECKING:  # annotations only
+    from ..config.zero import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 WRITE_CHUNK = 1 << 24  # elements per write when NVMe shards are refreshed from masters in memory
 
@@ -72,7 +76,8 @@ class CPUPlacement(DevicePlacement):
 
     cpu_optimizer = True
 
-    def __init__(self, offload_cfg, device: torch.device, sub_group_size: int = 1_000_000_000):
+    def __init__(self, offload_cfg: OffloadOptimizerConfig, device: torch.device,
+                 sub_group_size: int = 1_000_000_000):
         self.pin = bool(offload_cfg.pin_memory) and host_pinning(device)  # pinned only to copy to a GPU
         self.copies = make_copies(device)
         self.piece = piece_elements(sub_group_size)
@@ -87,7 +92,8 @@ class CPUPlacement(DevicePlacement):
 class NVMePlacement(CPUPlacement):
     """As ``CPUPlacement``, with Adam's moments swapped to a file under ``nvme_path`` (``swapped_adam.py``)."""
 
-    def __init__(self, zero_cfg, device: torch.device, aio_cfg=None):
+    def __init__(self, zero_cfg: ZeroConfig, device: torch.device,
+                 aio_cfg: Optional[AioConfig] = None):
         offload_cfg = zero_cfg.offload_optimizer
         super().__init__(offload_cfg, device, zero_cfg.sub_group_size)
         self.directory = str(offload_cfg.nvme_path)
@@ -120,7 +126,7 @@ class ParamsInMemory:
 
     swap = None  # no swap file
 
-    def __init__(self, offload_cfg, device: torch.device):
+    def __init__(self, offload_cfg: Optional[OffloadParamConfig], device: torch.device):
         offload = offload_cfg is not None and offload_cfg.device in ("cpu", "nvme")
         self.device = device  # the compute device
         self.shard_device = torch.device("cpu") if offload else device  # host memory by design with offload
@@ -164,7 +170,8 @@ class ParamsOnNVMe(ParamsInMemory):
 
     copies_out = False  # the shards are written to the file after the step
 
-    def __init__(self, offload_cfg, device: torch.device, dtype: torch.dtype, aio_cfg, sizes: list[int]):
+    def __init__(self, offload_cfg: OffloadParamConfig, device: torch.device, dtype: torch.dtype,
+                 aio_cfg: Optional[AioConfig], sizes: list[int]):
         super().__init__(offload_cfg, device)
         self.swap = ParamSwap(offload_cfg, dtype, make_aio(aio_cfg), device, sizes)
 
@@ -214,14 +221,15 @@ class Placement:
         self.optimizer.close()
 
 
-def make_aio(aio_cfg) -> AsyncIO:
+def make_aio(aio_cfg: Optional[AioConfig]) -> AsyncIO:
     """An ``AsyncIO`` pool as the config's ``aio`` section asks (its defaults without one)."""
     if aio_cfg is None:
         return AsyncIO()
     return AsyncIO(aio_cfg.block_size, aio_cfg.thread_count, aio_cfg.queue_depth)
 
 
-def optimizer_placement(zero_cfg, device: torch.device, aio_cfg=None) -> DevicePlacement:
+def optimizer_placement(zero_cfg: ZeroConfig, device: torch.device,
+                        aio_cfg: Optional[AioConfig] = None) -> DevicePlacement:
     """Where ``zero_cfg.offload_optimizer`` puts the masters and optimizer states."""
     offload_cfg = zero_cfg.offload_optimizer
     target = getattr(offload_cfg, "device", "none") if offload_cfg is not None else "none"
@@ -232,7 +240,8 @@ def optimizer_placement(zero_cfg, device: torch.device, aio_cfg=None) -> DeviceP
     return DevicePlacement()
 
 
-def make_placement(zero_cfg, device: torch.device, dtype: torch.dtype, aio_cfg=None,
+def make_placement(zero_cfg: ZeroConfig, device: torch.device, dtype: torch.dtype,
+                   aio_cfg: Optional[AioConfig] = None,
                    chunks: list[list[int]] = ()) -> Placement:
     """The placement the config's offload sections ask for, for parameters computed on ``device`` in
     ``dtype``. ``chunks``: at stage 3, each param group's shard sizes (elements per parameter), which

@@ -26,10 +26,14 @@ Defaults, and why:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..config.precision import DTYPES
+
+if TYPE_CHECKING:  # annotations only
+    from ..config import ZengineConfig
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class GradDtypes:
     accumulate: torch.dtype
 
     @classmethod
-    def from_config(cls, config) -> "GradDtypes":
+    def from_config(cls, config: ZengineConfig) -> "GradDtypes":
         """The dtypes ``config`` (a ``ZengineConfig``) asks for, defaults resolved for its stage."""
         compute = config.compute_dtype
         reduce = DTYPES[config.communication_data_type] if config.communication_data_type else compute

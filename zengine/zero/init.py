@@ -31,34 +31,10 @@ from torch import nn
 from ..distributed import agreement, collectives
 from .mics import groups as mics_groups, sharding
 from .stage3.fetcher import Fetcher
-from .stage3.param import ParamState, ShardedParam, lookup, register
+from .stage3.param import ParamState, ShardedParam, lookup
+from .stage3.partition import partition
 
 logger = logging.getLogger("zengine")
-
-
-def partition(named: list, device: torch.device, dtype: Optional[torch.dtype], world: int, rank: int,
-              swap=None) -> list[ShardedParam]:
-    """Cut each (name, parameter) not yet partitioned into this rank's shard, one at a time: moved to
-    ``device`` (and ``dtype`` when given), broadcast from rank 0, cut, and released, so the device holds the
-    shards and at most one whole parameter. With ``swap`` (NVMe) the shard goes to the swap file."""
-    made = []
-    for name, p in named:
-        if p is None or lookup(p) is not None:
-            continue
-        with torch.no_grad():
-            if p.device != device or (dtype is not None and p.is_floating_point() and p.dtype != dtype):
-                p.data = p.data.to(device=device, dtype=dtype if p.is_floating_point() else None)
-            if dist.is_initialized() and dist.get_world_size() > 1:  # every rank (MiCS: every shard group too)
-                collectives.broadcast(p.data, 0)
-        sp = ShardedParam(name, p, world, rank)
-        register(sp)
-        if swap is not None:
-            swap.add(sp)  # to the NVMe swap file, in the compute dtype
-        else:
-            sp.attach_shard(torch.empty(sp.chunk, dtype=p.dtype, device=p.device))  # [chunk]
-        sp.free()
-        made.append(sp)
-    return made
 
 
 def _subclasses(cls):
@@ -92,14 +68,14 @@ class Init:
     def __enter__(self):
         if not self.enabled:
             return self
-        from ..distributed.process_group import ProcessPlacement, init_distributed
+        from ..distributed.process_group import ProcessRank, init_distributed
 
         init_distributed()
         cfg = self._zero_sections()
         # the ranks the engine will shard over: all of them, or with MiCS this rank's shard group (mics.py)
         zero_cfg = cfg.zero_optimization if cfg is not None else None
         self.world, self.rank, _, _ = sharding(zero_cfg, dist.get_world_size(), dist.get_rank())
-        self.device = ProcessPlacement.current().device  # parameters are cut where the engine will compute with them
+        self.device = ProcessRank.current().device  # parameters are cut where the engine will compute with them
         self.swap = self._nvme_swap(cfg)
         self._made: list[ShardedParam] = []
         for cls in _subclasses(nn.Module):

@@ -19,12 +19,15 @@ stage-3 checkpoint of world m, loadable at any world size and stage.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..distributed import collectives
+
+if TYPE_CHECKING:  # annotations only
+    from ..config.zero import ZeroConfig
 
 
 class MicsConfigError(ValueError):
@@ -73,7 +76,7 @@ def groups(size: int) -> tuple[Any, Any]:
     return _groups[key]
 
 
-def shard_size(zero_cfg, world: int) -> int:
+def shard_size(zero_cfg: Optional[ZeroConfig], world: int) -> int:
     """The ranks stage 3 shards over: ``mics_shard_size`` when it asks for MiCS, else ``world``."""
     size = int(getattr(zero_cfg, "mics_shard_size", -1) or -1)
     if int(getattr(zero_cfg, "stage", 0)) < 3 or size <= 0 or size == world:
@@ -88,7 +91,8 @@ def _check_divides(size: int, world: int) -> None:
                               f"the ranks into groups of consecutive ranks, each holding a whole sharded copy)")
 
 
-def sharding(zero_cfg, world: int, rank: int) -> tuple[int, int, Any, Replication]:
+def sharding(zero_cfg: Optional[ZeroConfig], world: int,
+             rank: int) -> tuple[int, int, Any, Replication]:
     """(ranks sharded over, this rank among them, their group, Replication) for ``zero_cfg`` on the default group
     of ``world`` ranks: the whole world and no replication unless ``mics_shard_size`` asks for MiCS."""
     size = shard_size(zero_cfg, world)

@@ -33,7 +33,7 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: Option
 
 def get_accelerator():
     """``deepspeed.accelerator.get_accelerator``, which code reaching into this module also uses."""
-    from ..accelerator import get_accelerator as current
+    from ..device import get_accelerator as current
 
     return current()
 

@@ -5,11 +5,11 @@ here too, once (``offload/placement.make_placement``), and handed to the parts t
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-import torch
 from torch import nn
 
+from ..distributed.process_group import ProcessRank
 from ..offload.placement import make_placement
 from ..precision.loss_scaler import LossScaler, loss_carries_accumulation
 from .bucket_order import registration_positions
@@ -21,15 +21,21 @@ from .nonfinite import NonFinitePolicy
 from .mics import sharding
 from .optimizer import Ranks, StepRules, ZeroOptimizer
 
+if TYPE_CHECKING:  # annotations only
+    from ..config import ZengineConfig
+    from ..config.zero import ZeroConfig
 
-def data_parallel_ranks(zero_cfg, world: int, rank: int, device: torch.device) -> Ranks:
-    """The ranks the model states are sharded over: all ``world`` ranks of the default group, or with MiCS
-    (``mics_shard_size``) this rank's shard group, the copies across groups in ``Ranks.replication``."""
+
+def shard_group(zero_cfg: ZeroConfig, process_rank: ProcessRank) -> Ranks:
+    """The ranks the model states are sharded over, from this process's rank record: all ranks
+    of the default group, or with MiCS (``mics_shard_size``) this rank's shard group, the copies
+    across groups in ``Ranks.replication``."""
+    world, rank = process_rank.world_size, process_rank.rank
     size, shard_rank, group, replication = sharding(zero_cfg, world, rank)
-    return Ranks(size, shard_rank, device, group, replication)
+    return Ranks(size, shard_rank, process_rank.device, group, replication)
 
 
-def build_zero_optimizer(module: nn.Module, config, named_groups: Sequence[tuple[list[tuple[str, nn.Parameter]], dict]],
+def build_zero_optimizer(module: nn.Module, config: ZengineConfig, named_groups: Sequence[tuple[list[tuple[str, nn.Parameter]], dict]],
                          make_optimizer: Callable, scaler: LossScaler, ranks: Ranks,
                          on_unbracketed_grad: Callable[[], None] = lambda: None) -> ZeroOptimizer:
     """Flatten each group's trainable parameters and assemble the optimizer for the config's stage.

@@ -8,7 +8,7 @@ build each part with what it needs, in dependency order.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch import nn
@@ -31,8 +31,13 @@ from .group import ShardedParamGroup
 from .optimizer import ShardedModel, Stage3Optimizer
 from .param import ParamState, ShardedParam, lookup, register
 
+if TYPE_CHECKING:  # annotations only
+    from ...config import ZengineConfig
+    from ...config.zero import ZeroConfig
 
-def shard_parameters(module: nn.Module, zero_cfg, dtype: torch.dtype, ranks: Ranks) -> list[ShardedParam]:
+
+def shard_parameters(module: nn.Module, zero_cfg: ZeroConfig, dtype: torch.dtype,
+                     ranks: Ranks) -> list[ShardedParam]:
     """Every parameter of ``module`` as a ``ShardedParam`` (those ``zero.Init`` partitioned already keep
     theirs, gathered in the compute dtype), with its persistence decided."""
     out = []
@@ -55,7 +60,7 @@ def shard_parameters(module: nn.Module, zero_cfg, dtype: torch.dtype, ranks: Ran
     return out
 
 
-def build_stage3_optimizer(module: nn.Module, config, named_groups: Sequence, make_optimizer: Callable,
+def build_stage3_optimizer(module: nn.Module, config: ZengineConfig, named_groups: Sequence, make_optimizer: Callable,
                            scaler: LossScaler, rules: StepRules, ranks: Ranks,
                            on_unbracketed_grad: Callable[[], None]) -> Stage3Optimizer:
     """The stage-3 optimizer over ``module`` for ``config`` (a ``ZengineConfig``); arguments as

@@ -13,13 +13,16 @@ elements, rank-major), so it needs ``world`` to be a multiple of h; rank r holds
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ...distributed import collectives
 from .param import ShardedParam
+
+if TYPE_CHECKING:  # annotations only
+    from ...config.zero import ZeroConfig
 
 
 class HpzConfigError(ValueError):
@@ -67,7 +70,7 @@ class SecondaryPartition:
         self.held.clear()
 
 
-def secondary_partition(zero_cfg, world: int, rank: int) -> Optional[SecondaryPartition]:
+def secondary_partition(zero_cfg: ZeroConfig, world: int, rank: int) -> Optional[SecondaryPartition]:
     """hpZ when the config asks for it (``zero_hpz_partition_size`` above 1 and below the world size)."""
     size = int(getattr(zero_cfg, "zero_hpz_partition_size", 1) or 1)
     if size <= 1 or size >= world:  # one rank per group, or the group is everyone: nothing to gain

@@ -15,9 +15,12 @@ here, not on the modules.
 from __future__ import annotations
 
 import weakref
-from typing import Iterable, Sequence, Union
+from typing import TYPE_CHECKING, Iterable, Sequence, Union
 
 from torch import nn
+
+if TYPE_CHECKING:  # annotations only
+    from ...config.zero import LeafModuleConfig
 
 _leaves: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
@@ -62,7 +65,7 @@ def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if m in _leaves]
 
 
-def mark_from_config(model: nn.Module, leaf_cfg) -> None:
+def mark_from_config(model: nn.Module, leaf_cfg: LeafModuleConfig) -> None:
     """Mark the leaves the config's ``zero_optimization.leaf_module`` section names (a class it lists that
     the model does not have is no error: the defaults list Hugging Face's mixture-of-experts blocks)."""
     for name, m in model.named_modules():

@@ -14,13 +14,16 @@ rows out rank-major in the staging buffer, exactly as the flat gather would (the
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 
 from ...distributed import collectives
 from ...distributed.traffic import local_world_size
+
+if TYPE_CHECKING:  # annotations only
+    from ...config.zero import ZeroConfig
 
 logger = logging.getLogger("zengine")
 
@@ -66,7 +69,7 @@ class TwoHopGather:
         staging.view(self.nodes, self.per_node, width).copy_(inside.view(self.per_node, self.nodes, width).transpose(0, 1))
 
 
-def gather_codec_for(zero_cfg, size: int) -> Optional[TwoHopGather]:
+def gather_codec_for(zero_cfg: ZeroConfig, size: int) -> Optional[TwoHopGather]:
     """The two-hop codec when ``mics_hierarchical_params_gather`` asks for it and the shard group of ``size``
     ranks spans nodes (``LOCAL_WORLD_SIZE`` ranks each); None otherwise (one node: a flat gather is one hop)."""
     if not getattr(zero_cfg, "mics_hierarchical_params_gather", False) or size <= 1:
