@@ -22,15 +22,16 @@ import pytest
 import torch
 
 import zengine
-from zengine.checkpoint import convert, ds_layout
-from zengine.checkpoint.ds_export import export_deepspeed_checkpoint
-from zengine.checkpoint.ds_pickle import load_ds_file, save_ds_file
-from zengine.checkpoint.ds_reader import DeepSpeedCheckpointError, DeepSpeedReader, open_reader
+from zengine.checkpoint.deepspeed import partition
+from zengine.checkpoint.deepspeed.export import export_deepspeed_checkpoint
+from zengine.checkpoint.deepspeed.files import load_ds_file, save_ds_file
+from zengine.checkpoint.deepspeed.reader import DeepSpeedCheckpointError, DeepSpeedReader, open_reader
 from zengine.checkpoint.errors import CheckpointFileError, CheckpointUntrustedError
-from zengine.checkpoint.hf_export import export_safetensors, load_safetensors_state_dict
-from zengine.checkpoint.holdings import Holding
-from zengine.checkpoint.pieces import Piece
-from zengine.checkpoint.reader import CheckpointReader
+from zengine.checkpoint.export import convert
+from zengine.checkpoint.export.hf import export_safetensors, load_safetensors_state_dict
+from zengine.checkpoint.native.holdings import Holding
+from zengine.checkpoint.native.pieces import Piece
+from zengine.checkpoint.native.reader import CheckpointReader
 from deepspeed_runs import CONTINUED, SAVED_AT, TiedLM, batches, config, make_optimizer, train
 from harness import spawn
 
@@ -293,15 +294,15 @@ def test_deepspeed_layout_arithmetic():
     """DeepSpeed's rules on sizes no world size divides: stage 1-2 partitions of a group of 5 + 3 elements
     over 3 ranks (aligned to 2 * 3 = 6: 12 elements, 4 per rank, the last rank only padding), stage-3
     chunks of ceil(numel / world)."""
-    assert ds_layout.partition_numel([5, 3], [0, 0], 3) == 4
-    assert ds_layout.flat_group_pieces(["a", "b"], [5, 3], None, 0, 4, 4) == [Piece("a", 0, 4, 0)]
-    assert ds_layout.flat_group_pieces(["a", "b"], [5, 3], None, 1, 4, 4) == [Piece("a", 4, 5, 0), Piece("b", 0, 3, 1)]
-    assert ds_layout.flat_group_pieces(["a", "b"], [5, 3], None, 2, 4, 0) == []
-    assert ds_layout.flat_group_pieces(["a", "b"], [5, 3], [3, 0], 1, 4, 4) == [Piece("a", 4, 5, 0)]
-    assert ds_layout.flat_group_pieces(["a", "b"], [5, 3], [3, 0], 2, 4, 4) == [Piece("b", 0, 3, 0)]
-    assert ds_layout.sharded_group_pieces(["a", "b"], [5, 3], 0, 2) == [Piece("a", 0, 3, 0), Piece("b", 0, 2, 3)]
-    assert ds_layout.sharded_group_pieces(["a", "b"], [5, 3], 1, 2) == [Piece("a", 3, 5, 0), Piece("b", 2, 3, 3)]
-    assert ds_layout.sharded_group_numel([5, 3], 2) == 5
+    assert partition.partition_numel([5, 3], [0, 0], 3) == 4
+    assert partition.flat_group_pieces(["a", "b"], [5, 3], None, 0, 4, 4) == [Piece("a", 0, 4, 0)]
+    assert partition.flat_group_pieces(["a", "b"], [5, 3], None, 1, 4, 4) == [Piece("a", 4, 5, 0), Piece("b", 0, 3, 1)]
+    assert partition.flat_group_pieces(["a", "b"], [5, 3], None, 2, 4, 0) == []
+    assert partition.flat_group_pieces(["a", "b"], [5, 3], [3, 0], 1, 4, 4) == [Piece("a", 4, 5, 0)]
+    assert partition.flat_group_pieces(["a", "b"], [5, 3], [3, 0], 2, 4, 4) == [Piece("b", 0, 3, 0)]
+    assert partition.sharded_group_pieces(["a", "b"], [5, 3], 0, 2) == [Piece("a", 0, 3, 0), Piece("b", 0, 2, 3)]
+    assert partition.sharded_group_pieces(["a", "b"], [5, 3], 1, 2) == [Piece("a", 3, 5, 0), Piece("b", 2, 3, 3)]
+    assert partition.sharded_group_numel([5, 3], 2) == 5
 
 
 def test_safetensors_export_keeps_tied_weights_once(runs, tmp_path):

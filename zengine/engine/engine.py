@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .. import checkpoint, checkpointing
-from ..checkpoint import background
+from ..checkpoint.native import background
 from ..config import ZengineConfig, format_config
 from ..config.report import PRINT_FULL_ENV
 from ..distributed import diagnose, shm, shutdown

@@ -1,6 +1,6 @@
 """Loading a checkpoint that DeepSpeed wrote: ``engine.load_checkpoint(ds_save_dir, tag)`` as with zengine's own.
 
-``load.py`` opens its checkpoint through ``open_reader``: a directory without zengine's ``meta.json`` that
+``native/load.py`` opens its checkpoint through ``open_reader``: a directory without zengine's ``meta.json`` that
 holds DeepSpeed's files is read by ``DeepSpeedReader``, which answers what ``CheckpointReader`` answers (a
 meta describing the model, ``fill`` of any layout's pieces, buffers, the engine state), so the rest of the
 load (checks before any state changes, then the write-back) is the same code at any world size and stage.
@@ -21,10 +21,10 @@ What DeepSpeed 0.19 writes into ``save_dir/<tag>/`` and what is taken from it:
                                            stage 1 with fp32 gradient accumulation DeepSpeed's bf16 optimizer
                                            wrote them: no ZeRO stage recorded, partitions kept padded)
 
-Element positions follow ds_layout.py. Model-parallel (``mp_rank_01``), pipeline (``layer_*``) and MoE
+Element positions follow partition.py and layout.py. Model-parallel (``mp_rank_01``), pipeline (``layer_*``) and MoE
 (``expp_rank_*``, ``*expert_*``) checkpoints, and a DeepSpeed group that does not hold the same parameters
 as the engine's group of the same index, are refused by name before anything is loaded. DeepSpeed's own
-objects in the files are read as plain data without DeepSpeed installed (ds_pickle.py).
+objects in the files are read as plain data without DeepSpeed installed (files.py).
 """
 from __future__ import annotations
 
@@ -35,13 +35,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import ds_layout
-from .ds_pickle import load_ds_file
-from .errors import CheckpointFileError, CheckpointMismatchError
-from .holdings import Holding
-from .meta import META, dtype_name
-from .pieces import overlaps
-from .reader import CheckpointReader
+from . import partition as ds_layout
+from .files import load_ds_file
+from ..errors import CheckpointFileError, CheckpointMismatchError
+from ..native.holdings import Holding
+from ..native.meta import META, dtype_name
+from ..native.pieces import overlaps
+from ..native.reader import CheckpointReader
 
 _OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _MODEL = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
@@ -268,7 +268,7 @@ class DeepSpeedReader:
                 "skipped_steps": int(common.get("skipped_steps", 0)),
                 "shared_params": shared, "state_dict": keys}
 
-    # -- what load.py asks ---------------------------------------------------------------------
+    # -- what native/load.py asks ---------------------------------------------------------------------
     def fill(self, holding: Holding, kinds: Sequence[str], required: bool = True) -> None:
         """Fill each piece of ``holding`` from the first of ``kinds`` the checkpoint has for its parameter:
         ``master`` and ``state.<key>`` from the ranks' flat tensors, ``param`` from a frozen parameter."""
@@ -315,7 +315,7 @@ class DeepSpeedReader:
     def read_state(self, trusted: bool = False) -> dict[str, Any]:
         """The engine state in zengine's form: per optimizer group the hyper-parameters, the state keys and
         the scalar states (Adam's ``step``); the LR scheduler; the loss scale; the client_state. Checks first
-        that DeepSpeed's groups hold the engine's (after load.py compared the parameter names)."""
+        that DeepSpeed's groups hold the engine's (after native/load.py compared the parameter names)."""
         self._check_groups(self._engine_groups)
         base = self._optim[0]["optimizer_state_dict" if self.stage == 3 else "base_optimizer_state"]
         groups = []

@@ -3,12 +3,12 @@
 ``export_deepspeed_checkpoint(zengine_dir, save_dir, world_size, ds_config)`` writes ``save_dir/<tag>/``
 and ``save_dir/latest`` as DeepSpeed's ``save_checkpoint`` would have for ``world_size`` ranks running
 ``ds_config`` (its ZeRO stage, bf16/fp16, bf16 gradient accumulation dtype): the fp32 masters and the
-optimizer's per-element states cut into DeepSpeed's flat partitions (ds_layout.py, the same rules the
+optimizer's per-element states cut into DeepSpeed's flat partitions (partition.py, layout.py: the same rules the
 reader uses), the optimizer's hyper-parameters and ``step``, the module's state_dict in the 16-bit
 dtype, tied names, frozen parameters, LR scheduler, counters and client_state. DeepSpeed then continues
 with ``engine.load_checkpoint(save_dir)`` on that many ranks (it cannot change the world size of a ZeRO
 checkpoint itself). DeepSpeed's own objects in the files (loss scaler, ZeRO stage) are written under
-DeepSpeed's class names without DeepSpeed installed (ds_pickle.py); DeepSpeed takes the file's loss
+DeepSpeed's class names without DeepSpeed installed (files.py); DeepSpeed takes the file's loss
 scaler for its own, so an fp16 config gets a dynamic one built from its fp16 section (with zengine's
 scale and counters when zengine trained in fp16 with a dynamic scale).
 
@@ -26,12 +26,11 @@ from typing import Any, Optional
 
 import torch
 
-from . import ds_layout
-from .ds_pickle import make, save_ds_file
-from .fp32 import checkpoint_directory
-from .holdings import Holding
-from .pieces import Piece
-from .reader import CheckpointReader
+from . import partition as ds_layout
+from .files import make, save_ds_file
+from ..native.holdings import Holding
+from ..native.pieces import Piece
+from ..native.reader import CheckpointReader, checkpoint_directory
 
 DS_VERSION = "0.19.8"  # the DeepSpeed whose layout this writes (and the one zengine's surface follows)
 _STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"
