@@ -1,1 +1,1 @@
-"""zengine's own checkpoint format: sharded, layout-free, crash-safe (see ``zengine/checkpoint/__init__``)."""
+"""zengine's own checkpoint format: sharded, layout-free, crash-safe (see ``checkpoint/``)."""
