@@ -67,8 +67,8 @@ setup(
         "console_scripts": [
             "zengine=zengine.launcher.runner:main",
             "zengine-report=zengine.ops.report:main",
-            "zengine-convert=zengine.checkpoint.convert:main",
-            "zengine-to-fp32=zengine.checkpoint.to_fp32:main",
+            "zengine-convert=zengine.checkpoint.export.convert:main",
+            "zengine-to-fp32=zengine.checkpoint.export.to_fp32:main",
         ]
     },
     ext_modules=ext_modules,

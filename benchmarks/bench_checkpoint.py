@@ -141,7 +141,7 @@ def rank_job(rank: int, world: int, port: int, args, out: str) -> None:
 MEASURE = textwrap.dedent("""
     import json, resource, sys, time
     import psutil
-    from zengine.checkpoint.to_fp32 import main
+    from zengine.checkpoint.export.to_fp32 import main
     before = psutil.Process().memory_info().rss
     t0 = time.perf_counter()
     assert main(sys.argv[1:3]) == 0

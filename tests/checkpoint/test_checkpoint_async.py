@@ -1,4 +1,4 @@
-"""Asynchronous checkpoints (checkpoint/background.py): ``save_checkpoint(async_save=True)`` and the config's
+"""Asynchronous checkpoints (checkpoint/native/background.py): ``save_checkpoint(async_save=True)`` and the config's
 ``checkpoint.writer.decoupled`` return after a copy to host memory; training goes on while a thread writes;
 the checkpoint is the state at the save, not at the wait; it appears whole or not at all (kill -9 during the
 background write keeps the previous one); a failed write raises on every rank at the wait."""
@@ -15,7 +15,8 @@ import torch.distributed as dist
 import zengine
 from checkpoint_runs import as_lists, batches, config, full_params, make_engine, train
 from harness import spawn
-from zengine.checkpoint import CheckpointSaveError, get_fp32_state_dict_from_zero_checkpoint, tensorfile
+from zengine.checkpoint import CheckpointSaveError, get_fp32_state_dict_from_zero_checkpoint
+from zengine.checkpoint.native import tensorfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -27,7 +28,7 @@ def _async_run(stage: int, save_dir: str) -> dict:
     train(engine, data[:2])
     at_save = full_params(engine)
     engine.save_checkpoint(save_dir, tag="async", async_save=True)
-    in_flight = zengine.checkpoint.background.in_flight(engine)
+    in_flight = zengine.checkpoint.native.background.in_flight(engine)
     losses_after = train(engine, data[2:])  # the step goes on while the thread writes
     engine.wait_for_checkpoint()
     resumed = make_engine(cfg, seed=1)  # other initial weights: everything must come from the checkpoint
@@ -39,7 +40,7 @@ def _async_run(stage: int, save_dir: str) -> dict:
     other = make_engine(cfg_decoupled, seed=0)
     train(other, data[:2])
     other.save_checkpoint(save_dir, tag="decoupled")
-    decoupled_in_flight = zengine.checkpoint.background.in_flight(other)
+    decoupled_in_flight = zengine.checkpoint.native.background.in_flight(other)
     other.destroy()  # waits, and publishes
     return {"in_flight": in_flight, "path": os.path.basename(path), "same_at_save": same_at_save,
             "losses": losses_after, "resumed_losses": resumed_losses, "decoupled_in_flight": decoupled_in_flight,
@@ -85,7 +86,7 @@ KILLED_ASYNC_SAVE = textwrap.dedent("""
     import sys, threading
     import torch, zengine
     import checkpoint_runs as runs
-    from zengine.checkpoint import tensorfile
+    from zengine.checkpoint.native import tensorfile
     save_dir, params_file = sys.argv[1:3]
     zengine.init_distributed()
     engine = runs.make_engine(runs.config(1), seed=0)

@@ -16,8 +16,8 @@ import zengine
 from checkpoint_runs import BufferedNet, batches, config, full_params, make_engine, train
 from harness import spawn
 from zengine.checkpoint import get_fp32_state_dict_from_zero_checkpoint
-from zengine.checkpoint.tensorfile import TensorFileReader
-from zengine.checkpoint.to_fp32 import main as to_fp32
+from zengine.checkpoint.native.tensorfile import TensorFileReader
+from zengine.checkpoint.export.to_fp32 import main as to_fp32
 
 CASES = [(3, "fp32"), (0, "fp32"), (2, "bf16")]
 
@@ -128,7 +128,7 @@ def save_wide(path: str) -> None:
 MEASURE = textwrap.dedent("""
     import json, resource, sys
     import psutil
-    from zengine.checkpoint.to_fp32 import main
+    from zengine.checkpoint.export.to_fp32 import main
     before = psutil.Process().memory_info().rss
     assert main(sys.argv[1:3]) == 0
     print(json.dumps({"before": before, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from zengine.checkpoint import atomic, tensorfile
+from zengine.checkpoint.native import atomic, tensorfile
 from zengine.checkpoint.errors import CheckpointFileError
-from zengine.checkpoint.pieces import Piece, clip, group_pieces, overlaps, saved_pieces, split_pieces
-from zengine.checkpoint.tensorfile import TensorFileReader, write_tensor_file
-from zengine.checkpoint.torchfile import TorchFileWriter
+from zengine.checkpoint.native.pieces import Piece, clip, group_pieces, overlaps, saved_pieces, split_pieces
+from zengine.checkpoint.native.tensorfile import TensorFileReader, write_tensor_file
+from zengine.checkpoint.native.torchfile import TorchFileWriter
 from zengine.zero.flat_group import FlatParamGroup
 from zengine.zero.stage3.group import ShardedParamGroup
 from zengine.zero.stage3.param import ShardedParam

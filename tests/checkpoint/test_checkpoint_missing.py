@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from checkpoint_runs import batches, config, make_engine, train
 from harness import spawn
-from zengine.checkpoint import (CheckpointFileError, CheckpointNotFoundError, atomic,
+from zengine.checkpoint import (CheckpointFileError, CheckpointNotFoundError,
                                 get_fp32_state_dict_from_zero_checkpoint)
-from zengine.checkpoint import meta as meta_mod
+from zengine.checkpoint.native import atomic, meta as meta_mod
 
 
 def _outcome(fn, *args, **kwargs) -> tuple:

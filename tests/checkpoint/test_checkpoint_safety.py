@@ -17,7 +17,8 @@ from checkpoint_runs import LR, BufferedNet, batches, config, full_params, make_
 from harness import spawn
 from models import DIM, HIDDEN, edge_param_groups
 from zengine.checkpoint import (CheckpointError, CheckpointMismatchError, CheckpointSaveError,
-                                get_fp32_state_dict_from_zero_checkpoint, tensorfile)
+                                get_fp32_state_dict_from_zero_checkpoint)
+from zengine.checkpoint.native import tensorfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -25,7 +26,7 @@ KILLED_SAVE = textwrap.dedent("""
     import sys, time
     import torch, zengine
     import checkpoint_runs as runs
-    from zengine.checkpoint import tensorfile
+    from zengine.checkpoint.native import tensorfile
     save_dir, params_file = sys.argv[1:3]
     zengine.init_distributed()
     engine = runs.make_engine(runs.config(1), seed=0)

@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from checkpoint_runs import batches, config, make_engine, train
 from harness import spawn
-from zengine.checkpoint import (CheckpointError, CheckpointUntrustedError, get_fp32_state_dict_from_zero_checkpoint,
-                                to_fp32)
-from zengine.checkpoint import meta as meta_mod, safe_load
+from zengine.checkpoint import CheckpointError, CheckpointUntrustedError, get_fp32_state_dict_from_zero_checkpoint
+from zengine.checkpoint.export import to_fp32
+from zengine.checkpoint.native import meta as meta_mod, safe_load
 from zengine.utils import zero_to_fp32
 
 

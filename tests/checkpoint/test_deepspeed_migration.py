@@ -22,15 +22,18 @@ import pytest
 import torch
 
 import zengine
-from zengine.checkpoint import convert, ds_layout
-from zengine.checkpoint.ds_export import export_deepspeed_checkpoint
-from zengine.checkpoint.ds_pickle import load_ds_file, save_ds_file
-from zengine.checkpoint.ds_reader import DeepSpeedCheckpointError, DeepSpeedReader, open_reader
+from zengine.checkpoint.deepspeed import partition
+from zengine.checkpoint.deepspeed.export import export_deepspeed_checkpoint
+from zengine.checkpoint.deepspeed.files import load_ds_file, save_ds_file
+from zengine.checkpoint.deepspeed.layout import (Bf16OptimizerLayout, FlatGroup, Stage1Layout,
+                                                  Stage2Layout, Stage3Layout, layout_for)
+from zengine.checkpoint.deepspeed.reader import DeepSpeedCheckpointError, DeepSpeedReader, open_reader
 from zengine.checkpoint.errors import CheckpointFileError, CheckpointUntrustedError
-from zengine.checkpoint.hf_export import export_safetensors, load_safetensors_state_dict
-from zengine.checkpoint.holdings import Holding
-from zengine.checkpoint.pieces import Piece
-from zengine.checkpoint.reader import CheckpointReader
+from zengine.checkpoint.export import convert
+from zengine.checkpoint.export.hf import export_safetensors, load_safetensors_state_dict
+from zengine.checkpoint.native.holdings import Holding
+from zengine.checkpoint.native.pieces import Piece
+from zengine.checkpoint.native.reader import CheckpointReader
 from deepspeed_runs import CONTINUED, SAVED_AT, TiedLM, batches, config, make_optimizer, train
 from harness import spawn
 
@@ -293,15 +296,48 @@ def test_deepspeed_layout_arithmetic():
     """DeepSpeed's rules on sizes no world size divides: stage 1-2 partitions of a group of 5 + 3 elements
     over 3 ranks (aligned to 2 * 3 = 6: 12 elements, 4 per rank, the last rank only padding), stage-3
     chunks of ceil(numel / world)."""
-    assert ds_layout.partition_numel([5, 3], [0, 0], 3) == 4
-    assert ds_layout.flat_group_pieces(["a", "b"], [5, 3], None, 0, 4, 4) == [Piece("a", 0, 4, 0)]
-    assert ds_layout.flat_group_pieces(["a", "b"], [5, 3], None, 1, 4, 4) == [Piece("a", 4, 5, 0), Piece("b", 0, 3, 1)]
-    assert ds_layout.flat_group_pieces(["a", "b"], [5, 3], None, 2, 4, 0) == []
-    assert ds_layout.flat_group_pieces(["a", "b"], [5, 3], [3, 0], 1, 4, 4) == [Piece("a", 4, 5, 0)]
-    assert ds_layout.flat_group_pieces(["a", "b"], [5, 3], [3, 0], 2, 4, 4) == [Piece("b", 0, 3, 0)]
-    assert ds_layout.sharded_group_pieces(["a", "b"], [5, 3], 0, 2) == [Piece("a", 0, 3, 0), Piece("b", 0, 2, 3)]
-    assert ds_layout.sharded_group_pieces(["a", "b"], [5, 3], 1, 2) == [Piece("a", 3, 5, 0), Piece("b", 2, 3, 3)]
-    assert ds_layout.sharded_group_numel([5, 3], 2) == 5
+    assert partition.partition_numel([5, 3], [0, 0], 3) == 4
+    assert partition.flat_group_pieces(["a", "b"], [5, 3], None, 0, 4, 4) == [Piece("a", 0, 4, 0)]
+    assert partition.flat_group_pieces(["a", "b"], [5, 3], None, 1, 4, 4) == [Piece("a", 4, 5, 0), Piece("b", 0, 3, 1)]
+    assert partition.flat_group_pieces(["a", "b"], [5, 3], None, 2, 4, 0) == []
+    assert partition.flat_group_pieces(["a", "b"], [5, 3], [3, 0], 1, 4, 4) == [Piece("a", 4, 5, 0)]
+    assert partition.flat_group_pieces(["a", "b"], [5, 3], [3, 0], 2, 4, 4) == [Piece("b", 0, 3, 0)]
+    assert partition.sharded_group_pieces(["a", "b"], [5, 3], 0, 2) == [Piece("a", 0, 3, 0), Piece("b", 0, 2, 3)]
+    assert partition.sharded_group_pieces(["a", "b"], [5, 3], 1, 2) == [Piece("a", 3, 5, 0), Piece("b", 2, 3, 3)]
+    assert partition.sharded_group_numel([5, 3], 2) == 5
+
+
+
+def test_deepspeed_layout_per_writer():
+    """One layout per DeepSpeed writer, chosen from the stage and the bf16 optimizer: what each
+    saves of a group of 5 + 3 elements over 3 ranks (4 per rank at stages 1-2; chunks of 3 and 1
+    at stage 3) and where."""
+    layouts = [type(layout_for(s, False, 3)) for s in (1, 2, 3)]
+    assert layouts == [Stage1Layout, Stage2Layout, Stage3Layout]
+    assert type(layout_for(1, True, 3)) is Bf16OptimizerLayout and layout_for(1, True, 3).stage == 1
+    group = FlatGroup(["a", "b"], [5, 3])
+    # the ZeRO optimizer saves a partition without its trailing padding, the moments with it
+    last = layout_for(1, False, 3).write_partition(group, 2)
+    assert (last.pieces, last.numel, last.padding, last.moments) == ([], 0, 4, 4)
+    # the bf16 optimizer saves every partition whole; the last rank records the group's padding
+    bf16 = [layout_for(1, True, 3).write_partition(group, r) for r in range(3)]
+    assert [(p.numel, p.padding, p.moments) for p in bf16] == [(4, 0, 4), (4, 0, 4), (4, 4, 4)]
+    sharded = layout_for(3, False, 3).write_partition(group, 1)
+    assert sharded.pieces == [Piece("a", 2, 4, 0), Piece("b", 1, 2, 2)]
+    assert (sharded.numel, sharded.padding) == (3, 0)
+    assert layout_for(2, False, 3).model_files() == ["mp_rank_00_model_states.pt"]
+    assert layout_for(3, False, 2).model_files() == ["zero_pp_rank_0_mp_rank_00_model_states.pt",
+                                                     "zero_pp_rank_1_mp_rank_00_model_states.pt"]
+    # frozen parameters: stage 1 in the module state_dict only, stage 2 whole, stage 3 in chunks
+    shapes = {"f": torch.Size([5])}
+    whole = {"f": torch.arange(5.0)}.__getitem__
+    assert layout_for(1, False, 3).frozen_records(shapes, whole, 0) == (None, None)
+    assert torch.equal(layout_for(2, False, 3).frozen_records(shapes, whole, 1)[1]["f"],
+                       torch.arange(5.0))
+    assert torch.equal(layout_for(3, False, 3).frozen_records(shapes, whole, 2)[1]["f"],
+                       torch.tensor([4.0, 0.0]))
+    assert layout_for(3, False, 2).splits_group([5, 3], 7)
+    assert not layout_for(2, False, 2).splits_group([5, 3], 7)
 
 
 def test_safetensors_export_keeps_tied_weights_once(runs, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from device_guard import DeviceRulesMode, run_on_meta
-from zengine.checkpoint import background
+from zengine.checkpoint.native import background
 from zengine.estimate import estimate
 from zengine.offload import pinned
 

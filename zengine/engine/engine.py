@@ -28,7 +28,7 @@ from torch import nn
 
 from .. import checkpoint
 from ..activation import settings as activation_checkpointing
-from ..checkpoint import background
+from ..checkpoint.native import background
 from ..config import ZengineConfig, format_config
 from ..config.report import PRINT_FULL_ENV
 from ..distributed import diagnose, shm, shutdown

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
-from ..checkpoint import background
-from ..checkpoint.model16 import consolidated_state_dict, save_16bit_model as write_16bit_model
+from ..checkpoint.native import background
+from ..checkpoint.export.model16 import consolidated_state_dict, save_16bit_model as write_16bit_model
 from ..distributed import traffic
 from ..distributed.agreement import collective_call
 from ..log import setup_logging

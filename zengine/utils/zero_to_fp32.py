@@ -12,7 +12,7 @@ import sys
 from typing import Optional, Sequence
 
 
-from ..checkpoint import fp32 as _fp32
+from ..checkpoint.export import fp32 as _fp32
 from ..checkpoint.errors import CheckpointError
 
 load_state_dict_from_zero_checkpoint = _fp32.load_state_dict_from_zero_checkpoint

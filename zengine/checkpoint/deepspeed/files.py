@@ -5,7 +5,7 @@ DeepSpeed pickles a few of its own objects beside the tensors: the loss scaler (
 zengine user need not have, and a pickle may name any code. Here every global under ``deepspeed.`` is
 rebuilt as a ``DeepSpeedObject`` stand-in (its class name, constructor arguments and state as plain data),
 and everything else goes through torch's weights-only unpickler (tensors and plain values) with the NumPy
-types safe_load.py allows. Another global (an object of the user's own class in ``client_state``) raises
+types native/safe_load.py allows. Another global (an object of the user's own class in ``client_state``) raises
 ``CheckpointUntrustedError`` unless the caller trusts the file: then it is unpickled as torch does, the
 DeepSpeed globals still stood in for.
 """
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointFileError, CheckpointUntrustedError
-from .safe_load import _allowed, numpy_globals
+from ..errors import CheckpointFileError, CheckpointUntrustedError
+from ..native.safe_load import _allowed, numpy_globals
 
 _PREFIX = "deepspeed."
 

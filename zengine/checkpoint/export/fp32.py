@@ -21,12 +21,12 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from . import atomic, meta as meta_mod
-from .holdings import Holding
-from .pieces import Piece
-from .reader import CheckpointReader
-from .tensorfile import TensorFileWriter, TensorSpec
-from .torchfile import TorchFileWriter
+from ..native import meta as meta_mod
+from ..native.holdings import Holding
+from ..native.pieces import Piece
+from ..native.reader import CheckpointReader, checkpoint_directory
+from ..native.tensorfile import TensorFileWriter, TensorSpec
+from ..native.torchfile import TorchFileWriter
 
 
 @dataclass(frozen=True)
@@ -34,15 +34,6 @@ class Alias:
     """A state_dict key that is the same tensor as an earlier key (tied parameters)."""
 
     of: str
-
-
-def checkpoint_directory(checkpoint_dir: str, tag: Optional[str] = None) -> str:
-    """The directory of one checkpoint: ``checkpoint_dir/tag`` (tag default: ``latest``), or
-    ``checkpoint_dir`` itself when it is a checkpoint directory. CheckpointNotFoundError (a
-    FileNotFoundError) when there is none."""
-    if tag is None and os.path.isfile(os.path.join(checkpoint_dir, meta_mod.META)):
-        return checkpoint_dir
-    return atomic.find(checkpoint_dir, tag)
 
 
 def _assemble(reader: CheckpointReader, kind: str, source: str, scratch: Optional[torch.Tensor] = None

@@ -17,11 +17,11 @@ import secrets
 
 import torch
 
-from . import collectives, meta as meta_mod
-from .errors import CheckpointSaveError
-from .tensorfile import TensorFileWriter, TensorSpec
-from .torchfile import TorchFileWriter
-from ..zero.stage3.param import lookup
+from ..native import collectives, meta as meta_mod
+from ..errors import CheckpointSaveError
+from ..native.tensorfile import TensorFileWriter, TensorSpec
+from ..native.torchfile import TorchFileWriter
+from ...zero.stage3.param import lookup
 
 
 def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:

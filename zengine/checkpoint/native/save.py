@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 
 from . import atomic, background, collectives, holdings, meta as meta_mod, rng
-from .errors import CheckpointSaveError
+from ..errors import CheckpointSaveError
 from .tensorfile import write_tensor_file
 
 

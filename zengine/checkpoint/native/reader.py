@@ -10,16 +10,25 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
-from . import meta as meta_mod
-from .errors import CheckpointFileError
+from . import atomic, meta as meta_mod
+from ..errors import CheckpointFileError
 from .holdings import Holding
 from .pieces import overlaps
 from .safe_load import load_state
 from .tensorfile import TensorFileReader
+
+
+def checkpoint_directory(checkpoint_dir: str, tag: Optional[str] = None) -> str:
+    """The directory of one checkpoint: ``checkpoint_dir/tag`` (tag default: ``latest``), or
+    ``checkpoint_dir`` itself when it is a checkpoint directory. CheckpointNotFoundError (a
+    FileNotFoundError) when there is none."""
+    if tag is None and os.path.isfile(os.path.join(checkpoint_dir, meta_mod.META)):
+        return checkpoint_dir
+    return atomic.find(checkpoint_dir, tag)
 
 
 class CheckpointReader:

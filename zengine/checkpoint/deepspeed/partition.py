@@ -3,7 +3,7 @@
 A DeepSpeed checkpoint saves, per data-parallel rank and per flat group, one 1-D fp32 master (and Adam's
 moments shaped like it). Nothing in it names the elements; their owners follow from the parameter shapes
 (``param_shapes`` in the model states, in flat order), the world size and DeepSpeed's rules, which this
-module states as ``Piece`` lists (pieces.py: elements ``[start, end)`` of parameter ``name`` at ``offset``
+module states as ``Piece`` lists (native/pieces.py: elements ``[start, end)`` of parameter ``name`` at ``offset``
 in that rank's flat tensor), so the reader fills any zengine layout from them.
 
 Stages 1 and 2 (``stage_1_and_2.py``, and ``bf16_optimizer.py`` for bf16 stage 1): a group's trained
@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from .errors import CheckpointFileError
-from .pieces import Piece
+from ..errors import CheckpointFileError
+from ..native.pieces import Piece
 
 
 def partition_numel(numels: Sequence[int], paddings: Sequence[int], world: int) -> int:

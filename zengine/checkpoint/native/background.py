@@ -25,10 +25,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..distributed import diagnose
-from ..offload import pinned
+from ...distributed import diagnose
+from ...offload import pinned
 from . import atomic
-from .errors import CheckpointSaveError
+from ..errors import CheckpointSaveError
 
 _PREFIX = "zengine/async_ckpt/"
 _pending: "weakref.WeakKeyDictionary[Any, BackgroundSave]" = weakref.WeakKeyDictionary()

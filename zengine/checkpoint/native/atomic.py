@@ -22,8 +22,8 @@ import secrets
 import shutil
 from typing import Optional
 
-from ..log import logger
-from .errors import CheckpointFileError, CheckpointNotFoundError
+from ...log import logger
+from ..errors import CheckpointFileError, CheckpointNotFoundError
 
 LATEST = "latest"
 STAGING_PREFIX, TRASH_PREFIX = ".tmp-", ".trash-"

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..zero.flat_group import FlatParamGroup
-from ..zero.layout import FlatLayout, intersect
+from ...zero.flat_group import FlatParamGroup
+from ...zero.layout import FlatLayout, intersect
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """A checkpoint as one Hugging Face style ``model.safetensors``: fp32, tied weights stored once.
 
-The checkpoint is zengine's, or DeepSpeed 0.19's (read by ds_reader.py: DeepSpeed need not be installed).
+The checkpoint is zengine's, or DeepSpeed 0.19's (read by deepspeed/reader.py: DeepSpeed need not be installed).
 
 safetensors has no shared tensors. Hugging Face's ``save_pretrained`` therefore writes a tied weight under
 its first name only (GPT-2's ``transformer.wte.weight``, not ``lm_head.weight``) and ``from_pretrained``
@@ -10,7 +10,7 @@ metadata (``"tied"``: a JSON object alias -> stored name) so that ``load_safeten
 back every key, the aliases sharing their source's tensor. A plain ``model.load_state_dict(sd,
 strict=False)`` of the file also works for a model whose weights are tied in its constructor.
 
-The file is written by zengine's own writer (tensorfile.py: the safetensors layout), so exporting needs no
+The file is written by zengine's own writer (native/tensorfile.py: the safetensors layout), so exporting needs no
 extra package; reading it back with ``load_safetensors_state_dict`` uses the ``safetensors`` package
 (installed with transformers), imported only then.
 """
@@ -23,9 +23,9 @@ from typing import Optional
 
 import torch
 
-from .ds_reader import DeepSpeedReader, is_deepspeed_checkpoint
-from .fp32 import TIED_KEY, checkpoint_directory, write_safetensors
-from .reader import CheckpointReader
+from ..deepspeed.reader import DeepSpeedReader, is_deepspeed_checkpoint
+from ..native.reader import CheckpointReader, checkpoint_directory
+from .fp32 import TIED_KEY, write_safetensors
 
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointUntrustedError
+from ..errors import CheckpointUntrustedError
 
 _GLOBAL = re.compile(r"GLOBAL (\S+)")
 # torch 2.6 takes (object, "module.name") pairs as safe globals; before, an object under its own name only

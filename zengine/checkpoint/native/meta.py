@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..log import logger
-from ..zero.stage3.param import lookup
-from .errors import CheckpointFileError, CheckpointMismatchError
+from ...log import logger
+from ...zero.stage3.param import lookup
+from ..errors import CheckpointFileError, CheckpointMismatchError
 from .tensorfile import FileInfo
 
 FORMAT = "zengine-checkpoint"

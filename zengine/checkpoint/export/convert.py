@@ -4,11 +4,11 @@
     zengine-convert to-safetensors CHECKPOINT_DIR OUTPUT_FILE [--tag T] [--trust]
 
 ``to-deepspeed`` writes DeepSpeed 0.19's ZeRO layout for N ranks running that DeepSpeed config
-(ds_export.py); DeepSpeed continues with ``engine.load_checkpoint(OUTPUT_DIR)``. ``to-safetensors`` writes
-the fp32 model with tied weights once (hf_export.py), from a zengine checkpoint or from a DeepSpeed one
+(deepspeed/export.py); DeepSpeed continues with ``engine.load_checkpoint(OUTPUT_DIR)``. ``to-safetensors`` writes
+the fp32 model with tied weights once (hf.py), from a zengine checkpoint or from a DeepSpeed one
 (without DeepSpeed installed). The other way needs no command: zengine's
 ``engine.load_checkpoint(deepspeed_save_dir, tag)`` reads DeepSpeed's checkpoints directly.
-Also runs as ``python -m zengine.checkpoint.convert``.
+Also runs as ``python -m zengine.checkpoint.export.convert``.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from typing import Optional, Sequence
 
 import hjson
 
-from .ds_export import DeepSpeedExportError, export_deepspeed_checkpoint
-from .errors import CheckpointError
-from .hf_export import export_safetensors
+from ..deepspeed.export import DeepSpeedExportError, export_deepspeed_checkpoint
+from ..errors import CheckpointError
+from .hf import export_safetensors
 
 
 def _parser() -> argparse.ArgumentParser:

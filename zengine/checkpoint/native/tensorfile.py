@@ -27,7 +27,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from .errors import CheckpointFileError
+from ..errors import CheckpointFileError
 
 BLOCK = 4 << 20   # bytes covered by one checksum
 CHUNK = 16 << 20  # bytes moved per read or write call (a multiple of BLOCK)

@@ -1,6 +1,6 @@
 """Loading a checkpoint that DeepSpeed wrote: ``engine.load_checkpoint(ds_save_dir, tag)`` as with zengine's own.
 
-``load.py`` opens its checkpoint through ``open_reader``: a directory without zengine's ``meta.json`` that
+``native/load.py`` opens its checkpoint through ``open_reader``: a directory without zengine's ``meta.json`` that
 holds DeepSpeed's files is read by ``DeepSpeedReader``, which answers what ``CheckpointReader`` answers (a
 meta describing the model, ``fill`` of any layout's pieces, buffers, the engine state), so the rest of the
 load (checks before any state changes, then the write-back) is the same code at any world size and stage.
@@ -21,10 +21,11 @@ What DeepSpeed 0.19 writes into ``save_dir/<tag>/`` and what is taken from it:
                                            stage 1 with fp32 gradient accumulation DeepSpeed's bf16 optimizer
                                            wrote them: no ZeRO stage recorded, partitions kept padded)
 
-Element positions follow ds_layout.py. Model-parallel (``mp_rank_01``), pipeline (``layer_*``) and MoE
-(``expp_rank_*``, ``*expert_*``) checkpoints, and a DeepSpeed group that does not hold the same parameters
-as the engine's group of the same index, are refused by name before anything is loaded. DeepSpeed's own
-objects in the files are read as plain data without DeepSpeed installed (ds_pickle.py).
+Element positions follow partition.py and layout.py. Model-parallel (``mp_rank_01``), pipeline
+(``layer_*``) and MoE (``expp_rank_*``, ``*expert_*``) checkpoints, and a DeepSpeed group that does
+not hold the same parameters as the engine's group of the same index, are refused by name before
+anything is loaded. DeepSpeed's own objects in the files are read as plain data without DeepSpeed
+installed (files.py).
 """
 from __future__ import annotations
 
@@ -35,13 +36,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import ds_layout
-from .ds_pickle import load_ds_file
-from .errors import CheckpointFileError, CheckpointMismatchError
-from .holdings import Holding
-from .meta import META, dtype_name
-from .pieces import overlaps
-from .reader import CheckpointReader
+from .files import load_ds_file
+from .layout import DeepSpeedLayout, FlatGroup, layout_for
+from ..errors import CheckpointFileError, CheckpointMismatchError
+from ..native.holdings import Holding
+from ..native.meta import META, dtype_name
+from ..native.pieces import overlaps
+from ..native.reader import CheckpointReader
 
 _OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _MODEL = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
@@ -110,10 +111,7 @@ class DeepSpeedReader:
         self.world = len(optim)
         self._optim = [load_ds_file(os.path.join(directory, optim[r][0]))["optimizer_state_dict"]
                        for r in range(self.world)]
-        # the bf16_ prefix says bf16 was on; DeepSpeed's bf16 optimizer (stage 1 with fp32 gradient
-        # accumulation) is the one writer that records no ZeRO stage, and it keeps its partitions padded
-        self.bf16_optimizer = "zero_stage" not in self._optim[0]
-        self.stage = self._stage()
+        self.layout = self._layout()
         self._models = self._model_states(names, trusted)
         common = self._models[0]
         self._check_parallel(common)
@@ -135,9 +133,17 @@ class DeepSpeedReader:
         self._flats.clear()
         self._optim, self._models = [], []
 
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage DeepSpeed saved at (1 for its bf16 optimizer)."""
+        return self.layout.stage
+
     # -- reading the files ------------------------------------------------------------------
-    def _stage(self) -> int:
+    def _layout(self) -> DeepSpeedLayout:
         sd = self._optim[0]
+        # the bf16_ prefix says bf16 was on; DeepSpeed's bf16 optimizer (stage 1 with fp32
+        # gradient accumulation) is the one writer that records no ZeRO stage
+        bf16_optimizer = "zero_stage" not in sd
         stage = int(sd["zero_stage"]) if "zero_stage" in sd else 1  # the bf16 optimizer: stage 1's layout
         if stage not in (1, 2, 3):
             raise DeepSpeedCheckpointError(f"DeepSpeed checkpoint {self.directory}: ZeRO stage {stage} is not one "
@@ -147,13 +153,10 @@ class DeepSpeedReader:
         if counts != {self.world}:
             raise CheckpointFileError(f"DeepSpeed checkpoint {self.directory} was partitioned over {sorted(counts)} "
                                       f"ranks but holds {self.world} optim_states files: some are missing or stale")
-        return stage
+        return layout_for(stage, bf16_optimizer, self.world)
 
     def _model_states(self, names: list[str], trusted: bool) -> list[dict]:
-        if self.stage == 3:
-            files = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(self.world)]
-        else:
-            files = ["mp_rank_00_model_states.pt"]
+        files = self.layout.model_files()
         missing = [f for f in files if f not in names]
         if missing:
             raise CheckpointFileError(f"DeepSpeed checkpoint {self.directory} lacks {', '.join(missing)}")
@@ -174,20 +177,18 @@ class DeepSpeedReader:
     # -- where each element is ---------------------------------------------------------------
     def _build_index(self, param_shapes: list) -> list[list[str]]:
         """Fill the per-rank flat tensors and the element index; returns the names of each optimizer group."""
-        key = "fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"
-        base = "optimizer_state_dict" if self.stage == 3 else "base_optimizer_state"
+        key, base = self.layout.masters_key, self.layout.optimizer_key
         groups_of = self._flat_to_group(self._optim[0][base]["param_groups"], len(param_shapes))
         names_by_group: list[list[str]] = [[] for _ in range(max(groups_of, default=-1) + 1)]
         for g, shapes in enumerate(param_shapes):
-            names = list(shapes)
-            numels = [math.prod(s) for s in shapes.values()]
-            names_by_group[groups_of[g]] += names
             paddings = self._optim[0].get("param_alignment_paddings", [None] * len(param_shapes))[g]
+            group = FlatGroup(list(shapes), [math.prod(s) for s in shapes.values()], paddings)
+            names_by_group[groups_of[g]] += group.names
             for rank, sd in enumerate(self._optim):
                 master = sd[key][g].detach().view(-1)  # DeepSpeed saves its masters with requires_grad
                 # torch numbers its state by parameter across groups: here one flat tensor each, in flat order
                 state = sd[base]["state"].get(g, {})
-                pieces = self._pieces(g, rank, names, numels, paddings, master.numel())
+                pieces = self.layout.read_pieces(self.directory, g, group, rank, master.numel(), sd)
                 flats = {"master": master}
                 flats.update({f"state.{k}": v.detach().view(-1) for k, v in state.items()
                               if torch.is_tensor(v) and v.dim() > 0 and v.numel() >= master.numel()})
@@ -196,21 +197,6 @@ class DeepSpeedReader:
                     self._index.setdefault(p.name, []).append((rank, g, p.start, p.end))
                     self._offsets[(rank, g, p.name)] = p.offset
         return names_by_group
-
-    def _pieces(self, g: int, rank: int, names, numels, paddings, saved: int):
-        where = self.directory
-        if self.stage == 3:
-            ds_layout.check_saved_numel(where, g, rank, ds_layout.sharded_group_numel(numels, self.world), saved)
-            return ds_layout.sharded_group_pieces(names, numels, rank, self.world)
-        if self.bf16_optimizer:  # saved with its padding: every rank's partition is whole
-            partition = saved
-        else:  # saved without the group padding at its end, recorded per rank
-            partition = saved + int(self._optim[rank]["group_paddings"][g])
-        # parameter_alignment may make DeepSpeed's partitions larger than the rule below, never smaller
-        expected = ds_layout.partition_numel(numels, paddings or [0] * len(numels), self.world)
-        if partition < expected:
-            ds_layout.check_saved_numel(where, g, rank, expected, partition)
-        return ds_layout.flat_group_pieces(names, numels, paddings, rank, partition, saved)
 
     @staticmethod
     def _flat_to_group(param_groups: list[dict], flats: int) -> list[int]:
@@ -223,11 +209,8 @@ class DeepSpeedReader:
         common = self._models[0]
         trained = set(self._index)
         shapes = common.get("frozen_param_shapes")
-        if shapes is not None and self.stage == 3:
-            return {n: torch.cat([m["frozen_param_fragments"][n].view(-1) for m in self._models])[:math.prod(s)]
-                    for n, s in shapes.items()}
         if shapes is not None:
-            return {n: common["frozen_param_fragments"][n].reshape(-1) for n in shapes}
+            return self.layout.frozen_values(self._models, shapes)
         skip = trained | set(common.get("buffer_names") or []) | set(common.get("shared_params") or {})
         return {n: t.reshape(-1) for n, t in common["module"].items() if n not in skip}
 
@@ -262,13 +245,14 @@ class DeepSpeedReader:
         keys = [[k, "buffer" if k in buffer_names else "param", shared.get(k, k)] for k in common["module"]
                 if k in buffer_names or shared.get(k, k) in params]
         steps = int(common.get("global_steps", 0))
-        return {"format": "deepspeed", "ds_version": common.get("ds_version"), "zero_stage": self.stage,
+        return {"format": "deepspeed", "ds_version": common.get("ds_version"),
+                "zero_stage": self.layout.stage,
                 "world_size": self.world, "params": params, "buffers": buffers, "global_steps": steps,
                 "micro_steps": steps * gas, "global_samples": int(common.get("global_samples", 0)),
                 "skipped_steps": int(common.get("skipped_steps", 0)),
                 "shared_params": shared, "state_dict": keys}
 
-    # -- what load.py asks ---------------------------------------------------------------------
+    # -- what native/load.py asks ---------------------------------------------------------------------
     def fill(self, holding: Holding, kinds: Sequence[str], required: bool = True) -> None:
         """Fill each piece of ``holding`` from the first of ``kinds`` the checkpoint has for its parameter:
         ``master`` and ``state.<key>`` from the ranks' flat tensors, ``param`` from a frozen parameter."""
@@ -315,9 +299,9 @@ class DeepSpeedReader:
     def read_state(self, trusted: bool = False) -> dict[str, Any]:
         """The engine state in zengine's form: per optimizer group the hyper-parameters, the state keys and
         the scalar states (Adam's ``step``); the LR scheduler; the loss scale; the client_state. Checks first
-        that DeepSpeed's groups hold the engine's (after load.py compared the parameter names)."""
+        that DeepSpeed's groups hold the engine's (after native/load.py compared the parameter names)."""
         self._check_groups(self._engine_groups)
-        base = self._optim[0]["optimizer_state_dict" if self.stage == 3 else "base_optimizer_state"]
+        base = self._optim[0][self.layout.optimizer_key]
         groups = []
         for group in base["param_groups"]:
             first = base["state"].get(group["params"][0], {}) if group["params"] else {}

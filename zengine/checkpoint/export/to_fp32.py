@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .fp32 import convert_zero_checkpoint_to_fp32_state_dict
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..distributed import collectives
+from ...distributed import collectives
 
 
 def _encode(obj: Any) -> torch.Tensor:

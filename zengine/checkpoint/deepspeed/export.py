@@ -1,16 +1,17 @@
 """The way back to DeepSpeed: a zengine checkpoint rewritten in DeepSpeed 0.19's ZeRO layout, offline.
 
-``export_deepspeed_checkpoint(zengine_dir, save_dir, world_size, ds_config)`` writes ``save_dir/<tag>/``
-and ``save_dir/latest`` as DeepSpeed's ``save_checkpoint`` would have for ``world_size`` ranks running
-``ds_config`` (its ZeRO stage, bf16/fp16, bf16 gradient accumulation dtype): the fp32 masters and the
-optimizer's per-element states cut into DeepSpeed's flat partitions (ds_layout.py, the same rules the
-reader uses), the optimizer's hyper-parameters and ``step``, the module's state_dict in the 16-bit
-dtype, tied names, frozen parameters, LR scheduler, counters and client_state. DeepSpeed then continues
-with ``engine.load_checkpoint(save_dir)`` on that many ranks (it cannot change the world size of a ZeRO
-checkpoint itself). DeepSpeed's own objects in the files (loss scaler, ZeRO stage) are written under
-DeepSpeed's class names without DeepSpeed installed (ds_pickle.py); DeepSpeed takes the file's loss
-scaler for its own, so an fp16 config gets a dynamic one built from its fp16 section (with zengine's
-scale and counters when zengine trained in fp16 with a dynamic scale).
+``export_deepspeed_checkpoint(zengine_dir, save_dir, world_size, ds_config)`` writes
+``save_dir/<tag>/`` and ``save_dir/latest`` as DeepSpeed's ``save_checkpoint`` would have for
+``world_size`` ranks running ``ds_config`` (its ZeRO stage, bf16/fp16, bf16 gradient accumulation
+dtype): the fp32 masters and the optimizer's per-element states cut into DeepSpeed's flat partitions
+(partition.py, layout.py: the same rules the reader uses), the optimizer's hyper-parameters and
+``step``, the module's state_dict in the 16-bit dtype, tied names, frozen parameters, LR scheduler,
+counters and client_state. DeepSpeed then continues with ``engine.load_checkpoint(save_dir)`` on
+that many ranks (it cannot change the world size of a ZeRO checkpoint itself). DeepSpeed's own
+objects in the files (loss scaler, ZeRO stage) are written under DeepSpeed's class names without
+DeepSpeed installed (files.py); DeepSpeed takes the file's loss scaler for its own, so an fp16
+config gets a dynamic one built from its fp16 section (with zengine's scale and counters when
+zengine trained in fp16 with a dynamic scale).
 
 The flat order of each group is the order of the engine's optimizer group, which is the order of the
 param group given to ``initialize``: DeepSpeed builds the same order from the same param groups
@@ -22,19 +23,17 @@ import math
 import os
 import shutil
 from collections import OrderedDict
+from functools import partial
 from typing import Any, Optional
 
 import torch
 
-from . import ds_layout
-from .ds_pickle import make, save_ds_file
-from .fp32 import checkpoint_directory
-from .holdings import Holding
-from .pieces import Piece
-from .reader import CheckpointReader
+from .files import make, save_ds_file
+from .layout import DS_VERSION, DeepSpeedLayout, FlatGroup, OptimizerParts, layout_for
+from ..native.holdings import Holding
+from ..native.pieces import Piece
+from ..native.reader import CheckpointReader, checkpoint_directory
 
-DS_VERSION = "0.19.8"  # the DeepSpeed whose layout this writes (and the one zengine's surface follows)
-_STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"
 _LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
 _DYNAMIC_SCALER = "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
 
@@ -69,6 +68,7 @@ def export_deepspeed_checkpoint(checkpoint_dir: str, save_dir: str, world_size: 
     ``save_dir/<out_tag>`` (default ``global_step<N>``) for ``world_size`` ranks running ``ds_config``;
     returns that directory. ``trusted``: state.pt may hold objects a weights-only load refuses."""
     stage, dtype, bf16_optimizer = _target(ds_config)
+    layout = layout_for(stage, bf16_optimizer, world_size)
     directory = checkpoint_directory(checkpoint_dir, tag)
     with CheckpointReader(directory) as reader:
         state = reader.read_state(trusted)
@@ -79,7 +79,7 @@ def export_deepspeed_checkpoint(checkpoint_dir: str, save_dir: str, world_size: 
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
         try:
-            _Writer(reader, state, world_size, ds_config, stage, dtype, bf16_optimizer).write(staging)
+            _Writer(reader, state, ds_config, layout, dtype).write(staging)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(staging, final)
         finally:
@@ -92,10 +92,10 @@ def export_deepspeed_checkpoint(checkpoint_dir: str, save_dir: str, world_size: 
 class _Writer:
     """The files of one export (see the module doc)."""
 
-    def __init__(self, reader: CheckpointReader, state: dict, world: int, ds_config: dict, stage: int,
-                 dtype: torch.dtype, bf16_optimizer: bool):
-        self.reader, self.state, self.world, self.config = reader, state, world, ds_config
-        self.stage, self.dtype, self.bf16_optimizer = stage, dtype, bf16_optimizer
+    def __init__(self, reader: CheckpointReader, state: dict, ds_config: dict,
+                 layout: DeepSpeedLayout, dtype: torch.dtype):
+        self.reader, self.state, self.config = reader, state, ds_config
+        self.layout, self.world, self.dtype = layout, layout.world, dtype
         self.meta = reader.meta
         self.groups = [list(g.get("step_counts") or {}) for g in state["optimizer"]]
         trained = [n for n, p in self.meta["params"].items() if p["trained"]]
@@ -105,7 +105,7 @@ class _Writer:
                                        f"it again with this version")
         self.numels = [[math.prod(self.meta["params"][n]["shape"]) for n in g] for g in self.groups]
         sub_group = int((ds_config.get("zero_optimization") or {}).get("sub_group_size", 1e9))
-        if stage == 3 and any(sum(n) > sub_group for n in self.numels):
+        if any(layout.splits_group(n, sub_group) for n in self.numels):
             raise DeepSpeedExportError(f"export_deepspeed_checkpoint: a group has more than sub_group_size "
                                        f"({sub_group}) elements: DeepSpeed would cut it into sub-groups, which "
                                        f"this export does not write; raise zero_optimization.sub_group_size")
@@ -115,54 +115,30 @@ class _Writer:
         self.reader.fill(Holding(out, pieces), kinds, required)
         return out
 
-    def _partition(self, g: int, rank: int) -> tuple[list, int, int]:
-        """(pieces, saved elements, padding recorded) of rank ``rank``'s partition of group ``g``."""
-        names, numels = self.groups[g], self.numels[g]
-        if self.stage == 3:
-            size = ds_layout.sharded_group_numel(numels, self.world)
-            return ds_layout.sharded_group_pieces(names, numels, rank, self.world), size, 0
-        partition = ds_layout.partition_numel(numels, [0] * len(numels), self.world)
-        total = sum(numels)
-        real = min(partition, max(0, total - rank * partition))
-        if self.bf16_optimizer:  # saved padded; the last rank records the group's padding
-            padding = partition * self.world - total if rank == self.world - 1 else 0
-            return ds_layout.flat_group_pieces(names, numels, None, rank, partition, partition), partition, padding
-        return ds_layout.flat_group_pieces(names, numels, None, rank, partition, real), real, partition - real
-
     def _optimizer_file(self, rank: int) -> dict[str, Any]:
         masters, states, paddings, groups = [], {}, [], []
         for g, saved in enumerate(self.state["optimizer"]):
-            pieces, numel, padding = self._partition(g, rank)
-            masters.append(self._filled(numel, pieces, ("master", "param")))
-            paddings.append(padding)
-            # the moments span the whole partition, the group padding included
-            full = numel + (padding if self.stage < 3 and not self.bf16_optimizer else 0)
+            part = self.layout.write_partition(FlatGroup(self.groups[g], self.numels[g]), rank)
+            masters.append(self._filled(part.numel, part.pieces, ("master", "param")))
+            paddings.append(part.padding)
             entry = {}
             for key in saved["keys"]:
                 if key in saved["scalars"]:
                     value = saved["scalars"][key]
                     entry[key] = value.clone() if torch.is_tensor(value) else value
                 else:
-                    entry[key] = self._filled(full, pieces, (f"state.{key}",), required=False)
+                    entry[key] = self._filled(part.moments, part.pieces, (f"state.{key}",),
+                                              required=False)
             if entry and "step" not in entry and saved.get("step_counts"):
                 entry = {"step": torch.tensor(float(max(saved["step_counts"].values()))), **entry}
             states[g] = entry
             groups.append({**saved["hyper"], "params": [g]})
         optimizer = {"state": {g: s for g, s in states.items() if s}, "param_groups": groups}
-        if self.stage == 3:
-            sd = {"zero_stage": make(_STAGE_ENUM, 3), "loss_scaler": self._loss_scaler(),
-                  "dynamic_loss_scale": self._dynamic(), "overflow": False, "partition_count": self.world,
-                  "optimizer_state_dict": optimizer, "fp32_flat_groups": masters}
-        elif self.bf16_optimizer:
-            sd = {"clip_grad": float(self.config.get("gradient_clipping", 0.0)), "base_optimizer_state": optimizer,
-                  "single_partition_of_fp32_groups": masters, "group_paddings": paddings,
-                  "partition_count": [self.world] * len(masters), "ds_version": DS_VERSION}
-        else:
-            sd = {"loss_scaler": self._loss_scaler(), "dynamic_loss_scale": self._dynamic(), "overflow": False,
-                  "clip_grad": float(self.config.get("gradient_clipping", 0.0)), "base_optimizer_state": optimizer,
-                  "single_partition_of_fp32_groups": masters, "zero_stage": make(_STAGE_ENUM, self.stage),
-                  "group_paddings": paddings, "param_alignment_paddings": [[0] * len(g) for g in self.groups],
-                  "partition_count": [self.world] * len(masters), "ds_version": DS_VERSION}
+        scaler = self._loss_scaler()
+        sd = self.layout.optimizer_state(OptimizerParts(
+            optimizer, masters, paddings, [len(g) for g in self.groups], scaler,
+            dynamic=scaler.ds_class == _DYNAMIC_SCALER,
+            clip_grad=float(self.config.get("gradient_clipping", 0.0))))
         return {"optimizer_state_dict": sd, "ds_config": self.config, "ds_version": DS_VERSION}
 
     def _loss_scaler(self):
@@ -184,9 +160,6 @@ class _Writer:
                     consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)),
                     raise_error_at_min_scale=True, dynamic=True, dtype=torch.float16)
 
-    def _dynamic(self) -> bool:
-        return self._loss_scaler().ds_class == _DYNAMIC_SCALER
-
     def _whole(self, name: str) -> torch.Tensor:
         entry = self.meta["params"][name]
         numel = math.prod(entry["shape"])
@@ -203,13 +176,11 @@ class _Writer:
             if ("param", source) in first:
                 shared[key] = source
             first.setdefault(("param", source), key)
-            module[key] = (torch.empty(0, dtype=self.dtype) if self.stage == 3
-                           else self._whole(source).to(self.dtype))
-        frozen = [n for n, p in self.meta["params"].items() if not p["trained"]]
-        shapes = fragments = None
-        if self.stage >= 2:
-            shapes = OrderedDict((n, torch.Size(self.meta["params"][n]["shape"])) for n in frozen)
-            fragments = OrderedDict((n, self._frozen_fragment(n, rank)) for n in frozen)
+            whole = partial(self._whole_in_dtype, source)
+            module[key] = self.layout.module_entry(whole, self.dtype)
+        frozen = OrderedDict((n, torch.Size(p["shape"])) for n, p in self.meta["params"].items()
+                             if not p["trained"])
+        shapes, fragments = self.layout.frozen_records(frozen, self._whole_in_dtype, rank)
         state = self.state
         out = {"module": module, "buffer_names": [k for k, kind, _ in self.meta["state_dict"] if kind == "buffer"],
                "optimizer": None,
@@ -224,24 +195,13 @@ class _Writer:
         out.update(state.get("client_state") or {})
         return out
 
-    def _frozen_fragment(self, name: str, rank: int) -> torch.Tensor:
-        whole = self._whole(name).to(self.dtype)
-        if self.stage < 3:
-            return whole
-        chunk = ds_layout.chunk_numel(whole.numel(), self.world)
-        out = torch.zeros(chunk, dtype=self.dtype)
-        part = whole.view(-1)[rank * chunk:(rank + 1) * chunk]
-        out[:part.numel()] = part
-        return out
+    def _whole_in_dtype(self, name: str) -> torch.Tensor:
+        return self._whole(name).to(self.dtype)
 
     def write(self, directory: str) -> None:
         prefix = "bf16_" if self.dtype == torch.bfloat16 else ""  # DeepSpeed names them by the bf16 flag
         for rank in range(self.world):
             save_ds_file(self._optimizer_file(rank),
                          os.path.join(directory, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
-        if self.stage == 3:
-            for rank in range(self.world):
-                save_ds_file(self._model_file(rank),
-                             os.path.join(directory, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"))
-        else:
-            save_ds_file(self._model_file(0), os.path.join(directory, "mp_rank_00_model_states.pt"))
+        for rank, name in enumerate(self.layout.model_files()):
+            save_ds_file(self._model_file(rank), os.path.join(directory, name))

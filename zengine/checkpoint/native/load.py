@@ -26,10 +26,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..log import logger
+from ...log import logger
 from . import atomic, collectives, holdings, meta as meta_mod, rng
-from .ds_reader import open_reader
-from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, CheckpointUntrustedError
+from ..deepspeed.reader import open_reader
+from ..errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, CheckpointUntrustedError
 from .holdings import Holding
 from .reader import CheckpointReader
 
@@ -116,7 +116,7 @@ def _read(engine, directory: str, with_optimizer: bool, trusted: bool, strict: b
     """Phase 1: check the checkpoint and read this rank's share of it in place; state.pt (weights-only unless
     ``trusted``) with the meta."""
     opt, module = engine.optimizer, engine.module
-    # zengine's own layout, or DeepSpeed's (ds_reader.py): the same questions answered from either
+    # zengine's own layout, or DeepSpeed's (deepspeed/reader.py): the same questions answered from either
     with open_reader(directory, trusted, [holdings.group_names(g) for g in opt.groups],
                      engine.gradient_accumulation_steps()) as reader:
         meta = reader.meta

@@ -1,0 +1,1 @@
+"""zengine's own checkpoint format: sharded, layout-free, crash-safe (see ``checkpoint/``)."""
