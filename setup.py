@@ -6,8 +6,10 @@ Compiled kernels in ``csrc/`` are built just in time on first use; set
 import importlib.util
 import os
 import sys
+import sysconfig
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 
 def compiled_ops():
@@ -38,11 +40,32 @@ def compiled_ops():
 
 ext_modules, cmdclass = compiled_ops()
 
+# One line that every Python process runs at start (site.py executes "import" lines of *.pth files in
+# site-packages): it does nothing unless ZENGINE_DEEPSPEED_COMPAT is set, and then makes `import
+# deepspeed` resolve to zengine in that process (zengine/compat.py), so that processes other tools
+# start themselves (accelerate launch, the ranks Lightning spawns) get it too. Installed as a data
+# file at site-packages' place under the prefix, the one way that holds for editable installs too.
+COMPAT_PTH = "zengine-deepspeed-compat.pth"
+# (by the install scheme, not this interpreter's paths: pip builds in an isolated environment)
+SITE_PACKAGES = os.path.relpath(sysconfig.get_path("purelib", vars={"base": "/x", "platbase": "/x"}), "/x")
+
+
+class BuildPyWithData(build_py):
+    """build_py that, in an editable install, also installs the data files: setuptools' editable
+    wheel asks the distribution for ``has_data`` (there is only ``has_data_files``) and so never
+    installs them (setuptools 80-84), which would leave the compatibility hook out of ``pip install -e``."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False) and self.distribution.data_files:
+            self.run_command("install_data")
+
 setup(
     name="zengine",
     version="0.1.0",
     description="A ZeRO training engine for PyTorch (stages 0-3), drop-in for DeepSpeed's ZeRO",
     packages=find_packages(include=["zengine", "zengine.*"]),
+    py_modules=["zengine_compat_hook"],  # read at start by COMPAT_PTH (below), outside the package
     python_requires=">=3.9",
     # torch is pinned to a range that the local CPU build (2.13.0) satisfies, so
     # pip never pulls a multi-GB CUDA build on a machine that already has it.
@@ -71,6 +94,7 @@ setup(
             "zengine-to-fp32=zengine.checkpoint.export.to_fp32:main",
         ]
     },
+    data_files=[(SITE_PACKAGES, [COMPAT_PTH])],
     ext_modules=ext_modules,
-    cmdclass=cmdclass,
+    cmdclass={**cmdclass, "build_py": BuildPyWithData},
 )

@@ -146,9 +146,80 @@ def test_wrong_types_and_ranges_name_the_key(config, path):
 
 
 def test_auto_outside_batch_keys_explains_itself():
-    message = _error(_with(fp16={"enabled": "auto"}, zero_optimization={"reduce_bucket_size": "auto"}))
-    assert "fp16.enabled:" in message and "zero_optimization.reduce_bucket_size:" in message
+    message = _error(_with(fp16={"enabled": "auto"}, gradient_clipping="auto"))
+    assert "fp16.enabled:" in message and "gradient_clipping:" in message
     assert message.count("Hugging Face Trainer") == 2
+
+
+# Hugging Face's documented ZeRO-3 config with offload, as its docs print it: the Trainer fills the
+# "auto" values only after the model is built, so zero.Init sees them as they are here.
+HF_ZERO3 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+        "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+
+
+def test_auto_in_the_zero_section_takes_deepspeeds_default_at_zero_init():
+    """As DeepSpeed's config models do: an "auto" ZeRO or offload key is as if not given."""
+    from zengine.config.load import load_zero_sections
+    from zengine.config.zero import ZeroConfig
+
+    zero = load_zero_sections(HF_ZERO3).zero_optimization
+    default = ZeroConfig(stage=3)
+    assert zero.stage == 3 and zero.offload_param.device == "cpu"
+    assert zero.reduce_bucket_size == default.reduce_bucket_size
+    assert zero.stage3_prefetch_bucket_size == default.stage3_prefetch_bucket_size
+    assert zero.stage3_param_persistence_threshold == default.stage3_param_persistence_threshold
+    offload = load_zero_sections({"zero_optimization": {"stage": 3, "offload_param": {
+        "device": "cpu", "buffer_count": "auto"}}}).zero_optimization.offload_param
+    assert offload.buffer_count == 5
+    # a key whose own values include "auto" keeps it (shared_memory.enabled is not a ZeRO key, but the
+    # ZeRO section's stage is not "auto"-able: refused by name)
+    assert "zero_optimization.stage" in _error(_with(zero_optimization={"stage": "auto"}))
+
+
+def test_auto_zero_keys_and_sub_group_size_zero_at_initialize():
+    """A script that hands deepspeed.initialize the documented config with its batch, optimizer and
+    precision keys filled, the ZeRO "auto" keys left: DeepSpeed's defaults, no error."""
+    cfg = dict(HF_ZERO3, gradient_clipping=1.0, fp16={"enabled": False}, train_batch_size=4,
+               optimizer={"type": "AdamW", "params": {"lr": 1e-3}},
+               scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 1}})
+    cfg["zero_optimization"] = dict(cfg["zero_optimization"], sub_group_size=0,
+                                    stage3_max_live_parameters="auto")
+    loaded = _quiet_load(cfg)[0]
+    assert loaded.zero_optimization.reduce_bucket_size == 500_000_000
+    assert loaded.zero_optimization.sub_group_size == 1_000_000_000
+    assert loaded.zero_optimization.stage3_max_live_parameters == 1_000_000_000
+
+
+def test_dotted_top_level_keys_are_ignored_as_deepspeed_ignores_them():
+    """TRL's prepare_deepspeed adds "zero_optimization.reduce_bucket_size" (and two more) at the top
+    level; DeepSpeed never reads them. zengine says so and keeps the nested values."""
+    cfg = _with(zero_optimization={"stage": 3, "reduce_bucket_size": 1000})
+    cfg["zero_optimization.reduce_bucket_size"] = 64 * 64
+    cfg["zero_optimization.stage3_prefetch_bucket_size"] = 0.9 * 64 * 64
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_config(cfg, 1)
+    assert loaded.zero_optimization.reduce_bucket_size == 1000
+    message = " ".join(str(w.message) for w in caught)
+    assert '"zero_optimization.reduce_bucket_size" (a top-level key' in message
+    assert '"zero_optimization.reduce_bucket_size" (a top-level key' in " ".join(loaded.ignored_keys)
+    # a dotted key that names no section is still an unknown key
+    assert "unknown key" in _error(_with(**{"zero_optimisation.stage": 2}))
 
 
 def test_unknown_optimizer_and_scheduler_types():

@@ -15,7 +15,7 @@ written as a string ("8", "1.0") is read as before.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Annotated, Any, ClassVar, Dict, List, Literal, Optional, Tuple, Union, get_args
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, StrictBool, ValidationError,
                       model_validator)
@@ -108,6 +108,23 @@ class _Section(BaseModel):
     """Base of every config model: strict keys, checked assignment, finite floats."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # DeepSpeed's config models drop a key whose value is "auto" and use their default for it:
+    # Hugging Face's documented ZeRO configs reach zero.Init with "auto" still in the ZeRO section
+    # (the Trainer fills it only after the model is built). Sections with DeepSpeed's behaviour
+    # set this; elsewhere "auto" is refused with a hint (it may change numbers: fp16.enabled).
+    AUTO_MEANS_DEFAULT: ClassVar[bool] = False
+    # ... but for keys that decide what is done, not how fast ("stage": "auto" asks for a tuner)
+    AUTO_REFUSED: ClassVar[Tuple[str, ...]] = ()
+
+    @classmethod
+    def _without_auto(cls, data: Dict[str, Any]) -> Dict[str, Any]:
+        """``data`` without the keys set to "auto", but for fields that take "auto" as a value."""
+        def takes_auto(key: str) -> bool:
+            field = cls.model_fields.get(key)
+            return field is not None and "auto" in get_args(field.annotation) + tuple(
+                a for arg in get_args(field.annotation) for a in get_args(arg))
+        return {k: v for k, v in data.items()
+                if not (v == "auto" and not takes_auto(k) and k not in cls.AUTO_REFUSED)}
 
     @classmethod
     def _prepare(cls, data: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
@@ -123,6 +140,8 @@ class _Section(BaseModel):
         problem met while rewriting (two spellings of one key) does not hide the field problems."""
         problems: List[str] = []
         if isinstance(data, dict):
+            if cls.AUTO_MEANS_DEFAULT:
+                data = cls._without_auto(data)
             data, problems = cls._prepare(dict(data))
         try:
             section = handler(data)

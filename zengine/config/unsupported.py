@@ -213,8 +213,16 @@ def screen(raw: Dict[str, Any]) -> Tuple[List[str], List[str]]:
     Returns ``(problems, ignored)``: one message per key that changes results
     and is not inert, and the dotted paths of keys accepted and ignored.
     """
+    from .models import ZengineConfig  # (models.py imports this module's table)
+
+    sections = set(ZengineConfig.model_fields) | set(_SECTION_ALIASES.values())
     problems: List[str] = []
     ignored: List[str] = []
+    for key in [k for k in raw if isinstance(k, str) and k.split(".", 1)[0] in sections and "." in k]:
+        # TRL's prepare_deepspeed adds "zero_optimization.reduce_bucket_size" and the like at the top
+        # level; DeepSpeed's top level ignores keys it does not know, so these never take effect there
+        raw.pop(key)
+        ignored.append(f'"{key}" (a top-level key, not the nested one)')
     for entry in UNSUPPORTED_KEYS:
         *parents, name = entry.path.split(".")
         section = _parent_section(raw, parents)

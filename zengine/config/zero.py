@@ -18,6 +18,9 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 class OffloadOptimizerConfig(_Section):
     """Where optimizer states live and the optimizer step runs (stages 1-3)."""
 
+    AUTO_MEANS_DEFAULT = True
+    AUTO_REFUSED = ("device",)
+
     device: OffloadDevice = Field("none", description='"none" keeps states on the device; "cpu" or "nvme" '
                                                       'moves them there and steps on the CPU.')
     nvme_path: Optional[Path] = Field(None, description="Directory for swapped states; required with nvme.")
@@ -35,6 +38,9 @@ class OffloadOptimizerConfig(_Section):
 
 class OffloadParamConfig(_Section):
     """Where stage-3 parameter shards live between uses."""
+
+    AUTO_MEANS_DEFAULT = True
+    AUTO_REFUSED = ("device",)
 
     device: OffloadDevice = Field("none", description='"none" keeps shards on the device; "cpu" or "nvme" '
                                                       'moves them there.')
@@ -80,6 +86,9 @@ class LeafModuleConfig(_Section):
 class ZeroConfig(_Section):
     """ZeRO partitioning: what is sharded across data-parallel ranks, and how it communicates."""
 
+    AUTO_MEANS_DEFAULT = True  # (as DeepSpeed's DeepSpeedZeroConfig: "auto" takes the default)
+    AUTO_REFUSED = ("stage",)
+
     DEPRECATED_KEYS: ClassVar[Dict[str, str]] = {
         "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
         "cpu_offload": "offload_optimizer",
@@ -106,7 +115,8 @@ class ZeroConfig(_Section):
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig,
                                               description="Parameter offload (stage 3 only).")
     sub_group_size: PositiveSize = Field(1_000_000_000, description="Elements the optimizer steps at a time "
-                                                                    "when offloaded (tiles the update).")
+                                                                    "when offloaded (tiles the update); 0: "
+                                                                    "the default.")
     stage3_prefetch_bucket_size: Size = Field(50_000_000, description="Parameter elements fetched ahead of "
                                                                       "use; 0 disables prefetch.")
     stage3_param_persistence_threshold: Size = Field(100_000, description="Parameters with fewer elements stay "
@@ -171,6 +181,11 @@ class ZeroConfig(_Section):
         for section in ("offload_optimizer", "offload_param"):
             if section in data and data[section] is None:
                 del data[section]
+        size = data.get("sub_group_size")
+        if not isinstance(size, bool) and size in (0, 0.0, "0"):
+            # DeepSpeed takes 0 (each parameter its own sub-group; axolotl's configs write it); the size
+            # only tiles the offloaded update, so zengine's default stands in for it
+            del data["sub_group_size"]
         if data.get("overlap_comm") is None:
             data["overlap_comm"] = _stage_of(data) == 3
         return data, problems
