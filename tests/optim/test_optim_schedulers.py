@@ -335,3 +335,21 @@ def test_build_scheduler_errors_name_the_key(type_name, params, expected):
 def test_integral_float_step_counts_are_accepted():
     schedule = build_scheduler("WarmupLR", {"warmup_num_steps": 100.0}, groups(1.0))
     assert schedule.warmup_num_steps == 100
+
+
+SCHEDULES_FIXTURE = ONECYCLE_FIXTURE.with_name("schedules_0.19.8.json")
+
+
+@pytest.mark.parametrize("case", [k for k in json.loads(SCHEDULES_FIXTURE.read_text()) if k != "deepspeed"])
+def test_every_schedule_equals_deepspeed(case):
+    """Each schedule's lr before the first step and after each of 24, with every extra parameter
+    (warmup_type, warmup_min_ratio, cos_min_ratio, the staircase), as DeepSpeed 0.19.8 wrote them
+    (tests/fixtures/deepspeed/make_schedules.py)."""
+    recorded = json.loads(SCHEDULES_FIXTURE.read_text())[case]
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=recorded["optimizer_lr"])
+    schedule = build_scheduler(recorded["schedule"], recorded["params"], opt)
+    lrs = [opt.param_groups[0]["lr"]]
+    for _ in range(len(recorded["lrs"]) - 1):
+        schedule.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == pytest.approx(recorded["lrs"], rel=1e-12, abs=1e-15)
