@@ -4,8 +4,11 @@
 ``last_batch_iteration = k - 1``; ``lrs[0]`` is the value set at construction.
 """
 
+import json
 import math
 import types
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,50 +154,52 @@ def one_cycle(opt, **overrides):
     return OneCycle(opt, **{**params, **overrides})
 
 
-def test_one_cycle_lr_and_momentum():
-    opt = groups(1.0, momentum=0.0)
-    schedule = one_cycle(opt)
-    lrs, moms = [opt.param_groups[0]["lr"]], [opt.param_groups[0]["momentum"]]
-    for _ in range(15):
-        schedule.step()
-        lrs.append(opt.param_groups[0]["lr"])
-        moms.append(opt.param_groups[0]["momentum"])
+def test_one_cycle_lr():
+    opt = groups(1.0)
+    with pytest.warns(UserWarning, match="cycle_momentum"):  # (no optimizer defaults: no betas)
+        schedule = one_cycle(opt)
+    lrs = run(schedule, 15)
     # b = iteration + 1 over a cycle of 4 up + 6 down.
-    assert at(lrs, -1) == pytest.approx(0.01) and at(moms, -1) == pytest.approx(0.9)
-    assert at(lrs, 1) == pytest.approx(0.055) and at(moms, 1) == pytest.approx(0.85)  # b=2: half way up
-    assert at(lrs, 3) == pytest.approx(0.1) and at(moms, 3) == pytest.approx(0.8)  # b=4: peak
-    assert at(lrs, 6) == pytest.approx(0.055) and at(moms, 6) == pytest.approx(0.85)  # b=7: half way down
-    assert at(lrs, 9) == pytest.approx(0.01) and at(moms, 9) == pytest.approx(0.9)  # b=10: cycle end
+    assert at(lrs, -1) == pytest.approx(0.01)
+    assert at(lrs, 1) == pytest.approx(0.055)  # b=2: half way up
+    assert at(lrs, 3) == pytest.approx(0.1)  # b=4: peak
+    assert at(lrs, 6) == pytest.approx(0.055)  # b=7: half way down
+    assert at(lrs, 9) == pytest.approx(0.01)  # b=10: cycle end
     # Decay: d = iteration - 10 + 1 steps past the cycle, d / decay_step_size intervals.
     assert at(lrs, 10) == pytest.approx(0.01 / (1 + 0.5 * 0.5))
-    assert at(moms, 10) == pytest.approx(0.9 * (1 + 0.1 * 0.5))
     assert at(lrs, 13) == pytest.approx(0.01 / (1 + 0.5 * 2))
-    assert at(moms, 13) == pytest.approx(0.9 * (1 + 0.1 * 2))
 
 
-def test_one_cycle_cycles_beta1_and_keeps_beta2():
-    opt = groups(1.0, betas=(0.95, 0.98))
-    schedule = one_cycle(opt)
-    assert opt.param_groups[0]["betas"] == pytest.approx((0.9, 0.98))
-    schedule.step(3)
-    assert opt.param_groups[0]["betas"] == pytest.approx((0.8, 0.98))
+ONECYCLE_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed" / "onecycle_0.19.8.json"
+OPTIMIZERS = {"AdamW": lambda ps, d: torch.optim.AdamW(ps, **d), "Adam": lambda ps, d: torch.optim.Adam(ps, **d),
+              "SGD": lambda ps, d: torch.optim.SGD(ps, **d)}
 
 
-def test_one_cycle_without_decay_holds_min_lr_and_max_momentum():
-    opt = groups(1.0, betas=(0.9, 0.999))
-    schedule = one_cycle(opt, decay_step_size=0)
-    schedule.step(25)
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.01)
-    assert opt.param_groups[0]["betas"][0] == pytest.approx(0.9)
+@pytest.mark.parametrize("case", ["adamw_decay", "adam_no_decay", "adamw_stairs", "sgd_momentum"])
+def test_one_cycle_equals_deepspeed_lr_and_betas(case):
+    """lr, betas (beta1 cycled, beta2 set to 0.99, cycle_min_mom before the first step) and an SGD's
+    momentum (not cycled) after each step, as DeepSpeed 0.19.8's OneCycle wrote them on the same
+    optimizer (tests/fixtures/deepspeed/make_onecycle.py)."""
+    recorded = json.loads(ONECYCLE_FIXTURE.read_text())[case]
+    opt = OPTIMIZERS[recorded["optimizer"]]([torch.nn.Parameter(torch.zeros(2))], recorded["defaults"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        schedule = OneCycle(opt, **recorded["params"])
+    assert any("cycle_momentum" in str(w.message) for w in caught) == (case == "sgd_momentum")
+    for k, row in enumerate(recorded["rows"]):
+        if k:
+            schedule.step()
+        group = opt.param_groups[0]
+        assert group["lr"] == pytest.approx(row["lr"], rel=1e-12, abs=1e-15), (k, group["lr"], row["lr"])
+        if row["betas"] is not None:
+            assert list(group["betas"]) == pytest.approx(row["betas"], rel=1e-12), (k, group["betas"], row)
+        assert group.get("momentum") == row["momentum"]
 
 
 def test_one_cycle_momentum_off():
-    opt = groups(1.0, betas=(0.5, 0.999))
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], betas=(0.5, 0.999))
     one_cycle(opt, cycle_momentum=False).step(3)
     assert opt.param_groups[0]["betas"] == (0.5, 0.999)
-    with pytest.warns(UserWarning, match="cycle_momentum"):
-        schedule = one_cycle(groups(1.0))
-    assert not schedule.cycle_momentum
 
 
 def test_one_cycle_staircase():
@@ -330,3 +335,21 @@ def test_build_scheduler_errors_name_the_key(type_name, params, expected):
 def test_integral_float_step_counts_are_accepted():
     schedule = build_scheduler("WarmupLR", {"warmup_num_steps": 100.0}, groups(1.0))
     assert schedule.warmup_num_steps == 100
+
+
+SCHEDULES_FIXTURE = ONECYCLE_FIXTURE.with_name("schedules_0.19.8.json")
+
+
+@pytest.mark.parametrize("case", [k for k in json.loads(SCHEDULES_FIXTURE.read_text()) if k != "deepspeed"])
+def test_every_schedule_equals_deepspeed(case):
+    """Each schedule's lr before the first step and after each of 24, with every extra parameter
+    (warmup_type, warmup_min_ratio, cos_min_ratio, the staircase), as DeepSpeed 0.19.8 wrote them
+    (tests/fixtures/deepspeed/make_schedules.py)."""
+    recorded = json.loads(SCHEDULES_FIXTURE.read_text())[case]
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=recorded["optimizer_lr"])
+    schedule = build_scheduler(recorded["schedule"], recorded["params"], opt)
+    lrs = [opt.param_groups[0]["lr"]]
+    for _ in range(len(recorded["lrs"]) - 1):
+        schedule.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == pytest.approx(recorded["lrs"], rel=1e-12, abs=1e-15)

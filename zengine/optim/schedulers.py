@@ -309,10 +309,11 @@ class OneCycle(LRSchedule):
     ``mom = max_mom * (1 + decay_mom_rate * d / decay_step_size)``; a zero
     ``decay_step_size`` or rate leaves lr at ``min_lr`` and momentum at ``max_mom``.
 
-    Momentum is beta1 of groups holding ``betas`` (beta2 is kept; DeepSpeed resets it to 0.99)
-    or ``momentum`` of groups holding that (SGD). Where no group has either, momentum cycling
-    is turned off with a warning, as in DeepSpeed. Before the first step the momentum is
-    ``cycle_max_mom``, the formula's value at scale 0 (DeepSpeed writes ``cycle_min_mom`` there).
+    Momentum is beta1, as in DeepSpeed: cycled only when the optimizer's defaults hold ``betas``
+    (an SGD's ``momentum`` is not cycled: a warning says so), and every write sets the betas to
+    ``(momentum, 0.99)``: beta2 becomes 0.99 whatever the optimizer was given. Started afresh
+    (``last_batch_iteration`` -1) the betas are ``(cycle_min_mom, 0.99)`` until the first step,
+    DeepSpeed's start (the formula would give ``cycle_max_mom`` there).
     """
 
     def __init__(
@@ -352,19 +353,25 @@ class OneCycle(LRSchedule):
         self.min_moms = self._per_group("cycle_min_mom", cycle_min_mom)
         self.max_moms = self._per_group("cycle_max_mom", cycle_max_mom)
         self.decay_mom_rate = float(_checked("decay_mom_rate", decay_mom_rate))
-        self.momentum_keys = self._momentum_keys() if _checked("cycle_momentum", cycle_momentum) else []
-        self.cycle_momentum = bool(self.momentum_keys)
+        self.cycle_momentum = bool(_checked("cycle_momentum", cycle_momentum)) and self._has_betas()
         self._apply()
+        if self.cycle_momentum and self.last_batch_iteration == -1:
+            self._set_betas(self.min_moms)  # DeepSpeed's start, before the first step
 
-    def _momentum_keys(self) -> list[str | None]:
-        """Per group, the entry that holds its momentum: ``betas``, ``momentum`` or none."""
-        keys = []
-        for group in self.optimizer.param_groups:
-            keys.append("betas" if "betas" in group else "momentum" if "momentum" in group else None)
-        if not any(keys):
-            warnings.warn("OneCycle: cycle_momentum is off because no param group has 'betas' or 'momentum'")
-            return []
-        return keys
+    # DeepSpeed's OneCycle pairs every cycled beta1 with this beta2
+    BETA2 = 0.99
+
+    def _has_betas(self) -> bool:
+        """Whether the optimizer's defaults hold ``betas`` (DeepSpeed's test); warns when not."""
+        if "betas" in (getattr(self.optimizer, "defaults", None) or {}):
+            return True
+        warnings.warn(f"OneCycle: cycle_momentum is off because {type(self.optimizer).__name__}'s defaults "
+                      "have no 'betas' (as in DeepSpeed, only an Adam-style beta1 is cycled)")
+        return False
+
+    def _set_betas(self, momentums: list[float]) -> None:
+        for group, momentum in zip(self.optimizer.param_groups, momentums):
+            group["betas"] = (momentum, self.BETA2)
 
     def _scale(self) -> float:
         """Position between min (0) and max (1) lr within the cycle."""
@@ -411,13 +418,8 @@ class OneCycle(LRSchedule):
     def _apply(self) -> None:
         super()._apply()
         momentums = self.get_mom()
-        if momentums is None:
-            return
-        for group, key, momentum in zip(self.optimizer.param_groups, self.momentum_keys, momentums):
-            if key == "betas":
-                group["betas"] = (momentum, *tuple(group["betas"])[1:])
-            elif key == "momentum":
-                group["momentum"] = momentum
+        if momentums is not None:
+            self._set_betas(momentums)
 
 
 class LRRangeTest(LRSchedule):

@@ -8,14 +8,31 @@ from torch import nn
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating-point tensor in a (nested) input structure to ``dtype``."""
+    """Cast every floating-point tensor in a (nested) input structure to ``dtype``.
+
+    A structure with nothing to cast comes back as the same object, and a list or dict is cast in
+    place: a model may fill a container it is given (a KV cache passed as a list or dict), and the
+    caller must see what it wrote, as it would calling the model itself. Tuples are rebuilt only
+    when an element changed."""
     if torch.is_tensor(obj):
         return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
-    if isinstance(obj, (list, tuple)):
-        cast = [cast_floating(o, dtype) for o in obj]
-        return type(obj)(*cast) if hasattr(obj, "_fields") else type(obj)(cast)
+    if isinstance(obj, list):
+        for i, item in enumerate(obj):
+            cast = cast_floating(item, dtype)
+            if cast is not item:
+                obj[i] = cast
+        return obj
     if isinstance(obj, dict):
-        return {k: cast_floating(v, dtype) for k, v in obj.items()}
+        for key, item in obj.items():
+            cast = cast_floating(item, dtype)
+            if cast is not item:
+                obj[key] = cast
+        return obj
+    if isinstance(obj, tuple):
+        cast = [cast_floating(o, dtype) for o in obj]
+        if all(c is o for c, o in zip(cast, obj)):
+            return obj
+        return type(obj)(*cast) if hasattr(obj, "_fields") else type(obj)(cast)
     return obj
 
 
