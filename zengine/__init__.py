@@ -15,6 +15,7 @@ from .distributed import init_distributed
 from .distributed.agreement import CollectiveCallError
 from .distributed.diagnose import CollectiveTimeoutError, RanksOutOfStepError
 from .engine import DeepSpeedEngine, Engine
+from .engine.build import UnfrozenParameterError
 from . import zero
 from .launcher.args import add_config_arguments
 from .zero.nonfinite import NonFiniteGradientError
@@ -25,7 +26,7 @@ __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "Engine", "DeepSpeedEngine", "add_config_arguments", "zero", "__version__",
            # what a training step may raise (docs/API.md, "Errors and environment")
            "CollectiveCallError", "CollectiveTimeoutError", "ExternalUseError", "FetchOrderError", "NonFiniteGradientError",
-           "RanksOutOfStepError"]
+           "RanksOutOfStepError", "UnfrozenParameterError"]
 
 # Submodules a DeepSpeed script reaches as attributes (deepspeed.comm.get_rank(), deepspeed.ops.adam ...)
 # without importing them first; imported when first touched, so that `import zengine` stays light.

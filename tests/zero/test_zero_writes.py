@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zengine
+from zengine.engine.build import UnfrozenParameterError
 from harness import spawn
 from models import EdgeNet, edge_param_groups, make_batches, train_global_batch
 from test_zero_parity import MICRO, engine_config
@@ -119,22 +120,59 @@ def test_load_state_dict_after_initialize_is_trained_from(stage, precision):
         assert r["from_old"] > 0.5, r  # not back at the values before the load
 
 
-def unfreeze_after_initialize() -> list[str]:
+def unfreeze_after_initialize(stage: int) -> dict:
+    """Progressive unfreezing (issue 41 case 3): a layer frozen at initialize is unfrozen after a step.
+    Nothing may be updated after the unfreeze: the next step() raises by name, on every rank."""
     records = Records()
     torch.manual_seed(0)
     model = EdgeNet()
-    engine, *_ = zengine.initialize(model=model, config=engine_config(2, "fp32", 1, dist.get_world_size()),
+    engine, *_ = zengine.initialize(model=model, config=engine_config(stage, "fp32", 1, dist.get_world_size()),
                                     model_parameters=edge_param_groups(model, 1e-2))
+    batches = make_batches(2, MICRO * dist.get_world_size())
+    train_global_batch(engine, batches[0], MICRO, 1)
+    before = {n: p.detach().clone() for n, p in full_parameters(engine).items()}
     model.frozen.weight.requires_grad_(True)
+    try:
+        train_global_batch(engine, batches[1], MICRO, 1)
+        error = None
+    except UnfrozenParameterError as e:
+        error = str(e)
+    after = full_parameters(engine)
+    return {"error": error, "moved": [n for n in before if not torch.equal(before[n], after[n])],
+            "warned": [m for m in records.messages if "left out of model_parameters" in m]}
+
+
+def full_parameters(engine) -> dict:
+    with engine.summon_full_params(writeback=False):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_parameter_unfrozen_after_initialize_stops_the_run_by_name(stage):
+    for r in spawn(unfreeze_after_initialize, 2, stage):
+        assert r["error"] is not None and "frozen.weight" in r["error"] and "frozen.bias" not in r["error"], r
+        assert "Unfreeze before initialize" in r["error"]
+        assert r["moved"] == [], r  # raised before the step updated anything
+        assert r["warned"] == [], r
+
+
+def left_out_of_model_parameters() -> list[str]:
+    """A parameter that requires grad but was left out of model_parameters on purpose: warned once."""
+    records = Records()
+    torch.manual_seed(0)
+    model = EdgeNet()
+    groups = edge_param_groups(model, 1e-2)
+    groups[1]["params"] = [p for p in groups[1]["params"] if p is not model.fc2.bias]
+    engine, *_ = zengine.initialize(model=model, config=engine_config(2, "fp32", 1, dist.get_world_size()),
+                                    model_parameters=groups)
     for batch in make_batches(2, MICRO * dist.get_world_size()):
         train_global_batch(engine, batch, MICRO, 1)
-    return records.messages
+    return [m for m in records.messages if "left out of model_parameters" in m]
 
 
-def test_a_parameter_unfrozen_after_initialize_is_named_once():
-    for messages in spawn(unfreeze_after_initialize, 2):
-        late = [m for m in messages if "require grad now" in m]
-        assert len(late) == 1 and "frozen.weight" in late[0] and "frozen.bias" not in late[0], messages
+def test_a_parameter_left_out_of_model_parameters_is_named_once():
+    for warned in spawn(left_out_of_model_parameters, 2):
+        assert len(warned) == 1 and "fc2.bias" in warned[0], warned
 
 
 def state_dict_at_stage3() -> dict:

@@ -97,21 +97,38 @@ def make_dataloader(data, config: ZengineConfig, process_rank: ProcessRank, coll
                       collate_fn=collate_fn, drop_last=True)
 
 
+class UnfrozenParameterError(RuntimeError):
+    """A parameter frozen at ``initialize`` requires grad now: the engine has no gradient store, master
+    or optimizer state for it, so training on would leave it untrained while the script expects it to
+    learn (progressive unfreezing). Raised at ``engine.step()``, before any update."""
+
+
 class UntrainedParameters:
     """The model's parameters the engine does not train (frozen, or left out of model_parameters, at
-    initialize). One switched to ``requires_grad=True`` later still gets no gradient reduction or optimizer
-    step: ``warn_if_unfrozen`` (at every step; one flag read per such parameter) names it once."""
+    initialize). ``check`` (at every ``engine.step()``; one flag read per such parameter) stops the run by
+    name when one frozen at initialize has been unfrozen since, and names once, as a warning, one left out
+    of model_parameters that required grad all along (the script chose not to train it)."""
 
     def __init__(self, model: nn.Module, named_groups: list):
         trained = {id(p) for named, _ in named_groups for _, p in named}
         self.params = [(n, p) for n, p in model.named_parameters() if id(p) not in trained]
+        self.frozen = {id(p) for _, p in self.params if not p.requires_grad}  # at initialize
         self.named: set[str] = set()
 
-    def warn_if_unfrozen(self) -> None:
+    def check(self) -> None:
+        """Raise ``UnfrozenParameterError`` for parameters unfrozen since initialize; warn once about
+        parameters left out of model_parameters that require grad."""
+        unfrozen = [n for n, p in self.params if p.requires_grad and id(p) in self.frozen]
+        if unfrozen:
+            raise UnfrozenParameterError(
+                f"zengine: parameter(s) {', '.join(unfrozen)} were frozen at zengine.initialize and require "
+                "grad now; the engine holds no gradient, master or optimizer state for them and would not "
+                "train them. Unfreeze before initialize (a zero learning rate in their param group keeps "
+                "them still until then), or save_checkpoint, build a new engine over the unfrozen model "
+                "and load_checkpoint(..., load_optimizer_states=False)")
         late = [n for n, p in self.params if p.requires_grad and n not in self.named]
         if late:
             self.named.update(late)
-            logger.warning("zengine: parameter(s) %s require grad now but were frozen or left out of model_parameters "
-                           "at zengine.initialize, so the engine does not train them (no gradient reduction, no "
-                           "optimizer step). Set requires_grad before initialize (and pass them in model_parameters), "
-                           "or build a new engine after unfreezing", ", ".join(late))
+            logger.warning("zengine: parameter(s) %s require grad but were left out of model_parameters at "
+                           "zengine.initialize, so the engine does not train them (no gradient reduction, no "
+                           "optimizer step); pass them in model_parameters to train them", ", ".join(late))

@@ -223,7 +223,7 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
             raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the context first "
                                "so that the accumulated gradients are reduced")
         self._backward.check_step()
-        self._untrained.warn_if_unfrozen()
+        self._untrained.check()  # a parameter unfrozen since initialize: stop by name, before any update
         boundary = self.is_gradient_accumulation_boundary()
         if not boundary and not self.accumulation.backward_since_step:
             self._step_applied = False
