@@ -96,8 +96,8 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         self._untrained = UntrainedParameters(model, named_groups)  # named at the step if unfrozen later
         self.scaler = make_loss_scaler(config.fp16)
         # what gradients are multiplied by on the way and divided by at the step (grad_factor.py)
-        self.grad_factor = GradFactor.for_precision(self.scaler, config.fp16,
-                                                    config.gradient_accumulation_steps, ranks.dp_world)
+        self.grad_factor = GradFactor.for_precision(
+            self.scaler, config.fp16, config.gradient_accumulation_steps, ranks.dp_world)
         # every backward is bracketed (backward.py): a plain one the outputs miss opens at its first parameter gradient
         self._backward = BackwardTracker(self._begin_backward, self._end_backward, self.grad_factor)
         self.optimizer = build_zero_optimizer(model, config, named_groups, optimizer_factory(optimizer, config),
@@ -182,7 +182,8 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         ``scale_wrt_gas=False`` (HF's Trainer): the loss is already divided by the accumulation steps; the
         pass is recorded as carrying that division, so the step does not divide again."""
         self._check_alive("backward")
-        factor = self.grad_factor.loss_factor() if scale_wrt_gas else self.scaler.scale  # else: gas divided
+        # scale_wrt_gas=False: the caller divided by the accumulation steps already
+        factor = self.grad_factor.loss_factor() if scale_wrt_gas else self.scaler.scale
         carried = None if scale_wrt_gas else self.grad_factor.divided_loss_carries()
         scaled = loss.float() * factor if factor != 1.0 else loss
         self._step_report.record_loss(loss, self.is_gradient_accumulation_boundary())

@@ -3,18 +3,18 @@ NVMe-swapped step needs from the groups.
 
 With ``offload_optimizer.device = "nvme"`` at stage 3 (``placement.InfinityPlacement``) the fp32
 masters and the gradient shards are swapped with Adam's moments (``swapped_adam.InfinityAdam``: a
-record ``[exp_avg | exp_avg_sq | master | grad]`` per chunk), so host memory for the optimizer is the
-swap buffers. The placement builds the parts that go with it, all here:
+record ``[exp_avg | exp_avg_sq | master | grad]`` per chunk), so host memory for the optimizer is
+the swap buffers. The placement builds the parts that go with it, all here:
 
 - ``SwappedMasters``, the master store (``zero/masters.MasterStore``): the masters have values only
   inside ``resident()``; the gradient store writes each reduced bucket into the file during backward
   through its sink (``state_swap.GradSwap``) and keeps the sums of squares it wrote, which give the
   norm; scaling and clipping become one factor the swapped step applies chunk by chunk
   (``InfinityAdam.grad_scale``): ``SwappedMasterGrads``;
-- ``MasterIO``: a chunk never stepped starts from the compute-dtype parameters (``init_master``, as a
-  master in memory is made from them), and the updated chunk, cast to the compute dtype, goes where the
-  parameters live (``params_out``: the parameter swap file with ``offload_param.device = "nvme"``, else
-  the group's shard).
+- ``MasterIO``: a chunk never stepped starts from the compute-dtype parameters (``init_master``,
+  as a master in memory is made from them), and the updated chunk, cast to the compute dtype, goes
+  where the parameters live (``params_out``: the parameter swap file with
+  ``offload_param.device = "nvme"``, else the group's shard).
 """
 from __future__ import annotations
 
@@ -40,13 +40,16 @@ G = TypeVar("G")
 
 
 class MasterIO:
-    """Reads and writes a stage-3 group's compute-dtype shard by chunk, wherever it lives; ``copies``
-    (``copies.py``) moves the chunks of a shard on the device, without the host waiting for each."""
+    """Reads and writes a stage-3 group's compute-dtype shard by chunk, wherever it lives;
+    ``copies`` (``copies.py``) moves the chunks of a shard on the device, without the host waiting
+    for each."""
 
-    def __init__(self, groups: list["ShardedParamGroup"], dtype: torch.dtype, copies: Optional[HostCopies] = None):
+    def __init__(self, groups: list["ShardedParamGroup"], dtype: torch.dtype,
+                 copies: Optional[HostCopies] = None):
         self.groups = groups
         self.align = align_elems(dtype)
-        self.numels = [g.shard_numel for g in groups]  # the masters' sizes (their tensors are empty in memory)
+        # the masters' sizes (their tensors are empty in memory)
+        self.numels = [g.shard_numel for g in groups]
         self._resident = [g.resident() if not g.in_memory else [] for g in groups]
         self.copies = copies if copies is not None else HostCopies()
         self._landings: list = []  # init_master copies from the device not yet waited for
@@ -66,8 +69,8 @@ class MasterIO:
         self._landings = []
 
     def params_out(self, index: int, lo: int, hi: int, master: torch.Tensor) -> None:
-        """Group ``index``'s parameters [lo, hi) from the updated fp32 ``master`` chunk (which may be
-        rewritten as soon as this returns)."""
+        """Group ``index``'s parameters [lo, hi) from the updated fp32 ``master`` chunk (which may
+        be rewritten as soon as this returns)."""
         g = self.groups[index]
         if g.in_memory:
             self.copies.upload(g.shard_flat[lo:hi], master)
@@ -101,20 +104,24 @@ class SwappedMasterGrads:
         self._copies.settle()
         return [self._grads.owned_grad(gi) for gi in range(len(self.tensors))]
 
-    def step(self, stepper: "ShardStepper", plans: list["Plan"], owned: Mapping[int, torch.Tensor]) -> None:
+    def step(self, stepper: "ShardStepper", plans: list["Plan"],
+             owned: Mapping[int, torch.Tensor]) -> None:
         stepper.step(plans, owned)
 
 
 class SwappedMasters:
     """ZeRO-Infinity's master store: masters and their gradients in the optimizer's swap records."""
 
-    def __init__(self, groups: list["ShardedParamGroup"], dtype: torch.dtype, home: "NVMePlacement"):
+    def __init__(self, groups: list["ShardedParamGroup"], dtype: torch.dtype,
+                 home: "NVMePlacement"):
         self.io = MasterIO(groups, dtype, home.copies)
         self.copies = home.copies
         # records [exp_avg | exp_avg_sq | master | grad] per chunk, aligned as the parameter shards
         self.swapper = home.swapper(self.io.numels, 4, self.io.align)
-        self.sink = GradSwap(self.swapper, home.copies)  # where the gradient store writes reduced buckets
-        self.masters = [on_disk() for _ in groups]  # in the swap file; values only inside resident()
+        # where the gradient store writes reduced buckets
+        self.sink = GradSwap(self.swapper, home.copies)
+        # in the swap file; values only inside resident()
+        self.masters = [on_disk() for _ in groups]
         self.shard_params = [nn.Parameter(m, requires_grad=True) for m in self.masters]
         self.adam: Optional[InfinityAdam] = None  # made by wrap_optimizer
         self._depth = 0  # resident() is re-entrant
@@ -142,11 +149,11 @@ class SwappedMasters:
         """Parameters change only through zengine here: nothing to track."""
 
     def adopt_param_writes(self) -> None:
-        """Parameters change only through zengine here (their shards are written from the records)."""
+        """Parameters change only through zengine here (written from the records)."""
 
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:
-        """Inside: ``masters`` show the values InfinityAdam read in (it is inside states_in_memory)."""
+        """Inside: ``masters`` show the values InfinityAdam read in (inside states_in_memory)."""
         self._depth += 1
         try:
             if self._depth == 1:

@@ -36,8 +36,8 @@ G = TypeVar("G")
 
 def norm_squares(groups: list["ParamGroup"], grads: list[torch.Tensor], world: int,
                  device: torch.device) -> torch.Tensor:
-    """Sum of squares of this rank's part of ``grads`` (each group's ``norm_range``): a 0-dim float64
-    where the gradients are, or zero on ``device`` when this rank counts none."""
+    """Sum of squares of this rank's part of ``grads`` (each group's ``norm_range``): a 0-dim
+    float64 where the gradients are, or zero on ``device`` when this rank counts none."""
     parts = []
     for g, grad in zip(groups, grads):
         lo, hi = g.norm_range(world)
@@ -58,7 +58,7 @@ class WholeMasterGrads:
         self._copies = copies
 
     def sq_norm(self) -> torch.Tensor:
-        """Sum of squares of this rank's part of the gradient: a 0-dim float64 where the gradients are."""
+        """Sum of squares of this rank's part of the gradient: 0-dim float64, where it is."""
         return norm_squares(self._groups, self.tensors, self._world, self._norm_device)
 
     def clip(self, coef: float) -> None:
@@ -70,7 +70,8 @@ class WholeMasterGrads:
         self._copies.settle()
         return self.tensors
 
-    def step(self, stepper: "ShardStepper", plans: list["Plan"], owned: Mapping[int, torch.Tensor]) -> None:
+    def step(self, stepper: "ShardStepper", plans: list["Plan"],
+             owned: Mapping[int, torch.Tensor]) -> None:
         stepper.step(plans, owned)
 
 
@@ -86,8 +87,9 @@ class MasterGradsInPieces:
         self._copies, self._piece = copies, piece
 
     def sq_norm(self) -> torch.Tensor:
-        """The norm's sum of squares from the gradient store's parts (``landing_squares``): those on the
-        device summed there, the host's added as a number (no copy), times the unscale factor squared."""
+        """The norm's sum of squares from the gradient store's parts (``landing_squares``): those on
+        the device summed there, the host's added as a number (no copy), times the unscale factor
+        squared."""
         device, host = [], 0.0
         for gi, g in enumerate(self._groups):
             lo, hi = g.norm_range(self._world)
@@ -108,15 +110,16 @@ class MasterGradsInPieces:
         self._copies.settle()  # every piece landed (not scaled: finiteness is the same)
         return self.tensors
 
-    def step(self, stepper: "ShardStepper", plans: list["Plan"], owned: Mapping[int, torch.Tensor]) -> None:
-        """The step in pieces, overlapped with the copies (``step_pipeline.py``); ``owned``: gi -> the
-        compute-dtype parameter shard CPU-Adam writes for the groups it writes (the rest are written
-        after the step)."""
+    def step(self, stepper: "ShardStepper", plans: list["Plan"],
+             owned: Mapping[int, torch.Tensor]) -> None:
+        """The step in pieces, overlapped with the copies (``step_pipeline.py``); ``owned``: gi ->
+        the compute-dtype parameter shard CPU-Adam writes for the groups it writes (the rest are
+        written after the step)."""
         runs = stepper.runs(plans)
         factor, coef, grads = self._unscale, self._coef, self.tensors
 
         def prepare(piece) -> None:
-            # what a whole step's scaling and clip() would have done, in the same order: the same bits
+            # what a whole step's scaling and clip() would have done, in order: the same bits
             grad = grads[piece.gi][piece.lo:piece.hi]
             if factor != 1.0:
                 grad.mul_(factor)
@@ -125,7 +128,8 @@ class MasterGradsInPieces:
 
         def step(piece, target) -> None:
             sp = stepper.shard_params[piece.gi]
-            piece_runs = {p: (clip_runs(r, piece.lo, piece.hi) if p is sp else []) for p, r in runs.items()}
+            piece_runs = {p: (clip_runs(r, piece.lo, piece.hi) if p is sp else [])
+                          for p, r in runs.items()}
             stepper.abilities.step_runs(piece_runs, {sp: target} if target is not None else {})
 
         StepPipeline(self._copies, self._piece).run(grads, prepare, step, owned)
@@ -133,54 +137,61 @@ class MasterGradsInPieces:
 
 
 class MastersInMemory:
-    """fp32 masters as tensors, where the optimizer home keeps them (``zero/masters.MasterStore``)."""
+    """fp32 masters as tensors, where the optimizer home keeps them
+    (``zero/masters.MasterStore``)."""
 
     def __init__(self, groups: list["ParamGroup"], home: "OptimizerHome", params: "ParamsHome",
                  world: int, device: torch.device):
         self.groups, self.home, self.params = groups, home, params
         self.world, self.device = world, device  # the ranks sharded over; the compute device
         self.masters = [params.master(g, home) for g in groups]  # [owned numel] fp32 each
-        self.shard_params = [nn.Parameter(m, requires_grad=True) for m in self.masters]  # the optimizer's
-        # gi -> [owned] fp32 in host memory (pinned on a GPU machine), made at the first step and kept: the
-        # master gradient when the summed one is on the device and the master on the host (stages 0-1 with
-        # offload), copied down on a side stream (copies.py), not into a fresh pageable buffer
+        self.shard_params = [nn.Parameter(m, requires_grad=True) for m in self.masters]  # stepped
+        # gi -> [owned] fp32 in host memory (pinned on a GPU machine), made at the first step and
+        # kept: the master gradient when the summed one is on the device and the master on the host
+        # (stages 0-1 with offload), copied down on a side stream (copies.py), not into a fresh
+        # pageable buffer
         self._grad_buffers: dict[int, torch.Tensor] = {}
-        self._versions = [g.params_version() for g in groups]  # as last written by zengine (write_params)
+        # as last written by zengine (write_params)
+        self._versions = [g.params_version() for g in groups]
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer that steps ``shard_params`` (NVMe offload swaps its states)."""
         return self.home.wrap_optimizer(optimizer)
 
     def gradient_store(self, in_memory: Callable[[], G], into_sink: Callable[..., G]) -> G:
-        """The gradient store for these masters: gradients are summed into tensors (``in_memory()``)."""
+        """The gradient store for these masters: gradients are summed into tensors
+        (``in_memory()``)."""
         return in_memory()
 
     # -- the step's master gradients ------------------------------------------------------------
     def master_grads(self, grads: "GradientReader", unscale: float, steps_in_pieces: bool):
-        """Each group's fp32 master gradient, the summed gradient times ``unscale``: in pieces where the
-        optimizer ``steps_in_pieces`` and the copies allow it (module doc), else whole."""
+        """Each group's fp32 master gradient, the summed gradient times ``unscale``: in pieces where
+        the optimizer ``steps_in_pieces`` and the copies allow it (module doc), else whole."""
         copies = self.home.copies
         if steps_in_pieces and copies.defers and self._landing_on_host(grads):
-            return MasterGradsInPieces(self._landing_grads(grads), unscale, grads, self.groups, self.world,
-                                       copies, self.home.piece)
+            return MasterGradsInPieces(self._landing_grads(grads), unscale, grads, self.groups,
+                                       self.world, copies, self.home.piece)
         out, landings = [], []
         for gi, master in enumerate(self.masters):
             summed = grads.owned_grad(gi)
             if summed.dtype == torch.float32 and summed.device == master.device:
                 out.append(summed)  # [owned] fp32, a view: no copy
                 continue
-            if summed.device == master.device:  # fp32 from the compute dtype, on the device: a transient
+            # fp32 from the compute dtype, on the device: a transient
+            if summed.device == master.device:
                 out.append(torch.empty_like(master).copy_(summed))
                 continue
             grad = self._grad_buffer(gi)
-            landings.append(copies.download(grad, summed))  # every group's copy queued before any wait
+            # every group's copy queued before any wait
+            landings.append(copies.download(grad, summed))
             out.append(grad)
         for landing in landings:
             landing.synchronize()
         if unscale != 1.0:
             for grad in out:
                 grad.mul_(unscale)
-        return WholeMasterGrads(out, self.groups, self.world, self.home.master_device(self.device), copies)
+        norm_device = self.home.master_device(self.device)
+        return WholeMasterGrads(out, self.groups, self.world, norm_device, copies)
 
     def unreduced(self, grads: "GradientReader") -> WholeMasterGrads:
         """Before the gradients are summed over the ranks: none yet (its norm is zero)."""
@@ -188,24 +199,30 @@ class MastersInMemory:
                                 self.home.copies)
 
     def _grad_buffer(self, gi: int) -> torch.Tensor:
-        """Group gi's host master gradient when the summed one is on the device (stages 0-1 with offload)."""
+        """Group gi's host master gradient when the summed one is on the device (stages 0-1 with
+        offload)."""
         master = self.masters[gi]
         grad = self._grad_buffers.get(gi)
         if grad is None or grad.numel() != master.numel():
-            grad = self._grad_buffers[gi] = self.home.empty(master.numel(), torch.float32, self.device)
+            grad = self.home.empty(master.numel(), torch.float32, self.device)
+            self._grad_buffers[gi] = grad
         return grad
 
     def _landing_on_host(self, grads: "GradientReader") -> bool:
-        """Every master gradient is fp32 on the host, where the shard is or copied down from the device."""
+        """Every master gradient is fp32 on the host, where the shard is or copied down from the
+        device."""
         for gi, master in enumerate(self.masters):
             summed = grads.landing_grad(gi)
-            if master.device.type != "cpu" or (summed.device == master.device and summed.dtype != torch.float32):
+            if master.device.type != "cpu":
+                return False
+            if summed.device == master.device and summed.dtype != torch.float32:
                 return False
         return True
 
     def _landing_grads(self, grads: "GradientReader") -> list[torch.Tensor]:
-        """Each group's host master gradient, its pieces landing: the gradient shard itself (stages 2-3), or
-        the summed gradient on the device copied down piece by piece (stage 1), all queued now."""
+        """Each group's host master gradient, its pieces landing: the gradient shard itself (stages
+        2-3), or the summed gradient on the device copied down piece by piece (stage 1), all queued
+        now."""
         out = []
         for gi, master in enumerate(self.masters):
             summed = grads.landing_grad(gi)
@@ -214,30 +231,33 @@ class MastersInMemory:
                 continue
             grad = self._grad_buffer(gi)
             for piece in split([grad.numel()], self.home.piece):
-                # (the summed gradient is rewritten only after the step, which waited for every piece)
-                self.home.copies.accumulate_async(grad[piece.lo:piece.hi], summed[piece.lo:piece.hi],
-                                                  overwrite=True)
+                # (the summed gradient is rewritten only after the step, which waits for them all)
+                lo, hi = piece.lo, piece.hi
+                self.home.copies.accumulate_async(grad[lo:hi], summed[lo:hi], overwrite=True)
             out.append(grad)
         return out
 
     # -- the compute-dtype parameters -----------------------------------------------------------
     def write_params(self, copied: bool) -> None:
-        """After the step: the compute-dtype parameters from the masters (unless the step ``copied``)."""
+        """After the step: the compute-dtype parameters from the masters (unless ``copied``)."""
         for g, master in zip(self.groups, self.masters):
             self.params.store(g, master, copied=copied)
 
     def note_params_written(self) -> None:
-        """zengine wrote the parameters: later writes are someone else's (``adopt_param_writes``)."""
+        """zengine wrote the parameters: later writes are someone else's
+        (``adopt_param_writes``)."""
         self._versions = [g.params_version() for g in self.groups]
 
     def adopt_param_writes(self) -> None:
-        """Parameters written in place since zengine last wrote them (``engine.module.load_state_dict(sd)``,
-        an in-place edit under ``torch.no_grad()``) become the masters' values, as a torch optimizer would
-        step from them; otherwise the next write-back would silently restore the old values. Seen from the
-        flat buffers' version counters: one integer comparison per group."""
+        """Parameters written in place since zengine last wrote them
+        (``engine.module.load_state_dict(sd)``, an in-place edit under ``torch.no_grad()``) become
+        the masters' values, as a torch optimizer would step from them; otherwise the next
+        write-back would silently restore the old values. Seen from the flat buffers' version
+        counters: one integer comparison per group."""
         for gi, (g, master) in enumerate(zip(self.groups, self.masters)):
             if master.data_ptr() == g.owned_params().data_ptr():
-                continue  # the master is the parameters' own storage (fp32 on the device): nothing to adopt
+                # the master is the parameters' own storage (fp32 on the device): nothing to adopt
+                continue
             if g.params_version() != self._versions[gi]:
                 with torch.no_grad():
                     self.params.load(g, master)

@@ -175,7 +175,8 @@ class NVMePlacement(CPUPlacement):
 class InfinityPlacement(NVMePlacement):
     """ZeRO-Infinity (optimizer on NVMe at stage 3): the masters and their gradients are swapped with the
     moments, so host memory for the optimizer is the swap buffers. It builds its parts
-    (``infinity.py``): the master store ``SwappedMasters`` and, in it, the gradient sink ``GradSwap``."""
+    (``infinity.py``): the master store ``SwappedMasters`` and, in it, the gradient sink
+    ``GradSwap``."""
 
     copies_out = False  # the swapped step writes each updated chunk into the parameters itself
 

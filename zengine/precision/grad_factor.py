@@ -3,8 +3,8 @@ step divides the summed gradients by, in one owner (``GradFactor``).
 
 A gradient is scaled exactly once, by whatever its pass's loss was multiplied by, whatever path it
 took to its parameter (engine/backward.py). That multiplier is 1 in fp32 and bf16, where the step
-divides by ``gradient_accumulation_steps`` once; with fp16 it is the loss scale over the accumulation
-steps for a pass ``engine.backward`` started (DeepSpeed's way, to keep fp16's range:
+divides by ``gradient_accumulation_steps`` once; with fp16 it is the loss scale over the
+accumulation steps for a pass ``engine.backward`` started (DeepSpeed's way, to keep fp16's range:
 ``loss_carries_accumulation``). The step turns the summed gradients into the mean gradient of the
 global batch by multiplying with ``unscale()``: 1 / (data-parallel world x what the window carried).
 """
@@ -31,9 +31,9 @@ class GradFactor:
         self.loss_carries_accumulation = loss_carries_accumulation  # fp16: each loss divided by gas
         self.accumulation_steps = int(accumulation_steps)  # (set_train_batch_size changes it)
         self.dp_world = dp_world  # every data-parallel rank: the gradient is the mean over these
-        # what this window's passes multiplied, times the accumulation steps (None: no pass yet, or a
-        # new window): set from the first pass the engine saw (a plain fp16 loss.backward() carries no
-        # loss scale)
+        # what this window's passes multiplied, times the accumulation steps (None: no pass yet, or
+        # a new window): set from the first pass the engine saw (a plain fp16 loss.backward()
+        # carries no loss scale)
         self.window_multiplier: Optional[float] = None
 
     @classmethod
@@ -72,7 +72,7 @@ class GradFactor:
     @staticmethod
     @contextlib.contextmanager
     def running_pass(factor: float) -> Iterator[None]:
-        """Inside: an ``engine.backward`` pass whose loss was multiplied by ``factor`` is running."""
+        """Inside: an ``engine.backward`` pass runs whose loss was multiplied by ``factor``."""
         outer, GradFactor._running_pass = GradFactor._running_pass, factor
         try:
             yield
@@ -81,5 +81,5 @@ class GradFactor:
 
     @staticmethod
     def of_running_pass() -> Optional[float]:
-        """The factor of the ``engine.backward`` pass running now (None: a plain ``loss.backward()``)."""
+        """The factor of the ``engine.backward`` pass running now (None: a plain backward)."""
         return GradFactor._running_pass

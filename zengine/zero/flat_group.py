@@ -21,9 +21,9 @@ from .layout import FlatLayout, chunk_ranges, intersect
 
 
 class ParamGroup(Protocol):
-    """One optimizer param group's trainable parameters as the ZeRO step sees them: this rank's shard in
-    the compute dtype, where each parameter's elements sit in it, the part it counts in the norm, and
-    how the other ranks get the updated parameters."""
+    """One optimizer param group's trainable parameters as the ZeRO step sees them: this rank's
+    shard in the compute dtype, where each parameter's elements sit in it, the part it counts in
+    the norm, and how the other ranks get the updated parameters."""
 
     params: list[nn.Parameter]
     hyper: dict[str, Any]  # the group's own hyper-parameters (lr, weight_decay, ...)
@@ -64,7 +64,7 @@ class ParamGroup(Protocol):
 
 
 class FlatParamGroup:
-    """Trainable parameters of one param group, laid end to end in ``self.flat`` (a ``ParamGroup``)."""
+    """Trainable parameters of one param group, end to end in ``self.flat`` (a ``ParamGroup``)."""
 
     in_memory = True  # the parameters are tensors here (a stage-3 group's may live in a swap file)
 

@@ -11,8 +11,8 @@ The optimizer home of the placement (``offload/placement.py``) builds the master
 At each step the store hands ``ZeroOptimizer.step`` a ``MasterGrads``: whole (built from the summed
 gradient, scaled in one pass), in pieces (an offloaded step overlapped with the copies: scaled and
 clipped piece by piece as the pieces land, ``offload/step_pipeline.py``) or swapped (scaled chunk by
-chunk in the swapped step). Their norm, clip, non-finite search and step differ; the step asks, never
-which one it holds.
+chunk in the swapped step). Their norm, clip, non-finite search and step differ; the step asks,
+never which one it holds.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class GradientReader(Protocol):
         """Group gi's summed gradient, without waiting for pieces still landing on the host."""
 
     def landing_squares(self, gi: int, lo: int, hi: int) -> tuple[list[torch.Tensor], float]:
-        """The sum of squares of [lo, hi) of group gi's gradient, as (parts on the device, the host's)."""
+        """Squares summed over [lo, hi) of group gi's gradient: (on the device, the host's)."""
 
     def swapped_sq(self) -> torch.Tensor:
         """ZeRO-Infinity: the sum of squares of the gradients written to the swap records."""
@@ -49,7 +49,7 @@ class MasterGrads(Protocol):
     tensors: list[torch.Tensor]  # per group, what the wrapped optimizer's ``.grad`` shows
 
     def sq_norm(self) -> torch.Tensor:
-        """Sum of squares of this rank's part of the gradient: 0-dim float64, where it was summed."""
+        """Sum of squares of this rank's part of the gradient: 0-dim float64, where it is."""
 
     def clip(self, coef: float) -> None:
         """Multiply the gradients by ``coef`` (now, or where the step applies them)."""
@@ -57,7 +57,8 @@ class MasterGrads(Protocol):
     def nonfinite_search(self) -> list[torch.Tensor]:
         """Each group's gradient, landed, to find the first non-finite element in."""
 
-    def step(self, stepper: "ShardStepper", plans: list["Plan"], owned: Mapping[int, torch.Tensor]) -> None:
+    def step(self, stepper: "ShardStepper", plans: list["Plan"],
+             owned: Mapping[int, torch.Tensor]) -> None:
         """Step the wrapped optimizer on these gradients as ``plans`` say; ``owned``: gi -> the
         compute-dtype parameter shard it writes as it steps (``ShardStepper.copy_out_targets``)."""
 
@@ -65,25 +66,27 @@ class MasterGrads(Protocol):
 class MasterStore(Protocol):
     """Owns the groups' fp32 masters (and the parameters the wrapped optimizer steps over them)."""
 
-    masters: list[torch.Tensor]  # [owned numel] fp32 per group (no storage when swapped, outside resident)
+    # [owned numel] fp32 per group (no storage when swapped, outside resident)
+    masters: list[torch.Tensor]
     shard_params: list[torch.nn.Parameter]  # the flat parameters the wrapped optimizer steps
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The optimizer that steps ``shard_params``, as this store needs it (NVMe swaps its states)."""
+        """The optimizer that steps ``shard_params``, as this store needs it (NVMe: swapped)."""
 
     def gradient_store(self, in_memory: Callable[[], G], into_sink: Callable[..., G]) -> G:
         """The gradient store that goes with these masters: ``in_memory()``, or ``into_sink(sink)``
         where the reduced gradients go to the store's swap records."""
 
-    def master_grads(self, grads: GradientReader, unscale: float, steps_in_pieces: bool) -> MasterGrads:
+    def master_grads(self, grads: GradientReader, unscale: float,
+                     steps_in_pieces: bool) -> MasterGrads:
         """This step's master gradients: the summed gradients times ``unscale``; in pieces where the
         wrapped optimizer ``steps_in_pieces`` and the placement's copies allow it."""
 
     def unreduced(self, grads: GradientReader) -> MasterGrads:
-        """Before the gradients are summed over the ranks (only their norm is asked, and not used)."""
+        """Before the gradients are summed over the ranks (only their norm is asked, unused)."""
 
     def write_params(self, copied: bool) -> None:
-        """After the step: the compute-dtype parameters from the masters (unless the step ``copied``)."""
+        """After the step: the compute-dtype parameters from the masters (unless ``copied``)."""
 
     def note_params_written(self) -> None:
         """zengine wrote the parameters (after ``write_params`` and their publishing)."""

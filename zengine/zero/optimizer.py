@@ -157,8 +157,9 @@ class ZeroOptimizer:
     """
 
     def __init__(self, groups: list[ParamGroup], grads, placement: Placement, masters: MasterStore,
-                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer], grad_factor: GradFactor,
-                 rules: StepRules, ranks: Ranks, on_unbracketed_grad: Callable[[], None] = lambda: None,
+                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+                 grad_factor: GradFactor, rules: StepRules, ranks: Ranks,
+                 on_unbracketed_grad: Callable[[], None] = lambda: None,
                  participant: StepParticipant = NoParticipant()):
         self.groups = groups
         self.device = ranks.device  # the compute device: the step's control values are reduced there
@@ -177,7 +178,7 @@ class ZeroOptimizer:
         self._on_unbracketed_grad = on_unbracketed_grad
         self._in_backward = False  # between begin_backward and end_backward
         self._had_backward = False  # since the last boundary step
-        self.shard_params = masters.shard_params  # one flat fp32 parameter per group, over its master
+        self.shard_params = masters.shard_params  # one flat fp32 parameter per group, its master
         self.optimizer = masters.wrap_optimizer(
             make_optimizer([{**g.hyper, "params": [sp]} for g, sp in zip(groups, self.shard_params)]))
         self.step_counts = StepCounts(groups)  # per parameter, as torch counts (unused ones are not stepped)
@@ -191,7 +192,7 @@ class ZeroOptimizer:
 
     @property
     def masters(self) -> list[torch.Tensor]:
-        """[owned numel] fp32 per group (without storage when swapped, outside ``states_resident``)."""
+        """[owned numel] fp32 per group (no storage when swapped, outside ``states_resident``)."""
         return self.master_store.masters
 
     # -- torch.optim.Optimizer look-alike -------------------------------------------------------
@@ -263,14 +264,14 @@ class ZeroOptimizer:
                                               self.stepper.steps_in_pieces)
 
     def _sq_norm(self, master_grads: MasterGrads) -> torch.Tensor:
-        """Sum of squares of this rank's part of the gradient: a 0-dim float64 where the gradients are."""
+        """Sum of squares of this rank's part of the gradient: 0-dim float64, where it is."""
         return master_grads.sq_norm()
 
     def _agree(self, micro_step: int) -> tuple[StepStats, MasterGrads]:
         """The ranks' one all-reduce of the step's control values (``step_stats.py``), the gradients
         summed over the ranks first where a no_sync boundary left them local; raises when the ranks
         are out of step or (a participant) diverged. Nothing is updated yet."""
-        self.master_store.adopt_param_writes()  # (a checkpoint or an in-place edit since the last step)
+        self.master_store.adopt_param_writes()  # (a load or an in-place edit since the last step)
         used = [u for g in self.groups for u in g.used]
 
         def stats_of(master_grads: MasterGrads, **extra) -> StepStats:
@@ -283,7 +284,8 @@ class ZeroOptimizer:
 
         unreduced = self.grads.unreduced  # the boundary backward ran under no_sync: no sum over ranks yet
         # (master_grads scales the summed gradient in place)
-        master_grads = self._master_grads() if not unreduced else self.master_store.unreduced(self.grads)
+        master_grads = (self._master_grads() if not unreduced
+                        else self.master_store.unreduced(self.grads))
         stats = stats_of(master_grads, unreduced=unreduced, order=self.grads.order_digests())
         if stats.ranks_with_backward:  # the gradient buckets' launch order, fixed at the first real step
             self.grads.settle_order(stats.orders_agree)
@@ -296,7 +298,7 @@ class ZeroOptimizer:
         return stats, master_grads
 
     def _decide(self, stats: StepStats, master_grads: MasterGrads) -> Decision:
-        """From the agreed values, the same on every rank: nothing to do, skip, or apply (clipped?)."""
+        """From the agreed values, alike on every rank: nothing to do, skip, or apply (clipped?)."""
         if stats.ranks_with_backward == 0:
             return Decision(StepOutcome.NO_BACKWARD)
         norm = stats.norm
@@ -331,8 +333,8 @@ class ZeroOptimizer:
 
     def _where_nonfinite(self, master_grads: MasterGrads) -> str:
         """Where the first non-finite gradient element is (for the skip message)."""
-        return first_nonfinite(self.groups, master_grads.nonfinite_search(), self.device, self.world,
-                               self.comm_group)
+        return first_nonfinite(self.groups, master_grads.nonfinite_search(), self.device,
+                               self.world, self.comm_group)
 
     # -- parameters no rank used keep their values and optimizer state (step_counts.py) ---------
     def _used_by_group(self, used_counts: list[float]) -> list[list[bool]]:
@@ -380,7 +382,7 @@ class ZeroOptimizer:
     def states_resident(self):
         """A context inside which every optimizer state tensor is in ``optimizer.state`` and ``masters``
         hold values (checkpoints use it; NVMe offload reads the swapped states in for its duration)."""
-        self.master_store.adopt_param_writes()  # a checkpoint or safe_get_full_* sees the current values
+        self.master_store.adopt_param_writes()  # a checkpoint or safe_get_full_* sees them now
         with self.abilities.states_in_memory(), self.master_store.resident():
             yield
 
@@ -391,6 +393,6 @@ class ZeroOptimizer:
         states = [t for sp in self.shard_params for t in self.optimizer.state.get(sp, {}).values()
                   if torch.is_tensor(t) and t.numel() > 1]
         states += self.abilities.host_buffers()  # the NVMe swap buffers
-        grads = self.grads.tensors() + self.master_store.grad_buffers()  # (stages 0-1 offload: host)
+        grads = self.grads.tensors() + self.master_store.grad_buffers()  # (stages 0-1 offload)
         return {"parameters": [t for g in self.groups for t in g.tensors()], "gradients": grads, "master_weights": masters,
                 "optimizer_states": states, "workspace": self.grads.workspace()}  # (workspace: not model state)

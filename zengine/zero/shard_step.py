@@ -18,7 +18,8 @@ from .step_counts import Plan, RunStepper, StepCounts
 
 
 def shard_runs(groups: list[ParamGroup], shard_params: list, plans: list[Plan]) -> dict:
-    """Shard param -> its (lo, hi, step number) runs, for an optimizer that steps ranges (``step_runs``)."""
+    """Shard param -> its (lo, hi, step number) runs, for an optimizer that steps ranges
+    (``step_runs``)."""
     runs = {}
     for g, sp, plan in zip(groups, shard_params, plans):
         if plan.uniform is not None:  # the whole shard, padding included, as one run
@@ -38,7 +39,8 @@ class ShardStepper:
         self.shard_params = shard_params
         self.optimizer = optimizer
         self.abilities = abilities(optimizer)  # what it can do beyond torch.optim.Optimizer
-        self.run_stepper = RunStepper(counts)  # steps any torch optimizer by runs when counts differ
+        # steps any torch optimizer by runs when counts differ
+        self.run_stepper = RunStepper(counts)
         self.copies = copies  # the placement's copies (offload/copies.py)
         self.copies_out = copies_out  # the placement lets the step write the parameters as it goes
 
@@ -52,21 +54,23 @@ class ShardStepper:
         return shard_runs(self.groups, self.shard_params, plans)
 
     def copy_out_targets(self, masters: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        """gi -> the compute-dtype parameter slice, for the groups whose parameters the optimizer can write
-        while stepping (not a master that is their own storage; on a device, through staging: copies.py)."""
+        """gi -> the compute-dtype parameter slice, for the groups whose parameters the optimizer
+        can write while stepping (not a master that is their own storage; on a device, through
+        staging: copies.py)."""
         if not (self.abilities.writes_params and self.copies_out):
             return {}
         return {gi: g.owned_params() for gi, (g, m) in enumerate(zip(self.groups, masters))
                 if m.data_ptr() != g.owned_params().data_ptr()}
 
     def step(self, plans: list[Plan], owned: Mapping[int, torch.Tensor]) -> None:
-        """Step the wrapped optimizer as the plans say. ``owned`` (``copy_out_targets``): the parameter
-        slices it writes as it steps."""
+        """Step the wrapped optimizer as the plans say. ``owned`` (``copy_out_targets``): the
+        parameter slices it writes as it steps."""
         if not self.abilities.steps_runs:
             self.run_stepper.step(self.optimizer, self.shard_params, plans)
             return
         runs = self.runs(plans)
-        copy_out = {self.shard_params[gi]: self.copies.copy_out_target(gi, o) for gi, o in owned.items()}
+        copy_out = {self.shard_params[gi]: self.copies.copy_out_target(gi, o)
+                    for gi, o in owned.items()}
         if copy_out:
             # CPUAdam writes the updated master into the compute-dtype parameters in the same pass
             # (on a GPU, into pinned staging that the placement's copies then upload).

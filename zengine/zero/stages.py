@@ -38,7 +38,7 @@ def build_zero_optimizer(module: nn.Module, config, named_groups: Sequence[tuple
     and ``data_types`` are read here). ``named_groups`` holds, per
     optimizer param group, its (name, parameter) pairs and its hyper-parameters.
     ``make_optimizer(groups, cpu_offload)`` builds the wrapped optimizer over the flat master shards.
-    ``grad_factor``: what the step multiplies the summed gradients by (``precision/grad_factor.py``).
+    ``grad_factor``: what the step multiplies the summed gradients by (precision/grad_factor.py).
     ``on_unbracketed_grad``: see ``ZeroOptimizer``.
     """
     zero_cfg, dtype = config.zero_optimization, config.compute_dtype
@@ -48,8 +48,8 @@ def build_zero_optimizer(module: nn.Module, config, named_groups: Sequence[tuple
                       zero_cfg.allgather_bucket_size)
     if zero_cfg.stage == 3:
         from .stage3.build import build_stage3_optimizer  # stage 3's parts load only when used
-        return build_stage3_optimizer(module, config, named_groups, make_optimizer, grad_factor, rules, ranks,
-                                      on_unbracketed_grad)
+        return build_stage3_optimizer(module, config, named_groups, make_optimizer, grad_factor,
+                                      rules, ranks, on_unbracketed_grad)
     num_shards = 1 if zero_cfg.stage == 0 else ranks.world
     placement = make_placement(zero_cfg, ranks.device, dtype, config.aio)
     groups = [FlatParamGroup(named, hyper, num_shards, ranks.rank, dtype, ranks.device) for named, hyper in named_groups]
@@ -62,5 +62,5 @@ def build_zero_optimizer(module: nn.Module, config, named_groups: Sequence[tuple
         grads = FullGradients(groups, zero_cfg.reduce_bucket_size, dtypes, ranks.group, in_flight, positions)
     cpu = placement.optimizer.cpu_optimizer
     masters = placement.master_store(groups, dtype, ranks.world, ranks.device)
-    return ZeroOptimizer(groups, grads, placement, masters, lambda g: make_optimizer(g, cpu), grad_factor, rules,
-                         ranks, on_unbracketed_grad)
+    return ZeroOptimizer(groups, grads, placement, masters, lambda g: make_optimizer(g, cpu),
+                         grad_factor, rules, ranks, on_unbracketed_grad)

@@ -109,7 +109,8 @@ def gather_stats(mine: RankValues, device: torch.device, world: int, rank: int,
     step."""
     # With offload the norm was summed on the host: it travels in the header (one upload, not two)
     norm_on_host = mine.sq_norm.device.type == "cpu"
-    head = torch.tensor(mine.header(norm_on_host) + [float(u) for u in mine.used], dtype=torch.float64)
+    head = torch.tensor(mine.header(norm_on_host) + [float(u) for u in mine.used],
+                        dtype=torch.float64)
     if host_pinning(device):
         # from pinned memory, so that the upload is queued and the host goes on (a pageable one waits for
         # it); torch's pinned allocator reuses the block once the copy that reads it has run
@@ -118,7 +119,8 @@ def gather_stats(mine: RankValues, device: torch.device, world: int, rank: int,
     if not norm_on_host:
         stats[Slot.SQ_NORM:Slot.SQ_NORM + 1].copy_(mine.sq_norm.reshape(1), non_blocking=True)
     if mine.mixed_gathers is not None:
-        stats[Slot.MIXED_GATHERS:Slot.MIXED_GATHERS + 1].copy_(mine.mixed_gathers, non_blocking=True)
+        mixed = stats[Slot.MIXED_GATHERS:Slot.MIXED_GATHERS + 1]
+        mixed.copy_(mine.mixed_gathers, non_blocking=True)
     if world > 1:
         collectives.all_reduce_sum(stats, comm_group)
     values = sync.read_to_host(stats)
@@ -126,7 +128,8 @@ def gather_stats(mine: RankValues, device: torch.device, world: int, rank: int,
     ranks_unreduced = int(round(values[Slot.UNREDUCED]))
     if (not _agreed(values, Slot.MICRO_STEP, world) or 0 < ranks_with_backward < world
             or 0 < ranks_unreduced < world):
-        _raise_out_of_step(mine.micro_step, mine.had_backward, mine.unreduced, device, rank, comm_group)
+        _raise_out_of_step(mine.micro_step, mine.had_backward, mine.unreduced, device, rank,
+                           comm_group)
     orders_agree = _agreed(values, Slot.ORDER_A, world) and _agreed(values, Slot.ORDER_B, world)
     fetches_agree = (values[Slot.MIXED_GATHERS] == 0 and _agreed(values, Slot.FETCH_A, world)
                      and _agreed(values, Slot.FETCH_B, world))

@@ -79,14 +79,16 @@ def build_stage3_optimizer(module: nn.Module, config, named_groups: Sequence, ma
     for sp in all_sharded:
         if not sp.persistent and sp.state is ParamState.GATHERED:
             sp.free()
-    masters = placement.master_store(groups, dtype, ranks.world, ranks.device)  # (Infinity: with its sink)
+    masters = placement.master_store(groups, dtype, ranks.world, ranks.device)  # (Infinity: a sink)
     grad_args = (groups, zero_cfg.reduce_bucket_size, ranks.world, ranks.rank, placement.optimizer,
                  lambda sp: fetcher.release([sp], force=True), GradDtypes.from_config(config), ranks.group,
                  buckets_in_flight(zero_cfg.overlap_comm),
                  zero_cfg.zero_quantized_gradients_bits if zero_cfg.zero_quantized_gradients else 0, ranks.replication)
     positions = registration_positions(module, groups)  # the buckets' launch order over the groups
-    grads = masters.gradient_store(lambda: Stage3Gradients(*grad_args, positions=positions),
-                                   lambda sink: SwappedStage3Gradients(*grad_args, positions=positions, sink=sink))
+    grads = masters.gradient_store(
+        lambda: Stage3Gradients(*grad_args, positions=positions),
+        lambda sink: SwappedStage3Gradients(*grad_args, positions=positions, sink=sink))
     cpu = placement.optimizer.cpu_optimizer
     return Stage3Optimizer(ShardedModel(module, fetcher, all_sharded, frozen), groups, grads, placement, masters,
-                           lambda g: make_optimizer(g, cpu), grad_factor, rules, ranks, on_unbracketed_grad)
+                           lambda g: make_optimizer(g, cpu), grad_factor, rules, ranks,
+                           on_unbracketed_grad)

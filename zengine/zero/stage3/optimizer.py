@@ -4,9 +4,10 @@ The boundary step is ``ZeroOptimizer.step`` unchanged; what stage 3 adds is
 who holds the parameters (``ShardedParam``), how gradients reach the shards
 (``Stage3Gradients``), the hooks and fetcher that make parameters whole
 only while a module runs, and the fetcher's gather check, which joins the
-step's agreement as a participant (``GatherAgreement``). ``build.py`` assembles it; where the shards live
-(device, host memory, an NVMe swap file) is the placement's business
-(``offload/placement.py``), asked through ``placement.params``.
+step's agreement as a participant (``GatherAgreement``). ``build.py``
+assembles it; where the shards live (device, host memory, an NVMe swap
+file) is the placement's business (``offload/placement.py``), asked through
+``placement.params``.
 """
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ class ShardedModel:
 
 
 class GatherAgreement:
-    """Stage 3 in the boundary step (a ``zero/optimizer.StepParticipant``): the digest of the gathers
-    each rank issued since the last boundary rides on the step's all-reduce (``fetcher.FetchCheck``);
-    ranks that gathered differently are named before anything is updated (``on_diverged`` first)."""
+    """Stage 3 in the boundary step (a ``zero/optimizer.StepParticipant``): the digest of the
+    gathers each rank issued since the last boundary rides on the step's all-reduce
+    (``fetcher.FetchCheck``); ranks that gathered differently are named before anything is updated
+    (``on_diverged`` first)."""
 
     def __init__(self, fetcher: Fetcher, on_diverged: Callable[[], None]):
         self.fetcher = fetcher
@@ -65,7 +67,8 @@ class GatherAgreement:
         self.fetcher.check.reset()  # the next comparison starts here
 
     def before_update(self) -> None:
-        self.fetcher.host_reads_done()  # offload_param: CPU-Adam writes the shards the gathers uploaded from
+        # offload_param: CPU-Adam writes the shards the gathers uploaded from
+        self.fetcher.host_reads_done()
 
 
 class Stage3Optimizer(ZeroOptimizer):
@@ -77,7 +80,8 @@ class Stage3Optimizer(ZeroOptimizer):
         self.fetcher = model.fetcher
         self.all_sharded = model.all_sharded
         self.frozen = model.frozen
-        super().__init__(groups, grads, *args, participant=GatherAgreement(self.fetcher, self.zero_grad), **kwargs)
+        agreement = GatherAgreement(self.fetcher, self.zero_grad)
+        super().__init__(groups, grads, *args, participant=agreement, **kwargs)
         for sp in self.all_sharded:  # GatheredParameters gathers through the optimizer that holds the parameter
             sp.owner = self
         self.param_swap = self.placement.params.swap  # the parameter swap file, with offload_param nvme
