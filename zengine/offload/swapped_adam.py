@@ -113,8 +113,8 @@ class InfinityAdam(SwappedAdam):
     ``states_in_memory``; ``masters_io`` (``infinity.MasterIO``) reads a never-stepped chunk's
     master from the compute-dtype parameters and writes each updated chunk back to them. The
     gradients arrive in the file through ``grads`` (a ``GradSwap`` on the same swapper) during
-    backward; the step multiplies them by ``grad_scale`` (1 / (world x loss scale), times the
-    clip coefficient), set by the ZeRO step before it runs.
+    backward; the step multiplies them by ``grad_scale`` (the gradient factor's unscale, times the
+    clip coefficient), set through the master store (``infinity.SwappedMasters``) before it runs.
     """
 
     def __init__(self, param_groups, defaults: dict, swapper: StateSwapper, masters_io, grads: GradSwap):
