@@ -1,11 +1,12 @@
-"""ZeRO-Infinity's optimizer side at stage 3: its master store, gradient sink and the chunk I/O the
-NVMe-swapped step needs from the groups.
+"""ZeRO-Infinity's optimizer side at stage 3: its optimizer, master store, gradient sink and the
+chunk I/O the NVMe-swapped step needs from the groups.
 
 With ``offload_optimizer.device = "nvme"`` at stage 3 (``placement.InfinityPlacement``) the fp32
-masters and the gradient shards are swapped with Adam's moments (``swapped_adam.InfinityAdam``: a
-record ``[exp_avg | exp_avg_sq | master | grad]`` per chunk), so host memory for the optimizer is
-the swap buffers. The placement builds the parts that go with it, all here:
+masters and the gradient shards are swapped with Adam's moments, so host memory for the optimizer
+is the swap buffers. The placement builds the parts that go with it, all here:
 
+- ``InfinityAdam``, the optimizer: ``swapped_adam.SwappedAdam`` over a record ``[exp_avg |
+  exp_avg_sq | master | grad]`` per chunk;
 - ``SwappedMasters``, the master store (``zero/masters.MasterStore``): the masters have values only
   inside ``resident()``; the gradient store writes each reduced bucket into the file during backward
   through its sink (``state_swap.GradSwap``) and keeps the sums of squares it wrote, which give the
@@ -24,10 +25,11 @@ from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Optional, TypeVar
 import torch
 from torch import nn
 
+from ..ops.adam import adam_step_
 from .copies import HostCopies
 from .param_swap import align_elems, on_disk
-from .state_swap import GradSwap
-from .swapped_adam import InfinityAdam
+from .state_swap import Chunk, GradSwap, StateSwapper, check_intact
+from .swapped_adam import SwappedAdam, run_overlaps
 
 if TYPE_CHECKING:  # offload/ never imports zero/ at run time (zero/ builds on offload/)
     from ..zero.masters import GradientReader
@@ -81,6 +83,117 @@ class MasterIO:
         """Every parameter write has landed (the next gather may read them)."""
         for swap in {id(g.swap): g.swap for g in self.groups if not g.in_memory}.values():
             swap.flush()
+
+
+class InfinityAdam(SwappedAdam):
+    """ZeRO-Infinity's optimizer: ``SwappedAdam`` whose records hold the fp32 masters and their
+    gradients too, ``[exp_avg | exp_avg_sq | master | grad]`` per chunk (a swapper of 4 parts).
+
+    The parameters it steps (the flat master shards) have no storage except inside
+    ``states_in_memory``; ``masters_io`` (``infinity.MasterIO``) reads a never-stepped chunk's
+    master from the compute-dtype parameters and writes each updated chunk back to them. The
+    gradients arrive in the file through ``grads`` (a ``GradSwap`` on the same swapper) during
+    backward; the step multiplies them by ``grad_scale`` (the gradient factor's unscale, times the
+    clip coefficient), set through the master store (``SwappedMasters``) before it runs.
+    """
+
+    def __init__(self, param_groups, defaults: dict, swapper: StateSwapper, masters_io, grads: GradSwap):
+        super().__init__(param_groups, defaults, swapper)
+        self.masters_io = masters_io
+        self.grads = grads
+        self.grad_scale = 1.0
+        self._resident = False  # inside states_in_memory
+
+    def _stream_step(self, due: dict, jobs: list[Chunk]) -> None:
+        """Per chunk: read the whole record (the gradient only, the master from the parameters, for
+        a chunk never stepped), Adam, write the compute-dtype parameters and [exp_avg | exp_avg_sq |
+        master] back."""
+        self.grads.flush()
+        check_intact(self.swapper.file)
+        scale, part = self.grad_scale, self.swapper.part
+
+        def compute(c: Chunk, slot: int) -> None:
+            hyper, runs, _, _ = due[c.index]
+            # a chunk never stepped: its master has come from the parameters
+            self.masters_io.ready()
+            exp_avg, exp_avg_sq, master, grad = (part(slot, c, k) for k in range(4))
+            for a, b in self.grads.gaps(c):  # never written this window: no gradient
+                grad[a - c.lo:b - c.lo].zero_()
+            if scale != 1.0:
+                grad.mul_(scale)
+            for lo, hi, step in run_overlaps(runs, c.lo, c.hi):
+                a, b = lo - c.lo, hi - c.lo
+                adam_step_(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step=step, **hyper)
+            self.masters_io.params_out(c.index, c.lo, c.hi, master)
+
+        try:
+            self.swapper.stream(jobs, lambda c: c.index not in self._on_disk, compute, parts_in=4, fresh_in=3,
+                                fresh_fill=self._fill_master, parts_out=3, with_slot=True)
+        finally:
+            self.masters_io.flush()
+
+    def _fill_master(self, c: Chunk, slot: int) -> None:
+        """A chunk never stepped: its master from the compute-dtype parameters."""
+        self.masters_io.init_master(c.index, c.lo, c.hi, self.swapper.part(slot, c, 2))
+
+    @contextlib.contextmanager
+    def states_in_memory(self):
+        """As SwappedAdam's; the parameters (the fp32 masters) get their storage and values for the
+        duration too. Re-entrant (a checkpoint calling safe_get_full_* inside)."""
+        if self._resident:
+            yield
+            return
+        self._resident = True
+        try:
+            with self._records_in_memory():
+                yield
+        finally:
+            self._resident = False
+
+    @contextlib.contextmanager
+    def _records_in_memory(self):
+        for i, p in enumerate(self._params):
+            p.data = torch.empty(self.masters_io.numels[i], dtype=torch.float32, device="cpu")
+            stepped = i in self._on_disk
+            m, v = (torch.empty_like(p.data), torch.empty_like(p.data)) if stepped else (None, None)
+
+            def take(c, slot, p=p, m=m, v=v):
+                self.masters_io.ready()
+                p.data[c.lo:c.hi].copy_(self.swapper.part(slot, c, 2))
+                if m is not None:
+                    m[c.lo:c.hi].copy_(self.swapper.part(slot, c, 0))
+                    v[c.lo:c.hi].copy_(self.swapper.part(slot, c, 1))
+
+            self.swapper.stream(self.swapper.chunks[i], lambda c: not stepped, take, write=False, parts_in=3,
+                                fresh_in=3, fresh_fill=self._fill_master, with_slot=True)
+            if m is not None:
+                self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"] = m, v
+        try:
+            yield
+        finally:
+            for i, p in enumerate(self._params):
+                state = self.state.get(p, {})
+                m, v = state.pop("exp_avg", None), state.pop("exp_avg_sq", None)
+
+                def put(c, slot, p=p, m=m, v=v):
+                    for k, t in enumerate((m, v, p.data)):
+                        if t is None:
+                            self.swapper.part(slot, c, k).zero_()
+                        else:
+                            self.swapper.part(slot, c, k).copy_(t[c.lo:c.hi])
+                    self.masters_io.params_out(c.index, c.lo, c.hi, p.data[c.lo:c.hi])
+
+                try:
+                    self.swapper.stream(self.swapper.chunks[i], lambda c: True, put, parts_in=0, fresh_in=0,
+                                        parts_out=3, with_slot=True)
+                finally:
+                    self.masters_io.flush()
+                self._on_disk.add(i)
+                p.data = torch.empty(0, dtype=torch.float32, device="cpu")
+
+    def close(self) -> None:
+        self.grads.flush()
+        super().close()
 
 
 class SwappedMasterGrads:
