@@ -470,10 +470,12 @@ class HostReads:
         self.count = 0
 
     def __call__(self, t: torch.Tensor) -> list[float]:
-        from zengine.zero.step_stats import _HEADER
+        from zengine.zero.step_stats import HEADER, Slot
 
         self.count += 1
-        return [1.0, float(self.world)] + [0.0] * (_HEADER - 2) + [float(self.world)] * (t.numel() - _HEADER)
+        head = [0.0] * HEADER
+        head[Slot.SQ_NORM], head[Slot.HAD_BACKWARD] = 1.0, float(self.world)
+        return head + [float(self.world)] * (t.numel() - HEADER)
 
     @contextlib.contextmanager
     def installed(self):

@@ -54,7 +54,7 @@ def _run_case(stage, precision, offload, init, sabotage):
 
         def host_norm(self, grads):
             acc = torch.zeros((), dtype=torch.float64)
-            for g in grads:
+            for g in grads.tensors:
                 acc += torch.linalg.vector_norm(g, dtype=torch.float64).square()
             return acc
         ZeroOptimizer._sq_norm = host_norm
@@ -71,7 +71,7 @@ def _run_case(stage, precision, offload, init, sabotage):
 
         def sq_norm(self, grads):
             if sabotage == "grad_to_host":  # a gradient read on the host (a debugging print, a check)
-                grads[0].cpu()
+                grads.tensors[0].cpu()
                 return original_sq(self, grads)
             # a value made on the host and uploaded from pageable memory
             return original_sq(self, grads) + torch.zeros((), dtype=torch.float64).to(self.device, non_blocking=True)

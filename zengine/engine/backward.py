@@ -25,9 +25,10 @@ scaled. A plain ``loss.backward()`` in fp16 has nothing to scale (the engine
 never sees the loss): it runs with factor 1, correct but without the loss
 scale's protection against underflow, and the engine says so once.
 The step divides the summed gradients by the factor its accumulation window
-carried (``ZeroOptimizer.grad_unscale``); a window whose passes carried
-different factors (``engine.backward`` and a plain fp16 ``loss.backward()``
-mixed before one step) is refused by name at ``step()``.
+carried (``precision/grad_factor.GradFactor``, which owns every part of that
+factor); a window whose passes carried different factors (``engine.backward``
+and a plain fp16 ``loss.backward()`` mixed before one step) is refused by
+name at ``step()``.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..precision.grad_factor import GradFactor
+
 logger = logging.getLogger("zengine")
 
 
@@ -48,21 +51,14 @@ class BackwardMode(enum.Enum):
     IMPLICIT = "implicit"    # a pass this engine did not start: a plain loss.backward(), or another engine's
 
 
-# The factor the loss of the engine.backward pass now running was multiplied by (None: no such pass).
-# Process-wide, because one pass can run through several engines (chained engines).
-_pass_factor: list[Optional[float]] = [None]
-
-
 class BackwardTracker:
     """Opens and closes the gradient store's bracket around every backward pass through the model, and
     records the factor the gradients of the current accumulation window carry."""
 
-    def __init__(self, begin: Callable[[], None], end: Callable[[], None], factor: Callable[[], float],
-                 carried: Callable[[Optional[float]], None]):
+    def __init__(self, begin: Callable[[], None], end: Callable[[], None], factor: GradFactor):
         self._begin = begin      # optimizer.begin_backward with the engine's boundary / no_sync state
         self._end = end          # optimizer.end_backward
-        self._factor = factor    # 1 in fp32/bf16; the fp16 loss scale / gradient_accumulation_steps
-        self._carried = carried  # tells the step what the window's gradients carry (None: reset)
+        self._factor = factor    # loss_factor(); told what the window's gradients carry
         self.mode = BackwardMode.IDLE
         self._window: Optional[float] = None   # the factor of this accumulation window's first pass
         self._mixed: Optional[tuple[float, float]] = None
@@ -76,16 +72,15 @@ class BackwardTracker:
         accumulation steps: ``scale_wrt_gas=False``)."""
         if self.mode is not BackwardMode.IDLE:
             raise RuntimeError("engine.backward() was called inside another backward pass (from a gradient hook?)")
-        factor = self._factor() if carried is None else carried
+        factor = self._factor.loss_factor() if carried is None else carried
         self._note(factor)
         self._begin()
         self.mode = BackwardMode.EXPLICIT
-        outer, _pass_factor[0] = _pass_factor[0], factor
         try:
-            yield
+            with GradFactor.running_pass(factor):
+                yield
         finally:
             self.mode = BackwardMode.IDLE
-            _pass_factor[0] = outer
         self._end()
 
     def hook_outputs(self, out: Any) -> None:
@@ -106,10 +101,10 @@ class BackwardTracker:
             self._open()
 
     def _open(self) -> None:
-        factor = _pass_factor[0]
+        factor = GradFactor.of_running_pass()
         if factor is None:  # a plain loss.backward(): nobody scaled its loss
             factor = 1.0
-            if self._factor() != 1.0 and not self._warned_unscaled:
+            if self._factor.loss_factor() != 1.0 and not self._warned_unscaled:
                 self._warned_unscaled = True
                 logger.warning("zengine: fp16 with a plain loss.backward(): the engine cannot scale a loss it "
                                "never sees, so this backward runs without the loss scale (correct, but small "
@@ -127,7 +122,7 @@ class BackwardTracker:
         """The window's gradients carry ``factor``; a pass with another factor in the same window is refused."""
         if self._window is None:
             self._window = factor
-            self._carried(factor)
+            self._factor.window_carries(factor)
         elif factor != self._window and self._mixed is None:
             self._mixed = (self._window, factor)
 
@@ -146,4 +141,4 @@ class BackwardTracker:
     def end_window(self) -> None:
         """After a boundary step: the next pass starts a new window."""
         self._window = None
-        self._carried(None)
+        self._factor.window_carries(None)

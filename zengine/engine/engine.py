@@ -38,7 +38,8 @@ from ..log import setup_logging
 from ..monitor import StepReport, build_monitor
 from ..monitor.timers import BACKWARD, FORWARD, STEP, Timers
 from ..precision.cast import cast_floating
-from ..precision.loss_scaler import loss_carries_accumulation, make_loss_scaler
+from ..precision.grad_factor import GradFactor
+from ..precision.loss_scaler import make_loss_scaler
 from ..zero import build_zero_optimizer
 from ..zero.optimizer import StepOutcome
 from ..zero.place import place_model
@@ -98,11 +99,13 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         named_groups = named_param_groups(model, model_parameters, optimizer)
         self._untrained = UntrainedParameters(model, named_groups)  # named at the step if unfrozen later
         self.scaler = make_loss_scaler(config.fp16)
+        # what gradients are multiplied by on the way and divided by at the step (grad_factor.py)
+        self.grad_factor = GradFactor.for_precision(
+            self.scaler, config.fp16, config.gradient_accumulation_steps, ranks.dp_world)
         # every backward is bracketed (backward.py): a plain one the outputs miss opens at its first parameter gradient
-        self._backward = BackwardTracker(self._begin_backward, self._end_backward, self._grad_factor,
-                                         self._window_carries)
+        self._backward = BackwardTracker(self._begin_backward, self._end_backward, self.grad_factor)
         self.optimizer = build_zero_optimizer(model, config, named_groups, optimizer_factory(optimizer, config),
-                                              self.scaler, ranks, self._backward.on_param_grad)
+                                              self.grad_factor, ranks, self._backward.on_param_grad)
         self.lr_scheduler = make_scheduler(lr_scheduler, config, self.optimizer)
         self.training_dataloader = (make_dataloader(training_data, config, process_rank, collate_fn)
                                     if training_data is not None else None)
@@ -183,8 +186,9 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         ``scale_wrt_gas=False`` (HF's Trainer): the loss is already divided by the accumulation steps; the
         pass is recorded as carrying that division, so the step does not divide again."""
         self._check_alive("backward")
-        factor = self._grad_factor() if scale_wrt_gas else self.scaler.scale  # else: the caller divided by gas
-        carried = None if scale_wrt_gas else factor / self.gradient_accumulation_steps()
+        # scale_wrt_gas=False: the caller divided by the accumulation steps already
+        factor = self.grad_factor.loss_factor() if scale_wrt_gas else self.scaler.scale
+        carried = None if scale_wrt_gas else self.grad_factor.divided_loss_carries()
         scaled = loss.float() * factor if factor != 1.0 else loss
         self._step_report.record_loss(loss, self.is_gradient_accumulation_boundary())
         autograd = self._autograd_context()  # (refuses what compiled autograd cannot run, before any work)
@@ -194,16 +198,6 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
             except RuntimeError as e:  # autograd's words for a misuse the stage can name
                 raise self.optimizer.explain_backward_error(e) from e
         return loss
-
-    def _grad_factor(self) -> float:
-        """engine.backward's loss multiplier: 1 in fp32/bf16; fp16: the loss scale over the accumulation steps."""
-        if loss_carries_accumulation(self.config.fp16):
-            return self.scaler.scale / self.gradient_accumulation_steps()
-        return self.scaler.scale
-
-    def _window_carries(self, factor) -> None:
-        """The window's gradients carry ``factor`` (None: a new window); the step divides it out (backward.py)."""
-        self.optimizer.window_multiplier = None if factor is None else factor * self.gradient_accumulation_steps()
 
     def _begin_backward(self) -> None:
         self.accumulation.backward_since_step = True

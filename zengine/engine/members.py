@@ -17,7 +17,7 @@ from ..distributed import traffic
 from ..distributed.agreement import collective_call
 from ..log import setup_logging
 from ..offload import pinned
-from ..precision.loss_scaler import loss_carries_accumulation
+from ..precision.grad_factor import GradFactor
 from .accumulation import Accumulation
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ class DeepSpeedMembers:
 
     config: "ZengineConfig"
     optimizer: "ZeroOptimizer"
+    grad_factor: GradFactor
     accumulation: Accumulation
     held_states: list
     pinned_spares: list
@@ -169,8 +170,7 @@ class DeepSpeedMembers:
         gas = train_batch_size // per_step
         self.config.train_batch_size = train_batch_size
         self.config.gradient_accumulation_steps = gas
-        if not loss_carries_accumulation(self.config.fp16):
-            self.optimizer.accumulation_steps = gas  # what the next step divides the summed gradients by
+        self.grad_factor.accumulation_steps = gas  # what the losses or the next step divide by
         self.micro_steps = self.global_steps * gas  # the boundary test counts micro-steps from here
 
     # -- optimizer queries ------------------------------------------------------------------------

@@ -9,7 +9,9 @@
 - ``state_swap.py`` + ``swapped_adam.py``: optimizer states in an NVMe swap file, stepped by
   CPU Adam as they stream through a few host buffers;
 - ``param_swap.py``: stage-3 parameter shards in an NVMe swap file, read ahead of the gathers;
-- ``infinity.py``: ZeRO-Infinity's link between the swapped step and the parameter shards;
+- ``masters.py``: the fp32 masters in memory and each step's master gradients (whole, in pieces);
+- ``infinity.py``: ZeRO-Infinity's parts: its optimizer, master store (with the gradient sink) and
+  the link between the swapped step and the parameter shards;
 - ``pinned.py``: page-locked host buffers sized exactly (registered, not torch's power-of-two cache),
   and the count of pinned bytes held.
 

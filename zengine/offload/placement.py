@@ -8,34 +8,88 @@ Two homes make a placement:
   bucket is copied straight into the CPU shard during backward and the step runs on the CPU
   with the compiled CPUAdam; ``NVMePlacement`` as CPU, with Adam's moments in a swap file
   (``swapped_adam.py``); ``InfinityPlacement`` (NVMe at stage 3, ZeRO-Infinity) swaps the
-  masters and their gradients with the moments.
+  masters and their gradients with the moments. Each builds the master store that goes with it
+  (``master_store``: ``masters.MastersInMemory``, or ZeRO-Infinity's ``infinity.SwappedMasters``
+  with its gradient sink).
 - ``params`` (``offload_param.device``, stage 3): where the compute-dtype parameter shards live.
   ``ParamsInMemory`` on the compute device, or in host memory with ``cpu``; ``ParamsOnNVMe`` in
   a swap file (``param_swap.py``).
 
 The stage optimizers never ask which placement they have: they call its methods, and its
 ``copies`` (``copies.py``) move data between the compute device and where the shards live.
-``make_placement`` is the one place that reads the offload sections.
+``make_placement`` is the one place that reads the offload sections. ``OptimizerHome`` and
+``ParamsHome`` name the two roles.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Protocol
 
 import torch
 
 from ..ops.aio import AsyncIO
 from . import pinned
 from .copies import HostCopies, host_pinning, make_copies
+from .infinity import SwappedMasters
+from .masters import MastersInMemory
 from .param_swap import ParamSwap, align_elems, round_up
 from .state_swap import StateSwapper
 from .step_pipeline import piece_elements
 from .swapped_adam import SwappedAdam
 
-if TYPE_CHECKING:  # annotations only
+if TYPE_CHECKING:  # annotations only; offload/ never imports zero/ at run time
     from ..config.zero import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+    from ..zero.masters import MasterStore, ParamGroup
 
 WRITE_CHUNK = 1 << 24  # elements per write when NVMe shards are refreshed from masters in memory
+
+
+class OptimizerHome(Protocol):
+    """Where the fp32 masters, their gradients and the optimizer states live, and what goes with it:
+    the copies to and from the compute device and the master store."""
+
+    cpu_optimizer: bool  # the optimizer built for the shards is the CPU one (CPUAdam)
+    piece: int  # elements per piece of an offloaded step taken in pieces (step_pipeline.py)
+    copies: HostCopies
+    copies_out: bool  # the step may write the compute-dtype parameters as it updates the masters
+
+    def master_device(self, device: torch.device) -> torch.device: ...
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer: ...
+
+    def make_master(self, owned: torch.Tensor) -> torch.Tensor: ...
+
+    def shard_alignment(self, dtype: torch.dtype) -> int: ...
+
+    def master_store(self, groups: list, params: "ParamsHome", dtype: torch.dtype, world: int,
+                     device: torch.device) -> "MasterStore": ...
+
+    def close(self) -> None: ...
+
+
+class ParamsHome(Protocol):
+    """Where the compute-dtype parameter shards live (stage 3; stages 0-2: in memory, whole)."""
+
+    swap: Optional[ParamSwap]  # the parameter swap file, if any
+    shard_device: torch.device
+    pin: bool
+    copies_out: bool  # the optimizer may write the parameters while stepping (CPUAdam's copy-out)
+
+    def alignment(self, dtype: torch.dtype, optimizer_alignment: int) -> int: ...
+
+    def master(self, group: "ParamGroup", optimizer: OptimizerHome) -> torch.Tensor: ...
+
+    def store(self, group: "ParamGroup", master: torch.Tensor, copied: bool) -> None: ...
+
+    def store_one(self, group: "ParamGroup", pi: int, master: torch.Tensor) -> None: ...
+
+    def load(self, group: "ParamGroup", master: torch.Tensor) -> None: ...
+
+    def host_buffers(self) -> list[torch.Tensor]: ...
+
+    def close(self) -> None: ...
 
 
 class DevicePlacement:
@@ -43,7 +97,7 @@ class DevicePlacement:
 
     cpu_optimizer = False  # the optimizer built for the shards is the CPU one (CPUAdam)
     piece = piece_elements(1_000_000_000)  # elements per piece of an offloaded step taken in pieces (step_pipeline.py)
-    swaps_masters = False  # ZeRO-Infinity: the masters and their gradients live in the swap file
+    copies_out = True  # the step may write the parameters as it updates the masters in memory
 
     def __init__(self):
         self.copies = HostCopies()  # shards live with the parameters: nothing crosses
@@ -66,6 +120,16 @@ class DevicePlacement:
         master = self.empty(owned.numel(), torch.float32, owned.device)
         master.copy_(owned)
         return master
+
+    def shard_alignment(self, dtype: torch.dtype) -> int:
+        """Elements each stage-3 parameter shard must be aligned to for the masters' sake."""
+        return 1
+
+    def master_store(self, groups: list, params: "ParamsHome", dtype: torch.dtype, world: int,
+                     device: torch.device) -> "MasterStore":
+        """The store of ``groups``' fp32 masters (computed in ``dtype`` on ``device``, sharded over
+        ``world`` ranks): tensors where this home keeps them."""
+        return MastersInMemory(groups, self, params, world, device)
 
     def close(self) -> None:
         """Release what the placement holds (files, I/O threads) beyond the optimizer's."""
@@ -113,10 +177,18 @@ class NVMePlacement(CPUPlacement):
 
 class InfinityPlacement(NVMePlacement):
     """ZeRO-Infinity (optimizer on NVMe at stage 3): the masters and their gradients are swapped with the
-    moments, so host memory for the optimizer is the swap buffers. The swapped step's pieces are built
-    by ``zero/masters.SwappedMasters``."""
+    moments, so host memory for the optimizer is the swap buffers. It builds its parts
+    (``infinity.py``): the master store ``SwappedMasters`` and, in it, the gradient sink
+    ``GradSwap``."""
 
-    swaps_masters = True
+    copies_out = False  # the swapped step writes each updated chunk into the parameters itself
+
+    def shard_alignment(self, dtype: torch.dtype) -> int:
+        return align_elems(dtype)  # the masters' records are read by chunks aligned as the shards
+
+    def master_store(self, groups: list, params: "ParamsHome", dtype: torch.dtype, world: int,
+                     device: torch.device) -> "MasterStore":
+        return SwappedMasters(groups, dtype, self)
 
 
 class ParamsInMemory:
@@ -132,9 +204,10 @@ class ParamsInMemory:
         self.shard_device = torch.device("cpu") if offload else device  # host memory by design with offload
         self.pin = offload and bool(offload_cfg.pin_memory) and host_pinning(device)
 
-    def alignment(self, dtype: torch.dtype, swaps_masters: bool) -> int:
-        """Elements each parameter's shard is aligned to: swap files need O_DIRECT-aligned offsets."""
-        return align_elems(dtype) if swaps_masters else 1
+    def alignment(self, dtype: torch.dtype, optimizer_alignment: int) -> int:
+        """Elements each parameter's shard is aligned to: swap files need O_DIRECT-aligned offsets
+        (``optimizer_alignment``: the optimizer home's, for swapped masters)."""
+        return optimizer_alignment
 
     def master(self, group, optimizer: DevicePlacement) -> torch.Tensor:
         """A group's fp32 master, in memory where ``optimizer`` keeps masters."""
@@ -175,7 +248,7 @@ class ParamsOnNVMe(ParamsInMemory):
         super().__init__(offload_cfg, device)
         self.swap = ParamSwap(offload_cfg, dtype, make_aio(aio_cfg), device, sizes)
 
-    def alignment(self, dtype: torch.dtype, swaps_masters: bool) -> int:
+    def alignment(self, dtype: torch.dtype, optimizer_alignment: int) -> int:
         return align_elems(dtype)
 
     def master(self, group, optimizer: DevicePlacement) -> torch.Tensor:
@@ -204,17 +277,22 @@ class ParamsOnNVMe(ParamsInMemory):
 class Placement:
     """Where one run's model states live (see the module docstring)."""
 
-    optimizer: DevicePlacement  # masters, their gradients, optimizer states
-    params: ParamsInMemory      # compute-dtype parameters (stage-3 shards)
+    optimizer: OptimizerHome  # masters, their gradients, optimizer states
+    params: ParamsHome        # compute-dtype parameters (stage-3 shards)
 
     @property
     def copies_out(self) -> bool:
         """Whether the step may write the compute-dtype parameters as it updates the masters."""
-        return self.params.copies_out and not self.optimizer.swaps_masters
+        return self.params.copies_out and self.optimizer.copies_out
 
     def alignment(self, dtype: torch.dtype) -> int:
         """Elements each stage-3 parameter's shard is aligned to."""
-        return self.params.alignment(dtype, self.optimizer.swaps_masters)
+        return self.params.alignment(dtype, self.optimizer.shard_alignment(dtype))
+
+    def master_store(self, groups: list, dtype: torch.dtype, world: int,
+                     device: torch.device) -> "MasterStore":
+        """The store of ``groups``' fp32 masters, as the optimizer home keeps them."""
+        return self.optimizer.master_store(groups, self.params, dtype, world, device)
 
     def close(self) -> None:
         self.params.close()
@@ -229,7 +307,7 @@ def make_aio(aio_cfg: Optional[AioConfig]) -> AsyncIO:
 
 
 def optimizer_placement(zero_cfg: ZeroConfig, device: torch.device,
-                        aio_cfg: Optional[AioConfig] = None) -> DevicePlacement:
+                        aio_cfg: Optional[AioConfig] = None) -> OptimizerHome:
     """Where ``zero_cfg.offload_optimizer`` puts the masters and optimizer states."""
     offload_cfg = zero_cfg.offload_optimizer
     target = getattr(offload_cfg, "device", "none") if offload_cfg is not None else "none"

@@ -5,10 +5,13 @@ dtype, so that a single collective moves a whole bucket and a checkpoint can
 address every element by (name, offset). The optimizer never sees these
 parameters: it steps a flat fp32 master (whole at stage 0, one shard at
 stages 1-2), see ``optimizer.py``.
+
+``ParamGroup`` is the role the step, the master stores and the checkpoints
+see; stage 3's ``stage3/group.ShardedParamGroup`` plays it too.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -17,8 +20,51 @@ from ..distributed import collectives
 from .layout import FlatLayout, chunk_ranges, intersect
 
 
+class ParamGroup(Protocol):
+    """One optimizer param group's trainable parameters as the ZeRO step sees them: this rank's
+    shard in the compute dtype, where each parameter's elements sit in it, the part it counts in
+    the norm, and how the other ranks get the updated parameters."""
+
+    params: list[nn.Parameter]
+    hyper: dict[str, Any]  # the group's own hyper-parameters (lr, weight_decay, ...)
+    used: list[bool]  # per parameter: got a gradient since the last boundary
+    in_memory: bool  # the parameters are tensors here (stage 3's may live in a swap file)
+    replicated: bool  # every rank's master covers the whole group (stage 0)
+
+    @property
+    def owned(self) -> tuple[int, int]:
+        """The flat range this rank's master covers."""
+
+    def params_version(self) -> int:
+        """Changes whenever a parameter is written in place."""
+
+    def owned_params(self) -> torch.Tensor:
+        """This rank's shard of the compute-dtype parameters ([owned numel])."""
+
+    def master_pieces(self) -> list[tuple[int, int, int]]:
+        """(param index, lo, hi): where each parameter's owned elements sit in the master shard."""
+
+    def param_pieces(self, pi: int) -> list[tuple[int, int, int]]:
+        """(lo, hi, start): master[lo:hi] holds parameter pi's flat elements from ``start`` on."""
+
+    def param_shape(self, pi: int) -> tuple:
+        """Parameter pi's full shape."""
+
+    def norm_range(self, world: int) -> tuple[int, int]:
+        """The part of the master (gradient) whose squares this rank adds to the global norm."""
+
+    def publish(self, bucket_numel: int, comm_group=None) -> None:
+        """After the step: the ranks that need the updated parameters get them."""
+
+    def param_names(self) -> list[str]:
+        """The parameters' names, in ``params`` order."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The parameter storage this group holds (for memory accounting)."""
+
+
 class FlatParamGroup:
-    """Trainable parameters of one param group, laid end to end in ``self.flat``."""
+    """Trainable parameters of one param group, end to end in ``self.flat`` (a ``ParamGroup``)."""
 
     in_memory = True  # the parameters are tensors here (a stage-3 group's may live in a swap file)
 

@@ -105,7 +105,8 @@ def get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     opt, gi, pi = found
     opt.grads.drain()
-    return _assemble(opt, gi, pi, opt.grads.owned_grad(gi), "safe_get_full_grad", scale=opt.grad_unscale())
+    return _assemble(opt, gi, pi, opt.grads.owned_grad(gi), "safe_get_full_grad",
+                     scale=opt.grad_factor.unscale())
 
 
 def get_full_optimizer_state(param: torch.Tensor, key: str) -> Optional[torch.Tensor]:

@@ -11,12 +11,11 @@ from torch import nn
 
 from ..distributed.process_group import ProcessRank
 from ..offload.placement import make_placement
-from ..precision.loss_scaler import LossScaler, loss_carries_accumulation
+from ..precision.grad_factor import GradFactor
 from .bucket_order import registration_positions
 from .flat_group import FlatParamGroup
 from .grad_dtypes import GradDtypes
 from .grads import FullGradients, ShardedGradients, buckets_in_flight
-from .masters import make_master_store
 from .nonfinite import NonFinitePolicy
 from .mics import sharding
 from .optimizer import Ranks, StepRules, ZeroOptimizer
@@ -36,7 +35,7 @@ def shard_group(zero_cfg: ZeroConfig, process_rank: ProcessRank) -> Ranks:
 
 
 def build_zero_optimizer(module: nn.Module, config: ZengineConfig, named_groups: Sequence[tuple[list[tuple[str, nn.Parameter]], dict]],
-                         make_optimizer: Callable, scaler: LossScaler, ranks: Ranks,
+                         make_optimizer: Callable, grad_factor: GradFactor, ranks: Ranks,
                          on_unbracketed_grad: Callable[[], None] = lambda: None) -> ZeroOptimizer:
     """Flatten each group's trainable parameters and assemble the optimizer for the config's stage.
 
@@ -45,18 +44,18 @@ def build_zero_optimizer(module: nn.Module, config: ZengineConfig, named_groups:
     and ``data_types`` are read here). ``named_groups`` holds, per
     optimizer param group, its (name, parameter) pairs and its hyper-parameters.
     ``make_optimizer(groups, cpu_offload)`` builds the wrapped optimizer over the flat master shards.
+    ``grad_factor``: what the step multiplies the summed gradients by (precision/grad_factor.py).
     ``on_unbracketed_grad``: see ``ZeroOptimizer``.
     """
     zero_cfg, dtype = config.zero_optimization, config.compute_dtype
     nonfinite = config.nonfinite_gradients
     rules = StepRules(config.gradient_clipping, NonFinitePolicy(nonfinite.skip, nonfinite.max_consecutive_skips,
                                                                 nonfinite.warn_every, ranks.dp_rank),
-                      zero_cfg.allgather_bucket_size,
-                      1 if loss_carries_accumulation(config.fp16) else config.gradient_accumulation_steps)
+                      zero_cfg.allgather_bucket_size)
     if zero_cfg.stage == 3:
         from .stage3.build import build_stage3_optimizer  # stage 3's parts load only when used
-        return build_stage3_optimizer(module, config, named_groups, make_optimizer, scaler, rules, ranks,
-                                      on_unbracketed_grad)
+        return build_stage3_optimizer(module, config, named_groups, make_optimizer, grad_factor,
+                                      rules, ranks, on_unbracketed_grad)
     num_shards = 1 if zero_cfg.stage == 0 else ranks.world
     placement = make_placement(zero_cfg, ranks.device, dtype, config.aio)
     groups = [FlatParamGroup(named, hyper, num_shards, ranks.rank, dtype, ranks.device) for named, hyper in named_groups]
@@ -68,5 +67,6 @@ def build_zero_optimizer(module: nn.Module, config: ZengineConfig, named_groups:
     else:
         grads = FullGradients(groups, zero_cfg.reduce_bucket_size, dtypes, ranks.group, in_flight, positions)
     cpu = placement.optimizer.cpu_optimizer
-    return ZeroOptimizer(groups, grads, placement, make_master_store(placement, groups, dtype),
-                         lambda g: make_optimizer(g, cpu), scaler, rules, ranks, on_unbracketed_grad)
+    masters = placement.master_store(groups, dtype, ranks.world, ranks.device)
+    return ZeroOptimizer(groups, grads, placement, masters, lambda g: make_optimizer(g, cpu),
+                         grad_factor, rules, ranks, on_unbracketed_grad)

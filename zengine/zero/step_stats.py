@@ -1,19 +1,21 @@
 """What the ranks agree on at a boundary step, in one all-reduce and one host read.
 
 Every boundary step sums one small float64 vector over the ranks, on the
-compute device (NCCL takes only CUDA tensors):
+compute device (NCCL takes only CUDA tensors): a header whose slots ``Slot``
+names, then 1 per parameter this rank gave a gradient, else 0. A value every
+rank must hold alike travels with its square (``_AGREED``): all ranks hold
+the same value iff W * sum(v^2) == sum(v)^2. The header carries:
 
-    [0]   sum of squares of this rank's part of the unscaled gradient
-    [1]   1 if this rank ran a backward since the last step, else 0
-    [2]   this rank's micro-step count       (the fingerprint:
-    [3]   its square                          all ranks equal iff W * [3] == [2]^2)
-    [4]   1 if this rank's gradients are not reduced yet (its last backward ran under no_sync)
-    [5:9] two digests of the gradient-bucket launch order this rank proposes, and their squares
-          (first step only, else 0: every rank proposes the same order iff W * squares == sums^2)
-    [9:13] two 16-bit halves of the digest of the stage-3 gathers this rank issued since the last
-          boundary, and their squares (stage3/fetcher.py ``FetchCheck``; 0 at other stages)
-    [13]  how many of this rank's staged stage-3 gathers came back with another rank's unit in a row
-    [14:] 1 per parameter this rank gave a gradient, else 0
+- the sum of squares of this rank's part of the unscaled gradient;
+- whether this rank ran a backward since the last step, and whether its
+  gradients are not reduced yet (its last backward ran under no_sync);
+- this rank's micro-step count (the fingerprint of ranks in step);
+- two digests of the gradient-bucket launch order this rank proposes (first
+  step only, else 0);
+- two 16-bit halves of the digest of the stage-3 gathers this rank issued
+  since the last boundary (stage3/fetcher.py ``FetchCheck``; 0 at other
+  stages), and how many of its staged gathers came back with another rank's
+  unit in a row.
 
 The engine reads it back once (``sync.read_to_host``): the global norm,
 overflow, whether the ranks are in step, and which parameters no rank used
@@ -24,8 +26,10 @@ they take those paths together.
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -33,7 +37,54 @@ from ..distributed import collectives, sync
 from ..distributed.diagnose import RanksOutOfStepError
 from ..offload.copies import host_pinning
 
-_HEADER = 14
+class Slot(enum.IntEnum):
+    """The header's slots, in order; a slot followed by ``_SQ`` holds its value's square."""
+
+    SQ_NORM = 0           # sum of squares of this rank's part of the unscaled gradient
+    HAD_BACKWARD = enum.auto()
+    MICRO_STEP = enum.auto()
+    MICRO_STEP_SQ = enum.auto()
+    UNREDUCED = enum.auto()
+    ORDER_A = enum.auto()  # the bucket launch order's two digests (< 2^21)
+    ORDER_A_SQ = enum.auto()
+    ORDER_B = enum.auto()
+    ORDER_B_SQ = enum.auto()
+    FETCH_A = enum.auto()  # the stage-3 gathers' digest halves (< 2^16)
+    FETCH_A_SQ = enum.auto()
+    FETCH_B = enum.auto()
+    FETCH_B_SQ = enum.auto()
+    MIXED_GATHERS = enum.auto()  # staged gathers that came back with another rank's unit in a row
+
+
+HEADER = len(Slot)  # the per-parameter used flags follow
+# values every rank must hold alike, each beside its square (squares summed stay exact in float64)
+_AGREED = (Slot.MICRO_STEP, Slot.ORDER_A, Slot.ORDER_B, Slot.FETCH_A, Slot.FETCH_B)
+
+
+@dataclass
+class RankValues:
+    """What this rank brings to the step's all-reduce."""
+
+    sq_norm: torch.Tensor  # 0-dim float64 wherever the gradients live (the host with offload)
+    had_backward: bool
+    micro_step: int
+    used: list[bool]  # per parameter, in group order
+    unreduced: bool = False
+    order: tuple[int, int] = (0, 0)  # the bucket launch order's digests
+    fetch_digest: tuple[int, int] = (0, 0)  # the stage-3 gathers' digest halves
+    mixed_gathers: Optional[torch.Tensor] = None  # a device count, or None (no staged gathers)
+
+    def header(self, norm_on_host: bool) -> list[float]:
+        """The header's values (the norm only when it was summed on the host: else it is copied on
+        the device, without a host read)."""
+        head = [0.0] * HEADER
+        head[Slot.SQ_NORM] = float(self.sq_norm) if norm_on_host else 0.0
+        head[Slot.HAD_BACKWARD] = float(self.had_backward)
+        head[Slot.UNREDUCED] = float(self.unreduced)
+        agreed = (self.micro_step,) + tuple(self.order) + tuple(self.fetch_digest)
+        for slot, value in zip(_AGREED, agreed):
+            head[slot], head[slot + 1] = float(value), float(value) ** 2
+        return head
 
 
 @dataclass
@@ -52,41 +103,43 @@ class StepStats:
         return math.sqrt(self.sq_norm) if self.sq_norm >= 0 else float("nan")
 
 
-def gather_stats(sq_norm: torch.Tensor, had_backward: bool, micro_step: int, used: list[bool],
-                 device: torch.device, world: int, rank: int, comm_group=None, unreduced: bool = False,
-                 order: tuple[int, int] = (0, 0), fetches: tuple = (0, 0, None)) -> StepStats:
-    """Sum the step's control values over the ranks and read them once; raise when ranks are out of step.
-
-    ``sq_norm`` is a 0-dim float64 tensor wherever the gradients live (the host with offload); ``fetches``
-    the stage-3 gather check (digest halves, device count of mixed gathers or None).
-    """
-    d1, d2 = float(order[0]), float(order[1])  # < 2^21: squares summed over ranks stay exact in float64
-    f1, f2, bad = float(fetches[0]), float(fetches[1]), fetches[2]  # < 2^16
+def gather_stats(mine: RankValues, device: torch.device, world: int, rank: int,
+                 comm_group=None) -> StepStats:
+    """Sum the step's control values over the ranks and read them once; raise when ranks are out of
+    step."""
     # With offload the norm was summed on the host: it travels in the header (one upload, not two)
-    norm_on_host = sq_norm.device.type == "cpu"
-    head = torch.tensor([float(sq_norm) if norm_on_host else 0.0, float(had_backward), float(micro_step),
-                         float(micro_step) ** 2, float(unreduced), d1, d1 * d1, d2, d2 * d2, f1, f1 * f1, f2, f2 * f2,
-                         0.0] + [float(u) for u in used], dtype=torch.float64)
+    norm_on_host = mine.sq_norm.device.type == "cpu"
+    head = torch.tensor(mine.header(norm_on_host) + [float(u) for u in mine.used],
+                        dtype=torch.float64)
     if host_pinning(device):
         # from pinned memory, so that the upload is queued and the host goes on (a pageable one waits for
         # it); torch's pinned allocator reuses the block once the copy that reads it has run
         head = head.pin_memory()
-    stats = head.to(device, non_blocking=True)  # [_HEADER + params] float64 on the compute device
+    stats = head.to(device, non_blocking=True)  # [HEADER + params] float64 on the compute device
     if not norm_on_host:
-        stats[0:1].copy_(sq_norm.reshape(1), non_blocking=True)
-    if bad is not None:
-        stats[13:14].copy_(bad, non_blocking=True)
+        stats[Slot.SQ_NORM:Slot.SQ_NORM + 1].copy_(mine.sq_norm.reshape(1), non_blocking=True)
+    if mine.mixed_gathers is not None:
+        mixed = stats[Slot.MIXED_GATHERS:Slot.MIXED_GATHERS + 1]
+        mixed.copy_(mine.mixed_gathers, non_blocking=True)
     if world > 1:
         collectives.all_reduce_sum(stats, comm_group)
     values = sync.read_to_host(stats)
-    ranks_with_backward, ranks_unreduced = int(round(values[1])), int(round(values[4]))
-    if (not _same_on_every_rank(values[2], values[3], world) or 0 < ranks_with_backward < world
+    ranks_with_backward = int(round(values[Slot.HAD_BACKWARD]))
+    ranks_unreduced = int(round(values[Slot.UNREDUCED]))
+    if (not _agreed(values, Slot.MICRO_STEP, world) or 0 < ranks_with_backward < world
             or 0 < ranks_unreduced < world):
-        _raise_out_of_step(micro_step, had_backward, unreduced, device, rank, comm_group)
-    agree = _same_on_every_rank(values[5], values[6], world) and _same_on_every_rank(values[7], values[8], world)
-    fetches_agree = (values[13] == 0 and _same_on_every_rank(values[9], values[10], world)
-                     and _same_on_every_rank(values[11], values[12], world))
-    return StepStats(values[0], ranks_with_backward, ranks_unreduced, values[_HEADER:], agree, fetches_agree)
+        _raise_out_of_step(mine.micro_step, mine.had_backward, mine.unreduced, device, rank,
+                           comm_group)
+    orders_agree = _agreed(values, Slot.ORDER_A, world) and _agreed(values, Slot.ORDER_B, world)
+    fetches_agree = (values[Slot.MIXED_GATHERS] == 0 and _agreed(values, Slot.FETCH_A, world)
+                     and _agreed(values, Slot.FETCH_B, world))
+    return StepStats(values[Slot.SQ_NORM], ranks_with_backward, ranks_unreduced, values[HEADER:],
+                     orders_agree, fetches_agree)
+
+
+def _agreed(values: list[float], slot: Slot, world: int) -> bool:
+    """Every rank held the same value at ``slot`` (summed beside its square at ``slot + 1``)."""
+    return _same_on_every_rank(values[slot], values[slot + 1], world)
 
 
 def _same_on_every_rank(total: float, total_of_squares: float, world: int) -> bool:

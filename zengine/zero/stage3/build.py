@@ -3,8 +3,9 @@ build each part with what it needs, in dependency order.
 
     ShardedParam per parameter -> Placement (needs the shard sizes) -> Fetcher (reads ahead from the
     parameter swap file, if any) -> the groups (laid out as the placement aligns them) -> the master
-    store (ZeRO-Infinity's swap records need the groups) -> the gradient store (its sink is the
-    store's) -> Stage3Optimizer (the wrapped optimizer is made inside, over the masters)
+    store, which the placement builds (ZeRO-Infinity's swap records need the groups) -> the gradient
+    store the master store takes (ZeRO-Infinity: into its sink) -> Stage3Optimizer (the wrapped
+    optimizer is made inside, over the masters)
 """
 from __future__ import annotations
 
@@ -14,12 +15,11 @@ import torch
 from torch import nn
 
 from ...offload.placement import make_placement
-from ...precision.loss_scaler import LossScaler
+from ...precision.grad_factor import GradFactor
 from ..bucket_order import registration_positions
 from ..grad_dtypes import GradDtypes
 from ..grads import buckets_in_flight
 from ..init import warn_lost_writes
-from ..masters import make_master_store
 from ..mics import MicsConfigError
 from ..optimizer import Ranks, StepRules
 from .fetcher import Fetcher
@@ -61,7 +61,7 @@ def shard_parameters(module: nn.Module, zero_cfg: ZeroConfig, dtype: torch.dtype
 
 
 def build_stage3_optimizer(module: nn.Module, config: ZengineConfig, named_groups: Sequence, make_optimizer: Callable,
-                           scaler: LossScaler, rules: StepRules, ranks: Ranks,
+                           grad_factor: GradFactor, rules: StepRules, ranks: Ranks,
                            on_unbracketed_grad: Callable[[], None]) -> Stage3Optimizer:
     """The stage-3 optimizer over ``module`` for ``config`` (a ``ZengineConfig``); arguments as
     ``stages.build_zero_optimizer``'s."""
@@ -84,16 +84,16 @@ def build_stage3_optimizer(module: nn.Module, config: ZengineConfig, named_group
     for sp in all_sharded:
         if not sp.persistent and sp.state is ParamState.GATHERED:
             sp.free()
-    masters = make_master_store(placement, groups, dtype)
+    masters = placement.master_store(groups, dtype, ranks.world, ranks.device)  # (Infinity: a sink)
     grad_args = (groups, zero_cfg.reduce_bucket_size, ranks.world, ranks.rank, placement.optimizer,
                  lambda sp: fetcher.release([sp], force=True), GradDtypes.from_config(config), ranks.group,
                  buckets_in_flight(zero_cfg.overlap_comm),
                  zero_cfg.zero_quantized_gradients_bits if zero_cfg.zero_quantized_gradients else 0, ranks.replication)
     positions = registration_positions(module, groups)  # the buckets' launch order over the groups
-    if masters.grad_sink is not None:  # ZeRO-Infinity: reduced gradients go to the swap records
-        grads = SwappedStage3Gradients(*grad_args, positions=positions, sink=masters.grad_sink)
-    else:
-        grads = Stage3Gradients(*grad_args, positions=positions)
+    grads = masters.gradient_store(
+        lambda: Stage3Gradients(*grad_args, positions=positions),
+        lambda sink: SwappedStage3Gradients(*grad_args, positions=positions, sink=sink))
     cpu = placement.optimizer.cpu_optimizer
     return Stage3Optimizer(ShardedModel(module, fetcher, all_sharded, frozen), groups, grads, placement, masters,
-                           lambda g: make_optimizer(g, cpu), scaler, rules, ranks, on_unbracketed_grad)
+                           lambda g: make_optimizer(g, cpu), grad_factor, rules, ranks,
+                           on_unbracketed_grad)

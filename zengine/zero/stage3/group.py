@@ -1,7 +1,7 @@
 """A stage-3 optimizer param group: the concatenated chunks of its trainable parameters.
 
-It offers ``ZeroOptimizer`` the same interface as ``FlatParamGroup`` (see
-``zero/optimizer.py``): this rank's shard in the compute dtype, where each
+It plays the same role as ``FlatParamGroup`` (``zero/flat_group.ParamGroup``,
+as ``zero/optimizer.py`` sees it): this rank's shard in the compute dtype, where each
 parameter's elements sit in it, the part for the global norm, and what to do
 after the step (here: refresh the persistent parameters, which stay whole).
 """
@@ -17,7 +17,8 @@ from .param import ParamState, ShardedParam
 
 
 class ShardedParamGroup:
-    """This rank's chunks of one param group's trainable parameters, end to end in ``shard_flat``."""
+    """This rank's chunks of one param group's trainable parameters, end to end in ``shard_flat`` (a
+    ``zero/flat_group.ParamGroup``)."""
 
     def __init__(self, sharded: Sequence[ShardedParam], hyper: dict[str, Any], dtype: torch.dtype,
                  device: torch.device, refresh: Callable[[list[ShardedParam]], None], pin: bool = False,

@@ -2,10 +2,12 @@
 
 The boundary step is ``ZeroOptimizer.step`` unchanged; what stage 3 adds is
 who holds the parameters (``ShardedParam``), how gradients reach the shards
-(``Stage3Gradients``), and the hooks and fetcher that make parameters whole
-only while a module runs. ``build.py`` assembles it; where the shards live
-(device, host memory, an NVMe swap file) is the placement's business
-(``offload/placement.py``), asked through ``placement.params``.
+(``Stage3Gradients``), the hooks and fetcher that make parameters whole
+only while a module runs, and the fetcher's gather check, which joins the
+step's agreement as a participant (``GatherAgreement``). ``build.py``
+assembles it; where the shards live (device, host memory, an NVMe swap
+file) is the placement's business (``offload/placement.py``), asked through
+``placement.params``.
 """
 from __future__ import annotations
 
@@ -13,13 +15,14 @@ import contextlib
 import logging
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from ...distributed import agreement, collectives
 from ..optimizer import ZeroOptimizer
+from ..step_stats import StepStats
 from .fetcher import Fetcher
 from .grads import ExternalUseError
 from .group import ShardedParamGroup
@@ -43,6 +46,31 @@ class ShardedModel:
     frozen: ShardedParamGroup
 
 
+class GatherAgreement:
+    """Stage 3 in the boundary step (a ``zero/optimizer.StepParticipant``): the digest of the
+    gathers each rank issued since the last boundary rides on the step's all-reduce
+    (``fetcher.FetchCheck``); ranks that gathered differently are named before anything is updated
+    (``on_diverged`` first)."""
+
+    def __init__(self, fetcher: Fetcher, on_diverged: Callable[[], None]):
+        self.fetcher = fetcher
+        self.on_diverged = on_diverged
+
+    def agreement_values(self) -> tuple[tuple[int, int], Optional[torch.Tensor]]:
+        d1, d2, bad = self.fetcher.boundary_values()
+        return (d1, d2), bad
+
+    def agreed(self, stats: StepStats) -> None:
+        if not stats.fetches_agree:  # the ranks gathered different parameters (nothing updated yet)
+            self.on_diverged()
+            self.fetcher.raise_diverged()
+        self.fetcher.check.reset()  # the next comparison starts here
+
+    def before_update(self) -> None:
+        # offload_param: CPU-Adam writes the shards the gathers uploaded from
+        self.fetcher.host_reads_done()
+
+
 class Stage3Optimizer(ZeroOptimizer):
     """ZeroOptimizer over stage-3 groups, with the hooks that gather parameters on demand (built by
     ``stage3/build.py``)."""
@@ -52,7 +80,8 @@ class Stage3Optimizer(ZeroOptimizer):
         self.fetcher = model.fetcher
         self.all_sharded = model.all_sharded
         self.frozen = model.frozen
-        super().__init__(groups, grads, *args, **kwargs)
+        agreement = GatherAgreement(self.fetcher, self.zero_grad)
+        super().__init__(groups, grads, *args, participant=agreement, **kwargs)
         for sp in self.all_sharded:  # GatheredParameters gathers through the optimizer that holds the parameter
             sp.owner = self
         self.param_swap = self.placement.params.swap  # the parameter swap file, with offload_param nvme
@@ -70,20 +99,6 @@ class Stage3Optimizer(ZeroOptimizer):
         with self.module_hooks.mode():
             yield
         self.fetcher.end_forward(training)  # outside training no step checks the gathers: check them here
-
-    # the gather check, on the boundary step's all-reduce (fetcher.py FetchCheck)
-    def _fetch_check(self) -> tuple:
-        return self.fetcher.boundary_values()
-
-    def _raise_fetches_diverged(self) -> None:
-        self.zero_grad()
-        self.fetcher.raise_diverged()
-
-    def _fetches_checked(self) -> None:
-        self.fetcher.check.reset()
-
-    def _before_update(self) -> None:
-        self.fetcher.host_reads_done()  # offload_param: CPU-Adam writes the shards the gathers uploaded from
 
     def explain_backward_error(self, error: RuntimeError) -> BaseException:
         """Autograd refuses the empty gradient of a partitioned parameter that an op outside the forward used
@@ -211,7 +226,7 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def _gather_grads(self) -> None:
         """Give every trainable parameter its whole reduced gradient (the mean over ranks, unscaled)."""
-        factor = self.grad_unscale()
+        factor = self.grad_factor.unscale()
         for gi, g in enumerate(self.groups):
             shard = self.grads.owned_grad(gi)
             for sp, off in zip(g.sharded, g.offsets):
