@@ -16,6 +16,7 @@ bucket until the one the sequence waits for completes.
 """
 from __future__ import annotations
 
+import zlib
 from typing import Optional, Sequence
 
 from .flat_group import FlatParamGroup
@@ -115,6 +116,41 @@ class LaunchSequence:
     def stop_recording(self) -> None:
         self.recording = False
         self.completed = []
+
+
+class OrderAgreement:
+    """The first boundary step's agreement on ``sequence``'s launch order (the stores that keep only shards):
+    each rank proposes the completion order of its first synchronised backward, and the order is adopted
+    when every rank proposed the same one, else the index order stays; fixed from then on either way."""
+
+    def __init__(self, sequence: LaunchSequence):
+        self.sequence = sequence
+        self.proposal: Optional[list[Entry]] = None  # the recorded launch order, until the first step
+        self.settled = False
+
+    def backward_done(self, synced: bool) -> None:
+        """After a backward: the first synchronised one gives this rank's proposal."""
+        if synced and not self.settled and self.proposal is None:
+            self.proposal = self.sequence.recorded_order()
+            self.sequence.recording = False
+
+    def digests(self) -> tuple[int, int]:
+        """Two 20-bit digests of the proposed order, or (0, 0) when there is none. They ride on the boundary
+        step's all-reduce (``step_stats.py``), which tells whether every rank proposes the same order."""
+        if self.proposal is None:
+            return 0, 0
+        text = repr(self.proposal).encode()
+        return 1 + (zlib.crc32(text) & 0xFFFFF), 1 + (zlib.adler32(text) & 0xFFFFF)
+
+    def settle(self, agreed: bool) -> None:
+        """At the first boundary step: adopt the proposal when ``agreed`` (every rank proposed it)."""
+        if self.settled:
+            return
+        self.settled = True
+        if agreed and self.proposal is not None:
+            self.sequence.set_order(self.proposal)
+        self.sequence.stop_recording()
+        self.proposal = None
 
 
 def registration_positions(module, groups) -> list[list[int]]:

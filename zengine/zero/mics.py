@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collectives
+from .layout import Bucket
+from .reducer import ReduceCodec, Reduction
 
 
 class MicsConfigError(ValueError):
@@ -48,6 +50,23 @@ class Replication:
         """Sum ``tensor`` over the copies (in place; nothing with one copy)."""
         if self.count > 1:
             collectives.all_reduce_sum(tensor, self.group)
+
+
+class Replicated:
+    """``ReduceCodec`` of MiCS's gradients: ``inner`` reduces a bucket inside the shard group, then this
+    rank's reduced part is summed over the copies of its shard in the other shard groups."""
+
+    def __init__(self, inner: ReduceCodec, replication: Replication):
+        self.inner = inner
+        self.replication = replication
+
+    def launch(self, gi: int, bucket: Bucket, buf: torch.Tensor) -> Reduction:
+        inside = self.inner.launch(gi, bucket, buf)
+        return Reduction(inside.works, lambda: self._across(inside.result()))
+
+    def _across(self, mine: torch.Tensor) -> torch.Tensor:
+        self.replication.all_reduce(mine)
+        return mine
 
 
 _groups: dict[tuple[int, int], tuple[Any, Any]] = {}  # (world, shard size) -> (shard group, replica group)
