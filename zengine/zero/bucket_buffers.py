@@ -41,7 +41,7 @@ class BucketBuffers:
     def get(self, key: Key, shape: tuple, device: torch.device) -> torch.Tensor:
         """Bucket ``key``'s buffer, made the first time (``shape`` on ``device``, contents undefined)."""
         if key not in self.live:
-            self.live[key] = self._new(shape, device)
+            self.live[key] = self._new_buffer(shape, device)
         return self.live[key]
 
     def adopt(self, key: Key, tensor: torch.Tensor) -> None:
@@ -53,7 +53,7 @@ class BucketBuffers:
         """Bucket ``key``'s buffer is an adopted gradient (whole: nothing in it is unwritten)."""
         return key in self._adopted
 
-    def _new(self, shape: tuple, device: torch.device) -> torch.Tensor:
+    def _new_buffer(self, shape: tuple, device: torch.device) -> torch.Tensor:
         numel = 1
         for n in shape:
             numel *= n
