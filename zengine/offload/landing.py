@@ -1,18 +1,19 @@
 """Where each reduced gradient bucket's piece lands: this rank's gradient shards (stages 2 and 3).
 
-The reducer (``zero/reducer.py``) hands every reduced piece to a ``GradLanding`` with the bucket it came
-from; the landing adds it into the bucket's *region* (the part of the group's shard the bucket writes,
-fixed by the bucket layout) and answers the step's reads. Two players:
+The reducer (``zero/reducer.py``) hands every reduced piece to a ``GradLanding`` with the bucket it
+came from; the landing adds it into the bucket's *region* (the part of the group's shard the bucket
+writes, fixed by the bucket layout) and answers the step's reads. Two players:
 
-- ``ShardsInMemory``: shards in device or host memory (``offload_optimizer`` cpu), pieces added through
-  the copies (``copies.py``), which on a device with side streams land after backward returns
-  (``arrivals.py``); the reads settle what they read.
-- ``ShardsInSwap``: ZeRO-Infinity, the pieces go to the optimizer's swap records (``state_swap.GradSwap``),
-  added there under accumulation; only the sums of squares written stay here, for the global norm.
+- ``ShardsInMemory``: shards in device or host memory (``offload_optimizer`` cpu), pieces added
+  through the copies (``copies.py``), which on a device with side streams land after backward
+  returns (``arrivals.py``); the reads settle what they read.
+- ``ShardsInSwap``: ZeRO-Infinity, the pieces go to the optimizer's swap records
+  (``state_swap.GradSwap``), added there under accumulation; only the sums of squares written stay
+  here, for the global norm.
 
-Zeroing the gradients costs no fill: a region written by no piece since ``zero()`` is *fresh*, its first
-piece is copied in rather than added (5 GB of host memory written per step for a 1.3B model with
-offload), and a region still fresh when its shard is read is zeroed then.
+Zeroing the gradients costs no fill: a region written by no piece since ``zero()`` is *fresh*, its
+first piece is copied in rather than added (5 GB of host memory written per step for a 1.3B model
+with offload), and a region still fresh when its shard is read is zeroed then.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from ..ops.grad import sum_of_squares
 from .copies import HostCopies
 from .state_swap import GradSwap
 
-Region = Optional[tuple[int, int]]  # [lo, hi) of a group's shard that one bucket writes; None: none of it
+# [lo, hi) of a group's shard that one bucket writes; None: none of it
+Region = Optional[tuple[int, int]]
 
 
 class GradLanding(Protocol):
@@ -33,8 +35,8 @@ class GradLanding(Protocol):
     shards: list[torch.Tensor]  # this rank's gradient shard per group (placeholders when swapped)
 
     def add(self, gi: int, b: int, piece: torch.Tensor) -> None:
-        """Add ``piece`` (on any device; device work may rewrite it after the copies' reuse mark) into
-        bucket ``b``'s region of group ``gi``'s shard."""
+        """Add ``piece`` (on any device; device work may rewrite it after the copies' reuse mark)
+        into bucket ``b``'s region of group ``gi``'s shard."""
         ...
 
     def owned_grad(self, gi: int) -> torch.Tensor:
@@ -42,11 +44,13 @@ class GradLanding(Protocol):
         ...
 
     def landing_grad(self, gi: int) -> torch.Tensor:
-        """Group gi's shard before every piece has landed in it (``copies.settle_range`` a range first)."""
+        """Group gi's shard before every piece has landed in it (``copies.settle_range`` a range
+        first)."""
         ...
 
     def landing_squares(self, gi: int, lo: int, hi: int) -> tuple[list[torch.Tensor], float]:
-        """The sum of squares of ``landing_grad(gi)[lo:hi]``: (0-dim float64 parts on the device, a host part)."""
+        """The sum of squares of ``landing_grad(gi)[lo:hi]``: (0-dim float64 parts on the device, a
+        host part)."""
         ...
 
     def swapped_sq(self) -> torch.Tensor:
@@ -67,31 +71,38 @@ class GradLanding(Protocol):
 
 
 class RegionSquares:
-    """Sums of squares of the regions of the gradient shards (one per bucket), taken on the device from the
-    reduced piece when that piece is the region's whole value (the first since the gradients were zeroed),
-    before its copy to the host lands; None once a later piece was added on the host."""
+    """Sums of squares of the regions of the gradient shards (one per bucket), taken on the device
+    from the reduced piece when that piece is the region's whole value (the first since the
+    gradients were zeroed), before its copy to the host lands; None once a later piece was added on
+    the host."""
 
     def __init__(self):
-        self.known: dict[tuple[int, int], Optional[torch.Tensor]] = {}  # (group, bucket) -> 0-dim float64 or None
+        # (group, bucket) -> 0-dim float64 or None
+        self.known: dict[tuple[int, int], Optional[torch.Tensor]] = {}
 
     def note(self, key: tuple[int, int], whole: Optional[torch.Tensor]) -> None:
-        """A piece went to region ``key``: ``whole``, its entire value (on the device), or None: added there."""
+        """A piece went to region ``key``: ``whole``, its entire value (on the device), or None:
+        added there."""
         self.known[key] = sum_of_squares(whole) if whole is not None else None
 
 
 class ShardsInMemory:
-    """Shards in memory (``shards[gi]``: this rank's part of group gi, on the host when offloaded), each
-    bucket's pieces added into its region (``regions[gi][b]``) through ``copies``."""
+    """Shards in memory (``shards[gi]``: this rank's part of group gi, on the host when offloaded),
+    each bucket's pieces added into its region (``regions[gi][b]``) through ``copies``."""
 
-    def __init__(self, shards: list[torch.Tensor], regions: Sequence[Sequence[Region]], copies: HostCopies):
+    def __init__(self, shards: list[torch.Tensor], regions: Sequence[Sequence[Region]],
+                 copies: HostCopies):
         self.shards = shards
         self.regions = regions
         self.copies = copies  # adds the pieces into the shards, wherever they live
-        # Offload on a device with side streams: the sums of squares of the pieces that are their region's
-        # whole value, taken on the device (the host copies land later; the step's norm need not wait)
+        # Offload on a device with side streams: the sums of squares of the pieces that are their
+        # region's whole value, taken on the device (the host copies land later; the step's norm
+        # need not wait)
         self.squares: Optional[RegionSquares] = RegionSquares() if copies.defers else None
-        self._fresh: set[tuple[int, int]] = set()  # regions that hold nothing since zero() (module doc)
-        if self.squares is not None:  # the shards start zeroed: the first step's pieces are their regions' values
+        # regions that hold nothing since zero() (module doc)
+        self._fresh: set[tuple[int, int]] = set()
+        # the shards start zeroed: the first step's pieces are their regions' values
+        if self.squares is not None:
             self.zero()
 
     def _region(self, gi: int, b: int) -> torch.Tensor:
@@ -142,8 +153,9 @@ class ShardsInMemory:
         self.copies.settle()
 
     def zero(self) -> None:
-        # Copies still landing (a skipped step read none of them) land before the next backward's first
-        # pieces, which land in the shards directly (nothing to wait for after a step: it read them all).
+        # Copies still landing (a skipped step read none of them) land before the next backward's
+        # first pieces, which land in the shards directly (nothing to wait for after a step: it read
+        # them all).
         self.copies.settle()
         self._fresh = {(gi, b) for gi, regions in enumerate(self.regions)
                        for b, region in enumerate(regions) if region is not None}
@@ -163,17 +175,18 @@ class ShardsInMemory:
 
 
 class ShardsInSwap:
-    """ZeRO-Infinity: each reduced piece goes to the optimizer's swap records (``sink``), added there under
-    accumulation; ``shards`` are the placeholders that stand in memory for them (``param_swap.on_disk``),
-    ``regions`` as ``ShardsInMemory``'s."""
+    """ZeRO-Infinity: each reduced piece goes to the optimizer's swap records (``sink``), added
+    there under accumulation; ``shards`` are the placeholders that stand in memory for them
+    (``param_swap.on_disk``), ``regions`` as ``ShardsInMemory``'s."""
 
-    def __init__(self, sink: GradSwap, shards: list[torch.Tensor], regions: Sequence[Sequence[Region]],
-                 copies: HostCopies):
+    def __init__(self, sink: GradSwap, shards: list[torch.Tensor],
+                 regions: Sequence[Sequence[Region]], copies: HostCopies):
         self.sink = sink
         self.shards = shards
         self.regions = regions
         self.copies = copies
-        self.sq: dict[tuple[int, int], torch.Tensor] = {}  # (group, bucket) -> sum of squares written
+        # (group, bucket) -> sum of squares written
+        self.sq: dict[tuple[int, int], torch.Tensor] = {}
 
     def add(self, gi: int, b: int, piece: torch.Tensor) -> None:
         lo, hi = self.regions[gi][b]
@@ -190,7 +203,9 @@ class ShardsInSwap:
         return [], float(sum_of_squares(self.shards[gi][lo:hi]))
 
     def swapped_sq(self) -> torch.Tensor:
-        return torch.stack(list(self.sq.values())).sum() if self.sq else torch.zeros((), dtype=torch.float64)
+        if not self.sq:
+            return torch.zeros((), dtype=torch.float64)
+        return torch.stack(list(self.sq.values())).sum()
 
     def settle(self) -> None:
         self.copies.settle()

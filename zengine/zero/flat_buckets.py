@@ -1,8 +1,9 @@
-"""Stage 2's gradient parts: buckets that are contiguous ranges of each flat group buffer, and the exact
-codecs that reduce them (every rank sums the whole bucket, or each owner only its part of it).
+"""Stage 2's gradient parts: buckets that are contiguous ranges of each flat group buffer, and the
+exact codecs that reduce them (every rank sums the whole bucket, or each owner only its part of it).
 
-A bucket's buffer is ``[bucket]`` in the reduce dtype, on the group's device; each rank keeps the part of
-the reduced bucket that falls inside its shard of the flat buffer (``FlatParamGroup.owned``).
+A bucket's buffer is ``[bucket]`` in the reduce dtype, on the group's device; each rank keeps the
+part of the reduced bucket that falls inside its shard of the flat buffer
+(``FlatParamGroup.owned``).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from ..distributed import collectives
 from ..offload.landing import Region, ShardsInMemory
+from ..offload.placement import DevicePlacement
 from .bucket_buffers import BucketBuffers
 from .bucket_order import BucketQueue
 from .flat_group import FlatParamGroup
@@ -48,7 +50,8 @@ class FlatRanges:
         bucket = q.buckets[q.bucket_of[pi]]
         p = self.groups[gi].params[pi]
         lo, hi = self.place(gi, bucket, pi)
-        self.buffer(gi, bucket, buffers)[lo:hi].copy_(p.grad.reshape(-1))  # (converted to the reduce dtype)
+        # (converted to the reduce dtype)
+        self.buffer(gi, bucket, buffers)[lo:hi].copy_(p.grad.reshape(-1))
         p.grad = None
 
     def place(self, gi: int, bucket: Bucket, pi: int) -> tuple[int, int]:
@@ -99,16 +102,18 @@ class ReduceToOwners:
         return Reduction(collectives.reduce_to_owners(buf, pieces, g.rank, self.comm_group), buf)
 
 
-def sharded_gradients(groups: list[FlatParamGroup], *, bucket_numel: int, dtypes: GradDtypes, to_owners: bool,
-                      placement, comm_group=None, in_flight: int = 1,
+def sharded_gradients(groups: list[FlatParamGroup], *, bucket_numel: int, dtypes: GradDtypes,
+                      to_owners: bool, placement: DevicePlacement, comm_group=None,
+                      in_flight: int = 1,
                       positions: Optional[Sequence[Sequence[int]]] = None) -> ShardReducer:
-    """Stage 2's gradient store: flat-range buckets, reduced exactly (``to_owners``: each owner sums only
-    its part, ``zero_optimization.reduce_scatter``; else all-reduced), into shards where ``placement`` (the
-    optimizer's) keeps master gradients."""
+    """Stage 2's gradient store: flat-range buckets, reduced exactly (``to_owners``: each owner sums
+    only its part, ``zero_optimization.reduce_scatter``; else all-reduced), into shards where
+    ``placement`` (the optimizer's) keeps master gradients."""
     dtype = dtypes.shard_dtype(placement.cpu_optimizer)
     shards = [placement.empty(g.layout.shard_numel, dtype, g.flat.device) for g in groups]
     layout = FlatRanges(groups, bucket_numel)
     codec = ReduceToOwners(groups, comm_group) if to_owners else AllReduce(comm_group)
-    landing = ShardsInMemory(shards, [layout.regions(gi) for gi in range(len(groups))], placement.copies)
-    return ShardReducer(layout, codec, landing, BucketBuffers(dtypes.reduce, placement.copies), in_flight,
-                        positions)
+    regions = [layout.regions(gi) for gi in range(len(groups))]
+    landing = ShardsInMemory(shards, regions, placement.copies)
+    buffers = BucketBuffers(dtypes.reduce, placement.copies)
+    return ShardReducer(layout, codec, landing, buffers, in_flight, positions)

@@ -10,12 +10,13 @@ rank's new gradient to the old sum once, not W times (the sum of W equal
 copies of sum/W), as DDP's averaging does implicitly.
 
 Stages 2 and 3 keep only gradient shards: one ``ShardReducer`` (``reducer.py``) composed of a bucket
-layout, a reduce codec and a landing for the reduced pieces; stage 2's parts are in ``flat_buckets.py``,
-stage 3's in ``stage3/grads.py``. Every store plays the ``GradientStore`` role below.
+layout, a reduce codec and a landing for the reduced pieces; stage 2's parts are in
+``flat_buckets.py``, stage 3's in ``stage3/grads.py``. Every store plays the ``GradientStore`` role
+below.
 
-Buckets launch in one sequence over every group, the same on every rank (``bucket_order.py``): collectives
-are matched by order, so a bucket waiting for a parameter that this rank did not use holds back the ones
-after it until the end of backward.
+Buckets launch in one sequence over every group, the same on every rank (``bucket_order.py``):
+collectives are matched by order, so a bucket waiting for a parameter that this rank did not use
+holds back the ones after it until the end of backward.
 
 Bucket buffers are in the reduce dtype (each gradient converted as it is
 copied in) and the sums over micro-steps in the accumulate dtype (``grad_dtypes.py``).
@@ -36,23 +37,25 @@ from .layout import Bucket
 
 
 def buckets_in_flight(overlap_comm: bool) -> int:
-    """Reductions left running while backward goes on. With ``overlap_comm`` two, so that one reduction
-    overlaps the next bucket's; without, none, DeepSpeed's meaning: each bucket's reduction completes
-    before backward continues (on a GPU that orders the streams; on CPU the rank waits), the least
-    memory. Measured on CPU gloo (bench_zero, W=2): stage 2 1.07x DDP without, 1.06x with one."""
+    """Reductions left running while backward goes on. With ``overlap_comm`` two, so that one
+    reduction overlaps the next bucket's; without, none, DeepSpeed's meaning: each bucket's
+    reduction completes before backward continues (on a GPU that orders the streams; on CPU the rank
+    waits), the least memory. Measured on CPU gloo (bench_zero, W=2): stage 2 1.07x DDP without,
+    1.06x with one."""
     return 2 if overlap_comm else 0
 
 
 class GradientStore(Protocol):
-    """Where gradients live between autograd and the step, and how they are reduced across ranks: the
-    role every stage's gradient store plays (the optimizer and master stores call only these). The
-    players inherit the defaults: reducing at the step what backwards under ``no_sync`` left local, and
-    no bucket launch order to agree on."""
+    """Where gradients live between autograd and the step, and how they are reduced across ranks:
+    the role every stage's gradient store plays (the optimizer and master stores call only these).
+    The players inherit the defaults: reducing at the step what backwards under ``no_sync`` left
+    local, and no bucket launch order to agree on."""
 
     unreduced: bool  # a backward without reduction (accumulation, no_sync) left local gradients
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
-        """A backward starts: ``boundary``, the last of an accumulation window; ``no_sync``, not reduced."""
+        """A backward starts: ``boundary``, the last of an accumulation window; ``no_sync``, not
+        reduced."""
         ...
 
     def on_grad(self, gi: int, pi: int) -> None:
@@ -60,7 +63,8 @@ class GradientStore(Protocol):
         ...
 
     def end_backward(self) -> None:
-        """The backward is over: launch what is left, wait for the reductions (not the host copies)."""
+        """The backward is over: launch what is left, wait for the reductions (not the host
+        copies)."""
         ...
 
     def drain(self) -> None:
@@ -80,8 +84,8 @@ class GradientStore(Protocol):
         ...
 
     def reduce_pending(self) -> None:
-        """Reduce the gradients that backwards without reduction left local (the last backward before
-        the boundary ran under ``no_sync``): the step must see the sum over ranks."""
+        """Reduce the gradients that backwards without reduction left local (the last backward
+        before the boundary ran under ``no_sync``): the step must see the sum over ranks."""
         if self.unreduced:
             self.begin_backward(True, False)
             self.end_backward()
@@ -94,17 +98,20 @@ class GradientStore(Protocol):
         """Fix the bucket launch order at the first boundary step (nothing to fix by default)."""
 
     def workspace(self) -> list[torch.Tensor]:
-        """Storage kept for reuse, holding no gradient (released bucket buffers): not model state."""
+        """Storage kept for reuse, holding no gradient (released bucket buffers): not model
+        state."""
         return []
 
     def landing_grad(self, gi: int) -> torch.Tensor:
-        """Group gi's summed gradient shard where it lives, before every piece has landed in it (with offload
-        on a device with side streams): settle a range (``copies.settle_range``) before reading it."""
+        """Group gi's summed gradient shard where it lives, before every piece has landed in it
+        (with offload on a device with side streams): settle a range (``copies.settle_range``)
+        before reading it."""
         return self.owned_grad(gi)
 
     def landing_squares(self, gi: int, lo: int, hi: int) -> tuple[list[torch.Tensor], float]:
-        """The sum of squares of ``landing_grad(gi)[lo:hi]``, as (0-dim float64 parts on the compute device,
-        a host part): what can be summed on the device is, so the step's norm need not wait for the copies."""
+        """The sum of squares of ``landing_grad(gi)[lo:hi]``, as (0-dim float64 parts on the compute
+        device, a host part): what can be summed on the device is, so the step's norm need not wait
+        for the copies."""
         part = sum_of_squares(self.owned_grad(gi)[lo:hi])
         return ([], float(part)) if part.device.type == "cpu" else ([part], 0.0)
 
@@ -112,27 +119,31 @@ class GradientStore(Protocol):
 class FullGradients(GradientStore):
     """Full gradient buffers, all-reduced bucket by bucket (stages 0 and 1).
 
-    In the accumulate dtype. When that is the compute dtype the parameters' ``.grad`` are views into them
-    and autograd accumulates there; otherwise each fresh gradient is added in, converted, and ``.grad``
-    dropped. When the reduce dtype differs from the accumulate dtype, each bucket is summed as a converted
-    copy and copied back; as at stage 2, at most ``in_flight`` copies are left in flight when a launch
-    returns, so that no rank holds a second whole gradient.
+    In the accumulate dtype. When that is the compute dtype the parameters' ``.grad`` are views into
+    them and autograd accumulates there; otherwise each fresh gradient is added in, converted, and
+    ``.grad`` dropped. When the reduce dtype differs from the accumulate dtype, each bucket is
+    summed as a converted copy and copied back; as at stage 2, at most ``in_flight`` copies are left
+    in flight when a launch returns, so that no rank holds a second whole gradient.
     """
 
-    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, dtypes: GradDtypes, comm_group=None,
-                 in_flight: int = 0, positions=None):
+    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, dtypes: GradDtypes,
+                 comm_group=None, in_flight: int = 0, positions=None):
         self.groups = groups
         self.comm_group = comm_group
-        self.views = dtypes.accumulate == dtypes.compute  # the parameters' .grad can be views into the buffers
+        # the parameters' .grad can be views into the buffers
+        self.views = dtypes.accumulate == dtypes.compute
         self.reduce_dtype = dtypes.reduce
         self.converts = dtypes.reduce != dtypes.accumulate  # buckets are summed as converted copies
-        self.in_flight_limit = max(0, int(in_flight))  # converted copies left in flight when a launch returns
+        # converted copies left in flight when a launch returns
+        self.in_flight_limit = max(0, int(in_flight))
         self.flat_grads = [torch.zeros(g.flat.shape, dtype=dtypes.accumulate, device=g.flat.device)
                            for g in groups]  # [padded] accumulate dtype per group
         self.queues = [BucketQueue(g, bucket_numel) for g in groups]
-        # (not recording: the full buffers exist anyway, a better launch order would save no memory here)
+        # (not recording: the full buffers exist anyway, a better launch order would save no memory
+        # here)
         self.sequence = LaunchSequence(self.queues, positions, recording=False)
-        self.works: deque = deque()  # (work, bucket piece, its converted copy or None) in launch order
+        # (work, bucket piece, its converted copy or None) in launch order
+        self.works: deque = deque()
         self.sync = True
         self.unreduced = False
         self.world = torch.distributed.get_world_size(comm_group)
@@ -142,14 +153,16 @@ class FullGradients(GradientStore):
     def _attach_views(self) -> None:
         for g, buf in zip(self.groups, self.flat_grads):
             for p, span in zip(g.params, g.layout.spans):
-                p.grad = buf.narrow(0, span.offset, span.numel).view(span.shape) if self.views else None
+                view = buf.narrow(0, span.offset, span.numel).view(span.shape)
+                p.grad = view if self.views else None
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
         # Accumulation micro-steps add into the full buffers locally; only the boundary reduces.
         self.sync = boundary and not no_sync
         if self.reduced and self.world > 1:
-            # Local gradients are about to be added to a sum over ranks, to be reduced again later: keep
-            # the old sum as this rank's 1/W share so that the next reduction counts it once (module doc).
+            # Local gradients are about to be added to a sum over ranks, to be reduced again later:
+            # keep the old sum as this rank's 1/W share so that the next reduction counts it once
+            # (module doc).
             for buf in self.flat_grads:
                 buf.div_(self.world)
         self.reduced = False
@@ -164,7 +177,8 @@ class FullGradients(GradientStore):
                 view.add_(p.grad.reshape(-1))
             p.grad = None
         elif p.grad is None or p.grad.data_ptr() != view.data_ptr():
-            # Someone replaced .grad (e.g. zero_grad(set_to_none=True)): fold it back into the buffer.
+            # Someone replaced .grad (e.g. zero_grad(set_to_none=True)): fold it back into the
+            # buffer.
             if p.grad is not None:
                 view.add_(p.grad.reshape(-1))
             p.grad = view.view(span.shape)
@@ -174,11 +188,13 @@ class FullGradients(GradientStore):
 
     def _launch(self, gi: int, bucket: Bucket) -> None:
         piece = self.flat_grads[gi][bucket.start:bucket.end]
-        if not self.converts:  # summed in place: the full buffers exist anyway, so no limit is needed
-            self.works.append((collectives.all_reduce_sum(piece, self.comm_group, async_op=True), piece, None))
+        if not self.converts:  # summed in place: the full buffers exist anyway, no limit needed
+            work = collectives.all_reduce_sum(piece, self.comm_group, async_op=True)
+            self.works.append((work, piece, None))
             return
         wire = piece.to(self.reduce_dtype)  # [bucket] reduce dtype, on the buffer's device
-        self.works.append((collectives.all_reduce_sum(wire, self.comm_group, async_op=True), piece, wire))
+        work = collectives.all_reduce_sum(wire, self.comm_group, async_op=True)
+        self.works.append((work, piece, wire))
         while len(self.works) > self.in_flight_limit:
             self._complete(*self.works.popleft())
 

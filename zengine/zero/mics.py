@@ -1,20 +1,21 @@
-"""MiCS (``mics_shard_size``): stage 3 shards inside groups of ranks and replicates across the groups.
+"""MiCS (``mics_shard_size``): stage 3 shards inside groups of ranks and replicates across the
+groups.
 
-Plain stage 3 shards every parameter over all W data-parallel ranks, so every gather and every gradient
-reduction spans the whole cluster. MiCS cuts the W ranks into W / m *shard groups* of m consecutive ranks
-(a node, or a few): the model states are sharded over a group, the same way stage 3 shards them over
-everyone, and each group holds a whole copy. Parameter gathers then stay inside the group; the gradients
-are reduce-scattered inside the group and the resulting shard is all-reduced across the *replica group*
-(the W / m ranks holding the same shard, one per shard group). Memory per rank is the stage-3 formula with
-m in place of W.
+Plain stage 3 shards every parameter over all W data-parallel ranks, so every gather and every
+gradient reduction spans the whole cluster. MiCS cuts the W ranks into W / m *shard groups* of m
+consecutive ranks (a node, or a few): the model states are sharded over a group, the same way stage
+3 shards them over everyone, and each group holds a whole copy. Parameter gathers then stay inside
+the group; the gradients are reduce-scattered inside the group and the resulting shard is
+all-reduced across the *replica group* (the W / m ranks holding the same shard, one per shard
+group). Memory per rank is the stage-3 formula with m in place of W.
 
 Everything that shards (the fetcher, the gradient buckets, zero.Init's cuts) sees ``Ranks(world=m,
-rank=rank % m, group=shard group)``; ``Replication`` tells the optimizer the rest: how many copies of each
-shard exist, which one this rank holds, and the replica group for the gradient all-reduce;
-the default group (MiCS cuts the whole world) serves the step's agreement (norm, ranks in step, gathers
-agreed) and checkpoints. Only copy 0
-counts its shards in the gradient norm and writes them to a checkpoint, so a MiCS checkpoint is a plain
-stage-3 checkpoint of world m, loadable at any world size and stage.
+rank=rank % m, group=shard group)``; ``Replication`` tells the optimizer the rest: how many copies
+of each shard exist, which one this rank holds, and the replica group for the gradient all-reduce;
+the default group (MiCS cuts the whole world) serves the step's agreement (norm, ranks in step,
+gathers agreed) and checkpoints. Only copy 0 counts its shards in the gradient norm and writes them
+to a checkpoint, so a MiCS checkpoint is a plain stage-3 checkpoint of world m, loadable at any
+world size and stage.
 """
 from __future__ import annotations
 
@@ -53,8 +54,8 @@ class Replication:
 
 
 class Replicated:
-    """``ReduceCodec`` of MiCS's gradients: ``inner`` reduces a bucket inside the shard group, then this
-    rank's reduced part is summed over the copies of its shard in the other shard groups."""
+    """``ReduceCodec`` of MiCS's gradients: ``inner`` reduces a bucket inside the shard group, then
+    this rank's reduced part is summed over the copies of its shard in the other shard groups."""
 
     def __init__(self, inner: ReduceCodec, replication: Replication):
         self.inner = inner
@@ -69,12 +70,14 @@ class Replicated:
         return mine
 
 
-_groups: dict[tuple[int, int], tuple[Any, Any]] = {}  # (world, shard size) -> (shard group, replica group)
+# (world, shard size) -> (shard group, replica group)
+_groups: dict[tuple[int, int], tuple[Any, Any]] = {}
 
 
 def groups(size: int) -> tuple[Any, Any]:
-    """This rank's (shard group, replica group) for shard groups of ``size`` consecutive ranks of the default
-    group, made once per process (every rank makes every group, in the same order: torch's rule)."""
+    """This rank's (shard group, replica group) for shard groups of ``size`` consecutive ranks of
+    the default group, made once per process (every rank makes every group, in the same order:
+    torch's rule)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     _check_divides(size, world)
     key = (world, size)
@@ -103,15 +106,18 @@ def shard_size(zero_cfg, world: int) -> int:
 
 def _check_divides(size: int, world: int) -> None:
     if size < 1 or world % size:
-        raise MicsConfigError(f"mics_shard_size {size} must divide the data-parallel world size {world} (it cuts "
-                              f"the ranks into groups of consecutive ranks, each holding a whole sharded copy)")
+        raise MicsConfigError(
+            f"mics_shard_size {size} must divide the data-parallel world size {world} (it cuts the "
+            f"ranks into groups of consecutive ranks, each holding a whole sharded copy)")
 
 
 def sharding(zero_cfg, world: int, rank: int) -> tuple[int, int, Any, Replication]:
-    """(ranks sharded over, this rank among them, their group, Replication) for ``zero_cfg`` on the default group
-    of ``world`` ranks: the whole world and no replication unless ``mics_shard_size`` asks for MiCS."""
+    """(ranks sharded over, this rank among them, their group, Replication) for ``zero_cfg`` on the
+    default group of ``world`` ranks: the whole world and no replication unless ``mics_shard_size``
+    asks for MiCS."""
     size = shard_size(zero_cfg, world)
     if size == world:
         return world, rank, None, Replication()
     shard, replica = groups(size)
-    return size, rank % size, shard, Replication(count=world // size, index=rank // size, group=replica)
+    replication = Replication(count=world // size, index=rank // size, group=replica)
+    return size, rank % size, shard, replication

@@ -1,28 +1,30 @@
 """The gradient store of the stages that keep only gradient shards (2 and 3): one ``ShardReducer``.
 
-Each gradient is copied into a bucket buffer as soon as autograd produces it and freed; a full bucket is
-reduced across ranks and each rank adds only its part into its shard. At most ``in_flight`` buckets are
-still being reduced while backward goes on (``grads.buckets_in_flight``), so no rank ever holds the whole
-gradient: the gradient transient of a step is ``in_flight + 1`` buckets. Every micro-step reduces except
-under ``no_sync``, where autograd keeps accumulating into ``.grad`` until the next synchronised backward.
+Each gradient is copied into a bucket buffer as soon as autograd produces it and freed; a full
+bucket is reduced across ranks and each rank adds only its part into its shard. At most
+``in_flight`` buckets are still being reduced while backward goes on (``grads.buckets_in_flight``),
+so no rank ever holds the whole gradient: the gradient transient of a step is ``in_flight + 1``
+buckets. Every micro-step reduces except under ``no_sync``, where autograd keeps accumulating into
+``.grad`` until the next synchronised backward.
 
 The reducer is composed of three parts, one per role, chosen by the stage's builder:
 
-- a ``BucketLayout``: which parameters make a bucket, where each gradient goes in the bucket's buffer and
-  which part of the reduced bucket is this rank's (``flat_buckets.FlatRanges``: ranges of the flat group
-  buffer, stage 2; ``stage3.grads.RankMajor``: ``[world, chunks]`` rows for a reduce-scatter, stage 3);
+- a ``BucketLayout``: which parameters make a bucket, where each gradient goes in the bucket's
+  buffer and which part of the reduced bucket is this rank's (``flat_buckets.FlatRanges``: ranges of
+  the flat group buffer, stage 2; ``stage3.grads.RankMajor``: ``[world, chunks]`` rows for a
+  reduce-scatter, stage 3);
 - a ``ReduceCodec``: how a full bucket crosses the ranks (exact all-reduce, reduce to owners or
-  reduce-scatter; ZeRO++'s quantized reduce-scatter; MiCS's replication over the shard groups, wrapping
-  another codec);
-- a ``GradLanding`` (``offload/landing.py``): the shards the pieces are added into, in memory (through
-  the offload copies) or in ZeRO-Infinity's swap records.
+  reduce-scatter; ZeRO++'s quantized reduce-scatter; MiCS's replication over the shard groups,
+  wrapping another codec);
+- a ``GradLanding`` (``offload/landing.py``): the shards the pieces are added into, in memory
+  (through the offload copies) or in ZeRO-Infinity's swap records.
 
-Buckets launch in one sequence over every group, the same on every rank (``bucket_order.py``), and their
-buffers come from a pool (``bucket_buffers.py``), in the reduce dtype (``grad_dtypes.py``). A bucket buffer
-is not zeroed: every gradient is copied into its place, and only what no gradient wrote (padding,
-parameters without a gradient) is zeroed when the bucket launches. (Letting autograd accumulate into a
-zeroed bucket through ``.grad`` views costs a fill and an add where a copy does: measured on CPU, W=1,
-the 21M GPT: 40 ms of a 0.44 s backward.)
+Buckets launch in one sequence over every group, the same on every rank (``bucket_order.py``), and
+their buffers come from a pool (``bucket_buffers.py``), in the reduce dtype (``grad_dtypes.py``). A
+bucket buffer is not zeroed: every gradient is copied into its place, and only what no gradient
+wrote (padding, parameters without a gradient) is zeroed when the bucket launches. (Letting autograd
+accumulate into a zeroed bucket through ``.grad`` views costs a fill and an add where a copy does:
+measured on CPU, W=1, the 21M GPT: 40 ms of a 0.44 s backward.)
 """
 from __future__ import annotations
 
@@ -39,8 +41,8 @@ from .layout import Bucket
 
 
 class Reduction(NamedTuple):
-    """A bucket's reduction under way: its works (None: done when launched) and its output, a tensor or a
-    function returning it once the works are done."""
+    """A bucket's reduction under way: its works (None: done when launched) and its output, a tensor
+    or a function returning it once the works are done."""
 
     works: list
     out: Union[torch.Tensor, Callable[[], torch.Tensor]]
@@ -54,14 +56,14 @@ class ReduceCodec(Protocol):
     """How a full bucket's buffer is reduced across the ranks."""
 
     def launch(self, gi: int, bucket: Bucket, buf: torch.Tensor) -> Reduction:
-        """Start reducing ``buf``, bucket ``bucket`` of group ``gi``; the result is what the bucket layout's
-        ``mine`` reads this rank's part from."""
+        """Start reducing ``buf``, bucket ``bucket`` of group ``gi``; the result is what the bucket
+        layout's ``mine`` reads this rank's part from."""
         ...
 
 
 class BucketLayout(Protocol):
-    """Which gradients make a bucket, where each goes in the bucket's buffer, and what of the reduced bucket
-    is this rank's. Positions in a buffer run along its last dimension."""
+    """Which gradients make a bucket, where each goes in the bucket's buffer, and what of the
+    reduced bucket is this rank's. Positions in a buffer run along its last dimension."""
 
     queues: list[BucketQueue]  # per group: its buckets and their readiness
 
@@ -74,7 +76,8 @@ class BucketLayout(Protocol):
         ...
 
     def copy_in(self, gi: int, pi: int, buffers: BucketBuffers) -> None:
-        """Move parameter pi's gradient into its bucket's buffer (from ``buffers``) and drop ``.grad``."""
+        """Move parameter pi's gradient into its bucket's buffer (from ``buffers``) and drop
+        ``.grad``."""
         ...
 
     def release(self, gi: int, pi: int) -> None:
@@ -86,7 +89,8 @@ class BucketLayout(Protocol):
         ...
 
     def place(self, gi: int, bucket: Bucket, pi: int) -> tuple[int, int]:
-        """Where parameter pi's gradient goes in its bucket's buffer: [lo, hi) along the last dimension."""
+        """Where parameter pi's gradient goes in its bucket's buffer: [lo, hi) along the last
+        dimension."""
         ...
 
     def zero_padding(self, gi: int, pi: int, block: torch.Tensor) -> None:
@@ -115,8 +119,10 @@ class ShardReducer(GradientStore):
         self.queues = layout.queues
         self.sequence = LaunchSequence(self.queues, positions)  # one launch order over every group
         self.agreement = OrderAgreement(self.sequence)
-        self.in_flight_limit = max(0, int(in_flight))  # reductions left running when a launch returns
-        self.copied: set[tuple[int, int]] = set()  # (group, parameter) whose gradient is in its bucket
+        # reductions left running when a launch returns
+        self.in_flight_limit = max(0, int(in_flight))
+        # (group, parameter) whose gradient is in its bucket
+        self.copied: set[tuple[int, int]] = set()
         self.in_flight: deque = deque()  # (group, bucket, Reduction) in launch order
         self.sync = True
         self.unreduced = False
@@ -128,11 +134,12 @@ class ShardReducer(GradientStore):
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
         self.sync = not no_sync
-        self.unreduced = self.unreduced or no_sync  # the gradients stay in .grad until a synced backward
+        # the gradients stay in .grad until a synced backward
+        self.unreduced = self.unreduced or no_sync
 
     def on_grad(self, gi: int, pi: int) -> None:
-        # Stage 3 releases the full parameter before the launch, which may wait for an earlier bucket:
-        # so the wait never holds the parameter and its gradient's copy together.
+        # Stage 3 releases the full parameter before the launch, which may wait for an earlier
+        # bucket: so the wait never holds the parameter and its gradient's copy together.
         self.layout.check(gi, pi)
         if self.sync:
             self._take(gi, pi)
@@ -151,14 +158,16 @@ class ShardReducer(GradientStore):
                 self._take(gi, pi)
         buf = self.layout.buffer(gi, bucket, self.buffers)
         if not self.buffers.adopted((gi, bucket.index)):  # (an adopted gradient is whole)
-            self._zero_unwritten(gi, bucket, buf, [pi for pi in bucket.params if (gi, pi) in self.copied])
+            written = [pi for pi in bucket.params if (gi, pi) in self.copied]
+            self._zero_unwritten(gi, bucket, buf, written)
         self.in_flight.append((gi, bucket, self.codec.launch(gi, bucket, buf)))
         while len(self.in_flight) > self.in_flight_limit:
             self._complete(*self.in_flight.popleft())
 
-    def _zero_unwritten(self, gi: int, bucket: Bucket, buf: torch.Tensor, written: list[int]) -> None:
-        """Zero what no gradient was copied into in ``buf`` (``written``: the parameters that were): padding and
-        the parameters without a gradient in this backward."""
+    def _zero_unwritten(self, gi: int, bucket: Bucket, buf: torch.Tensor,
+                        written: list[int]) -> None:
+        """Zero what no gradient was copied into in ``buf`` (``written``: the parameters that were):
+        padding and the parameters without a gradient in this backward."""
         at = 0  # bucket position up to which the buffer is accounted for
         for lo, hi, pi in sorted(self.layout.place(gi, bucket, pi) + (pi,) for pi in written):
             if lo > at:
@@ -174,7 +183,8 @@ class ShardReducer(GradientStore):
                 w.wait()
         piece = self.layout.mine(gi, bucket, reduction.result())
         if piece is not None:
-            self.landing.add(gi, bucket.index, piece)  # (its buffer's reuse waits for the read: buffers)
+            # (its buffer's reuse waits for the read: buffers)
+            self.landing.add(gi, bucket.index, piece)
         self.buffers.release((gi, bucket.index))
 
     def end_backward(self) -> None:
@@ -182,21 +192,23 @@ class ShardReducer(GradientStore):
             self.sequence.finish(self._launch)
             self.copied.clear()
             self.unreduced = False
-        # The reductions only: the copies to the host go on landing (offload/copies.py), and whoever reads
-        # the shards settles them (owned_grad, or the step range by range: landing_grad).
+        # The reductions only: the copies to the host go on landing (offload/copies.py), and whoever
+        # reads the shards settles them (owned_grad, or the step range by range: landing_grad).
         self._finish_reductions()
-        # (in the settled order a backward holds in_flight + 1 buckets at once; the first may have held more)
+        # (in the settled order a backward holds in_flight + 1 buckets at once; the first may have
+        # held more)
         self.buffers.trim(self.in_flight_limit + 1)
         self.agreement.backward_done(self.sync)
 
     def order_digests(self) -> tuple[int, int]:
-        """Digests of the launch order this rank proposes (the completion order of its first synchronised
-        backward), or (0, 0): none (``bucket_order.OrderAgreement``)."""
+        """Digests of the launch order this rank proposes (the completion order of its first
+        synchronised backward), or (0, 0): none (``bucket_order.OrderAgreement``)."""
         return self.agreement.digests()
 
     def settle_order(self, agreed: bool) -> None:
-        """At the first boundary step: adopt the proposed order when every rank proposed the same one,
-        else keep the index order. Either way the order is fixed from then on, on every rank alike."""
+        """At the first boundary step: adopt the proposed order when every rank proposed the same
+        one, else keep the index order. Either way the order is fixed from then on, on every rank
+        alike."""
         self.agreement.settle(agreed)
 
     def _finish_reductions(self) -> None:
@@ -220,7 +232,8 @@ class ShardReducer(GradientStore):
         return self.landing.landing_squares(gi, lo, hi)
 
     def swapped_sq(self) -> torch.Tensor:
-        """The sum of squares of the summed gradient shards (as written to the swap file): 0-dim float64."""
+        """The sum of squares of the summed gradient shards (as written to the swap file): 0-dim
+        float64."""
         return self.landing.swapped_sq()
 
     def zero(self) -> None:

@@ -27,6 +27,7 @@ import torch
 from ...distributed import collectives
 from ...offload.landing import Region, ShardsInMemory, ShardsInSwap
 from ...offload.param_swap import on_disk
+from ...offload.placement import DevicePlacement
 from ...offload.state_swap import GradSwap
 from ..bucket_buffers import BucketBuffers
 from ..bucket_order import BucketQueue
@@ -44,19 +45,21 @@ class ExternalUseError(RuntimeError):
 
 
 class _ChunkView:
-    """Adapts a stage-3 group to the bucket queue: spans are the parameters' chunks in shard order."""
+    """Adapts a stage-3 group to the bucket queue: spans are the parameters' chunks in shard
+    order."""
 
     def __init__(self, group: ShardedParamGroup):
-        # each span runs to the next parameter's offset: the group's chunks may be padded for O_DIRECT
+        # each span runs to the next parameter's offset: the group's chunks may be padded for
+        # O_DIRECT
         ends = list(group.offsets[1:]) + [group.shard_numel]
         self.layout = FlatLayout([sp.name for sp in group.sharded],
                                  [(end - off,) for off, end in zip(group.offsets, ends)], 1)
 
 
 class RankMajor:
-    """Stage 3's ``BucketLayout``: a bucket is a run of parameters whose buffer is ``[world, sum of chunks]``,
-    row r holding every parameter's chunk r; this rank's row of the reduced bucket is its shard of them.
-    ``after_grad`` releases a parameter's full data once its gradient is taken."""
+    """Stage 3's ``BucketLayout``: a bucket is a run of parameters whose buffer is ``[world, sum of
+    chunks]``, row r holding every parameter's chunk r; this rank's row of the reduced bucket is its
+    shard of them. ``after_grad`` releases a parameter's full data once its gradient is taken."""
 
     def __init__(self, groups: list[ShardedParamGroup], bucket_numel: int, world: int,
                  after_grad: Callable[[ShardedParam], None], dtypes: GradDtypes):
@@ -72,19 +75,22 @@ class RankMajor:
     def check(self, gi: int, pi: int) -> None:
         sp = self.groups[gi].sharded[pi]
         grad = sp.param.grad
-        if grad is not None and grad.numel() != sp.numel:  # the op saw the released, empty parameter
+        # the op saw the released, empty parameter
+        if grad is not None and grad.numel() != sp.numel:
             raise ExternalUseError(
-                f"stage 3: parameter {sp.name!r} got a gradient of {grad.numel()} elements for its {sp.numel}: it "
-                f"was used outside the engine's forward (e.g. a regulariser over engine.module.parameters() "
-                f"added to the loss), where a partitioned parameter is an empty tensor. Compute the term inside "
-                f"the model's forward: zengine gathers a parameter used there, also outside its own module")
+                f"stage 3: parameter {sp.name!r} got a gradient of {grad.numel()} elements for its "
+                f"{sp.numel}: it was used outside the engine's forward (e.g. a regulariser over "
+                f"engine.module.parameters() added to the loss), where a partitioned parameter is "
+                f"an empty tensor. Compute the term inside the model's forward: zengine gathers a "
+                f"parameter used there, also outside its own module")
 
     def release(self, gi: int, pi: int) -> None:
         self.after_grad(self.groups[gi].sharded[pi])
 
     def buffer(self, gi: int, bucket: Bucket, buffers: BucketBuffers) -> torch.Tensor:
         # [world, chunks] on the compute device, like the gathered parameters, in the reduce dtype
-        return buffers.get((gi, bucket.index), (self.world, bucket.numel), self.groups[gi].sharded[0].full.device)
+        device = self.groups[gi].sharded[0].full.device
+        return buffers.get((gi, bucket.index), (self.world, bucket.numel), device)
 
     def copy_in(self, gi: int, pi: int, buffers: BucketBuffers) -> None:
         sp = self.groups[gi].sharded[pi]
@@ -103,7 +109,8 @@ class RankMajor:
         sp.param.grad = None
 
     def adopt(self, gi: int, bucket: Bucket, sp: ShardedParam, buffers: BucketBuffers) -> bool:
-        """Use the gradient itself as the bucket buffer when the bucket is this one unpadded parameter."""
+        """Use the gradient itself as the bucket buffer when the bucket is this one unpadded
+        parameter."""
         key = (gi, bucket.index)
         grad = sp.param.grad
         if (len(bucket.params) != 1 or sp.numel != self.world * sp.chunk or bucket.numel != sp.chunk
@@ -116,11 +123,13 @@ class RankMajor:
         return True
 
     def place(self, gi: int, bucket: Bucket, pi: int) -> tuple[int, int]:
-        col = self.groups[gi].offsets[pi] - bucket.start  # its chunk's columns of the [world, chunks] buffer
+        # its chunk's columns of the [world, chunks] buffer
+        col = self.groups[gi].offsets[pi] - bucket.start
         return col, col + self.groups[gi].sharded[pi].chunk
 
     def zero_padding(self, gi: int, pi: int, block: torch.Tensor) -> None:
-        # the parameter's numel elements fill its [world, chunk] columns row by row: the rest is padding
+        # the parameter's numel elements fill its [world, chunk] columns row by row: the rest is
+        # padding
         sp = self.groups[gi].sharded[pi]
         full_rows, tail = divmod(sp.numel, sp.chunk)
         if tail:
@@ -137,7 +146,8 @@ class RankMajor:
 
 class ReduceScatterRows:
     """``ReduceCodec``: each rank keeps its row of a rank-major bucket summed over the group
-    (``collectives.reduce_scatter_rows``: NCCL's reduce-scatter, gloo's all-reduce, or shared memory)."""
+    (``collectives.reduce_scatter_rows``: NCCL's reduce-scatter, gloo's all-reduce, or shared
+    memory)."""
 
     def __init__(self, rank: int, comm_group=None):
         self.rank = rank
@@ -167,14 +177,18 @@ class Stage3GradSpec:
     bucket_numel: int             # reduce_bucket_size: elements a bucket moves over all ranks
     world: int                    # ranks sharded over (MiCS: the shard group)
     rank: int
-    placement: Any                # the optimizer's placement: where the gradient shards live, their copies
-    after_grad: Callable[[ShardedParam], None]  # releases a parameter's full data once its gradient is taken
+    # the optimizer's placement: where the gradient shards live, their copies
+    placement: DevicePlacement
+    # releases a parameter's full data once its gradient is taken
+    after_grad: Callable[[ShardedParam], None]
     dtypes: GradDtypes
     comm_group: Any = None
     in_flight: int = 2            # reductions left running while backward goes on
     quantized_bits: int = 0       # zero_quantized_gradients: 8 or 4 (0: exact)
-    replication: Replication = Replication()  # MiCS: the copies of each shard across the shard groups
-    positions: Optional[Sequence[Sequence[int]]] = None  # the parameters' registration order, per group
+    # MiCS: the copies of each shard across the shard groups
+    replication: Replication = Replication()
+    # the parameters' registration order, per group
+    positions: Optional[Sequence[Sequence[int]]] = None
 
 
 def _codec(spec: Stage3GradSpec) -> ReduceCodec:
@@ -192,8 +206,8 @@ def _reducer(spec: Stage3GradSpec, layout: RankMajor, landing) -> ShardReducer:
 
 
 def stage3_gradients(spec: Stage3GradSpec) -> ShardReducer:
-    """Stage 3's gradient store: rank-major buckets reduced into shards where the optimizer's placement
-    keeps master gradients."""
+    """Stage 3's gradient store: rank-major buckets reduced into shards where the optimizer's
+    placement keeps master gradients."""
     layout = RankMajor(spec.groups, spec.bucket_numel, spec.world, spec.after_grad, spec.dtypes)
     dtype = spec.dtypes.shard_dtype(spec.placement.cpu_optimizer)
     shards = [spec.placement.empty(g.shard_numel, dtype, g.shard_flat.device) for g in spec.groups]
@@ -202,8 +216,9 @@ def stage3_gradients(spec: Stage3GradSpec) -> ShardReducer:
 
 
 def swapped_stage3_gradients(spec: Stage3GradSpec, sink: GradSwap) -> ShardReducer:
-    """ZeRO-Infinity's: each reduced bucket's shard goes to the optimizer's swap records (``sink``), added
-    there under accumulation; nothing is stored but the sums of squares written (the global norm)."""
+    """ZeRO-Infinity's: each reduced bucket's shard goes to the optimizer's swap records (``sink``),
+    added there under accumulation; nothing is stored but the sums of squares written (the global
+    norm)."""
     layout = RankMajor(spec.groups, spec.bucket_numel, spec.world, spec.after_grad, spec.dtypes)
     shards = [on_disk() for _ in spec.groups]  # in the swap file, fp32
     regions = [layout.regions(gi) for gi in range(len(spec.groups))]
