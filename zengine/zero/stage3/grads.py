@@ -16,6 +16,11 @@ reduced in place, with no copy and no second gradient-sized allocation, when
 the reduce dtype is autograd's; with another (``communication_data_type``)
 every gradient is copied into a buffer in that dtype. Shards hold the sum over
 micro-steps in the accumulate dtype (``..grad_dtypes``).
+
+Stage 3's parts of the one ``ShardReducer`` (``..reducer``): the ``RankMajor`` bucket layout, the
+codecs ``ReduceScatterRows`` (exact) and ``QuantizedRows`` (ZeRO++ ``zero_quantized_gradients``),
+wrapped in ``..mics.Replicated`` under MiCS; the shards land in memory or, with ZeRO-Infinity, in
+the swap records (``offload/landing.py``). ``Stage3GradSpec`` names what ``build.py`` gives them.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ...distributed import collectives
-from ...offload.landing import Region, ShardsInMemory, ShardsInSwap
+from ...offload.landing import GradLanding, Region, ShardsInMemory, ShardsInSwap
 from ...offload.param_swap import on_disk
 from ...offload.placement import DevicePlacement
 from ...offload.state_swap import GradSwap
@@ -200,7 +205,7 @@ def _codec(spec: Stage3GradSpec) -> ReduceCodec:
     return Replicated(codec, spec.replication) if spec.replication.count > 1 else codec
 
 
-def _reducer(spec: Stage3GradSpec, layout: RankMajor, landing) -> ShardReducer:
+def _reducer(spec: Stage3GradSpec, layout: RankMajor, landing: GradLanding) -> ShardReducer:
     buffers = BucketBuffers(spec.dtypes.reduce, spec.placement.copies)
     return ShardReducer(layout, _codec(spec), landing, buffers, spec.in_flight, spec.positions)
 
