@@ -32,7 +32,8 @@ from torch import nn
 
 from .config import ZengineConfig, load_config
 from .zero.grad_dtypes import GradDtypes
-from .zero.grads import ShardReducer, buckets_in_flight
+from .zero.bucket_buffers import BucketBuffers
+from .zero.grads import buckets_in_flight
 from .offload.state_swap import MAX_CHUNK
 
 GiB = 1 << 30
@@ -181,8 +182,8 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
         est.transients["gradient buckets"] = wire * bucket * (in_flight + 1)
     if stage >= 2 and offload_opt == "cpu" and not cpu_training:
         # on a GPU, reduced buckets whose copies to the host still run are kept until then (a backlog bounded by
-        # ShardReducer.DOWNLOAD_BACKLOG_BYTES, and by the whole gradient): the price of not waiting for them
-        est.transients["gradient downloads"] = min(ShardReducer.DOWNLOAD_BACKLOG_BYTES, wire * psi)
+        # BucketBuffers.DOWNLOAD_BACKLOG_BYTES, and by the whole gradient): the price of not waiting for them
+        est.transients["gradient downloads"] = min(BucketBuffers.DOWNLOAD_BACKLOG_BYTES, wire * psi)
     if stage == 3:
         # those left in flight; a bucket reduced at once is the autograd gradient in hand (counted above)
         # unless the reduce dtype is another: then it is copied into a buffer of its own

@@ -46,7 +46,8 @@ def _sabotage(name):
     """Take one part of the overlap out (restored on exit)."""
     from zengine.offload.copies import StreamCopies
     from zengine.offload.step_pipeline import StepPipeline
-    from zengine.zero.grads import ShardReducer
+    from zengine.zero.bucket_buffers import BucketBuffers
+    from zengine.zero.reducer import ShardReducer
 
     saved = []
 
@@ -55,10 +56,10 @@ def _sabotage(name):
         setattr(owner, attr, value)
 
     if name == "no_backlog":  # not a sabotage: every reused bucket buffer waits for its download (on the device)
-        patch(ShardReducer, "DOWNLOAD_BACKLOG_BYTES", 0)
+        patch(BucketBuffers, "DOWNLOAD_BACKLOG_BYTES", 0)
     elif name == "settle_after_backward":  # the host waits for every download at the end of backward
         end = ShardReducer.end_backward
-        patch(ShardReducer, "end_backward", lambda self: (end(self), self.copies.settle())[0])
+        patch(ShardReducer, "end_backward", lambda self: (end(self), self.landing.settle())[0])
     elif name == "compute_waits":  # the compute stream waits for each download as it is queued
         queue = StreamCopies._queue_down
 

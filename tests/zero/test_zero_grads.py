@@ -49,7 +49,7 @@ def reordered(stage, disagree):
     x = torch.randn(4, 16)
     engine.backward(engine(x))
     if disagree and rank == 1:  # this rank proposes another order than its peers
-        proposal = engine.optimizer.grads._proposal
+        proposal = engine.optimizer.grads.agreement.proposal
         proposal[0] = list(reversed(proposal[0]))
     engine.step()
     orders = [list(q.order) for q in queues]

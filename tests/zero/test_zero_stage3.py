@@ -223,17 +223,17 @@ def adopted_gradient_run(precision, adopt=True):
     """Stage 3 with one weight per gradient bucket, so that each weight's gradient is reduced in place
     (no bucket copy): two backward calls per micro-step, accumulation 2, against plain torch. With
     ``adopt=False`` every gradient is copied into a bucket buffer as before."""
-    from zengine.zero.stage3.grads import Stage3Gradients
+    from zengine.zero.stage3.grads import RankMajor
 
     adopted = []
-    original = Stage3Gradients._adopt
+    original = RankMajor.adopt
 
-    def counting(self, gi, bucket, sp):
-        took = adopt and original(self, gi, bucket, sp)
+    def counting(self, gi, bucket, sp, buffers):
+        took = adopt and original(self, gi, bucket, sp, buffers)
         adopted.append(took)
         return took
 
-    Stage3Gradients._adopt = counting
+    RankMajor.adopt = counting
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(0)
@@ -259,7 +259,7 @@ def adopted_gradient_run(precision, adopt=True):
         with engine.summon_full_params(writeback=False):
             params = [p.detach().float().clone() for p in engine.module.parameters()]
     finally:
-        Stage3Gradients._adopt = original
+        RankMajor.adopt = original
     # as lists: tensors would go back through shared memory that the exiting worker takes with it
     return [p.tolist() for p in params], [p.tolist() for p in ref.parameters()], sum(adopted)
 

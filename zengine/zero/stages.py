@@ -15,7 +15,8 @@ from ..precision.grad_factor import GradFactor
 from .bucket_order import registration_positions
 from .flat_group import FlatParamGroup
 from .grad_dtypes import GradDtypes
-from .grads import FullGradients, ShardedGradients, buckets_in_flight
+from .flat_buckets import sharded_gradients
+from .grads import FullGradients, buckets_in_flight
 from .nonfinite import NonFinitePolicy
 from .mics import sharding
 from .optimizer import Ranks, StepRules, ZeroOptimizer
@@ -62,8 +63,9 @@ def build_zero_optimizer(module: nn.Module, config: ZengineConfig, named_groups:
     dtypes, in_flight = GradDtypes.from_config(config), buckets_in_flight(zero_cfg.overlap_comm)
     positions = registration_positions(module, groups)  # the buckets' launch order over the groups
     if zero_cfg.stage == 2:
-        grads = ShardedGradients(groups, zero_cfg.reduce_bucket_size, dtypes, zero_cfg.reduce_scatter,
-                                 placement.optimizer, ranks.group, in_flight, positions)
+        grads = sharded_gradients(groups, bucket_numel=zero_cfg.reduce_bucket_size, dtypes=dtypes,
+                                  to_owners=zero_cfg.reduce_scatter, placement=placement.optimizer,
+                                  comm_group=ranks.group, in_flight=in_flight, positions=positions)
     else:
         grads = FullGradients(groups, zero_cfg.reduce_bucket_size, dtypes, ranks.group, in_flight, positions)
     cpu = placement.optimizer.cpu_optimizer

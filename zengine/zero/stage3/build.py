@@ -25,7 +25,7 @@ from ..optimizer import Ranks, StepRules
 from .fetcher import Fetcher
 from .hierarchical import secondary_partition
 from .two_hop import gather_codec_for
-from .grads import Stage3Gradients, SwappedStage3Gradients
+from .grads import Stage3GradSpec, stage3_gradients, swapped_stage3_gradients
 from .leaf import mark_from_config
 from .group import ShardedParamGroup
 from .optimizer import ShardedModel, Stage3Optimizer
@@ -85,14 +85,16 @@ def build_stage3_optimizer(module: nn.Module, config: ZengineConfig, named_group
         if not sp.persistent and sp.state is ParamState.GATHERED:
             sp.free()
     masters = placement.master_store(groups, dtype, ranks.world, ranks.device)  # (Infinity: a sink)
-    grad_args = (groups, zero_cfg.reduce_bucket_size, ranks.world, ranks.rank, placement.optimizer,
-                 lambda sp: fetcher.release([sp], force=True), GradDtypes.from_config(config), ranks.group,
-                 buckets_in_flight(zero_cfg.overlap_comm),
-                 zero_cfg.zero_quantized_gradients_bits if zero_cfg.zero_quantized_gradients else 0, ranks.replication)
-    positions = registration_positions(module, groups)  # the buckets' launch order over the groups
-    grads = masters.gradient_store(
-        lambda: Stage3Gradients(*grad_args, positions=positions),
-        lambda sink: SwappedStage3Gradients(*grad_args, positions=positions, sink=sink))
+    spec = Stage3GradSpec(
+        groups=groups, bucket_numel=zero_cfg.reduce_bucket_size, world=ranks.world, rank=ranks.rank,
+        placement=placement.optimizer, after_grad=lambda sp: fetcher.release([sp], force=True),
+        dtypes=GradDtypes.from_config(config), comm_group=ranks.group,
+        in_flight=buckets_in_flight(zero_cfg.overlap_comm),
+        quantized_bits=zero_cfg.zero_quantized_gradients_bits if zero_cfg.zero_quantized_gradients else 0,
+        replication=ranks.replication,
+        positions=registration_positions(module, groups))  # the buckets' launch order over the groups
+    grads = masters.gradient_store(lambda: stage3_gradients(spec),
+                                   lambda sink: swapped_stage3_gradients(spec, sink))
     cpu = placement.optimizer.cpu_optimizer
     return Stage3Optimizer(ShardedModel(module, fetcher, all_sharded, frozen), groups, grads, placement, masters,
                            lambda g: make_optimizer(g, cpu), grad_factor, rules, ranks,
