@@ -50,6 +50,7 @@ from torch import nn
 from ..offload.placement import Placement
 from ..ops.shard_optimizer import abilities
 from ..precision.loss_scaler import LossScaler
+from ..runtime.base_optimizer import ZeROOptimizer  # DeepSpeed's base: its state_dict, isinstance
 from . import full_state
 from .grad_hooks import GradHooks
 from .flat_group import FlatParamGroup  # or any group with the same interface (stage 3's)
@@ -116,7 +117,7 @@ class StepOutcome(enum.Enum):
     NO_BACKWARD = "no_backward"  # no rank ran a backward since the last step: nothing to do
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(ZeROOptimizer):
     """Owns the flat groups, their fp32 masters, the gradient store and the wrapped optimizer.
 
     Everything it is made of comes in at construction: the groups and gradient store of its stage,
