@@ -1,0 +1,130 @@
+"""PyTorch Lightning's ``Trainer(strategy=DeepSpeedStrategy(stage=...))`` on zengine (issue 46): the
+user's script started as ``python train.py`` with ``ZENGINE_DEEPSPEED_COMPAT=1`` in the environment;
+Lightning's launcher starts the second rank itself, which gets the compatibility mode from the
+``.pth`` hook. At ZeRO stages 2 and 3 on 2 gloo ranks the script fits 2 steps, saves
+(``trainer.save_checkpoint``), fits to step 4 from that checkpoint (``ckpt_path``) with a model
+built from other weights, saves again, and converts both checkpoints with Lightning's
+``convert_zero_checkpoint_to_fp32_state_dict``. The converted weights must equal plain torch in one
+process on the global batch after 2 and 4 steps (a resume that lost Adam's moments or the weights
+fails), and carry Lightning's own state (``global_step``).
+
+Lightning's strategy accepts only CUDA; the script's subclass skips exactly that: the accelerator
+check of ``setup_environment`` and the device-index check of ``setup_distributed`` (CPU devices have
+no index). Both stages run in the same two processes: importing Lightning takes most of the time.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("pytorch_lightning") is None,
+                                reason="the test extra installs pytorch-lightning")
+
+LR, MICRO, WORLD = 1e-2, 2, 2
+
+SCRIPT = '''
+import os
+import sys
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.utilities.seed import reset_seed
+from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
+from pytorch_lightning.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+
+class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+    """DeepSpeedStrategy without its CUDA-only checks (this host has no GPU)."""
+
+    def setup_environment(self):
+        DDPStrategy.setup_environment(self)  # (skips: the accelerator must be CUDA)
+
+    def setup_distributed(self):
+        reset_seed()  # (skips: device indices must equal local ranks)
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+
+class Net(pl.LightningModule):
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr={lr}, weight_decay=0.0)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        n = {n}
+        data = torch.utils.data.TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size={micro})
+
+
+def trainer(stage, steps):
+    return pl.Trainer(accelerator="cpu", devices=2, strategy=CPUDeepSpeedStrategy(stage=stage),
+                      max_steps=steps, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+
+
+out = sys.argv[1]
+for stage in (2, 3):
+    first = trainer(stage, 2)
+    first.fit(Net(seed=0))
+    first.save_checkpoint(os.path.join(out, f"s{{stage}}_2"))
+    resumed = trainer(stage, 4)
+    resumed.fit(Net(seed=5), ckpt_path=os.path.join(out, f"s{{stage}}_2"))  # other weights: loaded
+    resumed.save_checkpoint(os.path.join(out, f"s{{stage}}_4"))
+    if resumed.is_global_zero:
+        for steps in (2, 4):
+            name = os.path.join(out, f"s{{stage}}_{{steps}}")
+            convert_zero_checkpoint_to_fp32_state_dict(name, name + ".pt")
+    resumed.strategy.barrier()
+'''.format(lr=LR, n=MICRO * WORLD, micro=MICRO)
+
+
+def _reference() -> dict:
+    """Plain torch in one process on the global batch; the weights after 2 and 4 steps. An epoch is
+    one global batch (each rank's DistributedSampler gives it half the rows, in a shuffled order that
+    a mean loss does not see), so every step is on every row, however the resumed fit counts epochs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(MICRO * WORLD, 4, generator=g), torch.randn(MICRO * WORLD, 2, generator=g)
+    after = {}
+    for step in range(4):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        after[step + 1] = {f"net.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    return after
+
+
+def test_trainer_fit_save_resume_convert_at_stages_2_and_3(tmp_path):
+    import zengine
+
+    (tmp_path / "train.py").write_text(SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(zengine.__file__)))
+    env = dict(os.environ, ZENGINE_DEEPSPEED_COMPAT="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p))
+    env.pop("LOCAL_RANK", None)  # Lightning's launcher starts the other rank only from a plain process
+    run = subprocess.run([sys.executable, str(tmp_path / "train.py"), str(tmp_path)], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    reference = _reference()
+    for stage in (2, 3):
+        for steps in (2, 4):
+            converted = torch.load(tmp_path / f"s{stage}_{steps}.pt", weights_only=False)
+            assert converted["global_step"] == steps
+            weights = converted["state_dict"]
+            assert set(weights) == set(reference[steps])
+            worst = max((weights[k] - v).abs().max().item() for k, v in reference[steps].items())
+            assert worst < 1e-6, (stage, steps, worst)
