@@ -1,14 +1,16 @@
-"""The DeepSpeed members Lightning's and Fabric's DeepSpeed strategies use, without Lightning (issue 46):
+"""The DeepSpeed members Lightning's and Fabric's DeepSpeed strategies use, tested without Lightning
+(issue 46):
 
 - ``deepspeed.utils.logging.logger`` (the strategies set its level when built);
 - the optimizer ``initialize`` returns is a ``deepspeed.runtime.base_optimizer.DeepSpeedOptimizer``
   (Fabric's ``load`` restores the optimizer state only then) with a ``state_dict`` of this rank's
   shard (Lightning's save asks for it), copied; ``load_state_dict`` refused by name;
 - ``save_checkpoint(exclude_frozen_parameters=...)``: False saves, True is refused by name;
-- ``deepspeed.utils.zero_to_fp32.get_optim_files`` / ``get_model_state_file`` (Lightning's converter)
-  on zengine checkpoints (stand-in files with the stage, world size and client_state) and on
-  DeepSpeed-written ones (tests/fixtures/deepspeed: DeepSpeed's file names, in rank order).
+- ``deepspeed.utils.zero_to_fp32.get_optim_files`` / ``get_model_state_file`` (Lightning's
+  converter) on zengine checkpoints (stand-in files with the stage, world size and client_state)
+  and on DeepSpeed-written ones (tests/fixtures/deepspeed: DeepSpeed's file names, in rank order).
 """
+
 import os
 
 import pytest
@@ -21,7 +23,9 @@ from zengine.compat import ALIASES
 from zengine.runtime.base_optimizer import DeepSpeedOptimizer
 from zengine.utils import zero_to_fp32
 
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "deepspeed")
+FIXTURES = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "deepspeed"
+)
 
 
 class Note:
@@ -31,9 +35,14 @@ class Note:
 def _engine(stage: int):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
-    engine, optimizer, _, _ = zengine.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    }
+    engine, optimizer, _, _ = zengine.initialize(
+        model=model, config=cfg, model_parameters=model.parameters()
+    )
     for step in range(2):
         g = torch.Generator().manual_seed(step * 10 + dist.get_rank())
         loss = engine(torch.randn(2, 4, generator=g)).square().mean()
@@ -59,12 +68,20 @@ def surface_cases(root: str) -> dict:
         with pytest.raises(NotImplementedError, match="exclude_frozen_parameters"):
             engine.save_checkpoint(root, tag=f"s{stage}_frozen", exclude_frozen_parameters=True)
         folder = os.path.join(root, f"s{stage}")
-        engine.save_checkpoint(folder, tag="ck", client_state={"epoch": 3, "note": "x"},
-                               exclude_frozen_parameters=False)
+        engine.save_checkpoint(
+            folder,
+            tag="ck",
+            client_state={"epoch": 3, "note": "x"},
+            exclude_frozen_parameters=False,
+        )
         engine.save_checkpoint(folder, tag="user", client_state={"obj": Note()})
-        out[stage] = {"isinstance": isinstance(optimizer, DeepSpeedOptimizer), "copied": same and still,
-                      "moments_kept": all(not torch.equal(m, live) for m, live in zip(moments, live_moments)),
-                      "partition_count": state["partition_count"], "numel": sum(m.numel() for m in masters)}
+        out[stage] = {
+            "isinstance": isinstance(optimizer, DeepSpeedOptimizer),
+            "copied": same and still,
+            "moments_kept": all(not torch.equal(m, live) for m, live in zip(moments, live_moments)),
+            "partition_count": state["partition_count"],
+            "numel": sum(m.numel() for m in masters),
+        }
         engine.destroy()
     return out
 
@@ -104,7 +121,12 @@ def test_lightning_converter_files_of_a_zengine_checkpoint(surface, stage):
     summary = torch.load(optim[0], weights_only=True)["optimizer_state_dict"]
     assert summary == {"zero_stage": stage, "partition_count": 2}
     model = torch.load(zero_to_fp32.get_model_state_file(folder, stage), weights_only=True)
-    assert (model["epoch"], model["note"], model["global_steps"], model["dp_world_size"]) == (3, "x", 2, 2)
+    assert (model["epoch"], model["note"], model["global_steps"], model["dp_world_size"]) == (
+        3,
+        "x",
+        2,
+        2,
+    )
     untrusted = os.path.join(root, f"s{stage}", "user")
     with pytest.raises(zengine.checkpoint.CheckpointUntrustedError):
         zero_to_fp32.get_model_state_file(untrusted, stage)
@@ -114,10 +136,13 @@ def test_lightning_converter_files_of_a_zengine_checkpoint(surface, stage):
 def test_lightning_converter_files_of_a_deepspeed_checkpoint(name, stage):
     folder = os.path.join(FIXTURES, name, "global_step3")
     optim = zero_to_fp32.get_optim_files(folder)
-    assert [os.path.basename(f) for f in optim] == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
-                                                    for r in range(2)]
+    assert [os.path.basename(f) for f in optim] == [
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)
+    ]
     model = zero_to_fp32.get_model_state_file(folder, stage)
-    expected = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+    expected = (
+        "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+    )
     assert model == os.path.join(folder, expected)
 
 

@@ -1,9 +1,9 @@
 """Lightning Fabric's ``DeepSpeedStrategy`` on zengine (issue 46): the user's script started as
 ``python train.py`` with ``ZENGINE_DEEPSPEED_COMPAT=1`` in the environment (Fabric's launcher starts
-the second rank, which gets the compatibility mode from the ``.pth`` hook). At ZeRO stages 2 and 3 on
-2 gloo ranks: 4 steps uninterrupted; then 2 steps, ``fabric.save``, a model and optimizer built anew
-from other weights, ``fabric.load`` of model and optimizer, 2 more steps. The losses after the load
-must equal the uninterrupted run's (the optimizer state is restored: without Adam's moments the
+the second rank, which gets the compatibility mode from the ``.pth`` hook). At ZeRO stages 2 and 3
+on 2 gloo ranks: 4 steps uninterrupted; then 2 steps, ``fabric.save``, a model and optimizer built
+anew from other weights, ``fabric.load`` of model and optimizer, 2 more steps. The losses after the
+load must equal the uninterrupted run's (the optimizer state is restored: without Adam's moments the
 fourth step differs), and the final weights (``deepspeed.utils.zero_to_fp32`` on a last save) must
 equal both the uninterrupted run's and plain torch in one process on the global batch.
 
@@ -11,6 +11,7 @@ Fabric's strategy accepts only CUDA; the script's subclass skips exactly that: t
 of ``setup_environment`` and the device-index check of ``_setup_distributed`` (CPU devices have no
 index). Both stages run in the same two processes: importing Lightning takes most of the time.
 """
+
 import importlib.util
 import os
 import subprocess
@@ -19,8 +20,10 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning_fabric") is None,
-                                reason="the test extra installs pytorch-lightning (lightning_fabric)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("lightning_fabric") is None,
+    reason="the test extra installs pytorch-lightning (lightning_fabric)",
+)
 
 LR, MICRO, WORLD, STEPS = 1e-2, 2, 2, 4
 
@@ -61,7 +64,8 @@ def train(fabric, model, opt, steps):
     x, y = torch.randn({rows}, 4, generator=g), torch.randn({rows}, 2, generator=g)
     losses = []
     for step in steps:  # rank r: its part of the step's global batch
-        rows = slice((step * {world} + fabric.global_rank) * {micro}, (step * {world} + fabric.global_rank + 1) * {micro})
+        first = (step * {world} + fabric.global_rank) * {micro}
+        rows = slice(first, first + {micro})
         loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
         fabric.backward(loss, model=model)  # (several engines live in this process)
         opt.step()
@@ -121,11 +125,21 @@ def test_fabric_save_load_restores_model_and_optimizer_at_stages_2_and_3(tmp_pat
 
     (tmp_path / "train.py").write_text(SCRIPT)
     root = os.path.dirname(os.path.dirname(os.path.abspath(zengine.__file__)))
-    env = dict(os.environ, ZENGINE_DEEPSPEED_COMPAT="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p))
+    env = dict(
+        os.environ,
+        ZENGINE_DEEPSPEED_COMPAT="1",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p),
+    )
     env.pop("LOCAL_RANK", None)  # Fabric's launcher starts the other rank only from a plain process
-    run = subprocess.run([sys.executable, str(tmp_path / "train.py"), str(tmp_path)], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=400)
+    run = subprocess.run(
+        [sys.executable, str(tmp_path / "train.py"), str(tmp_path)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     results = torch.load(tmp_path / "results.pt", weights_only=False)
     reference = _reference()

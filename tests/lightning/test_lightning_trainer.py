@@ -1,9 +1,11 @@
 """PyTorch Lightning's ``Trainer(strategy=DeepSpeedStrategy(stage=...))`` on zengine (issue 46): the
 user's script started as ``python train.py`` with ``ZENGINE_DEEPSPEED_COMPAT=1`` in the environment;
 Lightning's launcher starts the second rank itself, which gets the compatibility mode from the
-``.pth`` hook. At ZeRO stages 2 and 3 on 2 gloo ranks the script fits 2 steps, saves
-(``trainer.save_checkpoint``), fits to step 4 from that checkpoint (``ckpt_path``) with a model
-built from other weights, saves again, and converts both checkpoints with Lightning's
+``.pth`` hook. At ZeRO stages 2 and 3 on 2 gloo ranks, with the model built in
+``configure_model`` (Lightning's way for stage 3: inside the strategy's ``deepspeed.zero.Init``),
+the script fits 2 steps, saves (``trainer.save_checkpoint``), fits to step 4 from that checkpoint
+(``ckpt_path``) with a model built from other weights, saves again, and converts both checkpoints
+with Lightning's
 ``convert_zero_checkpoint_to_fp32_state_dict``. The converted weights must equal plain torch in one
 process on the global batch after 2 and 4 steps (a resume that lost Adam's moments or the weights
 fails), and carry Lightning's own state (``global_step``).
@@ -12,6 +14,7 @@ Lightning's strategy accepts only CUDA; the script's subclass skips exactly that
 check of ``setup_environment`` and the device-index check of ``setup_distributed`` (CPU devices have
 no index). Both stages run in the same two processes: importing Lightning takes most of the time.
 """
+
 import importlib.util
 import os
 import subprocess
@@ -20,8 +23,10 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("pytorch_lightning") is None,
-                                reason="the test extra installs pytorch-lightning")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("pytorch_lightning") is None,
+    reason="the test extra installs pytorch-lightning",
+)
 
 LR, MICRO, WORLD = 1e-2, 2, 2
 
@@ -51,8 +56,12 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
 class Net(pl.LightningModule):
     def __init__(self, seed):
         super().__init__()
-        torch.manual_seed(seed)
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        self.seed = seed
+
+    def configure_model(self):  # under the strategy's zero.Init: built sharded at stage 3
+        torch.manual_seed(self.seed)
+        layers = [torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)]
+        self.net = torch.nn.Sequential(*layers)
 
     def training_step(self, batch, i):
         x, y = batch
@@ -64,7 +73,8 @@ class Net(pl.LightningModule):
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
         n = {n}
-        data = torch.utils.data.TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g))
+        x, y = torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g)
+        data = torch.utils.data.TensorDataset(x, y)
         return torch.utils.data.DataLoader(data, batch_size={micro})
 
 
@@ -92,8 +102,9 @@ for stage in (2, 3):
 
 def _reference() -> dict:
     """Plain torch in one process on the global batch; the weights after 2 and 4 steps. An epoch is
-    one global batch (each rank's DistributedSampler gives it half the rows, in a shuffled order that
-    a mean loss does not see), so every step is on every row, however the resumed fit counts epochs."""
+    one global batch (each rank's DistributedSampler gives it half the rows, in a shuffled order
+    that a mean loss does not see), so every step is on every row, however the resumed fit counts
+    epochs."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
@@ -113,11 +124,23 @@ def test_trainer_fit_save_resume_convert_at_stages_2_and_3(tmp_path):
 
     (tmp_path / "train.py").write_text(SCRIPT)
     root = os.path.dirname(os.path.dirname(os.path.abspath(zengine.__file__)))
-    env = dict(os.environ, ZENGINE_DEEPSPEED_COMPAT="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p))
-    env.pop("LOCAL_RANK", None)  # Lightning's launcher starts the other rank only from a plain process
-    run = subprocess.run([sys.executable, str(tmp_path / "train.py"), str(tmp_path)], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=400)
+    env = dict(
+        os.environ,
+        ZENGINE_DEEPSPEED_COMPAT="1",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p),
+    )
+    env.pop(
+        "LOCAL_RANK", None
+    )  # Lightning's launcher starts the other rank only from a plain process
+    run = subprocess.run(
+        [sys.executable, str(tmp_path / "train.py"), str(tmp_path)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     reference = _reference()
     for stage in (2, 3):

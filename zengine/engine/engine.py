@@ -317,9 +317,10 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
         memory, write in the background (see ``wait_for_checkpoint``). ``exclude_frozen_parameters``
         (DeepSpeed's): only False; a checkpoint keeps the frozen parameters with the others."""
         if exclude_frozen_parameters:
-            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters=True): zengine checkpoints "
-                                      "keep frozen parameters with the others; pass False (Lightning: "
-                                      "DeepSpeedStrategy(exclude_frozen_parameters=False), its default)")
+            raise NotImplementedError(
+                "save_checkpoint(exclude_frozen_parameters=True): zengine checkpoints keep frozen "
+                "parameters with the others; pass False (Lightning: "
+                "DeepSpeedStrategy(exclude_frozen_parameters=False), its default)")
         if async_save is None:
             async_save = self.config.checkpoint.writer.decoupled
         with agreement.collective_call("save_checkpoint"):

@@ -7,6 +7,7 @@ also gives it DeepSpeed's ``state_dict`` (this rank's shard, for inspection: Lig
 asks for it when it saves, then keeps DeepSpeed's own checkpoint instead) and a ``load_state_dict``
 that says where the state is restored from (``engine.load_checkpoint``).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -19,31 +20,40 @@ class DeepSpeedOptimizer:
 
 
 class ZeROOptimizer(DeepSpeedOptimizer):
-    """DeepSpeed's class of its ZeRO optimizers. A subclass provides ``optimizer`` (the wrapped torch
-    optimizer over this rank's flat fp32 master shards), ``masters`` (those shards), ``world`` (the
-    ranks they are cut over) and ``states_resident()`` (a context with every state in memory)."""
+    """DeepSpeed's class of its ZeRO optimizers. A subclass provides ``optimizer`` (the wrapped
+    torch optimizer over this rank's flat fp32 master shards), ``masters`` (those shards),
+    ``world`` (the ranks they are cut over) and ``states_resident()`` (a context with every state
+    in memory)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's part of the optimizer, copied: the wrapped optimizer's ``state_dict`` over its
-        flat master shards (``base_optimizer_state``), the shards themselves
-        (``single_partition_of_fp32_groups``, DeepSpeed's name) and ``partition_count``. It is one
-        rank's view, as DeepSpeed's is; a checkpoint is ``engine.save_checkpoint``."""
+        """This rank's part of the optimizer, copied: the wrapped optimizer's ``state_dict`` over
+        its flat master shards (``base_optimizer_state``), the shards themselves
+        (``single_partition_of_fp32_groups``, DeepSpeed's name) and ``partition_count``. It is
+        one rank's view, as DeepSpeed's is; a checkpoint is ``engine.save_checkpoint``."""
         with self.states_resident():
             base = self.optimizer.state_dict()
-            state = {key: {name: value.detach().clone() if torch.is_tensor(value) else value
-                           for name, value in per_param.items()}
-                     for key, per_param in base["state"].items()}
-            return {"base_optimizer_state": {"state": state, "param_groups": base["param_groups"]},
-                    "single_partition_of_fp32_groups": [m.detach().clone() for m in self.masters],
-                    "partition_count": self.world}
+            state = {
+                key: {
+                    name: value.detach().clone() if torch.is_tensor(value) else value
+                    for name, value in per_param.items()
+                }
+                for key, per_param in base["state"].items()
+            }
+            return {
+                "base_optimizer_state": {"state": state, "param_groups": base["param_groups"]},
+                "single_partition_of_fp32_groups": [m.detach().clone() for m in self.masters],
+                "partition_count": self.world,
+            }
 
     def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
         """Refused: a ZeRO optimizer's state is sharded over the ranks and restored with the model's
-        (``engine.load_checkpoint(load_dir, load_optimizer_states=True)``, which also takes any world
-        size and stage); one rank's ``state_dict`` cannot restore it."""
+        (``engine.load_checkpoint(load_dir, load_optimizer_states=True)``, which also takes any
+        world size and stage); one rank's ``state_dict`` cannot restore it."""
         raise NotImplementedError(
-            "ZeRO optimizer load_state_dict: the optimizer state is sharded over the ranks and restored "
-            "with engine.load_checkpoint(load_dir) (load_optimizer_states=True), not from a state_dict")
+            "ZeRO optimizer load_state_dict: the optimizer state is sharded over the ranks and "
+            "restored with engine.load_checkpoint(load_dir) (load_optimizer_states=True), not from "
+            "a state_dict"
+        )
 
 
 __all__ = ["DeepSpeedOptimizer", "ZeROOptimizer"]

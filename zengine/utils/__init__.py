@@ -1,6 +1,6 @@
 """``zengine.utils``: what DeepSpeed scripts import from ``deepspeed.utils``.
 
-- ``logger`` and ``log_dist(message, ranks)``, also as ``utils.logging.logger`` (DeepSpeed's module);
+- ``logger`` and ``log_dist(message, ranks)``, also in ``utils.logging`` (DeepSpeed's module);
 - ``RepeatingLoader``;
 - ``safe_get_full_fp32_param``, ``safe_set_full_fp32_param``, ``safe_get_full_grad``,
   ``safe_get_full_optimizer_state``, ``safe_set_full_optimizer_state``: one parameter whole,
