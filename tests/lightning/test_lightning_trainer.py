@@ -8,7 +8,10 @@ the script fits 2 steps, saves (``trainer.save_checkpoint``), fits to step 4 fro
 with Lightning's
 ``convert_zero_checkpoint_to_fp32_state_dict``. The converted weights must equal plain torch in one
 process on the global batch after 2 and 4 steps (a resume that lost Adam's moments or the weights
-fails), and carry Lightning's own state (``global_step``).
+fails), and carry Lightning's own state (``global_step``). Last, at stage 3, a fit from the
+converted file with ``DeepSpeedStrategy(load_full_weights=True)`` (Lightning loads it into the
+sharded model through ``deepspeed.zero.GatheredParameters(modifier_rank=0)``) takes a fifth step,
+with a new optimizer state as Lightning warns, from the 4-step weights.
 
 Lightning's strategy accepts only CUDA; the script's subclass skips exactly that: the accelerator
 check of ``setup_environment`` and the device-index check of ``setup_distributed`` (CPU devices have
@@ -78,8 +81,9 @@ class Net(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size={micro})
 
 
-def trainer(stage, steps):
-    return pl.Trainer(accelerator="cpu", devices=2, strategy=CPUDeepSpeedStrategy(stage=stage),
+def trainer(stage, steps, **options):
+    strategy = CPUDeepSpeedStrategy(stage=stage, **options)
+    return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy,
                       max_steps=steps, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)
 
@@ -97,12 +101,20 @@ for stage in (2, 3):
             name = os.path.join(out, f"s{{stage}}_{{steps}}")
             convert_zero_checkpoint_to_fp32_state_dict(name, name + ".pt")
     resumed.strategy.barrier()
+# stage 3 from the converted single file (load_full_weights: the weights, not the optimizer state)
+full = trainer(3, 5, load_full_weights=True)
+full.fit(Net(seed=5), ckpt_path=os.path.join(out, "s3_4.pt"))
+full.save_checkpoint(os.path.join(out, "s3_5"))
+if full.is_global_zero:
+    name = os.path.join(out, "s3_5")
+    convert_zero_checkpoint_to_fp32_state_dict(name, name + ".pt")
 '''.format(lr=LR, n=MICRO * WORLD, micro=MICRO)
 
 
 def _reference() -> dict:
-    """Plain torch in one process on the global batch; the weights after 2 and 4 steps. An epoch is
-    one global batch (each rank's DistributedSampler gives it half the rows, in a shuffled order
+    """Plain torch in one process on the global batch; the weights after 2 and 4 steps, and after
+    a fifth with a new optimizer (a resume from one file with load_full_weights). An epoch is one
+    global batch (each rank's DistributedSampler gives it half the rows, in a shuffled order
     that a mean loss does not see), so every step is on every row, however the resumed fit counts
     epochs."""
     torch.manual_seed(0)
@@ -116,6 +128,10 @@ def _reference() -> dict:
         opt.step()
         opt.zero_grad()
         after[step + 1] = {f"net.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)  # load_full_weights: new
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    after["full"] = {f"net.{k}": v.detach().clone() for k, v in model.state_dict().items()}
     return after
 
 
@@ -143,11 +159,10 @@ def test_trainer_fit_save_resume_convert_at_stages_2_and_3(tmp_path):
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     reference = _reference()
-    for stage in (2, 3):
-        for steps in (2, 4):
-            converted = torch.load(tmp_path / f"s{stage}_{steps}.pt", weights_only=False)
-            assert converted["global_step"] == steps
-            weights = converted["state_dict"]
-            assert set(weights) == set(reference[steps])
-            worst = max((weights[k] - v).abs().max().item() for k, v in reference[steps].items())
-            assert worst < 1e-6, (stage, steps, worst)
+    for stage, steps, expected in [(2, 2, 2), (2, 4, 4), (3, 2, 2), (3, 4, 4), (3, 5, "full")]:
+        converted = torch.load(tmp_path / f"s{stage}_{steps}.pt", weights_only=False)
+        assert converted["global_step"] == steps
+        weights = converted["state_dict"]
+        assert set(weights) == set(reference[expected])
+        worst = max((weights[k] - v).abs().max().item() for k, v in reference[expected].items())
+        assert worst < 1e-6, (stage, steps, worst)
