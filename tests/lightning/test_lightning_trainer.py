@@ -11,7 +11,8 @@ process on the global batch after 2 and 4 steps (a resume that lost Adam's momen
 fails), and carry Lightning's own state (``global_step``). Last, at stage 3, a fit from the
 converted file with ``DeepSpeedStrategy(load_full_weights=True)`` (Lightning loads it into the
 sharded model through ``deepspeed.zero.GatheredParameters(modifier_rank=0)``) takes a fifth step,
-with a new optimizer state as Lightning warns, from the 4-step weights.
+with a new optimizer state as Lightning warns, from the 4-step weights; and at stage 2 a fit with
+``accumulate_grad_batches=2`` equals plain torch on both micro-batches of each step.
 
 Lightning's strategy accepts only CUDA; the script's subclass skips exactly that: the accelerator
 check of ``setup_environment`` and the device-index check of ``setup_distributed`` (CPU devices have
@@ -57,9 +58,9 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
 
 
 class Net(pl.LightningModule):
-    def __init__(self, seed):
+    def __init__(self, seed, rows={n}):
         super().__init__()
-        self.seed = seed
+        self.seed, self.rows = seed, rows
 
     def configure_model(self):  # under the strategy's zero.Init: built sharded at stage 3
         torch.manual_seed(self.seed)
@@ -75,17 +76,18 @@ class Net(pl.LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
-        n = {n}
+        n = self.rows
         x, y = torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g)
         data = torch.utils.data.TensorDataset(x, y)
         return torch.utils.data.DataLoader(data, batch_size={micro})
 
 
-def trainer(stage, steps, **options):
+def trainer(stage, steps, accumulate_grad_batches=1, **options):
     strategy = CPUDeepSpeedStrategy(stage=stage, **options)
-    return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy,
-                      max_steps=steps, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False)
+    return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps,
+                      accumulate_grad_batches=accumulate_grad_batches, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
 
 
 out = sys.argv[1]
@@ -107,6 +109,13 @@ full.fit(Net(seed=5), ckpt_path=os.path.join(out, "s3_4.pt"))
 full.save_checkpoint(os.path.join(out, "s3_5"))
 if full.is_global_zero:
     name = os.path.join(out, "s3_5")
+    convert_zero_checkpoint_to_fp32_state_dict(name, name + ".pt")
+# stage 2, accumulate_grad_batches=2 (the config's gradient_accumulation_steps): 2 micro-batches
+accumulating = trainer(2, 2, accumulate_grad_batches=2)
+accumulating.fit(Net(seed=0, rows=2 * {n}))
+accumulating.save_checkpoint(os.path.join(out, "s2_acc"))
+if accumulating.is_global_zero:
+    name = os.path.join(out, "s2_acc")
     convert_zero_checkpoint_to_fp32_state_dict(name, name + ".pt")
 '''.format(lr=LR, n=MICRO * WORLD, micro=MICRO)
 
@@ -132,7 +141,23 @@ def _reference() -> dict:
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
     after["full"] = {f"net.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    after["acc"] = _accumulated()
     return after
+
+
+def _accumulated() -> dict:
+    """Plain torch: 2 steps on twice the rows (an epoch: each rank's 2 micro-batches, one step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    g = torch.Generator().manual_seed(1)
+    rows = 2 * MICRO * WORLD
+    x, y = torch.randn(rows, 4, generator=g), torch.randn(rows, 2, generator=g)
+    for _ in range(2):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {f"net.{k}": v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def test_trainer_fit_save_resume_convert_at_stages_2_and_3(tmp_path):
@@ -159,10 +184,12 @@ def test_trainer_fit_save_resume_convert_at_stages_2_and_3(tmp_path):
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     reference = _reference()
-    for stage, steps, expected in [(2, 2, 2), (2, 4, 4), (3, 2, 2), (3, 4, 4), (3, 5, "full")]:
-        converted = torch.load(tmp_path / f"s{stage}_{steps}.pt", weights_only=False)
+    cases = [("s2_2", 2, 2), ("s2_4", 4, 4), ("s3_2", 2, 2), ("s3_4", 4, 4), ("s3_5", 5, "full"),
+             ("s2_acc", 2, "acc")]
+    for name, steps, expected in cases:
+        converted = torch.load(tmp_path / f"{name}.pt", weights_only=False)
         assert converted["global_step"] == steps
         weights = converted["state_dict"]
         assert set(weights) == set(reference[expected])
         worst = max((weights[k] - v).abs().max().item() for k, v in reference[expected].items())
-        assert worst < 1e-6, (stage, steps, worst)
+        assert worst < 1e-6, (name, worst)
