@@ -1,17 +1,17 @@
 """PyTorch Lightning's ``Trainer(strategy=DeepSpeedStrategy(stage=...))`` on zengine (issue 46): the
 user's script started as ``python train.py`` with ``ZENGINE_DEEPSPEED_COMPAT=1`` in the environment;
 Lightning's launcher starts the second rank itself, which gets the compatibility mode from the
-``.pth`` hook. At ZeRO stages 2 and 3 on 2 gloo ranks, with the model built in
-``configure_model`` (Lightning's way for stage 3: inside the strategy's ``deepspeed.zero.Init``),
-the script fits 2 steps, saves (``trainer.save_checkpoint``), fits to step 4 from that checkpoint
-(``ckpt_path``) with a model built from other weights, saves again, and converts both checkpoints
-with Lightning's
+``.pth`` hook. At ZeRO stages 2 and 3 on 2 gloo ranks, with the model built in ``configure_model``
+(Lightning's way for stage 3: inside the strategy's ``deepspeed.zero.Init``), the script fits 2
+steps, saves (``trainer.save_checkpoint``), fits to step 4 from that checkpoint (``ckpt_path``) with
+a model built from other weights, saves again, and converts both checkpoints with Lightning's
 ``convert_zero_checkpoint_to_fp32_state_dict``. The converted weights must equal plain torch in one
-process on the global batch after 2 and 4 steps (a resume that lost Adam's moments or the weights
-fails), and carry Lightning's own state (``global_step``). Last, at stage 3, a fit from the
-converted file with ``DeepSpeedStrategy(load_full_weights=True)`` (Lightning loads it into the
-sharded model through ``deepspeed.zero.GatheredParameters(modifier_rank=0)``) takes a fifth step,
-with a new optimizer state as Lightning warns, from the 4-step weights; and at stage 2 a fit with
+process on the global batch after 2 and 4 steps, with a StepLR schedule Lightning steps on the
+engine's optimizer (a resume that lost Adam's moments, the schedule or the weights fails), and carry
+Lightning's own state (``global_step``). Last, at stage 3, a fit from the converted file with
+``DeepSpeedStrategy(load_full_weights=True)`` (Lightning loads it into the sharded model through
+``deepspeed.zero.GatheredParameters(modifier_rank=0)``) takes a fifth step, with a new optimizer
+state as Lightning warns, from the 4-step weights; and at stage 2 a fit with
 ``accumulate_grad_batches=2`` equals plain torch on both micro-batches of each step.
 
 Lightning's strategy accepts only CUDA; the script's subclass skips exactly that: the accelerator
@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 LR, MICRO, WORLD = 1e-2, 2, 2
+GAMMA = 0.5  # StepLR at every step: Lightning steps it on the engine's optimizer and restores it
 
 SCRIPT = '''
 import os
@@ -72,7 +73,9 @@ class Net(pl.LightningModule):
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr={lr}, weight_decay=0.0)
+        opt = torch.optim.AdamW(self.parameters(), lr={lr}, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma={gamma})
+        return {{"optimizer": opt, "lr_scheduler": {{"scheduler": schedule, "interval": "step"}}}}
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
@@ -117,47 +120,46 @@ accumulating.save_checkpoint(os.path.join(out, "s2_acc"))
 if accumulating.is_global_zero:
     name = os.path.join(out, "s2_acc")
     convert_zero_checkpoint_to_fp32_state_dict(name, name + ".pt")
-'''.format(lr=LR, n=MICRO * WORLD, micro=MICRO)
+'''.format(lr=LR, gamma=GAMMA, n=MICRO * WORLD, micro=MICRO)
+
+
+def _named(model: torch.nn.Module) -> dict:
+    return {f"net.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _plain(rows: int, steps: int):
+    """Plain torch in one process, each step on all ``rows`` (the global batch): yields the step
+    number, the model after it, and the data. An epoch is one global batch (each rank's
+    DistributedSampler gives it its share of the rows, in a shuffled order that a mean loss does
+    not see), so every step is on every row, however a resumed fit counts epochs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(rows, 4, generator=g), torch.randn(rows, 2, generator=g)
+    for step in range(steps):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+        yield step + 1, model, x, y
 
 
 def _reference() -> dict:
-    """Plain torch in one process on the global batch; the weights after 2 and 4 steps, and after
-    a fifth with a new optimizer (a resume from one file with load_full_weights). An epoch is one
-    global batch (each rank's DistributedSampler gives it half the rows, in a shuffled order
-    that a mean loss does not see), so every step is on every row, however the resumed fit counts
-    epochs."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(MICRO * WORLD, 4, generator=g), torch.randn(MICRO * WORLD, 2, generator=g)
+    """The weights after 2 and 4 steps; after a fifth with a new optimizer (a resume from one file
+    with load_full_weights: a new AdamW at its initial lr, the restored schedule acts from its next
+    step); after 2 steps of 2 micro-batches each (accumulate_grad_batches=2: twice the rows)."""
     after = {}
-    for step in range(4):
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        after[step + 1] = {f"net.{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)  # load_full_weights: new
+    for step, model, x, y in _plain(MICRO * WORLD, 4):
+        after[step] = _named(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
-    after["full"] = {f"net.{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    after["acc"] = _accumulated()
+    after["full"] = _named(model)
+    for _, model, _, _ in _plain(2 * MICRO * WORLD, 2):
+        after["acc"] = _named(model)
     return after
-
-
-def _accumulated() -> dict:
-    """Plain torch: 2 steps on twice the rows (an epoch: each rank's 2 micro-batches, one step)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    g = torch.Generator().manual_seed(1)
-    rows = 2 * MICRO * WORLD
-    x, y = torch.randn(rows, 4, generator=g), torch.randn(rows, 2, generator=g)
-    for _ in range(2):
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return {f"net.{k}": v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def test_trainer_fit_save_resume_convert_at_stages_2_and_3(tmp_path):
