@@ -4,7 +4,8 @@
 - ``deepspeed.utils.logging.logger`` (the strategies set its level when built);
 - the optimizer ``initialize`` returns is a ``deepspeed.runtime.base_optimizer.DeepSpeedOptimizer``
   (Fabric's ``load`` restores the optimizer state only then) with a ``state_dict`` of this rank's
-  shard (Lightning's save asks for it), copied; ``load_state_dict`` refused by name;
+  shard (Lightning's save asks for it): the optimizer's own tensors, copies where NVMe offload
+  swaps them out between steps; ``load_state_dict`` refused by name;
 - ``save_checkpoint(exclude_frozen_parameters=...)``: False saves, True is refused by name;
 - ``deepspeed.utils.zero_to_fp32.get_optim_files`` / ``get_model_state_file`` (Lightning's
   converter) on zengine checkpoints (stand-in files with the stage, world size and client_state)
@@ -12,6 +13,7 @@
 """
 
 import os
+from typing import Optional
 
 import pytest
 import torch
@@ -32,17 +34,16 @@ class Note:
     """A user's own class in client_state (not loadable weights-only)."""
 
 
-def _engine(stage: int):
+def _engine(stage: int, nvme_path: Optional[str] = None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-    cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "zero_optimization": {"stage": stage},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-    }
-    engine, optimizer, _, _ = zengine.initialize(
-        model=model, config=cfg, model_parameters=model.parameters()
-    )
+    zero = {"stage": stage}
+    if nvme_path:  # Adam's moments and the masters swapped to files between steps
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2}
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine, optimizer, _, _ = zengine.initialize(model=model, config=cfg,
+                                                 model_parameters=model.parameters())
     for step in range(2):
         g = torch.Generator().manual_seed(step * 10 + dist.get_rank())
         loss = engine(torch.randn(2, 4, generator=g)).square().mean()
@@ -51,38 +52,43 @@ def _engine(stage: int):
     return engine, optimizer
 
 
+def _tensors(state: dict) -> list:
+    """The masters and Adam's moments of a state_dict, in order."""
+    per_param = state["base_optimizer_state"]["state"].values()
+    moments = [s[key] for s in per_param for key in ("exp_avg", "exp_avg_sq")]
+    return state["single_partition_of_fp32_groups"] + moments
+
+
 def surface_cases(root: str) -> dict:
     out = {}
     for stage in (2, 3):
         engine, optimizer = _engine(stage)
         state = optimizer.state_dict()
-        masters = state["single_partition_of_fp32_groups"]
-        moments = [s["exp_avg"] for s in state["base_optimizer_state"]["state"].values()]
-        same = all(torch.equal(m, live) for m, live in zip(masters, optimizer.masters))
-        for m in masters + moments:
-            m.add_(1.0)  # a copy: the optimizer keeps its values
-        still = all(not torch.equal(m, live) for m, live in zip(masters, optimizer.masters))
-        live_moments = [optimizer.state[p]["exp_avg"] for p in optimizer.shard_params]
+        live = list(optimizer.masters) + [optimizer.state[p][key] for p in optimizer.shard_params
+                                          for key in ("exp_avg", "exp_avg_sq")]
+        mine = _tensors(state)
+        shared = len(mine) == len(live) and all(t is l for t, l in zip(mine, live))
         with pytest.raises(NotImplementedError, match="engine.load_checkpoint"):
             optimizer.load_state_dict(state)
         with pytest.raises(NotImplementedError, match="exclude_frozen_parameters"):
             engine.save_checkpoint(root, tag=f"s{stage}_frozen", exclude_frozen_parameters=True)
         folder = os.path.join(root, f"s{stage}")
-        engine.save_checkpoint(
-            folder,
-            tag="ck",
-            client_state={"epoch": 3, "note": "x"},
-            exclude_frozen_parameters=False,
-        )
+        engine.save_checkpoint(folder, tag="ck", client_state={"epoch": 3, "note": "x"},
+                               exclude_frozen_parameters=False)
         engine.save_checkpoint(folder, tag="user", client_state={"obj": Note()})
-        out[stage] = {
-            "isinstance": isinstance(optimizer, DeepSpeedOptimizer),
-            "copied": same and still,
-            "moments_kept": all(not torch.equal(m, live) for m, live in zip(moments, live_moments)),
-            "partition_count": state["partition_count"],
-            "numel": sum(m.numel() for m in masters),
-        }
+        out[stage] = {"isinstance": isinstance(optimizer, DeepSpeedOptimizer), "shared": shared,
+                      "partition_count": state["partition_count"],
+                      "numel": sum(m.numel() for m in state["single_partition_of_fp32_groups"])}
         engine.destroy()
+    engine, optimizer = _engine(2, os.path.join(root, f"swap{dist.get_rank()}"))
+    first = _tensors(optimizer.state_dict())
+    seen = [t.clone() for t in first]
+    for t in first:
+        t.add_(1.0)  # copies: the swapped states keep their values
+    again = _tensors(optimizer.state_dict())
+    out["nvme"] = {"copies": all(torch.equal(a, b) for a, b in zip(again, seen)),
+                   "moments": all(t.abs().sum() > 0 for t in again), "count": len(again)}
+    engine.destroy()
     return out
 
 
@@ -103,13 +109,19 @@ def test_logging_module_has_the_logger():
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_optimizer_is_deepspeeds_with_a_copied_state_dict_of_its_shard(surface, stage):
+def test_optimizer_is_deepspeeds_with_a_state_dict_of_its_shard(surface, stage):
     _, ranks = surface
     for rank in ranks:
-        assert rank[stage]["isinstance"] and rank[stage]["copied"] and rank[stage]["moments_kept"]
+        assert rank[stage]["isinstance"] and rank[stage]["shared"]  # its own tensors, as torch's
         assert rank[stage]["partition_count"] == 2
     trained = 4 * 8 + 8 + 8 * 3 + 3
     assert trained <= sum(r[stage]["numel"] for r in ranks) < trained + 2 * 8  # the shards, padded
+
+
+def test_state_dict_copies_states_swapped_to_nvme(surface):
+    _, ranks = surface
+    for rank in ranks:
+        assert rank["nvme"]["copies"] and rank["nvme"]["moments"] and rank["nvme"]["count"] == 3
 
 
 @pytest.mark.parametrize("stage", [2, 3])

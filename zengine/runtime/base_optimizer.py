@@ -22,28 +22,35 @@ class DeepSpeedOptimizer:
 class ZeROOptimizer(DeepSpeedOptimizer):
     """DeepSpeed's class of its ZeRO optimizers. A subclass provides ``optimizer`` (the wrapped
     torch optimizer over this rank's flat fp32 master shards), ``masters`` (those shards),
-    ``world`` (the ranks they are cut over) and ``states_resident()`` (a context with every state
-    in memory)."""
+    ``world`` (the ranks they are cut over), ``abilities`` and ``master_store`` (whether states
+    stay in memory) and ``states_resident()`` (a context with every state in memory)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's part of the optimizer, copied: the wrapped optimizer's ``state_dict`` over
-        its flat master shards (``base_optimizer_state``), the shards themselves
-        (``single_partition_of_fp32_groups``, DeepSpeed's name) and ``partition_count``. It is
-        one rank's view, as DeepSpeed's is; a checkpoint is ``engine.save_checkpoint``."""
+        """This rank's part of the optimizer: the wrapped optimizer's ``state_dict`` over its flat
+        master shards (``base_optimizer_state``), the shards themselves
+        (``single_partition_of_fp32_groups``, DeepSpeed's name) and ``partition_count``. One
+        rank's view, as DeepSpeed's; a checkpoint is ``engine.save_checkpoint``. Its tensors are
+        the optimizer's own, as torch's and DeepSpeed's are (no copy of the shard at every
+        Lightning save), except where states are swapped out between steps (NVMe offload): then
+        copies, read in for the call."""
         with self.states_resident():
             base = self.optimizer.state_dict()
-            state = {
-                key: {
-                    name: value.detach().clone() if torch.is_tensor(value) else value
-                    for name, value in per_param.items()
-                }
-                for key, per_param in base["state"].items()
-            }
-            return {
-                "base_optimizer_state": {"state": state, "param_groups": base["param_groups"]},
-                "single_partition_of_fp32_groups": [m.detach().clone() for m in self.masters],
-                "partition_count": self.world,
-            }
+            masters = list(self.masters)
+            if self._swaps_states():
+                base["state"] = {key: {name: _copy(value) for name, value in per_param.items()}
+                                 for key, per_param in base["state"].items()}
+                masters = [m.detach().clone() for m in masters]
+            return {"base_optimizer_state": base, "single_partition_of_fp32_groups": masters,
+                    "partition_count": self.world}
+
+    def _swaps_states(self) -> bool:
+        """Whether states leave memory outside ``states_resident()``: the optimizer or the master
+        store has its own residency (NVMe offload swaps moments and masters to files)."""
+        from ..ops.shard_optimizer import ShardOptimizer
+        from ..zero.masters import MastersInMemory
+
+        return (type(self.abilities).states_in_memory is not ShardOptimizer.states_in_memory
+                or type(self.master_store).resident is not MastersInMemory.resident)
 
     def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
         """Refused: a ZeRO optimizer's state is sharded over the ranks and restored with the model's
@@ -54,6 +61,10 @@ class ZeROOptimizer(DeepSpeedOptimizer):
             "restored with engine.load_checkpoint(load_dir) (load_optimizer_states=True), not from "
             "a state_dict"
         )
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if torch.is_tensor(value) else value
 
 
 __all__ = ["DeepSpeedOptimizer", "ZeROOptimizer"]
