@@ -85,7 +85,10 @@ setup(
     # transformers, accelerate, TRL: the drop-in tests drive zengine through Hugging Face's Trainer,
     # accelerate's DeepSpeedPlugin and TRL's SFTTrainer on models built from a config (nothing downloaded);
     # none of them requires torch, so the pin above still decides which torch is installed.
-    extras_require={"test": ["pytest", "transformers>=4.40", "accelerate>=1.0", "trl>=0.20"]},
+    # pytorch-lightning (with lightning_fabric): tests/lightning drive its Trainer and Fabric
+    # DeepSpeedStrategy (it asks torch>=2.1, which the pin above meets).
+    extras_require={"test": ["pytest", "transformers>=4.40", "accelerate>=1.0", "trl>=0.20",
+                             "pytorch-lightning>=2.4"]},
     entry_points={
         "console_scripts": [
             "zengine=zengine.launcher.runner:main",

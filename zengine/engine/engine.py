@@ -307,11 +307,18 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
 
     # -- checkpoints (zengine/checkpoint/) ------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                        save_latest: bool = True, async_save: Optional[bool] = None) -> bool:
+                        save_latest: bool = True, async_save: Optional[bool] = None,
+                        exclude_frozen_parameters: bool = False) -> bool:
         """Collective: write a sharded checkpoint to ``save_dir/tag`` (default tag ``global_step<N>``)
         atomically, then record ``tag`` in ``save_dir/latest``. Every rank writes only what it holds.
         ``async_save`` (default: the config's ``checkpoint.writer.decoupled``): return after a copy to host
-        memory, write in the background (see ``wait_for_checkpoint``)."""
+        memory, write in the background (see ``wait_for_checkpoint``). ``exclude_frozen_parameters``
+        (DeepSpeed's): only False; a checkpoint keeps the frozen parameters with the others."""
+        if exclude_frozen_parameters:
+            raise NotImplementedError(
+                "save_checkpoint(exclude_frozen_parameters=True): zengine checkpoints keep frozen "
+                "parameters with the others; pass False (Lightning: "
+                "DeepSpeedStrategy(exclude_frozen_parameters=False), its default)")
         if async_save is None:
             async_save = self.config.checkpoint.writer.decoupled
         with agreement.collective_call("save_checkpoint"):

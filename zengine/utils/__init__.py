@@ -1,6 +1,6 @@
 """``zengine.utils``: what DeepSpeed scripts import from ``deepspeed.utils``.
 
-- ``logger`` and ``log_dist(message, ranks)``;
+- ``logger`` and ``log_dist(message, ranks)``, also in ``utils.logging`` (DeepSpeed's module);
 - ``RepeatingLoader``;
 - ``safe_get_full_fp32_param``, ``safe_set_full_fp32_param``, ``safe_get_full_grad``,
   ``safe_get_full_optimizer_state``, ``safe_set_full_optimizer_state``: one parameter whole,
@@ -11,30 +11,15 @@
 """
 from __future__ import annotations
 
-import logging
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from ..log import setup_logging
 from ..runtime.dataloader import RepeatingLoader
 from ..zero import full_state
 from ..zero.stage3.leaf import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
-from . import zero_to_fp32
-
-logger = setup_logging()
-
-
-def log_dist(message: str, ranks: Optional[Sequence[int]] = None, level: int = logging.INFO) -> None:
-    """Log ``message`` on the ranks listed (every rank when the list starts with -1; none when it is
-    empty or None), as DeepSpeed does; before the process group exists, always (as rank -1)."""
-    import torch.distributed as dist
-
-    started = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if started else -1
-    ranks = list(ranks or [])
-    if not started or (ranks and (ranks[0] == -1 or rank in ranks)):
-        logger.log(level, f"[Rank {rank}] {message}")
+from . import logging, zero_to_fp32
+from .logging import log_dist, logger
 
 
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
@@ -63,6 +48,7 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
     full_state.set_full_optimizer_state(param, value, optim_state_key)
 
 
-__all__ = ["logger", "log_dist", "RepeatingLoader", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
-           "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_set_full_optimizer_state", "zero_to_fp32",
+__all__ = ["logger", "log_dist", "logging", "RepeatingLoader", "safe_get_full_fp32_param",
+           "safe_set_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+           "safe_set_full_optimizer_state", "zero_to_fp32",
            "get_z3_leaf_modules", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module"]

@@ -51,6 +51,7 @@ import torch
 from ..offload.placement import Placement
 from ..precision.grad_factor import GradFactor
 from . import full_state
+from .base_optimizer import ZeROOptimizer  # DeepSpeed's base: its state_dict, isinstance
 from .flat_group import ParamGroup
 from .grad_hooks import GradHooks
 from .masters import MasterGrads, MasterStore
@@ -144,7 +145,7 @@ class NoParticipant:
         """Nothing in flight reads what the step writes."""
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(ZeROOptimizer):
     """Owns the groups, the gradient store, the master store and the wrapped optimizer.
 
     Everything it is made of comes in at construction: the groups and gradient store of its stage,
