@@ -5,7 +5,8 @@ and copies each parameter's columns out of the staging buffer into its storage. 
 host and the transport is installed, the staging buffer is the shared segment itself: this rank's chunks
 are copied into its row of each piece, and once every rank has written (the piece's sync) each parameter's
 columns are copied out of the piece, every rank's row at once, into its storage
-(``SharedMemoryTransport.gather_columns``): two copies of the data in all, and no transfer at all. The unit's tag (the fetch check's) rides at the end of the row as with gloo.
+(``SharedMemoryTransport.gather_columns``): two copies of the data in all, and no transfer at all. The
+unit's tag (the fetch check's) rides at the end of the row as with gloo.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import torch
 
 from ...distributed import shm, traffic
 from ...distributed.shm import SharedMemoryTransport
+from .fetch_check import FetchCheck
+from .gather import InFlightGather
 from .param import ShardedParam
 
 
@@ -40,3 +43,13 @@ def gather(transport: SharedMemoryTransport, params: list[ShardedParam],
                    transport.group)
     transport.gather_columns(sources, targets, dtype)
     return tags
+
+
+def start(transport: SharedMemoryTransport, params: list[ShardedParam], tag: Optional[torch.Tensor],
+          check: FetchCheck) -> InFlightGather:
+    """Gather ``params`` through ``transport``, done before this returns (``check`` compares the tags);
+    the gather it returns has nothing left to wait for or copy out."""
+    tags = gather(transport, params, tag)
+    if tags is not None:
+        check.compare(tags, tag)
+    return InFlightGather(params, None, [], [sp.chunk for sp in params], direct=True)
