@@ -1,8 +1,8 @@
 """Gathering and releasing stage-3 parameters: on demand, ahead of use, and checked across ranks.
 
 ``Fetcher.fetch(params, tag)`` makes the parameters whole (one collective for all of them);
-``release`` frees them again. Both are called by the module hooks (``hooks.py``) in the same order on
-every rank. The Fetcher composes the parts that do the work, one job each:
+``release`` frees them again. Both are called by the module hooks (``hooks.py``) in the same order
+on every rank. The Fetcher composes the parts that do the work, one job each:
 
 - ``gather.py``: the gather of one unit, stateless (copy-in, the collective through a
   ``GatherCodec``, copy-out), and its ways around the staged rows: ``shm_gather.py`` (ranks on one
@@ -36,20 +36,20 @@ __all__ = ["Fetcher", "FetchOrderError", "compute_codec"]
 
 
 def compute_codec(zero_cfg: Any, world: int) -> GatherCodec:
-    """How the gathers for compute travel: MiCS's two hops (``mics_hierarchical_params_gather`` across
-    nodes), else ZeRO++'s int8 (``zero_quantized_weights``, more than one rank), else exact."""
+    """How the gathers for compute travel: MiCS's two hops (``mics_hierarchical_params_gather``
+    across nodes), else ZeRO++'s int8 (``zero_quantized_weights``, several ranks), else exact."""
     return gather_codec_for(zero_cfg, world) or (gather_codec(zero_cfg) if world > 1 else EXACT)
 
 
 class HostReads:
-    """Uploads from host shards (offload_param) that the step must let finish before it writes them."""
+    """Uploads from host shards (offload_param) the step lets finish before it writes them."""
 
     def __init__(self):
         self._event = None  # the compute stream's point after the latest uploads
 
     def note(self, staging: torch.Tensor) -> None:
-        """Uploads from host shards were queued (non_blocking): remember the point of the compute stream
-        after them, so that the step waits for it before it writes those shards in place."""
+        """Uploads from host shards were queued (non_blocking): remember the point of the compute
+        stream after them, so that the step waits for it before it writes those shards in place."""
         streams = device_streams(staging.device)
         if streams is not None:
             self._event = streams.Event()
@@ -65,30 +65,34 @@ class HostReads:
 class Fetcher:
     """Gathers and releases sharded parameters for the hooks (see the module doc)."""
 
-    def __init__(self, zero_cfg: Any, world: int, rank: int, device: torch.device, comm_group: Any = None,
-                 read_ahead: ReadAhead = NoReadAhead(), secondary: SecondaryShards = NoSecondaryPartition(),
-                 codec: GatherCodec = EXACT):
+    def __init__(self, zero_cfg: Any, world: int, rank: int, device: torch.device,
+                 comm_group: Any = None, read_ahead: ReadAhead = NoReadAhead(),
+                 secondary: SecondaryShards = NoSecondaryPartition(), codec: GatherCodec = EXACT):
         self.world, self.rank, self.comm_group = world, rank, comm_group
         self.ranks = GatherGroup(comm_group, world, rank)
         self.device = device  # the compute device: the checks' messages travel there
         self.max_live = int(zero_cfg.stage3_max_live_parameters)
-        self.trace = Trace(int(zero_cfg.stage3_prefetch_bucket_size), int(zero_cfg.stage3_max_reuse_distance),
-                           rank)
+        self.trace = Trace(int(zero_cfg.stage3_prefetch_bucket_size),
+                           int(zero_cfg.stage3_max_reuse_distance), rank)
         self.order_check = order_check(zero_cfg, device, comm_group, rank, world)
         self.holds = Holds()
         self.pool = StagingPool()
         self.check = FetchCheck(device)
         self.host_reads = HostReads()
-        self.read_ahead = read_ahead  # offload_param nvme: shards read from the swap file ahead of the gathers
-        self.secondary = secondary  # zero_hpz_partition_size: backward gathers from the node's secondary shards
+        # offload_param nvme: the shards the gathers need next are read from the swap file ahead
+        self.read_ahead = read_ahead
+        # zero_hpz_partition_size: the backward gathers from the node's secondary shards
+        self.secondary = secondary
         self.codec = codec  # how gathers for compute travel; gathers for the user stay exact
-        position = weakref.WeakMethod(self._position)  # the registry must not keep an old engine alive
-        diagnose.register_position("stage 3", lambda: position()() if position() is not None else "")
+        # the registry must not keep an old engine alive
+        position = weakref.WeakMethod(self._position)
+        diagnose.register_position("stage 3",
+                                   lambda: position()() if position() is not None else "")
 
     @property
     def held_numel(self) -> int:
-        """Elements of non-persistent parameters gathered or being gathered (a single-parameter gather
-        in flight already occupies the parameter's storage)."""
+        """Elements of non-persistent parameters gathered or being gathered (a single-parameter
+        gather in flight already occupies the parameter's storage)."""
         return self.holds.held_numel
 
     @property
@@ -98,7 +102,8 @@ class Fetcher:
 
     # -- the step's frame -----------------------------------------------------------------------
     def begin_step(self, training: bool) -> None:
-        """A forward starts. Training steps record (first) or follow the trace; others fetch on demand."""
+        """A forward starts. Training steps record (first) or follow the trace; others fetch on
+        demand."""
         self.trace.begin_step(training)
         self.order_check.begin_step()
         self.secondary.begin(training)
@@ -119,10 +124,11 @@ class Fetcher:
 
     # -- fetch and release ----------------------------------------------------------------------
     def fetch(self, params: Sequence[ShardedParam], tag: str, exact: bool = False) -> None:
-        """Make ``params`` whole; ranks must call this in the same order. ``exact``: never quantized (for the
-        user's own use of the whole parameters)."""
+        """Make ``params`` whole; ranks must call this in the same order. ``exact``: never quantized
+        (for the user's own use of the whole parameters)."""
         self.trace.note(params, tag)
-        todo = [sp for sp in params if sp.state is ParamState.SHARDED and not self.holds.in_flight(sp)]
+        todo = [sp for sp in params
+                if sp.state is ParamState.SHARDED and not self.holds.in_flight(sp)]
         for gather in self.holds.gathers_of(params):
             self._finish(gather)
         if todo:
@@ -142,33 +148,37 @@ class Fetcher:
             self.drop_staging()
 
     def drop_staging(self) -> None:
-        """Free the staging storage kept for reuse (outside a training step nothing should linger)."""
+        """Free the staging storage kept for reuse (nothing lingers outside a training step)."""
         self.pool.clear()
 
     # -- gathers: started, finished -------------------------------------------------------------
     def _start(self, params: list[ShardedParam], label: str, refresh: bool = False,
                exact: bool = False) -> InFlightGather:
         """Start gathering ``params``: from hpZ's secondary shards in a training backward, else from
-        every rank (``refresh``/``exact``: for the user, always exact and from the primary shards)."""
+        every rank (``refresh``/``exact``: for the user, exact and from the primary shards)."""
         for_user = refresh or exact
         if not for_user and self.secondary.ready(params):
             gather = self._start_secondary(params, label)
         else:
             gather = self._start_primary(params, label, EXACT if for_user else self.codec)
-        if not refresh:  # a re-gather after the step is finished at once, never waited on by a fetch
+        if not refresh:  # a re-gather after the step is finished at once, not waited on by a fetch
             self.holds.track(gather)
         return gather
 
-    def _start_primary(self, params: list[ShardedParam], label: str, codec: GatherCodec) -> InFlightGather:
-        # one parameter gathers into its own storage; several carry the unit's tag (checked on arrival)
+    def _start_primary(self, params: list[ShardedParam], label: str,
+                       codec: GatherCodec) -> InFlightGather:
+        # one parameter gathers into its own storage; several carry the unit's tag (checked later)
         dtype, device = params[0].full.dtype, params[0].full.device
         staged = len(params) > 1 and self.world > 1
         crc, tag = self.check.unit(params, dtype, device, staged=staged)
         self.check.issued(crc, label, params)
-        transport = None if codec.finishes else shm_gather.transport(self.comm_group, params, device)
+        # ranks on one host: through shared memory (rows a codec transforms go through the backend)
+        transport = (None if codec.finishes
+                     else shm_gather.transport(self.comm_group, params, device))
         if transport is not None:
-            return shm_gather.start(transport, params, tag, self.check)  # ranks on one host: shared memory
-        return foreach_all_gather(params, tag, codec, self.ranks, self.pool, self.check, self.host_reads.note)
+            return shm_gather.start(transport, params, tag, self.check)
+        return foreach_all_gather(params, tag, codec, self.ranks, self.pool, self.check,
+                                  self.host_reads.note)
 
     def _start_secondary(self, params: list[ShardedParam], label: str) -> InFlightGather:
         crc, _ = self.check.unit(params, params[0].full.dtype, params[0].full.device, staged=False)
@@ -178,7 +188,8 @@ class Fetcher:
     def _finish(self, gather: InFlightGather) -> None:
         foreach_all_gather_copy_out(gather, self.check, self.rank)
         if not gather.from_secondary:
-            self.secondary.keep(gather.params)  # in a training forward: this rank's piece for the backward
+            # in a training forward: this rank's piece of each, for the backward's gather
+            self.secondary.keep(gather.params)
         self.holds.landed(gather)
         gather.recycle(self.pool)
 
@@ -188,7 +199,8 @@ class Fetcher:
         if not self.trace.following:
             return
         room = self.max_live - self.holds.held_numel
-        for label, todo in self.trace.prefetches(self.holds.in_flight_numel(), room, self.holds.in_flight):
+        in_flight = self.holds.in_flight_numel()
+        for label, todo in self.trace.prefetches(in_flight, room, self.holds.in_flight):
             self.order_check.before(todo, label)
             self._start(todo, label)
 
@@ -197,22 +209,25 @@ class Fetcher:
 
     # -- host shards read by the device (offload_param) ----------------------------------------
     def host_reads_done(self) -> None:
-        """Before the step updates host shards in place (CPU-Adam on offload_param's shards): every upload
-        queued from them has finished reading them (one event; nothing to wait for on the host itself)."""
+        """Before the step updates host shards in place (CPU-Adam on offload_param's shards): every
+        upload queued from them has finished reading them (one event; nothing to wait for on the
+        host itself)."""
         self.host_reads.done()
 
     # -- the always-on check (fetch_check.FetchCheck) -------------------------------------------
     def boundary_values(self) -> tuple[int, int, Optional[torch.Tensor]]:
-        """For the boundary step's all-reduce: the digest's two halves and the device count of bad tags."""
+        """For the boundary step's all-reduce: the digest's two halves and the device count of bad
+        tags."""
         d1, d2 = self.check.halves()
         return d1, d2, self.check.bad
 
     def end_forward(self, training: bool) -> None:
-        """After a forward outside training: raise if a staged gather came back mixed (one host read;
-        a training forward is checked at its boundary step instead)."""
+        """After a forward outside training: raise if a staged gather came back mixed (one host
+        read; a training forward is checked at its boundary step instead)."""
         if training or self.world == 1:
             return
-        if self.check.bad is not None and float(self.check.bad) > 0:  # every rank saw the mixed rows: all raise
+        # every rank saw the mixed rows: all raise together
+        if self.check.bad is not None and float(self.check.bad) > 0:
             self.raise_diverged()
 
     def raise_diverged(self) -> None:
@@ -225,4 +240,5 @@ class Fetcher:
         if not self.check.log:
             return ""
         _, label, params = self.check.log[-1]
-        return f"latest stage-3 gather {self.check.issued_count}: {label} [{', '.join(sp.name for sp in params)}]"
+        names = ", ".join(sp.name for sp in params)
+        return f"latest stage-3 gather {self.check.issued_count}: {label} [{names}]"

@@ -1,16 +1,18 @@
 """Gathering one unit of stage-3 parameters: stateless functions over a list of sharded parameters.
 
-The shape is FSDP2's (``foreach_all_gather``, then ``foreach_all_gather_copy_out``): the start copies
-this rank's chunks into its row of one buffer and launches one collective for the whole unit; the
-copy-out waits for it and copies each parameter's columns out of every rank's row into the
-parameter's own storage. Several parameters share a staging buffer ``[world, sum of chunks (+ tag)]``
-whose rows end with the unit's tag (``fetch_check.py``); a single parameter is gathered straight into
-its own storage ``[world, chunk]``, which is already rank-major, so nothing is staged or copied.
+The shape is FSDP2's (``foreach_all_gather``, then ``foreach_all_gather_copy_out``): the start
+copies this rank's chunks into its row of one buffer and launches one collective for the whole unit;
+the copy-out waits for it and copies each parameter's columns out of every rank's row into the
+parameter's own storage. Several parameters share a staging buffer
+``[world, sum of chunks (+ tag)]`` whose rows end with the unit's tag (``fetch_check.py``); a single
+parameter is gathered straight into its own storage ``[world, chunk]``, which is already rank-major,
+so nothing is staged or copied.
 
-How the rows travel is the codec's (``GatherCodec``): as they are (``ExactGather``), as blockwise int8
-(``quantized.Int8Gather``, ZeRO++), or in two hops across and inside the nodes (``two_hop.TwoHopGather``,
-MiCS). The gathers that skip the staged rows make the same ``InFlightGather``: through shared memory
-(``shm_gather.py``) and from the node's secondary shards (``hierarchical.py``, hpZ).
+How the rows travel is the codec's (``GatherCodec``): as they are (``ExactGather``), as blockwise
+int8 (``quantized.Int8Gather``, ZeRO++), or in two hops across and inside the nodes
+(``two_hop.TwoHopGather``, MiCS). The gathers that skip the staged rows make the same
+``InFlightGather``: through shared memory (``shm_gather.py``) and from the node's secondary shards
+(``hierarchical.py``, hpZ).
 """
 from __future__ import annotations
 
@@ -31,11 +33,12 @@ class GatherCodec(Protocol):
     finishes: bool  # True when the rows need work once the collective lands (``finish``)
 
     def start(self, staging: torch.Tensor, ncols: int, rank: int, group: Any) -> tuple[list, Any]:
-        """Launch the gather of ``staging``'s rows (this rank's filled); the works and the codec's state."""
+        """Launch the gather of ``staging``'s rows (this rank's filled); the works and the codec's
+        state."""
         ...
 
     def finish(self, staging: torch.Tensor, ncols: int, state: Any) -> None:
-        """After the works are waited for: leave every rank's row in ``staging``, columns [0, ncols)."""
+        """After the works are waited for: every rank's row in ``staging``, columns [0, ncols)."""
         ...
 
 
@@ -57,7 +60,8 @@ EXACT = ExactGather()
 
 @dataclass(frozen=True)
 class GatherGroup:
-    """The ranks a gather spans: their process group, how many they are, this rank's place among them."""
+    """The ranks a gather spans: their process group, how many they are, this rank's place among
+    them."""
 
     group: Any
     world: int
@@ -69,9 +73,10 @@ class InFlightGather:
 
     ``staging``: the rows, ``[ranks, sum of widths (+ tag)]``, or the parameter's own storage when
     ``direct`` (nothing to copy out; None once the shared-memory gather has written the parameters).
-    ``widths``: each parameter's columns in a row. ``tag``: the unit's expected tag, in the last ``TAG``
-    columns of a staged gather, else None. ``codec``/``coded``: whose ``finish`` runs once it lands.
-    ``from_secondary``: gathered from hpZ's secondary shards (so not kept as secondary shards again).
+    ``widths``: each parameter's columns in a row. ``tag``: the unit's expected tag, in the last
+    ``TAG`` columns of a staged gather, else None. ``codec``/``coded``: whose ``finish`` runs once
+    it lands. ``from_secondary``: gathered from hpZ's secondary shards (so not kept as secondary
+    shards again).
     """
 
     def __init__(self, params: list[ShardedParam], staging: Optional[torch.Tensor], works: list,
@@ -87,8 +92,8 @@ class InFlightGather:
         return sum(self.widths)
 
     def recycle(self, pool: "StagingPool") -> None:
-        """Landed and copied out: a staging buffer goes back to ``pool`` (a parameter's own storage does
-        not)."""
+        """Landed and copied out: a staging buffer goes back to ``pool`` (a parameter's own storage
+        does not)."""
         if not self.direct:
             pool.give(self.staging)
         self.works, self.staging = [], None
@@ -117,19 +122,23 @@ class StagingPool:
         self._free = []
 
 
-def copy_in(row: torch.Tensor, params: list[ShardedParam], direct: bool, device: torch.device) -> bool:
-    """This rank's chunks of ``params`` into its ``row`` of a gather. True when they all came from shards on
-    the device; else some came from host memory or NVMe (offload_param) and the caller notes the reads."""
+def copy_in(row: torch.Tensor, params: list[ShardedParam], direct: bool,
+            device: torch.device) -> bool:
+    """This rank's chunks of ``params`` into its ``row`` of a gather. True when they all came from
+    shards on the device; else some came from host memory or NVMe (offload_param) and the caller
+    notes the reads."""
     for sp in params:  # shards on NVMe: every read in flight at once
         if sp.shard is None:
             sp.store.start_read(sp)
     if not direct and all(sp.shard is not None and sp.shard.device == device for sp in params):
-        # shards on the device: one multi-tensor copy into this rank's row rather than a launch per shard
-        torch._foreach_copy_(list(row.split([sp.chunk for sp in params])), [sp.shard for sp in params])
+        # shards on the device: one multi-tensor copy into this rank's row, not a launch per shard
+        torch._foreach_copy_(list(row.split([sp.chunk for sp in params])),
+                             [sp.shard for sp in params])
         return True
     col = 0
     for sp in params:
-        source = sp.shard if sp.shard is not None else sp.store.take(sp)  # host memory with offload_param
+        # host memory with offload_param
+        source = sp.shard if sp.shard is not None else sp.store.take(sp)
         row[col:col + sp.chunk].copy_(source, non_blocking=True)
         if sp.shard is None:
             sp.store.give_back(sp)
@@ -140,9 +149,9 @@ def copy_in(row: torch.Tensor, params: list[ShardedParam], direct: bool, device:
 def foreach_all_gather(params: list[ShardedParam], tag: Optional[torch.Tensor], codec: GatherCodec,
                        ranks: GatherGroup, pool: StagingPool, check: FetchCheck,
                        note_host_reads: Callable[[torch.Tensor], None]) -> InFlightGather:
-    """Copy this rank's chunks of ``params`` in and launch the gather of every rank's (asynchronous).
-    ``tag``: the unit's tag row, sent at the end of the row (several parameters only);
-    ``note_host_reads``: told the buffer when chunks were uploaded from host shards."""
+    """Copy this rank's chunks of ``params`` in and launch the gather of every rank's
+    (asynchronous). ``tag``: the unit's tag row, sent at the end of the row (several parameters
+    only); ``note_host_reads``: told the buffer when chunks were uploaded from host shards."""
     total = sum(sp.chunk for sp in params)
     dtype, device = params[0].full.dtype, params[0].full.device
     direct = len(params) == 1
@@ -158,12 +167,13 @@ def foreach_all_gather(params: list[ShardedParam], tag: Optional[torch.Tensor], 
         works, coded = codec.start(staging, total, ranks.rank, ranks.group)
     except RuntimeError as e:
         raise gather_failed(params, ranks.rank, check.issued_count, e) from e
-    return InFlightGather(params, staging, works, [sp.chunk for sp in params], direct, tag, codec, coded)
+    widths = [sp.chunk for sp in params]
+    return InFlightGather(params, staging, works, widths, direct, tag, codec, coded)
 
 
 def foreach_all_gather_copy_out(gather: InFlightGather, check: FetchCheck, rank: int) -> None:
-    """Wait for ``gather``, let its codec finish (dequantize, the second hop), compare its tag, and copy
-    each parameter's columns of every rank's row into the parameter's own storage."""
+    """Wait for ``gather``, let its codec finish (dequantize, the second hop), compare its tag, and
+    copy each parameter's columns of every rank's row into the parameter's own storage."""
     try:
         for w in gather.works:
             w.wait()

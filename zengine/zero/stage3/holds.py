@@ -1,9 +1,11 @@
-"""Which stage-3 parameters are whole now: the gathers in flight, the forward's holds, the live count.
+"""Which stage-3 parameters are whole now: the gathers in flight, the forward's holds, the live
+count.
 
-A non-persistent parameter is gathered for a unit's forward (one hold per fetch) and released after it;
-when the last hold goes, its full storage is freed unless the trace says it is fetched again soon
-(``trace.py``). ``live_numel`` counts the gathered elements ``stage3_max_live_parameters`` bounds; a
-gather in flight already occupies its parameters' storage, so ``held_numel`` counts those too.
+A non-persistent parameter is gathered for a unit's forward (one hold per fetch) and released after
+it; when the last hold goes, its full storage is freed unless the trace says it is fetched again
+soon (``trace.py``). ``live_numel`` counts the gathered elements ``stage3_max_live_parameters``
+bounds; a gather in flight already occupies its parameters' storage, so ``held_numel`` counts those
+too.
 """
 from __future__ import annotations
 
@@ -69,8 +71,8 @@ class Holds:
 
     def release(self, params: Sequence[ShardedParam], force: bool,
                 kept: Callable[[ShardedParam], bool]) -> None:
-        """Drop a hold on each parameter; free it when nobody holds it and ``kept`` does not keep it for
-        a fetch soon (``force``: free it whatever its holds)."""
+        """Drop a hold on each parameter; free it when nobody holds it and ``kept`` does not keep it
+        for a fetch soon (``force``: free it whatever its holds)."""
         for sp in params:
             if sp.state is not ParamState.GATHERED or sp.persistent or sp.pinned:
                 continue

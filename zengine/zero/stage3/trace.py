@@ -1,16 +1,18 @@
-"""The order of stage 3's gathers: recorded at the first training step, followed to gather ahead of use.
+"""The order of stage 3's gathers: recorded at the first training step, followed to gather ahead of
+use.
 
-The first step records the sequence of fetches (the trace). Later steps follow it: after fetching unit
-k, the next units are gathered asynchronously, up to ``stage3_prefetch_bucket_size`` elements ahead and
-never beyond ``stage3_max_live_parameters`` gathered elements. A parameter released after forward is
-kept when the trace says it is fetched again within ``stage3_max_reuse_distance`` elements (and the
-live limit allows). When a step departs from the trace (a dynamic model), prefetch stops for the rest
-of the step and fetching is on demand; this is logged once. With ``offload_param`` on NVMe the shards
-the trace gathers next are read ahead from the swap file too (``SwapReadAhead``).
+The first step records the sequence of fetches (the trace). Later steps follow it: after fetching
+unit k, the next units are gathered asynchronously, up to ``stage3_prefetch_bucket_size`` elements
+ahead and never beyond ``stage3_max_live_parameters`` gathered elements. A parameter released after
+forward is kept when the trace says it is fetched again within ``stage3_max_reuse_distance``
+elements (and the live limit allows). When a step departs from the trace (a dynamic model), prefetch
+stops for the rest of the step and fetching is on demand; this is logged once. With
+``offload_param`` on NVMe the shards the trace gathers next are read ahead from the swap file too
+(``SwapReadAhead``).
 
-Debug (``stage3_debug_fetch_order``, ``DebugOrderCheck``): before each fetch the ranks compare a hash
-of what they are about to gather; if they differ, every rank raises an error naming the fetch on each
-rank, instead of hanging in the collective.
+Debug (``stage3_debug_fetch_order``, ``DebugOrderCheck``): before each fetch the ranks compare a
+hash of what they are about to gather; if they differ, every rank raises an error naming the fetch
+on each rank, instead of hanging in the collective.
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ class Trace:
         self._warned_dynamic = False
 
     def begin_step(self, training: bool) -> None:
-        """A forward starts. Training steps record (first) or follow the trace; others fetch on demand."""
+        """A forward starts. Training steps record (first) or follow the trace; others fetch on
+        demand."""
         self.pos = 0
         self._recording = []
         self._record = training and self.units is None
@@ -71,18 +74,18 @@ class Trace:
         if not self._warned_dynamic:
             self._warned_dynamic = True
             if self.rank == 0:
-                logger.info("stage 3: module order changed from the recorded trace at %r; fetching on "
-                            "demand", tag)
+                logger.info("stage 3: module order changed from the recorded trace at %r; "
+                            "fetching on demand", tag)
 
     def upcoming(self) -> list[Unit]:
         """The units the trace fetches next (none when the step does not follow it)."""
         return self.units[self.pos:] if self.following else []
 
-    def prefetches(self, in_flight_numel: int, room: int,
-                   in_flight: Callable[[ShardedParam], bool]) -> Iterator[tuple[str, list[ShardedParam]]]:
-        """The next units to gather ahead, as (label, parameters not yet gathered nor in flight): within
-        the prefetch budget less ``in_flight_numel``, and within ``room`` live elements. Lazy: each is
-        started before the next is looked at."""
+    def prefetches(self, in_flight_numel: int, room: int, in_flight: Callable[[ShardedParam], bool]
+                   ) -> Iterator[tuple[str, list[ShardedParam]]]:
+        """The next units to gather ahead, as (label, parameters not yet gathered nor in flight):
+        within the prefetch budget less ``in_flight_numel``, and within ``room`` live elements.
+        Lazy: each is started before the next is looked at."""
         if not self.following or self.prefetch_numel <= 0:
             return
         budget = self.prefetch_numel - in_flight_numel
@@ -100,8 +103,8 @@ class Trace:
             room -= size
 
     def reused_soon(self, sp: ShardedParam, room: int) -> bool:
-        """True when the trace fetches ``sp`` again within max_reuse_distance elements, and keeping it
-        still leaves ``room`` (live elements) for the next unit to be fetched."""
+        """True when the trace fetches ``sp`` again within max_reuse_distance elements, and keeping
+        it still leaves ``room`` (live elements) for the next unit to be fetched."""
         if not self.following or self.max_reuse <= 0:
             return False
         upcoming = self.upcoming()
@@ -119,7 +122,7 @@ class Trace:
         return False
 
 
-# -- the debug check of the order (stage3_debug_fetch_order) ----------------------------------------
+# -- the debug check of the order (stage3_debug_fetch_order) --------------------------------------
 class OrderCheck(Protocol):
     """Checks, before a fetch, that every rank is about to gather the same parameters."""
 
@@ -133,7 +136,7 @@ class OrderCheck(Protocol):
 
 
 class NoOrderCheck:
-    """No check (the default): the always-on ``FetchCheck`` names a divergence at the boundary step."""
+    """No check (the default): the always-on ``FetchCheck`` names a divergence at the boundary."""
 
     def begin_step(self) -> None:
         """Nothing to count."""
@@ -143,7 +146,7 @@ class NoOrderCheck:
 
 
 class DebugOrderCheck:
-    """stage3_debug_fetch_order: before each fetch the ranks compare what they are about to gather."""
+    """stage3_debug_fetch_order: before each fetch the ranks compare what they will gather."""
 
     def __init__(self, device: torch.device, group: Any, rank: int, world: int):
         self.device, self.group, self.rank, self.world = device, group, rank, world
@@ -154,7 +157,8 @@ class DebugOrderCheck:
         self._seq = 0
 
     def before(self, params: list[ShardedParam], tag: str) -> None:
-        """One small all-gather of a hash of the fetch; on a difference, every rank's label and the error."""
+        """One small all-gather of a hash of the fetch; on a difference, every rank's label and the
+        error."""
         self._seq += 1
         label = f"#{self._seq} {tag} [{', '.join(sp.name for sp in params)}]"
         digest = torch.tensor([zlib.crc32(label.encode())], dtype=torch.int64).to(self.device)
@@ -169,14 +173,15 @@ class DebugOrderCheck:
                 f"flow?); every rank must run the same modules in the same order.")
 
 
-def order_check(zero_cfg: Any, device: torch.device, group: Any, rank: int, world: int) -> OrderCheck:
+def order_check(zero_cfg: Any, device: torch.device, group: Any, rank: int,
+                world: int) -> OrderCheck:
     """``DebugOrderCheck`` when ``stage3_debug_fetch_order`` asks for it, else ``NoOrderCheck``."""
     if getattr(zero_cfg, "stage3_debug_fetch_order", False):
         return DebugOrderCheck(device, group, rank, world)
     return NoOrderCheck()
 
 
-# -- reads ahead from the parameter swap file (offload_param nvme) ----------------------------------
+# -- reads ahead from the parameter swap file (offload_param nvme) --------------------------------
 class ReadAhead(Protocol):
     """Where the shards of the next gathers are read from ahead of them: the parameters' home."""
 
@@ -207,7 +212,8 @@ class NoReadAhead:
 
 
 class SwapReadAhead:
-    """Shards in a parameter swap file (``offload.param_swap.ParamSwap``): read them ahead of the gathers."""
+    """Shards in a parameter swap file (``offload.param_swap.ParamSwap``): read them ahead of the
+    gathers."""
 
     def __init__(self, swap: Any):
         self.swap = swap
