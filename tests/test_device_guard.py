@@ -15,7 +15,7 @@ import tempfile
 
 WORLD, GAS, STEPS = 2, 2, 3
 SYNC_KINDS = ("d2h_sync", "h2d_blocking", "h2d_pageable")  # device_guard.SYNC_KINDS: the host waits
-GATHERS = "zengine/zero/stage3/fetcher.py"  # where host-resident shards are copied into the gathers
+GATHERS = "zengine/zero/stage3/gather.py"  # where host-resident shards are copied into the gathers
 
 
 def _config(stage, precision, offload):

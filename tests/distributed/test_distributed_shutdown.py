@@ -102,17 +102,17 @@ def _destroy_releases(stage: int, offload: str, tmp_dir: str):
         engine.step()
     if stage == 3:  # leave a gather in flight, as a forward without backward can
         engine.optimizer.fetcher.begin_step(training=True)
-        engine.optimizer.fetcher._following = True
-        engine.optimizer.fetcher._pos = 0
+        engine.optimizer.fetcher.trace.following = True
+        engine.optimizer.fetcher.trace.pos = 0
         engine.optimizer.fetcher._prefetch_ahead()
-        assert engine.optimizer.fetcher._pending, "the test meant to leave a prefetch in flight"
+        assert engine.optimizer.fetcher.holds.all_in_flight(), "the test meant to leave a prefetch in flight"
     swap_fd = optimizer.optimizer.swapper.file.fd if offload == "nvme" else None
     hooked = [p for p in model.parameters() if p._post_accumulate_grad_hooks]
     engine.destroy()
     engine.destroy()  # twice is harmless
     out = {"grad_hooks_left": sum(len(p._post_accumulate_grad_hooks or {}) for p in hooked)}
     if stage == 3:
-        out["pending"] = len(engine.optimizer.fetcher._pending)
+        out["pending"] = len(engine.optimizer.fetcher.holds.all_in_flight())
         out["module_hooks_left"] = sum(len(m._forward_pre_hooks) for m in model.modules())
     if offload == "nvme":
         out["swap_fd"] = optimizer.optimizer.swapper.file.fd

@@ -22,9 +22,9 @@ from ..grads import buckets_in_flight
 from ..init import warn_lost_writes
 from ..mics import MicsConfigError
 from ..optimizer import Ranks, StepRules
-from .fetcher import Fetcher
+from .fetcher import Fetcher, compute_codec
 from .hierarchical import secondary_partition
-from .two_hop import gather_codec_for
+from .trace import read_ahead_for
 from .grads import Stage3GradSpec, stage3_gradients, swapped_stage3_gradients
 from .leaf import mark_from_config
 from .group import ShardedParamGroup
@@ -71,9 +71,10 @@ def build_stage3_optimizer(module: nn.Module, config: ZengineConfig, named_group
     members = [[lookup(p) for _, p in named] for named, _ in named_groups]
     placement = make_placement(zero_cfg, ranks.device, dtype, config.aio, [[sp.chunk for sp in sps] for sps in members])
     home = placement.params
-    fetcher = Fetcher(zero_cfg, ranks.world, ranks.rank, ranks.device, ranks.group, swap=home.swap,
-                      hpz=secondary_partition(zero_cfg, ranks.world, ranks.rank),
-                      codec=gather_codec_for(zero_cfg, ranks.world))  # MiCS's two-hop gather, when asked
+    fetcher = Fetcher(zero_cfg, ranks.world, ranks.rank, ranks.device, ranks.group,
+                      read_ahead=read_ahead_for(home.swap),  # offload_param nvme: from the swap file
+                      secondary=secondary_partition(zero_cfg, ranks.world, ranks.rank),  # hpZ
+                      codec=compute_codec(zero_cfg, ranks.world))  # MiCS's two hops, ZeRO++'s int8
     align = placement.alignment(dtype)
     primary = ranks.replication.primary  # MiCS: only copy 0 counts in the norm and writes checkpoints
     groups = [ShardedParamGroup(sps, hyper, dtype, home.shard_device, fetcher.gather_now, home.pin, home.swap, align,

@@ -1,13 +1,14 @@
 """ZeRO++'s quantized communication at stage 3: blockwise int8 parameter gathers (``zero_quantized_weights``,
 the codecs below) and gradient reductions (``zero_quantized_gradients``, ``quantized_reduce_scatter``).
 
-A gather's staging buffer is ``[world, n (+ tag)]`` in the compute dtype; each rank fills its own row. The
-exact codec all-gathers those rows as they are. ``Int8Gather`` sends each row as int8 values with one fp32
-scale per block of ``BLOCK`` elements (scale = the block's largest magnitude / 127, values rounded to the
-nearest step): a quarter of fp32's bytes, half of bf16's, plus 4 bytes per block. After the gather every
-row, this rank's included, is the dequantized one, so every rank computes with the same weights. The
-error of an element is at most half a step, ``max|block| / 254``. The fetch check's tag columns travel
-exactly beside the scales.
+A gather's staging buffer is ``[world, n (+ tag)]`` in the compute dtype; each rank fills its own
+row. The exact codec (``gather.ExactGather``) all-gathers those rows as they are. ``Int8Gather``
+sends each row as int8 values with one fp32 scale per block of ``BLOCK`` elements (scale = the
+block's largest magnitude / 127, values rounded to the nearest step): a quarter of fp32's bytes,
+half of bf16's, plus 4 bytes per block. After the gather every row, this rank's included, is the
+dequantized one, so every rank computes with the same weights. The
+error of an element is at most half a step, ``max|block| / 254``. The fetch check's tag columns
+travel exactly beside the scales.
 
 The gradient reduction can also send int4 codes (``bits=4``: scale = the block's largest magnitude / 7, two
 codes a byte: half of int8's bytes again, error at most ``max|block| / 14``). The codec itself is
@@ -24,20 +25,9 @@ import torch
 
 from ...distributed import collectives
 from ...ops.quantize import dequantize_blocks, dequantize_sum, quantize_blocks
+from .gather import EXACT, GatherCodec
 
 BLOCK = 256  # elements per scale (DeepSpeed's ZeRO++ quantizes in groups too; smaller: finer, more scales)
-
-
-class ExactGather:
-    """All-gather the staging rows as they are."""
-
-    finishes = False  # nothing to do after the gather lands
-
-    def start(self, staging: torch.Tensor, ncols: int, rank: int, group) -> tuple[list, object]:
-        return collectives.all_gather_rows(staging, rank, group, async_op=True), None
-
-    def finish(self, staging: torch.Tensor, ncols: int, state) -> None:
-        pass
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,11 +42,13 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, n: int, out: torch.Tensor)
 
 
 class Int8Gather:
-    """All-gather the staging rows as blockwise int8 with fp32 scales (see the module doc)."""
+    """All-gather the staging rows as blockwise int8 with fp32 scales (see the module doc); a
+    ``gather.GatherCodec``."""
 
     finishes = True  # dequantize the received rows (``finish``) once the gather lands
 
     def start(self, staging: torch.Tensor, ncols: int, rank: int, group) -> tuple[list, object]:
+        """Quantize this rank's row and launch the gathers of the codes and of the scales (and tag)."""
         world, width = staging.shape
         blocks = -(-ncols // BLOCK)
         extra = width - ncols  # the fetch check's tag columns: sent exactly, after the scales
@@ -70,6 +62,7 @@ class Int8Gather:
         return works, (q, side, blocks)
 
     def finish(self, staging: torch.Tensor, ncols: int, state) -> None:
+        """Dequantize every rank's row into ``staging`` and put the tag columns back."""
         q, side, blocks = state
         dequantize(q, side[:, :blocks], ncols, staging)
         if side.shape[1] > blocks:
@@ -102,6 +95,6 @@ def quantized_reduce_scatter(buf: torch.Tensor, group, bits: int = 8) -> tuple[l
     return works, summed
 
 
-def gather_codec(zero_cfg) -> "ExactGather | Int8Gather":
+def gather_codec(zero_cfg) -> GatherCodec:
     """The codec the config asks for (``zero_quantized_weights``)."""
-    return Int8Gather() if getattr(zero_cfg, "zero_quantized_weights", False) else ExactGather()
+    return Int8Gather() if getattr(zero_cfg, "zero_quantized_weights", False) else EXACT

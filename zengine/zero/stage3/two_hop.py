@@ -33,9 +33,10 @@ class TwoHopConfigError(ValueError):
 
 
 class TwoHopGather:
-    """All-gather a shard group's staging rows in two hops (see the module doc)."""
+    """All-gather a shard group's staging rows in two hops (see the module doc); a
+    ``gather.GatherCodec``."""
 
-    finishes = True  # the fetcher calls ``finish`` (the second hop) after the first hop's works are waited for
+    finishes = True  # ``finish`` (the second hop) runs after the first hop's works are waited for
 
     def __init__(self, size: int, per_node: int):
         world, me = dist.get_world_size(), dist.get_rank()
@@ -54,12 +55,14 @@ class TwoHopGather:
                     self.inside = g
 
     def start(self, staging: torch.Tensor, ncols: int, rank: int, group) -> tuple[list, object]:
+        """The hop across the nodes (asynchronous): among the ranks of this local rank."""
         width = staging.shape[1]
         across = torch.empty(self.nodes, width, dtype=staging.dtype, device=staging.device)  # [nodes, width]
         across[self.node].copy_(staging[rank])
         return collectives.all_gather_rows(across, self.node, self.cross, async_op=True), across
 
     def finish(self, staging: torch.Tensor, ncols: int, across: torch.Tensor) -> None:
+        """The hop inside the node, then every rank's row laid out rank-major in ``staging``."""
         width = staging.shape[1]
         # [per_node, nodes * width]: row l holds local rank l's rows of every node
         inside = torch.empty(self.per_node, self.nodes * width, dtype=staging.dtype, device=staging.device)
