@@ -26,13 +26,11 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from .. import checkpoint
 from ..activation import settings as activation_checkpointing
 from ..checkpoint.native import background
 from ..config import ZengineConfig, format_config
 from ..config.report import PRINT_FULL_ENV
 from ..distributed import diagnose, shm, shutdown
-from ..distributed import agreement
 from ..distributed.process_group import ProcessRank
 from ..log import setup_logging
 from ..monitor import StepReport, build_monitor
@@ -50,12 +48,13 @@ from .build import (UntrainedParameters, make_dataloader, make_scheduler, named_
                     optimizer_factory, route_matmuls)
 from .compile import CompileMembers, take_user_compile
 from .members import DeepSpeedMembers
+from .saving import CheckpointMembers
 from .memory import PINNED_HOST, memory_breakdown, model_state_bytes  # noqa: F401 (public names here too)
 
 logger = setup_logging()
 
 
-class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
+class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
     """A model wrapped for ZeRO data-parallel training (see docs/API.md for the members; the
     DeepSpeed accessors beyond training are in members.py)."""
 
@@ -119,42 +118,6 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
             if process_rank.rank == 0 and path is not None:
                 logger.info("auto_resume: resumed from %s at step %d", path, self.global_steps)
 
-    # -- rank and config accessors ------------------------------------------------------------
-    @property
-    def global_rank(self) -> int:
-        return self.process_rank.rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.process_rank.local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.process_rank.world_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.process_rank.device
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next ``step()`` completes a global batch (or as set_gradient_accumulation_boundary said)."""
-        return self.accumulation.is_boundary(self.micro_steps, self.gradient_accumulation_steps())
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> Optional[float]:
-        """Norm of the whole unscaled gradient before clipping, at the last boundary."""
-        return self.optimizer.global_grad_norm
-
-    def was_step_applied(self) -> bool:
-        return self._step_applied
-
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale
-
-    # -- training -------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self._check_alive("forward")
         dtype = self.config.compute_dtype
@@ -304,44 +267,6 @@ class Engine(DeepSpeedMembers, CompileMembers, nn.Module):
                         [round(lr, 8) for lr in self.get_lr()], self.loss_scale,
                         self.get_global_grad_norm() or 0.0, rate, not self._step_applied)
         self._step_report.report(self)  # monitor events and the wall-clock breakdown (resets timers everywhere)
-
-    # -- checkpoints (zengine/checkpoint/) ------------------------------------------------------
-    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                        save_latest: bool = True, async_save: Optional[bool] = None,
-                        exclude_frozen_parameters: bool = False) -> bool:
-        """Collective: write a sharded checkpoint to ``save_dir/tag`` (default tag ``global_step<N>``)
-        atomically, then record ``tag`` in ``save_dir/latest``. Every rank writes only what it holds.
-        ``async_save`` (default: the config's ``checkpoint.writer.decoupled``): return after a copy to host
-        memory, write in the background (see ``wait_for_checkpoint``). ``exclude_frozen_parameters``
-        (DeepSpeed's): only False; a checkpoint keeps the frozen parameters with the others."""
-        if exclude_frozen_parameters:
-            raise NotImplementedError(
-                "save_checkpoint(exclude_frozen_parameters=True): zengine checkpoints keep frozen "
-                "parameters with the others; pass False (Lightning: "
-                "DeepSpeedStrategy(exclude_frozen_parameters=False), its default)")
-        if async_save is None:
-            async_save = self.config.checkpoint.writer.decoupled
-        with agreement.collective_call("save_checkpoint"):
-            return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, async_save)
-
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        missing_ok: bool = False, load_module_strict: bool = True, *, trust_client_state: bool = False):
-        """Collective: load ``load_dir/tag`` (default: ``latest``), saved by any world size and stage.
-
-        Returns ``(path, client_state)``. A missing ``load_dir``, ``latest`` or tag raises
-        ``CheckpointNotFoundError`` on every rank, unless ``missing_ok=True``: then it returns
-        ``(None, None)`` (DeepSpeed's value) and logs it. A damaged checkpoint (a failed checksum, a
-        truncated file, an edited meta.json) or an empty ``latest`` raises either way. state.pt loads
-        weights-only (tensors, plain values): other objects (in ``client_state``) raise
-        ``CheckpointUntrustedError`` unless ``trust_client_state=True``, which may run the file's code.
-        ``load_module_strict=False``: parameters and buffers the checkpoint lacks keep their values, those it
-        alone has are ignored (both logged); a reshaped one still raises."""
-        with agreement.collective_call("load_checkpoint"):
-            background.wait(self)  # an asynchronous save still writing: published (or failed) first
-            return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                                              load_module_only, missing_ok, trust_client_state=trust_client_state,
-                                              strict=load_module_strict)
 
     # -- accounting -----------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:

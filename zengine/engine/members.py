@@ -1,5 +1,6 @@
-"""The engine members DeepSpeed scripts call beyond training itself: config accessors, manual
-accumulation control, optimizer queries and moving the model states off the device between phases.
+"""The engine members DeepSpeed scripts call beyond training itself: rank and config accessors,
+manual accumulation control, optimizer queries and moving the model states off the device between
+phases (the checkpoint members are saving.py's).
 
 ``Engine`` takes these by inheritance (``class Engine(DeepSpeedMembers, nn.Module)``) so that
 engine.py keeps to training; each member reads the engine's config, process rank and optimizer.
@@ -7,14 +8,11 @@ engine.py keeps to training; each member reads the engine's config, process rank
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 
-from ..checkpoint.native import background
-from ..checkpoint.export.model16 import consolidated_state_dict, save_16bit_model as write_16bit_model
 from ..distributed import traffic
-from ..distributed.agreement import collective_call
 from ..log import setup_logging
 from ..offload import pinned
 from ..precision.grad_factor import GradFactor
@@ -22,6 +20,7 @@ from .accumulation import Accumulation
 
 if TYPE_CHECKING:
     from ..config import ZengineConfig
+    from ..distributed.process_group import ProcessRank
     from ..zero.optimizer import ZeroOptimizer
 
 
@@ -60,8 +59,9 @@ class DeepSpeedMembers:
     accumulation: Accumulation
     held_states: list
     pinned_spares: list
-    world_size: int
-    global_rank: int
+    process_rank: "ProcessRank"
+    scaler: Any
+    _step_applied: bool
     micro_steps: int
     global_steps: int
 
@@ -131,6 +131,41 @@ class DeepSpeedMembers:
     def get_data_parallel_rank(self) -> int:
         """This rank among them."""
         return self.global_rank
+
+    # -- rank and step accessors --------------------------------------------------------------
+    @property
+    def global_rank(self) -> int:
+        return self.process_rank.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.process_rank.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.process_rank.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.process_rank.device
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next ``step()`` completes a global batch (or as set_gradient_accumulation_boundary said)."""
+        return self.accumulation.is_boundary(self.micro_steps, self.gradient_accumulation_steps())
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """Norm of the whole unscaled gradient before clipping, at the last boundary."""
+        return self.optimizer.global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
 
     @property
     def dp_world_size(self) -> int:
@@ -239,40 +274,3 @@ class DeepSpeedMembers:
         {"calls", "bytes", "ring_bytes"}}}`` (payload bytes, and bytes this rank sends on a ring), by whether
         the group stays on one node (``LOCAL_WORLD_SIZE`` ranks per node). See distributed/traffic.py."""
         return traffic.snapshot(reset)
-
-    def wait_for_checkpoint(self) -> None:
-        """Collective: until the asynchronous checkpoint in flight (``save_checkpoint(async_save=True)``) is
-        written and published; raises ``CheckpointSaveError`` on every rank if any rank failed. The next save,
-        ``load_checkpoint`` and ``destroy`` (at exit too) wait by themselves."""
-        background.wait(self)
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """Collective: rank 0 writes the full model's state_dict in the compute dtype, module by module.
-
-        At stage 3 this needs ``stage3_gather_16bit_weights_on_model_save`` (as in DeepSpeed): without
-        it nothing is written and False is returned, with a warning naming the key.
-        """
-        zero = self.config.zero_optimization
-        if zero.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
-            if self.global_rank == 0:
-                _logger.warning("save_16bit_model: nothing saved: at stage 3 the full 16-bit weights are gathered "
-                                "only with zero_optimization.stage3_gather_16bit_weights_on_model_save true (as in "
-                                "DeepSpeed); set it, or export a checkpoint with zengine-to-fp32")
-            return False
-        with collective_call("save_16bit_model"):
-            return write_16bit_model(self, save_dir, save_filename)
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """Whether stage 3 gathers the full 16-bit weights to save the model
-        (``zero_optimization.stage3_gather_16bit_weights_on_model_save``)."""
-        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
-
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Optional[dict]:
-        """Collective: the full state_dict in the compute dtype on rank 0's host, None elsewhere (DeepSpeed's
-        member, which accelerate's ``get_state_dict`` calls); tied weights stay one tensor. Any stage."""
-        with collective_call("_zero3_consolidated_16bit_state_dict"):
-            return consolidated_state_dict(self, exclude_frozen_parameters)
-
-    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """DeepSpeed's older name of ``save_16bit_model``."""
-        return self.save_16bit_model(save_dir, save_filename)

@@ -16,7 +16,23 @@ import torch
 
 
 class DeepSpeedOptimizer:
-    """DeepSpeed's root class of the optimizers ``initialize`` returns."""
+    """DeepSpeed's root class of the optimizers ``initialize`` returns: a wrapper around a torch
+    optimizer (``self.optimizer``) that shows torch's ``param_groups``, ``state`` and ``defaults``
+    as the wrapped one's, so that schedulers and scripts read and write them there."""
+
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
 
 
 class ZeROOptimizer(DeepSpeedOptimizer):

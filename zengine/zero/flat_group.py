@@ -11,6 +11,8 @@ see; stage 3's ``stage3/group.ShardedParamGroup`` plays it too.
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Protocol, Sequence
 
 import torch
@@ -156,3 +158,21 @@ class FlatParamGroup:
     def tensors(self) -> list[torch.Tensor]:
         """The parameter storage this group holds (for memory accounting)."""
         return [self.flat]
+
+
+@contextlib.contextmanager
+def whole_params(groups: list, masters: list[torch.Tensor], writeback: bool):
+    """A context over parameters that are whole already (stages 0-2): with ``writeback`` what the
+    body wrote into them goes into the fp32 ``masters`` on exit (where a master is not the
+    parameters' own storage); without, the body's writes are undone on exit."""
+    snapshot = None if writeback else [[t.clone() for t in g.tensors()] for g in groups]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for g, master in zip(groups, masters):
+                if snapshot is not None:
+                    for t, saved in zip(g.tensors(), snapshot.pop(0)):
+                        t.copy_(saved)
+                elif master.data_ptr() != g.owned_params().data_ptr():
+                    master.copy_(g.owned_params())

@@ -52,13 +52,13 @@ from ..offload.placement import Placement
 from ..precision.grad_factor import GradFactor
 from . import full_state
 from .base_optimizer import ZeROOptimizer  # DeepSpeed's base: its state_dict, isinstance
-from .flat_group import ParamGroup
+from .flat_group import ParamGroup, whole_params
 from .grad_hooks import GradHooks
 from .masters import MasterGrads, MasterStore
 from .mics import Replication
 from .nonfinite import NonFinitePolicy
 from .shard_step import ShardStepper
-from .step_counts import StepCounts
+from .step_counts import StepCounts, used_by_group
 from .step_stats import RankValues, StepStats, first_nonfinite, gather_stats
 
 
@@ -196,19 +196,7 @@ class ZeroOptimizer(ZeROOptimizer):
         """[owned numel] fp32 per group (no storage when swapped, outside ``states_resident``)."""
         return self.master_store.masters
 
-    # -- torch.optim.Optimizer look-alike -------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
+    # (param_groups, state, defaults: the wrapped optimizer's, as DeepSpeedOptimizer shows them)
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the accumulated gradients (the engine does this after every boundary step)."""
         self.grads.zero()
@@ -320,7 +308,7 @@ class ZeroOptimizer(ZeROOptimizer):
             master_grads.clip(decision.clip_coef)
         for sp, grad in zip(self.shard_params, master_grads.tensors):
             sp.grad = grad
-        used = self._used_by_group(stats.used_counts)
+        used = used_by_group(self.groups, stats.used_counts)
         plans = [self.step_counts.plan(gi, u) for gi, u in enumerate(used)]
         uniform = all(p.uniform is not None for p in plans)
         owned = self.stepper.copy_out_targets(self.masters) if uniform else {}
@@ -338,14 +326,6 @@ class ZeroOptimizer(ZeROOptimizer):
                                self.world, self.comm_group)
 
     # -- parameters no rank used keep their values and optimizer state (step_counts.py) ---------
-    def _used_by_group(self, used_counts: list[float]) -> list[list[bool]]:
-        """Per group, per parameter: whether any rank gave it a gradient since the last step."""
-        out, k = [], 0
-        for g in self.groups:
-            out.append([c > 0 for c in used_counts[k:k + len(g.params)]])
-            k += len(g.params)
-        return out
-
     # -- write-back and gather ------------------------------------------------------------------
     def write_back(self, skip_copy: bool = False) -> None:
         """The compute-dtype parameters from the fp32 masters (where the placement keeps them), published
@@ -362,22 +342,11 @@ class ZeroOptimizer(ZeROOptimizer):
             self.groups[gi].params[pi].data.copy_(value.reshape(self.groups[gi].params[pi].shape))
 
     # -- full parameters on request -------------------------------------------------------------
-    @contextlib.contextmanager
     def summon(self, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False,
                with_grads: bool = False):
         """Stages 0-2 keep parameters whole (and stages 0-1 their gradients): with ``writeback`` changes go
-        into the fp32 masters, else they are undone on exit."""
-        snapshot = None if writeback else [[t.clone() for t in g.tensors()] for g in self.groups]
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for g, master in zip(self.groups, self.masters):
-                    if snapshot is not None:
-                        for t, saved in zip(g.tensors(), snapshot.pop(0)):
-                            t.copy_(saved)
-                    elif master.data_ptr() != g.owned_params().data_ptr():
-                        master.copy_(g.owned_params())
+        into the fp32 masters, else they are undone on exit (``flat_group.whole_params``)."""
+        return whole_params(self.groups, self.masters, writeback)
 
     @contextlib.contextmanager
     def states_resident(self):

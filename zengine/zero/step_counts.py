@@ -226,3 +226,13 @@ class RunStepper:
         self.flat_count[gi] = flat_count
         group = optimizer.param_groups[gi]
         self.scalars[gi] = {int(c): _placed(group, shard, s) for c, s in (saved or {}).items()}
+
+
+def used_by_group(groups: list, used_counts: list[float]) -> list[list[bool]]:
+    """Per group, per parameter: whether any rank gave it a gradient since the last step, from the
+    step's summed used flags (``used_counts``, every group's parameters in order)."""
+    out, k = [], 0
+    for g in groups:
+        out.append([c > 0 for c in used_counts[k:k + len(g.params)]])
+        k += len(g.params)
+    return out
