@@ -3,6 +3,7 @@
 Compiled kernels in ``csrc/`` are built just in time on first use; set
 ``ZENGINE_BUILD_OPS=1`` to build them ahead of time at install.
 """
+
 import importlib.util
 import os
 import sys
@@ -21,7 +22,9 @@ def compiled_ops():
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
     # ops.py imports only the standard library; load it without importing the zengine package.
-    spec = importlib.util.spec_from_file_location("zengine_op_specs", os.path.join("zengine", "ops", "ops.py"))
+    spec = importlib.util.spec_from_file_location(
+        "zengine_op_specs", os.path.join("zengine", "ops", "ops.py")
+    )
     specs = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = specs  # dataclasses look their module up there
     spec.loader.exec_module(specs)
@@ -29,7 +32,9 @@ def compiled_ops():
         CppExtension(
             name=op.prebuilt_module,
             sources=[os.path.join("csrc", source) for source in op.sources],
-            include_dirs=[os.path.abspath(os.path.join("csrc", folder)) for folder in op.include_dirs],
+            include_dirs=[
+                os.path.abspath(os.path.join("csrc", folder)) for folder in op.include_dirs
+            ],
             extra_compile_args=list(op.cflags),
             extra_link_args=list(op.ldflags),
         )
@@ -47,7 +52,9 @@ ext_modules, cmdclass = compiled_ops()
 # file at site-packages' place under the prefix, the one way that holds for editable installs too.
 COMPAT_PTH = "zengine-deepspeed-compat.pth"
 # (by the install scheme, not this interpreter's paths: pip builds in an isolated environment)
-SITE_PACKAGES = os.path.relpath(sysconfig.get_path("purelib", vars={"base": "/x", "platbase": "/x"}), "/x")
+SITE_PACKAGES = os.path.relpath(
+    sysconfig.get_path("purelib", vars={"base": "/x", "platbase": "/x"}), "/x"
+)
 
 
 class BuildPyWithData(build_py):
@@ -59,6 +66,7 @@ class BuildPyWithData(build_py):
         super().run()
         if getattr(self, "editable_mode", False) and self.distribution.data_files:
             self.run_command("install_data")
+
 
 setup(
     name="zengine",
@@ -87,8 +95,15 @@ setup(
     # none of them requires torch, so the pin above still decides which torch is installed.
     # pytorch-lightning (with lightning_fabric): tests/lightning drive its Trainer and Fabric
     # DeepSpeedStrategy (it asks torch>=2.1, which the pin above meets).
-    extras_require={"test": ["pytest", "transformers>=4.40", "accelerate>=1.0", "trl>=0.20",
-                             "pytorch-lightning>=2.4"]},
+    extras_require={
+        "test": [
+            "pytest",
+            "transformers>=4.40",
+            "accelerate>=1.0",
+            "trl>=0.20",
+            "pytorch-lightning>=2.4",
+        ]
+    },
     entry_points={
         "console_scripts": [
             "zengine=zengine.launcher.runner:main",

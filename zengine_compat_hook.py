@@ -10,6 +10,7 @@ compatibility mode from the one environment variable.
 
 Standard library only, and outside the ``zengine`` package: importing ``zengine`` imports torch.
 """
+
 from __future__ import annotations
 
 import importlib.abc
@@ -60,8 +61,9 @@ def arm() -> None:
         return
     real = importlib.machinery.PathFinder.find_spec("deepspeed")
     if real is not None and real.origin not in (None, "namespace"):
-        sys.stderr.write(f"zengine: {ENV} is set but a real DeepSpeed is installed ({real.origin}); "
-                         "not standing in for it (pip uninstall deepspeed to run on zengine)\n")
+        sys.stderr.write(
+            f"zengine: {ENV} is set but a real DeepSpeed is installed ({real.origin}); "
+            "not standing in for it (pip uninstall deepspeed to run on zengine)\n"
+        )
         return
     sys.meta_path.insert(0, _FirstAsk())
-

@@ -8,6 +8,7 @@ DeepSpeed's other public modules are here under the same names, imported on firs
 ``zengine.elasticity`` (``compute_elastic_config``).
 See README.md, docs/API.md (the public surface) and docs/architecture.md.
 """
+
 import importlib
 
 from .api import initialize
@@ -23,14 +24,37 @@ from .zero.stage3.fetcher import FetchOrderError
 from .zero.stage3.grads import ExternalUseError
 
 __version__ = "0.1.0"
-__all__ = ["initialize", "init_distributed", "Engine", "DeepSpeedEngine", "add_config_arguments", "zero", "__version__",
-           # what a training step may raise (docs/API.md, "Errors and environment")
-           "CollectiveCallError", "CollectiveTimeoutError", "ExternalUseError", "FetchOrderError", "NonFiniteGradientError",
-           "RanksOutOfStepError", "UnfrozenParameterError"]
+__all__ = [
+    "initialize",
+    "init_distributed",
+    "Engine",
+    "DeepSpeedEngine",
+    "add_config_arguments",
+    "zero",
+    "__version__",
+    # what a training step may raise (docs/API.md, "Errors and environment")
+    "CollectiveCallError",
+    "CollectiveTimeoutError",
+    "ExternalUseError",
+    "FetchOrderError",
+    "NonFiniteGradientError",
+    "RanksOutOfStepError",
+    "UnfrozenParameterError",
+]
 
 # Submodules a DeepSpeed script reaches as attributes (deepspeed.comm.get_rank(), deepspeed.ops.adam ...)
 # without importing them first; imported when first touched, so that `import zengine` stays light.
-_LAZY = ("accelerator", "checkpoint", "checkpointing", "comm", "elasticity", "monitor", "ops", "runtime", "utils")
+_LAZY = (
+    "accelerator",
+    "checkpoint",
+    "checkpointing",
+    "comm",
+    "elasticity",
+    "monitor",
+    "ops",
+    "runtime",
+    "utils",
+)
 
 
 def __getattr__(name: str):

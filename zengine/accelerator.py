@@ -8,7 +8,9 @@ DeepSpeed's public name (``deepspeed.accelerator``) over ``zengine.device``, whe
 accelerators live: which one is chosen (``device/current.py``: the engine's own device, or
 ``DS_ACCELERATOR``), and what the CPU's members mean (``device/host.py``).
 """
+
 from .device import Accelerator, CpuAccelerator, CudaAccelerator, get_accelerator, set_accelerator
+
 # their names here before zengine/device/ (tests/offload subclass _HostStream)
 from .device.host import HostEvent as _HostEvent, HostStream as _HostStream  # noqa: F401
 

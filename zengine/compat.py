@@ -23,6 +23,7 @@ Launchers that start the processes themselves take the module as their target:
 ``torchrun --nproc_per_node 2 -m zengine.compat train.py ...``,
 ``accelerate launch -m zengine.compat train.py ...``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -89,15 +90,19 @@ class _DeepSpeedFinder(importlib.abc.MetaPathFinder):
             return None
         for name, feature in REFUSED.items():
             if fullname == name or fullname.startswith(name + "."):
-                raise ImportError(f"{fullname}: {feature} is not part of zengine (ZeRO data parallelism only); "
-                                  "this script needs DeepSpeed itself")
-        twin = "zengine" + fullname[len("deepspeed"):]
+                raise ImportError(
+                    f"{fullname}: {feature} is not part of zengine (ZeRO data parallelism only); "
+                    "this script needs DeepSpeed itself"
+                )
+        twin = "zengine" + fullname[len("deepspeed") :]
         try:
             module = importlib.import_module(twin)
         except ImportError:
-            raise ModuleNotFoundError(f"No module named {fullname!r}: zengine has no counterpart of it "
-                                      "(zengine.compat runs scripts that use DeepSpeed's ZeRO surface)",
-                                      name=fullname) from None
+            raise ModuleNotFoundError(
+                f"No module named {fullname!r}: zengine has no counterpart of it "
+                "(zengine.compat runs scripts that use DeepSpeed's ZeRO surface)",
+                name=fullname,
+            ) from None
         return importlib.machinery.ModuleSpec(fullname, _Existing(module))
 
     def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
@@ -115,9 +120,11 @@ class StandInDistribution(importlib.metadata.Distribution):
 
     def read_text(self, filename: str) -> Optional[str]:
         if filename in ("METADATA", "PKG-INFO"):
-            return (f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {DEEPSPEED_VERSION}\n"
-                    f"Summary: zengine standing in for DeepSpeed {DEEPSPEED_VERSION} (zengine.compat)\n"
-                    "Author: zengine\nLicense: Apache-2.0\n")
+            return (
+                f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {DEEPSPEED_VERSION}\n"
+                f"Summary: zengine standing in for DeepSpeed {DEEPSPEED_VERSION} (zengine.compat)\n"
+                "Author: zengine\nLicense: Apache-2.0\n"
+            )
         if filename == "top_level.txt":
             return "deepspeed\n"
         return None
@@ -140,7 +147,10 @@ def real_deepspeed() -> Optional[str]:
     if loaded is not None and getattr(loaded, "__name__", None) != "zengine":
         return getattr(loaded, "__file__", None) or repr(loaded)
     spec = importlib.machinery.PathFinder.find_spec("deepspeed")
-    if spec is None or spec.origin in (None, "namespace"):  # none, or a plain folder named deepspeed (configs)
+    if spec is None or spec.origin in (
+        None,
+        "namespace",
+    ):  # none, or a plain folder named deepspeed (configs)
         return None
     return spec.origin
 
@@ -168,7 +178,8 @@ def install() -> None:
         if where is not None:
             raise RealDeepSpeedError(
                 f"zengine.compat: a real DeepSpeed is importable ({where}); the compatibility mode would shadow "
-                "it. Use DeepSpeed itself, or uninstall it (pip uninstall deepspeed) to run this script on zengine")
+                "it. Use DeepSpeed itself, or uninstall it (pip uninstall deepspeed) to run this script on zengine"
+            )
     for name, target in ALIASES.items():
         if name not in sys.modules:
             try:

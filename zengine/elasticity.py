@@ -10,12 +10,22 @@ The section's model and the rule itself are in ``zengine.config.elastic``, where
 ``load_config`` uses them; this module reads a whole config dict for
 ``compute_elastic_config`` and re-exports the rest.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple, Union
 
-from .config.elastic import (LATEST_VERSION, ElasticityConfigError, ElasticityError, ElasticityIncompatibleWorldSize,
-                             abbreviate, elastic_batch_size, elastic_config, elastic_micro_batch, elasticity_enabled)
+from .config.elastic import (
+    LATEST_VERSION,
+    ElasticityConfigError,
+    ElasticityError,
+    ElasticityIncompatibleWorldSize,
+    abbreviate,
+    elastic_batch_size,
+    elastic_config,
+    elastic_micro_batch,
+    elasticity_enabled,
+)
 from .config.load import ConfigError, load_section
 
 __all__ = [
@@ -31,9 +41,12 @@ __all__ = [
 ]
 
 
-def compute_elastic_config(ds_config: Dict[str, Any], target_deepspeed_version: str = "", world_size: int = 0,
-                           return_microbatch: bool = False
-                           ) -> Union[Tuple[int, List[int]], Tuple[int, List[int], int]]:
+def compute_elastic_config(
+    ds_config: Dict[str, Any],
+    target_deepspeed_version: str = "",
+    world_size: int = 0,
+    return_microbatch: bool = False,
+) -> Union[Tuple[int, List[int]], Tuple[int, List[int], int]]:
     """The elastic batch size of a DeepSpeed config dict, as DeepSpeed's function of this name returns it.
 
     Returns ``(final_batch_size, valid_gpus)``; with ``world_size > 0`` (or ``return_microbatch``)
@@ -45,10 +58,13 @@ def compute_elastic_config(ds_config: Dict[str, Any], target_deepspeed_version: 
     ``ElasticityIncompatibleWorldSize`` when the world size cannot use the chosen batch size.
     """
     if not isinstance(ds_config, dict):
-        raise ElasticityConfigError(f"compute_elastic_config: ds_config must be a dict, got "
-                                    f"{type(ds_config).__name__}")
+        raise ElasticityConfigError(
+            f"compute_elastic_config: ds_config must be a dict, got {type(ds_config).__name__}"
+        )
     if "elasticity" not in ds_config:
-        raise ElasticityConfigError('compute_elastic_config: the config has no "elasticity" section')
+        raise ElasticityConfigError(
+            'compute_elastic_config: the config has no "elasticity" section'
+        )
     try:
         # load_section rather than the model alone: its messages name the keys from the top level.
         section = load_section("elasticity", ds_config["elasticity"])

@@ -21,6 +21,7 @@ are the same memory and add up. ``pinned`` is the part of "host" that is page-lo
 ``pin_memory`` asks (the default), and the staging of the side-stream copies always. Each is pinned at
 its exact size (``offload/pinned.py``), not rounded up to a power of two as torch's pinned allocator would.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,14 +72,22 @@ class MemoryEstimate:
 
     def format(self) -> str:
         """A few lines: per kind, then the totals."""
-        lines = [f"ZeRO stage {self.stage}, {self.world_size} rank(s){' (' + self.label + ')' if self.label else ''}:"]
-        for where, kinds in (("device", self.device), ("host", self.host), ("transient", self.transients)):
+        lines = [
+            f"ZeRO stage {self.stage}, {self.world_size} rank(s){' (' + self.label + ')' if self.label else ''}:"
+        ]
+        for where, kinds in (
+            ("device", self.device),
+            ("host", self.host),
+            ("transient", self.transients),
+        ):
             shown = ", ".join(f"{k} {v / GiB:.2f}" for k, v in kinds.items() if v)
             if shown:
                 lines.append(f"  {where:9s} GiB: {shown}")
-        lines.append(f"  per rank: device {self.device_states / GiB:.2f} GiB of states, peak "
-                     f"{self.peak_device / GiB:.2f} GiB with transients; host {self.host_states / GiB:.2f} GiB"
-                     + (f", {self.pinned_host / GiB:.2f} GiB of it pinned" if self.pinned_host else ""))
+        lines.append(
+            f"  per rank: device {self.device_states / GiB:.2f} GiB of states, peak "
+            f"{self.peak_device / GiB:.2f} GiB with transients; host {self.host_states / GiB:.2f} GiB"
+            + (f", {self.pinned_host / GiB:.2f} GiB of it pinned" if self.pinned_host else "")
+        )
         return "\n".join(lines)
 
 
@@ -90,15 +99,25 @@ def _numels(model: Union[nn.Module, int, float, Sequence[int]]) -> list[int]:
     return [int(n) for n in model]
 
 
-def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = None, world_size: int = 1,
-             largest_param: Optional[int] = None, cpu_training: bool = False) -> MemoryEstimate:
+def estimate(
+    model: Union[nn.Module, int, float, Sequence[int]],
+    config: Any = None,
+    world_size: int = 1,
+    largest_param: Optional[int] = None,
+    cpu_training: bool = False,
+) -> MemoryEstimate:
     """Per-rank memory for training ``model`` (a module, a parameter count, or the parameters' sizes)
     with ``config`` (a path, a dict or a ``ZengineConfig``; default: zengine's defaults, stage 0, fp32)
     on ``world_size`` ranks. ``largest_param`` (elements) defaults to the largest parameter given.
     ``cpu_training``: the compute device is the CPU, so CPU offload moves nothing (fp32 parameters
     stay their own masters and the gradient shard is the one the optimizer steps on)."""
-    cfg = config if isinstance(config, ZengineConfig) else load_config(
-        config if config is not None else {"train_micro_batch_size_per_gpu": 1}, world_size)
+    cfg = (
+        config
+        if isinstance(config, ZengineConfig)
+        else load_config(
+            config if config is not None else {"train_micro_batch_size_per_gpu": 1}, world_size
+        )
+    )
     zero = cfg.zero_optimization
     numels = _numels(model)
     psi = sum(numels)
@@ -116,11 +135,17 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
     states_on_host = offload_opt != "none" and not cpu_training
     # ZeRO-Infinity (stage 3, optimizer on NVMe): the fp32 masters and gradient shards are swapped too
     infinity = stage == 3 and offload_opt == "nvme"
-    persistent = sum(n for n in numels if n < zero.stage3_param_persistence_threshold) if stage == 3 else 0
+    persistent = (
+        sum(n for n in numels if n < zero.stage3_param_persistence_threshold) if stage == 3 else 0
+    )
 
-    est = MemoryEstimate(w, stage, label=f"{'bf16/fp16' if half == 2 else 'fp32'}"
-                                          f"{', optimizer on ' + offload_opt if offload_opt != 'none' else ''}"
-                                          f"{', parameters on ' + offload_par if offload_par != 'none' else ''}")
+    est = MemoryEstimate(
+        w,
+        stage,
+        label=f"{'bf16/fp16' if half == 2 else 'fp32'}"
+        f"{', optimizer on ' + offload_opt if offload_opt != 'none' else ''}"
+        f"{', parameters on ' + offload_par if offload_par != 'none' else ''}",
+    )
     sharded_opt = share if stage >= 1 else psi  # elements of masters and moments this rank keeps
     # parameters
     if stage < 3:
@@ -130,8 +155,9 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
         if offload_par == "nvme":  # the read pool, and the first max_in_cpu elements kept resident
             par = zero.offload_param
             largest_chunk = math.ceil((largest_param or max(numels, default=0)) / w)
-            est.host["parameter swap buffers"] = half * max(2, int(par.buffer_count)) * min(int(par.buffer_size),
-                                                                                           largest_chunk)
+            est.host["parameter swap buffers"] = (
+                half * max(2, int(par.buffer_count)) * min(int(par.buffer_size), largest_chunk)
+            )
             est.host["parameters kept in memory"] = half * min(int(par.max_in_cpu), share)
         else:
             (est.host if offload_par == "cpu" else est.device)["parameters"] = half * share
@@ -156,10 +182,16 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
     # Adam moments
     if offload_opt == "nvme":
         chunk = min(int(zero.sub_group_size), MAX_CHUNK, max(1, sharded_opt))
-        count = min(int(zero.offload_optimizer.buffer_count), max(2, math.ceil(sharded_opt / chunk)))  # as offload/state_swap.py
-        parts = 4 if infinity else 2  # [exp_avg | exp_avg_sq] or, ZeRO-Infinity, [... | master | grad] fp32
+        count = min(
+            int(zero.offload_optimizer.buffer_count), max(2, math.ceil(sharded_opt / chunk))
+        )  # as offload/state_swap.py
+        parts = (
+            4 if infinity else 2
+        )  # [exp_avg | exp_avg_sq] or, ZeRO-Infinity, [... | master | grad] fp32
         est.host["optimizer swap buffers"] = count * parts * 4 * chunk
-        if infinity:  # gradient pieces written behind (swap.GradSwap.IN_FLIGHT): on a GPU machine pinned
+        if (
+            infinity
+        ):  # gradient pieces written behind (swap.GradSwap.IN_FLIGHT): on a GPU machine pinned
             # and kept from step to step (registered once), so host memory for good
             writes = 4 * 4 * min(chunk, int(zero.reduce_bucket_size), share)
             (est.transients if cpu_training else est.host)["gradient writes"] = writes
@@ -187,25 +219,42 @@ def estimate(model: Union[nn.Module, int, float, Sequence[int]], config: Any = N
     if stage == 3:
         # those left in flight; a bucket reduced at once is the autograd gradient in hand (counted above)
         # unless the reduce dtype is another: then it is copied into a buffer of its own
-        est.transients["gradient buckets"] = wire * bucket * (in_flight + (not dtypes.grad_lands_in_bucket))
+        est.transients["gradient buckets"] = (
+            wire * bucket * (in_flight + (not dtypes.grad_lands_in_bucket))
+        )
         # gathered or being gathered (prefetch included): stage3_max_live_parameters bounds what is kept and
         # prefetched; the module about to run is fetched on top of it when needed
-        est.transients["gathered parameters"] = half * min(int(zero.stage3_max_live_parameters) + largest, psi)
+        est.transients["gathered parameters"] = half * min(
+            int(zero.stage3_max_live_parameters) + largest, psi
+        )
         if _has_multi_parameter_modules(model, zero.stage3_param_persistence_threshold):
             # a module of several sharded parameters gathers through one staging buffer, then copies
-            est.transients["prefetch staging"] = half * min(int(zero.stage3_prefetch_bucket_size), psi)
+            est.transients["prefetch staging"] = half * min(
+                int(zero.stage3_prefetch_bucket_size), psi
+            )
     return est
 
 
-def _pinned(est: MemoryEstimate, zero, half: int, sharded_opt: int, offload_opt: str, offload_par: str,
-            infinity: bool) -> None:
+def _pinned(
+    est: MemoryEstimate,
+    zero,
+    half: int,
+    sharded_opt: int,
+    offload_opt: str,
+    offload_par: str,
+    infinity: bool,
+) -> None:
     """Add the host memory that is pinned on a GPU machine (the copy staging to ``host`` too), as
     ``offload/`` allocates it: shards and swap buffers where the section's ``pin_memory`` asks, the
     staging of side-stream copies always (``copies.StreamCopies``, ``state_swap.GradSwap``)."""
     pin_opt = offload_opt != "none" and bool(zero.offload_optimizer.pin_memory)
     pin_par = offload_par != "none" and bool(zero.offload_param.pin_memory)
     if pin_opt:
-        for key in ("master weights", "gradients", "optimizer swap buffers"):  # (CPUAdam's moments: pageable)
+        for key in (
+            "master weights",
+            "gradients",
+            "optimizer swap buffers",
+        ):  # (CPUAdam's moments: pageable)
             if key in est.host:
                 est.pinned[key] = est.host[key]
     if pin_par:
@@ -215,7 +264,9 @@ def _pinned(est: MemoryEstimate, zero, half: int, sharded_opt: int, offload_opt:
     if "gradient writes" in est.host:
         est.pinned["gradient writes"] = est.host["gradient writes"]
     if offload_opt != "none" and offload_par == "none":
-        if infinity:  # each updated chunk goes up through 2 staging buffers (copies.StreamCopies.upload)
+        if (
+            infinity
+        ):  # each updated chunk goes up through 2 staging buffers (copies.StreamCopies.upload)
             chunk = min(int(zero.sub_group_size), MAX_CHUNK, max(1, sharded_opt))
             staging = 2 * half * chunk
         else:  # CPUAdam writes the compute-dtype parameters into one staging buffer per group
@@ -228,33 +279,50 @@ def _has_multi_parameter_modules(model, threshold: int) -> bool:
     False, as for a stack of bias-free layers)."""
     if not isinstance(model, nn.Module):
         return False
-    return any(sum(1 for p in m.parameters(recurse=False) if p.requires_grad and p.numel() >= threshold) > 1
-               for m in model.modules())
+    return any(
+        sum(1 for p in m.parameters(recurse=False) if p.requires_grad and p.numel() >= threshold)
+        > 1
+        for m in model.modules()
+    )
 
 
-def all_choices(model, world_size: int, base: Optional[dict] = None,
-                largest_param: Optional[int] = None) -> list[MemoryEstimate]:
+def all_choices(
+    model, world_size: int, base: Optional[dict] = None, largest_param: Optional[int] = None
+) -> list[MemoryEstimate]:
     """Every stage and offload choice for ``model`` on ``world_size`` ranks (DeepSpeed's estimator table)."""
     base = dict(base or {"train_micro_batch_size_per_gpu": 1})
     out = []
-    for stage, offloads in ((0, [{}]), (1, [{}, {"offload_optimizer": {"device": "cpu"}}]),
-                            (2, [{}, {"offload_optimizer": {"device": "cpu"}}]),
-                            (3, [{}, {"offload_optimizer": {"device": "cpu"}},
-                                 {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}])):
+    for stage, offloads in (
+        (0, [{}]),
+        (1, [{}, {"offload_optimizer": {"device": "cpu"}}]),
+        (2, [{}, {"offload_optimizer": {"device": "cpu"}}]),
+        (
+            3,
+            [
+                {},
+                {"offload_optimizer": {"device": "cpu"}},
+                {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+            ],
+        ),
+    ):
         for extra in offloads:
             zero = {**base.get("zero_optimization", {}), "stage": stage, **extra}
-            out.append(estimate(model, {**base, "zero_optimization": zero}, world_size, largest_param))
+            out.append(
+                estimate(model, {**base, "zero_optimization": zero}, world_size, largest_param)
+            )
     return out
 
 
-def estimate_zero2_model_states_mem_needs_all_live(model: nn.Module, num_gpus_per_node: int = 1,
-                                                   num_nodes: int = 1) -> list[MemoryEstimate]:
+def estimate_zero2_model_states_mem_needs_all_live(
+    model: nn.Module, num_gpus_per_node: int = 1, num_nodes: int = 1
+) -> list[MemoryEstimate]:
     """DeepSpeed's name: print (and return) the stage-1/2 choices for ``model``."""
     return _print([e for e in all_choices(model, num_gpus_per_node * num_nodes) if e.stage == 2])
 
 
-def estimate_zero3_model_states_mem_needs_all_live(model: nn.Module, num_gpus_per_node: int = 1,
-                                                   num_nodes: int = 1) -> list[MemoryEstimate]:
+def estimate_zero3_model_states_mem_needs_all_live(
+    model: nn.Module, num_gpus_per_node: int = 1, num_nodes: int = 1
+) -> list[MemoryEstimate]:
     """DeepSpeed's name: print (and return) the stage-3 choices for ``model``."""
     return _print([e for e in all_choices(model, num_gpus_per_node * num_nodes) if e.stage == 3])
 
@@ -266,14 +334,26 @@ def _print(estimates: list[MemoryEstimate]) -> list[MemoryEstimate]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zengine.estimate", description=__doc__.split("\n")[0])
-    parser.add_argument("--params", type=float, required=True, help="trainable parameters (e.g. 1.3e9)")
-    parser.add_argument("--largest", type=float, default=None,
-                        help="elements of the largest parameter (default: assume the embedding, params / 20)")
-    parser.add_argument("--world", type=int, default=None, help="ranks in all (default: gpus x nodes)")
+    parser = argparse.ArgumentParser(
+        prog="python -m zengine.estimate", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--params", type=float, required=True, help="trainable parameters (e.g. 1.3e9)"
+    )
+    parser.add_argument(
+        "--largest",
+        type=float,
+        default=None,
+        help="elements of the largest parameter (default: assume the embedding, params / 20)",
+    )
+    parser.add_argument(
+        "--world", type=int, default=None, help="ranks in all (default: gpus x nodes)"
+    )
     parser.add_argument("--gpus", type=int, default=1, help="ranks per node")
     parser.add_argument("--nodes", type=int, default=1, help="nodes")
-    parser.add_argument("--config", default=None, help="a DeepSpeed/zengine config: estimate that one only")
+    parser.add_argument(
+        "--config", default=None, help="a DeepSpeed/zengine config: estimate that one only"
+    )
     args = parser.parse_args(argv)
     world = args.world or args.gpus * args.nodes
     largest = int(args.largest) if args.largest else int(args.params) // 20

@@ -1,4 +1,5 @@
 """The ``zengine`` logger: INFO to stderr with a short prefix, unless the application configured logging."""
+
 import logging
 
 logger = logging.getLogger("zengine")

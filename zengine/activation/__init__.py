@@ -13,12 +13,32 @@ gather the parameters as in the forward, and a parameter read outside its own mo
 because the recomputation runs under the torch-function modes of the forward
 (``recompute.Replayed``).
 """
+
 from .recompute import SAVED_ON_HOST, SavedOnHost, checkpoint, non_reentrant_checkpoint
 from .rng import CudaRNGStatesTracker, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
-from .settings import (CheckpointSettings, configure, configure_from_config, current, is_configured,
-                       reset, restore_defaults)
+from .settings import (
+    CheckpointSettings,
+    configure,
+    configure_from_config,
+    current,
+    is_configured,
+    reset,
+    restore_defaults,
+)
 
-__all__ = ["CheckpointSettings", "CudaRNGStatesTracker", "SAVED_ON_HOST", "SavedOnHost",
-           "checkpoint", "configure", "configure_from_config", "current", "get_cuda_rng_tracker",
-           "is_configured", "model_parallel_cuda_manual_seed", "non_reentrant_checkpoint", "reset",
-           "restore_defaults"]
+__all__ = [
+    "CheckpointSettings",
+    "CudaRNGStatesTracker",
+    "SAVED_ON_HOST",
+    "SavedOnHost",
+    "checkpoint",
+    "configure",
+    "configure_from_config",
+    "current",
+    "get_cuda_rng_tracker",
+    "is_configured",
+    "model_parallel_cuda_manual_seed",
+    "non_reentrant_checkpoint",
+    "reset",
+    "restore_defaults",
+]

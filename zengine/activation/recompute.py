@@ -6,6 +6,7 @@ parameters and inputs exactly as without checkpointing, and the CPU and CUDA ran
 replayed, so dropout draws the same masks in the recomputation. The named streams of
 ``get_cuda_rng_tracker()`` (``rng.py``) are replayed too (torch does not know them).
 """
+
 from __future__ import annotations
 
 import collections
@@ -113,8 +114,12 @@ class Boundary:
         if self.sync or self.profile:
             self._wait()
         if self.profile:
-            logger.info("activation checkpoint %d: %s %.3f ms", self.segment, phase,
-                        1e3 * (time.perf_counter() - self.began))
+            logger.info(
+                "activation checkpoint %d: %s %.3f ms",
+                self.segment,
+                phase,
+                1e3 * (time.perf_counter() - self.began),
+            )
 
     def _wait(self) -> None:
         for device in self.devices:
@@ -131,9 +136,9 @@ class SavedOnHost:
     """
 
     def __init__(self):
-        self.packed = 0          # tensors packed (saved) under cpu_checkpointing
-        self.moved_bytes = 0     # bytes copied from a device to the host
-        self.unpacked = 0        # tensors handed back to a recomputation
+        self.packed = 0  # tensors packed (saved) under cpu_checkpointing
+        self.moved_bytes = 0  # bytes copied from a device to the host
+        self.unpacked = 0  # tensors handed back to a recomputation
         # where recent ones were kept
         self.host_devices: Deque[torch.device] = collections.deque(maxlen=1024)
 

@@ -1,4 +1,5 @@
 """Named random streams (DeepSpeed's ``CudaRNGStatesTracker``), replayed by the recomputation."""
+
 from __future__ import annotations
 
 import contextlib
@@ -66,8 +67,9 @@ class CudaRNGStatesTracker:
     def add(self, name: str, seed: int) -> None:
         """Create stream ``name`` seeded with ``seed``; a name or seed used before is an error."""
         if seed in self.seeds_:
-            raise ValueError(f"CudaRNGStatesTracker.add: seed {seed} is already used by another "
-                             f"stream")
+            raise ValueError(
+                f"CudaRNGStatesTracker.add: seed {seed} is already used by another stream"
+            )
         if name in self.states_:
             raise ValueError(f"CudaRNGStatesTracker.add: a stream named {name!r} already exists")
         self.seeds_.add(seed)
@@ -80,8 +82,10 @@ class CudaRNGStatesTracker:
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
         """Draw random numbers from stream ``name`` inside the block; the default stream after."""
         if name not in self.states_:
-            raise KeyError(f"CudaRNGStatesTracker.fork: no stream named {name!r}; add it first (or "
-                           f"call model_parallel_cuda_manual_seed)")
+            raise KeyError(
+                f"CudaRNGStatesTracker.fork: no stream named {name!r}; add it first (or "
+                f"call model_parallel_cuda_manual_seed)"
+            )
         previous = _rng_state()
         _set_rng_state(self.states_[name])
         try:
@@ -109,5 +113,10 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
     torch.manual_seed(seed)
     TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718)
     if world_rank() == 0:
-        logger.info("model_parallel_cuda_manual_seed: default stream seed %d, %r stream seed %d "
-                    "(model-parallel rank 0 of 1)", seed, MODEL_PARALLEL_RNG, seed + 2718)
+        logger.info(
+            "model_parallel_cuda_manual_seed: default stream seed %d, %r stream seed %d "
+            "(model-parallel rank 0 of 1)",
+            seed,
+            MODEL_PARALLEL_RNG,
+            seed + 2718,
+        )

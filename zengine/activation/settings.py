@@ -28,6 +28,7 @@ Where the settings come from: ``Engine`` applies the config's section at ``initi
 then stay; a later ``configure`` call replaces them. ``is_configured()`` says whether
 ``configure`` was called, as in DeepSpeed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,12 +63,14 @@ class CheckpointSettings:
 
 
 # configure()'s arguments and the section keys they set.
-_ARGUMENT_KEYS = {"partition_activations": "partition_activations",
-                  "contiguous_checkpointing": "contiguous_memory_optimization",
-                  "num_checkpoints": "number_checkpoints",
-                  "checkpoint_in_cpu": "cpu_checkpointing",
-                  "synchronize": "synchronize_checkpoint_boundary",
-                  "profile": "profile"}
+_ARGUMENT_KEYS = {
+    "partition_activations": "partition_activations",
+    "contiguous_checkpointing": "contiguous_memory_optimization",
+    "num_checkpoints": "number_checkpoints",
+    "checkpoint_in_cpu": "cpu_checkpointing",
+    "synchronize": "synchronize_checkpoint_boundary",
+    "profile": "profile",
+}
 
 _settings = CheckpointSettings()
 _configured = False  # configure() was called (DeepSpeed's is_configured)
@@ -78,10 +81,16 @@ def current() -> CheckpointSettings:
     return _settings
 
 
-def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: Optional[bool] = None,
-              contiguous_checkpointing: Optional[bool] = None,
-              num_checkpoints: Optional[int] = None, checkpoint_in_cpu: Optional[bool] = None,
-              synchronize: Optional[bool] = None, profile: Optional[bool] = None) -> None:
+def configure(
+    mpu_: Any,
+    deepspeed_config: Any = None,
+    partition_activations: Optional[bool] = None,
+    contiguous_checkpointing: Optional[bool] = None,
+    num_checkpoints: Optional[int] = None,
+    checkpoint_in_cpu: Optional[bool] = None,
+    synchronize: Optional[bool] = None,
+    profile: Optional[bool] = None,
+) -> None:
     """Set how ``checkpoint`` works, with DeepSpeed's parameters in DeepSpeed's order.
 
     Starts from the defaults (all off), then applies the ``activation_checkpointing``
@@ -96,16 +105,22 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: Op
     """
     global _settings, _configured
     if mpu_ is not None:
-        raise ValueError(f"zengine.checkpointing.configure: mpu_={type(mpu_).__name__} object "
-                         f"given, but zengine has no model parallelism (tensor or pipeline), so "
-                         f"there is no model-parallel unit to use; pass mpu_=None")
+        raise ValueError(
+            f"zengine.checkpointing.configure: mpu_={type(mpu_).__name__} object "
+            f"given, but zengine has no model parallelism (tensor or pipeline), so "
+            f"there is no model-parallel unit to use; pass mpu_=None"
+        )
     values: Dict[str, Any] = {}
     if deepspeed_config is not None:
         values = _section_of(deepspeed_config).model_dump()
-    arguments = {"partition_activations": partition_activations,
-                 "contiguous_checkpointing": contiguous_checkpointing,
-                 "num_checkpoints": num_checkpoints, "checkpoint_in_cpu": checkpoint_in_cpu,
-                 "synchronize": synchronize, "profile": profile}
+    arguments = {
+        "partition_activations": partition_activations,
+        "contiguous_checkpointing": contiguous_checkpointing,
+        "num_checkpoints": num_checkpoints,
+        "checkpoint_in_cpu": checkpoint_in_cpu,
+        "synchronize": synchronize,
+        "profile": profile,
+    }
     given = {name: value for name, value in arguments.items() if value is not None}
     for name, value in given.items():
         values[_ARGUMENT_KEYS[name]] = value
@@ -116,17 +131,23 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: Op
         problems = []
         for item in error.errors():
             key = str(item["loc"][0])
-            problems.append(f"{by_key.get(key, 'activation_checkpointing.' + key)}: {item['msg']} "
-                            f"(got {item.get('input')!r})")
+            problems.append(
+                f"{by_key.get(key, 'activation_checkpointing.' + key)}: {item['msg']} "
+                f"(got {item.get('input')!r})"
+            )
         raise ValueError("zengine.checkpointing.configure:\n  " + "\n  ".join(problems)) from None
     if section.contiguous_memory_optimization and not section.partition_activations:
-        raise ValueError("zengine.checkpointing.configure: contiguous_checkpointing "
-                         "(contiguous_memory_optimization) needs partition_activations, "
-                         "as in DeepSpeed")
+        raise ValueError(
+            "zengine.checkpointing.configure: contiguous_checkpointing "
+            "(contiguous_memory_optimization) needs partition_activations, "
+            "as in DeepSpeed"
+        )
     if section.contiguous_memory_optimization and section.number_checkpoints is None:
-        raise ValueError("zengine.checkpointing.configure: contiguous_checkpointing "
-                         "(contiguous_memory_optimization) needs num_checkpoints "
-                         "(number_checkpoints), as in DeepSpeed")
+        raise ValueError(
+            "zengine.checkpointing.configure: contiguous_checkpointing "
+            "(contiguous_memory_optimization) needs num_checkpoints "
+            "(number_checkpoints), as in DeepSpeed"
+        )
     _settings = CheckpointSettings.of(section)
     _configured = True
     if world_rank() == 0:
@@ -143,9 +164,12 @@ def configure_from_config(section: ActivationCheckpointingConfig) -> None:
     global _settings
     if _configured:
         if CheckpointSettings.of(section) != _settings and world_rank() == 0:
-            logger.info("activation checkpointing: keeping the settings of "
-                        "checkpointing.configure() (%s) over the config's "
-                        "activation_checkpointing section", _describe(_settings))
+            logger.info(
+                "activation checkpointing: keeping the settings of "
+                "checkpointing.configure() (%s) over the config's "
+                "activation_checkpointing section",
+                _describe(_settings),
+            )
         return
     _settings = CheckpointSettings.of(section)
 
@@ -185,13 +209,17 @@ def _section_of(config: Any) -> ActivationCheckpointingConfig:
     if isinstance(config, ZengineConfig):
         return config.activation_checkpointing
     if not isinstance(config, (str, os.PathLike, Mapping)):
-        raise ValueError(f"zengine.checkpointing.configure: deepspeed_config must be a path to a "
-                         f"JSON file, a dict or a loaded config, got {type(config).__name__}")
+        raise ValueError(
+            f"zengine.checkpointing.configure: deepspeed_config must be a path to a "
+            f"JSON file, a dict or a loaded config, got {type(config).__name__}"
+        )
     source, raw = _read(config)
     try:
         section = raw.get("activation_checkpointing")
         loaded = ZengineConfig.model_validate({"activation_checkpointing": section})
     except ValidationError as error:
-        raise ConfigError(f"invalid activation_checkpointing section in {source}:\n"
-                          + "\n".join(f"  {line}" for line in describe_errors(error))) from None
+        raise ConfigError(
+            f"invalid activation_checkpointing section in {source}:\n"
+            + "\n".join(f"  {line}" for line in describe_errors(error))
+        ) from None
     return loaded.activation_checkpointing

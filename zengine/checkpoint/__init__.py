@@ -22,22 +22,45 @@
 - ``errors.py``: the exceptions of all three; ``utils.py``: DeepSpeed's
   ``deepspeed.checkpoint.utils``.
 """
-from .errors import (CheckpointError, CheckpointFileError, CheckpointMismatchError,
-                     CheckpointNotFoundError, CheckpointSaveError, CheckpointUntrustedError)
+
+from .errors import (
+    CheckpointError,
+    CheckpointFileError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    CheckpointUntrustedError,
+)
 from .deepspeed.export import DeepSpeedExportError, export_deepspeed_checkpoint
 from .deepspeed.reader import DeepSpeedCheckpointError
-from .export.fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
-                          get_fp32_state_dict_from_zero_checkpoint, iter_fp32_state_dict,
-                          load_state_dict_from_zero_checkpoint)
+from .export.fp32 import (
+    convert_zero_checkpoint_to_fp32_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
+    iter_fp32_state_dict,
+    load_state_dict_from_zero_checkpoint,
+)
 from .native.load import load_checkpoint
 from .export.hf import export_safetensors, load_safetensors_state_dict
 from .export.model16 import save_16bit_model
 from .native.save import save_checkpoint
 
-__all__ = ["DeepSpeedCheckpointError", "DeepSpeedExportError", "export_deepspeed_checkpoint",
-           "export_safetensors", "load_safetensors_state_dict", "CheckpointError",
-           "CheckpointFileError", "CheckpointMismatchError", "CheckpointNotFoundError",
-           "CheckpointSaveError", "CheckpointUntrustedError",
-           "convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
-           "iter_fp32_state_dict", "load_state_dict_from_zero_checkpoint", "load_checkpoint",
-           "save_16bit_model", "save_checkpoint"]
+__all__ = [
+    "DeepSpeedCheckpointError",
+    "DeepSpeedExportError",
+    "export_deepspeed_checkpoint",
+    "export_safetensors",
+    "load_safetensors_state_dict",
+    "CheckpointError",
+    "CheckpointFileError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "CheckpointUntrustedError",
+    "convert_zero_checkpoint_to_fp32_state_dict",
+    "get_fp32_state_dict_from_zero_checkpoint",
+    "iter_fp32_state_dict",
+    "load_state_dict_from_zero_checkpoint",
+    "load_checkpoint",
+    "save_16bit_model",
+    "save_checkpoint",
+]

@@ -1,5 +1,6 @@
 """``deepspeed.checkpoint.utils`` as libraries import it (Hugging Face's Trainer saves state dicts
 through ``clone_tensors_for_torch_save``)."""
+
 from __future__ import annotations
 
 from typing import Any

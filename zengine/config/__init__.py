@@ -13,6 +13,7 @@ DeepSpeed name), ``load`` reading (JSON, or hjson's comments and trailing
 commas as DeepSpeed accepts them) and error messages, ``report`` the log
 rendering.
 """
+
 from .batch import BatchSizes, resolve_batch_sizes, resolve_elastic_batch_sizes
 from .elastic import ElasticityConfig
 from .load import ConfigError, ConfigWarning, load_config, load_zero_sections
@@ -41,7 +42,8 @@ __all__ = [
     "ZengineConfig",
     "ZeroConfig",
     "format_config",
-    "load_config", "load_zero_sections",
+    "load_config",
+    "load_zero_sections",
     "resolve_batch_sizes",
     "resolve_elastic_batch_sizes",
 ]

@@ -12,13 +12,22 @@ decimal key takes any number but a boolean (``"gradient_clipping": 1`` is
 fine). Sizes keep DeepSpeed's spellings (5e8, "5e8"); an integer or decimal
 written as a string ("8", "1.0") is read as before.
 """
+
 from __future__ import annotations
 
 import math
 from typing import Annotated, Any, ClassVar, Dict, List, Literal, Optional, Tuple, Union, get_args
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, StrictBool, ValidationError,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StrictBool,
+    ValidationError,
+    model_validator,
+)
 
 
 def _whole_number(value: Any) -> Any:
@@ -37,7 +46,9 @@ def _whole_number(value: Any) -> Any:
         try:
             number = float(text.replace("_", ""))
         except ValueError:
-            raise ValueError(f'expected a whole number such as 500000000, 5e8 or "5e8"; got {value!r}') from None
+            raise ValueError(
+                f'expected a whole number such as 500000000, 5e8 or "5e8"; got {value!r}'
+            ) from None
     if isinstance(number, float) and math.isfinite(number) and number.is_integer():
         return int(number)
     raise ValueError(f'expected a whole number such as 500000000, 5e8 or "5e8"; got {value!r}')
@@ -88,7 +99,7 @@ PositiveSize = Annotated[int, BeforeValidator(_whole_number), Field(ge=1)]
 """A buffer or bucket size, which must hold at least one element."""
 Count = Annotated[int, BeforeValidator(_integer), Field(ge=1)]
 """A small positive count (buffers, threads, steps)."""
-NEVER = 2 ** 63 - 1
+NEVER = 2**63 - 1
 """An interval of steps that never comes round: what ``float("inf")`` becomes (accelerate's ``steps_per_print``)."""
 
 
@@ -119,12 +130,18 @@ class _Section(BaseModel):
     @classmethod
     def _without_auto(cls, data: Dict[str, Any]) -> Dict[str, Any]:
         """``data`` without the keys set to "auto", but for fields that take "auto" as a value."""
+
         def takes_auto(key: str) -> bool:
             field = cls.model_fields.get(key)
             return field is not None and "auto" in get_args(field.annotation) + tuple(
-                a for arg in get_args(field.annotation) for a in get_args(arg))
-        return {k: v for k, v in data.items()
-                if not (v == "auto" and not takes_auto(k) and k not in cls.AUTO_REFUSED)}
+                a for arg in get_args(field.annotation) for a in get_args(arg)
+            )
+
+        return {
+            k: v
+            for k, v in data.items()
+            if not (v == "auto" and not takes_auto(k) and k not in cls.AUTO_REFUSED)
+        }
 
     @classmethod
     def _prepare(cls, data: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
@@ -156,8 +173,21 @@ class _Section(BaseModel):
 
 def _with_problems(error: ValidationError, data: Any, problems: List[str]) -> ValidationError:
     """``error`` with ``problems`` added as one more error of the section itself."""
-    details = [{"type": item["type"], "loc": item["loc"], "input": item["input"],
-                **({"ctx": item["ctx"]} if "ctx" in item else {})} for item in error.errors()]
-    details.append({"type": "value_error", "loc": (), "input": data,
-                    "ctx": {"error": ValueError("\n".join(problems))}})
+    details = [
+        {
+            "type": item["type"],
+            "loc": item["loc"],
+            "input": item["input"],
+            **({"ctx": item["ctx"]} if "ctx" in item else {}),
+        }
+        for item in error.errors()
+    ]
+    details.append(
+        {
+            "type": "value_error",
+            "loc": (),
+            "input": data,
+            "ctx": {"error": ValueError("\n".join(problems))},
+        }
+    )
     return ValidationError.from_exception_data(error.title, details)

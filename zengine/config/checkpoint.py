@@ -9,6 +9,7 @@ writer's tuning keys are accepted and ignored. The section's other keys are in `
 ``load_universal`` and ``use_node_local_storage`` are refused unless inert, ``parallel_write``
 (pipeline stages) is ignored.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -29,18 +30,32 @@ TagValidation = Annotated[Literal["Ignore", "Warn", "Fail"], BeforeValidator(_ta
 class CheckpointWriterConfig(_Section):
     """How checkpoints are written (DeepSpeed's ``checkpoint.writer``)."""
 
-    type: Literal["python", "fast"] = Field("python", description=(
-        "DeepSpeed's writer implementation; zengine has one writer (streamed, fsynced, checksummed) for both."))
-    decoupled: Flag = Field(False, description=(
-        "Write in the background: save_checkpoint returns after a copy to host memory; the next save, "
-        "load_checkpoint, wait_for_checkpoint() or destroy waits for it."))
+    type: Literal["python", "fast"] = Field(
+        "python",
+        description=(
+            "DeepSpeed's writer implementation; zengine has one writer (streamed, fsynced, checksummed) for both."
+        ),
+    )
+    decoupled: Flag = Field(
+        False,
+        description=(
+            "Write in the background: save_checkpoint returns after a copy to host memory; the next save, "
+            "load_checkpoint, wait_for_checkpoint() or destroy waits for it."
+        ),
+    )
 
 
 class CheckpointConfig(_Section):
     """Checkpoint options: tag validation and the writer."""
 
-    tag_validation: TagValidation = Field("Warn", description=(
-        "What to do when ranks save with different tags: zengine always fails (one folder per checkpoint, "
-        "written by every rank); Ignore and Warn are accepted for DeepSpeed configs."))
-    writer: CheckpointWriterConfig = Field(default_factory=CheckpointWriterConfig, description=(
-        "The checkpoint writer: decoupled (asynchronous) or not."))
+    tag_validation: TagValidation = Field(
+        "Warn",
+        description=(
+            "What to do when ranks save with different tags: zengine always fails (one folder per checkpoint, "
+            "written by every rank); Ignore and Warn are accepted for DeepSpeed configs."
+        ),
+    )
+    writer: CheckpointWriterConfig = Field(
+        default_factory=CheckpointWriterConfig,
+        description=("The checkpoint writer: decoupled (asynchronous) or not."),
+    )

@@ -8,6 +8,7 @@ keys (``deepcompile`` and the passes it tunes) and compile only when the script 
 (``unsupported.py``: DeepCompile rewrites ZeRO's own communication into the graph, which zengine does
 not do); the DeepCompile-only keys act only with it, so they are accepted and reported as ignored.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -20,15 +21,27 @@ from .base import Flag, _Section
 class CompileConfig(_Section):
     """torch.compile settings that ``initialize`` applies (DeepSpeed 0.14-0.16's section)."""
 
-    enabled: Flag = Field(False, description=(
-        "Compile the model at initialize, as engine.compile(backend, kwargs) would: stages 0-2 compile the "
-        "whole model, stage 3 each gather unit's forward with the gather hooks outside the compiled code."))
-    backend: str = Field("inductor", description=(
-        "torch.compile's backend by name (\"inductor\", \"aot_eager\", \"eager\", or any registered "
-        "backend)."))
-    kwargs: Dict[str, Any] = Field(default_factory=dict, description=(
-        "More torch.compile keywords (mode, fullgraph, dynamic, options); a \"backend\" here is refused: "
-        "give it as backend."))
+    enabled: Flag = Field(
+        False,
+        description=(
+            "Compile the model at initialize, as engine.compile(backend, kwargs) would: stages 0-2 compile the "
+            "whole model, stage 3 each gather unit's forward with the gather hooks outside the compiled code."
+        ),
+    )
+    backend: str = Field(
+        "inductor",
+        description=(
+            "torch.compile's backend by name (\"inductor\", \"aot_eager\", \"eager\", or any registered "
+            "backend)."
+        ),
+    )
+    kwargs: Dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "More torch.compile keywords (mode, fullgraph, dynamic, options); a \"backend\" here is refused: "
+            "give it as backend."
+        ),
+    )
 
     @field_validator("backend")
     @classmethod
@@ -37,7 +50,9 @@ class CompileConfig(_Section):
 
         known = torch._dynamo.list_backends(exclude_tags=())
         if value not in known:
-            raise ValueError(f"unknown torch.compile backend {value!r}; registered backends: {', '.join(known)}")
+            raise ValueError(
+                f"unknown torch.compile backend {value!r}; registered backends: {', '.join(known)}"
+            )
         return value
 
     @field_validator("kwargs")

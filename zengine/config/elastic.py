@@ -13,6 +13,7 @@ so ``zengine.initialize`` trains with the elastic batch sizes at its world size.
 ``zengine.elasticity`` is DeepSpeed's public name for it: ``compute_elastic_config``
 reads a whole config dict and hands the validated section to ``elastic_config``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,30 +49,61 @@ class ElasticityConfig(_Section):
 
     LATEST_VERSION: ClassVar[float] = LATEST_VERSION
 
-    enabled: Flag = Field(False, description="Choose the batch sizes elastically; train_batch_size, "
-                                             "train_micro_batch_size_per_gpu and gradient_accumulation_steps "
-                                             "are then not given (see ignore_non_elastic_batch_info).")
-    max_train_batch_size: Optional[Count] = Field(None, description="Largest acceptable global batch size; "
-                                                                    "required when enabled.")
-    micro_batch_sizes: Optional[List[Count]] = Field(None, description="Micro batch sizes per rank that fit "
-                                                                       "in memory; required when enabled. At a "
-                                                                       "world size the largest usable one is "
-                                                                       "chosen.")
-    min_gpus: Count = Field(1, description="Smallest data-parallel world size the batch size should suit.")
-    max_gpus: Count = Field(10000, description="Largest data-parallel world size the batch size should suit.")
-    min_time: Integer = Field(0, ge=0, description="Minimum minutes a run should last before it may be "
-                                                   "rescaled, for a scheduler; accepted, no effect in zengine.")
-    version: Number = Field(LATEST_VERSION, gt=0, description=(
-        "Rule version: 0.1 counts every world size in range, 0.2 only multiples of num_gpus_per_node."))
-    ignore_non_elastic_batch_info: Flag = Field(False, description="Ignore (with a warning) batch keys given "
-                                                                   "alongside enabled elasticity instead of "
-                                                                   "refusing the config.")
-    prefer_larger_batch: Flag = Field(True, description="Between batch sizes usable at equally many world "
-                                                        "sizes, take the larger (false: the smaller).")
-    num_gpus_per_node: Count = Field(1, description="Ranks per node; from version 0.2 only world sizes that "
-                                                    "are whole nodes count.")
-    model_parallel_size: Count = Field(1, description="Ranks per model replica; zengine has no model "
-                                                      "parallelism, so only 1 is accepted.")
+    enabled: Flag = Field(
+        False,
+        description="Choose the batch sizes elastically; train_batch_size, "
+        "train_micro_batch_size_per_gpu and gradient_accumulation_steps "
+        "are then not given (see ignore_non_elastic_batch_info).",
+    )
+    max_train_batch_size: Optional[Count] = Field(
+        None, description="Largest acceptable global batch size; required when enabled."
+    )
+    micro_batch_sizes: Optional[List[Count]] = Field(
+        None,
+        description="Micro batch sizes per rank that fit "
+        "in memory; required when enabled. At a "
+        "world size the largest usable one is "
+        "chosen.",
+    )
+    min_gpus: Count = Field(
+        1, description="Smallest data-parallel world size the batch size should suit."
+    )
+    max_gpus: Count = Field(
+        10000, description="Largest data-parallel world size the batch size should suit."
+    )
+    min_time: Integer = Field(
+        0,
+        ge=0,
+        description="Minimum minutes a run should last before it may be "
+        "rescaled, for a scheduler; accepted, no effect in zengine.",
+    )
+    version: Number = Field(
+        LATEST_VERSION,
+        gt=0,
+        description=(
+            "Rule version: 0.1 counts every world size in range, 0.2 only multiples of num_gpus_per_node."
+        ),
+    )
+    ignore_non_elastic_batch_info: Flag = Field(
+        False,
+        description="Ignore (with a warning) batch keys given "
+        "alongside enabled elasticity instead of "
+        "refusing the config.",
+    )
+    prefer_larger_batch: Flag = Field(
+        True,
+        description="Between batch sizes usable at equally many world "
+        "sizes, take the larger (false: the smaller).",
+    )
+    num_gpus_per_node: Count = Field(
+        1,
+        description="Ranks per node; from version 0.2 only world sizes that are whole nodes count.",
+    )
+    model_parallel_size: Count = Field(
+        1,
+        description="Ranks per model replica; zengine has no model "
+        "parallelism, so only 1 is accepted.",
+    )
 
     @model_validator(mode="after")
     def _usable_when_enabled(self) -> "ElasticityConfig":
@@ -88,16 +120,22 @@ class ElasticityConfig(_Section):
         if self.max_train_batch_size is not None and self.micro_batch_sizes:
             too_large = sorted({m for m in self.micro_batch_sizes if m > self.max_train_batch_size})
             if too_large:
-                problems.append(f"micro_batch_sizes: {too_large} exceed max_train_batch_size "
-                                f"{self.max_train_batch_size}, so they could never be used")
+                problems.append(
+                    f"micro_batch_sizes: {too_large} exceed max_train_batch_size "
+                    f"{self.max_train_batch_size}, so they could never be used"
+                )
         if self.max_gpus < self.min_gpus:
             problems.append(f"max_gpus: {self.max_gpus} is less than min_gpus {self.min_gpus}")
         if self.version > self.LATEST_VERSION:
-            problems.append(f"version: zengine implements elasticity versions up to {self.LATEST_VERSION}, "
-                            f"got {self.version}")
+            problems.append(
+                f"version: zengine implements elasticity versions up to {self.LATEST_VERSION}, "
+                f"got {self.version}"
+            )
         if self.model_parallel_size != 1:
-            problems.append(f"model_parallel_size: zengine has no model parallelism (data parallel only), "
-                            f"so it must be 1; got {self.model_parallel_size}")
+            problems.append(
+                f"model_parallel_size: zengine has no model parallelism (data parallel only), "
+                f"so it must be 1; got {self.model_parallel_size}"
+            )
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -109,9 +147,15 @@ def elasticity_enabled(ds_config: Dict[str, Any]) -> bool:
     return isinstance(section, dict) and section.get("enabled") is True
 
 
-def elastic_batch_size(max_train_batch_size: int, micro_batch_sizes: Sequence[int], min_gpus: int = 1,
-                       max_gpus: int = 10000, num_gpus_per_node: int = 1, prefer_larger_batch: bool = True,
-                       version: float = LATEST_VERSION) -> Tuple[int, List[int]]:
+def elastic_batch_size(
+    max_train_batch_size: int,
+    micro_batch_sizes: Sequence[int],
+    min_gpus: int = 1,
+    max_gpus: int = 10000,
+    num_gpus_per_node: int = 1,
+    prefer_larger_batch: bool = True,
+    version: float = LATEST_VERSION,
+) -> Tuple[int, List[int]]:
     """The global batch size usable at the most world sizes, and those world sizes (sorted).
 
     ``B`` is usable at world size ``g`` when ``B = m * g * k`` for a micro batch ``m`` in
@@ -123,13 +167,21 @@ def elastic_batch_size(max_train_batch_size: int, micro_batch_sizes: Sequence[in
     """
     micro = _micro_set(micro_batch_sizes)
     step = num_gpus_per_node if version >= 0.2 else 1
-    _check_positive(max_train_batch_size=max_train_batch_size, min_gpus=min_gpus, max_gpus=max_gpus,
-                    num_gpus_per_node=num_gpus_per_node)
+    _check_positive(
+        max_train_batch_size=max_train_batch_size,
+        min_gpus=min_gpus,
+        max_gpus=max_gpus,
+        num_gpus_per_node=num_gpus_per_node,
+    )
     return _search(max_train_batch_size, micro, min_gpus, max_gpus, step, bool(prefer_larger_batch))
 
 
-def elastic_micro_batch(batch_size: int, micro_batch_sizes: Sequence[int], world_size: int,
-                        valid_world_sizes: Optional[Sequence[int]] = None) -> Tuple[int, int]:
+def elastic_micro_batch(
+    batch_size: int,
+    micro_batch_sizes: Sequence[int],
+    world_size: int,
+    valid_world_sizes: Optional[Sequence[int]] = None,
+) -> Tuple[int, int]:
     """``(micro batch, gradient accumulation steps)`` that split ``batch_size`` over ``world_size`` ranks.
 
     The micro batch is the largest of ``micro_batch_sizes`` that divides ``batch_size / world_size``
@@ -146,10 +198,14 @@ def elastic_micro_batch(batch_size: int, micro_batch_sizes: Sequence[int], world
                 return micro, batch_size // (micro * world_size)
     if valid_world_sizes is None:
         valid_world_sizes = _usable_world_sizes(batch_size, micro_set, 1, batch_size, 1)
-    raise ElasticityIncompatibleWorldSize(_incompatible_message(batch_size, world_size, valid_world_sizes))
+    raise ElasticityIncompatibleWorldSize(
+        _incompatible_message(batch_size, world_size, valid_world_sizes)
+    )
 
-def elastic_config(section: ElasticityConfig, world_size: int = 0, return_microbatch: bool = False
-                   ) -> Union[Tuple[int, List[int]], Tuple[int, List[int], int]]:
+
+def elastic_config(
+    section: ElasticityConfig, world_size: int = 0, return_microbatch: bool = False
+) -> Union[Tuple[int, List[int]], Tuple[int, List[int], int]]:
     """``compute_elastic_config`` on a validated section: ``(final_batch_size, valid_gpus)``, and with
     ``world_size > 0`` (or ``return_microbatch``) also the micro batch per rank at that world size.
 
@@ -158,12 +214,22 @@ def elastic_config(section: ElasticityConfig, world_size: int = 0, return_microb
     section and ``ElasticityIncompatibleWorldSize`` when the world size cannot use the chosen batch size.
     """
     if not section.enabled:
-        raise ElasticityConfigError('compute_elastic_config: elasticity is not enabled (set "enabled": true)')
+        raise ElasticityConfigError(
+            'compute_elastic_config: elasticity is not enabled (set "enabled": true)'
+        )
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 0:
-        raise ValueError(f"compute_elastic_config: world_size must be an int >= 0, got {world_size!r}")
-    batch, valid = elastic_batch_size(section.max_train_batch_size, section.micro_batch_sizes, section.min_gpus,
-                                      section.max_gpus, section.num_gpus_per_node, section.prefer_larger_batch,
-                                      section.version)
+        raise ValueError(
+            f"compute_elastic_config: world_size must be an int >= 0, got {world_size!r}"
+        )
+    batch, valid = elastic_batch_size(
+        section.max_train_batch_size,
+        section.micro_batch_sizes,
+        section.min_gpus,
+        section.max_gpus,
+        section.num_gpus_per_node,
+        section.prefer_larger_batch,
+        section.version,
+    )
     if world_size == 0 and not return_microbatch:
         return batch, valid
     if world_size == 0:
@@ -176,11 +242,14 @@ def elastic_config(section: ElasticityConfig, world_size: int = 0, return_microb
 
 
 @functools.lru_cache(maxsize=16)
-def _search(limit: int, micro: Tuple[int, ...], min_gpus: int, max_gpus: int, step: int,
-            prefer_larger: bool) -> Tuple[int, List[int]]:
+def _search(
+    limit: int, micro: Tuple[int, ...], min_gpus: int, max_gpus: int, step: int, prefer_larger: bool
+) -> Tuple[int, List[int]]:
     """``elastic_batch_size`` on normalized arguments; cached because a config is loaded more than once
     (the estimator, then ``initialize``) and a large search takes a noticeable fraction of a second."""
-    first = max(step, -(-min_gpus // step) * step)  # the smallest multiple of step that is >= min_gpus
+    first = max(
+        step, -(-min_gpus // step) * step
+    )  # the smallest multiple of step that is >= min_gpus
     # A world size larger than limit / smallest micro batch cannot reach any batch size <= limit.
     last = min(max_gpus, limit // micro[0])
     if first > last:
@@ -208,7 +277,9 @@ def _search(limit: int, micro: Tuple[int, ...], min_gpus: int, max_gpus: int, st
     return batch, _usable_world_sizes(batch, micro, min_gpus, max_gpus, step)
 
 
-def _usable_world_sizes(batch: int, micro: Iterable[int], min_gpus: int, max_gpus: int, step: int) -> List[int]:
+def _usable_world_sizes(
+    batch: int, micro: Iterable[int], min_gpus: int, max_gpus: int, step: int
+) -> List[int]:
     """The world sizes ``g`` in range (multiples of ``step``) with ``batch = m * g * k``: the divisors of
     ``batch / m`` for each micro batch ``m`` that divides ``batch``."""
     found = set()
@@ -225,8 +296,10 @@ def _usable_world_sizes(batch: int, micro: Iterable[int], min_gpus: int, max_gpu
 def _micro_set(micro_batch_sizes: Sequence[int]) -> Tuple[int, ...]:
     """The distinct micro batch sizes, ascending; refuses an empty list or a size below 1."""
     if isinstance(micro_batch_sizes, (int, str)) or not micro_batch_sizes:
-        raise ElasticityConfigError(f"micro_batch_sizes must be a non-empty list of positive ints, "
-                                    f"got {micro_batch_sizes!r}")
+        raise ElasticityConfigError(
+            f"micro_batch_sizes must be a non-empty list of positive ints, "
+            f"got {micro_batch_sizes!r}"
+        )
     for m in micro_batch_sizes:
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ElasticityConfigError(f"micro_batch_sizes must hold positive ints, got {m!r}")
@@ -242,8 +315,10 @@ def _check_positive(**values: int) -> None:
 def _world_size_from_environment() -> int:
     text = os.environ.get("WORLD_SIZE", "")
     if not text.isdigit() or int(text) < 1:
-        raise ElasticityConfigError("compute_elastic_config: return_microbatch needs the world size: pass "
-                                    f"world_size=, or run where WORLD_SIZE is set (it is {text!r})")
+        raise ElasticityConfigError(
+            "compute_elastic_config: return_microbatch needs the world size: pass "
+            f"world_size=, or run where WORLD_SIZE is set (it is {text!r})"
+        )
     return int(text)
 
 
@@ -254,8 +329,12 @@ def abbreviate(sizes: Sequence[int], head: int = 10, tail: int = 3) -> str:
     """``"1, 2, 3"``, or for a long list its first and last few: ``"1, 2, ..., 9990, 9995 (417 in all)"``."""
     if len(sizes) <= head + tail + 1:
         return ", ".join(map(str, sizes))
-    return (", ".join(map(str, sizes[:head])) + ", ..., " + ", ".join(map(str, sizes[-tail:]))
-            + f" ({len(sizes)} in all)")
+    return (
+        ", ".join(map(str, sizes[:head]))
+        + ", ..., "
+        + ", ".join(map(str, sizes[-tail:]))
+        + f" ({len(sizes)} in all)"
+    )
 
 
 def _incompatible_message(batch: int, world_size: int, valid: Sequence[int]) -> str:
@@ -263,13 +342,18 @@ def _incompatible_message(batch: int, world_size: int, valid: Sequence[int]) -> 
     above = [g for g in valid if g > world_size]
     nearest = ", ".join(str(g) for g in (below[-1:] + above[:1]))
     near = f" (the nearest: {nearest})" if nearest else ""
-    return (f"world size {world_size} cannot use the elastic global batch size {batch}: it is not one of the "
-            f"valid world sizes {abbreviate(valid) or '(none)'}; start the job on one of them{near}, or change "
-            "elasticity's micro_batch_sizes, max_train_batch_size, min_gpus or max_gpus")
+    return (
+        f"world size {world_size} cannot use the elastic global batch size {batch}: it is not one of the "
+        f"valid world sizes {abbreviate(valid) or '(none)'}; start the job on one of them{near}, or change "
+        "elasticity's micro_batch_sizes, max_train_batch_size, min_gpus or max_gpus"
+    )
 
 
-def _nothing_usable(limit: int, micro: Sequence[int], min_gpus: int, max_gpus: int, step: int) -> str:
+def _nothing_usable(
+    limit: int, micro: Sequence[int], min_gpus: int, max_gpus: int, step: int
+) -> str:
     nodes = f", multiples of num_gpus_per_node {step}" if step > 1 else ""
-    return (f"no batch size up to max_train_batch_size {limit} is a micro batch in {list(micro)} times a world "
-            f"size in [{min_gpus}, {max_gpus}]{nodes}; raise max_train_batch_size or widen the world sizes")
-
+    return (
+        f"no batch size up to max_train_batch_size {limit} is a micro batch in {list(micro)} times a world "
+        f"size in [{min_gpus}, {max_gpus}]{nodes}; raise max_train_batch_size or widen the world sizes"
+    )

@@ -7,6 +7,7 @@ comments and trailing commas are accepted; plain JSON reads exactly as with
 a user fixes the whole file in one pass, before any process group or model work
 starts.
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,10 +31,14 @@ from .unsupported import screen, unsupported_keys_under
 
 ConfigSource = Union[str, "os.PathLike[str]", Mapping]
 
-_AUTO_HINT = ('; "auto" values are filled in by the Hugging Face Trainer integration, not by zengine '
-              "(nor by DeepSpeed itself), so write the value here")
-_UNQUOTED_HINT = ("; a value written without quotes runs to the end of its line in a config file (hjson), "
-                  "comma included: check the quotes")
+_AUTO_HINT = (
+    '; "auto" values are filled in by the Hugging Face Trainer integration, not by zengine '
+    "(nor by DeepSpeed itself), so write the value here"
+)
+_UNQUOTED_HINT = (
+    "; a value written without quotes runs to the end of its line in a config file (hjson), "
+    "comma included: check the quotes"
+)
 # A model validator's message line: "relative.key.path: text".
 _KEYED_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): (.*)$")
 
@@ -81,7 +86,9 @@ def load_config(config: ConfigSource, world_size: int) -> ZengineConfig:
         problems.extend(str(error).splitlines())
     if problems:
         count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
-        raise ConfigError(f"invalid zengine config {source} ({count}):\n" + "\n".join(f"  {p}" for p in problems))
+        raise ConfigError(
+            f"invalid zengine config {source} ({count}):\n" + "\n".join(f"  {p}" for p in problems)
+        )
     assert cfg is not None and resolved is not None
     cfg.train_batch_size = resolved.train_batch_size
     cfg.train_micro_batch_size_per_gpu = resolved.train_micro_batch_size_per_gpu
@@ -93,14 +100,20 @@ def load_config(config: ConfigSource, world_size: int) -> ZengineConfig:
     for caught in deprecations:
         warnings.warn(f"{source}: {caught.message}", ConfigWarning, stacklevel=2)
     if isinstance(elastic, ElasticityConfig) and given:
-        warnings.warn(f"{source}: elasticity is enabled and ignore_non_elastic_batch_info is true, so "
-                      f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} ignored; elastic batch sizes at "
-                      f"world size {world_size}: {TBS} {resolved.train_batch_size}, {MICRO} "
-                      f"{resolved.train_micro_batch_size_per_gpu}, {GAS} {resolved.gradient_accumulation_steps}",
-                      ConfigWarning, stacklevel=2)
+        warnings.warn(
+            f"{source}: elasticity is enabled and ignore_non_elastic_batch_info is true, so "
+            f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} ignored; elastic batch sizes at "
+            f"world size {world_size}: {TBS} {resolved.train_batch_size}, {MICRO} "
+            f"{resolved.train_micro_batch_size_per_gpu}, {GAS} {resolved.gradient_accumulation_steps}",
+            ConfigWarning,
+            stacklevel=2,
+        )
     if ignored:
-        warnings.warn(f"{source}: zengine accepts but ignores these DeepSpeed keys: {', '.join(ignored)}",
-                      ConfigWarning, stacklevel=2)
+        warnings.warn(
+            f"{source}: zengine accepts but ignores these DeepSpeed keys: {', '.join(ignored)}",
+            ConfigWarning,
+            stacklevel=2,
+        )
     return cfg
 
 
@@ -113,15 +126,20 @@ def load_zero_sections(config: ConfigSource) -> ZengineConfig:
     optimizer and scheduler sections). A precision section whose ``enabled`` is "auto" is left out.
     Raises ``ConfigError`` listing the problems of those sections."""
     source, raw = _read(config)
-    wanted = {key: raw[key] for key in ZERO_INIT_SECTIONS if key in raw
-              and not (isinstance(raw[key], Mapping) and raw[key].get("enabled") == "auto")}
+    wanted = {
+        key: raw[key]
+        for key in ZERO_INIT_SECTIONS
+        if key in raw and not (isinstance(raw[key], Mapping) and raw[key].get("enabled") == "auto")
+    }
     try:
         return ZengineConfig.model_validate(wanted)
     except ValidationError as error:
         problems = _describe(error)
         count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
-        raise ConfigError(f"invalid zengine config {source} for zero.Init ({count}):\n"
-                          + "\n".join(f"  {p}" for p in problems)) from None
+        raise ConfigError(
+            f"invalid zengine config {source} for zero.Init ({count}):\n"
+            + "\n".join(f"  {p}" for p in problems)
+        ) from None
 
 
 def _read(config: Any) -> Tuple[str, Dict[str, Any]]:
@@ -129,11 +147,16 @@ def _read(config: Any) -> Tuple[str, Dict[str, Any]]:
     if isinstance(config, Mapping):
         return "<dict>", copy.deepcopy(dict(config))
     if not isinstance(config, (str, os.PathLike)):
-        raise ConfigError(f"config must be a path to a JSON file or a dict, got {type(config).__name__}")
+        raise ConfigError(
+            f"config must be a path to a JSON file or a dict, got {type(config).__name__}"
+        )
     path = Path(os.fspath(config))
     if not path.exists():
-        hint = " (this looks like JSON text; pass json.loads(text) or a file path)" \
-            if str(config).lstrip().startswith("{") else ""
+        hint = (
+            " (this looks like JSON text; pass json.loads(text) or a file path)"
+            if str(config).lstrip().startswith("{")
+            else ""
+        )
         raise ConfigError(f"config file not found: {path}{hint}")
     if path.is_dir():
         raise ConfigError(f"config path is a directory, not a JSON file: {path}")
@@ -146,13 +169,15 @@ def _read(config: Any) -> Tuple[str, Dict[str, Any]]:
     try:
         raw = _plain(hjson.loads(text, object_pairs_hook=_no_duplicate_keys, parse_float=_Decimal))
     except hjson.HjsonDecodeError as error:
-        raise ConfigError(f"malformed JSON in {path} at line {error.lineno}, column {error.colno}: "
-                          f"{error.msg}") from None
+        raise ConfigError(
+            f"malformed JSON in {path} at line {error.lineno}, column {error.colno}: {error.msg}"
+        ) from None
     except _DuplicateKey as error:
         raise ConfigError(f"{path}: key {error.key!r} appears twice in the same object") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the config must be a JSON object ({{...}}), "
-                          f"got a JSON {_json_kind(raw)}")
+        raise ConfigError(
+            f"{path}: the config must be a JSON object ({{...}}), got a JSON {_json_kind(raw)}"
+        )
     return str(path), raw
 
 
@@ -198,24 +223,33 @@ def _no_duplicate_keys(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
 
 
 def _json_kind(value: Any) -> str:
-    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
+    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number"
+    )
 
 
 def load_section(name: str, value: Any) -> BaseModel:
     """Validate one top-level section on its own, with ``load_config``'s messages (the key paths
     start at the top level), and return its model. Raises ``ConfigError``."""
-    if name not in ZengineConfig.model_fields or _model_type(ZengineConfig.model_fields[name].annotation) is None:
+    if (
+        name not in ZengineConfig.model_fields
+        or _model_type(ZengineConfig.model_fields[name].annotation) is None
+    ):
         raise ValueError(f"load_section: {name!r} is not a section of the config")
     try:
         cfg = ZengineConfig.model_validate({name: value})
     except ValidationError as error:
         problems = _describe(error)
         count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
-        raise ConfigError(f"invalid {name} section ({count}):\n" + "\n".join(f"  {p}" for p in problems)) from None
+        raise ConfigError(
+            f"invalid {name} section ({count}):\n" + "\n".join(f"  {p}" for p in problems)
+        ) from None
     return getattr(cfg, name)
 
 
-def _elastic_section(cfg: Optional[ZengineConfig], raw: Dict[str, Any]) -> Union[ElasticityConfig, bool, None]:
+def _elastic_section(
+    cfg: Optional[ZengineConfig], raw: Dict[str, Any]
+) -> Union[ElasticityConfig, bool, None]:
     """The enabled ``elasticity`` section; None when it is off; False when it says enabled but is invalid
     (its problems are reported already, and the batch keys cannot be resolved without it)."""
     if cfg is not None:
@@ -229,10 +263,16 @@ def _elastic_section(cfg: Optional[ZengineConfig], raw: Dict[str, Any]) -> Union
         return False
 
 
-def _batch_keys(cfg: Optional[ZengineConfig], raw: Dict[str, Any]) -> Optional[Tuple[Optional[int], ...]]:
+def _batch_keys(
+    cfg: Optional[ZengineConfig], raw: Dict[str, Any]
+) -> Optional[Tuple[Optional[int], ...]]:
     """The three batch keys to resolve, or None when a type error was already reported for one."""
     if cfg is not None:
-        return cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+        return (
+            cfg.train_batch_size,
+            cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps,
+        )
     values = []
     for key in (TBS, MICRO, GAS):
         value = raw.get(key)
@@ -248,8 +288,10 @@ def _batch_keys(cfg: Optional[ZengineConfig], raw: Dict[str, Any]) -> Optional[T
 def _precision_problem(raw: Dict[str, Any], found: List[str]) -> List[str]:
     """The fp16-and-bf16 check, which pydantic skips when any other field failed."""
     try:
-        problem = precision_problem(FP16Config.model_validate(raw.get("fp16") or {}),
-                                    BF16Config.model_validate(raw.get("bf16", raw.get("bfloat16")) or {}))
+        problem = precision_problem(
+            FP16Config.model_validate(raw.get("fp16") or {}),
+            BF16Config.model_validate(raw.get("bf16", raw.get("bfloat16")) or {}),
+        )
     except ValidationError:
         return []
     return [problem] if problem and problem not in found else []
@@ -342,7 +384,9 @@ def _known_paths(model: Type[BaseModel], prefix: Tuple[str, ...] = ()) -> Iterat
 
 def _suggest(parent: Tuple[str, ...], key: str) -> str:
     """``"; did you mean 'X'?"`` for a near miss, else ``""``."""
-    elsewhere = [path for path in _known_paths(ZengineConfig) if path[-1] == key and path[:-1] != parent]
+    elsewhere = [
+        path for path in _known_paths(ZengineConfig) if path[-1] == key and path[:-1] != parent
+    ]
     if elsewhere:
         return f"; did you mean {'.'.join(elsewhere[0])!r}?"
     model = _model_at(parent)

@@ -7,6 +7,7 @@ bf16), ``zero`` (zero_optimization, its offload sections, aio), ``optimizer``
 csv_monitor, wandb), ``activation_checkpointing`` and ``elastic`` (elasticity).
 This module gathers them under the top-level keys and checks across sections.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -31,66 +32,132 @@ class ZengineConfig(_Section):
     """A whole training config. Build it with ``load_config``, which also resolves the batch sizes."""
 
     DEPRECATED_KEYS: ClassVar[Dict[str, str]] = {"bfloat16": "bf16"}
-    SECTIONS: ClassVar[Tuple[str, ...]] = ("fp16", "bf16", "data_types", "zero_optimization", "aio",
-                                           "activation_checkpointing", "tensorboard", "csv_monitor", "wandb",
-                                           "elasticity", "compile", "checkpoint", "shared_memory")
+    SECTIONS: ClassVar[Tuple[str, ...]] = (
+        "fp16",
+        "bf16",
+        "data_types",
+        "zero_optimization",
+        "aio",
+        "activation_checkpointing",
+        "tensorboard",
+        "csv_monitor",
+        "wandb",
+        "elasticity",
+        "compile",
+        "checkpoint",
+        "shared_memory",
+    )
 
-    train_batch_size: BatchSize = Field(None, description="Samples per optimizer step over all data-parallel "
-                                                          "ranks: micro batch * accumulation steps * world size.")
-    train_micro_batch_size_per_gpu: BatchSize = Field(None, description="Samples per forward/backward on one "
-                                                                        "rank.")
-    gradient_accumulation_steps: BatchSize = Field(None, description="Micro batches accumulated per optimizer "
-                                                                     "step.")
-    optimizer: Optional[OptimizerConfig] = Field(None, description="Optimizer to build; None when the script "
-                                                                   "passes its own.")
-    scheduler: Optional[SchedulerConfig] = Field(None, description="LR scheduler to build; None for a constant "
-                                                                   "LR or one the script passes.")
+    train_batch_size: BatchSize = Field(
+        None,
+        description="Samples per optimizer step over all data-parallel "
+        "ranks: micro batch * accumulation steps * world size.",
+    )
+    train_micro_batch_size_per_gpu: BatchSize = Field(
+        None, description="Samples per forward/backward on one rank."
+    )
+    gradient_accumulation_steps: BatchSize = Field(
+        None, description="Micro batches accumulated per optimizer step."
+    )
+    optimizer: Optional[OptimizerConfig] = Field(
+        None, description="Optimizer to build; None when the script passes its own."
+    )
+    scheduler: Optional[SchedulerConfig] = Field(
+        None, description="LR scheduler to build; None for a constant LR or one the script passes."
+    )
     fp16: FP16Config = Field(default_factory=FP16Config, description="float16 mixed precision.")
     bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 mixed precision.")
-    communication_data_type: Optional[DtypeName] = Field(None, description=(
-        "The dtype gradients are summed in across ranks (all-reduce, reduce-scatter): fp32, fp16 or bf16. "
-        "Default (null): the compute dtype, as DeepSpeed and FSDP2 do. fp32 with bf16/fp16 compute rounds "
-        "once instead of at each rank's addition and cannot overflow fp16, at twice the bucket bytes."))
-    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig, description=(
-        "grad_accum_dtype: the dtype gradients are summed in across micro-steps."))
-    gradient_clipping: Number = Field(0.0, ge=0, description="Clip the global gradient norm to this; 0 "
-                                                             "disables clipping.")
-    steps_per_print: Interval = Field(10, description="Log progress every this many optimizer steps "
-                                                      "(float('inf'), as accelerate sets it: never).")
-    auto_resume: Optional[str] = Field(None, description=(
-        "zengine only: a save_dir of engine.save_checkpoint; initialize loads its latest checkpoint when "
-        "there is one (a restarted or resubmitted job continues where it was), and starts fresh when not."))
-    comm_timeout: Number = Field(300.0, gt=0, description=(
-        "zengine only: seconds a collective operation of the process group may wait for the other ranks "
-        "before it fails, so a rank that died or diverged ends the run with an error instead of a hang."))
-    shared_memory: SharedMemoryConfig = Field(default_factory=SharedMemoryConfig, description=(
-        "zengine only: collectives of CPU (gloo) ranks on one host through shared memory."))
-    nonfinite_gradients: NonFiniteGradientsConfig = Field(default_factory=NonFiniteGradientsConfig, description=(
-        "zengine only: skip, count and report steps whose gradient is NaN/Inf; stop after too many in a row."))
-    wall_clock_breakdown: Flag = Field(False, description="Time forward, backward and step; rank 0 logs the "
-                                                          "milliseconds every steps_per_print steps (and the "
-                                                          "monitors get them). Synchronizes a GPU at each "
-                                                          "timer start and stop.")
-    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="TensorBoard "
-                                                                                          "monitor.")
-    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig, description="CSV file monitor.")
+    communication_data_type: Optional[DtypeName] = Field(
+        None,
+        description=(
+            "The dtype gradients are summed in across ranks (all-reduce, reduce-scatter): fp32, fp16 or bf16. "
+            "Default (null): the compute dtype, as DeepSpeed and FSDP2 do. fp32 with bf16/fp16 compute rounds "
+            "once instead of at each rank's addition and cannot overflow fp16, at twice the bucket bytes."
+        ),
+    )
+    data_types: DataTypesConfig = Field(
+        default_factory=DataTypesConfig,
+        description=("grad_accum_dtype: the dtype gradients are summed in across micro-steps."),
+    )
+    gradient_clipping: Number = Field(
+        0.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping."
+    )
+    steps_per_print: Interval = Field(
+        10,
+        description="Log progress every this many optimizer steps "
+        "(float('inf'), as accelerate sets it: never).",
+    )
+    auto_resume: Optional[str] = Field(
+        None,
+        description=(
+            "zengine only: a save_dir of engine.save_checkpoint; initialize loads its latest checkpoint when "
+            "there is one (a restarted or resubmitted job continues where it was), and starts fresh when not."
+        ),
+    )
+    comm_timeout: Number = Field(
+        300.0,
+        gt=0,
+        description=(
+            "zengine only: seconds a collective operation of the process group may wait for the other ranks "
+            "before it fails, so a rank that died or diverged ends the run with an error instead of a hang."
+        ),
+    )
+    shared_memory: SharedMemoryConfig = Field(
+        default_factory=SharedMemoryConfig,
+        description=(
+            "zengine only: collectives of CPU (gloo) ranks on one host through shared memory."
+        ),
+    )
+    nonfinite_gradients: NonFiniteGradientsConfig = Field(
+        default_factory=NonFiniteGradientsConfig,
+        description=(
+            "zengine only: skip, count and report steps whose gradient is NaN/Inf; stop after too many in a row."
+        ),
+    )
+    wall_clock_breakdown: Flag = Field(
+        False,
+        description="Time forward, backward and step; rank 0 logs the "
+        "milliseconds every steps_per_print steps (and the "
+        "monitors get them). Synchronizes a GPU at each "
+        "timer start and stop.",
+    )
+    tensorboard: TensorBoardConfig = Field(
+        default_factory=TensorBoardConfig, description="TensorBoard monitor."
+    )
+    csv_monitor: CSVMonitorConfig = Field(
+        default_factory=CSVMonitorConfig, description="CSV file monitor."
+    )
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases monitor.")
-    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and its "
-                                                                                  "settings.")
+    zero_optimization: ZeroConfig = Field(
+        default_factory=ZeroConfig, description="ZeRO stage and its settings."
+    )
     aio: AioConfig = Field(default_factory=AioConfig, description="Async I/O for NVMe offload.")
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig,
         description="Settings of zengine.checkpointing (DeepSpeed's deepspeed.checkpointing), applied at "
-                    "initialize unless the script called checkpointing.configure itself.")
+        "initialize unless the script called checkpointing.configure itself.",
+    )
 
-    elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig, description=(
-        "Elastic batch sizes: when enabled, one global batch size usable at many world sizes, with the micro "
-        "batch and accumulation steps derived at the run's world size."))
-    compile: CompileConfig = Field(default_factory=CompileConfig, description=(
-        "torch.compile of the model (DeepSpeed 0.14-0.16's enabled/backend/kwargs); engine.compile() does "
-        "the same on demand."))
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description=(
-        "DeepSpeed's checkpoint options: tag_validation (ranks with different tags always fail)."))
+    elasticity: ElasticityConfig = Field(
+        default_factory=ElasticityConfig,
+        description=(
+            "Elastic batch sizes: when enabled, one global batch size usable at many world sizes, with the micro "
+            "batch and accumulation steps derived at the run's world size."
+        ),
+    )
+    compile: CompileConfig = Field(
+        default_factory=CompileConfig,
+        description=(
+            "torch.compile of the model (DeepSpeed 0.14-0.16's enabled/backend/kwargs); engine.compile() does "
+            "the same on demand."
+        ),
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig,
+        description=(
+            "DeepSpeed's checkpoint options: tag_validation (ranks with different tags always fail)."
+        ),
+    )
 
     _ignored_keys: Tuple[str, ...] = PrivateAttr(default=())
     _derived_batch_keys: Tuple[str, ...] = PrivateAttr(default=())
@@ -100,7 +167,9 @@ class ZengineConfig(_Section):
     @classmethod
     def _prepare(cls, data: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
         problems = []
-        data = {key: value for key, value in data.items() if not (key in cls.SECTIONS and value is None)}
+        data = {
+            key: value for key, value in data.items() if not (key in cls.SECTIONS and value is None)
+        }
         if "bfloat16" in data:
             legacy = data.pop("bfloat16")
             if "bf16" in data:
@@ -121,9 +190,11 @@ class ZengineConfig(_Section):
         wanted = self.data_types.param_dtype
         if wanted is not None and DTYPES[wanted] != self.compute_dtype:
             compute = next(name for name, dtype in DTYPES.items() if dtype == self.compute_dtype)
-            raise ValueError(f"data_types.param_dtype: {wanted!r} differs from the compute dtype {compute!r} "
-                             f"(set by the fp16/bf16 sections); "
-                             f"DeepSpeed requires them to match: omit param_dtype or enable the matching section")
+            raise ValueError(
+                f"data_types.param_dtype: {wanted!r} differs from the compute dtype {compute!r} "
+                f"(set by the fp16/bf16 sections); "
+                f"DeepSpeed requires them to match: omit param_dtype or enable the matching section"
+            )
         return self
 
     def get(self, key: str, default: Any = None) -> Any:

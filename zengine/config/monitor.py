@@ -1,4 +1,5 @@
 """The monitor sections, ``tensorboard``, ``csv_monitor`` and ``wandb``: where rank 0 writes the training events."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -11,12 +12,19 @@ from .base import Flag, _Section
 class _FileMonitorConfig(_Section):
     """A monitor that rank 0 writes into ``output_path/job_name`` every ``steps_per_print`` steps."""
 
-    enabled: Flag = Field(False, description="Write the training events (loss, lr, grad norm, samples/s, "
-                                             "memory, breakdown times) on rank 0.")
-    output_path: str = Field("", description="Directory in which the job's folder is made; empty: the "
-                                             "working directory.")
-    job_name: str = Field("DeepSpeedJobName", description="Folder under output_path that receives the files "
-                                                          "(DeepSpeed's default name, so paths match).")
+    enabled: Flag = Field(
+        False,
+        description="Write the training events (loss, lr, grad norm, samples/s, "
+        "memory, breakdown times) on rank 0.",
+    )
+    output_path: str = Field(
+        "", description="Directory in which the job's folder is made; empty: the working directory."
+    )
+    job_name: str = Field(
+        "DeepSpeedJobName",
+        description="Folder under output_path that receives the files "
+        "(DeepSpeed's default name, so paths match).",
+    )
 
 
 class TensorBoardConfig(_FileMonitorConfig):

@@ -6,6 +6,7 @@ Batch keys have no default: a given one is marked ``*``, a derived one
 ``(derived)``. The engine logs the changed settings on rank 0 at start, and every
 setting when ``ZENGINE_PRINT_CONFIG=full`` is set (``PRINT_FULL_ENV``).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,9 @@ from .elastic import abbreviate
 from .models import ZengineConfig
 
 CHANGED = "*"
-PRINT_FULL_ENV = "ZENGINE_PRINT_CONFIG"  # "full": the engine logs every setting, not only the changed ones
+PRINT_FULL_ENV = (
+    "ZENGINE_PRINT_CONFIG"  # "full": the engine logs every setting, not only the changed ones
+)
 
 
 def format_config(cfg: ZengineConfig, changed_only: bool = False) -> str:
@@ -42,12 +45,16 @@ def format_config(cfg: ZengineConfig, changed_only: bool = False) -> str:
     width = max((len(path) for path, _, _ in rows), default=0)
     lines = [f"{path.ljust(width)} = {text} {mark}".rstrip() for path, text, mark in rows]
     if hidden:
-        lines.append(f"({hidden} more settings at their defaults; {PRINT_FULL_ENV}=full logs every one)")
+        lines.append(
+            f"({hidden} more settings at their defaults; {PRINT_FULL_ENV}=full logs every one)"
+        )
     if cfg.world_size is not None:
         lines.append(f"(batch sizes resolved for data-parallel world size {cfg.world_size})")
     if cfg.elastic_world_sizes:
-        lines.append(f"(elasticity: global batch {cfg.train_batch_size} suits world sizes "
-                     f"{abbreviate(cfg.elastic_world_sizes)})")
+        lines.append(
+            f"(elasticity: global batch {cfg.train_batch_size} suits world sizes "
+            f"{abbreviate(cfg.elastic_world_sizes)})"
+        )
     if cfg.ignored_keys:
         lines.append(f"(ignored DeepSpeed keys: {', '.join(cfg.ignored_keys)})")
     return "\n".join(lines)

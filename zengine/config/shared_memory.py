@@ -12,6 +12,7 @@ sync per piece costs what it saves; nor where the segment would take more than a
 in ``/dev/shm`` (a container's is 64 MiB, which DataLoader workers use too). ``true`` also says, on rank 0, why it does not apply where it does not
 (NCCL, ranks on several hosts, no room in ``/dev/shm``); ``false`` keeps gloo's transport.
 """
+
 from __future__ import annotations
 
 from pydantic import Field
@@ -22,14 +23,22 @@ from .base import FlagOrAuto, PositiveSize, _Section
 class SharedMemoryConfig(_Section):
     """Collectives of CPU ranks on one host through shared memory (see the module doc)."""
 
-    enabled: FlagOrAuto = Field("auto", description=(
-        "Run the data-parallel group's all-gathers, all-reduces and stage 2-3's gradient reductions of CPU "
-        "tensors (64 KiB and more) through a shared-memory segment when the group is gloo and every rank of it "
-        "is on this host; the group's other collectives, and every collective of a group that spans hosts, stay "
-        "on gloo. \"auto\": wherever that applies, the segment at most half the model's fp32 bytes and a quarter "
-        "of the room left in /dev/shm (none where pieces would be under 1 MiB); true: also say why not where it "
-        "does not apply; false: never."))
-    piece_size: PositiveSize = Field(8 * 2 ** 20, description=(
-        "Bytes each rank moves per step of a collective; the segment is 2 x world x piece_size bytes. Larger "
-        "pieces mean fewer syncs, smaller ones less shared memory. With \"auto\" no more than the model's fp32 "
-        "bytes / (4 x world)."))
+    enabled: FlagOrAuto = Field(
+        "auto",
+        description=(
+            "Run the data-parallel group's all-gathers, all-reduces and stage 2-3's gradient reductions of CPU "
+            "tensors (64 KiB and more) through a shared-memory segment when the group is gloo and every rank of it "
+            "is on this host; the group's other collectives, and every collective of a group that spans hosts, stay "
+            "on gloo. \"auto\": wherever that applies, the segment at most half the model's fp32 bytes and a quarter "
+            "of the room left in /dev/shm (none where pieces would be under 1 MiB); true: also say why not where it "
+            "does not apply; false: never."
+        ),
+    )
+    piece_size: PositiveSize = Field(
+        8 * 2**20,
+        description=(
+            "Bytes each rank moves per step of a collective; the segment is 2 x world x piece_size bytes. Larger "
+            "pieces mean fewer syncs, smaller ones less shared memory. With \"auto\" no more than the model's fp32 "
+            "bytes / (4 x world)."
+        ),
+    )

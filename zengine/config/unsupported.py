@@ -21,6 +21,7 @@ two classes:
 models see it, so only keys zengine implements reach pydantic, and unknown
 keys there are errors.
 """
+
 from __future__ import annotations
 
 import json
@@ -91,9 +92,12 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _section("weight_quantization", "weight quantization"),
     _section("progressive_layer_drop", "progressive layer drop"),
     _section("hybrid_engine", "the RLHF hybrid engine"),
-    _results("tensor_parallel", "automatic tensor parallelism",
-             lambda v: v is None or (isinstance(v, dict) and v.get("autotp_size", 1) in (0, 1)),
-             'set "autotp_size": 1'),
+    _results(
+        "tensor_parallel",
+        "automatic tensor parallelism",
+        lambda v: v is None or (isinstance(v, dict) and v.get("autotp_size", 1) in (0, 1)),
+        'set "autotp_size": 1',
+    ),
     _flag("data_types.buffer_dtype", "buffer dtype cast", None),
     _flag("prescale_gradients", "gradient prescaling", False),
     _flag("gradient_predivide_factor", "a gradient predivide factor", 1.0),
@@ -106,7 +110,11 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _flag("bf16.bf16_master_weights_and_grads", "bf16 master weights", False),
     _flag("bf16.bf16_optimizer_states", "bf16 optimizer states", False),
     # ZeRO sub-keys that change the numbers (quantized frozen weights, LoCo, ZenFlow).
-    _flag("zero_optimization.zero_quantized_nontrainable_weights", "ZeRO++ quantized frozen weights", False),
+    _flag(
+        "zero_optimization.zero_quantized_nontrainable_weights",
+        "ZeRO++ quantized frozen weights",
+        False,
+    ),
     _flag("zero_optimization.zeropp_loco_param", "LoCo-ZeRO++ error feedback", None),
     _flag("zero_optimization.legacy_stage1", "the legacy stage-1 implementation", False),
     _flag("zero_optimization.zenflow", "ZenFlow asynchronous updates", None),
@@ -121,26 +129,62 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _ignorable("vocabulary_size", "vocabulary size hint"),
     # Mechanisms whose absence does not change the numbers.
     # The checkpoint section: tag_validation is config/checkpoint.py's; the rest is not implemented.
-    _flag("checkpoint.load_universal", "universal checkpoint loading (zengine loads its own checkpoints at any "
-          "world size and stage, and DeepSpeed's ZeRO checkpoints directly, with load_checkpoint)", False),
-    _flag("checkpoint.use_node_local_storage", "node-local checkpoint storage (zengine's checkpoints need one "
-          "folder every rank can reach)", False),
-    *(_ignorable(f"checkpoint.writer.{key}", "a checkpoint writer tuning setting") for key in (
-        "io_buffer_size", "io_buffer_double", "show_statistics", "data_parallel")),
-    _ignorable("checkpoint.parallel_write", "pipeline-stage parallel checkpoint writes (no pipeline parallelism)"),
+    _flag(
+        "checkpoint.load_universal",
+        "universal checkpoint loading (zengine loads its own checkpoints at any "
+        "world size and stage, and DeepSpeed's ZeRO checkpoints directly, with load_checkpoint)",
+        False,
+    ),
+    _flag(
+        "checkpoint.use_node_local_storage",
+        "node-local checkpoint storage (zengine's checkpoints need one "
+        "folder every rank can reach)",
+        False,
+    ),
+    *(
+        _ignorable(f"checkpoint.writer.{key}", "a checkpoint writer tuning setting")
+        for key in ("io_buffer_size", "io_buffer_double", "show_statistics", "data_parallel")
+    ),
+    _ignorable(
+        "checkpoint.parallel_write",
+        "pipeline-stage parallel checkpoint writes (no pipeline parallelism)",
+    ),
     # managed_gradient_accumulation false: every step() a boundary; zengine counts micro-steps (its default)
-    _flag("managed_gradient_accumulation", "caller-owned accumulation boundaries (use "
-          "engine.set_gradient_accumulation_boundary() or gradient_accumulation_steps instead)", True),
+    _flag(
+        "managed_gradient_accumulation",
+        "caller-owned accumulation boundaries (use "
+        "engine.set_gradient_accumulation_boundary() or gradient_accumulation_steps instead)",
+        True,
+    ),
     _ignorable("nebula", "Nebula checkpoint service"),
     _ignorable("autotuning", "autotuner"),
     # DeepCompile (compile.deepcompile) is refused; its other keys act only with it (config/compile.py).
-    _flag("compile.deepcompile", "DeepCompile (ZeRO communication rewritten into the compiled graph; "
-          "engine.compile() compiles the model with zengine's own hooks instead)", False),
-    *(_ignorable(f"compile.{key}", "a DeepCompile setting (acts only with compile.deepcompile)") for key in (
-        "free_activation", "free_activation_threshold", "offload_activation", "offload_opt_states",
-        "double_buffer", "symmetric_memory", "debug_log", "offload_parameters", "sync_before_reduce",
-        "sync_after_reduce", "sync_before_allgather", "sync_after_allgather", "keep_int_input_tensors",
-        "keep_all_input_tensors", "passes")),
+    _flag(
+        "compile.deepcompile",
+        "DeepCompile (ZeRO communication rewritten into the compiled graph; "
+        "engine.compile() compiles the model with zengine's own hooks instead)",
+        False,
+    ),
+    *(
+        _ignorable(f"compile.{key}", "a DeepCompile setting (acts only with compile.deepcompile)")
+        for key in (
+            "free_activation",
+            "free_activation_threshold",
+            "offload_activation",
+            "offload_opt_states",
+            "double_buffer",
+            "symmetric_memory",
+            "debug_log",
+            "offload_parameters",
+            "sync_before_reduce",
+            "sync_after_reduce",
+            "sync_before_allgather",
+            "sync_after_allgather",
+            "keep_int_input_tensors",
+            "keep_all_input_tensors",
+            "passes",
+        )
+    ),
     _ignorable("graph_harvesting", "CUDA graph harvesting"),
     _ignorable("seq_parallel_comm_data_type", "sequence-parallel communication dtype"),
     _ignorable("use_data_before_expert_parallelism", "MoE process-group layout"),
@@ -166,17 +210,30 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _ignorable("zero_optimization.enable_sanity_checks", "internal sanity checks"),
     _ignorable("zero_optimization.save_muon_momentum_buffer_in_memory", "Muon buffer placement"),
     _ignorable("zero_optimization.stage3_model_persistence_threshold", "stage-3 persistence cap"),
-    _ignorable("zero_optimization.stage3_module_granularity_threshold", "stage-3 module granularity"),
-    _ignorable("zero_optimization.stage3_use_all_reduce_for_fetch_params", "all-reduce parameter fetch"),
+    _ignorable(
+        "zero_optimization.stage3_module_granularity_threshold", "stage-3 module granularity"
+    ),
+    _ignorable(
+        "zero_optimization.stage3_use_all_reduce_for_fetch_params", "all-reduce parameter fetch"
+    ),
     _ignorable("zero_optimization.stage3_allgather_sequential", "sequential all-gather"),
     _ignorable("zero_optimization.stage3_partition_stream_chunk_size", "streamed partitioning"),
     _ignorable("zero_optimization.offload_optimizer.pipeline", "pipelined NVMe optimizer swap"),
-    _ignorable("zero_optimization.offload_optimizer.pipeline_read", "pipelined NVMe optimizer reads"),
-    _ignorable("zero_optimization.offload_optimizer.pipeline_write", "pipelined NVMe optimizer writes"),
-    _flag("zero_optimization.offload_optimizer.ratio", "partial optimizer offload (zengine offloads every "
-          "optimizer state or none)", 1.0),
+    _ignorable(
+        "zero_optimization.offload_optimizer.pipeline_read", "pipelined NVMe optimizer reads"
+    ),
+    _ignorable(
+        "zero_optimization.offload_optimizer.pipeline_write", "pipelined NVMe optimizer writes"
+    ),
+    _flag(
+        "zero_optimization.offload_optimizer.ratio",
+        "partial optimizer offload (zengine offloads every optimizer state or none)",
+        1.0,
+    ),
     _ignorable("zero_optimization.offload_optimizer.super_offload", "Superchip offload"),
-    _ignorable("zero_optimization.offload_optimizer.convert_grad_on_cpu", "CPU gradient conversion"),
+    _ignorable(
+        "zero_optimization.offload_optimizer.convert_grad_on_cpu", "CPU gradient conversion"
+    ),
     _ignorable("zero_optimization.offload_optimizer.cpuadam_cores_perc", "CPU Adam core share"),
 )
 
@@ -218,7 +275,9 @@ def screen(raw: Dict[str, Any]) -> Tuple[List[str], List[str]]:
     sections = set(ZengineConfig.model_fields) | set(_SECTION_ALIASES.values())
     problems: List[str] = []
     ignored: List[str] = []
-    for key in [k for k in raw if isinstance(k, str) and k.split(".", 1)[0] in sections and "." in k]:
+    for key in [
+        k for k in raw if isinstance(k, str) and k.split(".", 1)[0] in sections and "." in k
+    ]:
         # TRL's prepare_deepspeed adds "zero_optimization.reduce_bucket_size" and the like at the top
         # level; DeepSpeed's top level ignores keys it does not know, so these never take effect there
         raw.pop(key)

@@ -5,10 +5,18 @@ for the CPU, behind one ``Accelerator`` interface (DeepSpeed's ``get_accelerator
 chooses the one this process computes on. ``zengine.accelerator`` is DeepSpeed's public face of
 this package (``deepspeed.accelerator``); code inside zengine imports from here.
 """
+
 from .base import Accelerator
 from .cuda import CudaAccelerator
 from .current import get_accelerator, set_accelerator
 from .host import CpuAccelerator, HostEvent, HostStream
 
-__all__ = ["Accelerator", "CpuAccelerator", "CudaAccelerator", "HostEvent", "HostStream",
-           "get_accelerator", "set_accelerator"]
+__all__ = [
+    "Accelerator",
+    "CpuAccelerator",
+    "CudaAccelerator",
+    "HostEvent",
+    "HostStream",
+    "get_accelerator",
+    "set_accelerator",
+]

@@ -1,4 +1,5 @@
 """``Accelerator``: what DeepSpeed scripts call on ``get_accelerator()``, for every device."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -50,8 +51,14 @@ class Accelerator:
 
     def supported_dtypes(self) -> list[torch.dtype]:
         """The floating dtypes the device computes in (float32 always)."""
-        return [torch.float32] + [d for d, ok in ((torch.bfloat16, self.is_bf16_supported()),
-                                                  (torch.float16, self.is_fp16_supported())) if ok]
+        return [torch.float32] + [
+            d
+            for d, ok in (
+                (torch.bfloat16, self.is_bf16_supported()),
+                (torch.float16, self.is_fp16_supported()),
+            )
+            if ok
+        ]
 
     def is_synchronized_device(self) -> bool:
         """True when work runs in program order (the CPU), so streams and events order nothing."""

@@ -1,4 +1,5 @@
 """``CudaAccelerator``: DeepSpeed's accelerator members over ``torch.cuda``."""
+
 from __future__ import annotations
 
 from typing import Optional, Union

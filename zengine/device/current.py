@@ -5,6 +5,7 @@ CUDA when the process group's backend computes there, or, before a process group
 CUDA is available and ``ZENGINE_DEVICE`` does not say ``cpu``; else the CPU. ``DS_ACCELERATOR``
 (DeepSpeed's variable: ``cuda`` or ``cpu``) forces one.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,9 @@ def _choose() -> Accelerator:
     forced = os.environ.get("DS_ACCELERATOR")
     if forced:
         if forced not in ("cuda", "cpu"):
-            raise ValueError(f"DS_ACCELERATOR={forced!r}: zengine has the 'cuda' and 'cpu' "
-                             f"accelerators")
+            raise ValueError(
+                f"DS_ACCELERATOR={forced!r}: zengine has the 'cuda' and 'cpu' accelerators"
+            )
         if forced == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("DS_ACCELERATOR=cuda but torch sees no CUDA device")
         return CudaAccelerator() if forced == "cuda" else CpuAccelerator()

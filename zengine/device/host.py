@@ -4,6 +4,7 @@ On the CPU the memory figures are the process's resident set (there is no alloca
 ``Stream``/``Event`` are stand-ins that order nothing (CPU work is already in program order) and
 synchronising does nothing.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,8 +53,9 @@ class HostStream:
 class HostEvent:
     """Stands in for a CUDA event on the CPU: records the wall-clock time, for ``elapsed_time``."""
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False,
-                 interprocess: bool = False):
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ):
         self.time: Optional[float] = None
 
     def record(self, stream=None) -> None:
@@ -190,5 +192,7 @@ class CpuAccelerator(Accelerator):
 
     def memory_stats(self, device_index: Optional[int] = None) -> dict:
         """The resident set as torch's allocator statistics' two keys."""
-        return {"allocated_bytes.all.current": self.memory_allocated(),
-                "allocated_bytes.all.peak": self.max_memory_allocated()}
+        return {
+            "allocated_bytes.all.current": self.memory_allocated(),
+            "allocated_bytes.all.peak": self.max_memory_allocated(),
+        }

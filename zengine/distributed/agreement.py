@@ -24,6 +24,7 @@ backend's own timeout instead. Calls nested inside another such call meet once, 
 
 The cost on the normal path: a few store round trips per call (set, two adds, a check), no collective.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +37,8 @@ import torch.distributed as dist
 from . import diagnose
 
 _PREFIX = "zengine/" + diagnose._ATTEMPT + "/call/"
-_calls: dict[str, int] = {}   # group key -> collective calls this rank has entered in that group
-_depth = [0]                  # nesting: only the outermost call meets
+_calls: dict[str, int] = {}  # group key -> collective calls this rank has entered in that group
+_depth = [0]  # nesting: only the outermost call meets
 
 
 class CollectiveCallError(RuntimeError):
@@ -66,7 +67,12 @@ def _timeout_seconds(group) -> float:
 @contextlib.contextmanager
 def collective_call(label: str, group=None):
     """Inside: ``label``, a call every rank of ``group`` must make together, after the ranks met."""
-    if _depth[0] == 0 and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if (
+        _depth[0] == 0
+        and dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size(group) > 1
+    ):
         _meet(label, group)
     _depth[0] += 1
     try:
@@ -85,7 +91,9 @@ def _meet(label: str, group) -> None:
     me = dist.get_rank()
     base = f"{_PREFIX}{key}/{n}"
     store.set(f"{base}/{me}", label)
-    store.add(f"{base}/label/{label}", 1)  # before the total: when the total is full, every label is counted
+    store.add(
+        f"{base}/label/{label}", 1
+    )  # before the total: when the total is full, every label is counted
     if store.add(base, 1) == len(ranks):
         agreed = store.add(f"{base}/label/{label}", 0) == len(ranks)
         store.set(f"{base}/all", "1" if agreed else "0")
@@ -104,7 +112,10 @@ def _meet(label: str, group) -> None:
     if store.get(f"{base}/all") != b"1":
         raise CollectiveCallError(
             f"zengine: the ranks are in different collective calls (each rank's call number {n}):\n"
-            + _table(ranks, me, _entries(store, base, ranks), "?") + "\n" + _ADVICE)
+            + _table(ranks, me, _entries(store, base, ranks), "?")
+            + "\n"
+            + _ADVICE
+        )
 
 
 def _entries(store, base: str, ranks: list[int]) -> dict[int, str]:
@@ -112,10 +123,15 @@ def _entries(store, base: str, ranks: list[int]) -> dict[int, str]:
     return {r: store.get(f"{base}/{r}").decode() for r in ranks if store.check([f"{base}/{r}"])}
 
 
-def _raise_missing(label: str, ranks: list[int], me: int, entries: dict[int, str], timed_out: bool) -> None:
+def _raise_missing(
+    label: str, ranks: list[int], me: int, entries: dict[int, str], timed_out: bool
+) -> None:
     """A peer left the job (its record says where), or the timeout expired: raise naming every rank."""
-    records = diagnose.exchange(diagnose.current("failed", f"{label} (waiting for every rank to call it)"),
-                                me, dist.get_world_size())
+    records = diagnose.exchange(
+        diagnose.current("failed", f"{label} (waiting for every rank to call it)"),
+        me,
+        dist.get_world_size(),
+    )
     lines = []
     for r in ranks:
         if r in entries:
@@ -124,21 +140,31 @@ def _raise_missing(label: str, ranks: list[int], me: int, entries: dict[int, str
             lines.append(f"  rank {r}: never called it; " + records[r].describe())
         else:
             lines.append(f"  rank {r}: never called it (no report: busy elsewhere, or stopped)")
-    why = "the collective timeout expired" if timed_out else "a rank that never called it failed or left"
-    error = CollectiveCallError(f"zengine: rank {me} called {label}, which every rank must call together, and "
-                                f"{why}:\n" + "\n".join(lines) + "\n" + _ADVICE)
+    why = (
+        "the collective timeout expired"
+        if timed_out
+        else "a rank that never called it failed or left"
+    )
+    error = CollectiveCallError(
+        f"zengine: rank {me} called {label}, which every rank must call together, and "
+        f"{why}:\n" + "\n".join(lines) + "\n" + _ADVICE
+    )
     diagnose.set_reported(error)
     raise error
 
 
 def _table(ranks: list[int], me: int, entries: dict[int, str], absent: str) -> str:
-    return "\n".join(f"  rank {r}{' (this rank)' if r == me else ''}: {entries.get(r, absent)}" for r in ranks)
+    return "\n".join(
+        f"  rank {r}{' (this rank)' if r == me else ''}: {entries.get(r, absent)}" for r in ranks
+    )
 
 
-_ADVICE = ("Calls that run collectives (save_checkpoint, load_checkpoint, save_16bit_model, summon_full_params "
-           "and GatheredParameters at stage 3, safe_get_full_*/safe_set_full_*) must be made by every rank, in "
-           "the same order, not under `if rank == 0:`; to write or print on one rank only, make the call on "
-           "every rank and test the rank inside it (summon_full_params(rank0_only=True) gathers to rank 0).")
+_ADVICE = (
+    "Calls that run collectives (save_checkpoint, load_checkpoint, save_16bit_model, summon_full_params "
+    "and GatheredParameters at stage 3, safe_get_full_*/safe_set_full_*) must be made by every rank, in "
+    "the same order, not under `if rank == 0:`; to write or print on one rank only, make the call on "
+    "every rank and test the rank inside it (summon_full_params(rank0_only=True) gathers to rank 0)."
+)
 
 
 def _forget(store, base: str, ranks: list[int]) -> None:
@@ -175,7 +201,7 @@ def _who_entered(store, base: str) -> str:
     world = dist.get_world_size()
     names = _entries(store, base, list(range(world)))
     who = ", ".join(f"rank {r} in {label}" for r, label in sorted(names.items()))
-    return f"a peer entered a collective call that this rank has not made ({who or 'a collective call'})." 
+    return f"a peer entered a collective call that this rank has not made ({who or 'a collective call'})."
 
 
 def stranded_error(what: str, elsewhere: str) -> BaseException:
@@ -185,8 +211,13 @@ def stranded_error(what: str, elsewhere: str) -> BaseException:
         return diagnose.first_reported()
     rank, world = dist.get_rank(), dist.get_world_size()
     records = diagnose.exchange(diagnose.current("failed", what), rank, world)
-    table = "\n".join(f"  rank {r}{' (this rank)' if r == rank else ''}: "
-                      + (records[r].describe() if r in records else "no report") for r in range(world))
-    error = CollectiveCallError(f"zengine: rank {rank} was waiting in {what}, but {elsewhere}\n{table}\n{_ADVICE}")
+    table = "\n".join(
+        f"  rank {r}{' (this rank)' if r == rank else ''}: "
+        + (records[r].describe() if r in records else "no report")
+        for r in range(world)
+    )
+    error = CollectiveCallError(
+        f"zengine: rank {rank} was waiting in {what}, but {elsewhere}\n{table}\n{_ADVICE}"
+    )
     diagnose.set_reported(error)
     return error

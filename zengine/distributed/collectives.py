@@ -17,6 +17,7 @@ backend or, worse, on a GPU cluster only. A collective the backend fails
 where every rank was (``diagnose.py``); asynchronous collectives return a
 ``Pending`` whose ``wait()`` does the same.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -41,7 +42,11 @@ class Pending:
     __slots__ = ("work", "what", "watched", "group")
 
     def __init__(self, work, what: tuple, watched: bool, group=None):
-        self.work, self.what, self.group = work, what, group  # what: (name, shape, dtype), formatted only on failure
+        self.work, self.what, self.group = (
+            work,
+            what,
+            group,
+        )  # what: (name, shape, dtype), formatted only on failure
         # Sliced waits only on gloo: on NCCL wait() only orders streams, and a wait with a timeout
         # would block the host on every bucket (its own watchdog handles timeouts there).
         self.watched = watched
@@ -53,7 +58,9 @@ class Pending:
             except RuntimeError as err:
                 raise diagnose.collective_failed(_describe(self.what), err) from err
             return
-        long_wait = None  # made after the first slice (most waits end inside it), told to the peers later
+        long_wait = (
+            None  # made after the first slice (most waits end inside it), told to the peers later
+        )
         while True:
             try:
                 self.work.wait(timeout=_WAIT_SLICE)
@@ -69,10 +76,14 @@ class Pending:
                 raise agreement.stranded_error(_describe(self.what), elsewhere)
             departed = diagnose.peer_departed()
             long_wait = long_wait or waiting.LongWait(_describe(self.what), self.group)
-            long_wait.tick(compare_now=departed)  # ranks waiting in different collectives: a deadlock, named
+            long_wait.tick(
+                compare_now=departed
+            )  # ranks waiting in different collectives: a deadlock, named
             if departed:
-                raise diagnose.collective_failed(_describe(self.what), diagnose.PeerLeft(
-                    "a peer rank finished or failed while this rank waited"))
+                raise diagnose.collective_failed(
+                    _describe(self.what),
+                    diagnose.PeerLeft("a peer rank finished or failed while this rank waited"),
+                )
 
 
 Work = Optional[Pending]
@@ -83,7 +94,9 @@ def _describe(what: tuple) -> str:
     return f"the collective {name} of a {list(shape)} {str(dtype).replace('torch.', '')} tensor"
 
 
-def _run(name: str, tensor: torch.Tensor, call, *args, async_op: bool = False, group=None, **kwargs):
+def _run(
+    name: str, tensor: torch.Tensor, call, *args, async_op: bool = False, group=None, **kwargs
+):
     """``call(*args, **kwargs)``: a Pending when ``async_op``, else None; backend failures diagnosed.
 
     On gloo a blocking collective is started asynchronously and waited for in slices (``Pending``).
@@ -129,9 +142,11 @@ def check_devices(what: str, group, *tensors: torch.Tensor) -> None:
         return
     for t in tensors:
         if t.device.type not in allowed:
-            raise WrongDeviceError(f"zengine.distributed.collectives.{what}: a {t.device.type} tensor {tuple(t.shape)} {t.dtype} was "
-                                   f"given to the {backend(group)} backend, which takes {'/'.join(allowed)} "
-                                   f"tensors; it must be made on the compute device")
+            raise WrongDeviceError(
+                f"zengine.distributed.collectives.{what}: a {t.device.type} tensor {tuple(t.shape)} {t.dtype} was "
+                f"given to the {backend(group)} backend, which takes {'/'.join(allowed)} "
+                f"tensors; it must be made on the compute device"
+            )
 
 
 def run_blocking(name: str, tensor: torch.Tensor, call, *args, group=None) -> None:
@@ -148,21 +163,40 @@ def all_reduce_sum(tensor: torch.Tensor, group=None, async_op: bool = False) -> 
     if transport is not None:
         transport.all_reduce_sum(tensor)
         return None
-    return _run("all_reduce", tensor, dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _run(
+        "all_reduce",
+        tensor,
+        dist.all_reduce,
+        tensor,
+        op=dist.ReduceOp.SUM,
+        group=group,
+        async_op=async_op,
+    )
 
 
 def reduce_sum_to(tensor: torch.Tensor, dst: int, group=None, async_op: bool = False) -> Work:
     """Sum ``tensor`` over the group into rank ``dst`` (others keep garbage)."""
     check_devices("reduce_sum_to", group, tensor)
     traffic.record("reduce", tensor.numel() * tensor.element_size(), group)
-    return _run("reduce", tensor, dist.reduce, tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _run(
+        "reduce",
+        tensor,
+        dist.reduce,
+        tensor,
+        dst=dst,
+        op=dist.ReduceOp.SUM,
+        group=group,
+        async_op=async_op,
+    )
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False) -> Work:
     """Copy ``tensor`` from rank ``src`` to every rank of the group."""
     check_devices("broadcast", group, tensor)
     traffic.record("broadcast", tensor.numel() * tensor.element_size(), group)
-    return _run("broadcast", tensor, dist.broadcast, tensor, src=src, group=group, async_op=async_op)
+    return _run(
+        "broadcast", tensor, dist.broadcast, tensor, src=src, group=group, async_op=async_op
+    )
 
 
 def all_gather_rows(rows: torch.Tensor, rank: int, group=None, async_op: bool = False) -> list:
@@ -177,16 +211,37 @@ def all_gather_rows(rows: torch.Tensor, rank: int, group=None, async_op: bool = 
     check_devices("all_gather_rows", group, rows)
     traffic.record("all_gather", rows.numel() * rows.element_size(), group)
     transport = shm.for_group(group)
-    if transport is not None and transport.takes(rows):  # shared memory (shm.py): done before this returns
+    if transport is not None and transport.takes(
+        rows
+    ):  # shared memory (shm.py): done before this returns
         transport.all_gather_rows(rows)
         return []
     if is_gloo(group):
-        works = [_run("broadcast (all-gather by rows)", rows, dist.broadcast, row, src=_global_rank(r, group),
-                      group=group, async_op=True) for r, row in enumerate(rows.unbind(0))]
+        works = [
+            _run(
+                "broadcast (all-gather by rows)",
+                rows,
+                dist.broadcast,
+                row,
+                src=_global_rank(r, group),
+                group=group,
+                async_op=True,
+            )
+            for r, row in enumerate(rows.unbind(0))
+        ]
     else:
         assert rows.is_contiguous(), "all_gather_rows needs one contiguous [world, n] buffer"
-        works = [_run("all_gather", rows, _all_gather_flat, rows.view(-1), rows[rank], group=group,
-                      async_op=True)]
+        works = [
+            _run(
+                "all_gather",
+                rows,
+                _all_gather_flat,
+                rows.view(-1),
+                rows[rank],
+                group=group,
+                async_op=True,
+            )
+        ]
     works = [w for w in works if w is not None]
     if async_op:
         return works
@@ -195,17 +250,23 @@ def all_gather_rows(rows: torch.Tensor, rank: int, group=None, async_op: bool = 
     return []
 
 
-def gather_strided(full: torch.Tensor, shard_numel: int, lo: int, hi: int, rank: int, world: int, group=None) -> None:
+def gather_strided(
+    full: torch.Tensor, shard_numel: int, lo: int, hi: int, rank: int, world: int, group=None
+) -> None:
     """Gather the sub-range ``[lo, hi)`` of every rank's shard of ``full`` (one all-gather bucket)."""
     if world == 1 or hi <= lo:
         return
-    rows = full.narrow(0, 0, world * shard_numel).view(world, shard_numel)[:, lo:hi]  # [world, hi - lo]
+    rows = full.narrow(0, 0, world * shard_numel).view(world, shard_numel)[
+        :, lo:hi
+    ]  # [world, hi - lo]
     # gloo broadcasts row by row (each row is contiguous); a flat all-gather needs the rows end to end,
     # as they are when the bucket is the whole shard: then it gathers straight into the parameters.
     if is_gloo(group) or rows.is_contiguous():
         all_gather_rows(rows, rank, group)
     else:
-        staging = torch.empty(world, hi - lo, dtype=full.dtype, device=full.device)  # [world, hi - lo]
+        staging = torch.empty(
+            world, hi - lo, dtype=full.dtype, device=full.device
+        )  # [world, hi - lo]
         staging[rank].copy_(rows[rank])
         all_gather_rows(staging, rank, group)
         rows.copy_(staging)
@@ -214,7 +275,11 @@ def gather_strided(full: torch.Tensor, shard_numel: int, lo: int, hi: int, rank:
 def _shared_memory(group, tensor: torch.Tensor) -> Optional["shm.SharedMemoryTransport"]:
     """``group``'s shared-memory transport (``shm.py``) when it takes ``tensor`` as one contiguous buffer."""
     transport = shm.for_group(group)
-    return transport if transport is not None and transport.takes(tensor) and tensor.is_contiguous() else None
+    return (
+        transport
+        if transport is not None and transport.takes(tensor) and tensor.is_contiguous()
+        else None
+    )
 
 
 def reduce_scatter_rows(rows: torch.Tensor, rank: int, group=None) -> tuple[list, torch.Tensor]:
@@ -236,7 +301,9 @@ def reduce_scatter_rows(rows: torch.Tensor, rank: int, group=None) -> tuple[list
     return [reduce_scatter(out, rows.view(-1), group, async_op=True)], out
 
 
-def reduce_to_owners(flat: torch.Tensor, pieces: list[tuple[int, int, int]], rank: int, group=None) -> list:
+def reduce_to_owners(
+    flat: torch.Tensor, pieces: list[tuple[int, int, int]], rank: int, group=None
+) -> list:
     """Sum ``flat`` (1-d) over the group where it matters: ``pieces`` are ``(owner, lo, hi)``, and once the
     returned works are waited for, each owner's ``flat[lo:hi]`` holds the sum (the rest may not).
 
@@ -255,12 +322,22 @@ def reduce_to_owners(flat: torch.Tensor, pieces: list[tuple[int, int, int]], ran
     return [reduce_sum_to(flat[lo:hi], owner, group, async_op=True) for owner, lo, hi in pieces]
 
 
-def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False) -> Work:
+def reduce_scatter(
+    out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False
+) -> Work:
     """Sum ``full`` ([world * n]) over the group; this rank keeps its n-element part in ``out``."""
     check_devices("reduce_scatter", group, out, full)
     traffic.record("reduce_scatter", full.numel() * full.element_size(), group)
-    return _run("reduce_scatter", full, _reduce_scatter_flat, out, full, op=dist.ReduceOp.SUM, group=group,
-                async_op=async_op)
+    return _run(
+        "reduce_scatter",
+        full,
+        _reduce_scatter_flat,
+        out,
+        full,
+        op=dist.ReduceOp.SUM,
+        group=group,
+        async_op=async_op,
+    )
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False) -> Work:
@@ -279,7 +356,9 @@ def message_device(group=None) -> torch.device:
         return torch.device("cpu")
     kind = types[0]
     accelerator = getattr(torch, kind, None)  # torch.cuda, torch.xpu, ...
-    return torch.device(kind, accelerator.current_device() if hasattr(accelerator, "current_device") else 0)
+    return torch.device(
+        kind, accelerator.current_device() if hasattr(accelerator, "current_device") else 0
+    )
 
 
 def all_gather_small(tensor: torch.Tensor, group=None) -> torch.Tensor:
@@ -292,9 +371,23 @@ def all_gather_small(tensor: torch.Tensor, group=None) -> torch.Tensor:
     out = torch.empty((world, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
     traffic.record("all_gather", out.numel() * out.element_size(), group)
     if is_gloo(group):
-        _run("all_gather", out, dist.all_gather, list(out.unbind(0)), tensor.contiguous(), group=group)
+        _run(
+            "all_gather",
+            out,
+            dist.all_gather,
+            list(out.unbind(0)),
+            tensor.contiguous(),
+            group=group,
+        )
     else:
-        _run("all_gather", out, _all_gather_flat, out.view(-1), tensor.contiguous().view(-1), group=group)
+        _run(
+            "all_gather",
+            out,
+            _all_gather_flat,
+            out.view(-1),
+            tensor.contiguous().view(-1),
+            group=group,
+        )
     return out
 
 

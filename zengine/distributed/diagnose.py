@@ -23,6 +23,7 @@ the whole job reports the fault.
 
 Nothing here runs on the training path: only when a collective has already failed, or at exit.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,8 +47,17 @@ _DEPARTED = "zengine/" + _ATTEMPT + "/departed"
 
 # Markers of a communication failure in the backends' messages (as opposed to a program error
 # raised while calling a collective, such as a wrong device).
-_BACKEND_FAILURES = ("Timed out", "timed out", "timeout", "Timeout", "Connection closed", "Connection reset",
-                     "pair closure", "Broken pipe", "NCCL")
+_BACKEND_FAILURES = (
+    "Timed out",
+    "timed out",
+    "timeout",
+    "Timeout",
+    "Connection closed",
+    "Connection reset",
+    "pair closure",
+    "Broken pipe",
+    "NCCL",
+)
 
 
 class RanksOutOfStepError(RuntimeError):
@@ -73,10 +83,14 @@ class Progress:
 
     def describe(self) -> str:
         if self.state == "exited":
-            return (f"finished and left the job after {self.global_steps} optimizer step(s) "
-                    f"({self.micro_steps} micro-step(s))")
-        return (f"failed in {self.where}, in micro-step {self.micro_steps + 1} "
-                f"(after {self.global_steps} optimizer step(s))")
+            return (
+                f"finished and left the job after {self.global_steps} optimizer step(s) "
+                f"({self.micro_steps} micro-step(s))"
+            )
+        return (
+            f"failed in {self.where}, in micro-step {self.micro_steps + 1} "
+            f"(after {self.global_steps} optimizer step(s))"
+        )
 
 
 # The engine registers how to read its counters; without an engine the counters read 0.
@@ -87,10 +101,12 @@ _progress: dict[str, Callable[[], tuple[int, int]]] = {}
 # that only some ranks made (under `if rank == 0:`) shows as two ranks in two different calls.
 _activities: list[str] = []
 _positions: dict[str, Callable[[], str]] = {}
-STAGE3_HINT = ("Ranks at different stage-3 gathers ran different modules: if a module runs different "
-               "submodules on different ranks (mixture-of-experts routing, data-dependent branches), mark it a "
-               "leaf so that its parameters are gathered as one unit whatever runs inside: "
-               "zengine.utils.set_z3_leaf_modules(model, [TheModuleClass]) (as deepspeed.utils.set_z3_leaf_modules).")
+STAGE3_HINT = (
+    "Ranks at different stage-3 gathers ran different modules: if a module runs different "
+    "submodules on different ranks (mixture-of-experts routing, data-dependent branches), mark it a "
+    "leaf so that its parameters are gathered as one unit whatever runs inside: "
+    "zengine.utils.set_z3_leaf_modules(model, [TheModuleClass]) (as deepspeed.utils.set_z3_leaf_modules)."
+)
 
 
 @contextlib.contextmanager
@@ -119,8 +135,12 @@ def context() -> str:
         if text:
             parts.append(text)
     return "; ".join(parts)
+
+
 _reported: list[Optional[BaseException]] = [None]  # the first failure diagnosed in this process
-_linger = [False]  # that failure involves ranks that finished and are reading the records at their exit
+_linger = [
+    False
+]  # that failure involves ranks that finished and are reading the records at their exit
 
 
 def track_progress(counters: Callable[[], tuple[int, int]]) -> None:
@@ -175,9 +195,15 @@ def collective_failed(what: str, err: BaseException) -> BaseException:
     lines = []
     for r in range(world):
         mark = " (this rank)" if r == rank else ""
-        lines.append(f"  rank {r}{mark}: " + (records[r].describe() if r in records else
-                     f"no report within {GRACE_SECONDS:g} s: it never reached a collective that failed "
-                     f"(stopped, hung, or busy outside zengine)"))
+        lines.append(
+            f"  rank {r}{mark}: "
+            + (
+                records[r].describe()
+                if r in records
+                else f"no report within {GRACE_SECONDS:g} s: it never reached a collective that failed "
+                f"(stopped, hung, or busy outside zengine)"
+            )
+        )
     table = "\n".join(lines)
     exited = [r for r, p in records.items() if p.state == "exited"]
     if exited:
@@ -187,14 +213,20 @@ def collective_failed(what: str, err: BaseException) -> BaseException:
             f"ranks ran different numbers of steps.\n{table}\nEvery rank must run the same number of "
             f"forward/backward/step calls; a rank that skips a batch trains on other data than its peers until "
             f"it runs out. Check data loaders of unequal length and per-rank conditions around "
-            f"engine.backward()/engine.step(). (backend: {first_line})")
+            f"engine.backward()/engine.step(). (backend: {first_line})"
+        )
     else:
         missing = [r for r in range(world) if r not in records]
         error = CollectiveTimeoutError(
             f"zengine: {what} did not complete on rank {rank} ({first_line}); rank(s) {missing or 'none'} "
             f"never arrived.\n{table}\nA rank that never arrives is stopped, hung, or running other "
             f"code than its peers; the wait is bounded by comm_timeout (config) or --comm_timeout (launcher)."
-            + ("\n" + STAGE3_HINT if any("stage-3 gather" in p.where for p in records.values()) else ""))
+            + (
+                "\n" + STAGE3_HINT
+                if any("stage-3 gather" in p.where for p in records.values())
+                else ""
+            )
+        )
     _reported[0] = error
     return error
 
@@ -207,7 +239,9 @@ def exchange(me: Progress, rank: int, world: int) -> dict[int, Progress]:
     return read_records(store, me, rank, world)
 
 
-def read_records(store, me: Progress, rank: int, world: int, grace: float = GRACE_SECONDS) -> dict[int, Progress]:
+def read_records(
+    store, me: Progress, rank: int, world: int, grace: float = GRACE_SECONDS
+) -> dict[int, Progress]:
     """Every rank's record found within ``grace`` seconds (this rank's is ``me``)."""
     records = {rank: me}
     deadline = time.monotonic() + grace
@@ -239,16 +273,28 @@ def check_clean_exit(store, me: Progress, rank: int, world: int) -> Optional[str
     reason this rank must report failure (a peer failed, or finished at another step), or None."""
     records = read_records(store, me, rank, world)
     failed = {r: p for r, p in records.items() if p.state == "failed"}
-    other_steps = {r: p for r, p in records.items() if p.state == "exited" and
-                   (p.global_steps, p.micro_steps) != (me.global_steps, me.micro_steps)}
+    other_steps = {
+        r: p
+        for r, p in records.items()
+        if p.state == "exited"
+        and (p.global_steps, p.micro_steps) != (me.global_steps, me.micro_steps)
+    }
     if not failed and not other_steps:
         return None
-    table = "\n".join(f"  rank {r}{' (this rank)' if r == rank else ''}: " +
-                      (records[r].describe() if r in records else "no report") for r in range(world))
-    return (f"zengine: rank {rank} finished, but the job did not: "
-            + ("rank(s) %s failed" % sorted(failed) if failed else
-               "rank(s) %s finished at another step" % sorted(other_steps))
-            + f"; the ranks ran different numbers of steps or one of them stopped.\n{table}")
+    table = "\n".join(
+        f"  rank {r}{' (this rank)' if r == rank else ''}: "
+        + (records[r].describe() if r in records else "no report")
+        for r in range(world)
+    )
+    return (
+        f"zengine: rank {rank} finished, but the job did not: "
+        + (
+            "rank(s) %s failed" % sorted(failed)
+            if failed
+            else "rank(s) %s finished at another step" % sorted(other_steps)
+        )
+        + f"; the ranks ran different numbers of steps or one of them stopped.\n{table}"
+    )
 
 
 def publish(store, rank: int, me: Progress) -> bool:

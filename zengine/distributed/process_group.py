@@ -26,6 +26,7 @@ SLURM and MPI set-ups use):
    ranks of the node on one GPU, which NCCL refuses ("Duplicate GPU detected") far from the cause.
 4. ``ZENGINE_DEVICE=cuda:N`` names the index outright; ``ZENGINE_DEVICE=cuda`` follows rule 3.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,20 +43,32 @@ from .shutdown import created_process_group
 # Environment variables of other launchers, mapped onto torchrun's names (OpenMPI's first: an sbatch
 # shell's SLURM_PROCID=0 reaches every rank mpirun starts). The local rank has its own lookup (local_rank).
 _LAUNCHER_ENV = {
-    "OMPI_COMM_WORLD_RANK": "RANK", "OMPI_COMM_WORLD_SIZE": "WORLD_SIZE",
-    "SLURM_PROCID": "RANK", "SLURM_NTASKS": "WORLD_SIZE",
+    "OMPI_COMM_WORLD_RANK": "RANK",
+    "OMPI_COMM_WORLD_SIZE": "WORLD_SIZE",
+    "SLURM_PROCID": "RANK",
+    "SLURM_NTASKS": "WORLD_SIZE",
 }
 
 # Where launchers put a process's rank on its node, in the order they are believed (module doc, rule 1).
-LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
-                        "SLURM_LOCALID")
+LOCAL_RANK_VARIABLES = (
+    "LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MV2_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "SLURM_LOCALID",
+)
 
 
 DEVICE_ENV = "ZENGINE_DEVICE"
 # The device types each backend's collectives take. torch's "fake" backend (no communication at all)
 # stands in for NCCL in the CPU guard tests (tests/test_device_guard.py), where the compute device is
 # "meta": a device that is not the host, as a GPU is not, on which every host read raises.
-BACKEND_DEVICE_TYPES = {"nccl": ("cuda",), "gloo": ("cpu", "cuda"), "fake": ("cuda", "meta"), "xccl": ("xpu",)}
+BACKEND_DEVICE_TYPES = {
+    "nccl": ("cuda",),
+    "gloo": ("cpu", "cuda"),
+    "fake": ("cuda", "meta"),
+    "xccl": ("xpu",),
+}
 
 
 def backend_device_types(backend: Optional[str]) -> Optional[tuple[str, ...]]:
@@ -115,8 +128,10 @@ def world_rank() -> int:
 def _visible(count: int) -> str:
     """The visible CUDA device count and where it came from, for messages."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return (f"{count} CUDA device(s) are visible (CUDA_VISIBLE_DEVICES="
-            f"{'unset' if listed is None else repr(listed)})")
+    return (
+        f"{count} CUDA device(s) are visible (CUDA_VISIBLE_DEVICES="
+        f"{'unset' if listed is None else repr(listed)})"
+    )
 
 
 def gpu_index(local_rank: int, count: int) -> int:
@@ -129,17 +144,27 @@ def gpu_index(local_rank: int, count: int) -> int:
         return local_rank
     found = _launcher_local_rank()
     origin = f", {found[0]}={found[1]}" if found is not None and found[1] == local_rank else ""
-    where = (f"zengine: this rank (local rank {local_rank}{origin}) would compute on cuda:{local_rank} but "
-             f"{_visible(count)}")
+    where = (
+        f"zengine: this rank (local rank {local_rank}{origin}) would compute on cuda:{local_rank} but "
+        f"{_visible(count)}"
+    )
     if count == 0:
-        raise RuntimeError(f"{where}; train on the CPU with gloo ({DEVICE_ENV}=cpu), or make a GPU visible")
-    raise RuntimeError(f"{where}; start at most {count} process(es) per node (--num_gpus {count}), or make one "
-                       f"GPU visible to each process (CUDA_VISIBLE_DEVICES set per rank; it then computes on "
-                       f"cuda:0), or name the device ({DEVICE_ENV}=cuda:N)")
+        raise RuntimeError(
+            f"{where}; train on the CPU with gloo ({DEVICE_ENV}=cpu), or make a GPU visible"
+        )
+    raise RuntimeError(
+        f"{where}; start at most {count} process(es) per node (--num_gpus {count}), or make one "
+        f"GPU visible to each process (CUDA_VISIBLE_DEVICES set per rank; it then computes on "
+        f"cuda:0), or name the device ({DEVICE_ENV}=cuda:N)"
+    )
 
 
-def resolve_device(backend: Optional[str], local_rank: int, requested: Optional[str] = None,
-                   device_count: Callable[[], int] = visible_cuda_devices) -> torch.device:
+def resolve_device(
+    backend: Optional[str],
+    local_rank: int,
+    requested: Optional[str] = None,
+    device_count: Callable[[], int] = visible_cuda_devices,
+) -> torch.device:
     """The compute device for a rank: ``requested`` (else ``$ZENGINE_DEVICE``) when given, else from the
     backend (NCCL, or a per-device backend naming an accelerator: that accelerator; gloo and unknown
     backends: CPU). A CUDA device without an index is ``gpu_index(local_rank, device_count())``;
@@ -154,16 +179,22 @@ def resolve_device(backend: Optional[str], local_rank: int, requested: Optional[
         device = torch.device(requested)
     allowed = backend_device_types(backend)
     if allowed is not None and device.type not in allowed:
-        raise RuntimeError(f"zengine: the {backend} backend cannot communicate {device.type} tensors "
-                           f"({DEVICE_ENV}={requested!r}); use gloo for CPU training (init_distributed('gloo'))")
+        raise RuntimeError(
+            f"zengine: the {backend} backend cannot communicate {device.type} tensors "
+            f"({DEVICE_ENV}={requested!r}); use gloo for CPU training (init_distributed('gloo'))"
+        )
     if device.type == "cuda":
         count = device_count()
         if device.index is None:
             return torch.device("cuda", gpu_index(local_rank, count))
-        if device.index >= count:  # asked for by index: taken as given, so only its existence is checked
-            raise RuntimeError(f"zengine: this rank would compute on {device} (asked for: {requested!r}) but "
-                               f"{_visible(count)}; ask for a visible index, or for 'cuda' (this rank's GPU), "
-                               f"or train on the CPU with gloo ({DEVICE_ENV}=cpu)")
+        if (
+            device.index >= count
+        ):  # asked for by index: taken as given, so only its existence is checked
+            raise RuntimeError(
+                f"zengine: this rank would compute on {device} (asked for: {requested!r}) but "
+                f"{_visible(count)}; ask for a visible index, or for 'cuda' (this rank's GPU), "
+                f"or train on the CPU with gloo ({DEVICE_ENV}=cpu)"
+            )
     elif device.type not in ("cpu", "meta") and device.index is None:
         device = torch.device(device.type, local_rank)
     return device
@@ -209,15 +240,28 @@ def _attempt_store(timeout: Optional[timedelta]):
     """
     from torch.distributed.rendezvous import _create_c10d_store
 
-    store = _create_c10d_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
-                               int(os.environ["WORLD_SIZE"]), timeout or timedelta(minutes=30))
+    store = _create_c10d_store(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+        timeout or timedelta(minutes=30),
+    )
     return dist.PrefixStore(f"zengine/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
-def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
-                     distributed_port: int = DEFAULT_PORT, verbose: bool = True, timeout: Optional[timedelta] = None,
-                     init_method: Optional[str] = None, dist_init_required: Optional[bool] = None, config=None,
-                     rank: int = -1, world_size: int = -1) -> None:
+def init_distributed(
+    dist_backend: Optional[str] = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = DEFAULT_PORT,
+    verbose: bool = True,
+    timeout: Optional[timedelta] = None,
+    init_method: Optional[str] = None,
+    dist_init_required: Optional[bool] = None,
+    config=None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
     """Initialise torch.distributed from the environment if it is not yet (DeepSpeed's parameters).
 
     Reads torchrun/elastic variables, else SLURM or OpenMPI ones (whatever
@@ -243,14 +287,20 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", str(local_rank()))  # scripts and torch read LOCAL_RANK alone
+    os.environ.setdefault(
+        "LOCAL_RANK", str(local_rank())
+    )  # scripts and torch read LOCAL_RANK alone
     if "MASTER_ADDR" not in os.environ:
         if int(os.environ["WORLD_SIZE"]) > 1:
             raise RuntimeError(
                 "zengine.init_distributed: WORLD_SIZE > 1 but MASTER_ADDR is not set; "
-                "launch with `zengine` or torchrun, or export MASTER_ADDR and MASTER_PORT")
+                "launch with `zengine` or torchrun, or export MASTER_ADDR and MASTER_PORT"
+            )
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ.setdefault("MASTER_PORT", str(_free_port()) if os.environ["WORLD_SIZE"] == "1" else str(distributed_port))
+    os.environ.setdefault(
+        "MASTER_PORT",
+        str(_free_port()) if os.environ["WORLD_SIZE"] == "1" else str(distributed_port),
+    )
     wants_cpu = os.environ.get(DEVICE_ENV, "").startswith("cpu")
     backend = dist_backend or ("nccl" if torch.cuda.is_available() and not wants_cpu else "gloo")
     if backend == "nccl":
@@ -258,9 +308,16 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
         torch.cuda.set_device(device)
     kwargs = {"timeout": timeout} if timeout is not None else {}
     if init_method is not None:  # tcp:// and file:// need rank and world size given
-        kwargs.update(init_method=init_method, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        kwargs.update(
+            init_method=init_method,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
     elif "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        kwargs.update(store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
-                      world_size=int(os.environ["WORLD_SIZE"]))
+        kwargs.update(
+            store=_attempt_store(timeout),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
     dist.init_process_group(backend=backend, **kwargs)
     created_process_group()  # and so destroyed at exit (shutdown.py)

@@ -24,6 +24,7 @@ config section says: by default wherever it applies); ``collectives.py`` asks ``
 each all-gather by rows, all-reduce, reduce-scatter of rows and reduction to owners, and uses it for CPU
 tensors of at least ``MIN_BYTES``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,10 +42,12 @@ if TYPE_CHECKING:  # annotations only
 
 logger = logging.getLogger("zengine")
 
-MIN_BYTES = 64 * 1024  # below this gloo's latency is as low as a sync's, and the pieces' bookkeeping is not worth it
+MIN_BYTES = (
+    64 * 1024
+)  # below this gloo's latency is as low as a sync's, and the pieces' bookkeeping is not worth it
 # "auto" sets up no segment whose pieces would be smaller: measured (bench_shm.py --piece, W=2, 16-84 MiB), 1 MiB
 # pieces cost 1.2-1.9x less CPU than gloo, 256 KiB ones 1.3-2x more (a sync per piece)
-MIN_AUTO_PIECE = 2 ** 20
+MIN_AUTO_PIECE = 2**20
 # "auto" takes at most this share of the room left in /dev/shm (others use it too: DataLoader workers' tensors)
 AUTO_ROOM_SHARE = 0.25
 _DIR = "/dev/shm"
@@ -55,11 +58,15 @@ class SharedMemoryTransport:
 
     def __init__(self, group, rank: int, world: int, piece_bytes: int):
         self.group, self.rank, self.world = group, rank, world
-        self.piece_bytes = max(64, int(piece_bytes) // 64 * 64)  # whole elements of any dtype, aligned slots
+        self.piece_bytes = max(
+            64, int(piece_bytes) // 64 * 64
+        )  # whole elements of any dtype, aligned slots
         self.users = 0  # engines using it (install/uninstall)
         self._slot = 0  # the slot the next piece uses
         self._flag = torch.zeros(1)
-        self.segment = self._map(2 * world * self.piece_bytes)  # [2 slots x world x piece_bytes] bytes
+        self.segment = self._map(
+            2 * world * self.piece_bytes
+        )  # [2 slots x world x piece_bytes] bytes
 
     def _map(self, nbytes: int) -> torch.Tensor:
         """Every rank maps one new segment of ``nbytes``; rank 0 makes it and unlinks it once all have it.
@@ -67,7 +74,9 @@ class SharedMemoryTransport:
         64 MiB default) is an ``OSError`` here, on every rank, not a SIGBUS at the first write."""
         from . import collectives
 
-        head = torch.zeros(17, dtype=torch.uint8)  # the name's 16 bytes, then 1 when rank 0 made the file
+        head = torch.zeros(
+            17, dtype=torch.uint8
+        )  # the name's 16 bytes, then 1 when rank 0 made the file
         path = None
         if self.rank == 0:
             head[:16].copy_(torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8))
@@ -75,7 +84,7 @@ class SharedMemoryTransport:
             head[16] = _make(path, nbytes)
         collectives.broadcast(head, collectives.global_rank(0, self.group), self.group)
         if not head[16]:
-            raise OSError(f"no room for a {nbytes / 2 ** 20:.1f} MiB shared-memory segment in {_DIR}")
+            raise OSError(f"no room for a {nbytes / 2**20:.1f} MiB shared-memory segment in {_DIR}")
         path = os.path.join(_DIR, "zengine-" + bytes(head[:16].tolist()).hex())
         segment, failed = None, torch.zeros(1)
         try:
@@ -83,7 +92,9 @@ class SharedMemoryTransport:
         except (OSError, RuntimeError):
             failed += 1
         finally:  # every rank has it mapped (or failed): the name can go
-            collectives.run_blocking("shared-memory map", failed, dist.all_reduce, failed, group=self.group)
+            collectives.run_blocking(
+                "shared-memory map", failed, dist.all_reduce, failed, group=self.group
+            )
             if self.rank == 0:
                 os.unlink(path)
         if failed.item():
@@ -95,14 +106,23 @@ class SharedMemoryTransport:
         An all-reduce, not a barrier: gloo's barrier would first wait for every collective in flight."""
         from . import collectives
 
-        collectives.run_blocking(f"{what} through shared memory (its sync)", self._flag, dist.all_reduce, self._flag,
-                                 group=self.group)
+        collectives.run_blocking(
+            f"{what} through shared memory (its sync)",
+            self._flag,
+            dist.all_reduce,
+            self._flag,
+            group=self.group,
+        )
 
     def _piece(self, dtype: torch.dtype, width: int) -> torch.Tensor:
         """The next slot as ``[world, width]`` of ``dtype``."""
         slot, self._slot = self._slot, 1 - self._slot
         size = self.world * self.piece_bytes
-        return self.segment[slot * size:(slot + 1) * size].view(dtype)[:self.world * width].view(self.world, width)
+        return (
+            self.segment[slot * size : (slot + 1) * size]
+            .view(dtype)[: self.world * width]
+            .view(self.world, width)
+        )
 
     def takes(self, t: torch.Tensor) -> bool:
         """Whether a collective of ``t`` goes through shared memory (a CPU tensor, large enough)."""
@@ -112,8 +132,13 @@ class SharedMemoryTransport:
         """Row r of ``rows`` ([world, n], each row contiguous) on every rank from rank r's row r."""
         self.gather_columns([rows[self.rank]], [rows], rows.dtype, own_in_place=True)
 
-    def gather_columns(self, sources: list[torch.Tensor], targets: list[torch.Tensor], dtype: torch.dtype,
-                       own_in_place: bool = False) -> None:
+    def gather_columns(
+        self,
+        sources: list[torch.Tensor],
+        targets: list[torch.Tensor],
+        dtype: torch.dtype,
+        own_in_place: bool = False,
+    ) -> None:
         """An all-gather of several buffers at once: row r of each target ([world, width_i]) on every rank from
         rank r's source i ([width_i]), the targets' columns taken end to end a piece at a time.
         ``own_in_place``: each source already is this rank's row of its target (not copied back)."""
@@ -130,24 +155,28 @@ class SharedMemoryTransport:
                     i, offset = i + 1, 0
             piece = self._piece(dtype, width)  # [world, width]
             for t, start, take, col in spans:
-                piece[self.rank, col:col + take].copy_(sources[t][start:start + take])
+                piece[self.rank, col : col + take].copy_(sources[t][start : start + take])
             self._sync("all_gather")
             for t, start, take, col in spans:
                 if own_in_place:
                     for r in range(self.world):
                         if r != self.rank:
-                            targets[t][r, start:start + take].copy_(piece[r, col:col + take])
+                            targets[t][r, start : start + take].copy_(piece[r, col : col + take])
                 else:
-                    targets[t][:, start:start + take].copy_(piece[:, col:col + take])
+                    targets[t][:, start : start + take].copy_(piece[:, col : col + take])
 
     def reduce_scatter_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Row ``rank`` of ``rows`` ([world, n], contiguous) summed over the group, in rank order, into that row
         (returned); the other rows are left as they were. Each rank reads only its own row of every part."""
         n = rows.shape[1]
-        per = max(1, self.piece_bytes // (self.world * rows.element_size()))  # a piece: [world, per] of each rank
+        per = max(
+            1, self.piece_bytes // (self.world * rows.element_size())
+        )  # a piece: [world, per] of each rank
         for lo in range(0, n, per):
             hi = min(n, lo + per)
-            piece = self._piece(rows.dtype, self.world * (hi - lo)).view(self.world, self.world, hi - lo)
+            piece = self._piece(rows.dtype, self.world * (hi - lo)).view(
+                self.world, self.world, hi - lo
+            )
             piece[self.rank].copy_(rows[:, lo:hi])  # [writer, row, hi - lo]
             self._sync("reduce_scatter")
             _rank_order_sum(list(piece[:, self.rank]), rows[self.rank, lo:hi])
@@ -163,14 +192,22 @@ class SharedMemoryTransport:
             piece = self._piece(flat.dtype, hi - lo)  # [world, hi - lo]
             mine = [(max(a, lo), min(b, hi)) for a, b in owned if max(a, lo) < min(b, hi)]
             at = lo
-            for a, b in mine + [(hi, hi)]:  # the columns the others own (this rank's own never leave flat)
+            for a, b in mine + [
+                (hi, hi)
+            ]:  # the columns the others own (this rank's own never leave flat)
                 if at < a:
-                    piece[self.rank, at - lo:a - lo].copy_(flat[at:a])
+                    piece[self.rank, at - lo : a - lo].copy_(flat[at:a])
                 at = max(at, b)
             self._sync("reduce")
             for a, b in mine:
                 out = flat[a:b]
-                _rank_order_sum([out if r == self.rank else piece[r, a - lo:b - lo] for r in range(self.world)], out)
+                _rank_order_sum(
+                    [
+                        out if r == self.rank else piece[r, a - lo : b - lo]
+                        for r in range(self.world)
+                    ],
+                    out,
+                )
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` (contiguous) in place over the group, in rank order."""
@@ -240,7 +277,9 @@ def _key(group) -> int:
 def model_bytes(model: torch.nn.Module) -> int:
     """What a collective of ``model`` moves per rank at most: its parameters' full elements (a ``zero.Init``
     parameter's ``ds_numel``) at 4 bytes each, or more for a wider dtype (gradients are reduced in fp32)."""
-    return sum(getattr(p, "ds_numel", p.numel()) * max(4, p.element_size()) for p in model.parameters())
+    return sum(
+        getattr(p, "ds_numel", p.numel()) * max(4, p.element_size()) for p in model.parameters()
+    )
 
 
 def install_for(group, section: SharedMemoryConfig, nbytes: int) -> Optional[SharedMemoryTransport]:
@@ -254,12 +293,18 @@ def install_for(group, section: SharedMemoryConfig, nbytes: int) -> Optional[Sha
     if section.enabled is True:
         return install(group, section.piece_size)
     # under MIN_AUTO_PIECE: more syncs than data, gloo's transport does as well
-    return install(group, min(section.piece_size, nbytes // (4 * dist.get_world_size(group))), asked=False,
-                   least_piece=MIN_AUTO_PIECE, room_share=AUTO_ROOM_SHARE)
+    return install(
+        group,
+        min(section.piece_size, nbytes // (4 * dist.get_world_size(group))),
+        asked=False,
+        least_piece=MIN_AUTO_PIECE,
+        room_share=AUTO_ROOM_SHARE,
+    )
 
 
-def install(group, piece_bytes: int, asked: bool = True, least_piece: int = 64,
-            room_share: float = 1.0) -> Optional[SharedMemoryTransport]:
+def install(
+    group, piece_bytes: int, asked: bool = True, least_piece: int = 64, room_share: float = 1.0
+) -> Optional[SharedMemoryTransport]:
     """Set up (or reuse) ``group``'s transport; every rank of the group calls this together. None (the
     group keeps gloo's own transport) when the group is not gloo, has one rank, or spans hosts, when the
     smallest ``piece_bytes`` a rank asks for is under ``least_piece``, or when the segment would take more
@@ -271,43 +316,71 @@ def install(group, piece_bytes: int, asked: bool = True, least_piece: int = 64,
     say = logger.info if asked else logger.debug
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return None
-    if not collectives.is_gloo(group):  # NCCL moves GPU tensors itself (NVLink, P2P): nothing to do here
+    if not collectives.is_gloo(
+        group
+    ):  # NCCL moves GPU tensors itself (NVLink, P2P): nothing to do here
         if dist.get_rank(group) == 0:
-            say("zengine: shared_memory: the %s backend carries its own collectives; shared memory is for gloo (CPU) "
-                "ranks only", collectives.backend(group))
+            say(
+                "zengine: shared_memory: the %s backend carries its own collectives; shared memory is for gloo (CPU) "
+                "ranks only",
+                collectives.backend(group),
+            )
         return None
     transport = _transports.get(_key(group))
     if transport is None:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         host = _host_id() if os.path.isdir(_DIR) else -1 - rank  # no /dev/shm: a host of its own
-        seen = collectives.all_gather_small(torch.tensor([host, piece_bytes, _room()], dtype=torch.int64), group)
-        hosts, piece_bytes, room = len(set(seen[:, 0].tolist())), int(seen[:, 1].min()), int(seen[:, 2].min())
+        seen = collectives.all_gather_small(
+            torch.tensor([host, piece_bytes, _room()], dtype=torch.int64), group
+        )
+        hosts, piece_bytes, room = (
+            len(set(seen[:, 0].tolist())),
+            int(seen[:, 1].min()),
+            int(seen[:, 2].min()),
+        )
         if hosts != 1:
             if rank == 0:
-                say("zengine: shared_memory: the ranks are on %d hosts (or one has no %s): gloo's transport stays",
-                    hosts, _DIR)
+                say(
+                    "zengine: shared_memory: the ranks are on %d hosts (or one has no %s): gloo's transport stays",
+                    hosts,
+                    _DIR,
+                )
             return None
         if piece_bytes < least_piece:
             return None
-        if 2 * world * piece_bytes > room_share * room:  # e.g. a container's 64 MiB /dev/shm, which DataLoader
-            if rank == 0:                                # workers need too
-                say("zengine: shared_memory: a %.1f MiB segment would take more than %.0f%% of the %.1f MiB left in "
-                    "%s: gloo's transport stays", 2 * world * piece_bytes / 2 ** 20, 100 * room_share,
-                    room / 2 ** 20, _DIR)
+        if (
+            2 * world * piece_bytes > room_share * room
+        ):  # e.g. a container's 64 MiB /dev/shm, which DataLoader
+            if rank == 0:  # workers need too
+                say(
+                    "zengine: shared_memory: a %.1f MiB segment would take more than %.0f%% of the %.1f MiB left in "
+                    "%s: gloo's transport stays",
+                    2 * world * piece_bytes / 2**20,
+                    100 * room_share,
+                    room / 2**20,
+                    _DIR,
+                )
             return None
         try:
-            transport = SharedMemoryTransport(group if group is not None else dist.GroupMember.WORLD, rank, world,
-                                              piece_bytes)
+            transport = SharedMemoryTransport(
+                group if group is not None else dist.GroupMember.WORLD, rank, world, piece_bytes
+            )
         except OSError as err:  # every rank got the same error (the map's outcome is agreed)
             if rank == 0:
                 (logger.warning if asked else logger.info)(
                     "zengine: shared_memory: %s; gloo's transport stays (free room in %s, or lower "
-                    "shared_memory.piece_size)", err, _DIR)
+                    "shared_memory.piece_size)",
+                    err,
+                    _DIR,
+                )
             return None
         _transports[_key(group)] = transport
         if rank == 0:
-            say("zengine: shared_memory: collectives of %d ranks through a %.1f MiB segment", world,
-                transport.segment.numel() / 2 ** 20)
+            say(
+                "zengine: shared_memory: collectives of %d ranks through a %.1f MiB segment",
+                world,
+                transport.segment.numel() / 2**20,
+            )
     transport.users += 1
     return transport
 

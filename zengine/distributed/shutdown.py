@@ -24,6 +24,7 @@ So, at exit (``atexit`` runs before finalisation, with the interpreter whole):
   and ends at once with Python's exit status, waiting for nothing, so that the launcher sees
   the failure now and stops the other ranks.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -86,7 +87,9 @@ def shutdown() -> None:
     me = diagnose.current("exited")
     # A process that trained with an engine leaves its record before the group goes, so that a peer left
     # waiting in a collective (it ran more steps) can say why; the peers' records are read afterwards.
-    report = world > 1 and store is not None and _state["tracked"] and diagnose.publish(store, rank, me)
+    report = (
+        world > 1 and store is not None and _state["tracked"] and diagnose.publish(store, rank, me)
+    )
     if _state["owns_group"] and grouped:
         try:
             dist.destroy_process_group()
@@ -97,10 +100,14 @@ def shutdown() -> None:
         problem = diagnose.check_clean_exit(store, me, rank, world)
         if problem is not None:
             print(problem, file=sys.stderr)
-            time.sleep(diagnose.LINGER_SECONDS)  # the failed rank is printing its own account: let it finish
+            time.sleep(
+                diagnose.LINGER_SECONDS
+            )  # the failed rank is printing its own account: let it finish
             _exit_now(1)
     gc.collect()  # engines and works caught in reference cycles, freed while the GIL can still be shared
-    time.sleep(_DRAIN_SECONDS)  # releases the GIL: worker threads waiting on it finish their frees now
+    time.sleep(
+        _DRAIN_SECONDS
+    )  # releases the GIL: worker threads waiting on it finish their frees now
 
 
 def _exit_now(status: int) -> None:

@@ -8,6 +8,7 @@ read through ``read_to_host`` lets the CPU guard tests (which run the step
 on fake CUDA tensors, where any other read raises) supply its values and
 count that it happens once.
 """
+
 from __future__ import annotations
 
 import torch

@@ -11,6 +11,7 @@ LOCAL_WORLD_SIZE`` (torchrun and zengine's launcher set it; 4 gloo ranks as 2 "n
 ``engine.comm_stats()`` reads the counters (``zengine.distributed.traffic.snapshot()`` without an engine);
 ``bench_comm.py`` turns them into bytes per step against the ZeRO formulas.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,14 @@ from typing import Optional
 import torch.distributed as dist
 
 INTRA, INTER = "intra", "inter"
-_RING_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "broadcast": 1.0, "reduce": 1.0,
-                "all_to_all": 1.0}
+_RING_FACTOR = {
+    "all_gather": 1.0,
+    "reduce_scatter": 1.0,
+    "all_reduce": 2.0,
+    "broadcast": 1.0,
+    "reduce": 1.0,
+    "all_to_all": 1.0,
+}
 
 # (group kind, collective) -> [calls, payload bytes, ring bytes sent by this rank]
 _counts: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0, 0.0])

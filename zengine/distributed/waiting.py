@@ -14,6 +14,7 @@ A rank that is merely slow (computing, not waiting) has no record and is waited 
 The cost: nothing for a wait shorter than ``PUBLISH_AFTER`` slices; a few store round trips per
 second of a longer one.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,13 +24,15 @@ import torch.distributed as dist
 
 from . import diagnose
 
-PUBLISH_AFTER = 2   # slices (seconds) of waiting before this rank says where it waits
-COMPARE_EVERY = 2   # then, every this many slices, it compares with the other ranks' records
+PUBLISH_AFTER = 2  # slices (seconds) of waiting before this rank says where it waits
+COMPARE_EVERY = 2  # then, every this many slices, it compares with the other ranks' records
 _KEY = "zengine/" + diagnose._ATTEMPT + "/waiting/{}"
-STAGE3_HINT = ("At stage 3 a module is gathered again in backward only on the ranks where its parameters get "
-               "a gradient: if a module's output is detached, skipped or unused on some ranks, make the loss "
-               "depend on it on every rank (multiply by 0 rather than detach or skip), or mark a module around "
-               "it a leaf (zengine.utils.set_z3_leaf_modules) so that it is gathered as one unit.")
+STAGE3_HINT = (
+    "At stage 3 a module is gathered again in backward only on the ranks where its parameters get "
+    "a gradient: if a module's output is detached, skipped or unused on some ranks, make the loss "
+    "depend on it on every rank (multiply by 0 rather than detach or skip), or mark a module around "
+    "it a leaf (zengine.utils.set_z3_leaf_modules) so that it is gathered as one unit."
+)
 
 
 class LongWait:
@@ -55,15 +58,23 @@ class LongWait:
         rank = dist.get_rank()
         if not self.published:
             try:
-                store.set(_KEY.format(rank), json.dumps({"what": self.what, "group": self.group,
-                                                              "where": diagnose.context()}))
+                store.set(
+                    _KEY.format(rank),
+                    json.dumps(
+                        {"what": self.what, "group": self.group, "where": diagnose.context()}
+                    ),
+                )
                 self.published = True
             except Exception:  # the store's host is gone: the peer-departed check names that
                 return
             return
         if (self.slices - PUBLISH_AFTER) % COMPARE_EVERY and not compare_now:
             return
-        waits = {r: w for r, w in _records(store, dist.get_world_size()).items() if w.get("group") == self.group}
+        waits = {
+            r: w
+            for r, w in _records(store, dist.get_world_size()).items()
+            if w.get("group") == self.group
+        }
         if any(r != rank and w["what"] != self.what for r, w in waits.items()):
             raise _diverged(self.what, rank, waits)
 
@@ -105,12 +116,23 @@ def _diverged(what: str, rank: int, waits: dict[int, dict]) -> BaseException:
     for r in range(world):
         w = waits.get(r)
         mark = " (this rank)" if r == rank else ""
-        lines.append(f"  rank {r}{mark}: " + (f"waiting in {w['what']}" + (f" ({w['where']})" if w["where"] else "")
-                                             if w is not None else "not waiting in a collective (busy elsewhere)"))
-    hint = "\n" + STAGE3_HINT if any("stage-3 gather" in (w.get("where") or "") for w in waits.values()) else ""
+        lines.append(
+            f"  rank {r}{mark}: "
+            + (
+                f"waiting in {w['what']}" + (f" ({w['where']})" if w["where"] else "")
+                if w is not None
+                else "not waiting in a collective (busy elsewhere)"
+            )
+        )
+    hint = (
+        "\n" + STAGE3_HINT
+        if any("stage-3 gather" in (w.get("where") or "") for w in waits.values())
+        else ""
+    )
     error = diagnose.CollectiveTimeoutError(
         f"zengine: the ranks are waiting in different collectives, each for the others: they ran different "
-        f"collectives (a deadlock, named before comm_timeout).\n" + "\n".join(lines) + hint)
+        f"collectives (a deadlock, named before comm_timeout).\n" + "\n".join(lines) + hint
+    )
     diagnose.exchange(diagnose.current("failed", what), rank, world)  # ends the peers' waits too
     diagnose.set_reported(error)
     return error

@@ -5,6 +5,7 @@
 ``zengine.engine`` is also DeepSpeed's ``deepspeed.runtime.engine`` under the compatibility mode,
 hence ``DeepSpeedEngine`` here.
 """
+
 from .engine import DeepSpeedEngine, Engine
 
 __all__ = ["DeepSpeedEngine", "Engine"]

@@ -1,5 +1,6 @@
 """Where the engine stands in a global batch: the micro-steps counted toward the accumulation
 boundary, and the script's own say over where the boundary falls."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -10,8 +11,10 @@ class Accumulation:
     controls (``members.py``)."""
 
     def __init__(self):
-        self.boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary; None: count
-        self.in_progress = False          # micro-steps taken since the last boundary step
+        self.boundary_override: Optional[bool] = (
+            None  # set_gradient_accumulation_boundary; None: count
+        )
+        self.in_progress = False  # micro-steps taken since the last boundary step
         self.backward_since_step = False  # a backward ran since the last step()
 
     def is_boundary(self, micro_steps: int, gradient_accumulation_steps: int) -> bool:
@@ -24,4 +27,3 @@ class Accumulation:
     def between_batches(self) -> bool:
         """No micro-step or backward of a global batch has happened since its boundary step."""
         return not self.in_progress and not self.backward_since_step
-

@@ -30,6 +30,7 @@ factor); a window whose passes carried different factors (``engine.backward``
 and a plain fp16 ``loss.backward()`` mixed before one step) is refused by
 name at ``step()``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,9 +47,11 @@ logger = logging.getLogger("zengine")
 
 
 class BackwardMode(enum.Enum):
-    IDLE = "idle"            # no backward pass in progress
-    EXPLICIT = "explicit"    # inside engine.backward(loss): the loss was scaled there
-    IMPLICIT = "implicit"    # a pass this engine did not start: a plain loss.backward(), or another engine's
+    IDLE = "idle"  # no backward pass in progress
+    EXPLICIT = "explicit"  # inside engine.backward(loss): the loss was scaled there
+    IMPLICIT = (
+        "implicit"  # a pass this engine did not start: a plain loss.backward(), or another engine's
+    )
 
 
 class BackwardTracker:
@@ -56,14 +59,16 @@ class BackwardTracker:
     records the factor the gradients of the current accumulation window carry."""
 
     def __init__(self, begin: Callable[[], None], end: Callable[[], None], factor: GradFactor):
-        self._begin = begin      # optimizer.begin_backward with the engine's boundary / no_sync state
-        self._end = end          # optimizer.end_backward
-        self._factor = factor    # loss_factor(); told what the window's gradients carry
+        self._begin = begin  # optimizer.begin_backward with the engine's boundary / no_sync state
+        self._end = end  # optimizer.end_backward
+        self._factor = factor  # loss_factor(); told what the window's gradients carry
         self.mode = BackwardMode.IDLE
-        self._window: Optional[float] = None   # the factor of this accumulation window's first pass
+        self._window: Optional[float] = None  # the factor of this accumulation window's first pass
         self._mixed: Optional[tuple[float, float]] = None
         self._warned_unscaled = False
-        self.output_hook: Callable = self._on_output_grad  # compiled autograd: wrapped in torch.compiler.disable
+        self.output_hook: Callable = (
+            self._on_output_grad
+        )  # compiled autograd: wrapped in torch.compiler.disable
 
     @contextlib.contextmanager
     def explicit(self, carried: Optional[float] = None):
@@ -71,7 +76,9 @@ class BackwardTracker:
         what the pass's gradients carry when that is not ``factor()`` (a loss the caller divided by the
         accumulation steps: ``scale_wrt_gas=False``)."""
         if self.mode is not BackwardMode.IDLE:
-            raise RuntimeError("engine.backward() was called inside another backward pass (from a gradient hook?)")
+            raise RuntimeError(
+                "engine.backward() was called inside another backward pass (from a gradient hook?)"
+            )
         factor = self._factor.loss_factor() if carried is None else carried
         self._note(factor)
         self._begin()
@@ -106,9 +113,11 @@ class BackwardTracker:
             factor = 1.0
             if self._factor.loss_factor() != 1.0 and not self._warned_unscaled:
                 self._warned_unscaled = True
-                logger.warning("zengine: fp16 with a plain loss.backward(): the engine cannot scale a loss it "
-                               "never sees, so this backward runs without the loss scale (correct, but small "
-                               "gradients may underflow in fp16); engine.backward(loss) applies it")
+                logger.warning(
+                    "zengine: fp16 with a plain loss.backward(): the engine cannot scale a loss it "
+                    "never sees, so this backward runs without the loss scale (correct, but small "
+                    "gradients may underflow in fp16); engine.backward(loss) applies it"
+                )
         self._note(factor)
         self._begin()
         self.mode = BackwardMode.IMPLICIT
@@ -136,7 +145,8 @@ class BackwardTracker:
                 f"{other:g}), so their gradients do not add up: with fp16, engine.backward(loss) multiplies the loss "
                 f"by the loss scale over the accumulation steps and a plain loss.backward() cannot; "
                 f"engine.backward(loss, scale_wrt_gas=False) takes a loss already divided by them. Use one of "
-                f"them for every micro-step of an accumulation window.")
+                f"them for every micro-step of an accumulation window."
+            )
 
     def end_window(self) -> None:
         """After a boundary step: the next pass starts a new window."""

@@ -2,6 +2,7 @@
 matmul routing, the param groups, and the optimizer, scheduler and data loader factories
 (DeepSpeed's rules for client objects versus config sections). Where the model starts (device,
 dtype, rank 0's values, stage 3's cut) is ``zero/place.py``'s."""
+
 from __future__ import annotations
 
 import logging
@@ -17,8 +18,9 @@ from ..precision.cpu_matmul import MatmulPolicy, choose_matmul_policy, log_choic
 logger = logging.getLogger("zengine")
 
 
-def route_matmuls(model: nn.Module, config: ZengineConfig,
-                  process_rank: ProcessRank) -> MatmulPolicy:
+def route_matmuls(
+    model: nn.Module, config: ZengineConfig, process_rank: ProcessRank
+) -> MatmulPolicy:
     """Choose where the model's bf16 matrix multiplies run on this CPU (``bf16.cpu_matmul``; any other
     device or dtype is left alone), apply it to the model and say so once on rank 0."""
     policy = choose_matmul_policy(config.bf16.cpu_matmul, config.compute_dtype, process_rank.device)
@@ -45,37 +47,48 @@ def named_param_groups(model: nn.Module, model_parameters, client_optimizer) -> 
         named = []
         for p in params:
             if id(p) not in names:
-                raise ValueError("zengine.initialize: model_parameters holds a tensor that is not a parameter of "
-                                 "the model; pass model.parameters() or param groups built from them")
+                raise ValueError(
+                    "zengine.initialize: model_parameters holds a tensor that is not a parameter of "
+                    "the model; pass model.parameters() or param groups built from them"
+                )
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 named.append((names[id(p)], p))
         groups.append((named, {k: v for k, v in group.items() if k != "params"}))
     if not any(named for named, _ in groups):
-        raise ValueError("zengine.initialize: model_parameters (or the optimizer's param groups) hold no parameter "
-                         "that requires grad; there is nothing to train. Pass the trainable parameters")
+        raise ValueError(
+            "zengine.initialize: model_parameters (or the optimizer's param groups) hold no parameter "
+            "that requires grad; there is nothing to train. Pass the trainable parameters"
+        )
     return groups
 
 
 def optimizer_factory(client_optimizer, config: ZengineConfig):
     """A function (flat shard param groups, cpu_offload) -> the wrapped torch optimizer."""
     if isinstance(client_optimizer, torch.optim.Optimizer):
+
         def rebind(groups, cpu_offload=False):
             # Keep the caller's optimizer object (and any scheduler built on it): point its groups at the shards.
             for mine, theirs in zip(groups, client_optimizer.param_groups):
                 theirs["params"] = mine["params"]
             client_optimizer.state.clear()
             return client_optimizer
+
         return rebind
     if client_optimizer is not None:
         if not callable(client_optimizer):
-            raise TypeError("zengine.initialize: optimizer must be a torch.optim.Optimizer or a callable(params)")
+            raise TypeError(
+                "zengine.initialize: optimizer must be a torch.optim.Optimizer or a callable(params)"
+            )
         return lambda groups, cpu_offload=False: client_optimizer(groups)
     if config.optimizer is None:
-        raise ValueError("zengine.initialize: no optimizer; pass optimizer= or add an \"optimizer\" section "
-                         "to the config")
-    return lambda groups, cpu_offload=False: build_optimizer(config.optimizer.type, config.optimizer.params, groups,
-                                                              cpu_offload=cpu_offload)
+        raise ValueError(
+            "zengine.initialize: no optimizer; pass optimizer= or add an \"optimizer\" section "
+            "to the config"
+        )
+    return lambda groups, cpu_offload=False: build_optimizer(
+        config.optimizer.type, config.optimizer.params, groups, cpu_offload=cpu_offload
+    )
 
 
 def make_scheduler(lr_scheduler, config: ZengineConfig, optimizer):
@@ -91,10 +104,14 @@ def make_dataloader(data, config: ZengineConfig, process_rank: ProcessRank, coll
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
-    sampler = DistributedSampler(data, num_replicas=process_rank.world_size,
-                                 rank=process_rank.rank)
-    return DataLoader(data, batch_size=config.train_micro_batch_size_per_gpu, sampler=sampler,
-                      collate_fn=collate_fn, drop_last=True)
+    sampler = DistributedSampler(data, num_replicas=process_rank.world_size, rank=process_rank.rank)
+    return DataLoader(
+        data,
+        batch_size=config.train_micro_batch_size_per_gpu,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=True,
+    )
 
 
 class UnfrozenParameterError(RuntimeError):
@@ -125,10 +142,14 @@ class UntrainedParameters:
                 "grad now; the engine holds no gradient, master or optimizer state for them and would not "
                 "train them. Unfreeze before initialize (a zero learning rate in their param group keeps "
                 "them still until then), or save_checkpoint, build a new engine over the unfrozen model "
-                "and load_checkpoint(..., load_optimizer_states=False)")
+                "and load_checkpoint(..., load_optimizer_states=False)"
+            )
         late = [n for n, p in self.params if p.requires_grad and n not in self.named]
         if late:
             self.named.update(late)
-            logger.warning("zengine: parameter(s) %s require grad but were left out of model_parameters at "
-                           "zengine.initialize, so the engine does not train them (no gradient reduction, no "
-                           "optimizer step); pass them in model_parameters to train them", ", ".join(late))
+            logger.warning(
+                "zengine: parameter(s) %s require grad but were left out of model_parameters at "
+                "zengine.initialize, so the engine does not train them (no gradient reduction, no "
+                "optimizer step); pass them in model_parameters to train them",
+                ", ".join(late),
+            )

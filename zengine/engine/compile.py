@@ -16,6 +16,7 @@ A model compiled before ``initialize`` is compiled the way its owner asked:
   each such module is compiled again per gather unit, with the same settings, since its compiled
   ``__call__`` would hold the hooks.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,9 +42,14 @@ def make_compiler(backend: Any, compile_kwargs: Optional[dict]) -> Compiler:
     """``torch.compile`` with ``backend`` and ``compile_kwargs`` (its keywords: mode, fullgraph, dynamic,
     options), as a function from a callable to its compiled form."""
     kwargs = dict(compile_kwargs or {})
-    if "backend" in kwargs:  # DeepSpeed warns and overrides; a silent override hides a mistake, so warn too
-        logger.warning("zengine: engine.compile: compile_kwargs['backend']=%r is overridden by backend=%r",
-                       kwargs.pop("backend"), backend)
+    if (
+        "backend" in kwargs
+    ):  # DeepSpeed warns and overrides; a silent override hides a mistake, so warn too
+        logger.warning(
+            "zengine: engine.compile: compile_kwargs['backend']=%r is overridden by backend=%r",
+            kwargs.pop("backend"),
+            backend,
+        )
     return functools.partial(torch.compile, backend=backend, **kwargs)
 
 
@@ -61,20 +67,27 @@ def _context_of(compiled: Callable) -> Optional[Callable]:
 def take_user_compile(model: nn.Module) -> tuple[nn.Module, Optional[Compiler]]:
     """The model to train and, when the user passed ``torch.compile(model)``, the compiler it was made with
     (the engine compiles the inner model with it once built)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled (its import is slow)
+    eval_frame = sys.modules.get(
+        "torch._dynamo.eval_frame"
+    )  # not imported: nothing was compiled (its import is slow)
     if eval_frame is None or not isinstance(model, eval_frame.OptimizedModule):
         return model, None
     inner = model._orig_mod
     if not isinstance(inner, nn.Module):
-        raise CompileError(f"zengine.initialize: the compiled model wraps a {type(inner).__name__}, not an "
-                           "nn.Module; pass the module itself and call engine.compile() after initialize")
+        raise CompileError(
+            f"zengine.initialize: the compiled model wraps a {type(inner).__name__}, not an "
+            "nn.Module; pass the module itself and call engine.compile() after initialize"
+        )
     return inner, model.dynamo_ctx
 
 
 def compiled_in_place(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of the modules of ``model`` compiled in place (``module.compile()``)."""
-    return [(name or "<root>", m) for name, m in model.named_modules()
-            if getattr(m, "_compiled_call_impl", None) is not None]
+    return [
+        (name or "<root>", m)
+        for name, m in model.named_modules()
+        if getattr(m, "_compiled_call_impl", None) is not None
+    ]
 
 
 def _make_room_for(units: list) -> None:
@@ -86,8 +99,13 @@ def _make_room_for(units: list) -> None:
 
     needed = 2 * len(units) + 8  # training and no-grad graphs per unit, and room for the user's own
     if dynamo_config.recompile_limit < needed:
-        logger.info("zengine: compile: torch._dynamo.config.recompile_limit %d -> %d (stage 3 compiles %d gather "
-                    "units through one wrapper code object)", dynamo_config.recompile_limit, needed, len(units))
+        logger.info(
+            "zengine: compile: torch._dynamo.config.recompile_limit %d -> %d (stage 3 compiles %d gather "
+            "units through one wrapper code object)",
+            dynamo_config.recompile_limit,
+            needed,
+            len(units),
+        )
         dynamo_config.recompile_limit = needed
 
 
@@ -98,7 +116,9 @@ class WholeModel:
 
     keeps_in_place_compile = True
 
-    def install(self, module: nn.Module, compiler: Compiler, roots: Optional[list], announce: bool) -> list:
+    def install(
+        self, module: nn.Module, compiler: Compiler, roots: Optional[list], announce: bool
+    ) -> list:
         """The compiled forwards installed (one: the model's)."""
         return [install(module, "<root>", compiler)]
 
@@ -118,7 +138,9 @@ class PerUnit:
     def __init__(self, hooks: Any):
         self.hooks = hooks
 
-    def install(self, module: nn.Module, compiler: Compiler, roots: Optional[list], announce: bool) -> list:
+    def install(
+        self, module: nn.Module, compiler: Compiler, roots: Optional[list], announce: bool
+    ) -> list:
         """The compiled forwards installed under ``roots`` ((name, module) pairs; default the whole model), one
         per gather unit; ``announce``: log them (rank 0)."""
         units = []
@@ -128,12 +150,16 @@ class PerUnit:
         _make_room_for(units)
         leafless = not any(z3_leaf_module(getattr(u.eager, "__self__", None)) for u in units)
         if announce:
-            logger.info("zengine: compile: stage 3 compiles %d gather unit(s) (the hooks stay outside): %s%s",
-                        len(units), ", ".join(u.name for u in units),
-                        "; no unit is a leaf, so only modules that own parameters compile and the code between "
-                        "them stays eager: mark the blocks as leaves (zengine.utils.set_z3_leaf_modules(model, "
-                        "[Block]) before initialize) to compile each block whole" if leafless and len(units) > 1
-                        else "")
+            logger.info(
+                "zengine: compile: stage 3 compiles %d gather unit(s) (the hooks stay outside): %s%s",
+                len(units),
+                ", ".join(u.name for u in units),
+                "; no unit is a leaf, so only modules that own parameters compile and the code between "
+                "them stays eager: mark the blocks as leaves (zengine.utils.set_z3_leaf_modules(model, "
+                "[Block]) before initialize) to compile each block whole"
+                if leafless and len(units) > 1
+                else "",
+            )
         return units
 
     def leave_backward_hooks_eager(self, disable: Callable) -> None:
@@ -142,11 +168,13 @@ class PerUnit:
 
     def check_backward(self, no_sync: bool) -> None:
         if no_sync:
-            raise CompileError("engine.backward under no_sync at stage 3 with compiled autograd: the unreduced "
-                               "gradients would stay whole on the released (empty) parameters until the boundary, "
-                               "which compiled autograd cannot capture; leave no_sync out (stage 3 reduces each "
-                               "micro-step's gradients into the shards anyway) or compile with "
-                               "compiled_autograd_enabled=False")
+            raise CompileError(
+                "engine.backward under no_sync at stage 3 with compiled autograd: the unreduced "
+                "gradients would stay whole on the released (empty) parameters until the boundary, "
+                "which compiled autograd cannot capture; leave no_sync out (stage 3 reduces each "
+                "micro-step's gradients into the shards anyway) or compile with "
+                "compiled_autograd_enabled=False"
+            )
 
 
 def compile_plan(optimizer: Any) -> "WholeModel | PerUnit":
@@ -166,7 +194,9 @@ class CompileMembers:
     config: Any
     global_rank: int
     _compiled_units: Optional[list] = None  # the CompiledForward wrappers installed, once compiled
-    _autograd_compiler: Optional[Compiler] = None  # compiled_autograd_enabled: what compiles engine.backward's graph
+    _autograd_compiler: Optional[Compiler] = (
+        None  # compiled_autograd_enabled: what compiles engine.backward's graph
+    )
     _plan: Optional["WholeModel | PerUnit"] = None
 
     @property
@@ -187,8 +217,13 @@ class CompileMembers:
         """The compiled forwards, one per compiled module (the model at stages 0-2, the gather units at stage 3)."""
         return list(self._compiled_units or ())
 
-    def compile(self, backend: Any = "inductor", compile_kwargs: Optional[dict] = None, schedule: Any = None,
-                compiled_autograd_enabled: bool = False) -> None:
+    def compile(
+        self,
+        backend: Any = "inductor",
+        compile_kwargs: Optional[dict] = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
         """Compile the model with ``torch.compile(backend=backend, **compile_kwargs)`` (DeepSpeed's signature).
 
         Stages 0-2 compile the model's forward; stage 3 compiles each gather unit's forward, with the hooks
@@ -201,8 +236,10 @@ class CompileMembers:
         None (``CompileError`` otherwise).
         """
         if schedule is not None:
-            raise CompileError("engine.compile(schedule=...): a schedule orders DeepCompile's passes, which "
-                               "zengine does not have; leave schedule=None")
+            raise CompileError(
+                "engine.compile(schedule=...): a schedule orders DeepCompile's passes, which "
+                "zengine does not have; leave schedule=None"
+            )
         compiler = make_compiler(backend, compile_kwargs)
         if compiled_autograd_enabled and self._autograd_compiler is None:
             import torch._dynamo
@@ -226,13 +263,17 @@ class CompileMembers:
         self.compile_plan.check_backward(self._no_sync)
         from torch._dynamo import compiled_autograd
 
-        enable = getattr(compiled_autograd, "enable", None) or compiled_autograd._enable  # (private in torch 2.13)
+        enable = (
+            getattr(compiled_autograd, "enable", None) or compiled_autograd._enable
+        )  # (private in torch 2.13)
         return enable(self._autograd_compiler)
 
     def _compile_with(self, compiler: Compiler, roots: Optional[list] = None) -> None:
         """Install ``compiler``'s compiled forwards under ``roots`` ((name, module) pairs; default the whole
         model). The first call of each compiles, not this."""
-        self._compiled_units = self.compile_plan.install(self.module, compiler, roots, self.global_rank == 0)
+        self._compiled_units = self.compile_plan.install(
+            self.module, compiler, roots, self.global_rank == 0
+        )
 
     def _compile_as_given(self, user_compiler: Optional[Compiler]) -> None:
         """At the end of ``__init__``: compile as the user asked before ``initialize`` (see the module's
@@ -245,16 +286,24 @@ class CompileMembers:
             self._compiled_units = []  # stages 0-2: torch's in-place compile stands as the user made it
             return
         if in_place:
-            outermost = [(n, m) for n, m in in_place
-                         if not any(o is not m and m in set(o.modules()) for _, o in in_place)]
+            outermost = [
+                (n, m)
+                for n, m in in_place
+                if not any(o is not m and m in set(o.modules()) for _, o in in_place)
+            ]
             lost = [n for n, m in outermost if _context_of(m._compiled_call_impl) is None]
             if lost:
-                raise CompileError(f"zengine.initialize: stage 3 cannot keep the in-place compile of "
-                                   f"{', '.join(lost)} (its compiled __call__ would hold the gather hooks, and its "
-                                   "settings could not be taken over); build the model uncompiled and call "
-                                   "engine.compile(backend, compile_kwargs) after initialize")
+                raise CompileError(
+                    f"zengine.initialize: stage 3 cannot keep the in-place compile of "
+                    f"{', '.join(lost)} (its compiled __call__ would hold the gather hooks, and its "
+                    "settings could not be taken over); build the model uncompiled and call "
+                    "engine.compile(backend, compile_kwargs) after initialize"
+                )
             units = []
-            for name, m in outermost:  # each with its own settings (block.compile() per block makes one each)
+            for (
+                name,
+                m,
+            ) in outermost:  # each with its own settings (block.compile() per block makes one each)
                 self._compile_with(_context_of(m._compiled_call_impl), [(name, m)])
                 units += self._compiled_units
             self._compiled_units = units

@@ -15,6 +15,7 @@ One training step through the modules:
                               clip, torch optimizer on fp32 shards, write-back,
                               gather), then the LR schedule; else count the micro-step
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,14 @@ from ..zero.place import place_model
 from ..zero.stages import shard_group
 from .accumulation import Accumulation
 from .backward import BackwardTracker
-from .build import (UntrainedParameters, make_dataloader, make_scheduler, named_param_groups,
-                    optimizer_factory, route_matmuls)
+from .build import (
+    UntrainedParameters,
+    make_dataloader,
+    make_scheduler,
+    named_param_groups,
+    optimizer_factory,
+    route_matmuls,
+)
 from .compile import CompileMembers, take_user_compile
 from .members import DeepSpeedMembers
 from .saving import CheckpointMembers
@@ -58,20 +65,32 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
     """A model wrapped for ZeRO data-parallel training (see docs/API.md for the members; the
     DeepSpeed accessors beyond training are in members.py)."""
 
-    def __init__(self, model: nn.Module, config: ZengineConfig, process_rank: ProcessRank,
-                 model_parameters: Optional[Iterable] = None, optimizer: Any = None, lr_scheduler: Any = None,
-                 training_data: Optional[torch.utils.data.Dataset] = None, collate_fn=None):
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ZengineConfig,
+        process_rank: ProcessRank,
+        model_parameters: Optional[Iterable] = None,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        training_data: Optional[torch.utils.data.Dataset] = None,
+        collate_fn=None,
+    ):
         super().__init__()
         self.config = config
         self.process_rank = process_rank
-        model, user_compiler = take_user_compile(model)  # torch.compile(model): train the model inside (compile.py)
+        model, user_compiler = take_user_compile(
+            model
+        )  # torch.compile(model): train the model inside (compile.py)
         self.module = model
         self.global_steps = 0
         self.micro_steps = 0
         self.global_samples = 0
         self._no_sync = False
         self._step_applied = True
-        self.skipped_steps = 0  # boundary steps skipped for a non-finite gradient (DeepSpeed's name)
+        self.skipped_steps = (
+            0  # boundary steps skipped for a non-finite gradient (DeepSpeed's name)
+        )
         self.accumulation = Accumulation()  # where the engine is in a global batch
         self.held_states: list = []  # (device storage, host copy) pairs offload_states moved; reload_states refills
         self.pinned_spares: list = []  # pinned host copies reload_states gave back, for the next offload_states
@@ -82,7 +101,10 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
         self._step_report = StepReport(self.monitor, self.timers, fp16=config.fp16.enabled)
         if process_rank.rank == 0:
             full = os.environ.get(PRINT_FULL_ENV, "").lower() == "full"
-            logger.info("zengine config (* = changed from default):\n%s", format_config(config, changed_only=not full))
+            logger.info(
+                "zengine config (* = changed from default):\n%s",
+                format_config(config, changed_only=not full),
+            )
         # unless the script configured it
         activation_checkpointing.configure_from_config(config.activation_checkpointing)
 
@@ -90,31 +112,56 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
         # CPU ranks on one host: the data-parallel group's collectives through shared memory (distributed/shm.py).
         # Released by destroy() only (every rank together), not when __init__ raises below: a failure may be one
         # rank's, and a transport dropped on some ranks only would split the group's collectives.
-        self._shared_memory = shm.install_for(ranks.group, config.shared_memory, shm.model_bytes(model))
-        self._shared_memory_group = ranks.group  # (another engine's transport may serve it: memory_breakdown)
+        self._shared_memory = shm.install_for(
+            ranks.group, config.shared_memory, shm.model_bytes(model)
+        )
+        self._shared_memory_group = (
+            ranks.group
+        )  # (another engine's transport may serve it: memory_breakdown)
         # stage 3 (MiCS: over shard groups): cut one parameter at a time
         place_model(model, config.zero_optimization.stage, config.compute_dtype, ranks)
         self.matmul = route_matmuls(model, config, process_rank)  # bf16 on a CPU without it: fp32
         named_groups = named_param_groups(model, model_parameters, optimizer)
-        self._untrained = UntrainedParameters(model, named_groups)  # named at the step if unfrozen later
+        self._untrained = UntrainedParameters(
+            model, named_groups
+        )  # named at the step if unfrozen later
         self.scaler = make_loss_scaler(config.fp16)
         # what gradients are multiplied by on the way and divided by at the step (grad_factor.py)
         self.grad_factor = GradFactor.for_precision(
-            self.scaler, config.fp16, config.gradient_accumulation_steps, ranks.dp_world)
+            self.scaler, config.fp16, config.gradient_accumulation_steps, ranks.dp_world
+        )
         # every backward is bracketed (backward.py): a plain one the outputs miss opens at its first parameter gradient
         self._backward = BackwardTracker(self._begin_backward, self._end_backward, self.grad_factor)
-        self.optimizer = build_zero_optimizer(model, config, named_groups, optimizer_factory(optimizer, config),
-                                              self.grad_factor, ranks, self._backward.on_param_grad)
+        self.optimizer = build_zero_optimizer(
+            model,
+            config,
+            named_groups,
+            optimizer_factory(optimizer, config),
+            self.grad_factor,
+            ranks,
+            self._backward.on_param_grad,
+        )
         self.lr_scheduler = make_scheduler(lr_scheduler, config, self.optimizer)
-        self.training_dataloader = (make_dataloader(training_data, config, process_rank, collate_fn)
-                                    if training_data is not None else None)
+        self.training_dataloader = (
+            make_dataloader(training_data, config, process_rank, collate_fn)
+            if training_data is not None
+            else None
+        )
         self._destroyed = False
-        self._compile_as_given(user_compiler)  # a model compiled before initialize, or the config's compile section
+        self._compile_as_given(
+            user_compiler
+        )  # a model compiled before initialize, or the config's compile section
         shutdown.track(self)  # destroy() runs at exit if the script does not call it
-        me = weakref.ref(self)  # a failed collective reports these counters (distributed/diagnose.py)
-        diagnose.track_progress(lambda: (me().global_steps, me().micro_steps) if me() is not None else (0, 0))
+        me = weakref.ref(
+            self
+        )  # a failed collective reports these counters (distributed/diagnose.py)
+        diagnose.track_progress(
+            lambda: (me().global_steps, me().micro_steps) if me() is not None else (0, 0)
+        )
         if config.auto_resume:  # what DeepSpeed users write by hand at the top of their loop
-            path, _ = self.load_checkpoint(config.auto_resume, missing_ok=True)  # (it says when there is none)
+            path, _ = self.load_checkpoint(
+                config.auto_resume, missing_ok=True
+            )  # (it says when there is none)
             if process_rank.rank == 0 and path is not None:
                 logger.info("auto_resume: resumed from %s at step %d", path, self.global_steps)
 
@@ -136,7 +183,9 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
         finally:
             self._no_sync = previous
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
         """Backward of ``loss`` (in fp32 and bf16 as it is; with fp16 times the loss scale over the
         accumulation steps, as DeepSpeed does, to keep fp16's range: every gradient of the pass carries that
         factor once, whatever its path, and the step divides it out).
@@ -154,7 +203,9 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
         carried = None if scale_wrt_gas else self.grad_factor.divided_loss_carries()
         scaled = loss.float() * factor if factor != 1.0 else loss
         self._step_report.record_loss(loss, self.is_gradient_accumulation_boundary())
-        autograd = self._autograd_context()  # (refuses what compiled autograd cannot run, before any work)
+        autograd = (
+            self._autograd_context()
+        )  # (refuses what compiled autograd cannot run, before any work)
         with self.timers(BACKWARD), self._backward.explicit(carried), autograd:
             try:
                 scaled.backward(retain_graph=retain_graph)
@@ -177,8 +228,10 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
         """
         self._check_alive("step")
         if self._no_sync:
-            raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the context first "
-                               "so that the accumulated gradients are reduced")
+            raise RuntimeError(
+                "engine.step() was called inside engine.no_sync(); leave the context first "
+                "so that the accumulated gradients are reduced"
+            )
         self._backward.check_step()
         self._untrained.check()  # a parameter unfrozen since initialize: stop by name, before any update
         boundary = self.is_gradient_accumulation_boundary()
@@ -194,7 +247,9 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
                 finally:
                     self._backward.end_window()
             self._step_applied = outcome is StepOutcome.APPLIED
-            if outcome is StepOutcome.NO_BACKWARD:  # on every rank: nothing happened, nothing is counted
+            if (
+                outcome is StepOutcome.NO_BACKWARD
+            ):  # on every rank: nothing happened, nothing is counted
                 self._warn_idle_step()
                 return
             self.skipped_steps = self.optimizer.nonfinite.skipped
@@ -231,17 +286,26 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
 
     def _check_alive(self, what: str) -> None:
         if self._destroyed:
-            raise RuntimeError(f"engine.{what}(): the engine was destroyed (engine.destroy()); build a new one "
-                               "with zengine.initialize to train again")
+            raise RuntimeError(
+                f"engine.{what}(): the engine was destroyed (engine.destroy()); build a new one "
+                "with zengine.initialize to train again"
+            )
 
     def _warn_idle_step(self) -> None:
         if not self._warned_idle_step and self.global_rank == 0:
             self._warned_idle_step = True
-            logger.warning("zengine: engine.step() with no backward since the last step(): nothing to apply; "
-                           "it is not counted (call engine.backward(loss) or loss.backward() first)")
+            logger.warning(
+                "zengine: engine.step() with no backward since the last step(): nothing to apply; "
+                "it is not counted (call engine.backward(loss) or loss.backward() first)"
+            )
 
-    def summon_full_params(self, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False,
-                           with_grads: bool = False):
+    def summon_full_params(
+        self,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ):
         """Context manager: inside it ``engine.module``'s parameters are whole.
 
         With ``writeback`` changes made inside persist into the shards and fp32
@@ -263,15 +327,27 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
         self._last_report = (now, self.global_steps)
         if self.global_rank == 0:
             rate = (self.global_steps - s0) / max(now - t0, 1e-9)
-            logger.info("step=%d lr=%s loss_scale=%g grad_norm=%.4g steps/s=%.3f skipped=%s", self.global_steps,
-                        [round(lr, 8) for lr in self.get_lr()], self.loss_scale,
-                        self.get_global_grad_norm() or 0.0, rate, not self._step_applied)
-        self._step_report.report(self)  # monitor events and the wall-clock breakdown (resets timers everywhere)
+            logger.info(
+                "step=%d lr=%s loss_scale=%g grad_norm=%.4g steps/s=%.3f skipped=%s",
+                self.global_steps,
+                [round(lr, 8) for lr in self.get_lr()],
+                self.loss_scale,
+                self.get_global_grad_norm() or 0.0,
+                rate,
+                not self._step_applied,
+            )
+        self._step_report.report(
+            self
+        )  # monitor events and the wall-clock breakdown (resets timers everywhere)
 
     # -- accounting -----------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, by kind, counted from the tensors themselves (``memory.py``)."""
-        return memory_breakdown(self.module, self.optimizer, shm.for_group(self._shared_memory_group))
+        return memory_breakdown(
+            self.module, self.optimizer, shm.for_group(self._shared_memory_group)
+        )
 
 
-DeepSpeedEngine = Engine  # DeepSpeed's name (deepspeed.runtime.engine.DeepSpeedEngine), for isinstance checks
+DeepSpeedEngine = (
+    Engine  # DeepSpeed's name (deepspeed.runtime.engine.DeepSpeedEngine), for isinstance checks
+)

@@ -5,6 +5,7 @@ phases (the checkpoint members are saving.py's).
 ``Engine`` takes these by inheritance (``class Engine(DeepSpeedMembers, nn.Module)``) so that
 engine.py keeps to training; each member reads the engine's config, process rank and optimizer.
 """
+
 from __future__ import annotations
 
 import enum
@@ -27,10 +28,10 @@ if TYPE_CHECKING:
 class OffloadStateTypeEnum(str, enum.Enum):
     """What ``offload_states`` moves (DeepSpeed's names)."""
 
-    optim_states = "optim_states"                      # the optimizer's moments
-    hp_params = "hp_params"                            # fp32 master weights
-    lp_params = "lp_params"                            # the compute-dtype parameters
-    lp_grads = "lp_grads"                              # gradients (buffers or shards)
+    optim_states = "optim_states"  # the optimizer's moments
+    hp_params = "hp_params"  # fp32 master weights
+    lp_params = "lp_params"  # the compute-dtype parameters
+    lp_grads = "lp_grads"  # gradients (buffers or shards)
     contiguous_grad_buffer = "contiguous_grad_buffer"  # the same buffers as lp_grads here
 
 
@@ -43,8 +44,13 @@ class OffloadDeviceEnum(str, enum.Enum):
 
 
 _logger = setup_logging()
-_KINDS = {"optim_states": "optimizer_states", "hp_params": "master_weights", "lp_params": "parameters",
-          "lp_grads": "gradients", "contiguous_grad_buffer": "gradients"}
+_KINDS = {
+    "optim_states": "optimizer_states",
+    "hp_params": "master_weights",
+    "lp_params": "parameters",
+    "lp_grads": "gradients",
+    "contiguous_grad_buffer": "gradients",
+}
 
 
 class DeepSpeedMembers:
@@ -197,11 +203,15 @@ class DeepSpeedMembers:
         stay). Only between global batches; the new size must be a multiple of micro batch x world."""
         per_step = self.train_micro_batch_size_per_gpu() * self.world_size
         if train_batch_size % per_step != 0:
-            raise ValueError(f"set_train_batch_size({train_batch_size}): not a multiple of micro batch "
-                             f"{self.train_micro_batch_size_per_gpu()} x world size {self.world_size} = {per_step}")
+            raise ValueError(
+                f"set_train_batch_size({train_batch_size}): not a multiple of micro batch "
+                f"{self.train_micro_batch_size_per_gpu()} x world size {self.world_size} = {per_step}"
+            )
         if not self.accumulation.between_batches:
-            raise RuntimeError("set_train_batch_size: call it between global batches (after the boundary "
-                               "step), not in the middle of gradient accumulation")
+            raise RuntimeError(
+                "set_train_batch_size: call it between global batches (after the boundary "
+                "step), not in the middle of gradient accumulation"
+            )
         gas = train_batch_size // per_step
         self.config.train_batch_size = train_batch_size
         self.config.gradient_accumulation_steps = gas
@@ -221,8 +231,13 @@ class DeepSpeedMembers:
         return None  # no progressive layer drop
 
     # -- moving the model states off the device between phases ----------------------------------
-    def offload_states(self, include: Optional[Iterable] = None, device: str = "cpu", pin_memory: bool = True,
-                       non_blocking: bool = False) -> None:
+    def offload_states(
+        self,
+        include: Optional[Iterable] = None,
+        device: str = "cpu",
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+    ) -> None:
         """Move the model states (``include``: OffloadStateTypeEnum members or their names; default all)
         to host memory, freeing the device until ``reload_states()``. Views into them (the parameters)
         keep pointing at the same storage, which is emptied on the device and refilled on reload. Does
@@ -230,7 +245,11 @@ class DeepSpeedMembers:
         if str(getattr(device, "value", device)) != "cpu":
             raise ValueError(f"offload_states(device={device!r}): zengine offloads to 'cpu' only")
         kinds = self.optimizer.memory_tensors()
-        wanted = [OffloadStateTypeEnum(getattr(k, "value", k)).value for k in include] if include else list(_KINDS)
+        wanted = (
+            [OffloadStateTypeEnum(getattr(k, "value", k)).value for k in include]
+            if include
+            else list(_KINDS)
+        )
         moved = self.held_states
         seen = {s.data_ptr() for s, _ in moved}
         for name in wanted:
@@ -255,7 +274,9 @@ class DeepSpeedMembers:
         for storage, host in self.held_states:
             storage.resize_(host.numel())
             storage.copy_(host.untyped_storage(), non_blocking=non_blocking)
-            if host.is_pinned():  # (a later offload's copy into it is queued after this one on the stream)
+            if (
+                host.is_pinned()
+            ):  # (a later offload's copy into it is queued after this one on the stream)
                 self.pinned_spares.append(host)
         self.held_states.clear()
 

@@ -1,4 +1,5 @@
 """``engine.memory_breakdown()``: the bytes a rank holds, by kind, counted from the tensors themselves."""
+
 from __future__ import annotations
 
 from torch import nn
@@ -7,7 +8,9 @@ from ..offload import pinned
 
 PINNED_HOST = "pinned_host"  # memory_breakdown()'s entry that is a place, not a kind
 WORKSPACE = "workspace"  # memory_breakdown()'s entry for storage kept for reuse: not model state
-SHARED_SEGMENT = "shared_segment"  # the collectives' shared-memory segment (distributed/shm.py): one per host
+SHARED_SEGMENT = (
+    "shared_segment"  # the collectives' shared-memory segment (distributed/shm.py): one per host
+)
 KINDS = ("parameters", "gradients", "master_weights", "optimizer_states", "buffers")
 
 
@@ -44,8 +47,11 @@ def memory_breakdown(module: nn.Module, optimizer, transport=None) -> dict[str, 
             seen.add(storage.data_ptr())
             total += storage.nbytes()
         out[kind] = total
-    out[WORKSPACE] = sum(t.untyped_storage().nbytes() for t in kinds.get(WORKSPACE, ())
-                         if t.untyped_storage().data_ptr() not in seen)
+    out[WORKSPACE] = sum(
+        t.untyped_storage().nbytes()
+        for t in kinds.get(WORKSPACE, ())
+        if t.untyped_storage().data_ptr() not in seen
+    )
     out[PINNED_HOST] = pinned.held_bytes()
     out[SHARED_SEGMENT] = transport.segment.numel() if transport is not None else 0
     return out

@@ -6,12 +6,16 @@ older name, ``_zero3_consolidated_16bit_state_dict``).
 ``Engine`` takes these by inheritance, as it takes members.py's; each is a collective that meets the
 other ranks first (``distributed/agreement.py``) and hands the engine to the checkpoint layer.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
 from .. import checkpoint
-from ..checkpoint.export.model16 import consolidated_state_dict, save_16bit_model as write_16bit_model
+from ..checkpoint.export.model16 import (
+    consolidated_state_dict,
+    save_16bit_model as write_16bit_model,
+)
 from ..checkpoint.native import background
 from ..distributed import agreement
 from ..distributed.agreement import collective_call
@@ -30,9 +34,15 @@ class CheckpointMembers:
     config: "ZengineConfig"
     global_rank: int
 
-    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                        save_latest: bool = True, async_save: Optional[bool] = None,
-                        exclude_frozen_parameters: bool = False) -> bool:
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: Optional[str] = None,
+        client_state: Optional[dict] = None,
+        save_latest: bool = True,
+        async_save: Optional[bool] = None,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
         """Collective: write a sharded checkpoint to ``save_dir/tag`` (default tag ``global_step<N>``)
         atomically, then record ``tag`` in ``save_dir/latest``. Every rank writes only what it holds.
         ``async_save`` (default: the config's ``checkpoint.writer.decoupled``): return after a copy to host
@@ -42,15 +52,27 @@ class CheckpointMembers:
             raise NotImplementedError(
                 "save_checkpoint(exclude_frozen_parameters=True): zengine checkpoints keep frozen "
                 "parameters with the others; pass False (Lightning: "
-                "DeepSpeedStrategy(exclude_frozen_parameters=False), its default)")
+                "DeepSpeedStrategy(exclude_frozen_parameters=False), its default)"
+            )
         if async_save is None:
             async_save = self.config.checkpoint.writer.decoupled
         with agreement.collective_call("save_checkpoint"):
-            return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, async_save)
+            return checkpoint.save_checkpoint(
+                self, save_dir, tag, client_state, save_latest, async_save
+            )
 
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        missing_ok: bool = False, load_module_strict: bool = True, *, trust_client_state: bool = False):
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: Optional[str] = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        missing_ok: bool = False,
+        load_module_strict: bool = True,
+        *,
+        trust_client_state: bool = False,
+    ):
         """Collective: load ``load_dir/tag`` (default: ``latest``), saved by any world size and stage.
 
         Returns ``(path, client_state)``. A missing ``load_dir``, ``latest`` or tag raises
@@ -63,9 +85,17 @@ class CheckpointMembers:
         alone has are ignored (both logged); a reshaped one still raises."""
         with agreement.collective_call("load_checkpoint"):
             background.wait(self)  # an asynchronous save still writing: published (or failed) first
-            return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                                              load_module_only, missing_ok, trust_client_state=trust_client_state,
-                                              strict=load_module_strict)
+            return checkpoint.load_checkpoint(
+                self,
+                load_dir,
+                tag,
+                load_optimizer_states,
+                load_lr_scheduler_states,
+                load_module_only,
+                missing_ok,
+                trust_client_state=trust_client_state,
+                strict=load_module_strict,
+            )
 
     def wait_for_checkpoint(self) -> None:
         """Collective: until the asynchronous checkpoint in flight (``save_checkpoint(async_save=True)``) is
@@ -82,9 +112,11 @@ class CheckpointMembers:
         zero = self.config.zero_optimization
         if zero.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
             if self.global_rank == 0:
-                _logger.warning("save_16bit_model: nothing saved: at stage 3 the full 16-bit weights are gathered "
-                                "only with zero_optimization.stage3_gather_16bit_weights_on_model_save true (as in "
-                                "DeepSpeed); set it, or export a checkpoint with zengine-to-fp32")
+                _logger.warning(
+                    "save_16bit_model: nothing saved: at stage 3 the full 16-bit weights are gathered "
+                    "only with zero_optimization.stage3_gather_16bit_weights_on_model_save true (as in "
+                    "DeepSpeed); set it, or export a checkpoint with zengine-to-fp32"
+                )
             return False
         with collective_call("save_16bit_model"):
             return write_16bit_model(self, save_dir, save_filename)
@@ -94,7 +126,9 @@ class CheckpointMembers:
         (``zero_optimization.stage3_gather_16bit_weights_on_model_save``)."""
         return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
 
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Optional[dict]:
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> Optional[dict]:
         """Collective: the full state_dict in the compute dtype on rank 0's host, None elsewhere (DeepSpeed's
         member, which accelerate's ``get_state_dict`` calls); tied weights stay one tensor. Any stage."""
         with collective_call("_zero3_consolidated_16bit_state_dict"):

@@ -8,6 +8,7 @@ the variables workers get, ``remote`` the ssh/pdsh commands for other hosts,
 ``runner`` runs the plan (the ``zengine`` console script), ``entry`` is the
 shim each rank runs, and ``args`` holds ``add_config_arguments`` for training scripts.
 """
+
 from zengine.launcher.args import add_config_arguments
 
 __all__ = ["add_config_arguments"]

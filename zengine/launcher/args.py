@@ -1,4 +1,5 @@
 """Command-line arguments that a training script adds for zengine."""
+
 from __future__ import annotations
 
 import argparse

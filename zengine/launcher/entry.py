@@ -11,6 +11,7 @@ where DeepSpeed's launcher puts it; ``ARGS`` follow untouched. With
 ``ZENGINE_DEEPSPEED_COMPAT=1`` (``zengine --deepspeed_compat``) ``import
 deepspeed`` resolves to zengine first (``zengine/compat.py``).
 """
+
 from __future__ import annotations
 
 import os
@@ -47,9 +48,15 @@ class AtomicErrorHandler(ErrorHandler):
         path = self._get_error_file_path()
         if not path:
             return
-        data = {"message": {"message": f"{type(e).__name__}: {e}",
-                            "extraInfo": {"py_callstack": traceback.format_exc(),
-                                          "timestamp": str(int(time.time()))}}}
+        data = {
+            "message": {
+                "message": f"{type(e).__name__}: {e}",
+                "extraInfo": {
+                    "py_callstack": traceback.format_exc(),
+                    "timestamp": str(int(time.time())),
+                },
+            }
+        }
         partial = f"{path}.{os.getpid()}.partial"
         with open(partial, "w") as f:
             json.dump(data, f)
@@ -63,7 +70,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("usage: python -m zengine.launcher.entry TARGET [ARGS...]")
     target, args = argv[0], argv[1:]
     sys.argv = target_argv(target, args, dict(os.environ))
-    if os.environ.get(COMPAT_ENV) == "1":  # zengine --deepspeed_compat: `import deepspeed` is zengine
+    if (
+        os.environ.get(COMPAT_ENV) == "1"
+    ):  # zengine --deepspeed_compat: `import deepspeed` is zengine
         from ..compat import install
 
         install()

@@ -2,6 +2,7 @@
 (:func:`worker_env`), and, for remote hosts, what goes along from the launching shell
 (:func:`exported_env`: matching variables, then the lines of ``.deepspeed_env`` /
 ``.zengine_env`` files)."""
+
 from __future__ import annotations
 
 import argparse

@@ -21,6 +21,7 @@ it names; ``--exclude`` removes what it names (a bare host removes the host).
 Resolved resources are an insertion-ordered ``dict`` mapping each host, in
 hostfile order, to its sorted list of slot indices.
 """
+
 from __future__ import annotations
 
 import os
@@ -67,12 +68,12 @@ def parse_hostfile_lines(lines: Iterable[str], source: str = "<hostfile>") -> Ho
         where = f"{source}, line {lineno}"
         fields = line.split()
         if len(fields) != 2 or not fields[1].startswith("slots="):
-            raise HostfileError(
-                f"{where}: expected 'hostname slots=N', got {raw.strip()!r}"
-            )
-        host, count_text = fields[0], fields[1][len("slots="):]
+            raise HostfileError(f"{where}: expected 'hostname slots=N', got {raw.strip()!r}")
+        host, count_text = fields[0], fields[1][len("slots=") :]
         if host.startswith("-"):
-            raise HostfileError(f"{where}: host {host!r} {OPTION_LIKE}; correct the name in the hostfile")
+            raise HostfileError(
+                f"{where}: host {host!r} {OPTION_LIKE}; correct the name in the hostfile"
+            )
         try:
             count = int(count_text)
         except ValueError:
@@ -127,7 +128,9 @@ def parse_filter(text: str, option: str = "filter") -> dict[str, list[int] | Non
                         "is not an integer"
                     ) from None
                 if slot < 0:
-                    raise HostfileError(f"{option} {text!r}: slot {slot} of host {host!r} is negative")
+                    raise HostfileError(
+                        f"{option} {text!r}: slot {slot} of host {host!r} is negative"
+                    )
                 slots.append(slot)
         if host in parsed:
             previous = parsed[host]
@@ -137,9 +140,7 @@ def parse_filter(text: str, option: str = "filter") -> dict[str, list[int] | Non
     return parsed
 
 
-def resolve_resources(
-    hosts: dict[str, int], include: str = "", exclude: str = ""
-) -> Resources:
+def resolve_resources(hosts: dict[str, int], include: str = "", exclude: str = "") -> Resources:
     """Apply ``include`` or ``exclude`` (not both) to ``hosts``.
 
     Returns ``{host: sorted slot indices}`` in hostfile order, leaving out
@@ -169,7 +170,9 @@ def resolve_resources(
     for host, all_slots in every.items():
         named = wanted.get(host, ())
         if include:
-            kept = [] if host not in wanted else (all_slots if named is None else sorted(set(named)))
+            kept = (
+                [] if host not in wanted else (all_slots if named is None else sorted(set(named)))
+            )
         else:
             kept = [] if named is None else [s for s in all_slots if s not in set(named)]
         if kept:
@@ -192,13 +195,20 @@ def check_hosts_resolve(
         try:
             resolve(host)
         except (OSError, UnicodeError) as e:  # UnicodeError: a name that cannot even be encoded
-            where = hosts.where(host) if isinstance(hosts, Hostfile) and host in hosts.lines else "hostfile"
+            where = (
+                hosts.where(host)
+                if isinstance(hosts, Hostfile) and host in hosts.lines
+                else "hostfile"
+            )
             reason = getattr(e, "strerror", None) or str(e)
             problems.append(f"{where}: host {host!r} does not resolve ({reason})")
     if problems:
         raise HostfileError(
-            ("a host of the job does" if len(problems) == 1 else f"{len(problems)} hosts of the job do")
+            (
+                "a host of the job does"
+                if len(problems) == 1
+                else f"{len(problems)} hosts of the job do"
+            )
             + " not resolve to an address, so nothing was started; correct the name in the hostfile "
-            "or leave the host out with --exclude:\n  "
-            + "\n  ".join(problems)
+            "or leave the host out with --exclude:\n  " + "\n  ".join(problems)
         )

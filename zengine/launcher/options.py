@@ -1,13 +1,17 @@
 """The ``zengine`` command's options: the parser, and the checks that reject wrong values before
 anything is planned or started (what the machines must offer is ``plan.py``'s check)."""
+
 from __future__ import annotations
 
 import argparse
 import os
 
 from zengine.launcher.hostfile import OPTION_LIKE
-from zengine.launcher.rendezvous import (NodeCountError, add_arguments as add_rendezvous_arguments,
-                                         requested_range)
+from zengine.launcher.rendezvous import (
+    NodeCountError,
+    add_arguments as add_rendezvous_arguments,
+    requested_range,
+)
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -27,68 +31,95 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     p.add_argument(
-        "-H", "--hostfile", default=None,
+        "-H",
+        "--hostfile",
+        default=None,
         help="File of 'hostname slots=N' lines. Default: "
         f"{DEFAULT_HOSTFILE} if it exists, else this machine only.",
     )
     p.add_argument(
-        "-i", "--include", default="",
+        "-i",
+        "--include",
+        default="",
         help="Run only on these hosts/slots, e.g. 'worker-0:0,1@worker-1'.",
     )
     p.add_argument(
-        "-e", "--exclude", default="",
+        "-e",
+        "--exclude",
+        default="",
         help="Run on every slot except these, e.g. 'worker-1:0@worker-2'.",
     )
     p.add_argument(
-        "--num_nodes", type=int, default=None,
+        "--num_nodes",
+        type=int,
+        default=None,
         help="Number of machines: the first N of the hostfile, or, without "
         "one, the total started by hand with --node_rank on each.",
     )
     p.add_argument(
-        "--node_rank", type=int, default=None,
+        "--node_rank",
+        type=int,
+        default=None,
         help="This machine's rank when starting each of --num_nodes machines by hand.",
     )
     p.add_argument(
-        "--num_gpus", "--num_procs", "--num_accelerators", dest="num_gpus",
-        type=int, default=None,
+        "--num_gpus",
+        "--num_procs",
+        "--num_accelerators",
+        dest="num_gpus",
+        type=int,
+        default=None,
         help="Processes per machine (one per GPU). "
         "Default: every local GPU, or 1 on a CPU machine.",
     )
     p.add_argument(
-        "--master_addr", default=None,
+        "--master_addr",
+        default=None,
         help=f"Address of the rank-0 machine. Default: {DEFAULT_MASTER_ADDR} on "
         "one machine, the first hostfile host on several.",
     )
     p.add_argument(
-        "--master_port", type=int, default=DEFAULT_MASTER_PORT,
+        "--master_port",
+        type=int,
+        default=DEFAULT_MASTER_PORT,
         help=f"Port of the rendezvous store on the master (default {DEFAULT_MASTER_PORT}).",
     )
     p.add_argument(
-        "--max_restarts", type=int, default=0,
+        "--max_restarts",
+        type=int,
+        default=0,
         help="Restart all workers up to this many times after a failure (default 0).",
     )
     add_rendezvous_arguments(p)
     p.add_argument(
-        "--comm_timeout", type=float, default=None,
+        "--comm_timeout",
+        type=float,
+        default=None,
         help="Seconds a collective may wait for the other ranks before every rank fails with an "
         "error (overrides the config's comm_timeout; default: the config's, 300).",
     )
     p.add_argument(
-        "--no_local_rank", action="store_true",
+        "--no_local_rank",
+        action="store_true",
         help="Do not pass --local_rank=N to the script (LOCAL_RANK is still set).",
     )
     p.add_argument(
-        "--deepspeed_compat", "--deepspeed-compat", action="store_true",
+        "--deepspeed_compat",
+        "--deepspeed-compat",
+        action="store_true",
         help="Run an unmodified DeepSpeed script: "
         "`import deepspeed` resolves to zengine in each rank.",
     )
     p.add_argument(
-        "--module", action="store_true",
+        "--module",
+        action="store_true",
         help="Treat the script as a Python module name, as 'python -m' does.",
     )
     p.add_argument("--ssh_port", type=int, default=None, help="Port for ssh to remote hosts.")
     p.add_argument(
-        "--launcher", choices=("ssh", "pdsh"), default="ssh",
+        "--launcher",
+        choices=("ssh", "pdsh"),
+        default="ssh",
         help="How a hostfile job reaches the other hosts: one ssh per host, or one pdsh for all "
         "of them (DeepSpeed's default; every host must use the same slots).",
     )

@@ -2,6 +2,7 @@
 (:func:`plan_launch`), and the ``torch.distributed.run`` arguments of each node
 (:func:`torchrun_argv`). Pure decisions from checked options, the hostfile and the local
 device count: nothing here starts a process or reads the network."""
+
 from __future__ import annotations
 
 import argparse
@@ -111,8 +112,11 @@ def _plan_this_machine(
     if node_rank >= num_nodes:
         raise LaunchError(f"--node_rank {node_rank} must be less than --num_nodes {num_nodes}")
     if num_nodes > 1 and args.master_addr is None:
-        where = ("the address of the machine hosting the rendezvous" if uses_c10d(args, requested)
-                 else "the address of the node with --node_rank 0")
+        where = (
+            "the address of the machine hosting the rendezvous"
+            if uses_c10d(args, requested)
+            else "the address of the node with --node_rank 0"
+        )
         raise LaunchError(
             f"--num_nodes {num_nodes} without a hostfile starts one node by hand: "
             f"give every node the same --master_addr ({where})"
@@ -144,12 +148,16 @@ def torchrun_argv(plan: LaunchPlan, node: NodePlan, args: argparse.Namespace) ->
     # c10d numbers the nodes as they join; the static rendezvous takes the node rank given
     node_rank = [] if uses_c10d(args, plan.node_range) else ["--node_rank", str(node.node_rank)]
     return [
-        "--nnodes", plan.node_range.torchrun_value(),
+        "--nnodes",
+        plan.node_range.torchrun_value(),
         *node_rank,
-        "--nproc_per_node", str(node.nproc),
+        "--nproc_per_node",
+        str(node.nproc),
         *rendezvous_argv(args, plan.node_range, plan.master_addr, plan.master_port),
-        "--max_restarts", str(args.max_restarts),
-        "-m", ENTRY_MODULE,
+        "--max_restarts",
+        str(args.max_restarts),
+        "-m",
+        ENTRY_MODULE,
         args.user_script,
         *args.user_args,
     ]

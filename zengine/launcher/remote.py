@@ -3,6 +3,7 @@
 ``cd CWD && env ... python -m torch.distributed.run ...`` there, and the check that ssh finds
 an address for a host from here (:func:`resolve_for_ssh`). A host that starts with ``-`` is
 never handed to ssh or pdsh, which would read it as an option."""
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,15 @@ def _remote_torchrun(
         torchrun[torchrun.index("--node_rank") + 1] = node_rank
     return " ".join(
         [
-            "cd", shlex.quote(cwd), "&&",
-            "env", *(shlex.quote(f"{key}={value}") for key, value in env.items()),
-            shlex.quote(python), "-u", "-m", "torch.distributed.run",
+            "cd",
+            shlex.quote(cwd),
+            "&&",
+            "env",
+            *(shlex.quote(f"{key}={value}") for key, value in env.items()),
+            shlex.quote(python),
+            "-u",
+            "-m",
+            "torch.distributed.run",
             *(shlex.quote(a) for a in torchrun),  # quote() leaves %n as it is
         ]
     )
@@ -82,8 +89,18 @@ def pdsh_command(
         )
     remote = _remote_torchrun(plan, plan.nodes[0], args, exports, cwd, python, node_rank="%n")
     ssh_args = [f"PDSH_SSH_ARGS_APPEND=-p {args.ssh_port}"] if args.ssh_port is not None else []
-    return ["env", "PDSH_RCMD_TYPE=ssh", *ssh_args, "pdsh", "-S", "-f", "1024",
-            "-w", ",".join(n.host for n in plan.nodes), remote]
+    return [
+        "env",
+        "PDSH_RCMD_TYPE=ssh",
+        *ssh_args,
+        "pdsh",
+        "-S",
+        "-f",
+        "1024",
+        "-w",
+        ",".join(n.host for n in plan.nodes),
+        remote,
+    ]
 
 
 def _ssh_destination(host: str) -> str | None:
@@ -94,7 +111,10 @@ def _ssh_destination(host: str) -> str | None:
         return host
     try:
         shown = subprocess.run(
-            ["ssh", "-G", host], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            ["ssh", "-G", host],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
             timeout=10,
         )
     except (OSError, subprocess.TimeoutExpired):

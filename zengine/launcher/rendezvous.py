@@ -15,6 +15,7 @@ late node) reuses the previous round's keys, and a node that joins later waits f
 store address the first node published in an earlier round (seen with torch 2.13: both agents
 time out after a minute).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,7 +51,9 @@ def parse_nnodes(text: str) -> NodeRange:
     try:
         low, high = int(lo), int(hi if sep else lo)
     except ValueError:
-        raise NodeCountError(f"--nnodes {text!r}: expected a node count N or a range MIN:MAX, e.g. 1:4") from None
+        raise NodeCountError(
+            f"--nnodes {text!r}: expected a node count N or a range MIN:MAX, e.g. 1:4"
+        ) from None
     if low < 1 or high < low:
         raise NodeCountError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
     return NodeRange(low, high)
@@ -58,9 +61,15 @@ def parse_nnodes(text: str) -> NodeRange:
 
 def requested_range(args: argparse.Namespace) -> NodeRange | None:
     """The node count or range the options ask for (``None``: not given; the plan decides)."""
-    given = [name for name, value in (("--nnodes", args.nnodes), ("--num_nodes", args.num_nodes),
-                                      ("--min/--max_elastic_nodes", args.min_elastic_nodes or args.max_elastic_nodes))
-             if value]
+    given = [
+        name
+        for name, value in (
+            ("--nnodes", args.nnodes),
+            ("--num_nodes", args.num_nodes),
+            ("--min/--max_elastic_nodes", args.min_elastic_nodes or args.max_elastic_nodes),
+        )
+        if value
+    ]
     if len(given) > 1:
         raise NodeCountError(f"{' and '.join(given)} both give the node count; use one of them")
     if args.nnodes:
@@ -69,11 +78,15 @@ def requested_range(args: argparse.Namespace) -> NodeRange | None:
         high = args.max_elastic_nodes or args.min_elastic_nodes
         low = args.min_elastic_nodes or 1
         if low < 1 or high < low:
-            raise NodeCountError(f"--min_elastic_nodes {low} / --max_elastic_nodes {high}: need 1 <= MIN <= MAX")
+            raise NodeCountError(
+                f"--min_elastic_nodes {low} / --max_elastic_nodes {high}: need 1 <= MIN <= MAX"
+            )
         return NodeRange(low, high)
     if args.elastic_training:
-        raise NodeCountError("--elastic_training needs the node range: --min_elastic_nodes and --max_elastic_nodes "
-                             "(or --nnodes MIN:MAX)")
+        raise NodeCountError(
+            "--elastic_training needs the node range: --min_elastic_nodes and --max_elastic_nodes "
+            "(or --nnodes MIN:MAX)"
+        )
     if args.num_nodes is not None:
         return NodeRange(args.num_nodes, args.num_nodes)
     return None
@@ -84,16 +97,34 @@ def uses_c10d(args: argparse.Namespace, nodes: NodeRange) -> bool:
     return args.max_restarts > 0 or nodes.elastic
 
 
-def rendezvous_argv(args: argparse.Namespace, nodes: NodeRange, master_addr: str, master_port: int) -> list[str]:
+def rendezvous_argv(
+    args: argparse.Namespace, nodes: NodeRange, master_addr: str, master_port: int
+) -> list[str]:
     """torchrun's rendezvous options. The static rendezvous keeps one store across restarts, so
     restarted ranks would read the dead ranks' addresses from it ("Gloo connectFullMesh failed
     ... Connection refused") or wait forever: restarts go through c10d."""
     if uses_c10d(args, nodes):
-        run_id = os.environ.get("ZENGINE_RUN_ID", f"zengine-{master_port}")  # the same on every node
+        run_id = os.environ.get(
+            "ZENGINE_RUN_ID", f"zengine-{master_port}"
+        )  # the same on every node
         conf = ["--rdzv_conf", args.rdzv_conf] if args.rdzv_conf else []
-        return ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{master_addr}:{master_port}", "--rdzv_id", run_id,
-                *conf]
-    return ["--rdzv_backend", "static", "--master_addr", master_addr, "--master_port", str(master_port)]
+        return [
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            f"{master_addr}:{master_port}",
+            "--rdzv_id",
+            run_id,
+            *conf,
+        ]
+    return [
+        "--rdzv_backend",
+        "static",
+        "--master_addr",
+        master_addr,
+        "--master_port",
+        str(master_port),
+    ]
 
 
 def rendezvous_env(args: argparse.Namespace, nodes: NodeRange) -> dict[str, str]:
@@ -104,20 +135,31 @@ def rendezvous_env(args: argparse.Namespace, nodes: NodeRange) -> dict[str, str]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The node-count and rendezvous options of the ``zengine`` command."""
     parser.add_argument(
-        "--nnodes", default=None,
+        "--nnodes",
+        default=None,
         help="Machines as torchrun counts them: N, or MIN:MAX for an elastic job that goes on with as few as "
-             "MIN after losing machines and takes in up to MAX (c10d rendezvous; resume with auto_resume).",
+        "MIN after losing machines and takes in up to MAX (c10d rendezvous; resume with auto_resume).",
     )
     parser.add_argument(
-        "--elastic_training", action="store_true",
+        "--elastic_training",
+        action="store_true",
         help="DeepSpeed's switch for elastic jobs; the node range comes from --min/--max_elastic_nodes.",
     )
-    parser.add_argument("--min_elastic_nodes", type=int, default=None,
-                        help="Fewest machines an elastic job goes on with (DeepSpeed's name; default 1).")
-    parser.add_argument("--max_elastic_nodes", type=int, default=None,
-                        help="Most machines an elastic job takes in (DeepSpeed's name).")
     parser.add_argument(
-        "--rdzv_conf", default=None,
+        "--min_elastic_nodes",
+        type=int,
+        default=None,
+        help="Fewest machines an elastic job goes on with (DeepSpeed's name; default 1).",
+    )
+    parser.add_argument(
+        "--max_elastic_nodes",
+        type=int,
+        default=None,
+        help="Most machines an elastic job takes in (DeepSpeed's name).",
+    )
+    parser.add_argument(
+        "--rdzv_conf",
+        default=None,
         help="torchrun's c10d rendezvous settings, e.g. 'last_call_timeout=5,join_timeout=600' "
-             "(last_call_timeout: seconds to wait for more machines once MIN have joined; default 30).",
+        "(last_call_timeout: seconds to wait for more machines once MIN have joined; default 30).",
     )

@@ -24,6 +24,7 @@ This module runs the plan (:func:`main`, the console script).
 
 The launcher exits with the workers' exit code.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,12 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 # DEEPSPEED_ENVIRONMENT_NAME: deepspeed.launcher.runner's name, which accelerate imports
-from zengine.launcher.environment import (DEEPSPEED_ENVIRONMENT_NAME, default_env_files,
-                                          exported_env, worker_env)
+from zengine.launcher.environment import (
+    DEEPSPEED_ENVIRONMENT_NAME,
+    default_env_files,
+    exported_env,
+    worker_env,
+)
 from zengine.launcher.hostfile import HostfileError, check_hosts_resolve, parse_hostfile
 from zengine.launcher.options import DEFAULT_HOSTFILE, LaunchError, build_parser, check_args
 from zengine.launcher.plan import LOCAL_HOST, LaunchPlan, plan_launch, torchrun_argv

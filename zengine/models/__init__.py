@@ -1,4 +1,5 @@
 """Models and data for the examples and benchmarks (not part of the engine)."""
+
 from .data import ByteWindows, load_corpus
 from .gpt import GPT, GPTConfig, bench20m, tiny
 

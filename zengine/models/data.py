@@ -6,6 +6,7 @@ installed copy without the sources, say), a seeded generator writes plain
 English-like sentences instead. Either way the same inputs give the same bytes,
 so every rank and every run sees the same data.
 """
+
 from __future__ import annotations
 
 import random
@@ -27,12 +28,50 @@ def source_files(package_dir: Path = PACKAGE_DIR) -> list[Path]:
     return ([readme] if readme.is_file() else []) + files
 
 
-_SUBJECTS = ("the engine", "each rank", "the optimizer", "a shard", "the gradient", "the launcher",
-             "every bucket", "the master copy", "the scheduler", "a worker")
-_VERBS = ("reduces", "gathers", "holds", "updates", "splits", "sends", "keeps", "checks", "writes", "reads")
-_OBJECTS = ("its slice", "the flat buffer", "the loss", "one step", "the parameters", "a checkpoint",
-            "the learning rate", "the batch", "its state", "the norm")
-_TAILS = ("", " before the step", " after backward", " on every rank", " in one pass", " at the boundary")
+_SUBJECTS = (
+    "the engine",
+    "each rank",
+    "the optimizer",
+    "a shard",
+    "the gradient",
+    "the launcher",
+    "every bucket",
+    "the master copy",
+    "the scheduler",
+    "a worker",
+)
+_VERBS = (
+    "reduces",
+    "gathers",
+    "holds",
+    "updates",
+    "splits",
+    "sends",
+    "keeps",
+    "checks",
+    "writes",
+    "reads",
+)
+_OBJECTS = (
+    "its slice",
+    "the flat buffer",
+    "the loss",
+    "one step",
+    "the parameters",
+    "a checkpoint",
+    "the learning rate",
+    "the batch",
+    "its state",
+    "the norm",
+)
+_TAILS = (
+    "",
+    " before the step",
+    " after backward",
+    " on every rank",
+    " in one pass",
+    " at the boundary",
+)
 
 
 def generated_text(num_bytes: int, seed: int = 0) -> bytes:
@@ -40,8 +79,10 @@ def generated_text(num_bytes: int, seed: int = 0) -> bytes:
     rng = random.Random(seed)
     out, size = [], 0
     while size < num_bytes:
-        sentence = (f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}"
-                    f"{rng.choice(_TAILS)}.").capitalize()
+        sentence = (
+            f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}"
+            f"{rng.choice(_TAILS)}."
+        ).capitalize()
         sentence += "\n" if rng.random() < 0.2 else " "
         out.append(sentence)
         size += len(sentence)
@@ -67,7 +108,9 @@ class ByteWindows(Dataset):
     def __init__(self, seq_len: int, data: Optional[bytes] = None, stride: Optional[int] = None):
         data = load_corpus() if data is None else data
         if len(data) < seq_len + 1:
-            raise ValueError(f"ByteWindows: {len(data)} bytes cannot fill one window of {seq_len} + 1")
+            raise ValueError(
+                f"ByteWindows: {len(data)} bytes cannot fill one window of {seq_len} + 1"
+            )
         self.seq_len = seq_len
         self.stride = stride or seq_len
         self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()  # [num_bytes]
@@ -80,5 +123,5 @@ class ByteWindows(Dataset):
         if not 0 <= i < self.num_windows:
             raise IndexError(i)
         start = i * self.stride
-        chunk = self.tokens[start:start + self.seq_len + 1]
+        chunk = self.tokens[start : start + self.seq_len + 1]
         return chunk[:-1], chunk[1:]

@@ -11,6 +11,7 @@ stay outside compiled code), so code between units runs eagerly; in the head
 the cross-entropy is compiled with the projection it follows (torchtitan
 compiles its loss for the same reason).
 """
+
 from __future__ import annotations
 
 import math
@@ -40,7 +41,9 @@ class GPTConfig:
 
     def __post_init__(self):
         if self.d_model % self.n_head:
-            raise ValueError(f"GPTConfig: d_model={self.d_model} is not divisible by n_head={self.n_head}")
+            raise ValueError(
+                f"GPTConfig: d_model={self.d_model} is not divisible by n_head={self.n_head}"
+            )
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig: {name} must be >= 1, got {getattr(self, name)}")
@@ -50,7 +53,9 @@ class GPTConfig:
     def num_params(self) -> int:
         """Trainable parameters of a GPT of this shape (the tied head counted once)."""
         d = self.d_model
-        block = 12 * d * d + 13 * d  # qkv, attention out, MLP in/out weights and biases, two LayerNorms
+        block = (
+            12 * d * d + 13 * d
+        )  # qkv, attention out, MLP in/out weights and biases, two LayerNorms
         return self.vocab_size * d + self.seq_len * d + self.n_layer * block + 2 * d
 
 
@@ -81,10 +86,13 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
         # [batch, seq, 3 * width] -> three of [batch, n_head, seq, head_dim]
-        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2)
-                   for t in self.qkv(x).split(width, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        q, k, v = (
+            t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2)
+            for t in self.qkv(x).split(width, dim=2)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         return self.out(y.transpose(1, 2).reshape(batch, seq, width))
 
 
@@ -153,14 +161,20 @@ class GPT(nn.Module):
 
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
         for name, p in self.named_parameters():
-            matrix = len(getattr(p, "ds_shape", p.shape)) >= 2  # a partitioned parameter shows an empty tensor
+            matrix = (
+                len(getattr(p, "ds_shape", p.shape)) >= 2
+            )  # a partitioned parameter shows an empty tensor
             if not matrix and not name.endswith("bias"):
                 continue
             with GatheredParameters(p, modifier_rank=0), torch.no_grad():
                 if not matrix:
                     nn.init.zeros_(p)
                 else:
-                    std = residual_std if name.endswith(("attn.out.weight", "mlp.down.weight")) else 0.02
+                    std = (
+                        residual_std
+                        if name.endswith(("attn.out.weight", "mlp.down.weight"))
+                        else 0.02
+                    )
                     nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -168,7 +182,9 @@ class GPT(nn.Module):
         cross-entropy over every position instead (computed in fp32 whatever the compute dtype)."""
         seq = idx.shape[1]
         if seq > self.cfg.seq_len:
-            raise ValueError(f"GPT: sequence of {seq} tokens is longer than seq_len={self.cfg.seq_len}")
+            raise ValueError(
+                f"GPT: sequence of {seq} tokens is longer than seq_len={self.cfg.seq_len}"
+            )
         positions = torch.arange(seq, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:

@@ -5,6 +5,7 @@ zengine has no expert parallelism. Scripts import ``deepspeed.moe`` even when th
 top): the helpers that only sort parameters work (no parameter is an expert's here), and building an
 MoE layer fails by name with the way out.
 """
+
 from .layer import MoE
 from .utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 

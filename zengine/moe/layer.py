@@ -1,4 +1,5 @@
 """``deepspeed.moe.layer.MoE``: refused when built, naming the feature and the way out."""
+
 from __future__ import annotations
 
 from torch import nn
@@ -17,4 +18,5 @@ class MoE(nn.Module):
         raise MoEUnsupportedError(
             "deepspeed.moe.layer.MoE: zengine does not implement mixture-of-experts (expert parallelism). "
             "Run the script with its MoE option off, use a dense model, or an MoE block written in plain torch "
-            "(every rank then holds every expert, and ZeRO shards them like any other parameters)")
+            "(every rank then holds every expert, and ZeRO shards them like any other parameters)"
+        )

@@ -1,5 +1,6 @@
 """``deepspeed.moe.utils``: the parameter-sorting helpers DeepSpeed scripts call. With no expert layers
 (zengine builds none) no parameter is an expert's, so the answers are the plain ones."""
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Union
@@ -13,7 +14,8 @@ def is_moe_param(param: torch.Tensor) -> bool:
 
 
 def split_params_into_different_moe_groups_for_optimizer(
-        param_groups: Union[dict, Iterable[dict]], max_group_size: Any = 178956971) -> list[dict]:
+    param_groups: Union[dict, Iterable[dict]], max_group_size: Any = 178956971
+) -> list[dict]:
     """DeepSpeed moves expert parameters into groups of their own; with none, every group stays as it is
     (a single group given as a dict comes back as a list of one, as DeepSpeed returns it)."""
     if isinstance(param_groups, dict):

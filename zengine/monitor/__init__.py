@@ -9,6 +9,7 @@ error; ``csv_monitor``, ``tensorboard_monitor`` and ``wandb_monitor`` the sinks 
 wandb are optional packages, imported only when their section is enabled); ``build`` picks them
 from the config; ``events`` is what the engine reports at ``steps_per_print``.
 """
+
 from .base import Event, Monitor, MonitorDependencyError, MonitorMaster, NullMonitor
 from .build import build_monitor
 from .csv_monitor import CsvMonitor

@@ -4,6 +4,7 @@ An event is a TensorBoard-style scalar: ``("Train/Samples/lr", 0.001, 4096)`` is
 ``Train/Samples/lr`` at x = 4096 (the engine's x axis is the number of samples trained, as in
 DeepSpeed). Sinks are built by ``build.py``; only rank 0 gets real ones.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -81,4 +82,5 @@ def require(module: str, section: str, package: str) -> ModuleType:
         raise MonitorDependencyError(
             f'zengine: "{section}": {{"enabled": true}} needs the {package!r} package, which cannot be '
             f"imported here ({error}); install it with `pip install {package}`, or set "
-            f'"{section}": {{"enabled": false}}') from error
+            f'"{section}": {{"enabled": false}}'
+        ) from error

@@ -1,4 +1,5 @@
 """``build_monitor``: the monitor the config's ``tensorboard``, ``csv_monitor`` and ``wandb`` sections ask for."""
+
 from __future__ import annotations
 
 from typing import Any, List

@@ -5,6 +5,7 @@ An event ``Train/Samples/lr`` goes to ``<output_path>/<job_name>/Train_Samples_l
 name) and every further row ``<step>,<value>``. Files are appended to, so a resumed run continues
 them; unlike DeepSpeed, the header is written only into a new or empty file, not again on resume.
 """
+
 from __future__ import annotations
 
 import csv
@@ -28,7 +29,9 @@ class CsvMonitor:
     def path_of(self, name: str) -> str:
         """The file that receives the events called ``name``."""
         if name not in self._paths:
-            self._paths[name] = os.path.join(self.log_dir, name.replace("/", "_").replace(" ", "_") + ".csv")
+            self._paths[name] = os.path.join(
+                self.log_dir, name.replace("/", "_").replace(" ", "_") + ".csv"
+            )
         return self._paths[name]
 
     def write_events(self, events: List[Event]) -> None:

@@ -12,6 +12,7 @@ device until the report, which reads them back together, so monitoring adds one 
 report, none to the other steps. The loss is rank 0's own (not averaged over ranks, as in DeepSpeed): the mean of the micro
 batch losses of the last accumulation window.
 """
+
 from __future__ import annotations
 
 import time
@@ -33,8 +34,11 @@ SAMPLES_PER_SEC = PREFIX + "samples_per_sec"
 HOST_RSS_GB = PREFIX + "host_rss_gb"
 MEM_ALLOCATED_GB = PREFIX + "mem_allocated_gb"
 MAX_MEM_ALLOCATED_GB = PREFIX + "max_mem_allocated_gb"
-ELAPSED = {FORWARD: PREFIX + "elapsed_time_ms_forward", BACKWARD: PREFIX + "elapsed_time_ms_backward",
-           STEP: PREFIX + "elapsed_time_ms_step"}
+ELAPSED = {
+    FORWARD: PREFIX + "elapsed_time_ms_forward",
+    BACKWARD: PREFIX + "elapsed_time_ms_backward",
+    STEP: PREFIX + "elapsed_time_ms_step",
+}
 """DeepSpeed's event name for each breakdown timer."""
 
 GB = float(1 << 30)
@@ -54,7 +58,9 @@ class ReportSource(Protocol):
     def get_global_grad_norm(self) -> Optional[float]: ...
 
 
-def step_events(x: int, loss: Optional[float], lr: float, loss_scale: float, fp16: bool) -> List[Event]:
+def step_events(
+    x: int, loss: Optional[float], lr: float, loss_scale: float, fp16: bool
+) -> List[Event]:
     """The events of one optimizer step at x = the samples trained after it."""
     events: List[Event] = [] if loss is None else [(TRAIN_LOSS, loss, x)]
     events.append((LR, lr, x))
@@ -63,8 +69,15 @@ def step_events(x: int, loss: Optional[float], lr: float, loss_scale: float, fp1
     return events
 
 
-def training_events(engine: ReportSource, *, loss: Optional[float], samples_per_sec: Optional[float],
-                    elapsed_ms: Dict[str, float], fp16: bool, with_step_values: bool = True) -> List[Event]:
+def training_events(
+    engine: ReportSource,
+    *,
+    loss: Optional[float],
+    samples_per_sec: Optional[float],
+    elapsed_ms: Dict[str, float],
+    fp16: bool,
+    with_step_values: bool = True,
+) -> List[Event]:
     """The events of one report, all at x = ``engine.global_samples``; an absent value is left out.
     ``with_step_values=False`` leaves out the per-step ones (loss, lr, loss scale)."""
     x = engine.global_samples
@@ -121,15 +134,23 @@ class StepReport:
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._loss_count += 1
         if boundary:
-            self._last_loss = self._loss_sum if self._loss_count == 1 else self._loss_sum / self._loss_count
+            self._last_loss = (
+                self._loss_sum if self._loss_count == 1 else self._loss_sum / self._loss_count
+            )
             self._loss_sum, self._loss_count = None, 0
 
     def record_step(self, engine: ReportSource) -> None:
         """After a boundary step: keep its loss (on the device), lr and loss scale for the next report."""
         if not self.monitor.enabled:
             return
-        self._steps.append((engine.global_samples, self._last_loss, float(engine.get_lr()[0]),
-                            float(engine.loss_scale)))
+        self._steps.append(
+            (
+                engine.global_samples,
+                self._last_loss,
+                float(engine.get_lr()[0]),
+                float(engine.loss_scale),
+            )
+        )
         self._last_loss = None
 
     def report(self, engine: ReportSource) -> List[Event]:
@@ -148,13 +169,21 @@ class StepReport:
         if not self._steps:  # report() called on its own: the values at the report are its one step
             self.record_step(engine)
         kept = [loss for _, loss, _, _ in self._steps if loss is not None]
-        values = iter(torch.stack(kept).tolist() if kept else [])  # the one host read, once per report
+        values = iter(
+            torch.stack(kept).tolist() if kept else []
+        )  # the one host read, once per report
         events: List[Event] = []
         for x, loss, lr, scale in self._steps:
             events += step_events(x, None if loss is None else next(values), lr, scale, self.fp16)
         self._steps = []
-        events += training_events(engine, loss=None, samples_per_sec=rate, elapsed_ms=elapsed, fp16=self.fp16,
-                                  with_step_values=False)
+        events += training_events(
+            engine,
+            loss=None,
+            samples_per_sec=rate,
+            elapsed_ms=elapsed,
+            fp16=self.fp16,
+            with_step_values=False,
+        )
         self.monitor.write_events(events)
         return events
 

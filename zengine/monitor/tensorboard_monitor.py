@@ -3,6 +3,7 @@
 ``torch.utils.tensorboard`` needs the separate ``tensorboard`` package, which zengine does not
 require; ``build.py`` checks that it imports before building this monitor.
 """
+
 from __future__ import annotations
 
 import os

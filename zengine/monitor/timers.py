@@ -14,6 +14,7 @@ only how long it took to *queue* the kernels, not to run them.
 Times add up over every interval since the last read (DeepSpeed's global timers do the same), so
 the line printed at a ``steps_per_print`` boundary covers the steps since the previous one.
 """
+
 from __future__ import annotations
 
 import time

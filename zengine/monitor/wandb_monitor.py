@@ -1,4 +1,5 @@
 """``wandb``: events logged to a Weights & Biases run (``wandb.init(project, group, entity=team)``)."""
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional

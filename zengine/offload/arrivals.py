@@ -12,6 +12,7 @@ The step reads the shard range by range (``step_pipeline.py``): ``settle_range``
 current by waiting on the event of the newest copy that writes into it, and nothing else. All the
 copies run in launch order on one side stream, so when that one has landed the older ones have too.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -21,12 +22,14 @@ import torch
 
 
 class _Pending(NamedTuple):
-    seq: int                         # launch number (1, 2, ...): the step takes pieces in landing order
-    landing: object                  # copies.Landed: query() / synchronize() on the copy's done event
-    staging: Optional[torch.Tensor]  # pinned [n] the copy lands in, added into ``region`` by the host; None: direct
-    region: torch.Tensor             # [n] slice of the host gradient shard
-    overwrite: bool                  # the region held nothing yet: copy the staging in rather than add
-    start: int                       # [start, end) bytes of ``region``, to find the copies into a range
+    seq: int  # launch number (1, 2, ...): the step takes pieces in landing order
+    landing: object  # copies.Landed: query() / synchronize() on the copy's done event
+    staging: Optional[
+        torch.Tensor
+    ]  # pinned [n] the copy lands in, added into ``region`` by the host; None: direct
+    region: torch.Tensor  # [n] slice of the host gradient shard
+    overwrite: bool  # the region held nothing yet: copy the staging in rather than add
+    start: int  # [start, end) bytes of ``region``, to find the copies into a range
     end: int
 
 
@@ -42,10 +45,14 @@ class Arrivals:
         self.pending: deque[_Pending] = deque()
         self._seq = 0
 
-    def add(self, landing, staging: Optional[torch.Tensor], region: torch.Tensor, overwrite: bool) -> None:
+    def add(
+        self, landing, staging: Optional[torch.Tensor], region: torch.Tensor, overwrite: bool
+    ) -> None:
         """One copy queued into ``region`` (directly, or through ``staging`` when that is given)."""
         self._seq += 1
-        self.pending.append(_Pending(self._seq, landing, staging, region, overwrite, *_bytes(region)))
+        self.pending.append(
+            _Pending(self._seq, landing, staging, region, overwrite, *_bytes(region))
+        )
 
     def poll(self) -> None:
         """Finish the copies that have landed already (the oldest first); never waits."""

@@ -37,6 +37,7 @@ parameter write-back); ``before_step`` / ``after_step`` upload whole groups afte
 memory; the offload code asks it (``host_pinning``) instead of testing for CUDA, so the CPU guard
 tests (``tests/device_guard.py``) run the CUDA path on their stand-in device.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -82,7 +83,9 @@ class HostCopies:
     pins = False  # staging buffers in host memory are pinned (the device copies from them asynchronously)
     defers = False  # downloads land after the calls that queued them: readers settle what they read
 
-    def accumulate(self, shard_slice: torch.Tensor, piece: torch.Tensor, overwrite: bool = False) -> None:
+    def accumulate(
+        self, shard_slice: torch.Tensor, piece: torch.Tensor, overwrite: bool = False
+    ) -> None:
         """Add a reduced gradient piece into (a slice of) the fp32 shard; ``overwrite``: the slice holds
         nothing yet since the gradients were zeroed, so the piece is copied in (no zero fill, no add).
         Device work queued after this call may rewrite ``piece``."""
@@ -91,7 +94,9 @@ class HostCopies:
         else:
             shard_slice.add_(piece)
 
-    def accumulate_async(self, shard_slice: torch.Tensor, piece: torch.Tensor, overwrite: bool = False) -> None:
+    def accumulate_async(
+        self, shard_slice: torch.Tensor, piece: torch.Tensor, overwrite: bool = False
+    ) -> None:
         """As ``accumulate``, but the device goes on without waiting for ``piece`` to be read: device work may
         rewrite it only after ``before_reuse(m)``, ``m`` a ``reuse_marker()`` taken after this call."""
         self.accumulate(shard_slice, piece, overwrite)
@@ -153,9 +158,13 @@ class BlockingCopies(HostCopies):
     """A compute device other than the host, without side streams: plain copies, in order."""
 
     def __init__(self):
-        self.staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # gi -> (host [owned] compute dtype, device view)
+        self.staging: dict[
+            int, tuple[torch.Tensor, torch.Tensor]
+        ] = {}  # gi -> (host [owned] compute dtype, device view)
 
-    def accumulate(self, shard_slice: torch.Tensor, piece: torch.Tensor, overwrite: bool = False) -> None:
+    def accumulate(
+        self, shard_slice: torch.Tensor, piece: torch.Tensor, overwrite: bool = False
+    ) -> None:
         if overwrite:
             shard_slice.copy_(piece)
         else:
@@ -184,20 +193,28 @@ class StreamCopies(HostCopies):
 
     pins = True
     defers = True
-    UPLOAD_STAGING = 2  # pinned buffers ``upload`` cycles through (a reuse waits for the copy that read it)
+    UPLOAD_STAGING = (
+        2  # pinned buffers ``upload`` cycles through (a reuse waits for the copy that read it)
+    )
 
     def __init__(self, device: torch.device, streams: Accelerator):
         self.device = device
         self.streams = streams
         self.down = streams.Stream(device=device)  # gradients to the host
-        self.up = streams.Stream(device=device)    # parameters to the device
+        self.up = streams.Stream(device=device)  # parameters to the device
         self.arrivals = Arrivals()  # bucket pieces on their way into the host gradient shards
         self._read = None  # event after the newest download has read its device source
-        self.staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # gi -> (pinned [owned] compute dtype, device view)
+        self.staging: dict[
+            int, tuple[torch.Tensor, torch.Tensor]
+        ] = {}  # gi -> (pinned [owned] compute dtype, device view)
         self.uploaded = None  # the event after the last whole-group upload (after_step)
-        self._sent: dict[tuple[int, int, int], object] = {}  # (gi, lo, hi) -> event after that piece's upload
+        self._sent: dict[
+            tuple[int, int, int], object
+        ] = {}  # (gi, lo, hi) -> event after that piece's upload
         self._last_sent = None  # event after this step's newest piece upload (None: none sent yet)
-        self._up: deque = deque()  # (pinned [n] staging, event after the copy that read it) for ``upload``
+        self._up: deque = (
+            deque()
+        )  # (pinned [n] staging, event after the copy that read it) for ``upload``
 
     def _compute(self):
         return self.streams.current_stream(self.device)
@@ -210,13 +227,21 @@ class StreamCopies(HostCopies):
         stream.wait_event(ready)
 
     # -- down --------------------------------------------------------------------------------------
-    def accumulate(self, shard_slice: torch.Tensor, piece: torch.Tensor, overwrite: bool = False) -> None:
+    def accumulate(
+        self, shard_slice: torch.Tensor, piece: torch.Tensor, overwrite: bool = False
+    ) -> None:
         self.accumulate_async(shard_slice, piece, overwrite)
         if piece.device.type != "cpu" and shard_slice.device.type == "cpu":
-            self.before_reuse(self._read)  # the caller may rewrite the piece now (the device waits, not the host)
+            self.before_reuse(
+                self._read
+            )  # the caller may rewrite the piece now (the device waits, not the host)
 
-    def accumulate_async(self, shard_slice: torch.Tensor, piece: torch.Tensor, overwrite: bool = False) -> None:
-        if piece.device.type == "cpu" or shard_slice.device.type != "cpu":  # nothing crosses to the host
+    def accumulate_async(
+        self, shard_slice: torch.Tensor, piece: torch.Tensor, overwrite: bool = False
+    ) -> None:
+        if (
+            piece.device.type == "cpu" or shard_slice.device.type != "cpu"
+        ):  # nothing crosses to the host
             HostCopies.accumulate(self, shard_slice, piece, overwrite)
             return
         # The copy lands in the pinned shard itself when the piece is the first since the gradients were
@@ -224,7 +249,9 @@ class StreamCopies(HostCopies):
         direct = overwrite and shard_slice.is_pinned()
         # A bucket piece's staging lives until the host added it: torch's caching allocator hands the same
         # blocks back step after step, which a registration per piece (pinned.py) could not do cheaply.
-        staging = None if direct else torch.empty(piece.shape, dtype=shard_slice.dtype, pin_memory=True)  # [n] fp32
+        staging = (
+            None if direct else torch.empty(piece.shape, dtype=shard_slice.dtype, pin_memory=True)
+        )  # [n] fp32
         landing = self._queue_down(shard_slice if direct else staging, piece)
         self.arrivals.add(landing, staging, shard_slice, overwrite)
         self.arrivals.poll()  # adds the pieces that landed meanwhile (never waits)
@@ -309,7 +336,10 @@ class StreamCopies(HostCopies):
         if owned.device.type == "cpu":
             return owned
         if gi not in self.staging:  # a group's parameter shard never moves: one staging buffer each
-            self.staging[gi] = (pinned.empty(owned.numel(), owned.dtype, kind=pinned.STAGING), owned)
+            self.staging[gi] = (
+                pinned.empty(owned.numel(), owned.dtype, kind=pinned.STAGING),
+                owned,
+            )
         return self.staging[gi][0]
 
     def before_step(self) -> None:
@@ -328,7 +358,9 @@ class StreamCopies(HostCopies):
                 owned.view(-1).copy_(host, non_blocking=True)
             self.uploaded = self.streams.Event()
             self.uploaded.record(self.up)
-        self._compute().wait_event(self.uploaded)  # the all-gather and the next forward see the new values
+        self._compute().wait_event(
+            self.uploaded
+        )  # the all-gather and the next forward see the new values
 
     def writable(self, gi: int, owned: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         target = self.copy_out_target(gi, owned)
@@ -343,10 +375,14 @@ class StreamCopies(HostCopies):
         return target
 
     def send_piece(self, gi: int, lo: int, hi: int) -> None:
-        if gi not in self.staging:  # the target is the host shard itself (offload_param): nothing goes up
+        if (
+            gi not in self.staging
+        ):  # the target is the host shard itself (offload_param): nothing goes up
             return
         host, owned = self.staging[gi]
-        if self._last_sent is None:  # the step's first piece: nothing queued before still reads the parameters
+        if (
+            self._last_sent is None
+        ):  # the step's first piece: nothing queued before still reads the parameters
             self._after_compute(self.up)
         with self.streams.stream(self.up):
             owned.view(-1)[lo:hi].copy_(host[lo:hi], non_blocking=True)

@@ -17,6 +17,7 @@ is the swap buffers. The placement builds the parts that go with it, all here:
   where the parameters live (``params_out``: the parameter swap file with
   ``offload_param.device = "nvme"``, else the group's shard).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,8 +47,12 @@ class MasterIO:
     ``copies`` (``copies.py``) moves the chunks of a shard on the device, without the host waiting
     for each."""
 
-    def __init__(self, groups: list["ShardedParamGroup"], dtype: torch.dtype,
-                 copies: Optional[HostCopies] = None):
+    def __init__(
+        self,
+        groups: list["ShardedParamGroup"],
+        dtype: torch.dtype,
+        copies: Optional[HostCopies] = None,
+    ):
         self.groups = groups
         self.align = align_elems(dtype)
         # the masters' sizes (their tensors are empty in memory)
@@ -97,7 +102,9 @@ class InfinityAdam(SwappedAdam):
     clip coefficient), set through the master store (``SwappedMasters``) before it runs.
     """
 
-    def __init__(self, param_groups, defaults: dict, swapper: StateSwapper, masters_io, grads: GradSwap):
+    def __init__(
+        self, param_groups, defaults: dict, swapper: StateSwapper, masters_io, grads: GradSwap
+    ):
         super().__init__(param_groups, defaults, swapper)
         self.masters_io = masters_io
         self.grads = grads
@@ -118,17 +125,27 @@ class InfinityAdam(SwappedAdam):
             self.masters_io.ready()
             exp_avg, exp_avg_sq, master, grad = (part(slot, c, k) for k in range(4))
             for a, b in self.grads.gaps(c):  # never written this window: no gradient
-                grad[a - c.lo:b - c.lo].zero_()
+                grad[a - c.lo : b - c.lo].zero_()
             if scale != 1.0:
                 grad.mul_(scale)
             for lo, hi, step in run_overlaps(runs, c.lo, c.hi):
                 a, b = lo - c.lo, hi - c.lo
-                adam_step_(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step=step, **hyper)
+                adam_step_(
+                    master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step=step, **hyper
+                )
             self.masters_io.params_out(c.index, c.lo, c.hi, master)
 
         try:
-            self.swapper.stream(jobs, lambda c: c.index not in self._on_disk, compute, parts_in=4, fresh_in=3,
-                                fresh_fill=self._fill_master, parts_out=3, with_slot=True)
+            self.swapper.stream(
+                jobs,
+                lambda c: c.index not in self._on_disk,
+                compute,
+                parts_in=4,
+                fresh_in=3,
+                fresh_fill=self._fill_master,
+                parts_out=3,
+                with_slot=True,
+            )
         finally:
             self.masters_io.flush()
 
@@ -159,13 +176,21 @@ class InfinityAdam(SwappedAdam):
 
             def take(c, slot, p=p, m=m, v=v):
                 self.masters_io.ready()
-                p.data[c.lo:c.hi].copy_(self.swapper.part(slot, c, 2))
+                p.data[c.lo : c.hi].copy_(self.swapper.part(slot, c, 2))
                 if m is not None:
-                    m[c.lo:c.hi].copy_(self.swapper.part(slot, c, 0))
-                    v[c.lo:c.hi].copy_(self.swapper.part(slot, c, 1))
+                    m[c.lo : c.hi].copy_(self.swapper.part(slot, c, 0))
+                    v[c.lo : c.hi].copy_(self.swapper.part(slot, c, 1))
 
-            self.swapper.stream(self.swapper.chunks[i], lambda c: not stepped, take, write=False, parts_in=3,
-                                fresh_in=3, fresh_fill=self._fill_master, with_slot=True)
+            self.swapper.stream(
+                self.swapper.chunks[i],
+                lambda c: not stepped,
+                take,
+                write=False,
+                parts_in=3,
+                fresh_in=3,
+                fresh_fill=self._fill_master,
+                with_slot=True,
+            )
             if m is not None:
                 self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"] = m, v
         try:
@@ -180,12 +205,19 @@ class InfinityAdam(SwappedAdam):
                         if t is None:
                             self.swapper.part(slot, c, k).zero_()
                         else:
-                            self.swapper.part(slot, c, k).copy_(t[c.lo:c.hi])
-                    self.masters_io.params_out(c.index, c.lo, c.hi, p.data[c.lo:c.hi])
+                            self.swapper.part(slot, c, k).copy_(t[c.lo : c.hi])
+                    self.masters_io.params_out(c.index, c.lo, c.hi, p.data[c.lo : c.hi])
 
                 try:
-                    self.swapper.stream(self.swapper.chunks[i], lambda c: True, put, parts_in=0, fresh_in=0,
-                                        parts_out=3, with_slot=True)
+                    self.swapper.stream(
+                        self.swapper.chunks[i],
+                        lambda c: True,
+                        put,
+                        parts_in=0,
+                        fresh_in=0,
+                        parts_out=3,
+                        with_slot=True,
+                    )
                 finally:
                     self.masters_io.flush()
                 self._on_disk.add(i)
@@ -200,14 +232,20 @@ class SwappedMasterGrads:
     """The master gradients in the swap records: their scale and clip coefficient become
     ``InfinityAdam.grad_scale``, applied chunk by chunk in the step."""
 
-    def __init__(self, adam: InfinityAdam, sink: GradSwap, grads: "GradientReader", count: int,
-                 copies: HostCopies):
+    def __init__(
+        self,
+        adam: InfinityAdam,
+        sink: GradSwap,
+        grads: "GradientReader",
+        count: int,
+        copies: HostCopies,
+    ):
         self.tensors = [on_disk() for _ in range(count)]  # what the step's .grad shows
         self._adam, self._sink, self._grads, self._copies = adam, sink, grads, copies
 
     def sq_norm(self) -> torch.Tensor:
         self._sink.flush()  # every piece copied down and summed
-        return self._grads.swapped_sq() * self._adam.grad_scale ** 2
+        return self._grads.swapped_sq() * self._adam.grad_scale**2
 
     def clip(self, coef: float) -> None:
         self._adam.grad_scale *= coef
@@ -217,16 +255,18 @@ class SwappedMasterGrads:
         self._copies.settle()
         return [self._grads.owned_grad(gi) for gi in range(len(self.tensors))]
 
-    def step(self, stepper: "ShardStepper", plans: list["Plan"],
-             owned: Mapping[int, torch.Tensor]) -> None:
+    def step(
+        self, stepper: "ShardStepper", plans: list["Plan"], owned: Mapping[int, torch.Tensor]
+    ) -> None:
         stepper.step(plans, owned)
 
 
 class SwappedMasters:
     """ZeRO-Infinity's master store: masters and their gradients in the optimizer's swap records."""
 
-    def __init__(self, groups: list["ShardedParamGroup"], dtype: torch.dtype,
-                 home: "NVMePlacement"):
+    def __init__(
+        self, groups: list["ShardedParamGroup"], dtype: torch.dtype, home: "NVMePlacement"
+    ):
         self.io = MasterIO(groups, dtype, home.copies)
         self.copies = home.copies
         # records [exp_avg | exp_avg_sq | master | grad] per chunk, aligned as the parameter shards
@@ -281,4 +321,3 @@ class SwappedMasters:
 
     def grad_buffers(self) -> list[torch.Tensor]:
         return []  # the gradients are in the swap file
-

@@ -15,6 +15,7 @@ Zeroing the gradients costs no fill: a region written by no piece since ``zero()
 first piece is copied in rather than added (5 GB of host memory written per step for a 1.3B model
 with offload), and a region still fresh when its shard is read is zeroed then.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Protocol, Sequence
@@ -90,8 +91,9 @@ class ShardsInMemory:
     """Shards in memory (``shards[gi]``: this rank's part of group gi, on the host when offloaded),
     each bucket's pieces added into its region (``regions[gi][b]``) through ``copies``."""
 
-    def __init__(self, shards: list[torch.Tensor], regions: Sequence[Sequence[Region]],
-                 copies: HostCopies):
+    def __init__(
+        self, shards: list[torch.Tensor], regions: Sequence[Sequence[Region]], copies: HostCopies
+    ):
         self.shards = shards
         self.regions = regions
         self.copies = copies  # adds the pieces into the shards, wherever they live
@@ -157,8 +159,12 @@ class ShardsInMemory:
         # first pieces, which land in the shards directly (nothing to wait for after a step: it read
         # them all).
         self.copies.settle()
-        self._fresh = {(gi, b) for gi, regions in enumerate(self.regions)
-                       for b, region in enumerate(regions) if region is not None}
+        self._fresh = {
+            (gi, b)
+            for gi, regions in enumerate(self.regions)
+            for b, region in enumerate(regions)
+            if region is not None
+        }
         if self.squares is not None:
             self.squares.known.clear()
 
@@ -179,8 +185,13 @@ class ShardsInSwap:
     there under accumulation; ``shards`` are the placeholders that stand in memory for them
     (``param_swap.on_disk``), ``regions`` as ``ShardsInMemory``'s."""
 
-    def __init__(self, sink: GradSwap, shards: list[torch.Tensor],
-                 regions: Sequence[Sequence[Region]], copies: HostCopies):
+    def __init__(
+        self,
+        sink: GradSwap,
+        shards: list[torch.Tensor],
+        regions: Sequence[Sequence[Region]],
+        copies: HostCopies,
+    ):
         self.sink = sink
         self.shards = shards
         self.regions = regions

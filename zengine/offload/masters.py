@@ -13,6 +13,7 @@ each step it hands the step a master-gradient object (``zero/masters.MasterGrads
   become factors applied to each piece once it has landed, right before CPU-Adam steps it
   (``step_pipeline.py``): the same per-element operations as a step taken whole.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,8 +35,9 @@ if TYPE_CHECKING:  # offload/ never imports zero/ at run time (zero/ builds on o
 G = TypeVar("G")
 
 
-def norm_squares(groups: list["ParamGroup"], grads: list[torch.Tensor], world: int,
-                 device: torch.device) -> torch.Tensor:
+def norm_squares(
+    groups: list["ParamGroup"], grads: list[torch.Tensor], world: int, device: torch.device
+) -> torch.Tensor:
     """Sum of squares of this rank's part of ``grads`` (each group's ``norm_range``): a 0-dim
     float64 where the gradients are, or zero on ``device`` when this rank counts none."""
     parts = []
@@ -51,8 +53,14 @@ def norm_squares(groups: list["ParamGroup"], grads: list[torch.Tensor], world: i
 class WholeMasterGrads:
     """Each group's fp32 master gradient, scaled already: what the step takes whole."""
 
-    def __init__(self, tensors: list[torch.Tensor], groups: list["ParamGroup"], world: int,
-                 norm_device: torch.device, copies):
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        groups: list["ParamGroup"],
+        world: int,
+        norm_device: torch.device,
+        copies,
+    ):
         self.tensors = tensors  # [owned] fp32 each, where the master is
         self._groups, self._world, self._norm_device = groups, world, norm_device
         self._copies = copies
@@ -70,8 +78,9 @@ class WholeMasterGrads:
         self._copies.settle()
         return self.tensors
 
-    def step(self, stepper: "ShardStepper", plans: list["Plan"],
-             owned: Mapping[int, torch.Tensor]) -> None:
+    def step(
+        self, stepper: "ShardStepper", plans: list["Plan"], owned: Mapping[int, torch.Tensor]
+    ) -> None:
         stepper.step(plans, owned)
 
 
@@ -79,8 +88,16 @@ class MasterGradsInPieces:
     """Each group's host master gradient while its pieces land: scaled and clipped piece by piece
     right before the optimizer steps that piece (module doc)."""
 
-    def __init__(self, tensors: list[torch.Tensor], unscale: float, grads: "GradientReader",
-                 groups: list["ParamGroup"], world: int, copies, piece: int):
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        unscale: float,
+        grads: "GradientReader",
+        groups: list["ParamGroup"],
+        world: int,
+        copies,
+        piece: int,
+    ):
         self.tensors = tensors  # [owned] fp32 each on the host, pieces landing; not yet scaled
         self._unscale, self._coef = unscale, None  # the factors still owed to each piece
         self._grads, self._groups, self._world = grads, groups, world
@@ -110,8 +127,9 @@ class MasterGradsInPieces:
         self._copies.settle()  # every piece landed (not scaled: finiteness is the same)
         return self.tensors
 
-    def step(self, stepper: "ShardStepper", plans: list["Plan"],
-             owned: Mapping[int, torch.Tensor]) -> None:
+    def step(
+        self, stepper: "ShardStepper", plans: list["Plan"], owned: Mapping[int, torch.Tensor]
+    ) -> None:
         """The step in pieces, overlapped with the copies (``step_pipeline.py``); ``owned``: gi ->
         the compute-dtype parameter shard CPU-Adam writes for the groups it writes (the rest are
         written after the step)."""
@@ -120,7 +138,7 @@ class MasterGradsInPieces:
 
         def prepare(piece) -> None:
             # what a whole step's scaling and clip() would have done, in order: the same bits
-            grad = grads[piece.gi][piece.lo:piece.hi]
+            grad = grads[piece.gi][piece.lo : piece.hi]
             if factor != 1.0:
                 grad.mul_(factor)
             if coef is not None:
@@ -128,8 +146,9 @@ class MasterGradsInPieces:
 
         def step(piece, target) -> None:
             sp = stepper.shard_params[piece.gi]
-            piece_runs = {p: (clip_runs(r, piece.lo, piece.hi) if p is sp else [])
-                          for p, r in runs.items()}
+            piece_runs = {
+                p: (clip_runs(r, piece.lo, piece.hi) if p is sp else []) for p, r in runs.items()
+            }
             stepper.abilities.step_runs(piece_runs, {sp: target} if target is not None else {})
 
         StepPipeline(self._copies, self._piece).run(grads, prepare, step, owned)
@@ -140,8 +159,14 @@ class MastersInMemory:
     """fp32 masters as tensors, where the optimizer home keeps them
     (``zero/masters.MasterStore``)."""
 
-    def __init__(self, groups: list["ParamGroup"], home: "OptimizerHome", params: "ParamsHome",
-                 world: int, device: torch.device):
+    def __init__(
+        self,
+        groups: list["ParamGroup"],
+        home: "OptimizerHome",
+        params: "ParamsHome",
+        world: int,
+        device: torch.device,
+    ):
         self.groups, self.home, self.params = groups, home, params
         self.world, self.device = world, device  # the ranks sharded over; the compute device
         self.masters = [params.master(g, home) for g in groups]  # [owned numel] fp32 each
@@ -169,8 +194,15 @@ class MastersInMemory:
         the optimizer ``steps_in_pieces`` and the copies allow it (module doc), else whole."""
         copies = self.home.copies
         if steps_in_pieces and copies.defers and self._landing_on_host(grads):
-            return MasterGradsInPieces(self._landing_grads(grads), unscale, grads, self.groups,
-                                       self.world, copies, self.home.piece)
+            return MasterGradsInPieces(
+                self._landing_grads(grads),
+                unscale,
+                grads,
+                self.groups,
+                self.world,
+                copies,
+                self.home.piece,
+            )
         out, landings = [], []
         for gi, master in enumerate(self.masters):
             summed = grads.owned_grad(gi)
@@ -195,8 +227,9 @@ class MastersInMemory:
 
     def unreduced(self, grads: "GradientReader") -> WholeMasterGrads:
         """Before the gradients are summed over the ranks: none yet (its norm is zero)."""
-        return WholeMasterGrads([], self.groups, self.world, self.home.master_device(self.device),
-                                self.home.copies)
+        return WholeMasterGrads(
+            [], self.groups, self.world, self.home.master_device(self.device), self.home.copies
+        )
 
     def _grad_buffer(self, gi: int) -> torch.Tensor:
         """Group gi's host master gradient when the summed one is on the device (stages 0-1 with

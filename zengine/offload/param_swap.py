@@ -17,6 +17,7 @@ Layout: each group's shard is one contiguous region of the file (``add_group``),
 as the group's flat shard, whose offsets are aligned (``align_elems``) so that every
 parameter's shard and every optimizer chunk starts on an O_DIRECT boundary.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,17 +60,23 @@ class _Slot:
     """A pool buffer and what it holds: the parameter read into it and the read in flight."""
 
     def __init__(self, buf: torch.Tensor):
-        self.buf = buf            # [buffer_size] compute dtype, ALIGN-aligned
-        self.owner = None         # the ShardedParam whose shard it holds (or is reading)
+        self.buf = buf  # [buffer_size] compute dtype, ALIGN-aligned
+        self.owner = None  # the ShardedParam whose shard it holds (or is reading)
         self.read: Optional[IORequest] = None
-        self.used = None          # a CUDA event after the last copy out of it (reuse waits for it)
+        self.used = None  # a CUDA event after the last copy out of it (reuse waits for it)
 
 
 class ParamSwap:
     """The swap file and the read pool for one rank's NVMe-offloaded parameter shards."""
 
-    def __init__(self, offload_cfg: OffloadParamConfig, dtype: torch.dtype, io: AsyncIO,
-                 device: torch.device, sizes: list[int]):
+    def __init__(
+        self,
+        offload_cfg: OffloadParamConfig,
+        dtype: torch.dtype,
+        io: AsyncIO,
+        device: torch.device,
+        sizes: list[int],
+    ):
         self.directory = str(offload_cfg.nvme_path)
         self.dtype = dtype
         self.item = torch.empty((), dtype=dtype).element_size()
@@ -80,18 +87,26 @@ class ParamSwap:
         self.max_in_cpu = int(offload_cfg.max_in_cpu)
         self.resident_numel = 0
         total = sum(sizes)
-        self.file = SwapFile(self.directory, max(total * self.item, ALIGN), prefix="zengine-params-")
+        self.file = SwapFile(
+            self.directory, max(total * self.item, ALIGN), prefix="zengine-params-"
+        )
         self._next = 0  # elements of the file handed out
         self.buffer_numel = round_up(max(int(offload_cfg.buffer_size), 1), self.align)
         self.buffer_count = max(2, int(offload_cfg.buffer_count))
         self.largest = 0  # the largest padded shard registered: the pool's buffers need no more
         self.slots: list[_Slot] = []  # made at the first read, buffer_count of them
-        self._holding: dict[int, _Slot] = {}  # id(ShardedParam) -> its slot (reading, read, or in use)
+        self._holding: dict[
+            int, _Slot
+        ] = {}  # id(ShardedParam) -> its slot (reading, read, or in use)
         self._prefetched: OrderedDict[int, _Slot] = OrderedDict()  # read ahead, not yet taken
         self._writes: deque = deque()  # (request, buffer) written behind
         self._write_bufs: list[torch.Tensor] = []
-        self.wait_s = 0.0  # seconds a gather or the step waited for this swap's I/O (benchmarks read it)
-        self.prefetch_hits = self.demand_reads = 0  # shards taken after a read ahead / read when asked for
+        self.wait_s = (
+            0.0  # seconds a gather or the step waited for this swap's I/O (benchmarks read it)
+        )
+        self.prefetch_hits = self.demand_reads = (
+            0  # shards taken after a read ahead / read when asked for
+        )
         self.extra_buffers = 0  # temporary buffers made because every pool buffer was in use
 
     # -- layout ---------------------------------------------------------------------------------
@@ -99,16 +114,20 @@ class ParamSwap:
         """Reserve ``numel`` elements (a group's aligned flat shard); returns their first element."""
         base = self._next
         self._next += numel
-        assert self._next * self.item <= self.file.size, "ParamSwap: more parameters than the file was sized for"
+        assert self._next * self.item <= self.file.size, (
+            "ParamSwap: more parameters than the file was sized for"
+        )
         return base
 
     def check_fits(self, name: str, padded_chunk: int) -> None:
         """A parameter's shard must fit one pool buffer (say which and how big before any work)."""
         self.largest = max(self.largest, padded_chunk)
         if padded_chunk > self.buffer_numel:
-            raise ValueError(f"offload_param.buffer_size ({self.buffer_numel} elements) is smaller than parameter "
-                             f"{name!r}'s shard ({padded_chunk} elements); raise buffer_size to at least "
-                             f"{padded_chunk}")
+            raise ValueError(
+                f"offload_param.buffer_size ({self.buffer_numel} elements) is smaller than parameter "
+                f"{name!r}'s shard ({padded_chunk} elements); raise buffer_size to at least "
+                f"{padded_chunk}"
+            )
 
     def keep_resident(self, numel: int) -> bool:
         """Whether a parameter shard of ``numel`` elements stays in host memory too (``max_in_cpu``)."""
@@ -126,11 +145,11 @@ class ParamSwap:
         """Write ``src`` (sp's [chunk] shard, any dtype and device) to sp's place in the file, now."""
         n = round_up(sp.chunk, self.align)
         buf = host_buffer(n, self.dtype)
-        buf[sp.chunk:].zero_()
-        buf[:sp.chunk].copy_(src)
+        buf[sp.chunk :].zero_()
+        buf[: sp.chunk].copy_(src)
         self._io(True, buf, sp.file_elem).wait()
         if sp.shard is not None:  # resident: keep the cache in step
-            sp.shard.copy_(buf[:sp.chunk])
+            sp.shard.copy_(buf[: sp.chunk])
 
     def take_copy(self, sp) -> torch.Tensor:
         """sp's shard read into a tensor of its own ([chunk] compute dtype)."""
@@ -148,14 +167,18 @@ class ParamSwap:
         need = round_up(sp.chunk, self.align)
         if not self.slots:  # [min(buffer_size, largest shard)] compute dtype each
             self.buffer_numel = min(self.buffer_numel, max(self.largest, need))
-            self.slots = [_Slot(host_buffer(self.buffer_numel, self.dtype, self.pin, pinned.SWAP))
-                          for _ in range(self.buffer_count)]
+            self.slots = [
+                _Slot(host_buffer(self.buffer_numel, self.dtype, self.pin, pinned.SWAP))
+                for _ in range(self.buffer_count)
+            ]
         slot = self._free_slot(evict=not prefetch) if need <= self.buffer_numel else None
         if slot is None:
             if prefetch:
                 return False
             # every buffer is in use (or, under zero.Init, this shard is larger than the first ones): one more
-            slot = _Slot(host_buffer(max(need, self.buffer_numel), self.dtype, self.pin, pinned.SWAP))
+            slot = _Slot(
+                host_buffer(max(need, self.buffer_numel), self.dtype, self.pin, pinned.SWAP)
+            )
             self.extra_buffers += 1
             logger.debug("offload_param: swap pool exhausted; a temporary buffer for %s", sp.name)
         if slot.used is not None:
@@ -182,7 +205,7 @@ class ParamSwap:
             slot.read.wait()
             self.wait_s += time.perf_counter() - began
             slot.read = None
-        return slot.buf[:sp.chunk]
+        return slot.buf[: sp.chunk]
 
     def give_back(self, sp) -> None:
         """sp's buffer may be reused (after a device copy out of it completes)."""
@@ -237,8 +260,8 @@ class ParamSwap:
         for sp, off in resident:
             a, b = max(lo, off), min(hi, off + sp.chunk)
             if b > a:
-                sp.shard[a - off:b - off].copy_(buf[a - lo:b - lo])
-        self._writes.append((self._io(True, buf[:round_up(n, self.align)], base + lo), buf))
+                sp.shard[a - off : b - off].copy_(buf[a - lo : b - lo])
+        self._writes.append((self._io(True, buf[: round_up(n, self.align)], base + lo), buf))
 
     def _write_buffer(self, n: int) -> torch.Tensor:
         while len(self._writes) >= 2:
@@ -265,7 +288,7 @@ class ParamSwap:
         """Elements [lo, hi) of the group at ``base``, read now into a fresh buffer ([hi - lo] compute dtype)."""
         buf = host_buffer(round_up(hi - lo, self.align), self.dtype)
         self._io(False, buf, base + lo).wait()
-        return buf[:hi - lo]
+        return buf[: hi - lo]
 
     def _io(self, write: bool, buf: torch.Tensor, elem: int) -> IORequest:
         if write:
@@ -291,8 +314,9 @@ class GrowingSwap(ParamSwap):
     in memory; the engine's ``ParamSwap`` takes the shards over (``forget``), and the file is closed
     once none is left."""
 
-    def __init__(self, offload_cfg: OffloadParamConfig, dtype: torch.dtype, io: AsyncIO,
-                 device: torch.device):
+    def __init__(
+        self, offload_cfg: OffloadParamConfig, dtype: torch.dtype, io: AsyncIO, device: torch.device
+    ):
         super().__init__(offload_cfg, dtype, io, device, [0])
         self.live = 0
 
@@ -307,9 +331,12 @@ class GrowingSwap(ParamSwap):
             try:
                 os.posix_fallocate(self.file.fd, 0, size)
             except OSError as e:
-                raise OSError(e.errno, f"zero.Init: cannot grow the parameter swap file in {self.directory} to "
-                                       f"{size / 2**30:.2f} GiB: {os.strerror(e.errno)}; free space there or point "
-                                       f"offload_param.nvme_path elsewhere") from e
+                raise OSError(
+                    e.errno,
+                    f"zero.Init: cannot grow the parameter swap file in {self.directory} to "
+                    f"{size / 2**30:.2f} GiB: {os.strerror(e.errno)}; free space there or point "
+                    f"offload_param.nvme_path elsewhere",
+                ) from e
             self.file.size = size
         sp.move_to_store(self, elem, False)
         self.live += 1
@@ -317,7 +344,7 @@ class GrowingSwap(ParamSwap):
     def take_copy(self, sp) -> torch.Tensor:
         buf = host_buffer(round_up(sp.chunk, self.align), self.dtype)
         self._io(False, buf, sp.file_elem).wait()
-        return buf[:sp.chunk]
+        return buf[: sp.chunk]
 
     def forget(self, sp) -> None:
         self.live -= 1

@@ -24,6 +24,7 @@ not do cheaply (``cudaHostRegister`` costs about a second per few GiB).
 Tests replace the CUDA runtime with ``RUNTIME`` (an object with ``cudaHostRegister`` and
 ``cudaHostUnregister``, as ``torch.cuda.cudart()`` has).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -47,14 +48,18 @@ RUNTIME: Any = None
 
 PAGE = mmap.PAGESIZE
 # Kinds of pinned buffers (the keys of ``held()``).
-OPTIMIZER = "offloaded optimizer"        # fp32 masters and gradient shards in host memory (offload_optimizer cpu)
-PARAMETERS = "offloaded parameters"      # stage-3 parameter shards in host memory, or their NVMe cache
-STAGING = "copy staging"                 # host staging of side-stream copies (CPUAdam's copy-out, uploads)
-SWAP = "swap buffers"                    # NVMe swap I/O buffers (optimizer states, parameters, gradients)
-SNAPSHOT = "checkpoint snapshot"         # an asynchronous checkpoint's host copy
-OFFLOADED_STATES = "offloaded states"    # engine.offload_states()'s host copies
+OPTIMIZER = (
+    "offloaded optimizer"  # fp32 masters and gradient shards in host memory (offload_optimizer cpu)
+)
+PARAMETERS = "offloaded parameters"  # stage-3 parameter shards in host memory, or their NVMe cache
+STAGING = "copy staging"  # host staging of side-stream copies (CPUAdam's copy-out, uploads)
+SWAP = "swap buffers"  # NVMe swap I/O buffers (optimizer states, parameters, gradients)
+SNAPSHOT = "checkpoint snapshot"  # an asynchronous checkpoint's host copy
+OFFLOADED_STATES = "offloaded states"  # engine.offload_states()'s host copies
 
-_lock = threading.Lock()  # finalizers run in whichever thread drops the last view (the checkpoint writer's)
+_lock = (
+    threading.Lock()
+)  # finalizers run in whichever thread drops the last view (the checkpoint writer's)
 _held: Counter = Counter()  # kind -> pinned bytes alive now
 _warned = False
 
@@ -71,8 +76,14 @@ def held_bytes(kind: Optional[str] = None) -> int:
         return _held[kind] if kind is not None else sum(_held.values())
 
 
-def empty(size: Union[int, Sequence[int]], dtype: torch.dtype = torch.float32, *, kind: str, pin: bool = True,
-          align: int = 0) -> torch.Tensor:
+def empty(
+    size: Union[int, Sequence[int]],
+    dtype: torch.dtype = torch.float32,
+    *,
+    kind: str,
+    pin: bool = True,
+    align: int = 0,
+) -> torch.Tensor:
     """An uninitialised host tensor of shape ``size``, pinned when ``pin`` (see the module doc), counted
     under ``kind`` while it lives. ``align``: bytes its data must start on (a power of two; O_DIRECT swap
     buffers ask for 4096); registered buffers always start on a page."""
@@ -94,11 +105,16 @@ def empty(size: Union[int, Sequence[int]], dtype: torch.dtype = torch.float32, *
     raw = torch.empty(nbytes + align, dtype=torch.uint8, device="cpu", pin_memory=True)
     _track(raw, _pinned_size(nbytes + align, runtime), kind)
     skip = -raw.data_ptr() % align
-    return raw[skip:skip + nbytes].view(dtype).view(shape)
+    return raw[skip : skip + nbytes].view(dtype).view(shape)
 
 
-def zeros(size: Union[int, Sequence[int]], dtype: torch.dtype = torch.float32, *, kind: str,
-          pin: bool = True) -> torch.Tensor:
+def zeros(
+    size: Union[int, Sequence[int]],
+    dtype: torch.dtype = torch.float32,
+    *,
+    kind: str,
+    pin: bool = True,
+) -> torch.Tensor:
     """As ``empty``, filled with zeros."""
     return empty(size, dtype, kind=kind, pin=pin).zero_()
 
@@ -110,7 +126,7 @@ def _plain(shape: tuple, dtype: torch.dtype, align: int) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     raw = torch.empty(nbytes + align, dtype=torch.uint8, device="cpu")
     skip = -raw.data_ptr() % align
-    return raw[skip:skip + nbytes].view(dtype).view(shape)
+    return raw[skip : skip + nbytes].view(dtype).view(shape)
 
 
 def _runtime() -> Any:
@@ -139,9 +155,13 @@ def _registered(nbytes: int, kind: str, runtime: Any) -> Optional[torch.Tensor]:
         _clear_error(runtime)
         if not _warned:
             _warned = True
-            logger.warning("cudaHostRegister of %d bytes failed (cudaError %d); pinned host buffers fall back to "
-                           "torch's pinned allocator, which rounds each up to a power of two and keeps it "
-                           "until the process ends", nbytes, code)
+            logger.warning(
+                "cudaHostRegister of %d bytes failed (cudaError %d); pinned host buffers fall back to "
+                "torch's pinned allocator, which rounds each up to a power of two and keeps it "
+                "until the process ends",
+                nbytes,
+                code,
+            )
         return None
     with _lock:
         _held[kind] += nbytes
@@ -149,14 +169,16 @@ def _registered(nbytes: int, kind: str, runtime: Any) -> Optional[torch.Tensor]:
     # one goes, before torch frees the memory (an unregister after the free could hit reused memory).
     done = weakref.finalize(raw.untyped_storage(), _unregister, runtime, ptr, nbytes, kind)
     done.atexit = False  # at exit the process's memory goes anyway; no CUDA calls during teardown
-    return raw[skip:skip + nbytes]
+    return raw[skip : skip + nbytes]
 
 
 def _unregister(runtime: Any, ptr: int, nbytes: int, kind: str) -> None:
     code = _code(runtime.cudaHostUnregister(ptr))
     if code != 0:
         _clear_error(runtime)
-        logger.warning("cudaHostUnregister of %d bytes at 0x%x failed (cudaError %d)", nbytes, ptr, code)
+        logger.warning(
+            "cudaHostUnregister of %d bytes at 0x%x failed (cudaError %d)", nbytes, ptr, code
+        )
     with _lock:
         _held[kind] -= nbytes
 
@@ -196,7 +218,9 @@ def _cudart_get_last_error() -> Optional[Any]:
     """``cudaGetLastError`` of the CUDA runtime torch loaded (found by name among loaded libraries)."""
     for name in (None, "libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0", "libcudart.so"):
         try:
-            return ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL).cudaGetLastError
+            return ctypes.CDLL(
+                name, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL
+            ).cudaGetLastError
         except (OSError, AttributeError):
             continue
     return None

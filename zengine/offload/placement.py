@@ -20,6 +20,7 @@ The stage optimizers never ask which placement they have: they call its methods,
 ``make_placement`` is the one place that reads the offload sections. ``OptimizerHome`` and
 ``ParamsHome`` name the two roles.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,8 +64,14 @@ class OptimizerHome(Protocol):
 
     def shard_alignment(self, dtype: torch.dtype) -> int: ...
 
-    def master_store(self, groups: list, params: "ParamsHome", dtype: torch.dtype, world: int,
-                     device: torch.device) -> "MasterStore": ...
+    def master_store(
+        self,
+        groups: list,
+        params: "ParamsHome",
+        dtype: torch.dtype,
+        world: int,
+        device: torch.device,
+    ) -> "MasterStore": ...
 
     def close(self) -> None: ...
 
@@ -96,7 +103,9 @@ class DevicePlacement:
     """Masters and optimizer states on the compute device."""
 
     cpu_optimizer = False  # the optimizer built for the shards is the CPU one (CPUAdam)
-    piece = piece_elements(1_000_000_000)  # elements per piece of an offloaded step taken in pieces (step_pipeline.py)
+    piece = piece_elements(
+        1_000_000_000
+    )  # elements per piece of an offloaded step taken in pieces (step_pipeline.py)
     copies_out = True  # the step may write the parameters as it updates the masters in memory
 
     def __init__(self):
@@ -125,8 +134,14 @@ class DevicePlacement:
         """Elements each stage-3 parameter shard must be aligned to for the masters' sake."""
         return 1
 
-    def master_store(self, groups: list, params: "ParamsHome", dtype: torch.dtype, world: int,
-                     device: torch.device) -> "MasterStore":
+    def master_store(
+        self,
+        groups: list,
+        params: "ParamsHome",
+        dtype: torch.dtype,
+        world: int,
+        device: torch.device,
+    ) -> "MasterStore":
         """The store of ``groups``' fp32 masters (computed in ``dtype`` on ``device``, sharded over
         ``world`` ranks): tensors where this home keeps them."""
         return MastersInMemory(groups, self, params, world, device)
@@ -140,9 +155,15 @@ class CPUPlacement(DevicePlacement):
 
     cpu_optimizer = True
 
-    def __init__(self, offload_cfg: OffloadOptimizerConfig, device: torch.device,
-                 sub_group_size: int = 1_000_000_000):
-        self.pin = bool(offload_cfg.pin_memory) and host_pinning(device)  # pinned only to copy to a GPU
+    def __init__(
+        self,
+        offload_cfg: OffloadOptimizerConfig,
+        device: torch.device,
+        sub_group_size: int = 1_000_000_000,
+    ):
+        self.pin = bool(offload_cfg.pin_memory) and host_pinning(
+            device
+        )  # pinned only to copy to a GPU
         self.copies = make_copies(device)
         self.piece = piece_elements(sub_group_size)
 
@@ -150,14 +171,17 @@ class CPUPlacement(DevicePlacement):
         return torch.device("cpu")
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return pinned.zeros(numel, dtype, kind=pinned.OPTIMIZER, pin=self.pin)  # pinned sized exactly
+        return pinned.zeros(
+            numel, dtype, kind=pinned.OPTIMIZER, pin=self.pin
+        )  # pinned sized exactly
 
 
 class NVMePlacement(CPUPlacement):
     """As ``CPUPlacement``, with Adam's moments swapped to a file under ``nvme_path`` (``swapped_adam.py``)."""
 
-    def __init__(self, zero_cfg: ZeroConfig, device: torch.device,
-                 aio_cfg: Optional[AioConfig] = None):
+    def __init__(
+        self, zero_cfg: ZeroConfig, device: torch.device, aio_cfg: Optional[AioConfig] = None
+    ):
         offload_cfg = zero_cfg.offload_optimizer
         super().__init__(offload_cfg, device, zero_cfg.sub_group_size)
         self.directory = str(offload_cfg.nvme_path)
@@ -167,8 +191,16 @@ class NVMePlacement(CPUPlacement):
 
     def swapper(self, numels: list[int], parts: int = 2, align: int = 1024) -> StateSwapper:
         """A swap file with ``parts`` fp32 runs per chunk of each of ``numels``, and its host buffers."""
-        return StateSwapper(numels, self.directory, self.chunk, self.buffer_count, make_aio(self.aio_cfg), self.pin,
-                            parts, align)
+        return StateSwapper(
+            numels,
+            self.directory,
+            self.chunk,
+            self.buffer_count,
+            make_aio(self.aio_cfg),
+            self.pin,
+            parts,
+            align,
+        )
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         numels = [p.numel() for g in optimizer.param_groups for p in g["params"]]
@@ -186,8 +218,14 @@ class InfinityPlacement(NVMePlacement):
     def shard_alignment(self, dtype: torch.dtype) -> int:
         return align_elems(dtype)  # the masters' records are read by chunks aligned as the shards
 
-    def master_store(self, groups: list, params: "ParamsHome", dtype: torch.dtype, world: int,
-                     device: torch.device) -> "MasterStore":
+    def master_store(
+        self,
+        groups: list,
+        params: "ParamsHome",
+        dtype: torch.dtype,
+        world: int,
+        device: torch.device,
+    ) -> "MasterStore":
         return SwappedMasters(groups, dtype, self)
 
 
@@ -201,7 +239,9 @@ class ParamsInMemory:
     def __init__(self, offload_cfg: Optional[OffloadParamConfig], device: torch.device):
         offload = offload_cfg is not None and offload_cfg.device in ("cpu", "nvme")
         self.device = device  # the compute device
-        self.shard_device = torch.device("cpu") if offload else device  # host memory by design with offload
+        self.shard_device = (
+            torch.device("cpu") if offload else device
+        )  # host memory by design with offload
         self.pin = offload and bool(offload_cfg.pin_memory) and host_pinning(device)
 
     def alignment(self, dtype: torch.dtype, optimizer_alignment: int) -> int:
@@ -243,8 +283,14 @@ class ParamsOnNVMe(ParamsInMemory):
 
     copies_out = False  # the shards are written to the file after the step
 
-    def __init__(self, offload_cfg: OffloadParamConfig, device: torch.device, dtype: torch.dtype,
-                 aio_cfg: Optional[AioConfig], sizes: list[int]):
+    def __init__(
+        self,
+        offload_cfg: OffloadParamConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        aio_cfg: Optional[AioConfig],
+        sizes: list[int],
+    ):
         super().__init__(offload_cfg, device)
         self.swap = ParamSwap(offload_cfg, dtype, make_aio(aio_cfg), device, sizes)
 
@@ -261,7 +307,7 @@ class ParamsOnNVMe(ParamsInMemory):
 
     def store_one(self, group, pi: int, master: torch.Tensor) -> None:
         sp, off = group.sharded[pi], group.offsets[pi]
-        sp.store.write_shard(sp, master[off:off + sp.chunk])
+        sp.store.write_shard(sp, master[off : off + sp.chunk])
 
     def load(self, group, master: torch.Tensor) -> None:
         group.read_into(master, WRITE_CHUNK)
@@ -278,7 +324,7 @@ class Placement:
     """Where one run's model states live (see the module docstring)."""
 
     optimizer: OptimizerHome  # masters, their gradients, optimizer states
-    params: ParamsHome        # compute-dtype parameters (stage-3 shards)
+    params: ParamsHome  # compute-dtype parameters (stage-3 shards)
 
     @property
     def copies_out(self) -> bool:
@@ -289,8 +335,9 @@ class Placement:
         """Elements each stage-3 parameter's shard is aligned to."""
         return self.params.alignment(dtype, self.optimizer.shard_alignment(dtype))
 
-    def master_store(self, groups: list, dtype: torch.dtype, world: int,
-                     device: torch.device) -> "MasterStore":
+    def master_store(
+        self, groups: list, dtype: torch.dtype, world: int, device: torch.device
+    ) -> "MasterStore":
         """The store of ``groups``' fp32 masters, as the optimizer home keeps them."""
         return self.optimizer.master_store(groups, self.params, dtype, world, device)
 
@@ -306,21 +353,28 @@ def make_aio(aio_cfg: Optional[AioConfig]) -> AsyncIO:
     return AsyncIO(aio_cfg.block_size, aio_cfg.thread_count, aio_cfg.queue_depth)
 
 
-def optimizer_placement(zero_cfg: ZeroConfig, device: torch.device,
-                        aio_cfg: Optional[AioConfig] = None) -> OptimizerHome:
+def optimizer_placement(
+    zero_cfg: ZeroConfig, device: torch.device, aio_cfg: Optional[AioConfig] = None
+) -> OptimizerHome:
     """Where ``zero_cfg.offload_optimizer`` puts the masters and optimizer states."""
     offload_cfg = zero_cfg.offload_optimizer
     target = getattr(offload_cfg, "device", "none") if offload_cfg is not None else "none"
     if target == "cpu":
         return CPUPlacement(offload_cfg, device, zero_cfg.sub_group_size)
     if target == "nvme":
-        return (InfinityPlacement if zero_cfg.stage == 3 else NVMePlacement)(zero_cfg, device, aio_cfg)
+        return (InfinityPlacement if zero_cfg.stage == 3 else NVMePlacement)(
+            zero_cfg, device, aio_cfg
+        )
     return DevicePlacement()
 
 
-def make_placement(zero_cfg: ZeroConfig, device: torch.device, dtype: torch.dtype,
-                   aio_cfg: Optional[AioConfig] = None,
-                   chunks: list[list[int]] = ()) -> Placement:
+def make_placement(
+    zero_cfg: ZeroConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    aio_cfg: Optional[AioConfig] = None,
+    chunks: list[list[int]] = (),
+) -> Placement:
     """The placement the config's offload sections ask for, for parameters computed on ``device`` in
     ``dtype``. ``chunks``: at stage 3, each param group's shard sizes (elements per parameter), which
     size the parameter swap file."""

@@ -17,6 +17,7 @@ Layout: for each parameter (a flat master shard), its chunks back to back; a chu
 elements takes ``2 * pad(n)`` fp32 in the file and in a buffer, ``[exp_avg | exp_avg_sq]``,
 ``pad`` rounding up to whole ``ALIGN`` blocks so that ``O_DIRECT`` I/O is aligned.
 """
+
 from __future__ import annotations
 
 import errno
@@ -36,8 +37,9 @@ MAX_CHUNK = 1 << 24  # elements; 4 buffers of this size hold 512 MiB of moments
 _ALIGN_ELEMS = ALIGN // 4  # fp32 elements per aligned block
 
 
-def host_buffer(numel: int, dtype: torch.dtype = torch.float32, pin: bool = False,
-                kind: str = pinned.SWAP) -> torch.Tensor:
+def host_buffer(
+    numel: int, dtype: torch.dtype = torch.float32, pin: bool = False, kind: str = pinned.SWAP
+) -> torch.Tensor:
     """An aligned host buffer for swap I/O, in host memory even inside a ``torch.device(...)`` context
     (a model built under ``with torch.device("cuda"), zero.Init(...)``); ``pin``: page-locked, sized
     exactly and counted under ``kind`` (``pinned.py``)."""
@@ -52,9 +54,12 @@ def check_intact(file: SwapFile) -> None:
     the lost range would come back as zeros, silently. One ``fstat``, called once per step."""
     size = os.fstat(file.fd).st_size
     if size < file.size:
-        raise OSError(errno.EIO, f"the NVMe swap file {file.path} lost its contents (now {size} of {file.size} "
-                                 f"bytes: truncated, or its drive replaced); the swapped states are gone, resume "
-                                 f"from the last checkpoint")
+        raise OSError(
+            errno.EIO,
+            f"the NVMe swap file {file.path} lost its contents (now {size} of {file.size} "
+            f"bytes: truncated, or its drive replaced); the swapped states are gone, resume "
+            f"from the last checkpoint",
+        )
 
 
 def _pad(n: int) -> int:
@@ -82,10 +87,21 @@ class StateSwapper:
     ZeRO-Infinity (``parts=4``) ``[exp_avg | exp_avg_sq | master | grad]``.
     """
 
-    def __init__(self, numels: list[int], directory: str, chunk: int, buffer_count: int, io: AsyncIO,
-                 pin: bool = False, parts: int = 2, align: int = _ALIGN_ELEMS):
+    def __init__(
+        self,
+        numels: list[int],
+        directory: str,
+        chunk: int,
+        buffer_count: int,
+        io: AsyncIO,
+        pin: bool = False,
+        parts: int = 2,
+        align: int = _ALIGN_ELEMS,
+    ):
         if buffer_count < 2:
-            raise ValueError("offload_optimizer.buffer_count: NVMe swapping needs at least 2 buffers")
+            raise ValueError(
+                "offload_optimizer.buffer_count: NVMe swapping needs at least 2 buffers"
+            )
         self.parts = parts
         self.align = max(_ALIGN_ELEMS, int(align))
         self.chunk = -(-max(1, min(int(chunk), MAX_CHUNK)) // self.align) * self.align
@@ -115,7 +131,7 @@ class StateSwapper:
 
     def part(self, slot: int, c: Chunk, k: int) -> torch.Tensor:
         """Part ``k`` of chunk ``c``'s record in buffer ``slot``: a [hi - lo] fp32 view."""
-        return self.buffers[slot][k * c.padded:k * c.padded + c.hi - c.lo]
+        return self.buffers[slot][k * c.padded : k * c.padded + c.hi - c.lo]
 
     def chunk_at(self, index: int, element: int) -> Chunk:
         """The chunk of parameter ``index`` that holds ``element``."""
@@ -133,10 +149,18 @@ class StateSwapper:
         """(exp_avg, exp_avg_sq) of chunk ``c`` in buffer ``slot``: [hi - lo] fp32 views."""
         return self.part(slot, c, 0), self.part(slot, c, 1)
 
-    def stream(self, chunks: list[Chunk], fresh: Callable[[Chunk], bool],
-               compute: Callable[[Chunk, torch.Tensor, torch.Tensor], None], write: bool = True,
-               parts_in: int = 2, fresh_in: int = 0, fresh_fill=None, parts_out: int = 2,
-               with_slot: bool = False) -> None:
+    def stream(
+        self,
+        chunks: list[Chunk],
+        fresh: Callable[[Chunk], bool],
+        compute: Callable[[Chunk, torch.Tensor, torch.Tensor], None],
+        write: bool = True,
+        parts_in: int = 2,
+        fresh_in: int = 0,
+        fresh_fill=None,
+        parts_out: int = 2,
+        with_slot: bool = False,
+    ) -> None:
         """Run ``compute(chunk, exp_avg, exp_avg_sq)`` over ``chunks`` with reads ahead and writes behind.
 
         Reads the record's first ``parts_in`` parts. A chunk for which ``fresh`` is true starts from
@@ -146,7 +170,9 @@ class StateSwapper:
         slot)`` instead, to reach every part through ``part``.
         """
         count = len(self.buffers)
-        ahead = max(1, count - 2)  # reads in flight beyond the chunk in hand; one write stays in flight too
+        ahead = max(
+            1, count - 2
+        )  # reads in flight beyond the chunk in hand; one write stays in flight too
         reads: dict[int, Optional[IORequest]] = {}
         writes: dict[int, IORequest] = {}  # slot -> the last write from it
         nxt = 0
@@ -156,13 +182,19 @@ class StateSwapper:
             self.wait(writes.pop(slot, None))
             buf = self.buffers[slot]
             if fresh(c):
-                buf[:fresh_in * c.padded].zero_()
+                buf[: fresh_in * c.padded].zero_()
                 if fresh_fill is not None:
                     fresh_fill(c, slot)
-                reads[k] = (self.read(buf[fresh_in * c.padded:parts_in * c.padded], c.offset + fresh_in * c.padded * 4)
-                            if parts_in > fresh_in else None)
+                reads[k] = (
+                    self.read(
+                        buf[fresh_in * c.padded : parts_in * c.padded],
+                        c.offset + fresh_in * c.padded * 4,
+                    )
+                    if parts_in > fresh_in
+                    else None
+                )
             else:
-                reads[k] = self.read(buf[:parts_in * c.padded], c.offset)
+                reads[k] = self.read(buf[: parts_in * c.padded], c.offset)
 
         try:
             for k, c in enumerate(chunks):
@@ -176,7 +208,7 @@ class StateSwapper:
                 else:
                     compute(c, *self.moments(slot, c))
                 if write:
-                    writes[slot] = self.write(self.buffers[slot][:parts_out * c.padded], c.offset)
+                    writes[slot] = self.write(self.buffers[slot][: parts_out * c.padded], c.offset)
         finally:  # also after an error: no request may outlive the buffers it uses
             for request in list(reads.values()) + list(writes.values()):
                 self.wait(request)
@@ -201,13 +233,19 @@ class GradSwap:
     def __init__(self, swapper: StateSwapper, copies: Optional[HostCopies] = None):
         self.swapper = swapper
         self.copies = copies if copies is not None else HostCopies()
-        self.written: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (index, chunk lo) -> ranges this window
-        self._landing: deque = deque()  # (landing, chunk, a, b, buffer, add the file's sum, total) in order
+        self.written: dict[
+            tuple[int, int], list[tuple[int, int]]
+        ] = {}  # (index, chunk lo) -> ranges this window
+        self._landing: deque = (
+            deque()
+        )  # (landing, chunk, a, b, buffer, add the file's sum, total) in order
         self._writes: list[tuple[IORequest, torch.Tensor]] = []
         self._spare: list[torch.Tensor] = []
         self._largest = 0  # elements of the largest piece yet (the size new buffers get)
         self._bases: dict[int, torch.Tensor] = {}  # data_ptr -> a buffer in use or spare, whole
-        self._unchecked = True  # the file's size is checked before a window's first write (they would extend it)
+        self._unchecked = (
+            True  # the file's size is checked before a window's first write (they would extend it)
+        )
 
     def _grad_offset(self, c: Chunk, element: int) -> int:
         return c.offset + 3 * c.padded * 4 + (element - c.lo) * 4
@@ -223,11 +261,15 @@ class GradSwap:
         while k < hi:
             c = self.swapper.chunk_at(index, k)
             a, b = k, min(hi, c.hi)
-            assert (a - c.lo) % _ALIGN_ELEMS == 0 and ((b - a) % _ALIGN_ELEMS == 0 or b == c.hi), "unaligned bucket"
-            n = c.padded - (a - c.lo) if b == c.hi else b - a  # the record's tail padding goes along
+            assert (a - c.lo) % _ALIGN_ELEMS == 0 and ((b - a) % _ALIGN_ELEMS == 0 or b == c.hi), (
+                "unaligned bucket"
+            )
+            n = (
+                c.padded - (a - c.lo) if b == c.hi else b - a
+            )  # the record's tail padding goes along
             buf = self._buffer(n)
-            buf[b - a:].zero_()
-            landing = self.copies.download(buf[:b - a], piece[a - lo:b - lo])
+            buf[b - a :].zero_()
+            landing = self.copies.download(buf[: b - a], piece[a - lo : b - lo])
             ranges = self.written.setdefault((index, c.lo), [])
             again = any(x < b and a < y for x, y in ranges)  # accumulated before in this window
             ranges.append((a, b))
@@ -248,8 +290,8 @@ class GradSwap:
                 self._wait_writes()
                 before = host_buffer(buf.numel(), torch.float32)
                 self.swapper.read(before, self._grad_offset(c, a)).wait()
-                buf[:b - a].add_(before[:b - a])
-            total += sum_of_squares(buf[:b - a]).to(torch.float64).cpu()
+                buf[: b - a].add_(before[: b - a])
+            total += sum_of_squares(buf[: b - a]).to(torch.float64).cpu()
             self._writes.append((self.swapper.write(buf, self._grad_offset(c, a)), buf))
 
     def _wait_writes(self) -> None:
@@ -322,7 +364,7 @@ class GradSwap:
         for c in chunks:
             buf = host_buffer(c.padded, torch.float32)
             self.swapper.read(buf, self._grad_offset(c, c.lo)).wait()
-            out[c.lo:c.hi].copy_(buf[:c.hi - c.lo])
+            out[c.lo : c.hi].copy_(buf[: c.hi - c.lo])
             for a, b in self.gaps(c):
                 out[a:b].zero_()
         return out

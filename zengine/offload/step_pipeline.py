@@ -19,6 +19,7 @@ range (long done).
 Which elements an optimizer updates, and how, does not depend on the pieces: CPU-Adam's arithmetic is
 per element, so a step taken in pieces gives the same bits as one taken whole.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Mapping, NamedTuple, Optional
@@ -46,7 +47,9 @@ def piece_elements(sub_group_size: int) -> int:
 
 def split(numels: list[int], size: int) -> list[Piece]:
     """Each group's [0, numel) in pieces of ``size`` elements (the last of a group shorter)."""
-    return [Piece(gi, lo, min(lo + size, n)) for gi, n in enumerate(numels) for lo in range(0, n, size)]
+    return [
+        Piece(gi, lo, min(lo + size, n)) for gi, n in enumerate(numels) for lo in range(0, n, size)
+    ]
 
 
 def clip_runs(runs: list[tuple[int, int, int]], lo: int, hi: int) -> list[tuple[int, int, int]]:
@@ -69,10 +72,15 @@ class StepPipeline:
     def order(self, grads: list[torch.Tensor]) -> list[Piece]:
         """Every piece, those whose gradients land first first (stable: otherwise group and offset order)."""
         pieces = split([g.numel() for g in grads], self.size)
-        return sorted(pieces, key=lambda p: self.copies.arrival(grads[p.gi][p.lo:p.hi]))
+        return sorted(pieces, key=lambda p: self.copies.arrival(grads[p.gi][p.lo : p.hi]))
 
-    def run(self, grads: list[torch.Tensor], prepare: Callable[[Piece], None],
-            step: Callable[[Piece, Optional[torch.Tensor]], None], owned: Mapping[int, torch.Tensor]) -> None:
+    def run(
+        self,
+        grads: list[torch.Tensor],
+        prepare: Callable[[Piece], None],
+        step: Callable[[Piece, Optional[torch.Tensor]], None],
+        owned: Mapping[int, torch.Tensor],
+    ) -> None:
         """Step every piece of ``grads`` (each group's host gradient shard, [numel] fp32).
 
         ``prepare(piece)`` runs once the piece's gradient has landed; ``step(piece, target)`` updates it,
@@ -82,7 +90,9 @@ class StepPipeline:
         """
         try:
             for piece in self.order(grads):
-                self.copies.settle_range(grads[piece.gi][piece.lo:piece.hi])  # this piece's newest download only
+                self.copies.settle_range(
+                    grads[piece.gi][piece.lo : piece.hi]
+                )  # this piece's newest download only
                 prepare(piece)
                 target = None
                 if piece.gi in owned:

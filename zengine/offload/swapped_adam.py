@@ -6,6 +6,7 @@ With ``offload_optimizer.device = "nvme"`` the placement (``placement.py``) repl
 CPUAdam by this one. Per chunk of ``sub_group_size`` elements the step reads the record ahead,
 runs the compiled Adam kernel on it and writes it back behind (``StateSwapper.stream``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +24,9 @@ class SwappedAdam(CPUAdam):
     into ``state[p]`` as ordinary tensors (for checkpoints) and puts them back on exit.
     """
 
-    steps_in_pieces = False  # its step streams the moments chunk by chunk from the file: one call per step
+    steps_in_pieces = (
+        False  # its step streams the moments chunk by chunk from the file: one call per step
+    )
 
     def __init__(self, param_groups, defaults: dict, swapper: StateSwapper):
         super().__init__(param_groups, **defaults)
@@ -36,9 +39,11 @@ class SwappedAdam(CPUAdam):
     def replacing(cls, optimizer: torch.optim.Optimizer, *args) -> "SwappedAdam":
         """One with ``optimizer``'s groups and hyper-parameters (it must be a CPUAdam), and ``args`` after."""
         if not isinstance(optimizer, CPUAdam):
-            raise ValueError(f"offload_optimizer.device 'nvme' swaps Adam's moments and needs CPUAdam: optimizer.type "
-                             f"Adam, AdamW or CPUAdam in the config, or a zengine.ops.CPUAdam passed as the client "
-                             f"optimizer; got {type(optimizer).__name__}")
+            raise ValueError(
+                f"offload_optimizer.device 'nvme' swaps Adam's moments and needs CPUAdam: optimizer.type "
+                f"Adam, AdamW or CPUAdam in the config, or a zengine.ops.CPUAdam passed as the client "
+                f"optimizer; got {type(optimizer).__name__}"
+            )
         return cls(optimizer.param_groups, optimizer.defaults, *args)
 
     def _step(self, closure, copy_out_by_id: Mapping[int, torch.Tensor]):
@@ -56,12 +61,20 @@ class SwappedAdam(CPUAdam):
     def _stream_step(self, due: dict, jobs: list[Chunk]) -> None:
         """Adam over ``jobs`` with the moments streamed through the buffers; parameters in memory. Only the
         runs are stepped, each at its own step number; the rest of a chunk goes back as it came."""
+
         def compute(c: Chunk, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
             hyper, runs, param, out = due[c.index]
             for lo, hi, step in run_overlaps(runs, c.lo, c.hi):
                 a, b = lo - c.lo, hi - c.lo
-                adam_step_(param.data[lo:hi], param.grad[lo:hi], exp_avg[a:b], exp_avg_sq[a:b], step=step,
-                           copy_out=out.view(-1)[lo:hi] if out is not None else None, **hyper)
+                adam_step_(
+                    param.data[lo:hi],
+                    param.grad[lo:hi],
+                    exp_avg[a:b],
+                    exp_avg_sq[a:b],
+                    step=step,
+                    copy_out=out.view(-1)[lo:hi] if out is not None else None,
+                    **hyper,
+                )
 
         self.swapper.stream(jobs, lambda c: c.index not in self._on_disk, compute)
 
@@ -74,8 +87,8 @@ class SwappedAdam(CPUAdam):
             m, v = torch.empty_like(p.data), torch.empty_like(p.data)
 
             def take(c, exp_avg, exp_avg_sq, m=m, v=v):
-                m[c.lo:c.hi].copy_(exp_avg)
-                v[c.lo:c.hi].copy_(exp_avg_sq)
+                m[c.lo : c.hi].copy_(exp_avg)
+                v[c.lo : c.hi].copy_(exp_avg_sq)
 
             self.swapper.stream(self.swapper.chunks[i], lambda c: False, take, write=False)
             self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"] = m, v
@@ -90,8 +103,8 @@ class SwappedAdam(CPUAdam):
                 m, v = state.pop("exp_avg"), state.pop("exp_avg_sq")
 
                 def put(c, exp_avg, exp_avg_sq, m=m, v=v):
-                    exp_avg.copy_(m[c.lo:c.hi])
-                    exp_avg_sq.copy_(v[c.lo:c.hi])
+                    exp_avg.copy_(m[c.lo : c.hi])
+                    exp_avg_sq.copy_(v[c.lo : c.hi])
 
                 self.swapper.stream(self.swapper.chunks[i], lambda c: True, put)
                 self._on_disk.add(i)

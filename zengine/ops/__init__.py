@@ -11,6 +11,7 @@ first use (or uses the ones ``ZENGINE_BUILD_OPS=1`` installed) and falls back to
 one warning, where they cannot be built. Importing this package builds nothing.
 ``zengine-report`` shows what is built.
 """
+
 from .adam import CPUAdam, DeepSpeedCPUAdam, FusedAdam, adam_step_, simd_path, simd_paths
 from .builder import build_all, get_builder, load_op
 from .flatten import flatten, unflatten_into

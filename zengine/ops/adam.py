@@ -11,6 +11,7 @@ tensor) the same arithmetic runs as torch ops, in the same order and rounding (s
 ``torch.optim.AdamW`` / ``Adam`` they agree to float rounding (the order of a few operations
 differs).
 """
+
 from __future__ import annotations
 
 import math
@@ -63,8 +64,22 @@ def _coefficients(lr, beta1, beta2, weight_decay, step, bias_correction) -> dict
 
 
 @torch.no_grad()
-def _torch_adam_step_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
-                      bias_correction, adamw_mode, copy_out) -> None:
+def _torch_adam_step_(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    bias_correction,
+    adamw_mode,
+    copy_out,
+) -> None:
     """The kernel's arithmetic as torch ops: same operations, same order, same fp32 roundings.
 
     Each op below is one IEEE operation per element with its scalar rounded to fp32 once, as
@@ -79,7 +94,9 @@ def _torch_adam_step_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps
         grad = grad + param * weight_decay
     exp_avg.add_((grad - exp_avg).mul_(c["one_minus_beta1"]))
     exp_avg_sq.mul_(beta2).add_((grad * grad).mul_(c["one_minus_beta2"]))
-    denom = torch.sqrt(exp_avg_sq.to(torch.float64)).to(param.dtype).mul_(c["inv_sqrt_bc2"]).add_(eps)
+    denom = (
+        torch.sqrt(exp_avg_sq.to(torch.float64)).to(param.dtype).mul_(c["inv_sqrt_bc2"]).add_(eps)
+    )
     if weight_decay != 0.0 and adamw_mode:
         param.mul_(c["param_scale"])
     param.add_(exp_avg.div(denom).mul_(c["neg_step_size"]))
@@ -121,28 +138,62 @@ def adam_step_(
     """
     beta1, beta2 = betas
     n = param.numel()
-    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("copy_out", copy_out)):
+    for name, t in (
+        ("grad", grad),
+        ("exp_avg", exp_avg),
+        ("exp_avg_sq", exp_avg_sq),
+        ("copy_out", copy_out),
+    ):
         if t is not None and t.numel() != n:
             raise ValueError(f"adam_step_: {name} has {t.numel()} elements, param has {n}")
     if simd not in _SIMD_CODES:
-        raise ValueError(f"simd must be one of {sorted(k for k in _SIMD_CODES if k)} or None, got {simd!r}")
-    fused_copy = copy_out is not None and copy_out.dtype in _COPY_OUT_CODES and copy_out.device.type == "cpu" \
+        raise ValueError(
+            f"simd must be one of {sorted(k for k in _SIMD_CODES if k)} or None, got {simd!r}"
+        )
+    fused_copy = (
+        copy_out is not None
+        and copy_out.dtype in _COPY_OUT_CODES
+        and copy_out.device.type == "cpu"
         and copy_out.is_contiguous()
+    )
     kernel = None
     if _kernel_can_step(param, exp_avg, exp_avg_sq) and grad.device.type == "cpu":
         kernel = load_op("cpu_adam")
     if kernel is not None and not _kernel_can_step(grad):
         grad = grad.to(torch.float32).contiguous()  # e.g. a bf16 gradient: one conversion pass
     if kernel is None:
-        _torch_adam_step_(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                          weight_decay=weight_decay, step=step, bias_correction=bias_correction,
-                          adamw_mode=adamw_mode, copy_out=copy_out)
+        _torch_adam_step_(
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            step=step,
+            bias_correction=bias_correction,
+            adamw_mode=adamw_mode,
+            copy_out=copy_out,
+        )
         return
     kernel.adam_step(
-        param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n,
-        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), int(step),
-        bool(bias_correction), bool(adamw_mode),
-        copy_out.data_ptr() if fused_copy else 0, _COPY_OUT_CODES[copy_out.dtype] if fused_copy else 0,
+        param.data_ptr(),
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        n,
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        int(step),
+        bool(bias_correction),
+        bool(adamw_mode),
+        copy_out.data_ptr() if fused_copy else 0,
+        _COPY_OUT_CODES[copy_out.dtype] if fused_copy else 0,
         num_threads if num_threads is not None else torch.get_num_threads(),
         _SIMD_CODES[simd],
     )
@@ -167,9 +218,13 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
     arithmetic (one warning names the reason).
     """
 
-    writes_params = True  # ShardOptimizer: step_runs (and step_with_copy) write copies while stepping
+    writes_params = (
+        True  # ShardOptimizer: step_runs (and step_with_copy) write copies while stepping
+    )
     steps_runs = True  # ShardOptimizer: step_runs
-    steps_in_pieces = True  # ShardOptimizer: a step as step_runs over pieces (the arithmetic is per element)
+    steps_in_pieces = (
+        True  # ShardOptimizer: a step as step_runs over pieces (the arithmetic is per element)
+    )
 
     def __init__(
         self,
@@ -189,8 +244,14 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
             raise ValueError(f"Invalid beta parameters: {betas}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
-                        bias_correction=bias_correction)
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw_mode=adamw_mode,
+            bias_correction=bias_correction,
+        )
         super().__init__(params, defaults)
         self._runs: dict[int, list[tuple[int, int, int]]] = {}  # set for one step by step_runs
 
@@ -207,8 +268,11 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
         return self._step(closure, {})
 
     @torch.no_grad()
-    def step_with_copy(self, copy_out: Mapping[torch.Tensor, torch.Tensor],
-                       closure: Callable[[], float] | None = None):
+    def step_with_copy(
+        self,
+        copy_out: Mapping[torch.Tensor, torch.Tensor],
+        closure: Callable[[], float] | None = None,
+    ):
         """One step that also writes each updated parameter into ``copy_out[param]``.
 
         ``copy_out`` maps a parameter (by identity) to a tensor of the same numel in fp32, bf16
@@ -219,8 +283,11 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
         return self._step(closure, by_id)
 
     @torch.no_grad()
-    def step_runs(self, runs: Mapping[torch.Tensor, list[tuple[int, int, int]]],
-                  copy_out: Mapping[torch.Tensor, torch.Tensor]):
+    def step_runs(
+        self,
+        runs: Mapping[torch.Tensor, list[tuple[int, int, int]]],
+        copy_out: Mapping[torch.Tensor, torch.Tensor],
+    ):
         """One step over ranges: for each parameter in ``runs``, elements [lo, hi) at their own step number
         (the ZeRO step keeps torch's count per model parameter inside a flat shard, and leaves out the
         parameters no rank gave a gradient); the rest of it is untouched. ``copy_out`` as in ``step_with_copy``."""
@@ -249,9 +316,15 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
             out = copy_out_by_id.get(id(param))
             for lo, hi, step in runs:
                 whole = lo == 0 and hi == param.numel()
-                adam_step_(*(t if whole else t.view(-1)[lo:hi]
-                             for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])), step=step,
-                           copy_out=out if out is None or whole else out.view(-1)[lo:hi], **self._hyper(group))
+                adam_step_(
+                    *(
+                        t if whole else t.view(-1)[lo:hi]
+                        for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])
+                    ),
+                    step=step,
+                    copy_out=out if out is None or whole else out.view(-1)[lo:hi],
+                    **self._hyper(group),
+                )
         return loss
 
     @staticmethod
@@ -272,13 +345,17 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
                     raise RuntimeError("CPUAdam does not support sparse gradients")
                 state = self.state[param]
                 if "step" not in state:
-                    state["step"] = torch.tensor(0.0)  # a tensor, as torch keeps it (an int if loaded so)
+                    state["step"] = torch.tensor(
+                        0.0
+                    )  # a tensor, as torch keeps it (an int if loaded so)
                 runs = self._runs.get(id(param))
                 if runs is None:
                     runs = [(0, param.numel(), int(state["step"]) + 1)]
                 elif not runs:
                     continue
-                step = max(s for _, _, s in runs)  # what state shows (the ZeRO step keeps the counts itself)
+                step = max(
+                    s for _, _, s in runs
+                )  # what state shows (the ZeRO step keeps the counts itself)
                 if torch.is_tensor(state["step"]):
                     state["step"].fill_(step)
                 else:
@@ -288,9 +365,14 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
     @staticmethod
     def _hyper(group: dict[str, Any]) -> dict[str, Any]:
         """``adam_step_``'s keyword arguments from a param group."""
-        return dict(lr=float(group["lr"]), betas=tuple(group["betas"]), eps=group["eps"],
-                    weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
-                    bias_correction=group["bias_correction"])
+        return dict(
+            lr=float(group["lr"]),
+            betas=tuple(group["betas"]),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            adamw_mode=group["adamw_mode"],
+            bias_correction=group["bias_correction"],
+        )
 
 
 class DeepSpeedCPUAdam(CPUAdam):
@@ -298,17 +380,37 @@ class DeepSpeedCPUAdam(CPUAdam):
     (``model_params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw_mode,
     fp32_optimizer_states``). AMSGrad and 16-bit optimizer states are refused by name."""
 
-    def __init__(self, model_params, lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True):
+    def __init__(
+        self,
+        model_params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        fp32_optimizer_states: bool = True,
+    ):
         if amsgrad:
-            raise ValueError("DeepSpeedCPUAdam(amsgrad=True): AMSGrad is not implemented (DeepSpeed refuses it too); "
-                             "use amsgrad=False, or torch.optim.AdamW(amsgrad=True)")
+            raise ValueError(
+                "DeepSpeedCPUAdam(amsgrad=True): AMSGrad is not implemented (DeepSpeed refuses it too); "
+                "use amsgrad=False, or torch.optim.AdamW(amsgrad=True)"
+            )
         if not fp32_optimizer_states:
-            raise ValueError("DeepSpeedCPUAdam(fp32_optimizer_states=False): zengine keeps Adam's moments in fp32; "
-                             "leave it True")
-        super().__init__(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
-                         bias_correction=bias_correction)
+            raise ValueError(
+                "DeepSpeedCPUAdam(fp32_optimizer_states=False): zengine keeps Adam's moments in fp32; "
+                "leave it True"
+            )
+        super().__init__(
+            model_params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw_mode=adamw_mode,
+            bias_correction=bias_correction,
+        )
 
 
 class FusedAdam(torch.optim.Adam):
@@ -319,20 +421,41 @@ class FusedAdam(torch.optim.Adam):
     ``adam_w_mode`` selects decoupled weight decay (AdamW). ``bias_correction=False`` and AMSGrad are
     refused by name; ``set_grad_none`` is torch's default already (``zero_grad`` sets None)."""
 
-    def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
-                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+    ):
         if amsgrad:
-            raise ValueError("FusedAdam(amsgrad=True): not supported (DeepSpeed refuses it too); use amsgrad=False")
+            raise ValueError(
+                "FusedAdam(amsgrad=True): not supported (DeepSpeed refuses it too); use amsgrad=False"
+            )
         if not bias_correction:
-            raise ValueError("FusedAdam(bias_correction=False): torch's Adam always corrects the bias; use "
-                             "zengine.ops.CPUAdam(bias_correction=False) for CPU parameters")
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         decoupled_weight_decay=adam_w_mode)
+            raise ValueError(
+                "FusedAdam(bias_correction=False): torch's Adam always corrects the bias; use "
+                "zengine.ops.CPUAdam(bias_correction=False) for CPU parameters"
+            )
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled_weight_decay=adam_w_mode,
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            on_gpu = bool(group["params"]) and all(p.is_cuda and p.is_floating_point() for p in group["params"])
+            on_gpu = bool(group["params"]) and all(
+                p.is_cuda and p.is_floating_point() for p in group["params"]
+            )
             group["fused"], group["foreach"] = (True, False) if on_gpu else (None, None)
         return super().step(closure)

@@ -17,6 +17,7 @@ Requests move a contiguous CPU tensor's bytes; the tensor is kept alive by its r
 cache: the bytes really go to the drive); then buffer addresses, sizes and offsets must be
 multiples of ``ALIGN`` bytes, which the swappers arrange.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -43,13 +44,15 @@ DEFAULT_BLOCK = 512 << 10
 DEFAULT_DEPTH = 16
 
 
-def aligned_empty(numel: int, dtype: torch.dtype = torch.float32, pin: bool = False) -> torch.Tensor:
+def aligned_empty(
+    numel: int, dtype: torch.dtype = torch.float32, pin: bool = False
+) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor whose data starts on an ``ALIGN`` boundary."""
     item = torch.empty((), dtype=dtype).element_size()
     slack = ALIGN // item
     raw = torch.empty(numel + slack, dtype=dtype, pin_memory=pin)  # [numel + slack]
     skip = (-raw.data_ptr() % ALIGN) // item
-    return raw[skip:skip + numel]
+    return raw[skip : skip + numel]
 
 
 class SwapFile:
@@ -57,13 +60,22 @@ class SwapFile:
     process however that ends; ``size`` bytes are reserved up front so a full disk fails here,
     before training, rather than midway."""
 
-    def __init__(self, directory: str | os.PathLike, size: int, direct: bool = True, prefix: str = "zengine-swap-"):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        size: int,
+        direct: bool = True,
+        prefix: str = "zengine-swap-",
+    ):
         try:
             os.makedirs(directory, exist_ok=True)
             fd, path = tempfile.mkstemp(prefix=prefix, dir=directory)
         except OSError as e:
-            raise OSError(e.errno, f"cannot create an NVMe swap file in {directory}: {e.strerror}; nvme_path must "
-                                   f"name a writable directory") from e
+            raise OSError(
+                e.errno,
+                f"cannot create an NVMe swap file in {directory}: {e.strerror}; nvme_path must "
+                f"name a writable directory",
+            ) from e
         os.close(fd)
         self.path = path
         self.direct = False
@@ -89,8 +101,11 @@ class SwapFile:
                 os.ftruncate(self.fd, self.size)
         except OSError as e:
             os.close(self.fd)
-            raise OSError(e.errno, f"cannot reserve {self.size / 2**20:.1f} MiB for NVMe swap in {directory}: "
-                                   f"{os.strerror(e.errno)}; free space there or point nvme_path elsewhere") from e
+            raise OSError(
+                e.errno,
+                f"cannot reserve {self.size / 2**20:.1f} MiB for NVMe swap in {directory}: "
+                f"{os.strerror(e.errno)}; free space there or point nvme_path elsewhere",
+            ) from e
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -164,8 +179,15 @@ class AsyncIO:
     False serves blocks in submission order.
     """
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK, thread_count: int = 1, queue_depth: int = DEFAULT_DEPTH,
-                 use_kernel: bool = True, *, priority: bool = True):
+    def __init__(
+        self,
+        block_size: int = DEFAULT_BLOCK,
+        thread_count: int = 1,
+        queue_depth: int = DEFAULT_DEPTH,
+        use_kernel: bool = True,
+        *,
+        priority: bool = True,
+    ):
         self.block_size = int(block_size)
         if self.block_size <= 0:
             raise ValueError(f"AsyncIO: block_size must be positive, got {block_size}")
@@ -206,12 +228,18 @@ class AsyncIO:
             raise ValueError("AsyncIO moves contiguous CPU tensors only")
         nbytes = tensor.numel() * tensor.element_size()
         if offset < 0 or offset + nbytes > file.size:
-            raise ValueError(f"AsyncIO: bytes [{offset}, {offset + nbytes}) lie outside the {file.size}-byte swap file")
+            raise ValueError(
+                f"AsyncIO: bytes [{offset}, {offset + nbytes}) lie outside the {file.size}-byte swap file"
+            )
         if file.direct and (tensor.data_ptr() % ALIGN or nbytes % ALIGN or offset % ALIGN):
-            raise ValueError(f"AsyncIO: O_DIRECT needs address, size and offset in multiples of {ALIGN} bytes")
+            raise ValueError(
+                f"AsyncIO: O_DIRECT needs address, size and offset in multiples of {ALIGN} bytes"
+            )
         what = f"{'writing' if write else 'reading'} {nbytes} bytes at {offset} of the NVMe swap file {file.path}"
         if self._handle is not None:
-            ident = self._kernel.submit(self._handle, write, file.fd, tensor.data_ptr(), nbytes, offset)
+            ident = self._kernel.submit(
+                self._handle, write, file.fd, tensor.data_ptr(), nbytes, offset
+            )
         elif self._pool is not None:
             ident = self._pool.submit(write, file.fd, tensor.data_ptr(), nbytes, offset)
         else:
@@ -247,7 +275,17 @@ class AsyncIO:
 
 
 class _Request:
-    __slots__ = ("write", "fd", "ptr", "nbytes", "offset", "issued", "blocks_left", "error", "urgent")
+    __slots__ = (
+        "write",
+        "fd",
+        "ptr",
+        "nbytes",
+        "offset",
+        "issued",
+        "blocks_left",
+        "error",
+        "urgent",
+    )
 
     def __init__(self, write: bool, fd: int, ptr: int, nbytes: int, offset: int, block: int):
         self.write, self.fd, self.ptr, self.nbytes, self.offset = write, fd, ptr, nbytes, offset
@@ -293,8 +331,10 @@ class _ThreadPool:
         self.stopping = False
         self.counts = [0, 0, 0, 0]  # bytes read, bytes written, reads, writes
         self.busy = (_Busy(), _Busy(), _Busy())  # reads, writes, any
-        self.workers = [threading.Thread(target=self._work, name=f"zengine-aio-{i}", daemon=True)
-                        for i in range(threads)]
+        self.workers = [
+            threading.Thread(target=self._work, name=f"zengine-aio-{i}", daemon=True)
+            for i in range(threads)
+        ]
         for t in self.workers:
             t.start()
 
@@ -391,7 +431,11 @@ def _move(write: bool, fd: int, ptr: int, nbytes: int, offset: int) -> int:
         n = nbytes - done
         view = memoryview((ctypes.c_char * n).from_address(ptr + done)).cast("B")
         try:
-            moved = os.pwritev(fd, [view], offset + done) if write else os.preadv(fd, [view], offset + done)
+            moved = (
+                os.pwritev(fd, [view], offset + done)
+                if write
+                else os.preadv(fd, [view], offset + done)
+            )
         except InterruptedError:
             continue
         except OSError as e:

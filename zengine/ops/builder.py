@@ -14,6 +14,7 @@ When none of this works (no compiler, no ninja, sources not shipped, a failed bu
 returns None after ONE ``RuntimeWarning`` naming the op and the reason, and the caller uses
 its torch implementation of the same math.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,7 +37,16 @@ from types import ModuleType
 
 from .ops import ALL_OPS, OpSpec
 
-__all__ = ["OpBuilder", "OpState", "OpStatus", "get_builder", "load_op", "build_all", "csrc_dir", "cache_dir"]
+__all__ = [
+    "OpBuilder",
+    "OpState",
+    "OpStatus",
+    "get_builder",
+    "load_op",
+    "build_all",
+    "csrc_dir",
+    "cache_dir",
+]
 
 log = logging.getLogger("zengine.ops")
 
@@ -97,7 +107,9 @@ def _compiler() -> str:
 class OpBuilder:
     """Loads one op (see the module docstring); the result is kept for the process."""
 
-    def __init__(self, spec: OpSpec, cache_root: Path | None = None, source_root: Path | None = None):
+    def __init__(
+        self, spec: OpSpec, cache_root: Path | None = None, source_root: Path | None = None
+    ):
         self.spec = spec
         self._cache_root = cache_root
         self._source_root = source_root
@@ -143,7 +155,11 @@ class OpBuilder:
         """Where the op stands, without building it."""
         if self._module is not None:
             origin = getattr(self._module, "__file__", "") or ""
-            state = OpState.PREBUILT if self._module.__name__ == self.spec.prebuilt_module else OpState.BUILT
+            state = (
+                OpState.PREBUILT
+                if self._module.__name__ == self.spec.prebuilt_module
+                else OpState.BUILT
+            )
             return OpStatus(state, origin)
         if _disabled_by_env(self.spec.name):
             return OpStatus(OpState.DISABLED, "ZENGINE_DISABLE_OPS")
@@ -236,7 +252,9 @@ class OpBuilder:
         log_path = self.build_dir / "build_error.log"
         with contextlib.suppress(OSError):
             log_path.write_text(text)
-        first_error = next((line.strip() for line in text.splitlines() if "error" in line.lower()), "")
+        first_error = next(
+            (line.strip() for line in text.splitlines() if "error" in line.lower()), ""
+        )
         first_error = re.sub(r"\s+", " ", first_error)[:200] or type(err).__name__
         return f"build failed: {first_error} (full log: {log_path})"
 
@@ -294,7 +312,11 @@ class OpBuilder:
         try:
             spec.loader.exec_module(module)
         except ImportError as err:
-            log.warning("cached build of zengine op %s failed to import (%s); rebuilding", self.spec.name, err)
+            log.warning(
+                "cached build of zengine op %s failed to import (%s); rebuilding",
+                self.spec.name,
+                err,
+            )
             return None
         return module
 

@@ -4,6 +4,7 @@ On CPU the compiled ``flatten`` op copies with all threads, splitting the total 
 (many small tensors and a few large ones balance alike); elsewhere, or without the op,
 ``torch.cat`` / ``copy_`` do the same.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -20,7 +21,9 @@ _INTO_FLAT, _OUT_OF_FLAT = 0, 1
 def _kernel_for(flat: torch.Tensor, tensors: Sequence[torch.Tensor]):
     if flat.device.type != "cpu" or not flat.is_contiguous():
         return None
-    if not all(t.device.type == "cpu" and t.dtype == flat.dtype and t.is_contiguous() for t in tensors):
+    if not all(
+        t.device.type == "cpu" and t.dtype == flat.dtype and t.is_contiguous() for t in tensors
+    ):
         return None
     return load_op("flatten")
 
@@ -48,7 +51,9 @@ def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) ->
             return torch.empty(0)
         out = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
     if out.dim() != 1 or out.numel() < total:
-        raise ValueError(f"out must be 1-D with at least {total} elements, got shape {tuple(out.shape)}")
+        raise ValueError(
+            f"out must be 1-D with at least {total} elements, got shape {tuple(out.shape)}"
+        )
     _check_same_dtype(tensors, out.dtype)
     kernel = _kernel_for(out, tensors)
     if kernel is None:
@@ -56,8 +61,13 @@ def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) ->
             torch.cat([t.reshape(-1) for t in tensors], out=out[:total])
         return out
     nonempty = [t for t in tensors if t.numel()]
-    kernel.copy_flat(out.data_ptr(), [t.data_ptr() for t in nonempty],
-                     [t.numel() * t.element_size() for t in nonempty], _INTO_FLAT, torch.get_num_threads())
+    kernel.copy_flat(
+        out.data_ptr(),
+        [t.data_ptr() for t in nonempty],
+        [t.numel() * t.element_size() for t in nonempty],
+        _INTO_FLAT,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -67,15 +77,22 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     tensors = list(tensors)
     total = sum(t.numel() for t in tensors)
     if flat.dim() != 1 or flat.numel() < total:
-        raise ValueError(f"flat must be 1-D with at least {total} elements, got shape {tuple(flat.shape)}")
+        raise ValueError(
+            f"flat must be 1-D with at least {total} elements, got shape {tuple(flat.shape)}"
+        )
     _check_same_dtype(tensors, flat.dtype)
     kernel = _kernel_for(flat, tensors)
     if kernel is None:
         offset = 0
         for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
         return
     nonempty = [t for t in tensors if t.numel()]
-    kernel.copy_flat(flat.data_ptr(), [t.data_ptr() for t in nonempty],
-                     [t.numel() * t.element_size() for t in nonempty], _OUT_OF_FLAT, torch.get_num_threads())
+    kernel.copy_flat(
+        flat.data_ptr(),
+        [t.data_ptr() for t in nonempty],
+        [t.numel() * t.element_size() for t in nonempty],
+        _OUT_OF_FLAT,
+        torch.get_num_threads(),
+    )

@@ -5,6 +5,7 @@ scaler and gradient clipping need: the gradient divided by the loss scale, its s
 norm, and whether any element is inf or NaN. The squares are summed in double, where a
 float squared is exact and cannot overflow, so the sum is finite exactly when every value is.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,7 +40,7 @@ def _torch_sum_sq_(grad: torch.Tensor, inv_scale: float) -> float:
         flat = grad.view(-1) if grad.is_contiguous() else grad.reshape(-1)
     total = 0.0
     for start in range(0, flat.numel(), _FALLBACK_CHUNK):
-        chunk = flat[start:start + _FALLBACK_CHUNK].to(torch.float64)
+        chunk = flat[start : start + _FALLBACK_CHUNK].to(torch.float64)
         total += float(torch.dot(chunk, chunk))
     return total
 
@@ -57,16 +58,19 @@ def sum_of_squares(t: torch.Tensor) -> torch.Tensor:
         return torch.tensor(unscale_and_norm_(t).sum_sq, dtype=torch.float64)
     flat = t.reshape(-1)
     chunk = max(_FALLBACK_CHUNK, -(-flat.numel() // 64))  # at most 64 pieces: few kernels on a GPU
-    parts = [torch.linalg.vector_norm(flat[i:i + chunk], dtype=torch.float64).square()
-             for i in range(0, flat.numel(), chunk)]
+    parts = [
+        torch.linalg.vector_norm(flat[i : i + chunk], dtype=torch.float64).square()
+        for i in range(0, flat.numel(), chunk)
+    ]
     if not parts:
         return torch.zeros((), dtype=torch.float64, device=t.device)
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
 
 @torch.no_grad()
-def unscale_and_norm_(grads: torch.Tensor | Sequence[torch.Tensor], inv_scale: float = 1.0,
-                      simd: str | None = None) -> GradStats:
+def unscale_and_norm_(
+    grads: torch.Tensor | Sequence[torch.Tensor], inv_scale: float = 1.0, simd: str | None = None
+) -> GradStats:
     """Multiply each gradient by ``inv_scale`` in place (skipped when 1) and return the sum of
     squares of the results and whether any is non-finite.
 
@@ -84,6 +88,11 @@ def unscale_and_norm_(grads: torch.Tensor | Sequence[torch.Tensor], inv_scale: f
         if kernel is None:
             total += _torch_sum_sq_(grad, inv_scale)
         else:
-            total += kernel.unscale_sum_squares(grad.data_ptr(), grad.numel(), float(inv_scale),
-                                                torch.get_num_threads(), _SIMD_CODES[simd])
+            total += kernel.unscale_sum_squares(
+                grad.data_ptr(),
+                grad.numel(),
+                float(inv_scale),
+                torch.get_num_threads(),
+                _SIMD_CODES[simd],
+            )
     return GradStats(total, not math.isfinite(total))

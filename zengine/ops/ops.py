@@ -5,17 +5,34 @@ This module imports nothing beyond the standard library, so ``setup.py`` can rea
 Source paths are relative to the ``csrc/`` folder; ``csrc/includes`` is always on the
 include path. See ``builder.py`` for how a declaration is built and loaded.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["OpSpec", "CPU_ADAM", "FLATTEN", "UNSCALE_NORM", "ASYNC_IO", "QUANTIZE", "ALL_OPS", "COMMON_CFLAGS",
-           "COMMON_LDFLAGS"]
+__all__ = [
+    "OpSpec",
+    "CPU_ADAM",
+    "FLATTEN",
+    "UNSCALE_NORM",
+    "ASYNC_IO",
+    "QUANTIZE",
+    "ALL_OPS",
+    "COMMON_CFLAGS",
+    "COMMON_LDFLAGS",
+]
 
 # -O3 and no -g keep builds small and fast; -ffp-contract=off keeps a*b+c as two roundings
 # so every SIMD path gives the scalar path's bits; no -march: each SIMD path carries its
 # own target attribute, so one build serves every x86 CPU.
-COMMON_CFLAGS = ("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi")
+COMMON_CFLAGS = (
+    "-O3",
+    "-std=c++17",
+    "-fopenmp",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-Wno-psabi",
+)
 COMMON_LDFLAGS = ("-fopenmp",)
 
 

@@ -1,9 +1,10 @@
 """``zengine-report``: the environment the compiled ops see, and where each op stands.
 
-    zengine-report            # versions, CPU features, op status (builds nothing), bf16 GEMM rates
-    zengine-report --build    # also build every op that is not built yet, and time it
-    zengine-report --no-gemm  # without timing the GEMMs (about a second; longer on CPUs without native bf16)
+zengine-report            # versions, CPU features, op status (builds nothing), bf16 GEMM rates
+zengine-report --build    # also build every op that is not built yet, and time it
+zengine-report --no-gemm  # without timing the GEMMs (about a second; longer on CPUs without native bf16)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,18 @@ import time
 
 __all__ = ["main", "collect"]
 
-_SIMD_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "fma", "f16c", "avx", "sse4_2", "neon", "asimd")
+_SIMD_FLAGS = (
+    "amx_bf16",
+    "avx512_bf16",
+    "avx512f",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx",
+    "sse4_2",
+    "neon",
+    "asimd",
+)
 
 
 def _first_line(cmd: list[str]) -> str:
@@ -111,20 +123,30 @@ def _print(report: dict[str, object]) -> None:
 def _print_rates(rates: dict[str, dict[str, float]], threads: object) -> None:
     layouts = list(next(iter(rates.values())))
     print()
-    print(f"GEMM GFLOP/s on this CPU (best call; {threads} torch threads; 64 tokens, 1024 -> 4096 as a linear layer):")
+    print(
+        f"GEMM GFLOP/s on this CPU (best call; {threads} torch threads; 64 tokens, 1024 -> 4096 as a linear layer):"
+    )
     print(f"{'dtype':<14} " + " ".join(f"{name:>20}" for name in layouts))
     for dtype, per_layout in rates.items():
         print(f"{dtype:<14} " + " ".join(f"{per_layout[name]:>20.1f}" for name in layouts))
-    print("(bf16 via fp32: bf16 operands upcast, product rounded to bf16: what bf16.cpu_matmul \"fp32\" runs)")
+    print(
+        "(bf16 via fp32: bf16 operands upcast, product rounded to bf16: what bf16.cpu_matmul \"fp32\" runs)"
+    )
     # a layer's forward+backward runs each product once: its time is the sum of the three
-    per_step = {dtype: sum(1.0 / r for r in per_layout.values()) for dtype, per_layout in rates.items()}
-    print("one layer's forward+backward, relative to fp32: " + ", ".join(
-        f"{dtype} {t / per_step['fp32']:.2f}x" for dtype, t in per_step.items()))
+    per_step = {
+        dtype: sum(1.0 / r for r in per_layout.values()) for dtype, per_layout in rates.items()
+    }
+    print(
+        "one layer's forward+backward, relative to fp32: "
+        + ", ".join(f"{dtype} {t / per_step['fp32']:.2f}x" for dtype, t in per_step.items())
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zengine-report", description=__doc__.splitlines()[0])
-    parser.add_argument("--build", action="store_true", help="build every op that is not built yet, timing each")
+    parser.add_argument(
+        "--build", action="store_true", help="build every op that is not built yet, timing each"
+    )
     parser.add_argument("--no-gemm", action="store_true", help="do not time the fp32/bf16 GEMMs")
     args = parser.parse_args(argv)
     if args.build:
@@ -134,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         for spec in ALL_OPS:
             start = time.perf_counter()
             ok = get_builder(spec.name).load() is not None
-            print(f"{spec.name}: {'ready' if ok else 'unavailable'} in {time.perf_counter() - start:.1f} s")
+            print(
+                f"{spec.name}: {'ready' if ok else 'unavailable'} in {time.perf_counter() - start:.1f} s"
+            )
         print()
     _print(collect(measure_gemm=not args.no_gemm))
     return 0

@@ -16,6 +16,7 @@ from ``ShardOptimizer``:
 optimizer itself when it derives from ``ShardOptimizer``, else ``PlainAbilities`` (the defaults:
 states in ``optimizer.state``, nothing to close).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,12 +28,17 @@ import torch
 class ShardOptimizer:
     """Optional abilities of a shard optimizer, with the defaults of a plain torch optimizer."""
 
-    writes_params = False  # True: ``step_runs`` can write the compute-dtype parameters while stepping
+    writes_params = (
+        False  # True: ``step_runs`` can write the compute-dtype parameters while stepping
+    )
     steps_runs = False  # True: ``step_runs``; else the ZeRO step hands a torch optimizer views (zero/step_counts.py)
     steps_in_pieces = False  # True: one step may be ``step_runs`` calls over disjoint pieces, then ``record_steps``
 
-    def step_runs(self, runs: Mapping[torch.Tensor, list[tuple[int, int, int]]],
-                  copy_out: Mapping[torch.Tensor, torch.Tensor]):
+    def step_runs(
+        self,
+        runs: Mapping[torch.Tensor, list[tuple[int, int, int]]],
+        copy_out: Mapping[torch.Tensor, torch.Tensor],
+    ):
         """One step over ``runs[param]``: elements [lo, hi) each at its step number (1 for the first), the
         rest of ``param`` untouched; each updated parameter also into ``copy_out[param]`` (if ``writes_params``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot step ranges")

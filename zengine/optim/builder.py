@@ -82,7 +82,9 @@ _BETAS = Rule(NUMBERS, length=2, minimum=0, below=1)
 _OPTIONAL_FLAGS = ("foreach", "fused")
 
 # Keys that belong elsewhere in the config, with where they go.
-_MISPLACED = {"max_grad_norm": "is not an optimizer parameter; use the top-level 'gradient_clipping' key"}
+_MISPLACED = {
+    "max_grad_norm": "is not an optimizer parameter; use the top-level 'gradient_clipping' key"
+}
 
 _FUSED_DEVICE_TYPES = ("cpu", "cuda")
 
@@ -92,7 +94,11 @@ def _torch_optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
     classes = {}
     for name in dir(torch.optim):
         obj = getattr(torch.optim, name)
-        if isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer) and obj is not torch.optim.Optimizer:
+        if (
+            isinstance(obj, type)
+            and issubclass(obj, torch.optim.Optimizer)
+            and obj is not torch.optim.Optimizer
+        ):
             classes[name.lower()] = obj
     return classes
 
@@ -150,7 +156,9 @@ def optimizer_param_problems(type_name: str, params: dict) -> list[tuple[str, st
     return _problems(name, *_param_rules(name), params)
 
 
-def _problems(name: str, display: str, rules: dict[str, Rule], params: dict) -> list[tuple[str, str]]:
+def _problems(
+    name: str, display: str, rules: dict[str, Rule], params: dict
+) -> list[tuple[str, str]]:
     problems = [(key, _MISPLACED[key]) for key in params if key in _MISPLACED]
     rest = {key: value for key, value in params.items() if key not in _MISPLACED}
     problems += param_problems(rest, rules, f"the {display} optimizer")
@@ -204,7 +212,11 @@ def _rule_for(key: str, default: Any) -> Rule:
         return _BETAS
     if isinstance(default, tuple):
         # An entry whose default is None (Adafactor's eps) may stay None.
-        return Rule(NUMBERS, length=len(default), null_entries=tuple(i for i, d in enumerate(default) if d is None))
+        return Rule(
+            NUMBERS,
+            length=len(default),
+            null_entries=tuple(i for i, d in enumerate(default) if d is None),
+        )
     if isinstance(default, (int, float)) or key == "lr":
         return _NUMBER_RULES.get(key, Rule(NUMBER))
     return Rule(ANY)
@@ -213,17 +225,27 @@ def _rule_for(key: str, default: Any) -> Rule:
 def _adam_problems(params: dict) -> list[tuple[str, str]]:
     """Problems of DeepSpeed's Adam keys that no single-key rule sees."""
     problems = []
-    modes = [params[key] for key in ("adam_w_mode", "adamw_mode") if isinstance(params.get(key), bool)]
+    modes = [
+        params[key] for key in ("adam_w_mode", "adamw_mode") if isinstance(params.get(key), bool)
+    ]
     if len(set(modes)) > 1:
-        problems.append(("adam_w_mode", "disagrees with adamw_mode (CPUAdam's spelling of the same switch); "
-                                        "give one of them"))
+        problems.append(
+            (
+                "adam_w_mode",
+                "disagrees with adamw_mode (CPUAdam's spelling of the same switch); "
+                "give one of them",
+            )
+        )
     if params.get("fp32_optimizer_states") is False:
-        problems.append(("fp32_optimizer_states", "must be true: only fp32 optimizer states are supported"))
+        problems.append(
+            ("fp32_optimizer_states", "must be true: only fp32 optimizer states are supported")
+        )
     return problems
 
 
-def _build_adam(name: str, kwargs: dict, groups: list[dict], cpu_offload: bool,
-                given: dict) -> torch.optim.Optimizer:
+def _build_adam(
+    name: str, kwargs: dict, groups: list[dict], cpu_offload: bool, given: dict
+) -> torch.optim.Optimizer:
     """``kwargs``: the checked params; ``given``: the params as written, to tell a key the
     config set from a default."""
     torch_adam = kwargs.pop("torch_adam", False)
@@ -265,10 +287,14 @@ def _adam_w_mode(kwargs: dict) -> bool:
     return modes[0] if modes else True
 
 
-def _build_cpu_adam(kernel: type, groups: list[dict], kwargs: dict, decoupled: bool, bias_correction: bool):
+def _build_cpu_adam(
+    kernel: type, groups: list[dict], kwargs: dict, decoupled: bool, bias_correction: bool
+):
     for key in _TORCH_ONLY_ADAM_KEYS:
         if kwargs.pop(key, None):
-            raise ValueError(f"optimizer.params.{key} is a torch option that the CPUAdam kernel does not have")
+            raise ValueError(
+                f"optimizer.params.{key} is a torch option that the CPUAdam kernel does not have"
+            )
     if kwargs.pop("amsgrad", False):
         raise ValueError("optimizer.params.amsgrad: the CPUAdam kernel does not implement AMSGrad")
     kwargs.setdefault("weight_decay", 0.0)
@@ -298,7 +324,9 @@ def _may_fuse(kwargs: dict, groups: list[dict]) -> bool:
         return False
     tensors = [p for group in groups for p in group["params"]]
     return bool(tensors) and all(
-        isinstance(p, torch.Tensor) and torch.is_floating_point(p) and p.device.type in _FUSED_DEVICE_TYPES
+        isinstance(p, torch.Tensor)
+        and torch.is_floating_point(p)
+        and p.device.type in _FUSED_DEVICE_TYPES
         for p in tensors
     )
 
@@ -333,7 +361,8 @@ def _constructor_defaults(cls: type) -> dict[str, Any]:
     return {
         name: (None if param.default is inspect.Parameter.empty else param.default)
         for name, param in signature.parameters.items()
-        if name not in ("self", "params") and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+        if name not in ("self", "params")
+        and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
     }
 
 

@@ -19,7 +19,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["NUMBER", "INTEGER", "FLAG", "CHOICE", "NUMBERS", "ANY", "ParamProblem", "Rule", "param_problems"]
+__all__ = [
+    "NUMBER",
+    "INTEGER",
+    "FLAG",
+    "CHOICE",
+    "NUMBERS",
+    "ANY",
+    "ParamProblem",
+    "Rule",
+    "param_problems",
+]
 
 NUMBER = "number"
 """An int or float (never a boolean or a string), finite."""
@@ -68,7 +78,9 @@ class Rule:
             return None
         if self.per_group and isinstance(value, (list, tuple)):
             if not value:
-                raise ParamProblem(f"must be a number or a list with one number per param group, got {value!r}")
+                raise ParamProblem(
+                    f"must be a number or a list with one number per param group, got {value!r}"
+                )
             return [self._one(entry) for entry in value]
         return self._one(value)
 
@@ -89,7 +101,9 @@ class Rule:
             return value
         if self.kind == CHOICE:
             if value not in self.choices:
-                raise ParamProblem(f"must be {' or '.join(repr(choice) for choice in self.choices)}, got {value!r}")
+                raise ParamProblem(
+                    f"must be {' or '.join(repr(choice) for choice in self.choices)}, got {value!r}"
+                )
             return value
         if self.kind == NUMBERS:
             return self._numbers(value)
@@ -107,9 +121,14 @@ class Rule:
         return value
 
     def _numbers(self, value: Any) -> tuple:
-        entries_ok = isinstance(value, (list, tuple)) and len(value) == self.length and all(
-            (entry is None and index in self.null_entries) or (_is_number(entry) and math.isfinite(entry))
-            for index, entry in enumerate(value)
+        entries_ok = (
+            isinstance(value, (list, tuple))
+            and len(value) == self.length
+            and all(
+                (entry is None and index in self.null_entries)
+                or (_is_number(entry) and math.isfinite(entry))
+                for index, entry in enumerate(value)
+            )
         )
         if not entries_ok:
             raise ParamProblem(f"must be a list of {self.length} numbers, got {value!r}")
@@ -118,7 +137,9 @@ class Rule:
         return tuple(None if entry is None else float(entry) for entry in value)
 
     def _in_range(self, value: float) -> bool:
-        if self.minimum is not None and (value <= self.minimum if self.above_minimum else value < self.minimum):
+        if self.minimum is not None and (
+            value <= self.minimum if self.above_minimum else value < self.minimum
+        ):
             return False
         return self.below is None or value < self.below
 
@@ -130,7 +151,9 @@ class Rule:
         return f"{'>' if self.above_minimum else '>='} {low}"
 
 
-def param_problems(params: Mapping[str, Any], rules: Mapping[str, Rule], owner: str) -> list[tuple[str, str]]:
+def param_problems(
+    params: Mapping[str, Any], rules: Mapping[str, Rule], owner: str
+) -> list[tuple[str, str]]:
     """Every problem of ``params`` against ``rules``: unknown keys (with the near miss and the
     accepted keys), refused values and missing required keys. ``owner`` names what takes the
     parameters in messages, e.g. ``"the Adam optimizer"`` or ``"WarmupLR"``."""

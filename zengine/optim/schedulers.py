@@ -138,7 +138,9 @@ class LRSchedule:
         checked = _checked(key, value)
         values = checked if isinstance(checked, list) else [checked] * count
         if len(values) != count:
-            raise ScheduleParamError(key, f"has {len(values)} entries but the optimizer has {count} param groups")
+            raise ScheduleParamError(
+                key, f"has {len(values)} entries but the optimizer has {count} param groups"
+            )
         return [float(entry) for entry in values]
 
 
@@ -189,7 +191,9 @@ class WarmupLR(LRSchedule):
     def _gamma(self) -> float:
         """Position between min (0) and max (1) at ``last_batch_iteration``."""
         if self.last_batch_iteration < self.warmup_num_steps:
-            return _warmup_fraction(self.warmup_type, self.last_batch_iteration, self.warmup_num_steps)
+            return _warmup_fraction(
+                self.warmup_type, self.last_batch_iteration, self.warmup_num_steps
+            )
         return 1.0
 
 
@@ -216,7 +220,14 @@ class WarmupDecayLR(WarmupLR):
         last_batch_iteration: int = -1,
     ):
         self.total_num_steps = _checked("total_num_steps", total_num_steps)
-        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
+        super().__init__(
+            optimizer,
+            warmup_min_lr,
+            warmup_max_lr,
+            warmup_num_steps,
+            warmup_type,
+            last_batch_iteration,
+        )
         _warn_if_warmup_exceeds_total(self.total_num_steps, self.warmup_num_steps)
 
     def _gamma(self) -> float:
@@ -341,7 +352,9 @@ class OneCycle(LRSchedule):
         if cycle_second_step_size is None:
             self.second_step_size = self.first_step_size
         else:
-            self.second_step_size = float(_checked("cycle_second_step_size", cycle_second_step_size))
+            self.second_step_size = float(
+                _checked("cycle_second_step_size", cycle_second_step_size)
+            )
         self.total_size = self.first_step_size + self.second_step_size
         self.step_ratio = self.first_step_size / self.total_size
         self.first_stair_count = _checked("cycle_first_stair_count", cycle_first_stair_count)
@@ -365,8 +378,10 @@ class OneCycle(LRSchedule):
         """Whether the optimizer's defaults hold ``betas`` (DeepSpeed's test); warns when not."""
         if "betas" in (getattr(self.optimizer, "defaults", None) or {}):
             return True
-        warnings.warn(f"OneCycle: cycle_momentum is off because {type(self.optimizer).__name__}'s defaults "
-                      "have no 'betas' (as in DeepSpeed, only an Adam-style beta1 is cycled)")
+        warnings.warn(
+            f"OneCycle: cycle_momentum is off because {type(self.optimizer).__name__}'s defaults "
+            "have no 'betas' (as in DeepSpeed, only an Adam-style beta1 is cycled)"
+        )
         return False
 
     def _set_betas(self, momentums: list[float]) -> None:
@@ -460,7 +475,8 @@ class LRRangeTest(LRSchedule):
 
 
 _SCHEDULES: dict[str, type[LRSchedule]] = {
-    cls.__name__.lower(): cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)
+    cls.__name__.lower(): cls
+    for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)
 }
 
 SCHEDULER_NAMES: tuple[str, ...] = tuple(cls.__name__ for cls in _SCHEDULES.values())
@@ -483,7 +499,9 @@ def _declared_params(cls: type[LRSchedule]) -> dict[str, Rule]:
     return rules
 
 
-_PARAMS: dict[str, dict[str, Rule]] = {name: _declared_params(cls) for name, cls in _SCHEDULES.items()}
+_PARAMS: dict[str, dict[str, Rule]] = {
+    name: _declared_params(cls) for name, cls in _SCHEDULES.items()
+}
 
 
 def build_scheduler(type_name: str, params: dict | None, optimizer: Any) -> LRSchedule:
@@ -498,7 +516,9 @@ def build_scheduler(type_name: str, params: dict | None, optimizer: Any) -> LRSc
     problems = scheduler_param_problems(type_name, params)
     cls = _SCHEDULES[type_name.lower()]
     if problems:
-        raise ValueError("\n".join(f"scheduler.params.{key} {text} ({cls.__name__})" for key, text in problems))
+        raise ValueError(
+            "\n".join(f"scheduler.params.{key} {text} ({cls.__name__})" for key, text in problems)
+        )
     try:
         return cls(optimizer, **params)
     except ScheduleParamError as err:
@@ -515,7 +535,9 @@ def scheduler_param_problems(type_name: str, params: dict) -> list[tuple[str, st
     """
     if not isinstance(type_name, str) or type_name.lower() not in _SCHEDULES:
         raise ValueError(_unknown_type_message(type_name))
-    return param_problems(params, _PARAMS[type_name.lower()], _SCHEDULES[type_name.lower()].__name__)
+    return param_problems(
+        params, _PARAMS[type_name.lower()], _SCHEDULES[type_name.lower()].__name__
+    )
 
 
 def _unknown_type_message(type_name: Any) -> str:
@@ -536,7 +558,9 @@ def _warmup_fraction(warmup_type: str, iteration: int, warmup_num_steps: int) ->
 
 def _warn_if_warmup_exceeds_total(total_num_steps: int, warmup_num_steps: int) -> None:
     if total_num_steps < warmup_num_steps:
-        warnings.warn(f"total_num_steps {total_num_steps} is less than warmup_num_steps {warmup_num_steps}")
+        warnings.warn(
+            f"total_num_steps {total_num_steps} is less than warmup_num_steps {warmup_num_steps}"
+        )
 
 
 def _set_lr(group: dict, lr: float) -> None:

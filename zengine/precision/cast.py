@@ -1,4 +1,5 @@
 """The compute precision: which dtype the model runs in and how inputs are cast."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -43,13 +44,16 @@ def cast_module(module: nn.Module, dtype: torch.dtype, device: torch.device) -> 
     valid; unlike ``module.to`` this also works on tensor subclasses such as the fake CUDA tensors
     of the CPU guard tests.
     """
+
     def moved(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
 
     with torch.no_grad():
         for m in module.modules():
             for p in m._parameters.values():
-                if p is not None and (p.device != device or (p.is_floating_point() and p.dtype != dtype)):
+                if p is not None and (
+                    p.device != device or (p.is_floating_point() and p.dtype != dtype)
+                ):
                     p.data = moved(p.data)
             for name, b in m._buffers.items():
                 if b is not None:

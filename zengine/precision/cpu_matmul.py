@@ -14,6 +14,7 @@ few dozen tokens): "auto" keeps native there, and ``zengine-report`` shows this 
 by hand. Only CPU-computed bf16 is touched: any other compute device or dtype gets ``NativeMatmul``,
 which does nothing. ``measure_gemm_rates`` times the three products of a linear layer per dtype.
 """
+
 from __future__ import annotations
 
 import functools
@@ -60,7 +61,9 @@ def cpu_flags() -> frozenset:
         import cpuinfo
 
         return frozenset(cpuinfo.get_cpu_info().get("flags", []))
-    except Exception:  # py-cpuinfo missing, or its probe failed: nothing known, "auto" takes the safe path
+    except (
+        Exception
+    ):  # py-cpuinfo missing, or its probe failed: nothing known, "auto" takes the safe path
         return frozenset()
 
 
@@ -155,8 +158,12 @@ class Fp32Matmul(MatmulPolicy):
         self.routed = []
 
 
-def choose_matmul_policy(setting: str, compute_dtype: torch.dtype, device: torch.device,
-                         flags: Optional[Iterable[str]] = None) -> MatmulPolicy:
+def choose_matmul_policy(
+    setting: str,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+    flags: Optional[Iterable[str]] = None,
+) -> MatmulPolicy:
     """The policy for ``bf16.cpu_matmul`` = ``setting`` ("auto", "fp32", "native"). Anything but bf16
     computed on the CPU gets ``NativeMatmul``. ``flags``: the CPU's (default: ``cpu_flags()``)."""
     if compute_dtype is not torch.bfloat16 or torch.device(device).type != "cpu":
@@ -166,21 +173,27 @@ def choose_matmul_policy(setting: str, compute_dtype: torch.dtype, device: torch
     if setting == "fp32":
         return Fp32Matmul("bf16.cpu_matmul is \"fp32\"")
     if setting != "auto":
-        raise ValueError(f"bf16.cpu_matmul: {setting!r} is not one of \"auto\", \"fp32\", \"native\"")
+        raise ValueError(
+            f"bf16.cpu_matmul: {setting!r} is not one of \"auto\", \"fp32\", \"native\""
+        )
     flags = cpu_flags() if flags is None else frozenset(flags)
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA")
     if native_bf16(flags, isa):
         have = " and ".join(f for f in NATIVE_BF16_FLAGS if f in flags)
-        return NativeMatmul(f"auto: the CPU has {have}; set bf16.cpu_matmul to \"fp32\" where zengine-report "
-                            "measures fp32 faster")
+        return NativeMatmul(
+            f"auto: the CPU has {have}; set bf16.cpu_matmul to \"fp32\" where zengine-report "
+            "measures fp32 faster"
+        )
     if any(f in NATIVE_BF16_FLAGS for f in flags):
         why = f"oneDNN is capped at ONEDNN_MAX_CPU_ISA={isa}"
     elif not flags:
         why = "the CPU's flags are unknown"
     else:
         why = "the CPU has no bf16 instructions (avx512_bf16, amx_bf16)"
-    return Fp32Matmul(f"auto: {why}, where torch's bf16 GEMM is emulated and slow; set bf16.cpu_matmul to "
-                      "\"native\" to keep it")
+    return Fp32Matmul(
+        f"auto: {why}, where torch's bf16 GEMM is emulated and slow; set bf16.cpu_matmul to "
+        "\"native\" to keep it"
+    )
 
 
 _logged: set = set()
@@ -188,26 +201,35 @@ _logged: set = set()
 
 def log_choice(policy: MatmulPolicy, routed: int) -> None:
     """Log the choice, once per process for each distinct choice (several engines say it once)."""
-    line = policy.describe() + (f"; {routed} nn.Linear layer(s) routed" if policy.mode == "fp32" else "")
-    if policy.reason != NOT_CPU_BF16 and line not in _logged:  # GPU, fp32, fp16 runs: nothing to say
+    line = policy.describe() + (
+        f"; {routed} nn.Linear layer(s) routed" if policy.mode == "fp32" else ""
+    )
+    if (
+        policy.reason != NOT_CPU_BF16 and line not in _logged
+    ):  # GPU, fp32, fp16 runs: nothing to say
         _logged.add(line)
         logger.info("zengine: %s", line)
 
 
 # -- measured rates (zengine-report) ------------------------------------------------------------
-LAYOUTS = {"forward x @ W.T": lambda x, w, g: x @ w.t(),
-           "weight grad g.T @ x": lambda x, w, g: g.t() @ x,
-           "input grad g @ W": lambda x, w, g: g @ w}
+LAYOUTS = {
+    "forward x @ W.T": lambda x, w, g: x @ w.t(),
+    "weight grad g.T @ x": lambda x, w, g: g.t() @ x,
+    "input grad g @ W": lambda x, w, g: g @ w,
+}
 """The three products of a linear layer (x [tokens, in], W [out, in], g [tokens, out])."""
 
 
 def _via_fp32(scratch: Fp32Scratch) -> dict:
     """``LAYOUTS`` on bf16 operands as ``Fp32Linear`` runs them: upcast (weight-sized ones in the scratch),
     multiply in fp32, round the product to bf16."""
-    return {"forward x @ W.T": lambda x, w, g: (x.float() @ scratch.upcast(w).t()).bfloat16(),
-            "weight grad g.T @ x": lambda x, w, g: torch.mm(g.float().t(), x.float(),
-                                                            out=scratch.take(w.shape)).bfloat16(),
-            "input grad g @ W": lambda x, w, g: (g.float() @ scratch.upcast(w)).bfloat16()}
+    return {
+        "forward x @ W.T": lambda x, w, g: (x.float() @ scratch.upcast(w).t()).bfloat16(),
+        "weight grad g.T @ x": lambda x, w, g: torch.mm(
+            g.float().t(), x.float(), out=scratch.take(w.shape)
+        ).bfloat16(),
+        "input grad g @ W": lambda x, w, g: (g.float() @ scratch.upcast(w)).bfloat16(),
+    }
 
 
 def _rate(fn, flops: float, budget_s: float) -> float:
@@ -224,16 +246,23 @@ def _rate(fn, flops: float, budget_s: float) -> float:
             return flops / best / 1e9
 
 
-def measure_gemm_rates(tokens: int = 64, width: int = 1024, budget_s: float = 0.1) -> dict[str, dict[str, float]]:
+def measure_gemm_rates(
+    tokens: int = 64, width: int = 1024, budget_s: float = 0.1
+) -> dict[str, dict[str, float]]:
     """GFLOP/s of each linear-layer product (``LAYOUTS``; ``tokens`` x ``width`` -> 4 ``width``) on this CPU
     with torch's current threads: ``{"fp32": {...}, "bf16": {...}, "bf16 via fp32": {...}}``, the last as
     ``Fp32Matmul`` runs it (upcasts and the rounding included)."""
     g = torch.Generator().manual_seed(0)
-    x, w, grad = (torch.randn(shape, generator=g) for shape in ((tokens, width), (4 * width, width),
-                                                                (tokens, 4 * width)))
+    x, w, grad = (
+        torch.randn(shape, generator=g)
+        for shape in ((tokens, width), (4 * width, width), (tokens, 4 * width))
+    )
     flops = 2.0 * tokens * width * 4 * width
-    runs = (("fp32", torch.float32, LAYOUTS), ("bf16", torch.bfloat16, LAYOUTS),
-            ("bf16 via fp32", torch.bfloat16, _via_fp32(Fp32Scratch())))
+    runs = (
+        ("fp32", torch.float32, LAYOUTS),
+        ("bf16", torch.bfloat16, LAYOUTS),
+        ("bf16 via fp32", torch.bfloat16, _via_fp32(Fp32Scratch())),
+    )
     out: dict[str, dict[str, float]] = {}
     for name, dtype, layouts in runs:
         a, b, c = x.to(dtype), w.to(dtype), grad.to(dtype)

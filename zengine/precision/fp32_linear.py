@@ -14,6 +14,7 @@ The fp32 copies of the weight are made in one reusable buffer (``Fp32Scratch``):
 of a large matrix costs page faults (every time, when glibc hands large blocks back to the system),
 which for a few tokens per step costs more than the product itself.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -53,8 +54,13 @@ class Fp32Linear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                scratch: Fp32Scratch) -> torch.Tensor:
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        scratch: Fp32Scratch,
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.scratch = scratch
         ctx.has_bias = bias is not None
@@ -74,7 +80,9 @@ class Fp32Linear(torch.autograd.Function):
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = (grad_rows @ scratch.upcast(weight)).to(x.dtype).view(x.shape)
-        if ctx.needs_input_grad[1]:  # the scratch is free again: the fp32 weight gradient goes there
+        if ctx.needs_input_grad[
+            1
+        ]:  # the scratch is free again: the fp32 weight gradient goes there
             full = scratch.take(weight.shape)
             torch.mm(grad_rows.t(), x.reshape(-1, x.shape[-1]).float(), out=full)
             grad_weight = full.to(weight.dtype)
@@ -83,11 +91,17 @@ class Fp32Linear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None
 
 
-def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                scratch: Fp32Scratch) -> torch.Tensor:
+def fp32_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], scratch: Fp32Scratch
+) -> torch.Tensor:
     """``F.linear`` with the product in fp32 when the operands are bf16 on the CPU; as ``F.linear``
     otherwise (another dtype, a tensor subclass, a device other than the CPU)."""
-    if (x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.device.type == "cpu"
-            and weight.device.type == "cpu" and (bias is None or bias.dtype is torch.bfloat16)):
+    if (
+        x.dtype is torch.bfloat16
+        and weight.dtype is torch.bfloat16
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and (bias is None or bias.dtype is torch.bfloat16)
+    ):
         return Fp32Linear.apply(x, weight, bias, scratch)
     return F.linear(x, weight, bias)

@@ -8,6 +8,7 @@ accumulation steps for a pass ``engine.backward`` started (DeepSpeed's way, to k
 ``loss_carries_accumulation``). The step turns the summed gradients into the mean gradient of the
 global batch by multiplying with ``unscale()``: 1 / (data-parallel world x what the window carried).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,13 @@ class GradFactor:
     # engine it reaches records the root's factor, not its own.
     _running_pass: Optional[float] = None
 
-    def __init__(self, scaler: LossScaler, loss_carries_accumulation: bool, accumulation_steps: int,
-                 dp_world: int = 1):
+    def __init__(
+        self,
+        scaler: LossScaler,
+        loss_carries_accumulation: bool,
+        accumulation_steps: int,
+        dp_world: int = 1,
+    ):
         self.scaler = scaler
         self.loss_carries_accumulation = loss_carries_accumulation  # fp16: each loss divided by gas
         self.accumulation_steps = int(accumulation_steps)  # (set_train_batch_size changes it)
@@ -37,8 +43,9 @@ class GradFactor:
         self.window_multiplier: Optional[float] = None
 
     @classmethod
-    def for_precision(cls, scaler: LossScaler, fp16, accumulation_steps: int,
-                      dp_world: int = 1) -> "GradFactor":
+    def for_precision(
+        cls, scaler: LossScaler, fp16, accumulation_steps: int, dp_world: int = 1
+    ) -> "GradFactor":
         """The factor for an ``FP16Config`` (whether the loss carries the accumulation steps)."""
         return cls(scaler, loss_carries_accumulation(fp16), accumulation_steps, dp_world)
 

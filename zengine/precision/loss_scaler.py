@@ -5,6 +5,7 @@ and, once ``hysteresis`` overflows have been absorbed, the scale is divided by
 two (never below ``min_loss_scale``); after ``loss_scale_window`` steps without
 an overflow it is doubled.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -33,8 +34,15 @@ class DynamicLossScaler(LossScaler):
 
     dynamic = True
 
-    def __init__(self, initial_scale: float, window: int, hysteresis: int, min_scale: float,
-                 consecutive_hysteresis: bool = False, factor: float = 2.0):
+    def __init__(
+        self,
+        initial_scale: float,
+        window: int,
+        hysteresis: int,
+        min_scale: float,
+        consecutive_hysteresis: bool = False,
+        factor: float = 2.0,
+    ):
         super().__init__(initial_scale)
         self.window = window
         self.hysteresis = hysteresis
@@ -62,8 +70,12 @@ class DynamicLossScaler(LossScaler):
         self.iteration += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "hysteresis_left": self.hysteresis_left, "iteration": self.iteration,
-                "last_overflow_iteration": self.last_overflow_iteration}
+        return {
+            "scale": self.scale,
+            "hysteresis_left": self.hysteresis_left,
+            "iteration": self.iteration,
+            "last_overflow_iteration": self.last_overflow_iteration,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state["scale"])
@@ -87,5 +99,10 @@ def make_loss_scaler(fp16) -> LossScaler:
         return LossScaler(1.0)
     if fp16.loss_scale > 0:
         return LossScaler(fp16.loss_scale)
-    return DynamicLossScaler(2.0 ** fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis,
-                             fp16.min_loss_scale, fp16.consecutive_hysteresis)
+    return DynamicLossScaler(
+        2.0**fp16.initial_scale_power,
+        fp16.loss_scale_window,
+        fp16.hysteresis,
+        fp16.min_loss_scale,
+        fp16.consecutive_hysteresis,
+    )

@@ -1,4 +1,5 @@
 """``RepeatingLoader``: iterate a data loader forever (DeepSpeed's ``deepspeed.utils.RepeatingLoader``)."""
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Iterator

@@ -1,4 +1,5 @@
 """Helpers of ``deepspeed.runtime.utils`` that scripts call."""
+
 from __future__ import annotations
 
 import random
@@ -29,5 +30,9 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     from ..accelerator import get_accelerator
 
     acc = get_accelerator()
-    setup_logging().info("%s | allocated %.2f GB, peak %.2f GB", message, acc.memory_allocated() / 2 ** 30,
-                         acc.max_memory_allocated() / 2 ** 30)
+    setup_logging().info(
+        "%s | allocated %.2f GB, peak %.2f GB",
+        message,
+        acc.memory_allocated() / 2**30,
+        acc.max_memory_allocated() / 2**30,
+    )

@@ -9,6 +9,7 @@
 - ``set_z3_leaf_modules``, ``unset_z3_leaf_modules``, ``get_z3_leaf_modules``, ``z3_leaf_module``:
   stage-3 leaf modules, gathered whole (``zero/stage3/leaf.py``; mixture-of-experts layers).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -17,7 +18,12 @@ import torch
 
 from ..runtime.dataloader import RepeatingLoader
 from ..zero import full_state
-from ..zero.stage3.leaf import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
+from ..zero.stage3.leaf import (
+    get_z3_leaf_modules,
+    set_z3_leaf_modules,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+)
 from . import logging, zero_to_fp32
 from .logging import log_dist, logger
 
@@ -38,17 +44,33 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     return full_state.get_full_grad(param)
 
 
-def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
+def safe_get_full_optimizer_state(
+    param: torch.nn.Parameter, optim_state_key: str
+) -> Optional[torch.Tensor]:
     """The whole optimizer state ``optim_state_key`` (``exp_avg``, ``exp_avg_sq``) of ``param`` (collective)."""
     return full_state.get_full_optimizer_state(param, optim_state_key)
 
 
-def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+def safe_set_full_optimizer_state(
+    param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str
+) -> None:
     """Set ``param``'s optimizer state ``optim_state_key`` to ``value`` (the same on every rank)."""
     full_state.set_full_optimizer_state(param, value, optim_state_key)
 
 
-__all__ = ["logger", "log_dist", "logging", "RepeatingLoader", "safe_get_full_fp32_param",
-           "safe_set_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
-           "safe_set_full_optimizer_state", "zero_to_fp32",
-           "get_z3_leaf_modules", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module"]
+__all__ = [
+    "logger",
+    "log_dist",
+    "logging",
+    "RepeatingLoader",
+    "safe_get_full_fp32_param",
+    "safe_set_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_set_full_optimizer_state",
+    "zero_to_fp32",
+    "get_z3_leaf_modules",
+    "set_z3_leaf_modules",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+]

@@ -7,6 +7,7 @@ process, with no GPU and no process group (any stage, any world size). Also the 
 ``get_optim_files`` and ``get_model_state_file`` (what Lightning's own converter reads) answer for
 DeepSpeed-written folders and zengine's alike.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,27 +31,40 @@ load_state_dict_from_zero_checkpoint = _fp32.load_state_dict_from_zero_checkpoin
 
 def _refuse_frozen_filter(exclude_frozen_parameters: bool) -> None:
     if exclude_frozen_parameters:
-        raise NotImplementedError("exclude_frozen_parameters=True: zengine checkpoints keep frozen parameters "
-                                  "with the others; drop them from the returned state_dict by name")
+        raise NotImplementedError(
+            "exclude_frozen_parameters=True: zengine checkpoints keep frozen parameters "
+            "with the others; drop them from the returned state_dict by name"
+        )
 
 
-def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[str] = None,
-                                             exclude_frozen_parameters: bool = False, lazy_mode: bool = False):
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir: str,
+    tag: Optional[str] = None,
+    exclude_frozen_parameters: bool = False,
+    lazy_mode: bool = False,
+):
     """The model's full fp32 state_dict (``lazy_mode`` is accepted: tensors are read one at a time either way)."""
     _refuse_frozen_filter(exclude_frozen_parameters)
     return _fp32.get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: str, max_shard_size: str = "5GB",
-                                               safe_serialization: bool = False, tag: Optional[str] = None,
-                                               exclude_frozen_parameters: bool = False) -> str:
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: str,
+    output_dir: str,
+    max_shard_size: str = "5GB",
+    safe_serialization: bool = False,
+    tag: Optional[str] = None,
+    exclude_frozen_parameters: bool = False,
+) -> str:
     """Write the fp32 state_dict: into ``output_dir`` as ``pytorch_model.bin`` (``model.safetensors``
     with ``safe_serialization``), or, when ``output_dir`` names a file (older DeepSpeed's
     ``output_file``), to that file. One file whatever ``max_shard_size`` says. Returns its path."""
     _refuse_frozen_filter(exclude_frozen_parameters)
     if os.path.isdir(output_dir) or not os.path.splitext(output_dir)[1]:
         os.makedirs(output_dir, exist_ok=True)
-        path = os.path.join(output_dir, "model.safetensors" if safe_serialization else "pytorch_model.bin")
+        path = os.path.join(
+            output_dir, "model.safetensors" if safe_serialization else "pytorch_model.bin"
+        )
     else:
         path = output_dir
     _fp32.convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, path, tag)
@@ -91,17 +105,26 @@ def get_optim_files(checkpoint_dir: str) -> list[str]:
     (Lightning's converter: ``["optimizer_state_dict"]["zero_stage"]``): ``zero_stage`` and
     ``partition_count`` (the saving world size). FileNotFoundError when the folder has neither."""
     if _is_zengine(checkpoint_dir):
-        with CheckpointReader(checkpoint_dir) as reader:  # (checks meta.json and the files it lists)
+        with CheckpointReader(
+            checkpoint_dir
+        ) as reader:  # (checks meta.json and the files it lists)
             meta = reader.meta
         summary = {"zero_stage": meta["zero_stage"], "partition_count": meta["world_size"]}
-        return [_stand_in(checkpoint_dir, "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                          {"optimizer_state_dict": summary})]
-    files = sorted(glob.glob(os.path.join(checkpoint_dir, "*_optim_states.pt")),
-                   key=lambda f: [int(t) if t.isdigit() else t
-                                  for t in os.path.basename(f).split("_")])
+        return [
+            _stand_in(
+                checkpoint_dir,
+                "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                {"optimizer_state_dict": summary},
+            )
+        ]
+    files = sorted(
+        glob.glob(os.path.join(checkpoint_dir, "*_optim_states.pt")),
+        key=lambda f: [int(t) if t.isdigit() else t for t in os.path.basename(f).split("_")],
+    )
     if not files:
-        raise FileNotFoundError(f"no '*_optim_states.pt' files (DeepSpeed) nor meta.json (zengine) "
-                                f"in {checkpoint_dir}")
+        raise FileNotFoundError(
+            f"no '*_optim_states.pt' files (DeepSpeed) nor meta.json (zengine) in {checkpoint_dir}"
+        )
     return files
 
 
@@ -117,8 +140,12 @@ def get_model_state_file(checkpoint_dir: str, zero_stage: int) -> str:
     if _is_zengine(checkpoint_dir):
         with CheckpointReader(checkpoint_dir) as reader:
             client_state, meta = reader.read_state()["client_state"], reader.meta
-        content = {**client_state, "global_steps": meta.get("global_steps"),
-                   "dp_world_size": meta["world_size"], "mp_world_size": 1}
+        content = {
+            **client_state,
+            "global_steps": meta.get("global_steps"),
+            "dp_world_size": meta["world_size"],
+            "mp_world_size": 1,
+        }
         return _stand_in(checkpoint_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt", content)
     name = "mp_rank_00_model_states.pt"
     if zero_stage == 3:
@@ -131,20 +158,33 @@ def get_model_state_file(checkpoint_dir: str, zero_stage: int) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line of DeepSpeed's zero_to_fp32.py."""
-    parser = argparse.ArgumentParser(description="Write one fp32 state_dict from a zengine (ZeRO) checkpoint.")
-    parser.add_argument("checkpoint_dir", help="the save_dir of engine.save_checkpoint (with 'latest'), or one "
-                                               "checkpoint's folder")
-    parser.add_argument("output_dir", help="a folder (pytorch_model.bin / model.safetensors go there) or a file")
-    parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
+    parser = argparse.ArgumentParser(
+        description="Write one fp32 state_dict from a zengine (ZeRO) checkpoint."
+    )
+    parser.add_argument(
+        "checkpoint_dir",
+        help="the save_dir of engine.save_checkpoint (with 'latest'), or one checkpoint's folder",
+    )
+    parser.add_argument(
+        "output_dir", help="a folder (pytorch_model.bin / model.safetensors go there) or a file"
+    )
+    parser.add_argument(
+        "-t", "--tag", default=None, help="checkpoint tag (default: the one in 'latest')"
+    )
     parser.add_argument("--safe_serialization", action="store_true", help="write model.safetensors")
     parser.add_argument("--max_shard_size", default="5GB", help="accepted; one file is written")
     parser.add_argument("--exclude_frozen_parameters", action="store_true")
     parser.add_argument("-d", "--debug", action="store_true", help="accepted")
     args = parser.parse_args(argv)
     try:
-        path = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir, args.max_shard_size,
-                                                          args.safe_serialization, args.tag,
-                                                          args.exclude_frozen_parameters)
+        path = convert_zero_checkpoint_to_fp32_state_dict(
+            args.checkpoint_dir,
+            args.output_dir,
+            args.max_shard_size,
+            args.safe_serialization,
+            args.tag,
+            args.exclude_frozen_parameters,
+        )
     except (CheckpointError, OSError, NotImplementedError) as e:
         print(f"zero_to_fp32: {e}", file=sys.stderr)
         return 1
@@ -152,9 +192,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-__all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
-           "load_state_dict_from_zero_checkpoint", "get_optim_files", "get_model_state_file",
-           "main"]
+__all__ = [
+    "get_fp32_state_dict_from_zero_checkpoint",
+    "convert_zero_checkpoint_to_fp32_state_dict",
+    "load_state_dict_from_zero_checkpoint",
+    "get_optim_files",
+    "get_model_state_file",
+    "main",
+]
 
 if __name__ == "__main__":
     sys.exit(main())

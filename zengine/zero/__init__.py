@@ -1,5 +1,6 @@
 """ZeRO stages: shard arithmetic, flat groups, gradient stores, the stage optimizers, and the
 stage-3 helpers of the public API (``zengine.zero.Init``, ``zengine.zero.GatheredParameters``)."""
+
 from .init import GatheredParameters, Init, MiCS_Init
 from .stage3.param import ZeroParamStatus
 from .stages import build_zero_optimizer

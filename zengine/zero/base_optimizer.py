@@ -53,11 +53,16 @@ class ZeROOptimizer(DeepSpeedOptimizer):
             base = self.optimizer.state_dict()
             masters = list(self.masters)
             if self._swaps_states():
-                base["state"] = {key: {name: _copy(value) for name, value in per_param.items()}
-                                 for key, per_param in base["state"].items()}
+                base["state"] = {
+                    key: {name: _copy(value) for name, value in per_param.items()}
+                    for key, per_param in base["state"].items()
+                }
                 masters = [m.detach().clone() for m in masters]
-            return {"base_optimizer_state": base, "single_partition_of_fp32_groups": masters,
-                    "partition_count": self.world}
+            return {
+                "base_optimizer_state": base,
+                "single_partition_of_fp32_groups": masters,
+                "partition_count": self.world,
+            }
 
     def _swaps_states(self) -> bool:
         """Whether states leave memory outside ``states_resident()``: the optimizer or the master
@@ -65,8 +70,10 @@ class ZeROOptimizer(DeepSpeedOptimizer):
         from ..ops.shard_optimizer import ShardOptimizer
         from ..offload.masters import MastersInMemory
 
-        return (type(self.abilities).states_in_memory is not ShardOptimizer.states_in_memory
-                or type(self.master_store).resident is not MastersInMemory.resident)
+        return (
+            type(self.abilities).states_in_memory is not ShardOptimizer.states_in_memory
+            or type(self.master_store).resident is not MastersInMemory.resident
+        )
 
     def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
         """Refused: a ZeRO optimizer's state is sharded over the ranks and restored with the model's

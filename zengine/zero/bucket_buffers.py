@@ -11,6 +11,7 @@ the compute stream waits for the mark, on the device, before the storage is rewr
 point where it waits for a download). Up to ``DOWNLOAD_BACKLOG_BYTES`` of them more may exist while
 their downloads run.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -75,14 +76,18 @@ class BucketBuffers:
         """The released buffer to carve a bucket from: the first big enough that no download reads
         any more, else, once those still read hold ``DOWNLOAD_BACKLOG_BYTES``, the oldest big
         enough; None: a new one."""
-        fits = [i for i, (store, _) in enumerate(self._free)
-                if store.numel() >= numel and store.dtype == self.dtype and store.device == device]
+        fits = [
+            i
+            for i, (store, _) in enumerate(self._free)
+            if store.numel() >= numel and store.dtype == self.dtype and store.device == device
+        ]
         for i in fits:
             read = self._free[i][1]
             if read is None or read.query():
                 return i
-        held = sum(store.numel() * store.element_size()
-                   for store, read in self._free if read is not None)
+        held = sum(
+            store.numel() * store.element_size() for store, read in self._free if read is not None
+        )
         return fits[0] if fits and held >= self.DOWNLOAD_BACKLOG_BYTES else None
 
     def release(self, key: Key) -> None:
@@ -101,8 +106,10 @@ class BucketBuffers:
         faults every page in (21k page faults, 40 ms, per backward of an 84 MB bucket on CPU): there
         the largest ``keep`` released buffers stay, what a backward in the settled order holds at
         once."""
-        host = sorted((entry for entry in self._free if entry[0].device.type == "cpu"),
-                      key=lambda e: -e[0].numel())
+        host = sorted(
+            (entry for entry in self._free if entry[0].device.type == "cpu"),
+            key=lambda e: -e[0].numel(),
+        )
         self._free = host[:keep]
 
     def workspace(self) -> list[torch.Tensor]:

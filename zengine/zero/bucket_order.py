@@ -16,6 +16,7 @@ which the buckets completed in the first synchronised backward if every rank rec
 (checked in the step's all-reduce): a model whose backward runs in another order would otherwise
 hold every bucket until the one the sequence waits for completes.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -64,8 +65,12 @@ class LaunchSequence:
     synchronised backward (the stores that keep only shards propose it at the first step; full
     buffers need no better order)."""
 
-    def __init__(self, queues: list[BucketQueue],
-                 positions: Optional[Sequence[Sequence[int]]] = None, recording: bool = True):
+    def __init__(
+        self,
+        queues: list[BucketQueue],
+        positions: Optional[Sequence[Sequence[int]]] = None,
+        recording: bool = True,
+    ):
         self.queues = queues
         self.recording = recording
         self.completed: list[Entry] = []
@@ -76,10 +81,12 @@ class LaunchSequence:
         entries = [(gi, b.index) for gi, q in enumerate(self.queues) for b in q.buckets]
         if positions is None:
             return entries
+
         # the latest-registered parameter of a bucket first: its gradient arrives first in backward
         # (Python's sort is stable: a group's own bucket order breaks ties)
         def latest(e: Entry) -> int:
             return max(positions[e[0]][pi] for pi in self.queues[e[0]].buckets[e[1]].params)
+
         return sorted(entries, key=lambda e: -latest(e))
 
     def set_order(self, order: list[Entry]) -> None:

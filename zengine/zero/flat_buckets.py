@@ -5,6 +5,7 @@ A bucket's buffer is ``[bucket]`` in the reduce dtype, on the group's device; ea
 part of the reduced bucket that falls inside its shard of the flat buffer
 (``FlatParamGroup.owned``).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -74,7 +75,7 @@ class FlatRanges:
 
     def mine(self, gi: int, bucket: Bucket, reduced: torch.Tensor) -> Optional[torch.Tensor]:
         piece = self._owned_part(gi, bucket)
-        return reduced[piece[0] - bucket.start:piece[1] - bucket.start] if piece else None
+        return reduced[piece[0] - bucket.start : piece[1] - bucket.start] if piece else None
 
 
 class AllReduce:
@@ -97,15 +98,24 @@ class ReduceToOwners:
 
     def launch(self, gi: int, bucket: Bucket, buf: torch.Tensor) -> Reduction:
         g = self.groups[gi]
-        pieces = [(owner, lo - bucket.start, hi - bucket.start)
-                  for owner, lo, hi in g.layout.owner_ranges((bucket.start, bucket.end))]
+        pieces = [
+            (owner, lo - bucket.start, hi - bucket.start)
+            for owner, lo, hi in g.layout.owner_ranges((bucket.start, bucket.end))
+        ]
         return Reduction(collectives.reduce_to_owners(buf, pieces, g.rank, self.comm_group), buf)
 
 
-def sharded_gradients(groups: list[FlatParamGroup], *, bucket_numel: int, dtypes: GradDtypes,
-                      to_owners: bool, placement: DevicePlacement, comm_group=None,
-                      in_flight: int = 1,
-                      positions: Optional[Sequence[Sequence[int]]] = None) -> ShardReducer:
+def sharded_gradients(
+    groups: list[FlatParamGroup],
+    *,
+    bucket_numel: int,
+    dtypes: GradDtypes,
+    to_owners: bool,
+    placement: DevicePlacement,
+    comm_group=None,
+    in_flight: int = 1,
+    positions: Optional[Sequence[Sequence[int]]] = None,
+) -> ShardReducer:
     """Stage 2's gradient store: flat-range buckets, reduced exactly (``to_owners``: each owner sums
     only its part, ``zero_optimization.reduce_scatter``; else all-reduced), into shards where
     ``placement`` (the optimizer's) keeps master gradients."""

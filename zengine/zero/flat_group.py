@@ -9,6 +9,7 @@ stages 1-2), see ``optimizer.py``.
 ``ParamGroup`` is the role the step, the master stores and the checkpoints
 see; stage 3's ``stage3/group.ShardedParamGroup`` plays it too.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,8 +71,15 @@ class FlatParamGroup:
 
     in_memory = True  # the parameters are tensors here (a stage-3 group's may live in a swap file)
 
-    def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], hyper: dict[str, Any],
-                 num_shards: int, rank: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        hyper: dict[str, Any],
+        num_shards: int,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.hyper = hyper  # the group's own hyper-parameters (lr, weight_decay, ...)
@@ -82,7 +90,7 @@ class FlatParamGroup:
         # rank never holds the model twice (a zeroed buffer would be touched whole at once).
         self.flat = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
         with torch.no_grad():
-            self.flat[self.layout.numel:].zero_()  # the padding
+            self.flat[self.layout.numel :].zero_()  # the padding
             for p, span in zip(self.params, self.layout.spans):
                 view = self.flat.narrow(0, span.offset, span.numel)
                 view.copy_(p.detach().reshape(-1))

@@ -12,6 +12,7 @@ whole value and keeps its pieces.
 Which optimizer owns a parameter is looked up in a table of live optimizers
 (``register``), not in attributes on the parameter.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,14 +45,18 @@ def _locate(param: torch.Tensor):
     return None if opt is None else (opt, entry[1], entry[2])
 
 
-def _assemble(opt, gi: int, pi: int, local: torch.Tensor, what: str, scale: float = 1.0) -> torch.Tensor:
+def _assemble(
+    opt, gi: int, pi: int, local: torch.Tensor, what: str, scale: float = 1.0
+) -> torch.Tensor:
     """The full fp32 tensor of parameter pi from this rank's pieces of ``local`` (a master-shaped tensor);
     ``what``: the public call, named if the ranks do not all make it."""
     g = opt.groups[gi]
     shape = g.param_shape(pi)
-    out = torch.zeros(math.prod(shape), dtype=torch.float32, device=opt.device)  # [numel] fp32 on the compute device
+    out = torch.zeros(
+        math.prod(shape), dtype=torch.float32, device=opt.device
+    )  # [numel] fp32 on the compute device
     for lo, hi, start in g.param_pieces(pi):
-        out[start:start + hi - lo].copy_(local[lo:hi])
+        out[start : start + hi - lo].copy_(local[lo:hi])
     if not g.replicated and opt.world > 1:
         with agreement.collective_call(what, opt.comm_group):
             collectives.all_reduce_sum(out, opt.comm_group)
@@ -65,7 +70,7 @@ def _scatter(opt, gi: int, pi: int, local: torch.Tensor, value: torch.Tensor) ->
     flat = value.detach().reshape(-1)
     g = opt.groups[gi]
     for lo, hi, start in g.param_pieces(pi):
-        local[lo:hi].copy_(flat[start:start + hi - lo])
+        local[lo:hi].copy_(flat[start : start + hi - lo])
 
 
 def get_full_fp32_param(param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -86,8 +91,10 @@ def set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     opt, gi, pi = found
     g = opt.groups[gi]
     if tuple(value.shape) != g.param_shape(pi):
-        raise ValueError(f"safe_set_full_fp32_param: value has shape {tuple(value.shape)}, the parameter "
-                         f"{g.param_shape(pi)}")
+        raise ValueError(
+            f"safe_set_full_fp32_param: value has shape {tuple(value.shape)}, the parameter "
+            f"{g.param_shape(pi)}"
+        )
     with torch.no_grad(), opt.states_resident():
         _scatter(opt, gi, pi, opt.masters[gi], value)
         owned = g.owned_params()
@@ -105,8 +112,9 @@ def get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     opt, gi, pi = found
     opt.grads.drain()
-    return _assemble(opt, gi, pi, opt.grads.owned_grad(gi), "safe_get_full_grad",
-                     scale=opt.grad_factor.unscale())
+    return _assemble(
+        opt, gi, pi, opt.grads.owned_grad(gi), "safe_get_full_grad", scale=opt.grad_factor.unscale()
+    )
 
 
 def get_full_optimizer_state(param: torch.Tensor, key: str) -> Optional[torch.Tensor]:
@@ -132,6 +140,10 @@ def set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, key: str)
     with opt.states_resident(), torch.no_grad():
         state = opt.optimizer.state.get(opt.shard_params[gi], {}).get(key)
         if not torch.is_tensor(state):
-            raise KeyError(f"safe_set_full_optimizer_state: the optimizer has no state {key!r} for this "
-                           "parameter yet (it appears after the first step)")
-        _scatter(opt, gi, pi, state, value)  # (NVMe: states_resident writes the changed moments back)
+            raise KeyError(
+                f"safe_set_full_optimizer_state: the optimizer has no state {key!r} for this "
+                "parameter yet (it appears after the first step)"
+            )
+        _scatter(
+            opt, gi, pi, state, value
+        )  # (NVMe: states_resident writes the changed moments back)

@@ -23,6 +23,7 @@ Defaults, and why:
   ``grad_accum`` does the same). With optimizer offload the host shard is fp32 whatever is chosen, as in
   DeepSpeed (``placement.cpu_optimizer``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,7 +49,9 @@ class GradDtypes:
     def from_config(cls, config: ZengineConfig) -> "GradDtypes":
         """The dtypes ``config`` (a ``ZengineConfig``) asks for, defaults resolved for its stage."""
         compute = config.compute_dtype
-        reduce = DTYPES[config.communication_data_type] if config.communication_data_type else compute
+        reduce = (
+            DTYPES[config.communication_data_type] if config.communication_data_type else compute
+        )
         chosen = config.data_types.grad_accum_dtype
         if chosen is not None:
             accumulate = DTYPES[chosen]

@@ -6,6 +6,7 @@ there (copies it into a bucket, reduces, frees it). ``rewrap`` registers them ag
 under compiled autograd (``engine.compile(compiled_autograd_enabled=True)``) the hooks are wrapped in
 ``torch.compiler.disable`` so that the backward graph calls them rather than tracing their collectives.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -30,8 +31,11 @@ class GradHooks:
     def rewrap(self, wrap: Wrap) -> None:
         """Register the hooks again, each through ``wrap``."""
         self.remove()
-        self._handles = [p.register_post_accumulate_grad_hook(wrap(partial(self._on_grad, gi, pi)))
-                         for gi, g in enumerate(self._groups) for pi, p in enumerate(g.params)]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(wrap(partial(self._on_grad, gi, pi)))
+            for gi, g in enumerate(self._groups)
+            for pi, p in enumerate(g.params)
+        ]
 
     def remove(self) -> None:
         for handle in self._handles:

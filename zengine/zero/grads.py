@@ -21,6 +21,7 @@ holds back the ones after it until the end of backward.
 Bucket buffers are in the reduce dtype (each gradient converted as it is
 copied in) and the sums over micro-steps in the accumulate dtype (``grad_dtypes.py``).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -126,8 +127,15 @@ class FullGradients(GradientStore):
     in flight when a launch returns, so that no rank holds a second whole gradient.
     """
 
-    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int, dtypes: GradDtypes,
-                 comm_group=None, in_flight: int = 0, positions=None):
+    def __init__(
+        self,
+        groups: list[FlatParamGroup],
+        bucket_numel: int,
+        dtypes: GradDtypes,
+        comm_group=None,
+        in_flight: int = 0,
+        positions=None,
+    ):
         self.groups = groups
         self.comm_group = comm_group
         # the parameters' .grad can be views into the buffers
@@ -136,8 +144,9 @@ class FullGradients(GradientStore):
         self.converts = dtypes.reduce != dtypes.accumulate  # buckets are summed as converted copies
         # converted copies left in flight when a launch returns
         self.in_flight_limit = max(0, int(in_flight))
-        self.flat_grads = [torch.zeros(g.flat.shape, dtype=dtypes.accumulate, device=g.flat.device)
-                           for g in groups]  # [padded] accumulate dtype per group
+        self.flat_grads = [
+            torch.zeros(g.flat.shape, dtype=dtypes.accumulate, device=g.flat.device) for g in groups
+        ]  # [padded] accumulate dtype per group
         self.queues = [BucketQueue(g, bucket_numel) for g in groups]
         # (not recording: the full buffers exist anyway, a better launch order would save no memory
         # here)
@@ -187,7 +196,7 @@ class FullGradients(GradientStore):
                 self._launch(g, bucket)
 
     def _launch(self, gi: int, bucket: Bucket) -> None:
-        piece = self.flat_grads[gi][bucket.start:bucket.end]
+        piece = self.flat_grads[gi][bucket.start : bucket.end]
         if not self.converts:  # summed in place: the full buffers exist anyway, no limit needed
             work = collectives.all_reduce_sum(piece, self.comm_group, async_op=True)
             self.works.append((work, piece, None))

@@ -17,6 +17,7 @@ again at ``initialize`` (``warn_lost_writes``).
 ``modifier_rank=r`` what rank r wrote is copied into every rank's shard (and
 the engine's fp32 masters) on exit. Outside stage 3 it does nothing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,9 +55,19 @@ class Init:
     ``offload_param.nvme_path`` as its module is built, in the config's compute dtype, so the model
     is never in memory whole or sharded; the engine takes the shards over at ``initialize``."""
 
-    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear: bool = True,
-                 remote_device: Optional[str] = None, pin_memory: bool = False, config_dict_or_path=None,
-                 config=None, enabled: bool = True, dtype: Optional[torch.dtype] = None, **_ignored):
+    def __init__(
+        self,
+        module=None,
+        data_parallel_group=None,
+        mem_efficient_linear: bool = True,
+        remote_device: Optional[str] = None,
+        pin_memory: bool = False,
+        config_dict_or_path=None,
+        config=None,
+        enabled: bool = True,
+        dtype: Optional[torch.dtype] = None,
+        **_ignored,
+    ):
         self.enabled = enabled
         self._patched: list = []
         self._depth: dict[int, int] = {}
@@ -75,7 +86,9 @@ class Init:
         # the ranks the engine will shard over: all of them, or with MiCS this rank's shard group (mics.py)
         zero_cfg = cfg.zero_optimization if cfg is not None else None
         self.world, self.rank, _, _ = sharding(zero_cfg, dist.get_world_size(), dist.get_rank())
-        self.device = ProcessRank.current().device  # parameters are cut where the engine will compute with them
+        self.device = (
+            ProcessRank.current().device
+        )  # parameters are cut where the engine will compute with them
         self.swap = self._nvme_swap(cfg)
         self._made: list[ShardedParam] = []
         for cls in _subclasses(nn.Module):
@@ -113,7 +126,9 @@ class Init:
         return __init__
 
     def _partition(self, module: nn.Module) -> None:
-        named = [(f"{type(module).__name__}.{name}", p) for name, p in module._parameters.items()]  # full names at initialize
+        named = [
+            (f"{type(module).__name__}.{name}", p) for name, p in module._parameters.items()
+        ]  # full names at initialize
         self._made += partition(named, self.device, None, self.world, self.rank, self.swap)
 
     def _zero_sections(self):
@@ -135,8 +150,10 @@ class Init:
         if not wants or self._remote_device == "cpu":
             return None
         if offload is None or offload.nvme_path is None:
-            raise ConfigError("zero.Init(remote_device='nvme') needs a config with zero_optimization.offload_param."
-                              "nvme_path (pass config_dict_or_path=ds_config)")
+            raise ConfigError(
+                "zero.Init(remote_device='nvme') needs a config with zero_optimization.offload_param."
+                "nvme_path (pass config_dict_or_path=ds_config)"
+            )
         dtype = self._dtype or (cfg.compute_dtype if cfg is not None else torch.float32)
         return GrowingSwap(offload, dtype, make_aio(cfg.aio), self.device)
 
@@ -149,8 +166,10 @@ class MiCS_Init(Init):  # noqa: N801 (DeepSpeed's name)
         if config_dict_or_path is None and config is None:
             from ..config import ConfigError
 
-            raise ConfigError("zero.MiCS_Init needs the config (config_dict_or_path=ds_config): its mics_shard_size "
-                              "says which ranks shard the parameters")
+            raise ConfigError(
+                "zero.MiCS_Init needs the config (config_dict_or_path=ds_config): its mics_shard_size "
+                "says which ranks shard the parameters"
+            )
         super().__init__(*args, config_dict_or_path=config_dict_or_path, config=config, **kwargs)
 
 
@@ -159,8 +178,11 @@ def _apply_gathered(module: nn.Module, fn):
     module's partitioned parameters gathered around ``fn(module)`` and rank 0's values kept."""
     for child in module.children():
         child.apply(fn)
-    own = [sp for sp in (lookup(p) for p in module._parameters.values() if p is not None)
-           if sp is not None and sp.state is ParamState.SHARDED]
+    own = [
+        sp
+        for sp in (lookup(p) for p in module._parameters.values() if p is not None)
+        if sp is not None and sp.state is ParamState.SHARDED
+    ]
     if not own:
         fn(module)
         return module
@@ -175,10 +197,15 @@ def warn_lost_writes(sharded, where: str) -> None:
     lost = [sp.name for sp in sharded if sp.written_while_released]
     if lost:
         shown = ", ".join(lost[:8]) + (f" and {len(lost) - 8} more" if len(lost) > 8 else "")
-        logger.warning("%s: %d partitioned parameter(s) were written in place while partitioned, and the writes "
-                       "were lost (they show an empty tensor outside a gather): %s. Initialise them inside the "
-                       "module's constructor or its self.apply(...), or wrap the writes in "
-                       "zengine.zero.GatheredParameters(params, modifier_rank=0)", where, len(lost), shown)
+        logger.warning(
+            "%s: %d partitioned parameter(s) were written in place while partitioned, and the writes "
+            "were lost (they show an empty tensor outside a gather): %s. Initialise them inside the "
+            "module's constructor or its self.apply(...), or wrap the writes in "
+            "zengine.zero.GatheredParameters(params, modifier_rank=0)",
+            where,
+            len(lost),
+            shown,
+        )
         for sp in sharded:  # said once
             if sp.param is not None:
                 sp.freed_version = sp.param._version
@@ -186,15 +213,23 @@ def warn_lost_writes(sharded, where: str) -> None:
 
 def _standalone_fetcher(sp: ShardedParam) -> Fetcher:
     """A fetcher over the ranks ``sp`` was cut over (every rank, or its MiCS shard group)."""
-    cfg = SimpleNamespace(stage3_prefetch_bucket_size=0, stage3_max_live_parameters=10**18,
-                          stage3_max_reuse_distance=0, stage3_debug_fetch_order=False)
+    cfg = SimpleNamespace(
+        stage3_prefetch_bucket_size=0,
+        stage3_max_live_parameters=10**18,
+        stage3_max_reuse_distance=0,
+        stage3_debug_fetch_order=False,
+    )
     group = None if sp.world == dist.get_world_size() else mics_groups(sp.world)[0]
     return Fetcher(cfg, sp.world, sp.rank, sp.full.device, group)
 
 
 @contextlib.contextmanager
-def GatheredParameters(params, modifier_rank: Optional[int] = None, fwd_module: Optional[nn.Module] = None,
-                       enabled: bool = True):
+def GatheredParameters(
+    params,
+    modifier_rank: Optional[int] = None,
+    fwd_module: Optional[nn.Module] = None,
+    enabled: bool = True,
+):
     """Gather ``params`` (a parameter or an iterable of them) in full for the block; see the module doc.
     DeepSpeed's signature: ``fwd_module`` (whose forward uses parameters it does not own, which
     DeepSpeed then registers as external) is accepted and needs nothing here: zengine's stage-3 hooks
@@ -206,12 +241,16 @@ def GatheredParameters(params, modifier_rank: Optional[int] = None, fwd_module: 
         yield
         return
     owner = sharded[0].owner
-    with agreement.collective_call("GatheredParameters", owner.comm_group if owner is not None else None):
+    with agreement.collective_call(
+        "GatheredParameters", owner.comm_group if owner is not None else None
+    ):
         if owner is not None:
             with owner.full_params(sharded, modifier_rank=modifier_rank):
                 yield
             return
-        fetcher = _standalone_fetcher(sharded[0])  # parameters partitioned by Init, not yet in an engine
+        fetcher = _standalone_fetcher(
+            sharded[0]
+        )  # parameters partitioned by Init, not yet in an engine
         todo = [sp for sp in sharded if sp.state is ParamState.SHARDED]
         fetcher.fetch(todo, "GatheredParameters")
         try:

@@ -7,6 +7,7 @@ Every shard records, for each parameter it overlaps, the parameter's name and
 the range of the parameter's flattened elements it holds: that record is all a
 checkpoint needs to re-slice the state for another world size or stage.
 """
+
 from __future__ import annotations
 
 import math
@@ -98,7 +99,13 @@ class FlatLayout:
             piece = intersect((span.offset, span.end), (start, end))
             if piece:
                 records.append(
-                    ShardRecord(span.name, span.shape, piece[0] - span.offset, piece[1] - span.offset, piece[0] - start)
+                    ShardRecord(
+                        span.name,
+                        span.shape,
+                        piece[0] - span.offset,
+                        piece[1] - span.offset,
+                        piece[0] - start,
+                    )
                 )
         return records
 
@@ -146,7 +153,9 @@ def gradient_buckets(layout: FlatLayout, bucket_numel: int) -> list[Bucket]:
 
 def _make_bucket(layout: FlatLayout, index: int, params: list[int]) -> Bucket:
     spans = [layout.spans[i] for i in params]
-    return Bucket(index, tuple(sorted(params)), min(s.offset for s in spans), max(s.end for s in spans))
+    return Bucket(
+        index, tuple(sorted(params)), min(s.offset for s in spans), max(s.end for s in spans)
+    )
 
 
 def chunk_ranges(total: int, chunk: int) -> list[tuple[int, int]]:

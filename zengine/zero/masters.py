@@ -14,6 +14,7 @@ clipped piece by piece as the pieces land, ``offload/step_pipeline.py``) or swap
 chunk in the swapped step). Their norm, clip, non-finite search and step differ; the step asks,
 never which one it holds.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, ContextManager, Mapping, Protocol, TypeVar
@@ -57,8 +58,9 @@ class MasterGrads(Protocol):
     def nonfinite_search(self) -> list[torch.Tensor]:
         """Each group's gradient, landed, to find the first non-finite element in."""
 
-    def step(self, stepper: "ShardStepper", plans: list["Plan"],
-             owned: Mapping[int, torch.Tensor]) -> None:
+    def step(
+        self, stepper: "ShardStepper", plans: list["Plan"], owned: Mapping[int, torch.Tensor]
+    ) -> None:
         """Step the wrapped optimizer on these gradients as ``plans`` say; ``owned``: gi -> the
         compute-dtype parameter shard it writes as it steps (``ShardStepper.copy_out_targets``)."""
 
@@ -77,8 +79,9 @@ class MasterStore(Protocol):
         """The gradient store that goes with these masters: ``in_memory()``, or ``into_sink(sink)``
         where the reduced gradients go to the store's swap records."""
 
-    def master_grads(self, grads: GradientReader, unscale: float,
-                     steps_in_pieces: bool) -> MasterGrads:
+    def master_grads(
+        self, grads: GradientReader, unscale: float, steps_in_pieces: bool
+    ) -> MasterGrads:
         """This step's master gradients: the summed gradients times ``unscale``; in pieces where the
         wrapped optimizer ``steps_in_pieces`` and the placement's copies allow it."""
 

@@ -17,6 +17,7 @@ gathers agreed) and checkpoints. Only copy 0 counts its shards in the gradient n
 to a checkpoint, so a MiCS checkpoint is a plain stage-3 checkpoint of world m, loadable at any
 world size and stage.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,9 +42,9 @@ class MicsConfigError(ValueError):
 class Replication:
     """How many ranks hold each shard. The default: one (plain sharding, nothing replicated)."""
 
-    count: int = 1        # copies of every shard: W / mics_shard_size
-    index: int = 0        # which copy this rank holds (its shard group's number)
-    group: Any = None     # the ranks holding the same shard as this one (the replica group)
+    count: int = 1  # copies of every shard: W / mics_shard_size
+    index: int = 0  # which copy this rank holds (its shard group's number)
+    group: Any = None  # the ranks holding the same shard as this one (the replica group)
 
     @property
     def primary(self) -> bool:
@@ -111,10 +112,13 @@ def _check_divides(size: int, world: int) -> None:
     if size < 1 or world % size:
         raise MicsConfigError(
             f"mics_shard_size {size} must divide the data-parallel world size {world} (it cuts the "
-            f"ranks into groups of consecutive ranks, each holding a whole sharded copy)")
+            f"ranks into groups of consecutive ranks, each holding a whole sharded copy)"
+        )
 
 
-def sharding(zero_cfg: Optional[ZeroConfig], world: int, rank: int) -> tuple[int, int, Any, Replication]:
+def sharding(
+    zero_cfg: Optional[ZeroConfig], world: int, rank: int
+) -> tuple[int, int, Any, Replication]:
     """(ranks sharded over, this rank among them, their group, Replication) for ``zero_cfg`` on the
     default group of ``world`` ranks: the whole world and no replication unless ``mics_shard_size``
     asks for MiCS."""

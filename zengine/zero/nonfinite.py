@@ -10,6 +10,7 @@ that; fp16 with dynamic scaling always skips, as the scale search needs it.
 naming the first parameter whose gradient went non-finite: a run that
 skips every step is not training, and should stop rather than burn time.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,16 +26,28 @@ class NonFiniteGradientError(RuntimeError):
 class NonFinitePolicy:
     """Decides, step by step, whether a non-finite gradient skips the step; counts and reports skips."""
 
-    def __init__(self, skip: bool = True, max_consecutive_skips: int = 50, warn_every: int = 100, rank: int = 0):
+    def __init__(
+        self,
+        skip: bool = True,
+        max_consecutive_skips: int = 50,
+        warn_every: int = 100,
+        rank: int = 0,
+    ):
         self.skip = skip
         self.max_consecutive = max_consecutive_skips  # 0: never raise
         self.warn_every = max(1, warn_every)
         self.rank = rank
-        self.skipped = 0       # steps skipped for a non-finite gradient since the start
-        self.consecutive = 0   # ... in a row, up to the last step
+        self.skipped = 0  # steps skipped for a non-finite gradient since the start
+        self.consecutive = 0  # ... in a row, up to the last step
 
-    def applies(self, finite: bool, norm: float, fp16_dynamic: bool, locate: Callable[[], str],
-                describe: str = "") -> bool:
+    def applies(
+        self,
+        finite: bool,
+        norm: float,
+        fp16_dynamic: bool,
+        locate: Callable[[], str],
+        describe: str = "",
+    ) -> bool:
         """True when the step should be applied. Raises after too many consecutive skips."""
         if finite:
             self.consecutive = 0
@@ -49,11 +62,18 @@ class NonFinitePolicy:
                 f"zengine: {self.consecutive} boundary steps in a row had a non-finite gradient (global norm "
                 f"{norm}); the first parameter whose gradient is non-finite is {name!r}. The model or the data "
                 f"produce NaN/Inf (a too-high learning rate, a log of 0, fp16 range?); fix that, or raise "
-                f"nonfinite_gradients.max_consecutive_skips (0 never stops).")
+                f"nonfinite_gradients.max_consecutive_skips (0 never stops)."
+            )
         if self.rank == 0 and (self.skipped == 1 or self.skipped % self.warn_every == 0):
             log = logger.info if fp16_dynamic else logger.warning
-            log("zengine: step skipped: the gradient is not finite (global norm %s)%s; %d step(s) skipped so far "
-                "(next message after %d more)", norm, describe, self.skipped, self.warn_every)
+            log(
+                "zengine: step skipped: the gradient is not finite (global norm %s)%s; %d step(s) skipped so far "
+                "(next message after %d more)",
+                norm,
+                describe,
+                self.skipped,
+                self.warn_every,
+            )
         return False
 
     def state_dict(self) -> dict:

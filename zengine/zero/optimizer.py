@@ -38,6 +38,7 @@ gradients down and parameters up (``offload/masters.py``,
 ``offload/step_pipeline.py``). Stage 3 joins the agreement as a
 ``StepParticipant`` (its gather check rides on the step's all-reduce).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -69,7 +70,7 @@ class Ranks:
     world: int
     rank: int
     device: torch.device  # the compute device
-    group: Any = None     # the process group (None: the default one)
+    group: Any = None  # the process group (None: the default one)
     replication: Replication = Replication()  # MiCS: other ranks hold the same shards (mics.py)
 
     @property
@@ -92,16 +93,16 @@ class Ranks:
 class StepRules:
     """How the boundary step treats the gradient and publishes the parameters."""
 
-    clip: float                   # gradient_clipping (0: off)
-    nonfinite: NonFinitePolicy    # skip, warn or raise on a non-finite gradient
-    allgather_bucket_numel: int   # parameters gathered per bucket after the step (stages 1-2)
+    clip: float  # gradient_clipping (0: off)
+    nonfinite: NonFinitePolicy  # skip, warn or raise on a non-finite gradient
+    allgather_bucket_numel: int  # parameters gathered per bucket after the step (stages 1-2)
 
 
 class StepOutcome(enum.Enum):
     """What a boundary step did."""
 
     APPLIED = "applied"
-    SKIPPED = "skipped"          # the gradient was not finite (nonfinite.py)
+    SKIPPED = "skipped"  # the gradient was not finite (nonfinite.py)
     NO_BACKWARD = "no_backward"  # no rank ran a backward since the last step: nothing to do
 
 
@@ -157,15 +158,31 @@ class ZeroOptimizer(ZeROOptimizer):
     gradient is handled, so that the caller can open the bracket.
     """
 
-    def __init__(self, groups: list[ParamGroup], grads, placement: Placement, masters: MasterStore,
-                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
-                 grad_factor: GradFactor, rules: StepRules, ranks: Ranks,
-                 on_unbracketed_grad: Callable[[], None] = lambda: None,
-                 participant: StepParticipant = NoParticipant()):
+    def __init__(
+        self,
+        groups: list[ParamGroup],
+        grads,
+        placement: Placement,
+        masters: MasterStore,
+        make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+        grad_factor: GradFactor,
+        rules: StepRules,
+        ranks: Ranks,
+        on_unbracketed_grad: Callable[[], None] = lambda: None,
+        participant: StepParticipant = NoParticipant(),
+    ):
         self.groups = groups
-        self.device = ranks.device  # the compute device: the step's control values are reduced there
-        self.world, self.rank, self.comm_group = ranks.world, ranks.rank, ranks.group  # the ranks sharded over
-        self.replication = ranks.replication  # MiCS: the dp_* below count each shard group's copy too
+        self.device = (
+            ranks.device
+        )  # the compute device: the step's control values are reduced there
+        self.world, self.rank, self.comm_group = (
+            ranks.world,
+            ranks.rank,
+            ranks.group,
+        )  # the ranks sharded over
+        self.replication = (
+            ranks.replication
+        )  # MiCS: the dp_* below count each shard group's copy too
         self.dp_world, self.dp_rank, self.dp_group = ranks.dp_world, ranks.dp_rank, ranks.dp_group
         self.nonfinite = rules.nonfinite
         self.clip = rules.clip
@@ -181,10 +198,21 @@ class ZeroOptimizer(ZeROOptimizer):
         self._had_backward = False  # since the last boundary step
         self.shard_params = masters.shard_params  # one flat fp32 parameter per group, its master
         self.optimizer = masters.wrap_optimizer(
-            make_optimizer([{**g.hyper, "params": [sp]} for g, sp in zip(groups, self.shard_params)]))
-        self.step_counts = StepCounts(groups)  # per parameter, as torch counts (unused ones are not stepped)
-        self.stepper = ShardStepper(groups, self.shard_params, self.optimizer, self.step_counts,
-                                    placement.optimizer.copies, placement.copies_out)
+            make_optimizer(
+                [{**g.hyper, "params": [sp]} for g, sp in zip(groups, self.shard_params)]
+            )
+        )
+        self.step_counts = StepCounts(
+            groups
+        )  # per parameter, as torch counts (unused ones are not stepped)
+        self.stepper = ShardStepper(
+            groups,
+            self.shard_params,
+            self.optimizer,
+            self.step_counts,
+            placement.optimizer.copies,
+            placement.copies_out,
+        )
         self.abilities = self.stepper.abilities  # what it can do beyond torch.optim.Optimizer
         self.run_stepper = self.stepper.run_stepper
         self.global_grad_norm: Optional[float] = None
@@ -249,8 +277,9 @@ class ZeroOptimizer(ZeROOptimizer):
         return decision.outcome
 
     def _master_grads(self) -> MasterGrads:
-        return self.master_store.master_grads(self.grads, self.grad_factor.unscale(),
-                                              self.stepper.steps_in_pieces)
+        return self.master_store.master_grads(
+            self.grads, self.grad_factor.unscale(), self.stepper.steps_in_pieces
+        )
 
     def _sq_norm(self, master_grads: MasterGrads) -> torch.Tensor:
         """Sum of squares of this rank's part of the gradient: 0-dim float64, where it is."""
@@ -267,18 +296,32 @@ class ZeroOptimizer(ZeROOptimizer):
             # over every data-parallel rank: with MiCS only copy 0 counts its shards in the norm (norm_range)
             sq_norm = self._sq_norm(master_grads)
             digest, mixed = self.participant.agreement_values()
-            mine = RankValues(sq_norm, self._had_backward, micro_step, used, fetch_digest=digest,
-                              mixed_gathers=mixed, **extra)
+            mine = RankValues(
+                sq_norm,
+                self._had_backward,
+                micro_step,
+                used,
+                fetch_digest=digest,
+                mixed_gathers=mixed,
+                **extra,
+            )
             return gather_stats(mine, self.device, self.dp_world, self.dp_rank, self.dp_group)
 
-        unreduced = self.grads.unreduced  # the boundary backward ran under no_sync: no sum over ranks yet
+        unreduced = (
+            self.grads.unreduced
+        )  # the boundary backward ran under no_sync: no sum over ranks yet
         # (master_grads scales the summed gradient in place)
-        master_grads = (self._master_grads() if not unreduced
-                        else self.master_store.unreduced(self.grads))
+        master_grads = (
+            self._master_grads() if not unreduced else self.master_store.unreduced(self.grads)
+        )
         stats = stats_of(master_grads, unreduced=unreduced, order=self.grads.order_digests())
-        if stats.ranks_with_backward:  # the gradient buckets' launch order, fixed at the first real step
+        if (
+            stats.ranks_with_backward
+        ):  # the gradient buckets' launch order, fixed at the first real step
             self.grads.settle_order(stats.orders_agree)
-        if stats.ranks_unreduced:  # every rank's boundary backward ran under no_sync: reduce now (rare)
+        if (
+            stats.ranks_unreduced
+        ):  # every rank's boundary backward ran under no_sync: reduce now (rare)
             self.grads.reduce_pending()
             master_grads = self._master_grads()
             stats = stats_of(master_grads)
@@ -295,9 +338,13 @@ class ZeroOptimizer(ZeROOptimizer):
         finite = math.isfinite(norm)
         if not finite and self.scaler.dynamic:
             self.scaler.update(True)
-        if not self.nonfinite.applies(finite, norm, self.scaler.dynamic,
-                                      lambda: self._where_nonfinite(master_grads),
-                                      f"; loss scale now {self.scaler.scale:g}" if self.scaler.dynamic else ""):
+        if not self.nonfinite.applies(
+            finite,
+            norm,
+            self.scaler.dynamic,
+            lambda: self._where_nonfinite(master_grads),
+            f"; loss scale now {self.scaler.scale:g}" if self.scaler.dynamic else "",
+        ):
             return Decision(StepOutcome.SKIPPED)
         coef = self.clip / (norm + 1e-6) if self.clip > 0 and finite else 1.0
         return Decision(StepOutcome.APPLIED, finite, coef if coef < 1.0 else None)
@@ -322,8 +369,9 @@ class ZeroOptimizer(ZeROOptimizer):
 
     def _where_nonfinite(self, master_grads: MasterGrads) -> str:
         """Where the first non-finite gradient element is (for the skip message)."""
-        return first_nonfinite(self.groups, master_grads.nonfinite_search(), self.device,
-                               self.world, self.comm_group)
+        return first_nonfinite(
+            self.groups, master_grads.nonfinite_search(), self.device, self.world, self.comm_group
+        )
 
     # -- parameters no rank used keep their values and optimizer state (step_counts.py) ---------
     # -- write-back and gather ------------------------------------------------------------------
@@ -342,8 +390,13 @@ class ZeroOptimizer(ZeROOptimizer):
             self.groups[gi].params[pi].data.copy_(value.reshape(self.groups[gi].params[pi].shape))
 
     # -- full parameters on request -------------------------------------------------------------
-    def summon(self, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False,
-               with_grads: bool = False):
+    def summon(
+        self,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ):
         """Stages 0-2 keep parameters whole (and stages 0-1 their gradients): with ``writeback`` changes go
         into the fp32 masters, else they are undone on exit (``flat_group.whole_params``)."""
         return whole_params(self.groups, self.masters, writeback)
@@ -359,10 +412,23 @@ class ZeroOptimizer(ZeROOptimizer):
     # -- accounting -----------------------------------------------------------------------------
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this optimizer holds, by kind (for the engine's memory breakdown)."""
-        masters = [m for g, m in zip(self.groups, self.masters) if m.data_ptr() != g.owned_params().data_ptr()]
-        states = [t for sp in self.shard_params for t in self.optimizer.state.get(sp, {}).values()
-                  if torch.is_tensor(t) and t.numel() > 1]
+        masters = [
+            m
+            for g, m in zip(self.groups, self.masters)
+            if m.data_ptr() != g.owned_params().data_ptr()
+        ]
+        states = [
+            t
+            for sp in self.shard_params
+            for t in self.optimizer.state.get(sp, {}).values()
+            if torch.is_tensor(t) and t.numel() > 1
+        ]
         states += self.abilities.host_buffers()  # the NVMe swap buffers
         grads = self.grads.tensors() + self.master_store.grad_buffers()  # (stages 0-1 offload)
-        return {"parameters": [t for g in self.groups for t in g.tensors()], "gradients": grads, "master_weights": masters,
-                "optimizer_states": states, "workspace": self.grads.workspace()}  # (workspace: not model state)
+        return {
+            "parameters": [t for g in self.groups for t in g.tensors()],
+            "gradients": grads,
+            "master_weights": masters,
+            "optimizer_states": states,
+            "workspace": self.grads.workspace(),
+        }  # (workspace: not model state)

@@ -7,6 +7,7 @@ zengine's ``Init`` leaves torch's tensor constructors alone (DeepSpeed's casts t
 dtype and device); the hook is here so that code replacing and restoring it runs unchanged, and
 a wrapper built with it keeps the constructor's dtype and places the tensor on ``target_device``.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -16,13 +17,19 @@ import torch
 from .init import GatheredParameters, Init
 from .stage3.param import ZeroParameter, ZeroParamStatus
 
-_orig_torch_arange = torch.arange  # torch's own constructor, for code that recognises it in the hook
+_orig_torch_arange = (
+    torch.arange
+)  # torch's own constructor, for code that recognises it in the hook
 
 
-def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: Optional[torch.dtype] = None,
-                                           target_device: Optional[torch.device] = None) -> Callable:
+def zero_wrapper_for_fp_tensor_constructor(
+    fn: Callable,
+    target_fp_dtype: Optional[torch.dtype] = None,
+    target_device: Optional[torch.device] = None,
+) -> Callable:
     """``fn`` with ``device`` defaulting to ``target_device``; the dtype stays ``fn``'s (zengine's ``Init``
     does not recast constructors)."""
+
     def wrapped(*args, **kwargs):
         if kwargs.get("device") is None and target_device is not None:
             kwargs["device"] = target_device
@@ -38,5 +45,11 @@ def get_accelerator():
     return current()
 
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "ZeroParameter", "get_accelerator",
-           "zero_wrapper_for_fp_tensor_constructor"]
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "ZeroParameter",
+    "get_accelerator",
+    "zero_wrapper_for_fp_tensor_constructor",
+]

@@ -1,6 +1,7 @@
 """Where the model starts: on the compute device, in the compute dtype, every replica from rank 0's
 values; at stage 3 cut as it moves (``stage3/partition.py``). The engine calls ``place_model``
 once, before the stage's parts are built on the placed parameters."""
+
 from __future__ import annotations
 
 import torch

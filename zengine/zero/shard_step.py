@@ -6,6 +6,7 @@ declares (``ops/shard_optimizer.py``). ``ShardStepper`` holds it with those abil
 an optimizer that steps ranges gets each group's runs with their step numbers; any other steps whole
 groups whole and the rest by runs (``step_counts.RunStepper``).
 """
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -33,8 +34,15 @@ class ShardStepper:
     """The wrapped optimizer over ``shard_params`` (one flat fp32 parameter per group), its declared
     abilities, and how it is stepped."""
 
-    def __init__(self, groups: list[ParamGroup], shard_params: list[torch.nn.Parameter],
-                 optimizer: torch.optim.Optimizer, counts: StepCounts, copies, copies_out: bool):
+    def __init__(
+        self,
+        groups: list[ParamGroup],
+        shard_params: list[torch.nn.Parameter],
+        optimizer: torch.optim.Optimizer,
+        counts: StepCounts,
+        copies,
+        copies_out: bool,
+    ):
         self.groups = groups
         self.shard_params = shard_params
         self.optimizer = optimizer
@@ -59,8 +67,11 @@ class ShardStepper:
         staging: copies.py)."""
         if not (self.abilities.writes_params and self.copies_out):
             return {}
-        return {gi: g.owned_params() for gi, (g, m) in enumerate(zip(self.groups, masters))
-                if m.data_ptr() != g.owned_params().data_ptr()}
+        return {
+            gi: g.owned_params()
+            for gi, (g, m) in enumerate(zip(self.groups, masters))
+            if m.data_ptr() != g.owned_params().data_ptr()
+        }
 
     def step(self, plans: list[Plan], owned: Mapping[int, torch.Tensor]) -> None:
         """Step the wrapped optimizer as the plans say. ``owned`` (``copy_out_targets``): the
@@ -69,8 +80,9 @@ class ShardStepper:
             self.run_stepper.step(self.optimizer, self.shard_params, plans)
             return
         runs = self.runs(plans)
-        copy_out = {self.shard_params[gi]: self.copies.copy_out_target(gi, o)
-                    for gi, o in owned.items()}
+        copy_out = {
+            self.shard_params[gi]: self.copies.copy_out_target(gi, o) for gi, o in owned.items()
+        }
         if copy_out:
             # CPUAdam writes the updated master into the compute-dtype parameters in the same pass
             # (on a GPU, into pinned staging that the placement's copies then upload).

@@ -3,6 +3,7 @@
 See ``optimizer.py`` for the table of what each stage is made of. Where the states live is decided
 here too, once (``offload/placement.make_placement``), and handed to the parts that need it.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -35,9 +36,15 @@ def shard_group(zero_cfg: ZeroConfig, process_rank: ProcessRank) -> Ranks:
     return Ranks(size, shard_rank, process_rank.device, group, replication)
 
 
-def build_zero_optimizer(module: nn.Module, config: ZengineConfig, named_groups: Sequence[tuple[list[tuple[str, nn.Parameter]], dict]],
-                         make_optimizer: Callable, grad_factor: GradFactor, ranks: Ranks,
-                         on_unbracketed_grad: Callable[[], None] = lambda: None) -> ZeroOptimizer:
+def build_zero_optimizer(
+    module: nn.Module,
+    config: ZengineConfig,
+    named_groups: Sequence[tuple[list[tuple[str, nn.Parameter]], dict]],
+    make_optimizer: Callable,
+    grad_factor: GradFactor,
+    ranks: Ranks,
+    on_unbracketed_grad: Callable[[], None] = lambda: None,
+) -> ZeroOptimizer:
     """Flatten each group's trainable parameters and assemble the optimizer for the config's stage.
 
     ``config`` is the whole ``ZengineConfig`` (its ``zero_optimization``, ``aio``, ``compute_dtype``,
@@ -50,25 +57,59 @@ def build_zero_optimizer(module: nn.Module, config: ZengineConfig, named_groups:
     """
     zero_cfg, dtype = config.zero_optimization, config.compute_dtype
     nonfinite = config.nonfinite_gradients
-    rules = StepRules(config.gradient_clipping, NonFinitePolicy(nonfinite.skip, nonfinite.max_consecutive_skips,
-                                                                nonfinite.warn_every, ranks.dp_rank),
-                      zero_cfg.allgather_bucket_size)
+    rules = StepRules(
+        config.gradient_clipping,
+        NonFinitePolicy(
+            nonfinite.skip, nonfinite.max_consecutive_skips, nonfinite.warn_every, ranks.dp_rank
+        ),
+        zero_cfg.allgather_bucket_size,
+    )
     if zero_cfg.stage == 3:
         from .stage3.build import build_stage3_optimizer  # stage 3's parts load only when used
-        return build_stage3_optimizer(module, config, named_groups, make_optimizer, grad_factor,
-                                      rules, ranks, on_unbracketed_grad)
+
+        return build_stage3_optimizer(
+            module,
+            config,
+            named_groups,
+            make_optimizer,
+            grad_factor,
+            rules,
+            ranks,
+            on_unbracketed_grad,
+        )
     num_shards = 1 if zero_cfg.stage == 0 else ranks.world
     placement = make_placement(zero_cfg, ranks.device, dtype, config.aio)
-    groups = [FlatParamGroup(named, hyper, num_shards, ranks.rank, dtype, ranks.device) for named, hyper in named_groups]
+    groups = [
+        FlatParamGroup(named, hyper, num_shards, ranks.rank, dtype, ranks.device)
+        for named, hyper in named_groups
+    ]
     dtypes, in_flight = GradDtypes.from_config(config), buckets_in_flight(zero_cfg.overlap_comm)
     positions = registration_positions(module, groups)  # the buckets' launch order over the groups
     if zero_cfg.stage == 2:
-        grads = sharded_gradients(groups, bucket_numel=zero_cfg.reduce_bucket_size, dtypes=dtypes,
-                                  to_owners=zero_cfg.reduce_scatter, placement=placement.optimizer,
-                                  comm_group=ranks.group, in_flight=in_flight, positions=positions)
+        grads = sharded_gradients(
+            groups,
+            bucket_numel=zero_cfg.reduce_bucket_size,
+            dtypes=dtypes,
+            to_owners=zero_cfg.reduce_scatter,
+            placement=placement.optimizer,
+            comm_group=ranks.group,
+            in_flight=in_flight,
+            positions=positions,
+        )
     else:
-        grads = FullGradients(groups, zero_cfg.reduce_bucket_size, dtypes, ranks.group, in_flight, positions)
+        grads = FullGradients(
+            groups, zero_cfg.reduce_bucket_size, dtypes, ranks.group, in_flight, positions
+        )
     cpu = placement.optimizer.cpu_optimizer
     masters = placement.master_store(groups, dtype, ranks.world, ranks.device)
-    return ZeroOptimizer(groups, grads, placement, masters, lambda g: make_optimizer(g, cpu),
-                         grad_factor, rules, ranks, on_unbracketed_grad)
+    return ZeroOptimizer(
+        groups,
+        grads,
+        placement,
+        masters,
+        lambda g: make_optimizer(g, cpu),
+        grad_factor,
+        rules,
+        ranks,
+        on_unbracketed_grad,
+    )

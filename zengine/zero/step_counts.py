@@ -16,6 +16,7 @@ so this module keeps what torch keeps per parameter and plans how each group ste
 The counts are the same on every rank (the used flags come from the step's all-reduce), so they are
 kept per parameter and saved by name in checkpoints, which reshard freely.
 """
+
 from __future__ import annotations
 
 import copy
@@ -100,7 +101,9 @@ class StepCounts:
     def load_state_dict(self, gi: int, saved: Optional[dict[str, int]], fallback: int) -> None:
         """Counts by name; ``fallback`` for a checkpoint that has none (every parameter stepped alike)."""
         names = self.groups[gi].param_names()
-        self.counts[gi] = [int(saved[n]) if saved is not None and n in saved else fallback for n in names]
+        self.counts[gi] = [
+            int(saved[n]) if saved is not None and n in saved else fallback for n in names
+        ]
 
 
 class RunStepper:
@@ -114,16 +117,22 @@ class RunStepper:
     def __init__(self, counts: StepCounts):
         self.counts = counts
         n = len(counts.groups)
-        self.flat_count: list[int] = [0] * n       # the count the flat state's non-element entries belong to
+        self.flat_count: list[int] = [
+            0
+        ] * n  # the count the flat state's non-element entries belong to
         self.scalars: list[dict[int, dict[str, Any]]] = [{} for _ in range(n)]
 
-    def step(self, optimizer: torch.optim.Optimizer, shards: list[torch.Tensor], plans: list[Plan]) -> None:
+    def step(
+        self, optimizer: torch.optim.Optimizer, shards: list[torch.Tensor], plans: list[Plan]
+    ) -> None:
         """One ``optimizer.step()`` over every group: whole where the plan is uniform, else by runs."""
         swapped = []
         for gi, (shard, plan) in enumerate(zip(shards, plans)):
             group = optimizer.param_groups[gi]
             if len(group["params"]) != 1 or group["params"][0] is not shard:
-                raise RuntimeError(f"zengine: the wrapped optimizer's param group {gi} does not hold its flat shard")
+                raise RuntimeError(
+                    f"zengine: the wrapped optimizer's param group {gi} does not hold its flat shard"
+                )
             if plan.uniform is not None:
                 self._prepare_whole(optimizer, gi, shard, plan.uniform)
             else:
@@ -143,10 +152,14 @@ class RunStepper:
     def prune(self, gi: int) -> None:
         """Forget the states of counts no piece of this rank has any more (after ``StepCounts.advance``)."""
         live = self.counts.owned_counts(gi)
-        self.scalars[gi] = {c: s for c, s in self.scalars[gi].items() if c in live and c != self.flat_count[gi]}
+        self.scalars[gi] = {
+            c: s for c, s in self.scalars[gi].items() if c in live and c != self.flat_count[gi]
+        }
 
     def _flat_scalars(self, optimizer, shard) -> dict[str, Any]:
-        return {k: v for k, v in optimizer.state.get(shard, {}).items() if not is_elementwise(v, shard)}
+        return {
+            k: v for k, v in optimizer.state.get(shard, {}).items() if not is_elementwise(v, shard)
+        }
 
     def scalars_of(self, optimizer, gi: int, shard, count: int) -> dict[str, Any]:
         """The non-element state entries of a piece that has stepped ``count`` times.
@@ -162,17 +175,23 @@ class RunStepper:
         derived = dict(self._flat_scalars(optimizer, shard))
         if "step" in derived:
             step = derived["step"]
-            derived["step"] = torch.full_like(step, count) if torch.is_tensor(step) else type(step)(count)
+            derived["step"] = (
+                torch.full_like(step, count) if torch.is_tensor(step) else type(step)(count)
+            )
         return derived
 
     def _prepare_whole(self, optimizer, gi: int, shard, count: int) -> None:
         """Before the whole shard steps at ``count``: its flat state's other entries are that count's."""
         if count == self.flat_count[gi]:
             return
-        if count == 0:  # nothing of this rank's shard ever stepped: a fresh state, as torch's first step
+        if (
+            count == 0
+        ):  # nothing of this rank's shard ever stepped: a fresh state, as torch's first step
             optimizer.state.pop(shard, None)
         else:
-            scalars = _placed(optimizer.param_groups[gi], shard, self.scalars_of(optimizer, gi, shard, count))
+            scalars = _placed(
+                optimizer.param_groups[gi], shard, self.scalars_of(optimizer, gi, shard, count)
+            )
             state = optimizer.state[shard]
             for k in [k for k, v in state.items() if not is_elementwise(v, shard)]:
                 del state[k]
@@ -184,11 +203,17 @@ class RunStepper:
         elementwise = {k: v for k, v in flat.items() if is_elementwise(v, shard)}
         views = []
         for run in runs:
-            view = shard.detach()[run.lo:run.hi]
-            view.grad = shard.grad[run.lo:run.hi]
+            view = shard.detach()[run.lo : run.hi]
+            view.grad = shard.grad[run.lo : run.hi]
             if run.count > 0:  # a run never stepped gets no state: the optimizer makes it fresh
-                state = {k: t[run.lo:run.hi] for k, t in elementwise.items()}
-                state.update(_placed(optimizer.param_groups[gi], shard, self.scalars_of(optimizer, gi, shard, run.count)))
+                state = {k: t[run.lo : run.hi] for k, t in elementwise.items()}
+                state.update(
+                    _placed(
+                        optimizer.param_groups[gi],
+                        shard,
+                        self.scalars_of(optimizer, gi, shard, run.count),
+                    )
+                )
                 optimizer.state[view] = state
             views.append((run, view))
         return views
@@ -197,13 +222,17 @@ class RunStepper:
         """After the step: each run's state into the flat state (new tensors copied in) and the scalars."""
         flat = optimizer.state[shard]
         for run, view in views:
-            scalars = self.scalars[gi].setdefault(run.count + 1, {})  # (empty for SGD: its only state is per element)
+            scalars = self.scalars[gi].setdefault(
+                run.count + 1, {}
+            )  # (empty for SGD: its only state is per element)
             for k, value in optimizer.state.pop(view, {}).items():
                 if is_elementwise(value, view):
                     target = flat.get(k)
                     if not is_elementwise(target, shard):
-                        target = flat[k] = torch.zeros(shard.shape, dtype=value.dtype, device=value.device)
-                    part = target[run.lo:run.hi]
+                        target = flat[k] = torch.zeros(
+                            shard.shape, dtype=value.dtype, device=value.device
+                        )
+                    part = target[run.lo : run.hi]
                     if value.data_ptr() != part.data_ptr():
                         part.copy_(value)
                 else:
@@ -217,11 +246,15 @@ class RunStepper:
         out = {}
         for c in self.counts.owned_counts(gi):
             if c > 0:
-                out[c] = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
-                          for k, v in self.scalars_of(optimizer, gi, shard, c).items()}
+                out[c] = {
+                    k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
+                    for k, v in self.scalars_of(optimizer, gi, shard, c).items()
+                }
         return out
 
-    def load_state_dict(self, optimizer, gi: int, shard, saved: Optional[dict], flat_count: int) -> None:
+    def load_state_dict(
+        self, optimizer, gi: int, shard, saved: Optional[dict], flat_count: int
+    ) -> None:
         """After a checkpoint filled the flat state (its non-element entries being ``flat_count``'s)."""
         self.flat_count[gi] = flat_count
         group = optimizer.param_groups[gi]
@@ -233,6 +266,6 @@ def used_by_group(groups: list, used_counts: list[float]) -> list[list[bool]]:
     step's summed used flags (``used_counts``, every group's parameters in order)."""
     out, k = [], 0
     for g in groups:
-        out.append([c > 0 for c in used_counts[k:k + len(g.params)]])
+        out.append([c > 0 for c in used_counts[k : k + len(g.params)]])
         k += len(g.params)
     return out

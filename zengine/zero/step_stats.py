@@ -24,6 +24,7 @@ parameter whose gradient went non-finite) run one more collective to name
 the culprits; every rank reaches the same conclusion from the same sums, so
 they take those paths together.
 """
+
 from __future__ import annotations
 
 import enum
@@ -37,10 +38,11 @@ from ..distributed import collectives, sync
 from ..distributed.diagnose import RanksOutOfStepError
 from ..offload.copies import host_pinning
 
+
 class Slot(enum.IntEnum):
     """The header's slots, in order; a slot followed by ``_SQ`` holds its value's square."""
 
-    SQ_NORM = 0           # sum of squares of this rank's part of the unscaled gradient
+    SQ_NORM = 0  # sum of squares of this rank's part of the unscaled gradient
     HAD_BACKWARD = enum.auto()
     MICRO_STEP = enum.auto()
     MICRO_STEP_SQ = enum.auto()
@@ -93,7 +95,9 @@ class StepStats:
 
     sq_norm: float
     ranks_with_backward: int
-    ranks_unreduced: int      # ranks whose gradients are still local (then sq_norm is not the global one)
+    ranks_unreduced: (
+        int  # ranks whose gradients are still local (then sq_norm is not the global one)
+    )
     used_counts: list[float]  # per parameter, in group order: how many ranks gave it a gradient
     orders_agree: bool = True  # every rank proposed the same bucket launch order (or none did)
     fetches_agree: bool = True  # every rank issued the same stage-3 gathers since the last boundary
@@ -103,38 +107,53 @@ class StepStats:
         return math.sqrt(self.sq_norm) if self.sq_norm >= 0 else float("nan")
 
 
-def gather_stats(mine: RankValues, device: torch.device, world: int, rank: int,
-                 comm_group=None) -> StepStats:
+def gather_stats(
+    mine: RankValues, device: torch.device, world: int, rank: int, comm_group=None
+) -> StepStats:
     """Sum the step's control values over the ranks and read them once; raise when ranks are out of
     step."""
     # With offload the norm was summed on the host: it travels in the header (one upload, not two)
     norm_on_host = mine.sq_norm.device.type == "cpu"
-    head = torch.tensor(mine.header(norm_on_host) + [float(u) for u in mine.used],
-                        dtype=torch.float64)
+    head = torch.tensor(
+        mine.header(norm_on_host) + [float(u) for u in mine.used], dtype=torch.float64
+    )
     if host_pinning(device):
         # from pinned memory, so that the upload is queued and the host goes on (a pageable one waits for
         # it); torch's pinned allocator reuses the block once the copy that reads it has run
         head = head.pin_memory()
     stats = head.to(device, non_blocking=True)  # [HEADER + params] float64 on the compute device
     if not norm_on_host:
-        stats[Slot.SQ_NORM:Slot.SQ_NORM + 1].copy_(mine.sq_norm.reshape(1), non_blocking=True)
+        stats[Slot.SQ_NORM : Slot.SQ_NORM + 1].copy_(mine.sq_norm.reshape(1), non_blocking=True)
     if mine.mixed_gathers is not None:
-        mixed = stats[Slot.MIXED_GATHERS:Slot.MIXED_GATHERS + 1]
+        mixed = stats[Slot.MIXED_GATHERS : Slot.MIXED_GATHERS + 1]
         mixed.copy_(mine.mixed_gathers, non_blocking=True)
     if world > 1:
         collectives.all_reduce_sum(stats, comm_group)
     values = sync.read_to_host(stats)
     ranks_with_backward = int(round(values[Slot.HAD_BACKWARD]))
     ranks_unreduced = int(round(values[Slot.UNREDUCED]))
-    if (not _agreed(values, Slot.MICRO_STEP, world) or 0 < ranks_with_backward < world
-            or 0 < ranks_unreduced < world):
-        _raise_out_of_step(mine.micro_step, mine.had_backward, mine.unreduced, device, rank,
-                           comm_group)
+    if (
+        not _agreed(values, Slot.MICRO_STEP, world)
+        or 0 < ranks_with_backward < world
+        or 0 < ranks_unreduced < world
+    ):
+        _raise_out_of_step(
+            mine.micro_step, mine.had_backward, mine.unreduced, device, rank, comm_group
+        )
     orders_agree = _agreed(values, Slot.ORDER_A, world) and _agreed(values, Slot.ORDER_B, world)
-    fetches_agree = (values[Slot.MIXED_GATHERS] == 0 and _agreed(values, Slot.FETCH_A, world)
-                     and _agreed(values, Slot.FETCH_B, world))
-    return StepStats(values[Slot.SQ_NORM], ranks_with_backward, ranks_unreduced, values[HEADER:],
-                     orders_agree, fetches_agree)
+    fetches_agree = (
+        values[Slot.MIXED_GATHERS] == 0
+        and _agreed(values, Slot.FETCH_A, world)
+        and _agreed(values, Slot.FETCH_B, world)
+    )
+    return StepStats(
+        values[Slot.SQ_NORM],
+        ranks_with_backward,
+        ranks_unreduced,
+        values[HEADER:],
+        orders_agree,
+        fetches_agree,
+    )
 
 
 def _agreed(values: list[float], slot: Slot, world: int) -> bool:
@@ -145,25 +164,37 @@ def _agreed(values: list[float], slot: Slot, world: int) -> bool:
 def _same_on_every_rank(total: float, total_of_squares: float, world: int) -> bool:
     """From the sums over ranks of a value and of its square: every rank had the same value
     (W * sum(v^2) == sum(v)^2 holds only for equal values; exact while W * v^2 < 2^53)."""
-    return world * total_of_squares == total ** 2
+    return world * total_of_squares == total**2
 
 
-def _raise_out_of_step(micro_step: int, had_backward: bool, unreduced: bool, device: torch.device, rank: int,
-                       comm_group) -> None:
-    mine = torch.tensor([micro_step, int(had_backward), int(unreduced)], dtype=torch.int64).to(device)
+def _raise_out_of_step(
+    micro_step: int,
+    had_backward: bool,
+    unreduced: bool,
+    device: torch.device,
+    rank: int,
+    comm_group,
+) -> None:
+    mine = torch.tensor([micro_step, int(had_backward), int(unreduced)], dtype=torch.int64).to(
+        device
+    )
     everyone = collectives.all_gather_small(mine, comm_group).cpu().tolist()
-    lines = "\n".join(f"  rank {r}: micro-step {m}{'' if b else ', no backward since the last step'}"
-                      f"{', its last backward under no_sync' if u else ''}"
-                      for r, (m, b, u) in enumerate(everyone))
+    lines = "\n".join(
+        f"  rank {r}: micro-step {m}{'' if b else ', no backward since the last step'}"
+        f"{', its last backward under no_sync' if u else ''}"
+        for r, (m, b, u) in enumerate(everyone)
+    )
     raise RanksOutOfStepError(
         f"zengine: ranks reached the optimizer step out of step (rank {rank} noticed it first on this rank's "
         f"view):\n{lines}\nEvery rank must run the same number of forward/backward/step calls; a rank that "
         f"skipped or repeated a batch trains on mismatched data. Check data loaders of unequal length and "
-        f"per-rank conditions around engine.backward()/engine.step().")
+        f"per-rank conditions around engine.backward()/engine.step()."
+    )
 
 
-def first_nonfinite(groups, master_grads: list[torch.Tensor], device: torch.device, world: int,
-                    comm_group=None) -> str:
+def first_nonfinite(
+    groups, master_grads: list[torch.Tensor], device: torch.device, world: int, comm_group=None
+) -> str:
     """The name of the first parameter (in group order) whose gradient is not finite on any rank."""
     flags = []
     for g, grad in zip(groups, master_grads):

@@ -9,6 +9,7 @@ types native/safe_load.py allows. Another global (an object of the user's own cl
 ``CheckpointUntrustedError`` unless the caller trusts the file: then it is unpickled as torch does, the
 DeepSpeed globals still stood in for.
 """
+
 from __future__ import annotations
 
 import copyreg
@@ -70,7 +71,9 @@ _STANDINS: dict[str, type] = {}
 def standin(dotted: str) -> type:
     """One stand-in class per DeepSpeed class name (so that isinstance checks by name stay possible)."""
     if dotted not in _STANDINS:
-        _STANDINS[dotted] = type(dotted.rsplit(".", 1)[-1], (DeepSpeedObject,), {"ds_class": dotted})
+        _STANDINS[dotted] = type(
+            dotted.rsplit(".", 1)[-1], (DeepSpeedObject,), {"ds_class": dotted}
+        )
     return _STANDINS[dotted]
 
 
@@ -122,12 +125,16 @@ def load_ds_file(path: str, trusted: bool = False) -> Any:
     try:
         globals_named = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception as e:  # not a torch zip file (truncated, or the legacy format)
-        raise CheckpointFileError(f"DeepSpeed checkpoint file {path} cannot be read as a torch file ({e}); "
-                                  f"it is truncated or was not written by torch.save") from e
+        raise CheckpointFileError(
+            f"DeepSpeed checkpoint file {path} cannot be read as a torch file ({e}); "
+            f"it is truncated or was not written by torch.save"
+        ) from e
     deepspeed_names = [g for g in globals_named if g.startswith(_PREFIX)]
     others = [g for g in globals_named if not g.startswith(_PREFIX)]
     if trusted:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True, pickle_module=_trusted_pickle)
+        return torch.load(
+            path, map_location="cpu", weights_only=False, mmap=True, pickle_module=_trusted_pickle
+        )
     extra = numpy_globals() + [(standin(g), g) for g in deepspeed_names]
     with _allowed(extra):
         try:
@@ -137,4 +144,5 @@ def load_ds_file(path: str, trusted: bool = False) -> Any:
             raise CheckpointUntrustedError(
                 f"DeepSpeed checkpoint file {path} holds objects ({refused}) that a weights-only load refuses: "
                 f"unpickling them could run code named by the file, so nothing was loaded. If you trust where "
-                f"this checkpoint comes from, load it with load_checkpoint(..., trust_client_state=True)") from None
+                f"this checkpoint comes from, load it with load_checkpoint(..., trust_client_state=True)"
+            ) from None

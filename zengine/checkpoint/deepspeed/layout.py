@@ -8,6 +8,7 @@ reader (``reader.py``) and the export (``export.py``) ask a ``DeepSpeedLayout`` 
 differ (file names, keys, partition sizes, frozen parameters) instead of testing the stage; the
 element arithmetic itself is ``partition.py``'s.
 """
+
 from __future__ import annotations
 
 import math
@@ -75,8 +76,15 @@ class DeepSpeedLayout(Protocol):
     def model_files(self) -> list[str]:
         """The model states files, the one at index r written by rank r."""
 
-    def read_pieces(self, where: str, g: int, group: FlatGroup, rank: int, saved: int,
-                    rank_state: dict[str, Any]) -> list[Piece]:
+    def read_pieces(
+        self,
+        where: str,
+        g: int,
+        group: FlatGroup,
+        rank: int,
+        saved: int,
+        rank_state: dict[str, Any],
+    ) -> list[Piece]:
         """The pieces of rank ``rank``'s saved master of group ``g`` (``saved`` elements), given
         that rank's optimizer file ``rank_state``; CheckpointFileError when the size breaks the
         rules."""
@@ -96,8 +104,9 @@ class DeepSpeedLayout(Protocol):
     def module_entry(self, whole: Callable[[], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """A parameter's tensor in the module state_dict (``whole``: the parameter in ``dtype``)."""
 
-    def frozen_records(self, shapes: OrderedDict, whole: Callable[[str], torch.Tensor], rank: int
-                       ) -> tuple[Optional[OrderedDict], Optional[OrderedDict]]:
+    def frozen_records(
+        self, shapes: OrderedDict, whole: Callable[[str], torch.Tensor], rank: int
+    ) -> tuple[Optional[OrderedDict], Optional[OrderedDict]]:
         """(``frozen_param_shapes``, ``frozen_param_fragments``) of rank ``rank``'s model file,
         from the frozen parameters' shapes and ``whole(name)`` (in the module dtype)."""
 
@@ -117,16 +126,24 @@ class Stage1Layout:
     def model_files(self) -> list[str]:
         return [_COMMON_MODEL_FILE]
 
-    def read_pieces(self, where: str, g: int, group: FlatGroup, rank: int, saved: int,
-                    rank_state: dict[str, Any]) -> list[Piece]:
+    def read_pieces(
+        self,
+        where: str,
+        g: int,
+        group: FlatGroup,
+        rank: int,
+        saved: int,
+        rank_state: dict[str, Any],
+    ) -> list[Piece]:
         size = self._partition_size(saved, g, rank_state)
         # parameter_alignment may make DeepSpeed's partitions larger than this rule, never smaller
         paddings = group.paddings or [0] * len(group.numels)
         expected = partition.partition_numel(group.numels, paddings, self.world)
         if size < expected:
             partition.check_saved_numel(where, g, rank, expected, size)
-        return partition.flat_group_pieces(group.names, group.numels, group.paddings, rank, size,
-                                           saved)
+        return partition.flat_group_pieces(
+            group.names, group.numels, group.paddings, rank, size, saved
+        )
 
     def _partition_size(self, saved: int, g: int, rank_state: dict[str, Any]) -> int:
         return saved + int(rank_state["group_paddings"][g])
@@ -149,18 +166,26 @@ class Stage1Layout:
         return Partition(pieces, real, size - real, moments=size)
 
     def optimizer_state(self, parts: OptimizerParts) -> dict[str, Any]:
-        return {"loss_scaler": parts.loss_scaler, "dynamic_loss_scale": parts.dynamic,
-                "overflow": False, "clip_grad": parts.clip_grad,
-                self.optimizer_key: parts.optimizer, self.masters_key: parts.masters,
-                "zero_stage": make(_STAGE_ENUM, self.stage), "group_paddings": parts.paddings,
-                "param_alignment_paddings": [[0] * n for n in parts.group_sizes],
-                "partition_count": [self.world] * len(parts.masters), "ds_version": DS_VERSION}
+        return {
+            "loss_scaler": parts.loss_scaler,
+            "dynamic_loss_scale": parts.dynamic,
+            "overflow": False,
+            "clip_grad": parts.clip_grad,
+            self.optimizer_key: parts.optimizer,
+            self.masters_key: parts.masters,
+            "zero_stage": make(_STAGE_ENUM, self.stage),
+            "group_paddings": parts.paddings,
+            "param_alignment_paddings": [[0] * n for n in parts.group_sizes],
+            "partition_count": [self.world] * len(parts.masters),
+            "ds_version": DS_VERSION,
+        }
 
     def module_entry(self, whole: Callable[[], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return whole()
 
-    def frozen_records(self, shapes: OrderedDict, whole: Callable[[str], torch.Tensor], rank: int
-                       ) -> tuple[Optional[OrderedDict], Optional[OrderedDict]]:
+    def frozen_records(
+        self, shapes: OrderedDict, whole: Callable[[str], torch.Tensor], rank: int
+    ) -> tuple[Optional[OrderedDict], Optional[OrderedDict]]:
         return None, None
 
 
@@ -170,8 +195,9 @@ class Stage2Layout(Stage1Layout):
 
     stage = 2
 
-    def frozen_records(self, shapes: OrderedDict, whole: Callable[[str], torch.Tensor], rank: int
-                       ) -> tuple[Optional[OrderedDict], Optional[OrderedDict]]:
+    def frozen_records(
+        self, shapes: OrderedDict, whole: Callable[[str], torch.Tensor], rank: int
+    ) -> tuple[Optional[OrderedDict], Optional[OrderedDict]]:
         return shapes, OrderedDict((n, whole(n)) for n in shapes)
 
 
@@ -189,9 +215,14 @@ class Bf16OptimizerLayout(Stage1Layout):
         return Partition(pieces, size, padding, moments=size)
 
     def optimizer_state(self, parts: OptimizerParts) -> dict[str, Any]:
-        return {"clip_grad": parts.clip_grad, self.optimizer_key: parts.optimizer,
-                self.masters_key: parts.masters, "group_paddings": parts.paddings,
-                "partition_count": [self.world] * len(parts.masters), "ds_version": DS_VERSION}
+        return {
+            "clip_grad": parts.clip_grad,
+            self.optimizer_key: parts.optimizer,
+            self.masters_key: parts.masters,
+            "group_paddings": parts.paddings,
+            "partition_count": [self.world] * len(parts.masters),
+            "ds_version": DS_VERSION,
+        }
 
 
 class Stage3Layout:
@@ -208,8 +239,15 @@ class Stage3Layout:
     def model_files(self) -> list[str]:
         return [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(self.world)]
 
-    def read_pieces(self, where: str, g: int, group: FlatGroup, rank: int, saved: int,
-                    rank_state: dict[str, Any]) -> list[Piece]:
+    def read_pieces(
+        self,
+        where: str,
+        g: int,
+        group: FlatGroup,
+        rank: int,
+        saved: int,
+        rank_state: dict[str, Any],
+    ) -> list[Piece]:
         expected = partition.sharded_group_numel(group.numels, self.world)
         partition.check_saved_numel(where, g, rank, expected, saved)
         return partition.sharded_group_pieces(group.names, group.numels, rank, self.world)
@@ -218,7 +256,7 @@ class Stage3Layout:
         out = {}
         for n, s in shapes.items():
             chunks = [m["frozen_param_fragments"][n].view(-1) for m in models]
-            out[n] = torch.cat(chunks)[:math.prod(s)]  # the last rank's chunk is padded
+            out[n] = torch.cat(chunks)[: math.prod(s)]  # the last rank's chunk is padded
         return out
 
     def splits_group(self, numels: Sequence[int], sub_group_size: int) -> bool:
@@ -230,24 +268,30 @@ class Stage3Layout:
         return Partition(pieces, size, 0, moments=size)
 
     def optimizer_state(self, parts: OptimizerParts) -> dict[str, Any]:
-        return {"zero_stage": make(_STAGE_ENUM, 3), "loss_scaler": parts.loss_scaler,
-                "dynamic_loss_scale": parts.dynamic, "overflow": False,
-                "partition_count": self.world, self.optimizer_key: parts.optimizer,
-                self.masters_key: parts.masters}
+        return {
+            "zero_stage": make(_STAGE_ENUM, 3),
+            "loss_scaler": parts.loss_scaler,
+            "dynamic_loss_scale": parts.dynamic,
+            "overflow": False,
+            "partition_count": self.world,
+            self.optimizer_key: parts.optimizer,
+            self.masters_key: parts.masters,
+        }
 
     def module_entry(self, whole: Callable[[], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(0, dtype=dtype)
 
-    def frozen_records(self, shapes: OrderedDict, whole: Callable[[str], torch.Tensor], rank: int
-                       ) -> tuple[Optional[OrderedDict], Optional[OrderedDict]]:
+    def frozen_records(
+        self, shapes: OrderedDict, whole: Callable[[str], torch.Tensor], rank: int
+    ) -> tuple[Optional[OrderedDict], Optional[OrderedDict]]:
         return shapes, OrderedDict((n, self._chunk(whole(n), rank)) for n in shapes)
 
     def _chunk(self, whole: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s chunk of a parameter, the last one padded with zeros."""
         chunk = partition.chunk_numel(whole.numel(), self.world)
         out = torch.zeros(chunk, dtype=whole.dtype)
-        part = whole.view(-1)[rank * chunk:(rank + 1) * chunk]
-        out[:part.numel()] = part
+        part = whole.view(-1)[rank * chunk : (rank + 1) * chunk]
+        out[: part.numel()] = part
         return out
 
 

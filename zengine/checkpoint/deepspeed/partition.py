@@ -16,6 +16,7 @@ Stage 3 (``stage3.py``): each parameter is cut on its own into ``world`` chunks 
 elements (the last one padded); rank r's flat tensor of a sub-group is its chunk of every parameter of
 that sub-group, in order.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,14 @@ def partition_numel(numels: Sequence[int], paddings: Sequence[int], world: int) 
     return math.ceil(total / alignment) * alignment // world
 
 
-def flat_group_pieces(names: Sequence[str], numels: Sequence[int], paddings: Optional[Sequence[int]],
-                      rank: int, partition: int, saved: int) -> list[Piece]:
+def flat_group_pieces(
+    names: Sequence[str],
+    numels: Sequence[int],
+    paddings: Optional[Sequence[int]],
+    rank: int,
+    partition: int,
+    saved: int,
+) -> list[Piece]:
     """Stages 1-2: the pieces of rank ``rank``'s saved partition (``saved`` elements from flat position
     ``rank * partition``), offsets into that partition."""
     paddings = list(paddings) if paddings is not None else [0] * len(names)
@@ -52,7 +59,9 @@ def chunk_numel(numel: int, world: int) -> int:
     return math.ceil(numel / world)
 
 
-def sharded_group_pieces(names: Sequence[str], numels: Sequence[int], rank: int, world: int) -> list[Piece]:
+def sharded_group_pieces(
+    names: Sequence[str], numels: Sequence[int], rank: int, world: int
+) -> list[Piece]:
     """Stage 3: the pieces of rank ``rank``'s flat tensor of one sub-group."""
     out, offset = [], 0
     for name, numel in zip(names, numels):
@@ -72,7 +81,9 @@ def sharded_group_numel(numels: Sequence[int], world: int) -> int:
 def check_saved_numel(where: str, group: int, rank: int, expected: int, found: int) -> None:
     """A flat tensor of another size than the rules give: the layout is not the one this reader knows."""
     if expected != found:
-        raise CheckpointFileError(f"DeepSpeed checkpoint {where}: rank {rank}'s flat group {group} holds {found} "
-                                  f"elements where DeepSpeed's ZeRO layout for the recorded parameter shapes gives "
-                                  f"{expected}; the file is damaged, or was written by a DeepSpeed layout zengine "
-                                  f"does not read (pipeline or tensor parallelism, a custom partitioner)")
+        raise CheckpointFileError(
+            f"DeepSpeed checkpoint {where}: rank {rank}'s flat group {group} holds {found} "
+            f"elements where DeepSpeed's ZeRO layout for the recorded parameter shapes gives "
+            f"{expected}; the file is damaged, or was written by a DeepSpeed layout zengine "
+            f"does not read (pipeline or tensor parallelism, a custom partitioner)"
+        )

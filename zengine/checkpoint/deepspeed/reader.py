@@ -27,6 +27,7 @@ not hold the same parameters as the engine's group of the same index, are refuse
 anything is loaded. DeepSpeed's own objects in the files are read as plain data without DeepSpeed
 installed (files.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -47,13 +48,42 @@ from ..native.reader import CheckpointReader
 _OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _MODEL = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 # the keys DeepSpeed's engine writes into the model states file; the others are the user's client_state
-_ENGINE_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-                "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-                "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-                "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info"}
+_ENGINE_KEYS = {
+    "module",
+    "buffer_names",
+    "optimizer",
+    "param_shapes",
+    "frozen_param_shapes",
+    "shared_params",
+    "frozen_param_fragments",
+    "lr_scheduler",
+    "data_sampler",
+    "random_ltd",
+    "sparse_tensor_module_names",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "ds_config",
+    "ds_version",
+    "checkpoint_parallel_dimensions",
+    "universal_checkpoint_info",
+}
 # optimizer hyper-parameters carried over; device choices (foreach, fused, capturable) stay this engine's
-_HYPER = ("lr", "initial_lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum", "dampening",
-          "nesterov", "bias_correction")
+_HYPER = (
+    "lr",
+    "initial_lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "maximize",
+    "momentum",
+    "dampening",
+    "nesterov",
+    "bias_correction",
+)
 
 
 class DeepSpeedCheckpointError(CheckpointMismatchError):
@@ -65,7 +95,9 @@ def is_deepspeed_checkpoint(directory: str) -> bool:
     """Whether ``directory`` holds DeepSpeed's files and no zengine ``meta.json``."""
     if os.path.exists(os.path.join(directory, META)) or not os.path.isdir(directory):
         return False
-    return any(name.endswith(("_optim_states.pt", "_model_states.pt")) for name in os.listdir(directory))
+    return any(
+        name.endswith(("_optim_states.pt", "_model_states.pt")) for name in os.listdir(directory)
+    )
 
 
 def open_reader(directory: str, trusted: bool, engine_groups: Sequence[Sequence[str]], gas: int):
@@ -85,38 +117,54 @@ def _refuse_unsupported(directory: str, names: list[str]) -> None:
     other_mp = [n for n in names if _model_parallel_rank(n) not in (None, 0)]
     pipeline = [n for n in names if n.startswith("layer_") and "_expert_" not in n]
     moe = [n for n in names if n.startswith("expp_rank_") or "_expert_" in n]
-    for found, what in ((other_mp, "tensor (model) parallel ranks other than mp_rank_00"),
-                        (pipeline, "pipeline-parallel layer files"), (moe, "mixture-of-experts files")):
+    for found, what in (
+        (other_mp, "tensor (model) parallel ranks other than mp_rank_00"),
+        (pipeline, "pipeline-parallel layer files"),
+        (moe, "mixture-of-experts files"),
+    ):
         if found:
             raise DeepSpeedCheckpointError(
                 f"DeepSpeed checkpoint {directory} has {what} ({', '.join(found[:4])}): zengine loads data-parallel "
                 f"ZeRO checkpoints (one mp_rank_00). Consolidate it with DeepSpeed's own tools first "
-                f"(ds_to_universal.py, zero_to_fp32.py) and load the weights with load_state_dict")
+                f"(ds_to_universal.py, zero_to_fp32.py) and load the weights with load_state_dict"
+            )
 
 
 class DeepSpeedReader:
     """One DeepSpeed checkpoint directory, read as a zengine checkpoint (see the module doc)."""
 
-    def __init__(self, directory: str, trusted: bool, engine_groups: Sequence[Sequence[str]], gas: int):
+    def __init__(
+        self, directory: str, trusted: bool, engine_groups: Sequence[Sequence[str]], gas: int
+    ):
         self.directory = directory
         names = sorted(os.listdir(directory))
         _refuse_unsupported(directory, names)
-        optim = {int(m.group(2)): (n, bool(m.group(1))) for n in names if (m := _OPTIM.fullmatch(n))}
+        optim = {
+            int(m.group(2)): (n, bool(m.group(1))) for n in names if (m := _OPTIM.fullmatch(n))
+        }
         if not optim or sorted(optim) != list(range(len(optim))):
-            raise CheckpointFileError(f"DeepSpeed checkpoint {directory}: expected zero_pp_rank_<r>_mp_rank_00_optim_"
-                                      f"states.pt for ranks 0..N-1, found {[n for n, _ in optim.values()] or 'none'}")
+            raise CheckpointFileError(
+                f"DeepSpeed checkpoint {directory}: expected zero_pp_rank_<r>_mp_rank_00_optim_"
+                f"states.pt for ranks 0..N-1, found {[n for n, _ in optim.values()] or 'none'}"
+            )
         if len({bf16 for _, bf16 in optim.values()}) > 1:
-            raise CheckpointFileError(f"DeepSpeed checkpoint {directory} mixes bf16_zero_pp_rank_* and zero_pp_rank_* "
-                                      f"files (two saves into one tag?); remove the stale ones")
+            raise CheckpointFileError(
+                f"DeepSpeed checkpoint {directory} mixes bf16_zero_pp_rank_* and zero_pp_rank_* "
+                f"files (two saves into one tag?); remove the stale ones"
+            )
         self.world = len(optim)
-        self._optim = [load_ds_file(os.path.join(directory, optim[r][0]))["optimizer_state_dict"]
-                       for r in range(self.world)]
+        self._optim = [
+            load_ds_file(os.path.join(directory, optim[r][0]))["optimizer_state_dict"]
+            for r in range(self.world)
+        ]
         self.layout = self._layout()
         self._models = self._model_states(names, trusted)
         common = self._models[0]
         self._check_parallel(common)
         self._flats: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._index: dict[str, list[tuple[int, int, int, int]]] = {}  # name -> [(rank, group, start, end)]
+        self._index: dict[
+            str, list[tuple[int, int, int, int]]
+        ] = {}  # name -> [(rank, group, start, end)]
         self._offsets: dict[tuple[int, int, str], int] = {}
         self._ds_groups = self._build_index(common["param_shapes"])
         self._frozen = self._frozen_values()
@@ -144,22 +192,30 @@ class DeepSpeedReader:
         # the bf16_ prefix says bf16 was on; DeepSpeed's bf16 optimizer (stage 1 with fp32
         # gradient accumulation) is the one writer that records no ZeRO stage
         bf16_optimizer = "zero_stage" not in sd
-        stage = int(sd["zero_stage"]) if "zero_stage" in sd else 1  # the bf16 optimizer: stage 1's layout
+        stage = (
+            int(sd["zero_stage"]) if "zero_stage" in sd else 1
+        )  # the bf16 optimizer: stage 1's layout
         if stage not in (1, 2, 3):
-            raise DeepSpeedCheckpointError(f"DeepSpeed checkpoint {self.directory}: ZeRO stage {stage} is not one "
-                                           f"zengine reads (1, 2 or 3)")
+            raise DeepSpeedCheckpointError(
+                f"DeepSpeed checkpoint {self.directory}: ZeRO stage {stage} is not one "
+                f"zengine reads (1, 2 or 3)"
+            )
         count = sd.get("partition_count")
         counts = set(count) if isinstance(count, list) else {count}
         if counts != {self.world}:
-            raise CheckpointFileError(f"DeepSpeed checkpoint {self.directory} was partitioned over {sorted(counts)} "
-                                      f"ranks but holds {self.world} optim_states files: some are missing or stale")
+            raise CheckpointFileError(
+                f"DeepSpeed checkpoint {self.directory} was partitioned over {sorted(counts)} "
+                f"ranks but holds {self.world} optim_states files: some are missing or stale"
+            )
         return layout_for(stage, bf16_optimizer, self.world)
 
     def _model_states(self, names: list[str], trusted: bool) -> list[dict]:
         files = self.layout.model_files()
         missing = [f for f in files if f not in names]
         if missing:
-            raise CheckpointFileError(f"DeepSpeed checkpoint {self.directory} lacks {', '.join(missing)}")
+            raise CheckpointFileError(
+                f"DeepSpeed checkpoint {self.directory} lacks {', '.join(missing)}"
+            )
         return [load_ds_file(os.path.join(self.directory, f), trusted) for f in files]
 
     def _check_parallel(self, common: dict) -> None:
@@ -169,10 +225,13 @@ class DeepSpeedReader:
             raise DeepSpeedCheckpointError(
                 f"DeepSpeed checkpoint {self.directory} was saved with model parallel size {mp}, pipeline degree "
                 f"{dims.get('pp_degree', 1)}, tensor degree {dims.get('tp_degree', 1)}: zengine loads data-parallel "
-                f"ZeRO checkpoints only; convert it with DeepSpeed's ds_to_universal.py or zero_to_fp32.py first")
+                f"ZeRO checkpoints only; convert it with DeepSpeed's ds_to_universal.py or zero_to_fp32.py first"
+            )
         if common.get("param_shapes") is None:
-            raise DeepSpeedCheckpointError(f"DeepSpeed checkpoint {self.directory} has no param_shapes: it was not "
-                                           f"saved by a ZeRO engine (stage 0 keeps its optimizer in another form)")
+            raise DeepSpeedCheckpointError(
+                f"DeepSpeed checkpoint {self.directory} has no param_shapes: it was not "
+                f"saved by a ZeRO engine (stage 0 keeps its optimizer in another form)"
+            )
 
     # -- where each element is ---------------------------------------------------------------
     def _build_index(self, param_shapes: list) -> list[list[str]]:
@@ -185,13 +244,20 @@ class DeepSpeedReader:
             group = FlatGroup(list(shapes), [math.prod(s) for s in shapes.values()], paddings)
             names_by_group[groups_of[g]] += group.names
             for rank, sd in enumerate(self._optim):
-                master = sd[key][g].detach().view(-1)  # DeepSpeed saves its masters with requires_grad
+                master = (
+                    sd[key][g].detach().view(-1)
+                )  # DeepSpeed saves its masters with requires_grad
                 # torch numbers its state by parameter across groups: here one flat tensor each, in flat order
                 state = sd[base]["state"].get(g, {})
                 pieces = self.layout.read_pieces(self.directory, g, group, rank, master.numel(), sd)
                 flats = {"master": master}
-                flats.update({f"state.{k}": v.detach().view(-1) for k, v in state.items()
-                              if torch.is_tensor(v) and v.dim() > 0 and v.numel() >= master.numel()})
+                flats.update(
+                    {
+                        f"state.{k}": v.detach().view(-1)
+                        for k, v in state.items()
+                        if torch.is_tensor(v) and v.dim() > 0 and v.numel() >= master.numel()
+                    }
+                )
                 self._flats[(rank, g)] = flats
                 for p in pieces:
                     self._index.setdefault(p.name, []).append((rank, g, p.start, p.end))
@@ -211,7 +277,9 @@ class DeepSpeedReader:
         shapes = common.get("frozen_param_shapes")
         if shapes is not None:
             return self.layout.frozen_values(self._models, shapes)
-        skip = trained | set(common.get("buffer_names") or []) | set(common.get("shared_params") or {})
+        skip = (
+            trained | set(common.get("buffer_names") or []) | set(common.get("shared_params") or {})
+        )
         return {n: t.reshape(-1) for n, t in common["module"].items() if n not in skip}
 
     def _check_groups(self, engine_groups: Sequence[Sequence[str]]) -> None:
@@ -222,12 +290,16 @@ class DeepSpeedReader:
         ours = [set(g) & set(self._index) for g in engine_groups]
         if ds == ours:
             return
-        rows = [f"group {i}: DeepSpeed {self._ds_groups[i] if i < len(ds) else '-'}, engine "
-                f"{list(engine_groups[i]) if i < len(ours) else '-'}" for i in range(max(len(ds), len(ours)))]
+        rows = [
+            f"group {i}: DeepSpeed {self._ds_groups[i] if i < len(ds) else '-'}, engine "
+            f"{list(engine_groups[i]) if i < len(ours) else '-'}"
+            for i in range(max(len(ds), len(ours)))
+        ]
         raise DeepSpeedCheckpointError(
             f"DeepSpeed checkpoint {self.directory}: its optimizer groups hold other parameters than the engine's; "
             f"build the optimizer with the same param groups, in the same order, as the DeepSpeed run did:\n  "
-            + "\n  ".join(rows))
+            + "\n  ".join(rows)
+        )
 
     def _describe(self, common: dict, gas: int) -> dict[str, Any]:
         params: dict[str, dict] = {}
@@ -235,22 +307,40 @@ class DeepSpeedReader:
             for n, s in shapes.items():
                 params[n] = {"shape": list(s), "dtype": "float32", "trained": True}
         for n, t in self._frozen.items():
-            shape = (common.get("frozen_param_shapes") or {}).get(n, common["module"].get(n, t).shape)
+            shape = (common.get("frozen_param_shapes") or {}).get(
+                n, common["module"].get(n, t).shape
+            )
             params[n] = {"shape": list(shape), "dtype": dtype_name(t.dtype), "trained": False}
-        buffers = {n: {"shape": list(common["module"][n].shape), "dtype": dtype_name(common["module"][n].dtype)}
-                   for n in common.get("buffer_names") or []}
+        buffers = {
+            n: {
+                "shape": list(common["module"][n].shape),
+                "dtype": dtype_name(common["module"][n].dtype),
+            }
+            for n in common.get("buffer_names") or []
+        }
         # the module's state_dict keys in order, a tied name pointing at the parameter DeepSpeed stored
         shared = dict(common.get("shared_params") or {})
         buffer_names = set(buffers)
-        keys = [[k, "buffer" if k in buffer_names else "param", shared.get(k, k)] for k in common["module"]
-                if k in buffer_names or shared.get(k, k) in params]
+        keys = [
+            [k, "buffer" if k in buffer_names else "param", shared.get(k, k)]
+            for k in common["module"]
+            if k in buffer_names or shared.get(k, k) in params
+        ]
         steps = int(common.get("global_steps", 0))
-        return {"format": "deepspeed", "ds_version": common.get("ds_version"),
-                "zero_stage": self.layout.stage,
-                "world_size": self.world, "params": params, "buffers": buffers, "global_steps": steps,
-                "micro_steps": steps * gas, "global_samples": int(common.get("global_samples", 0)),
-                "skipped_steps": int(common.get("skipped_steps", 0)),
-                "shared_params": shared, "state_dict": keys}
+        return {
+            "format": "deepspeed",
+            "ds_version": common.get("ds_version"),
+            "zero_stage": self.layout.stage,
+            "world_size": self.world,
+            "params": params,
+            "buffers": buffers,
+            "global_steps": steps,
+            "micro_steps": steps * gas,
+            "global_samples": int(common.get("global_samples", 0)),
+            "skipped_steps": int(common.get("skipped_steps", 0)),
+            "shared_params": shared,
+            "state_dict": keys,
+        }
 
     # -- what native/load.py asks ---------------------------------------------------------------------
     def fill(self, holding: Holding, kinds: Sequence[str], required: bool = True) -> None:
@@ -265,8 +355,10 @@ class DeepSpeedReader:
         found = sum(hi - lo for _, lo, hi, _ in sources)
         if found != piece.numel:
             if required:
-                raise CheckpointFileError(f"DeepSpeed checkpoint {self.directory} holds {found} of the "
-                                          f"{piece.numel} elements [{piece.start}, {piece.end}) of {piece.name}")
+                raise CheckpointFileError(
+                    f"DeepSpeed checkpoint {self.directory} holds {found} of the "
+                    f"{piece.numel} elements [{piece.start}, {piece.end}) of {piece.name}"
+                )
             holding.view(piece).zero_()
         for src, lo, hi, at in sources:
             holding.view(piece).narrow(0, at, hi - lo).copy_(src.narrow(0, lo, hi - lo))
@@ -276,7 +368,10 @@ class DeepSpeedReader:
             if kind == "param":
                 if piece.name in self._frozen:
                     whole = self._frozen[piece.name]
-                    return [(whole, lo, hi, at) for _, lo, hi, at in overlaps(piece, [(0, 0, whole.numel())])]
+                    return [
+                        (whole, lo, hi, at)
+                        for _, lo, hi, at in overlaps(piece, [(0, 0, whole.numel())])
+                    ]
                 continue
             entries = self._index.get(piece.name, [])
             if not entries or any(kind not in self._flats[(r, g)] for r, g, _, _ in entries):
@@ -305,13 +400,23 @@ class DeepSpeedReader:
         groups = []
         for group in base["param_groups"]:
             first = base["state"].get(group["params"][0], {}) if group["params"] else {}
-            groups.append({"hyper": {k: group[k] for k in _HYPER if k in group},
-                           "keys": list(first),
-                           "scalars": {k: v for k, v in first.items() if not (torch.is_tensor(v) and v.dim() > 0)}})
+            groups.append(
+                {
+                    "hyper": {k: group[k] for k in _HYPER if k in group},
+                    "keys": list(first),
+                    "scalars": {
+                        k: v for k, v in first.items() if not (torch.is_tensor(v) and v.dim() > 0)
+                    },
+                }
+            )
         common = self._models[0]
-        return {"optimizer": groups, "lr_scheduler": common.get("lr_scheduler"),
-                "loss_scaler": _loss_scaler(self._optim[0].get("loss_scaler")), "rng": [],
-                "client_state": {k: v for k, v in common.items() if k not in _ENGINE_KEYS}}
+        return {
+            "optimizer": groups,
+            "lr_scheduler": common.get("lr_scheduler"),
+            "loss_scaler": _loss_scaler(self._optim[0].get("loss_scaler")),
+            "rng": [],
+            "client_state": {k: v for k, v in common.items() if k not in _ENGINE_KEYS},
+        }
 
 
 def _loss_scaler(saved: Optional[Any]) -> dict[str, Any]:
@@ -320,6 +425,9 @@ def _loss_scaler(saved: Optional[Any]) -> dict[str, Any]:
         return {}
     state = {"scale": saved.get("cur_scale")}
     if saved.get("dynamic"):
-        state.update(hysteresis_left=saved.get("cur_hysteresis"), iteration=saved.get("cur_iter"),
-                     last_overflow_iteration=saved.get("last_overflow_iter"))
+        state.update(
+            hysteresis_left=saved.get("cur_hysteresis"),
+            iteration=saved.get("cur_iter"),
+            last_overflow_iteration=saved.get("last_overflow_iter"),
+        )
     return {k: v for k, v in state.items() if v is not None}

@@ -10,6 +10,7 @@ the fp32 model with tied weights once (hf.py), from a zengine checkpoint or from
 ``engine.load_checkpoint(deepspeed_save_dir, tag)`` reads DeepSpeed's checkpoints directly.
 Also runs as ``python -m zengine.checkpoint.export.convert``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,25 +25,51 @@ from .hf import export_safetensors
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zengine-convert", description="Convert a checkpoint (any stage, any world "
-                                     "size) for DeepSpeed or for Hugging Face, without a process group.")
+    parser = argparse.ArgumentParser(
+        prog="zengine-convert",
+        description="Convert a checkpoint (any stage, any world "
+        "size) for DeepSpeed or for Hugging Face, without a process group.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    ds = sub.add_parser("to-deepspeed", help="DeepSpeed 0.19's ZeRO layout (save_dir/<tag>/ and latest)")
-    ds.add_argument("checkpoint_dir", help="the save_dir of engine.save_checkpoint, or one checkpoint's folder")
+    ds = sub.add_parser(
+        "to-deepspeed", help="DeepSpeed 0.19's ZeRO layout (save_dir/<tag>/ and latest)"
+    )
+    ds.add_argument(
+        "checkpoint_dir", help="the save_dir of engine.save_checkpoint, or one checkpoint's folder"
+    )
     ds.add_argument("output_dir", help="the DeepSpeed save_dir to write (its <tag>/ and 'latest')")
-    ds.add_argument("--world-size", type=int, required=True, help="the data-parallel ranks DeepSpeed will run")
-    ds.add_argument("--config", required=True, help="the DeepSpeed config JSON DeepSpeed will run (its ZeRO "
-                                                     "stage and precision decide the layout)")
-    ds.add_argument("--tag", default=None, help="the zengine checkpoint tag (default: the one in 'latest')")
+    ds.add_argument(
+        "--world-size", type=int, required=True, help="the data-parallel ranks DeepSpeed will run"
+    )
+    ds.add_argument(
+        "--config",
+        required=True,
+        help="the DeepSpeed config JSON DeepSpeed will run (its ZeRO "
+        "stage and precision decide the layout)",
+    )
+    ds.add_argument(
+        "--tag", default=None, help="the zengine checkpoint tag (default: the one in 'latest')"
+    )
     ds.add_argument("--out-tag", default=None, help="the DeepSpeed tag (default: global_step<N>)")
-    ds.add_argument("--trust", action="store_true", help="state.pt may hold objects of your own classes "
-                                                         "(unpickled as torch.load(weights_only=False) would)")
-    st = sub.add_parser("to-safetensors", help="one fp32 model.safetensors, tied weights stored once")
-    st.add_argument("checkpoint_dir", help="a zengine or DeepSpeed save_dir, or one checkpoint's folder")
+    ds.add_argument(
+        "--trust",
+        action="store_true",
+        help="state.pt may hold objects of your own classes "
+        "(unpickled as torch.load(weights_only=False) would)",
+    )
+    st = sub.add_parser(
+        "to-safetensors", help="one fp32 model.safetensors, tied weights stored once"
+    )
+    st.add_argument(
+        "checkpoint_dir", help="a zengine or DeepSpeed save_dir, or one checkpoint's folder"
+    )
     st.add_argument("output_file")
     st.add_argument("--tag", default=None, help="the checkpoint tag (default: the one in 'latest')")
-    st.add_argument("--trust", action="store_true", help="a DeepSpeed client_state may hold objects of your "
-                                                         "own classes")
+    st.add_argument(
+        "--trust",
+        action="store_true",
+        help="a DeepSpeed client_state may hold objects of your own classes",
+    )
     return parser
 
 
@@ -54,9 +81,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with open(args.config) as f:
                 config = hjson.load(f)
             if args.world_size < 1:
-                raise DeepSpeedExportError(f"--world-size must be at least 1, got {args.world_size}")
-            written = export_deepspeed_checkpoint(args.checkpoint_dir, args.output_dir, args.world_size, config,
-                                                  args.tag, args.out_tag, args.trust)
+                raise DeepSpeedExportError(
+                    f"--world-size must be at least 1, got {args.world_size}"
+                )
+            written = export_deepspeed_checkpoint(
+                args.checkpoint_dir,
+                args.output_dir,
+                args.world_size,
+                config,
+                args.tag,
+                args.out_tag,
+                args.trust,
+            )
         else:
             tied = export_safetensors(args.checkpoint_dir, args.output_file, args.tag, args.trust)
             written = args.output_file + (f" (tied, stored once: {tied})" if tied else "")

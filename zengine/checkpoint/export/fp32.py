@@ -9,6 +9,7 @@ streams each into the output file (a torch file, or safetensors when the name
 ends in ``.safetensors``) before assembling the next. Nothing here unpickles: only meta.json (JSON) and
 the rank files (raw tensor bytes) are read, never state.pt, so an export runs no code from a checkpoint.
 """
+
 from __future__ import annotations
 
 import collections
@@ -36,8 +37,9 @@ class Alias:
     of: str
 
 
-def _assemble(reader: CheckpointReader, kind: str, source: str, scratch: Optional[torch.Tensor] = None
-              ) -> torch.Tensor:
+def _assemble(
+    reader: CheckpointReader, kind: str, source: str, scratch: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """One state_dict entry: a buffer as saved, a parameter in fp32 (in ``scratch`` when given)."""
     if kind == "buffer":
         return reader.read_buffer(source)
@@ -55,8 +57,9 @@ def _scratch(reader: CheckpointReader) -> torch.Tensor:
     return torch.empty(largest, dtype=torch.float32)
 
 
-def _entries(reader: CheckpointReader, scratch: Optional[torch.Tensor] = None
-             ) -> Iterator[tuple[str, Union[torch.Tensor, Alias]]]:
+def _entries(
+    reader: CheckpointReader, scratch: Optional[torch.Tensor] = None
+) -> Iterator[tuple[str, Union[torch.Tensor, Alias]]]:
     """(key, tensor or Alias) in state_dict order; with ``scratch``, each parameter is valid only until the next."""
     first: dict[str, str] = {}
     for key, kind, source in reader.meta["state_dict"]:
@@ -67,15 +70,17 @@ def _entries(reader: CheckpointReader, scratch: Optional[torch.Tensor] = None
             yield key, _assemble(reader, kind, source, scratch)
 
 
-def iter_fp32_state_dict(checkpoint_dir: str, tag: Optional[str] = None
-                         ) -> Iterator[tuple[str, Union[torch.Tensor, Alias]]]:
+def iter_fp32_state_dict(
+    checkpoint_dir: str, tag: Optional[str] = None
+) -> Iterator[tuple[str, Union[torch.Tensor, Alias]]]:
     """(key, fp32 tensor) in the model's state_dict order, one at a time; a tied key yields an Alias."""
     with CheckpointReader(checkpoint_directory(checkpoint_dir, tag)) as reader:
         yield from _entries(reader)
 
 
-def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[str] = None
-                                             ) -> "collections.OrderedDict[str, torch.Tensor]":
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir: str, tag: Optional[str] = None
+) -> "collections.OrderedDict[str, torch.Tensor]":
     """The model's full fp32 state_dict from a sharded checkpoint (any stage, any world size).
 
     ``checkpoint_dir`` is the ``save_dir`` of ``engine.save_checkpoint`` (``tag`` default: the one in
@@ -87,15 +92,20 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[
     return out
 
 
-def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str, tag: Optional[str] = None):
+def load_state_dict_from_zero_checkpoint(
+    model: torch.nn.Module, checkpoint_dir: str, tag: Optional[str] = None
+):
     """Load the fp32 weights of a checkpoint into a plain (unwrapped) ``model`` on the CPU; returns the model."""
     model = model.cpu()
-    model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag), strict=True)
+    model.load_state_dict(
+        get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag), strict=True
+    )
     return model
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_file: str, tag: Optional[str] = None
-                                               ) -> None:
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: str, output_file: str, tag: Optional[str] = None
+) -> None:
     """Write the fp32 state_dict to ``output_file``, streaming one tensor at a time.
 
     ``*.safetensors``: the safetensors format, each tied weight once, its aliases in the metadata (as Hugging
@@ -149,7 +159,9 @@ def write_safetensors(reader, path: str) -> dict[str, str]:
         entry = meta["params" if kind == "param" else "buffers"][source]
         dtype = torch.float32 if kind == "param" else meta_mod.dtype_of(entry["dtype"])
         specs.append(TensorSpec(key, dtype, tuple(entry["shape"])))
-    writer = TensorFileWriter(path, specs, plain_metadata={"format": "pt", TIED_KEY: json.dumps(tied)})
+    writer = TensorFileWriter(
+        path, specs, plain_metadata={"format": "pt", TIED_KEY: json.dumps(tied)}
+    )
     try:
         for key, value in _entries(reader, _scratch(reader)):
             if not isinstance(value, Alias):

@@ -14,6 +14,7 @@ The file is written by zengine's own writer (native/tensorfile.py: the safetenso
 extra package; reading it back with ``load_safetensors_state_dict`` uses the ``safetensors`` package
 (installed with transformers), imported only then.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,20 +29,22 @@ from ..native.reader import CheckpointReader, checkpoint_directory
 from .fp32 import TIED_KEY, write_safetensors
 
 
-
 def _open(checkpoint_dir: str, tag: Optional[str], trusted: bool):
     """zengine's reader, or DeepSpeed's for a DeepSpeed checkpoint (its save_dir, or one tag's folder)."""
     if tag is None and is_deepspeed_checkpoint(checkpoint_dir):
         directory = checkpoint_dir
     else:
         directory = checkpoint_directory(checkpoint_dir, tag)
-    if is_deepspeed_checkpoint(directory):  # no optimizer groups to compare: only the weights are read
+    if is_deepspeed_checkpoint(
+        directory
+    ):  # no optimizer groups to compare: only the weights are read
         return DeepSpeedReader(directory, trusted, [], 1)
     return CheckpointReader(directory)
 
 
-def export_safetensors(checkpoint_dir: str, output_file: str, tag: Optional[str] = None,
-                       trusted: bool = False) -> dict[str, str]:
+def export_safetensors(
+    checkpoint_dir: str, output_file: str, tag: Optional[str] = None, trusted: bool = False
+) -> dict[str, str]:
     """Write the fp32 model of a zengine checkpoint (any stage, any world size), or of a DeepSpeed 0.19 ZeRO
     checkpoint (without DeepSpeed), to ``output_file`` in the safetensors format, each tied weight once.
     Returns the aliases left out ({alias: stored name}). ``trusted``: a DeepSpeed client_state may hold
@@ -63,8 +66,10 @@ def load_safetensors_state_dict(path: str) -> dict[str, torch.Tensor]:
     try:
         from safetensors import safe_open
     except ImportError as e:
-        raise ImportError("load_safetensors_state_dict needs the 'safetensors' package (pip install "
-                          "safetensors; transformers installs it)") from e
+        raise ImportError(
+            "load_safetensors_state_dict needs the 'safetensors' package (pip install "
+            "safetensors; transformers installs it)"
+        ) from e
     with safe_open(path, framework="pt") as f:
         state = {k: f.get_tensor(k) for k in f.keys()}
         tied = json.loads((f.metadata() or {}).get(TIED_KEY, "{}"))

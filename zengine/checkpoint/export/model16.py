@@ -8,6 +8,7 @@ file, or safetensors when the name ends in ``.safetensors``); a tensor that
 is not whole (an empty stage-3 placeholder) is an error, never written. The
 file appears under its name only once complete.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +32,9 @@ def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.
     shapes = {id(p): model["params"][n]["shape"] for n, p in engine.module.named_parameters()}
     path = os.path.join(save_dir, save_filename)
     sink = _Sink(path, model) if engine.global_rank == 0 else None
-    tied = not save_filename.endswith(".safetensors")  # safetensors has no shared tensors: write copies
+    tied = not save_filename.endswith(
+        ".safetensors"
+    )  # safetensors has no shared tensors: write copies
     first: dict[int, str] = {}
     for prefix, module in engine.module.named_modules(remove_duplicate=False):
         pre = f"{prefix}." if prefix else ""
@@ -71,8 +74,10 @@ class _Sink:
 
     def write(self, key: str, tensor: torch.Tensor, shape) -> None:
         if tensor.numel() != math.prod(shape):
-            self._fail(f"{key} has {tensor.numel()} elements, expected {math.prod(shape)} (shape {tuple(shape)}): "
-                       f"it was not gathered")
+            self._fail(
+                f"{key} has {tensor.numel()} elements, expected {math.prod(shape)} (shape {tuple(shape)}): "
+                f"it was not gathered"
+            )
         self._do(self.writer.write if self.writer else None, key, tensor.reshape(shape))
 
     def alias(self, key: str, other: str) -> None:
@@ -136,12 +141,17 @@ def consolidated_state_dict(engine, exclude_frozen_parameters: bool = False):
     first: dict[int, torch.Tensor] = {}
     for prefix, module in engine.module.named_modules(remove_duplicate=False):
         pre = f"{prefix}." if prefix else ""
-        params = [(pre + n, p) for n, p in module._parameters.items()
-                  if p is not None and not (exclude_frozen_parameters and not p.requires_grad)]
+        params = [
+            (pre + n, p)
+            for n, p in module._parameters.items()
+            if p is not None and not (exclude_frozen_parameters and not p.requires_grad)
+        ]
         with _whole(opt, [p for _, p in params if id(p) not in first]):
             for key, p in params:
                 if id(p) not in first:
-                    first[id(p)] = p.detach().reshape(shapes[id(p)]).clone().cpu() if out is not None else p
+                    first[id(p)] = (
+                        p.detach().reshape(shapes[id(p)]).clone().cpu() if out is not None else p
+                    )
                 if out is not None:
                     out[key] = first[id(p)]
         for n, b in module._buffers.items():

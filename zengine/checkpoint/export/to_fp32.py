@@ -4,6 +4,7 @@ Streams one tensor at a time (see fp32.py): peak memory stays near the largest
 tensor whatever the model's size. An OUTPUT_FILE ending in ``.safetensors``
 gets the safetensors format, anything else a ``torch.save`` file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,11 +19,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="zengine-to-fp32",
         description="Consolidate a zengine (ZeRO) checkpoint, saved by any stage and world size, into one fp32 "
-                    "state_dict file, without a process group.")
-    parser.add_argument("checkpoint_dir", help="the save_dir given to engine.save_checkpoint (the folder with "
-                                               "'latest'), or one checkpoint's folder")
-    parser.add_argument("output_file", help="where to write; '.safetensors' for that format, else a torch file")
-    parser.add_argument("--tag", default=None, help="the checkpoint tag (default: the one in 'latest')")
+        "state_dict file, without a process group.",
+    )
+    parser.add_argument(
+        "checkpoint_dir",
+        help="the save_dir given to engine.save_checkpoint (the folder with "
+        "'latest'), or one checkpoint's folder",
+    )
+    parser.add_argument(
+        "output_file", help="where to write; '.safetensors' for that format, else a torch file"
+    )
+    parser.add_argument(
+        "--tag", default=None, help="the checkpoint tag (default: the one in 'latest')"
+    )
     args = parser.parse_args(argv)
     try:
         convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, args.tag)

@@ -13,6 +13,7 @@ removes every such leftover (``make_staging_dir``). ``find`` is how a load
 turns ``save_dir`` and a tag (or ``latest``) into a directory, with an error
 that says which of them is missing.
 """
+
 from __future__ import annotations
 
 import glob
@@ -66,8 +67,10 @@ def make_staging_dir(save_dir: str, tag: str) -> str:
     os.makedirs(save_dir, exist_ok=True)
     removed = remove_stale_staging(save_dir)
     if removed:
-        logger.info(f"save_checkpoint: removed {len(removed)} folder(s) that interrupted saves left in "
-                    f"{save_dir}: {', '.join(removed)}")
+        logger.info(
+            f"save_checkpoint: removed {len(removed)} folder(s) that interrupted saves left in "
+            f"{save_dir}: {', '.join(removed)}"
+        )
     path = os.path.join(save_dir, f"{STAGING_PREFIX}{tag}-{secrets.token_hex(4)}")
     os.mkdir(path)
     return path
@@ -125,7 +128,9 @@ def resolve(save_dir: str, tag: str) -> Optional[str]:
     final = os.path.join(save_dir, tag)
     if os.path.isdir(final):
         return final
-    trashed = sorted(glob.glob(os.path.join(glob.escape(save_dir), f"{TRASH_PREFIX}{glob.escape(tag)}-*")))
+    trashed = sorted(
+        glob.glob(os.path.join(glob.escape(save_dir), f"{TRASH_PREFIX}{glob.escape(tag)}-*"))
+    )
     return trashed[-1] if trashed else None
 
 
@@ -141,18 +146,26 @@ def find(load_dir: str, tag: Optional[str] = None) -> str:
     if tag is None:
         tag = read_latest(load_dir)
         if tag is None:
-            raise CheckpointNotFoundError(f"{latest} does not exist, so there is no latest checkpoint in "
-                                          f"{load_dir}; pass tag= to load a given one")
+            raise CheckpointNotFoundError(
+                f"{latest} does not exist, so there is no latest checkpoint in "
+                f"{load_dir}; pass tag= to load a given one"
+            )
         if not tag:
-            raise CheckpointFileError(f"{latest} is empty: it should hold the tag of the checkpoint to load; "
-                                      f"write the tag into it, or pass tag=")
+            raise CheckpointFileError(
+                f"{latest} is empty: it should hold the tag of the checkpoint to load; "
+                f"write the tag into it, or pass tag="
+            )
         directory = resolve(load_dir, tag)
         if directory is None:
-            raise CheckpointNotFoundError(f"{latest} names checkpoint {tag!r}, but {os.path.join(load_dir, tag)} "
-                                          f"does not exist; pass the tag of a checkpoint that does")
+            raise CheckpointNotFoundError(
+                f"{latest} names checkpoint {tag!r}, but {os.path.join(load_dir, tag)} "
+                f"does not exist; pass the tag of a checkpoint that does"
+            )
         return directory
     directory = resolve(load_dir, str(tag))
     if directory is None:
-        raise CheckpointNotFoundError(f"there is no checkpoint {tag!r} in {load_dir}: "
-                                      f"{os.path.join(load_dir, str(tag))} does not exist")
+        raise CheckpointNotFoundError(
+            f"there is no checkpoint {tag!r} in {load_dir}: "
+            f"{os.path.join(load_dir, str(tag))} does not exist"
+        )
     return directory

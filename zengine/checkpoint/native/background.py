@@ -16,6 +16,7 @@ checkpoint while it is written (as torch's ``async_save``); on a GPU it is pinne
 blocking, ordered by an event the thread waits on. The pinned buffer, sized exactly, is kept for the next
 save (pinned once: ``_SnapshotBuffer``) until ``engine.destroy()``.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,9 @@ _PREFIX = "zengine/async_ckpt/"
 _pending: "weakref.WeakKeyDictionary[Any, BackgroundSave]" = weakref.WeakKeyDictionary()
 
 
-def host_snapshot(entries: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.Tensor]], Any]:
+def host_snapshot(
+    entries: list[tuple[str, torch.Tensor]],
+) -> tuple[list[tuple[str, torch.Tensor]], Any]:
     """Copies of ``entries`` in host memory, and an event to wait on before reading them (None on the CPU).
     Those of device tensors are views into one pinned buffer (``_SnapshotBuffer``)."""
     out, event = [], None
@@ -82,8 +85,10 @@ class _SnapshotBuffer:
         weakref.finalize(lease, cls._give_back, buf).atexit = False
         out = []
         for t, at in zip(tensors, offsets):
-            view = buf[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            view._zengine_snapshot_lease = lease  # (a tensor's attribute lives as long as the tensor)
+            view = buf[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view._zengine_snapshot_lease = (
+                lease  # (a tensor's attribute lives as long as the tensor)
+            )
             out.append(view)
         return out
 
@@ -124,14 +129,31 @@ class _LocalStore:
 class BackgroundSave:
     """One asynchronous save in flight on this rank (see the module doc)."""
 
-    def __init__(self, name: str, rank: int, ranks: list[int], staging: str, save_dir: str, tag: str,
-                 write: Callable[[], dict], finish: Optional[Callable[[list[dict]], None]]):
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        ranks: list[int],
+        staging: str,
+        save_dir: str,
+        tag: str,
+        write: Callable[[], dict],
+        finish: Optional[Callable[[list[dict]], None]],
+    ):
         store = diagnose.default_store() if len(ranks) > 1 else None
         self.store = store if store is not None else _LocalStore()
         self.base = _PREFIX + name
-        self.rank, self.ranks, self.staging, self.save_dir, self.tag = rank, ranks, staging, save_dir, tag
+        self.rank, self.ranks, self.staging, self.save_dir, self.tag = (
+            rank,
+            ranks,
+            staging,
+            save_dir,
+            tag,
+        )
         self._write, self._finish = write, finish  # finish: rank 0 only
-        self.thread = threading.Thread(target=self._run, name=f"zengine-checkpoint-{tag}", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, name=f"zengine-checkpoint-{tag}", daemon=True
+        )
         self.error: Optional[str] = None
 
     def start(self) -> "BackgroundSave":
@@ -142,14 +164,18 @@ class BackgroundSave:
         try:
             posted = self._write()
         except BaseException as e:  # reported on every rank at the wait
-            posted = {"error": f"rank {self.rank} writing its file in {self.staging}: {type(e).__name__}: {e}"}
+            posted = {
+                "error": f"rank {self.rank} writing its file in {self.staging}: {type(e).__name__}: {e}"
+            }
         self._write = None  # drop the snapshot now (the host memory it holds)
         self.store.set(f"{self.base}/{self.rank}", json.dumps(posted))
         if self._finish is None:
             return
         errors = []
         try:
-            everyone = [json.loads(self.store.get(f"{self.base}/{r}")) for r in self.ranks]  # (blocks until set)
+            everyone = [
+                json.loads(self.store.get(f"{self.base}/{r}")) for r in self.ranks
+            ]  # (blocks until set)
             errors = [p["error"] for p in everyone if "error" in p]
             if not errors:
                 self._finish(everyone)
@@ -166,7 +192,8 @@ class BackgroundSave:
         if errors:
             raise CheckpointSaveError(
                 f"save_checkpoint(async_save=True): could not write checkpoint {self.tag!r} in {self.save_dir}; "
-                "the previous checkpoint and 'latest' are untouched:\n  " + "\n  ".join(errors))
+                "the previous checkpoint and 'latest' are untouched:\n  " + "\n  ".join(errors)
+            )
 
 
 def track(engine, save: BackgroundSave) -> None:

@@ -6,6 +6,7 @@ own ``all_gather_object`` and ``broadcast_object_list`` would need numpy,
 which is not a dependency. Only what this job's own ranks pickled is unpickled
 here (never a file's bytes: state.pt goes through safe_load.py).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -20,7 +21,11 @@ from ...distributed import collectives
 
 def _encode(obj: Any) -> torch.Tensor:
     data = pickle.dumps(obj)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    return (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.zeros(0, dtype=torch.uint8)
+    )
 
 
 def _decode(t: torch.Tensor, n: int) -> Any:
@@ -31,10 +36,16 @@ def _decode(t: torch.Tensor, n: int) -> Any:
 def _all_gather_objects(obj: Any, group) -> list:
     mine = _encode(obj)
     device = collectives.message_device(group)
-    sizes = collectives.all_gather_small(torch.tensor([mine.numel()], dtype=torch.int64).to(device), group).view(-1).tolist()
+    sizes = (
+        collectives.all_gather_small(
+            torch.tensor([mine.numel()], dtype=torch.int64).to(device), group
+        )
+        .view(-1)
+        .tolist()
+    )
     longest = max(sizes)
     padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[:mine.numel()] = mine
+    padded[: mine.numel()] = mine
     out = collectives.all_gather_small(padded.to(device), group).cpu()  # [world, longest] uint8
     return [_decode(t, n) for t, n in zip(out, sizes)]
 

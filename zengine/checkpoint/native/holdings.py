@@ -7,6 +7,7 @@ pieces. Parameters the optimizer does not train: the module's own tensors at
 stages 0-2 (replicated, so saving splits them evenly over the ranks), the
 frozen group's shard at stage 3. Buffers are whole on every rank.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ def zero_gaps(buffer: torch.Tensor, pieces: list[Piece]) -> None:
     pos = 0
     for p in sorted(pieces, key=lambda p: p.offset):
         if p.offset > pos:
-            buffer[pos:p.offset].zero_()
+            buffer[pos : p.offset].zero_()
         pos = max(pos, p.offset + p.numel)
     if pos < buffer.numel():
         buffer[pos:].zero_()
@@ -51,25 +52,36 @@ def trained_names(optimizer) -> set[str]:
 def elementwise_state(optimizer, gi: int) -> dict[str, torch.Tensor]:
     """The optimizer state tensors of group ``gi`` shaped like its master shard (exp_avg, momentum_buffer...)."""
     shard = optimizer.shard_params[gi]
-    return {k: v for k, v in optimizer.optimizer.state.get(shard, {}).items()
-            if torch.is_tensor(v) and v.shape == shard.shape}
+    return {
+        k: v
+        for k, v in optimizer.optimizer.state.get(shard, {}).items()
+        if torch.is_tensor(v) and v.shape == shard.shape
+    }
 
 
 def masters(optimizer, world: int, saving: bool) -> list[Holding]:
     """One Holding per group: its fp32 master, with the pieces this rank saves (or, loading, all it holds)."""
-    return [Holding(m, saved_pieces(g, world) if saving else group_pieces(g))
-            for g, m in zip(optimizer.groups, optimizer.masters)]
+    return [
+        Holding(m, saved_pieces(g, world) if saving else group_pieces(g))
+        for g, m in zip(optimizer.groups, optimizer.masters)
+    ]
 
 
 def untrained(module: nn.Module, optimizer, rank: int, world: int, saving: bool) -> list[Holding]:
     """Parameters outside the optimizer's groups, in the compute dtype."""
     frozen = getattr(optimizer, "frozen", None)
     if frozen is not None:  # stage 3: sharded like the others, in a group of their own
-        return [Holding(frozen.shard_flat, saved_pieces(frozen, world) if saving else group_pieces(frozen))]
+        return [
+            Holding(
+                frozen.shard_flat, saved_pieces(frozen, world) if saving else group_pieces(frozen)
+            )
+        ]
     trained = trained_names(optimizer)
     params = [(n, p) for n, p in module.named_parameters() if n not in trained]
     if saving:
-        share = split_pieces([n for n, _ in params], [tuple(p.shape) for _, p in params], rank, world)
+        share = split_pieces(
+            [n for n, _ in params], [tuple(p.shape) for _, p in params], rank, world
+        )
         return [Holding(p.detach().view(-1), [s for s in share if s.name == n]) for n, p in params]
     return [Holding(p.detach().view(-1), [Piece(n, 0, p.numel(), 0)]) for n, p in params]
 

@@ -20,6 +20,7 @@ gathered and a rank reads only what it holds. Two phases:
    the parameters that stay whole); counters, loss scaler, LR scheduler and
    this rank's RNG states.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -29,14 +30,28 @@ import torch
 from ...log import logger
 from . import atomic, collectives, holdings, meta as meta_mod, rng
 from ..deepspeed.reader import open_reader
-from ..errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, CheckpointUntrustedError
+from ..errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointUntrustedError,
+)
 from .holdings import Holding
 from .reader import CheckpointReader
 
 
-def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False, missing_ok: bool = False,
-                    *, trust_client_state: bool = False, strict: bool = True):
+def load_checkpoint(
+    engine,
+    load_dir: str,
+    tag: Optional[str] = None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+    missing_ok: bool = False,
+    *,
+    trust_client_state: bool = False,
+    strict: bool = True,
+):
     """Collective: load ``load_dir/tag`` (default: the tag in ``load_dir/latest``) into ``engine``.
 
     Returns ``(checkpoint directory, client_state)``. When there is no checkpoint there (no ``load_dir``,
@@ -55,8 +70,10 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optim
         directory = _agree_on_directory(engine, load_dir, tag)
     except CheckpointNotFoundError as e:
         if not missing_ok:
-            raise CheckpointNotFoundError(f"load_checkpoint: {e}; pass missing_ok=True to start without "
-                                          f"a checkpoint when there is none") from None
+            raise CheckpointNotFoundError(
+                f"load_checkpoint: {e}; pass missing_ok=True to start without "
+                f"a checkpoint when there is none"
+            ) from None
         if engine.global_rank == 0:
             logger.info(f"load_checkpoint: nothing loaded (missing_ok=True): {e}")
         return None, None
@@ -69,14 +86,18 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optim
             state = _read(engine, directory, with_optimizer, trust_client_state, strict)
     except Exception as e:  # reported on every rank before any collective of phase 2
         failure = e
-    errors = collectives.all_gather(None if failure is None else (type(failure).__name__, f"rank {rank}: {failure}"),
-                                    opt.dp_group)
+    errors = collectives.all_gather(
+        None if failure is None else (type(failure).__name__, f"rank {rank}: {failure}"),
+        opt.dp_group,
+    )
     if failure is not None:
         raise failure
     if any(errors):  # another rank failed: the same error class when it was a refused state.pt
         untrusted = any(e[0] == CheckpointUntrustedError.__name__ for e in errors if e)
         raise (CheckpointUntrustedError if untrusted else CheckpointError)(
-            f"load_checkpoint: {directory} could not be loaded:\n  " + "\n  ".join(e[1] for e in errors if e))
+            f"load_checkpoint: {directory} could not be loaded:\n  "
+            + "\n  ".join(e[1] for e in errors if e)
+        )
 
     _write_back(opt)
     opt.zero_grad()
@@ -86,7 +107,11 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optim
         engine.global_samples = meta["global_samples"]
         if set(state["loss_scaler"]) == set(engine.scaler.state_dict()):  # the same kind of scaler
             engine.scaler.load_state_dict(state["loss_scaler"])
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        if (
+            load_lr_scheduler_states
+            and engine.lr_scheduler is not None
+            and state["lr_scheduler"] is not None
+        ):
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if rank < len(state["rng"]):  # new ranks of a larger world keep their own generators
             rng.restore(state["rng"][rank])
@@ -100,44 +125,63 @@ def _agree_on_directory(engine, load_dir: str, tag: Optional[str]) -> str:
         mine, failure = atomic.find(load_dir, tag), None
     except Exception as e:  # compared below, so that no rank goes on alone into a collective
         mine, failure = None, e
-    found = collectives.all_gather((mine, None if failure is None else (type(failure).__name__, str(failure))),
-                                   engine.optimizer.dp_group)
+    found = collectives.all_gather(
+        (mine, None if failure is None else (type(failure).__name__, str(failure))),
+        engine.optimizer.dp_group,
+    )
     if all(f == found[0] for f in found):
         if failure is not None:
             raise failure
         return mine
     seen = [d if err is None else err[1] for d, err in found]
-    raise CheckpointError(f"load_checkpoint: the ranks do not find the same checkpoint for {load_dir!r} "
-                          f"(tag {tag!r}); each must see the same files:\n  "
-                          + "\n  ".join(f"rank {r}: {what}" for r, what in enumerate(seen)))
+    raise CheckpointError(
+        f"load_checkpoint: the ranks do not find the same checkpoint for {load_dir!r} "
+        f"(tag {tag!r}); each must see the same files:\n  "
+        + "\n  ".join(f"rank {r}: {what}" for r, what in enumerate(seen))
+    )
 
 
-def _read(engine, directory: str, with_optimizer: bool, trusted: bool, strict: bool = True) -> dict[str, Any]:
+def _read(
+    engine, directory: str, with_optimizer: bool, trusted: bool, strict: bool = True
+) -> dict[str, Any]:
     """Phase 1: check the checkpoint and read this rank's share of it in place; state.pt (weights-only unless
     ``trusted``) with the meta."""
     opt, module = engine.optimizer, engine.module
     # zengine's own layout, or DeepSpeed's (deepspeed/reader.py): the same questions answered from either
-    with open_reader(directory, trusted, [holdings.group_names(g) for g in opt.groups],
-                     engine.gradient_accumulation_steps()) as reader:
+    with open_reader(
+        directory,
+        trusted,
+        [holdings.group_names(g) for g in opt.groups],
+        engine.gradient_accumulation_steps(),
+    ) as reader:
         meta = reader.meta
         if meta.get("format") == "deepspeed" and engine.global_rank == 0:
-            logger.info(f"load_checkpoint: {directory} is a DeepSpeed {meta['ds_version']} ZeRO-{meta['zero_stage']} "
-                        f"checkpoint of {meta['world_size']} ranks; loading it into stage "
-                        f"{engine.zero_optimization_stage()} on {engine.world_size}")
+            logger.info(
+                f"load_checkpoint: {directory} is a DeepSpeed {meta['ds_version']} ZeRO-{meta['zero_stage']} "
+                f"checkpoint of {meta['world_size']} ranks; loading it into stage "
+                f"{engine.zero_optimization_stage()} on {engine.world_size}"
+            )
         ours = meta_mod.describe_model(module, holdings.trained_names(opt))
         lacking = meta_mod.check_same_model(meta, ours, directory, strict)
         if not strict and engine.global_rank == 0:
-            _log_lenient(directory, lacking, {n for kind in ("params", "buffers") for n in meta[kind]
-                                              if n not in ours[kind]})
+            _log_lenient(
+                directory,
+                lacking,
+                {n for kind in ("params", "buffers") for n in meta[kind] if n not in ours[kind]},
+            )
         state = reader.read_state(trusted)
         if with_optimizer and state["optimizer"] and len(state["optimizer"]) != len(opt.groups):
-            raise CheckpointMismatchError(f"checkpoint {directory} has {len(state['optimizer'])} optimizer param "
-                                          f"groups, the engine {len(opt.groups)}")
+            raise CheckpointMismatchError(
+                f"checkpoint {directory} has {len(state['optimizer'])} optimizer param "
+                f"groups, the engine {len(opt.groups)}"
+            )
         for gi, master in enumerate(holdings.masters(opt, engine.world_size, saving=False)):
             reader.fill(_present(master, lacking), ("master", "param"))
             if with_optimizer:
                 _load_optimizer_group(reader, opt, gi, master, state["optimizer"][gi])
-        for held in holdings.untrained(module, opt, engine.global_rank, engine.world_size, saving=False):
+        for held in holdings.untrained(
+            module, opt, engine.global_rank, engine.world_size, saving=False
+        ):
             reader.fill(_present(held, lacking), ("param", "master"))
         for name, b in holdings.buffers(module).items():
             if name not in lacking:
@@ -148,17 +192,29 @@ def _read(engine, directory: str, with_optimizer: bool, trusted: bool, strict: b
 
 def _present(held: Holding, lacking: set[str]) -> Holding:
     """``held`` without the pieces of parameters the checkpoint lacks (load_module_strict=False keeps them)."""
-    return held if not lacking else Holding(held.buffer, [p for p in held.pieces if p.name not in lacking])
+    return (
+        held
+        if not lacking
+        else Holding(held.buffer, [p for p in held.pieces if p.name not in lacking])
+    )
 
 
 def _log_lenient(directory: str, lacking: set[str], ignored: set[str]) -> None:
     if lacking or ignored:
-        logger.warning(f"load_checkpoint(load_module_strict=False) from {directory}: "
-                       + (f"not in the checkpoint, kept as they are: {', '.join(sorted(lacking))}; " if lacking else "")
-                       + (f"only in the checkpoint, ignored: {', '.join(sorted(ignored))}" if ignored else ""))
+        logger.warning(
+            f"load_checkpoint(load_module_strict=False) from {directory}: "
+            + (
+                f"not in the checkpoint, kept as they are: {', '.join(sorted(lacking))}; "
+                if lacking
+                else ""
+            )
+            + (f"only in the checkpoint, ignored: {', '.join(sorted(ignored))}" if ignored else "")
+        )
 
 
-def _load_optimizer_group(reader: CheckpointReader, opt, gi: int, master: Holding, saved: dict[str, Any]) -> None:
+def _load_optimizer_group(
+    reader: CheckpointReader, opt, gi: int, master: Holding, saved: dict[str, Any]
+) -> None:
     """The wrapped optimizer's state for group ``gi``: per-element tensors re-sliced to this rank's
     pieces (zeros where the checkpoint has none), scalars (``step``) as saved; and the hyper-parameters."""
     # torch keeps ``step`` on the host unless the optimizer is capturable or fused: this engine's optimizer
@@ -176,8 +232,12 @@ def _load_optimizer_group(reader: CheckpointReader, opt, gi: int, master: Holdin
             state[key] = value
         else:  # read in place into the tensor the optimizer has, else into a new one
             tensor = current.get(key)
-            if not (torch.is_tensor(tensor) and tensor.shape == master.buffer.shape
-                    and tensor.dtype == master.buffer.dtype and tensor.device == master.buffer.device):
+            if not (
+                torch.is_tensor(tensor)
+                and tensor.shape == master.buffer.shape
+                and tensor.dtype == master.buffer.dtype
+                and tensor.device == master.buffer.device
+            ):
                 tensor = torch.empty_like(master.buffer)
             holdings.zero_gaps(tensor, master.pieces)
             reader.fill(Holding(tensor, master.pieces), (f"state.{key}",), required=False)
@@ -195,7 +255,9 @@ def _load_optimizer_group(reader: CheckpointReader, opt, gi: int, master: Holdin
     # the flat entries belong to the count their "step" says (an optimizer that steps runs itself, as CPUAdam,
     # keeps no flat count of its own)
     flat_count = int(step) if step is not None else saved.get("flat_count", fallback)
-    opt.run_stepper.load_state_dict(opt.optimizer, gi, shard, saved.get("scalars_by_count"), flat_count)
+    opt.run_stepper.load_state_dict(
+        opt.optimizer, gi, shard, saved.get("scalars_by_count"), flat_count
+    )
 
 
 def _write_back(opt) -> None:

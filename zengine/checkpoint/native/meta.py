@@ -13,6 +13,7 @@ content in canonical JSON (sorted keys, no spaces), so an edited value (say
 ``global_steps``) is refused by name, while the file's layout may change.
 Version 1 (before the checksum) is still read, with a warning.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,7 +57,11 @@ def describe_model(module: nn.Module, trained_names: set[str]) -> dict[str, Any]
     for name, p in module.named_parameters():
         sp = lookup(p)
         shape, dtype = (sp.shape, sp.full.dtype) if sp is not None else (tuple(p.shape), p.dtype)
-        params[name] = {"shape": list(shape), "dtype": dtype_name(dtype), "trained": name in trained_names}
+        params[name] = {
+            "shape": list(shape),
+            "dtype": dtype_name(dtype),
+            "trained": name in trained_names,
+        }
     param_names = {id(p): n for n, p in module.named_parameters()}
     buffer_names = {id(b): n for n, b in module.named_buffers()}
     buffers, keys = {}, []
@@ -73,7 +78,9 @@ def describe_model(module: nn.Module, trained_names: set[str]) -> dict[str, Any]
     return {"params": params, "buffers": buffers, "state_dict": keys}
 
 
-def check_same_model(meta: dict[str, Any], model: dict[str, Any], where: str, strict: bool = True) -> set[str]:
+def check_same_model(
+    meta: dict[str, Any], model: dict[str, Any], where: str, strict: bool = True
+) -> set[str]:
     """Raise CheckpointMismatchError listing every parameter or buffer that is missing, extra, or reshaped.
     Not ``strict`` (DeepSpeed's ``load_module_strict=False``): only a reshaped one raises; returns the names of
     the model's parameters and buffers the checkpoint lacks (the caller leaves them as they are)."""
@@ -87,16 +94,23 @@ def check_same_model(meta: dict[str, Any], model: dict[str, Any], where: str, st
         if not strict:
             missing = extra = []
         if missing:
-            problems.append(f"{label}s of the model missing from the checkpoint: {', '.join(missing)}")
+            problems.append(
+                f"{label}s of the model missing from the checkpoint: {', '.join(missing)}"
+            )
         if extra:
-            problems.append(f"{label}s in the checkpoint that the model does not have: {', '.join(extra)}")
+            problems.append(
+                f"{label}s in the checkpoint that the model does not have: {', '.join(extra)}"
+            )
         for n in ours:
             if n in saved and list(saved[n]["shape"]) != list(ours[n]["shape"]):
-                problems.append(f"{label} {n}: shape {tuple(saved[n]['shape'])} in the checkpoint, "
-                                f"{tuple(ours[n]['shape'])} in the model")
+                problems.append(
+                    f"{label} {n}: shape {tuple(saved[n]['shape'])} in the checkpoint, "
+                    f"{tuple(ours[n]['shape'])} in the model"
+                )
     if problems:
-        raise CheckpointMismatchError(f"checkpoint {where} was saved from a different model:\n  "
-                                      + "\n  ".join(problems))
+        raise CheckpointMismatchError(
+            f"checkpoint {where} was saved from a different model:\n  " + "\n  ".join(problems)
+        )
     return lacking
 
 
@@ -128,20 +142,34 @@ def read_meta(directory: str) -> dict[str, Any]:
         with open(path) as f:
             meta = json.load(f)
     except (OSError, ValueError) as e:
-        raise CheckpointFileError(f"checkpoint file {path} is missing or corrupt ({e}): the save that wrote "
-                                  f"{directory} did not finish, or the directory is not a zengine checkpoint") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version", 0) > VERSION:
-        raise CheckpointFileError(f"checkpoint file {path}: not a zengine checkpoint of version <= {VERSION}")
+        raise CheckpointFileError(
+            f"checkpoint file {path} is missing or corrupt ({e}): the save that wrote "
+            f"{directory} did not finish, or the directory is not a zengine checkpoint"
+        ) from e
+    if (
+        not isinstance(meta, dict)
+        or meta.get("format") != FORMAT
+        or meta.get("version", 0) > VERSION
+    ):
+        raise CheckpointFileError(
+            f"checkpoint file {path}: not a zengine checkpoint of version <= {VERSION}"
+        )
     if CHECKSUM in meta:
         if meta[CHECKSUM] != _checksum(meta):
-            raise CheckpointFileError(f"checkpoint file {path} fails its checksum: it was edited or corrupted after "
-                                      f"the save; restore it from a copy, or load another checkpoint")
+            raise CheckpointFileError(
+                f"checkpoint file {path} fails its checksum: it was edited or corrupted after "
+                f"the save; restore it from a copy, or load another checkpoint"
+            )
     elif meta.get("version", 0) >= 2:
-        raise CheckpointFileError(f"checkpoint file {path} has no '{CHECKSUM}', which version {meta['version']} "
-                                  f"always writes: it was edited after the save")
+        raise CheckpointFileError(
+            f"checkpoint file {path} has no '{CHECKSUM}', which version {meta['version']} "
+            f"always writes: it was edited after the save"
+        )
     else:
-        logger.warning(f"checkpoint file {path} is of version {meta.get('version')}, written before meta.json "
-                       f"carried a checksum: its content is not verified")
+        logger.warning(
+            f"checkpoint file {path} is of version {meta.get('version')}, written before meta.json "
+            f"carried a checksum: its content is not verified"
+        )
     return meta
 
 
@@ -154,5 +182,7 @@ def check_files(directory: str, meta: dict[str, Any]) -> None:
         except OSError:
             raise CheckpointFileError(f"checkpoint file {path} is missing") from None
         if size != entry["size"]:
-            raise CheckpointFileError(f"checkpoint file {path} is {size} bytes but was written with "
-                                      f"{entry['size']}: it is truncated or was modified")
+            raise CheckpointFileError(
+                f"checkpoint file {path} is {size} bytes but was written with "
+                f"{entry['size']}: it is truncated or was modified"
+            )

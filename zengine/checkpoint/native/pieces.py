@@ -12,6 +12,7 @@ the parameters end to end, this rank owning one flat range) and
 Both give ``master_pieces()`` in buffer coordinates; ``group_pieces`` turns
 those into parameter coordinates.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -66,10 +67,14 @@ def saved_pieces(group, world: int) -> list[Piece]:
     return clip(group_pieces(group), *group.norm_range(world))
 
 
-def split_pieces(names: Sequence[str], shapes: Sequence[tuple], rank: int, world: int) -> list[Piece]:
+def split_pieces(
+    names: Sequence[str], shapes: Sequence[tuple], rank: int, world: int
+) -> list[Piece]:
     """This rank's even share of replicated tensors laid end to end (``offset`` is into the parameter)."""
-    return [Piece(r.name, r.param_start, r.param_end, r.param_start)
-            for r in FlatLayout(names, shapes, world).shard_records(rank)]
+    return [
+        Piece(r.name, r.param_start, r.param_end, r.param_start)
+        for r in FlatLayout(names, shapes, world).shard_records(rank)
+    ]
 
 
 def overlaps(piece: Piece, saved: Sequence[Sequence[int]]):

@@ -6,6 +6,7 @@ first needed from it, and fills a ``Holding`` from whichever saved pieces
 overlap its pieces, whatever the layout that wrote them. Every byte read is
 verified against its block checksum (tensorfile.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -74,8 +75,10 @@ class CheckpointReader:
             found = sum(hi - lo for _, _, lo, hi, _ in sources)
             if found != piece.numel:
                 if required:
-                    raise CheckpointFileError(f"checkpoint {self.directory} holds {found} of the {piece.numel} "
-                                              f"elements [{piece.start}, {piece.end}) of {piece.name}")
+                    raise CheckpointFileError(
+                        f"checkpoint {self.directory} holds {found} of the {piece.numel} "
+                        f"elements [{piece.start}, {piece.end}) of {piece.name}"
+                    )
                 holding.view(piece).zero_()
             for f, key, lo, hi, at in sources:
                 f.read_into(key, lo, hi, holding.view(piece).narrow(0, at, hi - lo))
@@ -96,5 +99,7 @@ class CheckpointReader:
         with open(path, "rb") as f:
             raw = f.read()
         if len(raw) != entry["size"] or zlib.crc32(raw) != entry["crc"]:
-            raise CheckpointFileError(f"checkpoint file {path} fails its checksum (corrupt or truncated)")
+            raise CheckpointFileError(
+                f"checkpoint file {path} fails its checksum (corrupt or truncated)"
+            )
         return load_state(raw, path, trusted)

@@ -4,6 +4,7 @@
 weights_only=True)``: NumPy's state is kept as its legacy tuple with the key array turned into a list
 of ints. Checkpoints written before that hold the NumPy array itself; ``restore`` takes either.
 """
+
 from __future__ import annotations
 
 import random
@@ -38,7 +39,9 @@ def restore(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if np is not None and "numpy" in state:
-        np.random.set_state(tuple(state["numpy"]))  # the key as a list (now) or an array (older checkpoints)
+        np.random.set_state(
+            tuple(state["numpy"])
+        )  # the key as a list (now) or an array (older checkpoints)
     if "cuda" in state and torch.cuda.is_available():
         states = state["cuda"]
         for device in range(min(len(states), torch.cuda.device_count())):

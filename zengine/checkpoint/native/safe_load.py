@@ -11,6 +11,7 @@ which a ``client_state`` may hold. Anything else (an instance of a user's class,
 function) raises ``CheckpointUntrustedError`` naming the file and what torch refused, unless
 ``trusted``: then the file is unpickled as ``torch.load(..., weights_only=False)`` does.
 """
+
 from __future__ import annotations
 
 import io
@@ -36,10 +37,27 @@ def numpy_globals() -> list:
     except ImportError:
         return []
     multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
-    kinds = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-             np.float16, np.float32, np.float64, np.longdouble, np.complex64, np.complex128)
+    kinds = (
+        np.bool_,
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.uint8,
+        np.uint16,
+        np.uint32,
+        np.uint64,
+        np.float16,
+        np.float32,
+        np.float64,
+        np.longdouble,
+        np.complex64,
+        np.complex128,
+    )
     out: list = [np.ndarray, np.dtype]
-    out += list(dict.fromkeys(type(np.dtype(k)) for k in kinds))  # the dtype classes (a dtype is rebuilt by BUILD)
+    out += list(
+        dict.fromkeys(type(np.dtype(k)) for k in kinds)
+    )  # the dtype classes (a dtype is rebuilt by BUILD)
     for name in ("_reconstruct", "scalar"):
         fn = getattr(multiarray, name)
         if _NAMED_GLOBALS:  # a pickle names the module of the NumPy that wrote it
@@ -79,8 +97,12 @@ def _torch_says(message: str) -> str:
     if "WeightsUnpickler error:" in message:
         message = message.split("WeightsUnpickler error:", 1)[1]
     else:  # a blocked module: torch's advice, then its finding in the last paragraph
-        message = [p for p in message.split("\n\n") if p.strip()][-1] if message.strip() else message
-    message = message.split(" Please use `torch.serialization.add_safe_globals", 1)[0]  # (said below)
+        message = (
+            [p for p in message.split("\n\n") if p.strip()][-1] if message.strip() else message
+        )
+    message = message.split(" Please use `torch.serialization.add_safe_globals", 1)[
+        0
+    ]  # (said below)
     return " ".join(message.split()).rstrip(".")
 
 
@@ -105,4 +127,5 @@ def load_state(raw: bytes, path: str, trusted: bool = False) -> Any:
                 f"where this checkpoint comes from, load it with load_checkpoint(..., trust_client_state=True), "
                 f"or allow your own classes with torch.serialization.add_safe_globals([...]); a client_state of "
                 f"tensors and plain Python values (dict, list, tuple, set, str, int, float, bool, None) needs "
-                f"neither") from None
+                f"neither"
+            ) from None

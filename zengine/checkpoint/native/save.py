@@ -20,6 +20,7 @@ a collective so that all ranks agree on success or failure:
 3. rank 0 writes state.pt and meta.json, renames the directory into place
    and updates ``latest``.
 """
+
 from __future__ import annotations
 
 import io
@@ -34,8 +35,14 @@ from ..errors import CheckpointSaveError
 from .tensorfile import write_tensor_file
 
 
-def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                    save_latest: bool = True, async_save: bool = False) -> bool:
+def save_checkpoint(
+    engine,
+    save_dir: str,
+    tag: Optional[str] = None,
+    client_state: Optional[dict] = None,
+    save_latest: bool = True,
+    async_save: bool = False,
+) -> bool:
     """Collective: write a checkpoint of ``engine`` to ``save_dir/tag``; see the module doc. ``async_save``:
     snapshot to host memory and write in the background (background.py)."""
     background.wait(engine)  # the previous asynchronous save first (its errors raise here)
@@ -44,10 +51,14 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     tags = collectives.all_gather(tag, group)
     if len(set(tags)) > 1:
-        raise ValueError(f"save_checkpoint: every rank must pass the same tag; got {tags} (by rank)")
+        raise ValueError(
+            f"save_checkpoint: every rank must pass the same tag; got {tags} (by rank)"
+        )
     if tag == atomic.LATEST or atomic.is_protocol_name(tag):
-        raise ValueError(f"save_checkpoint: tag {tag!r} is reserved: saves write '{atomic.LATEST}' and remove "
-                         f"folders named like {atomic.STAGING_PREFIX}<tag>-<8 hex digits>; choose another tag")
+        raise ValueError(
+            f"save_checkpoint: tag {tag!r} is reserved: saves write '{atomic.LATEST}' and remove "
+            f"folders named like {atomic.STAGING_PREFIX}<tag>-<8 hex digits>; choose another tag"
+        )
 
     staging, error = None, None
     if rank == 0:
@@ -83,18 +94,29 @@ def _write(engine, staging: str, save_dir: str, tag: str, client_state, save_lat
     if rank == 0:
         if not errors:
             try:
-                _finish(staging, save_dir, tag, *_shared_part(engine, client_state, everyone), everyone, save_latest)
+                _finish(
+                    staging,
+                    save_dir,
+                    tag,
+                    *_shared_part(engine, client_state, everyone),
+                    everyone,
+                    save_latest,
+                )
             except Exception as e:
                 errors = [f"rank 0: {type(e).__name__}: {e}"]
         if errors:
             atomic.discard(staging)
     errors = collectives.broadcast(errors, group)
     if errors:
-        raise CheckpointSaveError(f"save_checkpoint: could not write checkpoint {tag!r} in {save_dir}; the previous "
-                                  f"checkpoint and 'latest' are untouched:\n  " + "\n  ".join(errors))
+        raise CheckpointSaveError(
+            f"save_checkpoint: could not write checkpoint {tag!r} in {save_dir}; the previous "
+            f"checkpoint and 'latest' are untouched:\n  " + "\n  ".join(errors)
+        )
 
 
-def _start_background(engine, staging: str, save_dir: str, tag: str, client_state, save_latest: bool) -> None:
+def _start_background(
+    engine, staging: str, save_dir: str, tag: str, client_state, save_latest: bool
+) -> None:
     """Snapshot this rank's part to host memory, agree that every rank has, and leave the writing to a thread
     (background.py); rank 0 also captures the shared part now, before training changes it."""
     group, rank = engine.optimizer.dp_group, engine.global_rank
@@ -103,7 +125,9 @@ def _start_background(engine, staging: str, save_dir: str, tag: str, client_stat
         entries, mine = _rank_part(engine)
         snapshot, ready = background.host_snapshot(entries)
     except Exception as e:  # out of host memory: reported on every rank below
-        mine = {"error": f"rank {rank} copying its part of the checkpoint to host memory: {type(e).__name__}: {e}"}
+        mine = {
+            "error": f"rank {rank} copying its part of the checkpoint to host memory: {type(e).__name__}: {e}"
+        }
     everyone = collectives.all_gather(mine, group)
     errors = [r["error"] for r in everyone if "error" in r]
     shared = None
@@ -116,8 +140,10 @@ def _start_background(engine, staging: str, save_dir: str, tag: str, client_stat
     if errors:
         if rank == 0:
             atomic.discard(staging)
-        raise CheckpointSaveError(f"save_checkpoint: could not start checkpoint {tag!r} in {save_dir}; the previous "
-                                  f"checkpoint and 'latest' are untouched:\n  " + "\n  ".join(errors))
+        raise CheckpointSaveError(
+            f"save_checkpoint: could not start checkpoint {tag!r} in {save_dir}; the previous "
+            f"checkpoint and 'latest' are untouched:\n  " + "\n  ".join(errors)
+        )
 
     def write() -> dict:
         if ready is not None:
@@ -131,16 +157,26 @@ def _start_background(engine, staging: str, save_dir: str, tag: str, client_stat
         _finish(staging, save_dir, tag, *shared, full, save_latest)
 
     ranks = collectives.group_ranks(group)
-    name = f"{os.path.basename(staging)}"  # unique per save (rank 0's random staging name, broadcast)
-    background.track(engine, background.BackgroundSave(name, rank, ranks, staging, save_dir, tag, write,
-                                                       finish if rank == 0 else None).start())
+    name = (
+        f"{os.path.basename(staging)}"  # unique per save (rank 0's random staging name, broadcast)
+    )
+    background.track(
+        engine,
+        background.BackgroundSave(
+            name, rank, ranks, staging, save_dir, tag, write, finish if rank == 0 else None
+        ).start(),
+    )
 
 
 def _rank_part(engine) -> tuple[list, dict]:
     """This rank's file entries, and what it tells rank 0 about them (pieces, state keys, RNG, step scalars)."""
     entries, pieces, state_keys = _rank_entries(engine)
-    return entries, {"pieces": pieces, "keys": state_keys, "rng": rng.capture(),
-                     "scalars_by_count": _scalars_by_count(engine.optimizer)}
+    return entries, {
+        "pieces": pieces,
+        "keys": state_keys,
+        "rng": rng.capture(),
+        "scalars_by_count": _scalars_by_count(engine.optimizer),
+    }
 
 
 def _rank_entries(engine) -> tuple[list, dict, list]:
@@ -154,7 +190,9 @@ def _rank_entries(engine) -> tuple[list, dict, list]:
         for p in master.pieces:
             pieces[p.name] = [p.start, p.end]
             entries.append((f"master/{p.name}", master.view(p)))
-            entries += [(f"state.{k}/{p.name}", t.narrow(0, p.offset, p.numel)) for k, t in states.items()]
+            entries += [
+                (f"state.{k}/{p.name}", t.narrow(0, p.offset, p.numel)) for k, t in states.items()
+            ]
     for held in holdings.untrained(engine.module, opt, rank, world, saving=True):
         for p in held.pieces:
             pieces[p.name] = [p.start, p.end]
@@ -170,7 +208,10 @@ def _scalars_by_count(opt) -> list[dict]:
     if opt.abilities.steps_runs:  # it steps from the counts alone
         return [{} for _ in opt.shard_params]
     with torch.no_grad():
-        return [opt.run_stepper.state_dict(opt.optimizer, gi, sp) for gi, sp in enumerate(opt.shard_params)]
+        return [
+            opt.run_stepper.state_dict(opt.optimizer, gi, sp)
+            for gi, sp in enumerate(opt.shard_params)
+        ]
 
 
 def _engine_state(engine, client_state, everyone) -> dict[str, Any]:
@@ -179,44 +220,69 @@ def _engine_state(engine, client_state, everyone) -> dict[str, Any]:
     for gi, shard in enumerate(opt.shard_params):
         state = opt.optimizer.state.get(shard, {})
         elementwise = holdings.elementwise_state(opt, gi)
-        groups.append({
-            "hyper": {k: v for k, v in opt.optimizer.param_groups[gi].items() if k != "params"},
-            "keys": list(state),  # in the optimizer's order
-            "scalars": {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
-                        for k, v in state.items() if k not in elementwise},
-            # per parameter, as torch counts steps (a parameter without a gradient is not stepped), and the
-            # scalars of every count any rank's pieces have: a rank of another world size finds its own
-            "step_counts": opt.step_counts.state_dict(gi),
-            "flat_count": opt.run_stepper.flat_count[gi],
-            "scalars_by_count": {c: s for r in everyone for c, s in r["scalars_by_count"][gi].items()},
-        })
-    return {"optimizer": groups,
-            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "loss_scaler": engine.scaler.state_dict(),
-            "rng": [r["rng"] for r in everyone],
-            "client_state": client_state if client_state is not None else {}}
+        groups.append(
+            {
+                "hyper": {k: v for k, v in opt.optimizer.param_groups[gi].items() if k != "params"},
+                "keys": list(state),  # in the optimizer's order
+                "scalars": {
+                    k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
+                    for k, v in state.items()
+                    if k not in elementwise
+                },
+                # per parameter, as torch counts steps (a parameter without a gradient is not stepped), and the
+                # scalars of every count any rank's pieces have: a rank of another world size finds its own
+                "step_counts": opt.step_counts.state_dict(gi),
+                "flat_count": opt.run_stepper.flat_count[gi],
+                "scalars_by_count": {
+                    c: s for r in everyone for c, s in r["scalars_by_count"][gi].items()
+                },
+            }
+        )
+    return {
+        "optimizer": groups,
+        "lr_scheduler": engine.lr_scheduler.state_dict()
+        if engine.lr_scheduler is not None
+        else None,
+        "loss_scaler": engine.scaler.state_dict(),
+        "rng": [r["rng"] for r in everyone],
+        "client_state": client_state if client_state is not None else {},
+    }
 
 
 def _shared_part(engine, client_state, everyone: list) -> tuple[bytes, dict]:
     """Rank 0: state.pt's bytes and meta.json's engine fields, read from the engine now."""
     buf = io.BytesIO()
     torch.save(_engine_state(engine, client_state, everyone), buf)
-    meta = {"world_size": engine.world_size, "zero_stage": engine.zero_optimization_stage(),
-            "compute_dtype": meta_mod.dtype_name(engine.config.compute_dtype),
-            "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-            "global_samples": engine.global_samples,
-            **meta_mod.describe_model(engine.module, holdings.trained_names(engine.optimizer))}
+    meta = {
+        "world_size": engine.world_size,
+        "zero_stage": engine.zero_optimization_stage(),
+        "compute_dtype": meta_mod.dtype_name(engine.config.compute_dtype),
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "global_samples": engine.global_samples,
+        **meta_mod.describe_model(engine.module, holdings.trained_names(engine.optimizer)),
+    }
     return buf.getvalue(), meta
 
 
-def _finish(staging: str, save_dir: str, tag: str, raw: bytes, engine_meta: dict, everyone: list,
-            save_latest: bool) -> None:
+def _finish(
+    staging: str,
+    save_dir: str,
+    tag: str,
+    raw: bytes,
+    engine_meta: dict,
+    everyone: list,
+    save_latest: bool,
+) -> None:
     """Rank 0: state.pt and meta.json into the staging directory, then rename it into place."""
     with open(os.path.join(staging, meta_mod.STATE), "wb") as f:
         f.write(raw)
         f.flush()
         os.fsync(f.fileno())
-    files = {meta_mod.rank_file(r): {"size": info["size"], "crc": info["crc"]} for r, info in enumerate(everyone)}
+    files = {
+        meta_mod.rank_file(r): {"size": info["size"], "crc": info["crc"]}
+        for r, info in enumerate(everyone)
+    }
     files[meta_mod.STATE] = {"size": len(raw), "crc": zlib.crc32(raw)}
     index: dict[str, list] = {}
     for r, info in enumerate(everyone):
@@ -225,7 +291,15 @@ def _finish(staging: str, save_dir: str, tag: str, raw: bytes, engine_meta: dict
     keys = []
     for info in everyone:
         keys += [k for k in info["keys"] if k not in keys]
-    meta = {"format": meta_mod.FORMAT, "version": meta_mod.VERSION, "tag": tag, **engine_meta, "optimizer_state_keys": keys, "files": files, "pieces": index}
+    meta = {
+        "format": meta_mod.FORMAT,
+        "version": meta_mod.VERSION,
+        "tag": tag,
+        **engine_meta,
+        "optimizer_state_keys": keys,
+        "files": files,
+        "pieces": index,
+    }
     meta_mod.write_meta(staging, meta)
     # as DeepSpeed does: a script beside the checkpoints that turns one into a single fp32 state_dict
     # (before publishing: a failure here leaves the previous checkpoint and 'latest' as they were)

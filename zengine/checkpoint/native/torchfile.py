@@ -7,6 +7,7 @@ the end, with references to the records already written. ``torch.load``
 (``mmap=True`` and ``weights_only=True`` included) reads the result like any
 file ``torch.save`` wrote.
 """
+
 from __future__ import annotations
 
 import collections
@@ -35,8 +36,10 @@ class _TensorRef:
         for size in reversed(self.shape):
             stride.insert(0, step)
             step *= max(size, 1)
-        return (torch._utils._rebuild_tensor_v2,
-                (self.storage, 0, self.shape, tuple(stride), False, collections.OrderedDict()))
+        return (
+            torch._utils._rebuild_tensor_v2,
+            (self.storage, 0, self.shape, tuple(stride), False, collections.OrderedDict()),
+        )
 
 
 class _Pickler(pickle.Pickler):
@@ -61,7 +64,7 @@ class TorchFileWriter:
         nbytes = t.numel() * t.element_size()
         start = t.storage_offset() * t.element_size()
         # A view into a larger storage (a flat parameter buffer, a reused scratch): its own bytes only.
-        storage = t.untyped_storage()[start:start + nbytes]
+        storage = t.untyped_storage()[start : start + nbytes]
         ref = _StorageRef(str(len(self._entries)), t.dtype, t.numel())
         self._zip.write_record(f"data/{ref.key}", storage, nbytes)
         self._entries[key] = _TensorRef(ref, t.shape)

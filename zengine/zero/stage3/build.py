@@ -7,6 +7,7 @@ build each part with what it needs, in dependency order.
     store the master store takes (ZeRO-Infinity: into its sink) -> Stage3Optimizer (the wrapped
     optimizer is made inside, over the masters)
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -36,8 +37,9 @@ if TYPE_CHECKING:  # annotations only
     from ...config.zero import ZeroConfig
 
 
-def shard_parameters(module: nn.Module, zero_cfg: ZeroConfig, dtype: torch.dtype,
-                     ranks: Ranks) -> list[ShardedParam]:
+def shard_parameters(
+    module: nn.Module, zero_cfg: ZeroConfig, dtype: torch.dtype, ranks: Ranks
+) -> list[ShardedParam]:
     """Every parameter of ``module`` as a ``ShardedParam`` (those ``zero.Init`` partitioned already keep
     theirs, gathered in the compute dtype), with its persistence decided."""
     out = []
@@ -50,53 +52,114 @@ def shard_parameters(module: nn.Module, zero_cfg: ZeroConfig, dtype: torch.dtype
             raise MicsConfigError(
                 f"{name}: zero.Init partitioned it over {sp.world} ranks, but this engine shards over {ranks.world} "
                 f"(mics_shard_size): pass the same config to zero.Init (config_dict_or_path=ds_config) or use "
-                f"zengine.zero.MiCS_Init")
+                f"zengine.zero.MiCS_Init"
+            )
         sp.name = name
         if sp.state is ParamState.SHARDED:  # partitioned by zero.Init: gather in the compute dtype
             sp.retype(dtype, ranks.device)
-        sp.persistent = sp.numel <= zero_cfg.stage3_param_persistence_threshold  # p is empty when Init sharded it
+        sp.persistent = (
+            sp.numel <= zero_cfg.stage3_param_persistence_threshold
+        )  # p is empty when Init sharded it
         out.append(sp)
-    warn_lost_writes(out, "zengine.initialize")  # e.g. model.apply(init) after zero.Init, on empty parameters
+    warn_lost_writes(
+        out, "zengine.initialize"
+    )  # e.g. model.apply(init) after zero.Init, on empty parameters
     return out
 
 
-def build_stage3_optimizer(module: nn.Module, config: ZengineConfig, named_groups: Sequence, make_optimizer: Callable,
-                           grad_factor: GradFactor, rules: StepRules, ranks: Ranks,
-                           on_unbracketed_grad: Callable[[], None]) -> Stage3Optimizer:
+def build_stage3_optimizer(
+    module: nn.Module,
+    config: ZengineConfig,
+    named_groups: Sequence,
+    make_optimizer: Callable,
+    grad_factor: GradFactor,
+    rules: StepRules,
+    ranks: Ranks,
+    on_unbracketed_grad: Callable[[], None],
+) -> Stage3Optimizer:
     """The stage-3 optimizer over ``module`` for ``config`` (a ``ZengineConfig``); arguments as
     ``stages.build_zero_optimizer``'s."""
     zero_cfg, dtype = config.zero_optimization, config.compute_dtype
     all_sharded = shard_parameters(module, zero_cfg, dtype, ranks)
-    mark_from_config(module, zero_cfg.leaf_module)  # (ModuleHooks, made by the optimizer, reads the marks)
+    mark_from_config(
+        module, zero_cfg.leaf_module
+    )  # (ModuleHooks, made by the optimizer, reads the marks)
     members = [[lookup(p) for _, p in named] for named, _ in named_groups]
-    placement = make_placement(zero_cfg, ranks.device, dtype, config.aio, [[sp.chunk for sp in sps] for sps in members])
+    placement = make_placement(
+        zero_cfg, ranks.device, dtype, config.aio, [[sp.chunk for sp in sps] for sps in members]
+    )
     home = placement.params
-    fetcher = Fetcher(zero_cfg, ranks.world, ranks.rank, ranks.device, ranks.group,
-                      read_ahead=read_ahead_for(home.swap),  # offload_param nvme: from the swap file
-                      secondary=secondary_partition(zero_cfg, ranks.world, ranks.rank),  # hpZ
-                      codec=compute_codec(zero_cfg, ranks.world))  # MiCS's two hops, ZeRO++'s int8
+    fetcher = Fetcher(
+        zero_cfg,
+        ranks.world,
+        ranks.rank,
+        ranks.device,
+        ranks.group,
+        read_ahead=read_ahead_for(home.swap),  # offload_param nvme: from the swap file
+        secondary=secondary_partition(zero_cfg, ranks.world, ranks.rank),  # hpZ
+        codec=compute_codec(zero_cfg, ranks.world),
+    )  # MiCS's two hops, ZeRO++'s int8
     align = placement.alignment(dtype)
-    primary = ranks.replication.primary  # MiCS: only copy 0 counts in the norm and writes checkpoints
-    groups = [ShardedParamGroup(sps, hyper, dtype, home.shard_device, fetcher.gather_now, home.pin, home.swap, align,
-                                primary) for sps, (_, hyper) in zip(members, named_groups)]
+    primary = (
+        ranks.replication.primary
+    )  # MiCS: only copy 0 counts in the norm and writes checkpoints
+    groups = [
+        ShardedParamGroup(
+            sps,
+            hyper,
+            dtype,
+            home.shard_device,
+            fetcher.gather_now,
+            home.pin,
+            home.swap,
+            align,
+            primary,
+        )
+        for sps, (_, hyper) in zip(members, named_groups)
+    ]
     in_groups = {id(sp) for g in groups for sp in g.sharded}
-    frozen = ShardedParamGroup([sp for sp in all_sharded if id(sp) not in in_groups], {}, dtype, home.shard_device,
-                               fetcher.gather_now, home.pin, primary=primary)
+    frozen = ShardedParamGroup(
+        [sp for sp in all_sharded if id(sp) not in in_groups],
+        {},
+        dtype,
+        home.shard_device,
+        fetcher.gather_now,
+        home.pin,
+        primary=primary,
+    )
     for sp in all_sharded:
         if not sp.persistent and sp.state is ParamState.GATHERED:
             sp.free()
     masters = placement.master_store(groups, dtype, ranks.world, ranks.device)  # (Infinity: a sink)
     spec = Stage3GradSpec(
-        groups=groups, bucket_numel=zero_cfg.reduce_bucket_size, world=ranks.world, rank=ranks.rank,
-        placement=placement.optimizer, after_grad=lambda sp: fetcher.release([sp], force=True),
-        dtypes=GradDtypes.from_config(config), comm_group=ranks.group,
+        groups=groups,
+        bucket_numel=zero_cfg.reduce_bucket_size,
+        world=ranks.world,
+        rank=ranks.rank,
+        placement=placement.optimizer,
+        after_grad=lambda sp: fetcher.release([sp], force=True),
+        dtypes=GradDtypes.from_config(config),
+        comm_group=ranks.group,
         in_flight=buckets_in_flight(zero_cfg.overlap_comm),
-        quantized_bits=zero_cfg.zero_quantized_gradients_bits if zero_cfg.zero_quantized_gradients else 0,
+        quantized_bits=zero_cfg.zero_quantized_gradients_bits
+        if zero_cfg.zero_quantized_gradients
+        else 0,
         replication=ranks.replication,
-        positions=registration_positions(module, groups))  # the buckets' launch order over the groups
-    grads = masters.gradient_store(lambda: stage3_gradients(spec),
-                                   lambda sink: swapped_stage3_gradients(spec, sink))
+        positions=registration_positions(module, groups),
+    )  # the buckets' launch order over the groups
+    grads = masters.gradient_store(
+        lambda: stage3_gradients(spec), lambda sink: swapped_stage3_gradients(spec, sink)
+    )
     cpu = placement.optimizer.cpu_optimizer
-    return Stage3Optimizer(ShardedModel(module, fetcher, all_sharded, frozen), groups, grads, placement, masters,
-                           lambda g: make_optimizer(g, cpu), grad_factor, rules, ranks,
-                           on_unbracketed_grad)
+    return Stage3Optimizer(
+        ShardedModel(module, fetcher, all_sharded, frozen),
+        groups,
+        grads,
+        placement,
+        masters,
+        lambda g: make_optimizer(g, cpu),
+        grad_factor,
+        rules,
+        ranks,
+        on_unbracketed_grad,
+    )

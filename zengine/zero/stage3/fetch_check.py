@@ -10,6 +10,7 @@ forward outside training checks the tags at its end (one host read). Ranks that 
 modules (data-dependent control flow, MoE routing) would otherwise gather different parameters in
 the same collective: a hang on NCCL, or, when the sizes happen to agree, wrong values.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -32,8 +33,9 @@ class FetchOrderError(RuntimeError):
 _LOG = 65536
 # elements of the in-band tag appended to each rank's row of a staged gather (bytes: exact in bf16)
 TAG = 4
-_LEAF_HINT = (diagnose.STAGE3_HINT
-              + " Otherwise every rank must run the same modules in the same order.")
+_LEAF_HINT = (
+    diagnose.STAGE3_HINT + " Otherwise every rank must run the same modules in the same order."
+)
 
 
 def _tag_row(crc: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -58,12 +60,13 @@ class FetchCheck:
         self.digest = 0
         # [1] float64 on the device, made at the first staged gather
         self.bad: Optional[torch.Tensor] = None
-        self.log: deque = deque(maxlen=_LOG)   # (unit crc, label, params) of the latest gathers
+        self.log: deque = deque(maxlen=_LOG)  # (unit crc, label, params) of the latest gathers
         self.issued_count = 0
         self._units: dict[tuple[int, ...], tuple[int, torch.Tensor | None]] = {}
 
-    def unit(self, params: list[ShardedParam], dtype: torch.dtype, device: torch.device,
-             staged: bool) -> tuple[int, Optional[torch.Tensor]]:
+    def unit(
+        self, params: list[ShardedParam], dtype: torch.dtype, device: torch.device, staged: bool
+    ) -> tuple[int, Optional[torch.Tensor]]:
         """(crc of the unit's names, its expected tag row on ``device`` when ``staged``), made once
         per unit."""
         key = (*(id(sp) for sp in params), staged)
@@ -87,8 +90,7 @@ class FetchCheck:
         self.bad += (rows != tag).any().to(torch.float64)
 
     def halves(self) -> tuple[int, int]:
-        """The digest as two 16-bit values (their squares summed over ranks stay exact in float64).
-        """
+        """The digest as two 16-bit values (their squares summed over ranks stay exact in float64)."""
         return self.digest >> 16, self.digest & 0xFFFF
 
     def reset(self) -> None:
@@ -98,7 +100,6 @@ class FetchCheck:
         self.issued_count = 0
         if self.bad is not None:
             self.bad.zero_()
-
 
 
 # -- the failure path of the gather check: one exchange, then the error ----------------------------
@@ -113,42 +114,53 @@ def raise_fetches_diverged(check: FetchCheck, device: torch.device, comm_group, 
     longest = max(n for n, _ in counts)
     start = max(f for _, f in counts)
     mine = torch.full((max(longest - start, 1),), -1, dtype=torch.int64)
-    window = crcs[start - first:]
-    mine[:len(window)] = torch.tensor(window, dtype=torch.int64)
+    window = crcs[start - first :]
+    mine[: len(window)] = torch.tensor(window, dtype=torch.int64)
     rows = collectives.all_gather_small(mine.to(device), comm_group).view(world, -1).cpu()
     differ = (rows != rows[0]).any(dim=0).nonzero()
     at = int(differ[0]) if len(differ) else 0
     index = start + at
     entry = check.log[index - first] if first <= index < check.issued_count else None
-    label = (f"{entry[1]} [{', '.join(sp.name for sp in entry[2])}]" if entry is not None
-             else "(nothing: this rank had gathered less)")
+    label = (
+        f"{entry[1]} [{', '.join(sp.name for sp in entry[2])}]"
+        if entry is not None
+        else "(nothing: this rank had gathered less)"
+    )
     labels = exchange_labels(label, device, comm_group, world)
-    lines = "\n".join(f"  rank {r}: gather {index + 1} of {n}: {lab}" for r, (lab, (n, _)) in
-                      enumerate(zip(labels, counts)))
+    lines = "\n".join(
+        f"  rank {r}: gather {index + 1} of {n}: {lab}"
+        for r, (lab, (n, _)) in enumerate(zip(labels, counts))
+    )
     check.reset()
-    raise FetchOrderError(f"stage 3: the ranks gathered different parameters in the same "
-                          f"collective (caught before any update; each rank's gather where they "
-                          f"first parted):\n{lines}\n" + _LEAF_HINT)
+    raise FetchOrderError(
+        f"stage 3: the ranks gathered different parameters in the same "
+        f"collective (caught before any update; each rank's gather where they "
+        f"first parted):\n{lines}\n" + _LEAF_HINT
+    )
 
 
 def exchange_labels(label: str, device: torch.device, comm_group, world: int) -> list[str]:
     """Every rank's label, as fixed-size byte tensors (all_gather_object would need numpy)."""
     raw = label.encode()[:_LABEL_BYTES]
     mine = torch.zeros(_LABEL_BYTES, dtype=torch.uint8)
-    mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     gathered = collectives.all_gather_small(mine.to(device), comm_group).view(world, -1).cpu()
     return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in gathered]
 
 
-def gather_failed(params: list[ShardedParam], rank: int, count: int,
-                  error: RuntimeError) -> BaseException:
+def gather_failed(
+    params: list[ShardedParam], rank: int, count: int, error: RuntimeError
+) -> BaseException:
     """A gather the backend refused (gloo: the ranks' sizes differ): name it on this rank. A failure
     the diagnosis already named (a timeout, a peer gone: each rank's position in its report) stays
     as it is."""
-    if error is diagnose.first_reported() or isinstance(error, (diagnose.CollectiveTimeoutError,
-                                                                diagnose.RanksOutOfStepError)):
+    if error is diagnose.first_reported() or isinstance(
+        error, (diagnose.CollectiveTimeoutError, diagnose.RanksOutOfStepError)
+    ):
         return error
     names = ", ".join(sp.name for sp in params)
-    return FetchOrderError(f"stage 3: rank {rank}'s gather {count} of [{names}] failed "
-                           f"({type(error).__name__}: {error}); the likely cause is ranks "
-                           f"gathering different parameters at this point.\n" + _LEAF_HINT)
+    return FetchOrderError(
+        f"stage 3: rank {rank}'s gather {count} of [{names}] failed "
+        f"({type(error).__name__}: {error}); the likely cause is ranks "
+        f"gathering different parameters at this point.\n" + _LEAF_HINT
+    )

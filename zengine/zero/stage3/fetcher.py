@@ -12,6 +12,7 @@ on every rank. The Fetcher composes the parts that do the work, one job each:
 - ``holds.py``: the gathers in flight, the forward's holds, and the live-element count;
 - ``fetch_check.py``: the always-on check that the ranks gathered the same parameters.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -23,8 +24,15 @@ from ...distributed import diagnose
 from ...offload.copies import device_streams
 from . import shm_gather
 from .fetch_check import FetchCheck, FetchOrderError, raise_fetches_diverged
-from .gather import (EXACT, GatherCodec, GatherGroup, InFlightGather, StagingPool,
-                     foreach_all_gather, foreach_all_gather_copy_out)
+from .gather import (
+    EXACT,
+    GatherCodec,
+    GatherGroup,
+    InFlightGather,
+    StagingPool,
+    foreach_all_gather,
+    foreach_all_gather_copy_out,
+)
 from .hierarchical import NoSecondaryPartition, SecondaryShards
 from .holds import Holds
 from .param import ParamState, ShardedParam
@@ -65,15 +73,24 @@ class HostReads:
 class Fetcher:
     """Gathers and releases sharded parameters for the hooks (see the module doc)."""
 
-    def __init__(self, zero_cfg: Any, world: int, rank: int, device: torch.device,
-                 comm_group: Any = None, read_ahead: ReadAhead = NoReadAhead(),
-                 secondary: SecondaryShards = NoSecondaryPartition(), codec: GatherCodec = EXACT):
+    def __init__(
+        self,
+        zero_cfg: Any,
+        world: int,
+        rank: int,
+        device: torch.device,
+        comm_group: Any = None,
+        read_ahead: ReadAhead = NoReadAhead(),
+        secondary: SecondaryShards = NoSecondaryPartition(),
+        codec: GatherCodec = EXACT,
+    ):
         self.world, self.rank, self.comm_group = world, rank, comm_group
         self.ranks = GatherGroup(comm_group, world, rank)
         self.device = device  # the compute device: the checks' messages travel there
         self.max_live = int(zero_cfg.stage3_max_live_parameters)
-        self.trace = Trace(int(zero_cfg.stage3_prefetch_bucket_size),
-                           int(zero_cfg.stage3_max_reuse_distance), rank)
+        self.trace = Trace(
+            int(zero_cfg.stage3_prefetch_bucket_size), int(zero_cfg.stage3_max_reuse_distance), rank
+        )
         self.order_check = order_check(zero_cfg, device, comm_group, rank, world)
         self.holds = Holds()
         self.pool = StagingPool()
@@ -86,8 +103,9 @@ class Fetcher:
         self.codec = codec  # how gathers for compute travel; gathers for the user stay exact
         # the registry must not keep an old engine alive
         position = weakref.WeakMethod(self._position)
-        diagnose.register_position("stage 3",
-                                   lambda: position()() if position() is not None else "")
+        diagnose.register_position(
+            "stage 3", lambda: position()() if position() is not None else ""
+        )
 
     @property
     def held_numel(self) -> int:
@@ -127,8 +145,9 @@ class Fetcher:
         """Make ``params`` whole; ranks must call this in the same order. ``exact``: never quantized
         (for the user's own use of the whole parameters)."""
         self.trace.note(params, tag)
-        todo = [sp for sp in params
-                if sp.state is ParamState.SHARDED and not self.holds.in_flight(sp)]
+        todo = [
+            sp for sp in params if sp.state is ParamState.SHARDED and not self.holds.in_flight(sp)
+        ]
         for gather in self.holds.gathers_of(params):
             self._finish(gather)
         if todo:
@@ -152,8 +171,9 @@ class Fetcher:
         self.pool.clear()
 
     # -- gathers: started, finished -------------------------------------------------------------
-    def _start(self, params: list[ShardedParam], label: str, refresh: bool = False,
-               exact: bool = False) -> InFlightGather:
+    def _start(
+        self, params: list[ShardedParam], label: str, refresh: bool = False, exact: bool = False
+    ) -> InFlightGather:
         """Start gathering ``params``: from hpZ's secondary shards in a training backward, else from
         every rank (``refresh``/``exact``: for the user, exact and from the primary shards)."""
         for_user = refresh or exact
@@ -165,20 +185,23 @@ class Fetcher:
             self.holds.track(gather)
         return gather
 
-    def _start_primary(self, params: list[ShardedParam], label: str,
-                       codec: GatherCodec) -> InFlightGather:
+    def _start_primary(
+        self, params: list[ShardedParam], label: str, codec: GatherCodec
+    ) -> InFlightGather:
         # one parameter gathers into its own storage; several carry the unit's tag (checked later)
         dtype, device = params[0].full.dtype, params[0].full.device
         staged = len(params) > 1 and self.world > 1
         crc, tag = self.check.unit(params, dtype, device, staged=staged)
         self.check.issued(crc, label, params)
         # ranks on one host: through shared memory (rows a codec transforms go through the backend)
-        transport = (None if codec.finishes
-                     else shm_gather.transport(self.comm_group, params, device))
+        transport = (
+            None if codec.finishes else shm_gather.transport(self.comm_group, params, device)
+        )
         if transport is not None:
             return shm_gather.start(transport, params, tag, self.check)
-        return foreach_all_gather(params, tag, codec, self.ranks, self.pool, self.check,
-                                  self.host_reads.note)
+        return foreach_all_gather(
+            params, tag, codec, self.ranks, self.pool, self.check, self.host_reads.note
+        )
 
     def _start_secondary(self, params: list[ShardedParam], label: str) -> InFlightGather:
         crc, _ = self.check.unit(params, params[0].full.dtype, params[0].full.device, staged=False)

@@ -14,6 +14,7 @@ int8 (``quantized.Int8Gather``, ZeRO++), or in two hops across and inside the no
 ``InFlightGather``: through shared memory (``shm_gather.py``) and from the node's secondary shards
 (``hierarchical.py``, hpZ).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -79,9 +80,18 @@ class InFlightGather:
     shards again).
     """
 
-    def __init__(self, params: list[ShardedParam], staging: Optional[torch.Tensor], works: list,
-                 widths: list[int], direct: bool = False, tag: Optional[torch.Tensor] = None,
-                 codec: GatherCodec = EXACT, coded: Any = None, from_secondary: bool = False):
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        staging: Optional[torch.Tensor],
+        works: list,
+        widths: list[int],
+        direct: bool = False,
+        tag: Optional[torch.Tensor] = None,
+        codec: GatherCodec = EXACT,
+        coded: Any = None,
+        from_secondary: bool = False,
+    ):
         self.params, self.staging, self.works, self.widths = params, staging, works, widths
         self.direct, self.tag, self.codec, self.coded = direct, tag, codec, coded
         self.from_secondary = from_secondary
@@ -122,8 +132,9 @@ class StagingPool:
         self._free = []
 
 
-def copy_in(row: torch.Tensor, params: list[ShardedParam], direct: bool,
-            device: torch.device) -> bool:
+def copy_in(
+    row: torch.Tensor, params: list[ShardedParam], direct: bool, device: torch.device
+) -> bool:
     """This rank's chunks of ``params`` into its ``row`` of a gather. True when they all came from
     shards on the device; else some came from host memory or NVMe (offload_param) and the caller
     notes the reads."""
@@ -132,23 +143,30 @@ def copy_in(row: torch.Tensor, params: list[ShardedParam], direct: bool,
             sp.store.start_read(sp)
     if not direct and all(sp.shard is not None and sp.shard.device == device for sp in params):
         # shards on the device: one multi-tensor copy into this rank's row, not a launch per shard
-        torch._foreach_copy_(list(row.split([sp.chunk for sp in params])),
-                             [sp.shard for sp in params])
+        torch._foreach_copy_(
+            list(row.split([sp.chunk for sp in params])), [sp.shard for sp in params]
+        )
         return True
     col = 0
     for sp in params:
         # host memory with offload_param
         source = sp.shard if sp.shard is not None else sp.store.take(sp)
-        row[col:col + sp.chunk].copy_(source, non_blocking=True)
+        row[col : col + sp.chunk].copy_(source, non_blocking=True)
         if sp.shard is None:
             sp.store.give_back(sp)
         col += sp.chunk
     return False
 
 
-def foreach_all_gather(params: list[ShardedParam], tag: Optional[torch.Tensor], codec: GatherCodec,
-                       ranks: GatherGroup, pool: StagingPool, check: FetchCheck,
-                       note_host_reads: Callable[[torch.Tensor], None]) -> InFlightGather:
+def foreach_all_gather(
+    params: list[ShardedParam],
+    tag: Optional[torch.Tensor],
+    codec: GatherCodec,
+    ranks: GatherGroup,
+    pool: StagingPool,
+    check: FetchCheck,
+    note_host_reads: Callable[[torch.Tensor], None],
+) -> InFlightGather:
     """Copy this rank's chunks of ``params`` in and launch the gather of every rank's
     (asynchronous). ``tag``: the unit's tag row, sent at the end of the row (several parameters
     only); ``note_host_reads``: told the buffer when chunks were uploaded from host shards."""
@@ -187,5 +205,5 @@ def foreach_all_gather_copy_out(gather: InFlightGather, check: FetchCheck, rank:
         return
     rows, col = gather.staging.shape[0], 0
     for sp, width in zip(gather.params, gather.widths):
-        sp.allocate().view(rows, width).copy_(gather.staging[:, col:col + width])
+        sp.allocate().view(rows, width).copy_(gather.staging[:, col : col + width])
         col += width

@@ -22,6 +22,7 @@ codecs ``ReduceScatterRows`` (exact) and ``QuantizedRows`` (ZeRO++ ``zero_quanti
 wrapped in ``..mics.Replicated`` under MiCS; the shards land in memory or, with ZeRO-Infinity, in
 the swap records (``offload/landing.py``). ``Stage3GradSpec`` names what ``build.py`` gives them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,8 +58,11 @@ class _ChunkView:
         # each span runs to the next parameter's offset: the group's chunks may be padded for
         # O_DIRECT
         ends = list(group.offsets[1:]) + [group.shard_numel]
-        self.layout = FlatLayout([sp.name for sp in group.sharded],
-                                 [(end - off,) for off, end in zip(group.offsets, ends)], 1)
+        self.layout = FlatLayout(
+            [sp.name for sp in group.sharded],
+            [(end - off,) for off, end in zip(group.offsets, ends)],
+            1,
+        )
 
 
 class RankMajor:
@@ -66,8 +70,14 @@ class RankMajor:
     chunks]``, row r holding every parameter's chunk r; this rank's row of the reduced bucket is its
     shard of them. ``after_grad`` releases a parameter's full data once its gradient is taken."""
 
-    def __init__(self, groups: list[ShardedParamGroup], bucket_numel: int, world: int,
-                 after_grad: Callable[[ShardedParam], None], dtypes: GradDtypes):
+    def __init__(
+        self,
+        groups: list[ShardedParamGroup],
+        bucket_numel: int,
+        world: int,
+        after_grad: Callable[[ShardedParam], None],
+        dtypes: GradDtypes,
+    ):
         self.groups, self.world = groups, world
         self.after_grad = after_grad
         self.reduce_dtype = dtypes.reduce
@@ -87,7 +97,8 @@ class RankMajor:
                 f"{sp.numel}: it was used outside the engine's forward (e.g. a regulariser over "
                 f"engine.module.parameters() added to the loss), where a partitioned parameter is "
                 f"an empty tensor. Compute the term inside the model's forward: zengine gathers a "
-                f"parameter used there, also outside its own module")
+                f"parameter used there, also outside its own module"
+            )
 
     def release(self, gi: int, pi: int) -> None:
         self.after_grad(self.groups[gi].sharded[pi])
@@ -108,9 +119,9 @@ class RankMajor:
         dst = self.buffer(gi, bucket, buffers)[:, lo:hi]  # [world, chunk]
         full_rows, tail = divmod(sp.numel, sp.chunk)
         if full_rows:
-            dst[:full_rows].copy_(grad[:full_rows * sp.chunk].view(full_rows, sp.chunk))
+            dst[:full_rows].copy_(grad[: full_rows * sp.chunk].view(full_rows, sp.chunk))
         if tail:
-            dst[full_rows, :tail].copy_(grad[full_rows * sp.chunk:])
+            dst[full_rows, :tail].copy_(grad[full_rows * sp.chunk :])
         sp.param.grad = None
 
     def adopt(self, gi: int, bucket: Bucket, sp: ShardedParam, buffers: BucketBuffers) -> bool:
@@ -118,9 +129,14 @@ class RankMajor:
         parameter."""
         key = (gi, bucket.index)
         grad = sp.param.grad
-        if (len(bucket.params) != 1 or sp.numel != self.world * sp.chunk or bucket.numel != sp.chunk
-                or key in buffers.live
-                or grad.dtype != self.reduce_dtype or not grad.is_contiguous()):
+        if (
+            len(bucket.params) != 1
+            or sp.numel != self.world * sp.chunk
+            or bucket.numel != sp.chunk
+            or key in buffers.live
+            or grad.dtype != self.reduce_dtype
+            or not grad.is_contiguous()
+        ):
             return False
         # AccumulateGrad hands a .grad of its own (stolen or cloned), so nothing else aliases it.
         buffers.adopt(key, grad.view(self.world, sp.chunk))  # [world, chunk]
@@ -179,8 +195,8 @@ class Stage3GradSpec:
     """What stage 3's gradient store is built from (``build.py`` names each)."""
 
     groups: list[ShardedParamGroup]
-    bucket_numel: int             # reduce_bucket_size: elements a bucket moves over all ranks
-    world: int                    # ranks sharded over (MiCS: the shard group)
+    bucket_numel: int  # reduce_bucket_size: elements a bucket moves over all ranks
+    world: int  # ranks sharded over (MiCS: the shard group)
     rank: int
     # the optimizer's placement: where the gradient shards live, their copies
     placement: DevicePlacement
@@ -188,8 +204,8 @@ class Stage3GradSpec:
     after_grad: Callable[[ShardedParam], None]
     dtypes: GradDtypes
     comm_group: Any = None
-    in_flight: int = 2            # reductions left running while backward goes on
-    quantized_bits: int = 0       # zero_quantized_gradients: 8 or 4 (0: exact)
+    in_flight: int = 2  # reductions left running while backward goes on
+    quantized_bits: int = 0  # zero_quantized_gradients: 8 or 4 (0: exact)
     # MiCS: the copies of each shard across the shard groups
     replication: Replication = Replication()
     # the parameters' registration order, per group

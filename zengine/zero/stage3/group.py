@@ -5,6 +5,7 @@ as ``zero/optimizer.py`` sees it): this rank's shard in the compute dtype, where
 parameter's elements sit in it, the part for the global norm, and what to do
 after the step (here: refresh the persistent parameters, which stay whole).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -20,14 +21,25 @@ class ShardedParamGroup:
     """This rank's chunks of one param group's trainable parameters, end to end in ``shard_flat`` (a
     ``zero/flat_group.ParamGroup``)."""
 
-    def __init__(self, sharded: Sequence[ShardedParam], hyper: dict[str, Any], dtype: torch.dtype,
-                 device: torch.device, refresh: Callable[[list[ShardedParam]], None], pin: bool = False,
-                 swap=None, align: int = 1, primary: bool = True):
+    def __init__(
+        self,
+        sharded: Sequence[ShardedParam],
+        hyper: dict[str, Any],
+        dtype: torch.dtype,
+        device: torch.device,
+        refresh: Callable[[list[ShardedParam]], None],
+        pin: bool = False,
+        swap=None,
+        align: int = 1,
+        primary: bool = True,
+    ):
         self.sharded = list(sharded)
         self.primary = primary  # False: another rank's identical copy is counted and saved (MiCS, zero/mics.py)
         self.params = [sp.param for sp in self.sharded]
         self.hyper = hyper
-        self.swap = swap  # NVMe offload (nvme.ParamSwap): the shards live in its file, not in memory
+        self.swap = (
+            swap  # NVMe offload (nvme.ParamSwap): the shards live in its file, not in memory
+        )
         # O_DIRECT (NVMe swapping): each chunk starts on an aligned element, and the shard ends on one
         align = max(align, swap.align if swap is not None else 1)
         self.offsets = []
@@ -38,8 +50,11 @@ class ShardedParamGroup:
         self.shard_numel = round_up(offset, align)
         if swap is None:
             # [sum of chunks] compute dtype; on the host with offload_param (pinned on a GPU machine, sized exactly)
-            self.shard_flat = (pinned.zeros(self.shard_numel, dtype, kind=pinned.PARAMETERS) if pin
-                               else torch.zeros(self.shard_numel, dtype=dtype, device=device))
+            self.shard_flat = (
+                pinned.zeros(self.shard_numel, dtype, kind=pinned.PARAMETERS)
+                if pin
+                else torch.zeros(self.shard_numel, dtype=dtype, device=device)
+            )
             for sp, off in zip(self.sharded, self.offsets):
                 sp.attach_shard(self.shard_flat.narrow(0, off, sp.chunk))
         else:
@@ -87,7 +102,11 @@ class ShardedParamGroup:
         return self.shard_flat
 
     def master_pieces(self) -> list[tuple[int, int, int]]:
-        return [(i, off, off + sp.valid) for i, (sp, off) in enumerate(zip(self.sharded, self.offsets)) if sp.valid]
+        return [
+            (i, off, off + sp.valid)
+            for i, (sp, off) in enumerate(zip(self.sharded, self.offsets))
+            if sp.valid
+        ]
 
     replicated = False  # each rank holds its own chunk of every parameter
 

@@ -13,6 +13,7 @@ changes the primary shards they came from), and a gather the user asks for (``Ga
 The secondary shard of a parameter is the h-way split of its padded full storage (``world * chunk``
 elements, rank-major), so it needs ``world`` to be a multiple of h; rank r holds piece ``r % h``.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
@@ -75,8 +76,9 @@ class NoSecondaryPartition:
 
     def start(self, params: Sequence[ShardedParam]) -> InFlightGather:
         """Not called (never ``ready``)."""
-        raise RuntimeError("stage 3: no secondary partition to gather from "
-                           "(zero_hpz_partition_size)")
+        raise RuntimeError(
+            "stage 3: no secondary partition to gather from (zero_hpz_partition_size)"
+        )
 
 
 class SecondaryPartition:
@@ -84,9 +86,11 @@ class SecondaryPartition:
 
     def __init__(self, size: int, world: int, rank: int):
         if size < 1 or world % size:
-            raise HpzConfigError(f"zero_hpz_partition_size {size} must divide the data-parallel "
-                                 f"world size {world} (it groups consecutive ranks: the GPUs of a "
-                                 f"node)")
+            raise HpzConfigError(
+                f"zero_hpz_partition_size {size} must divide the data-parallel "
+                f"world size {world} (it groups consecutive ranks: the GPUs of a "
+                f"node)"
+            )
         self.size, self.local = size, rank % size
         self.group = None
         # every rank makes every group, in the same order (torch's rule)
@@ -127,7 +131,7 @@ class SecondaryPartition:
         col = 0
         for sp in params:
             piece = self.held[id(sp)]
-            staging[self.local, col:col + piece.numel()].copy_(piece)
+            staging[self.local, col : col + piece.numel()].copy_(piece)
             col += piece.numel()
         works = collectives.all_gather_rows(staging, self.local, self.group, async_op=True)
         return InFlightGather(list(params), staging, works, widths, from_secondary=True)
@@ -140,7 +144,9 @@ def secondary_partition(zero_cfg: ZeroConfig, world: int, rank: int) -> Secondar
     if size <= 1 or size >= world:  # one rank per group, or the group is everyone: nothing to gain
         return NoSecondaryPartition()
     if world != dist.get_world_size():
-        raise HpzConfigError("zero_hpz_partition_size: hierarchical partitioning groups the ranks "
-                             "of the default process group; this engine shards over a smaller "
-                             "group")
+        raise HpzConfigError(
+            "zero_hpz_partition_size: hierarchical partitioning groups the ranks "
+            "of the default process group; this engine shards over a smaller "
+            "group"
+        )
     return SecondaryPartition(size, world, rank)

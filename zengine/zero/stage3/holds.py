@@ -7,6 +7,7 @@ soon (``trace.py``). ``live_numel`` counts the gathered elements ``stage3_max_li
 bounds; a gather in flight already occupies its parameters' storage, so ``held_numel`` counts those
 too.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -19,8 +20,8 @@ class Holds:
     """The gathers in flight by parameter, the holds on gathered parameters, and the live count."""
 
     def __init__(self):
-        self.live_numel = 0          # elements of non-persistent parameters gathered now
-        self.peak_live_numel = 0     # the most gathered or in flight at once
+        self.live_numel = 0  # elements of non-persistent parameters gathered now
+        self.peak_live_numel = 0  # the most gathered or in flight at once
         self._in_flight: dict[int, InFlightGather] = {}  # id(ShardedParam) -> its gather in flight
 
     # -- gathers in flight ----------------------------------------------------------------------
@@ -30,8 +31,11 @@ class Holds:
 
     def gathers_of(self, params: Sequence[ShardedParam]) -> list[InFlightGather]:
         """The gathers in flight of any of ``params``, each once, in the order of ``params``."""
-        found = {id(self._in_flight[id(sp)]): self._in_flight[id(sp)] for sp in params
-                 if id(sp) in self._in_flight}
+        found = {
+            id(self._in_flight[id(sp)]): self._in_flight[id(sp)]
+            for sp in params
+            if id(sp) in self._in_flight
+        }
         return list(found.values())
 
     def all_in_flight(self) -> list[InFlightGather]:
@@ -69,8 +73,9 @@ class Holds:
             if not sp.persistent:
                 sp.holders += 1
 
-    def release(self, params: Sequence[ShardedParam], force: bool,
-                kept: Callable[[ShardedParam], bool]) -> None:
+    def release(
+        self, params: Sequence[ShardedParam], force: bool, kept: Callable[[ShardedParam], bool]
+    ) -> None:
         """Drop a hold on each parameter; free it when nobody holds it and ``kept`` does not keep it
         for a fetch soon (``force``: free it whatever its holds)."""
         for sp in params:

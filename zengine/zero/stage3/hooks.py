@@ -16,6 +16,7 @@ an op that receives a sharded parameter gathers it first, the running
 module releases it when it finishes, and the op's outputs are hooked to
 gather it again for backward.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,22 +55,36 @@ class ModuleHooks:
         self.fetcher = fetcher
         self.units: dict[nn.Module, list[ShardedParam]] = {}
         self.names: dict[nn.Module, str] = {}
-        self.frames: list[list[ShardedParam]] = []  # externals fetched while each running module runs
+        self.frames: list[
+            list[ShardedParam]
+        ] = []  # externals fetched while each running module runs
         self.running: list[set[int]] = []  # ids of the parameters of each running module
         self.enabled = True
-        self.wrap: Callable[[Callable], Callable] = lambda fn: fn  # compiled autograd: torch.compiler.disable
+        self.wrap: Callable[[Callable], Callable] = lambda fn: (
+            fn
+        )  # compiled autograd: torch.compiler.disable
         self.internal = False  # our own tensor work inside hooks is not an external use
-        self.backward_count = 0  # backwards finished so far (end_backward); a retained graph runs again
+        self.backward_count = (
+            0  # backwards finished so far (end_backward); a retained graph runs again
+        )
         self.handles = []
-        inside_leaf: list[str] = []  # module paths of the leaves met so far: their descendants get no hooks
+        inside_leaf: list[
+            str
+        ] = []  # module paths of the leaves met so far: their descendants get no hooks
         for name, m in module.named_modules():
             if any(name.startswith(leaf + ".") for leaf in inside_leaf):
                 continue
             if z3_leaf_module(m):  # the whole subtree is one unit (leaf.py)
                 inside_leaf.append(name)
-                unit = list(dict.fromkeys(sp for p in m.parameters() if (sp := lookup(p)) is not None))
+                unit = list(
+                    dict.fromkeys(sp for p in m.parameters() if (sp := lookup(p)) is not None)
+                )
             else:
-                unit = [sp for p in m._parameters.values() if p is not None and (sp := lookup(p)) is not None]
+                unit = [
+                    sp
+                    for p in m._parameters.values()
+                    if p is not None and (sp := lookup(p)) is not None
+                ]
             if not unit:
                 continue
             self.units[m] = unit
@@ -98,7 +113,9 @@ class ModuleHooks:
             self._fetch_before_backward(out, unit, self.names[m] + " (backward)")
 
     def _fetch_before_backward(self, out: Any, unit: list[ShardedParam], tag: str) -> None:
-        fetched_in = [-1]  # the backward that fetched for this output: once per backward, however many outputs
+        fetched_in = [
+            -1
+        ]  # the backward that fetched for this output: once per backward, however many outputs
 
         def fetch(grad):
             if fetched_in[0] != self.backward_count:

@@ -12,6 +12,7 @@ Leaves are marked by ``set_z3_leaf_modules(model, classes)`` (DeepSpeed's functi
 (``classes`` by bare or qualified name, exact ``names``, ``name_suffixes``). The marks are kept
 here, not on the modules.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -28,14 +29,21 @@ _leaves: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 def _class_matches(module: nn.Module, wanted: Sequence[Union[type, str]]) -> bool:
     cls = type(module)
     qualified = f"{cls.__module__}.{cls.__qualname__}"
-    return any(cls is w if isinstance(w, type) else w in (cls.__name__, cls.__qualname__, qualified) for w in wanted)
+    return any(
+        cls is w if isinstance(w, type) else w in (cls.__name__, cls.__qualname__, qualified)
+        for w in wanted
+    )
 
 
-def _mark(model: nn.Module, leaf_module_classes: Iterable[Union[type, str]], leaf: bool) -> list[nn.Module]:
+def _mark(
+    model: nn.Module, leaf_module_classes: Iterable[Union[type, str]], leaf: bool
+) -> list[nn.Module]:
     wanted = list(leaf_module_classes)
     bad = [w for w in wanted if not isinstance(w, (type, str))]
     if bad:
-        raise TypeError(f"set_z3_leaf_modules: expected module classes (or class names), got {bad!r}")
+        raise TypeError(
+            f"set_z3_leaf_modules: expected module classes (or class names), got {bad!r}"
+        )
     found = [m for m in model.modules() if _class_matches(m, wanted)]
     if not found:
         raise ValueError(f"set_z3_leaf_modules: no module of the classes {wanted!r} in the model")
@@ -44,13 +52,17 @@ def _mark(model: nn.Module, leaf_module_classes: Iterable[Union[type, str]], lea
     return found
 
 
-def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Iterable[Union[type, str]]) -> list[nn.Module]:
+def set_z3_leaf_modules(
+    model: nn.Module, leaf_module_classes: Iterable[Union[type, str]]
+) -> list[nn.Module]:
     """Mark every module of ``model`` whose class is one of ``leaf_module_classes`` (classes, or their names)
     as a stage-3 leaf; returns them. Raises ValueError when there is none. Call it before ``initialize``."""
     return _mark(model, leaf_module_classes, True)
 
 
-def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: Iterable[Union[type, str]]) -> list[nn.Module]:
+def unset_z3_leaf_modules(
+    model: nn.Module, leaf_module_classes: Iterable[Union[type, str]]
+) -> list[nn.Module]:
     """Remove the leaf mark from the modules of those classes; returns them."""
     return _mark(model, leaf_module_classes, False)
 
@@ -69,6 +81,9 @@ def mark_from_config(model: nn.Module, leaf_cfg: LeafModuleConfig) -> None:
     """Mark the leaves the config's ``zero_optimization.leaf_module`` section names (a class it lists that
     the model does not have is no error: the defaults list Hugging Face's mixture-of-experts blocks)."""
     for name, m in model.named_modules():
-        if (_class_matches(m, leaf_cfg.classes) or name in leaf_cfg.names
-                or any(name == s or name.endswith("." + s) for s in leaf_cfg.name_suffixes)):
+        if (
+            _class_matches(m, leaf_cfg.classes)
+            or name in leaf_cfg.names
+            or any(name == s or name.endswith("." + s) for s in leaf_cfg.name_suffixes)
+        ):
             _leaves.add(m)

@@ -9,6 +9,7 @@ assembles it; where the shards live (device, host memory, an NVMe swap
 file) is the placement's business (``offload/placement.py``), asked through
 ``placement.params``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +32,10 @@ from .param import ParamState, ShardedParam
 
 logger = logging.getLogger("zengine")
 # autograd's check of a gradient against the shape its op saw: "... got [0] but expected shape compatible with [a, b]"
-_EMPTY_GRADIENT = re.compile(r"returned an invalid gradient at index \d+ - got \[0\] but expected shape compatible "
-                             r"with \[([\d, ]*)\]")
+_EMPTY_GRADIENT = re.compile(
+    r"returned an invalid gradient at index \d+ - got \[0\] but expected shape compatible "
+    r"with \[([\d, ]*)\]"
+)
 
 
 @dataclass
@@ -75,21 +78,28 @@ class Stage3Optimizer(ZeroOptimizer):
     """ZeroOptimizer over stage-3 groups, with the hooks that gather parameters on demand (built by
     ``stage3/build.py``)."""
 
-    def __init__(self, model: ShardedModel, groups: list[ShardedParamGroup], grads, *args, **kwargs):
+    def __init__(
+        self, model: ShardedModel, groups: list[ShardedParamGroup], grads, *args, **kwargs
+    ):
         self.module = model.module
         self.fetcher = model.fetcher
         self.all_sharded = model.all_sharded
         self.frozen = model.frozen
         agreement = GatherAgreement(self.fetcher, self.zero_grad)
         super().__init__(groups, grads, *args, participant=agreement, **kwargs)
-        for sp in self.all_sharded:  # GatheredParameters gathers through the optimizer that holds the parameter
+        for sp in (
+            self.all_sharded
+        ):  # GatheredParameters gathers through the optimizer that holds the parameter
             sp.owner = self
-        self.param_swap = self.placement.params.swap  # the parameter swap file, with offload_param nvme
+        self.param_swap = (
+            self.placement.params.swap
+        )  # the parameter swap file, with offload_param nvme
         self.module_hooks = ModuleHooks(self.module, self.fetcher)
         self._warned_state_dict = False
         # (torch marks the hook object itself, which a bound method cannot take: a plain function)
         self._state_dict_hook = self.module.register_state_dict_post_hook(
-            lambda module, state_dict, prefix, local_metadata: self._on_state_dict())
+            lambda module, state_dict, prefix, local_metadata: self._on_state_dict()
+        )
 
     # -- forward and backward -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -98,7 +108,9 @@ class Stage3Optimizer(ZeroOptimizer):
         self.fetcher.begin_step(training)
         with self.module_hooks.mode():
             yield
-        self.fetcher.end_forward(training)  # outside training no step checks the gathers: check them here
+        self.fetcher.end_forward(
+            training
+        )  # outside training no step checks the gathers: check them here
 
     def explain_backward_error(self, error: RuntimeError) -> BaseException:
         """Autograd refuses the empty gradient of a partitioned parameter that an op outside the forward used
@@ -112,7 +124,8 @@ class Stage3Optimizer(ZeroOptimizer):
             f"stage 3: a parameter of shape {list(shape)} ({', '.join(names) or 'unknown'}) was used outside the "
             f"engine's forward (e.g. a regulariser over engine.module.parameters() added to the loss), where a "
             f"partitioned parameter is an empty tensor, so its gradient is empty. Compute the term inside the "
-            f"model's forward: zengine gathers a parameter used there, also outside its own module")
+            f"model's forward: zengine gathers a parameter used there, also outside its own module"
+        )
 
     def end_backward(self) -> None:
         super().end_backward()
@@ -129,17 +142,23 @@ class Stage3Optimizer(ZeroOptimizer):
     def _on_state_dict(self) -> None:
         """``engine.module.state_dict()`` outside a gather holds the partitioned parameters' empty tensors, so
         ``torch.save(engine.module.state_dict())`` would write a model of shape-(0,) weights: say so, once."""
-        if self._warned_state_dict or not any(sp.state is ParamState.SHARDED for sp in self.all_sharded):
+        if self._warned_state_dict or not any(
+            sp.state is ParamState.SHARDED for sp in self.all_sharded
+        ):
             return
         self._warned_state_dict = True
-        logger.warning("zengine: engine.module.state_dict() at stage 3 holds the partitioned parameters as empty "
-                       "tensors (shape (0,)), not their values. Save the model with engine.save_16bit_model(dir) "
-                       "(with zero_optimization.stage3_gather_16bit_weights_on_model_save), export a checkpoint "
-                       "with zengine-to-fp32, or take the state_dict inside engine.summon_full_params()")
+        logger.warning(
+            "zengine: engine.module.state_dict() at stage 3 holds the partitioned parameters as empty "
+            "tensors (shape (0,)), not their values. Save the model with engine.save_16bit_model(dir) "
+            "(with zero_optimization.stage3_gather_16bit_weights_on_model_save), export a checkpoint "
+            "with zengine-to-fp32, or take the state_dict inside engine.summon_full_params()"
+        )
 
     def release_all(self) -> None:
         """Free every gathered parameter that is not persistent or held by a context."""
-        self.fetcher.release([sp for sp in self.all_sharded if sp.state is ParamState.GATHERED], force=True)
+        self.fetcher.release(
+            [sp for sp in self.all_sharded if sp.state is ParamState.GATHERED], force=True
+        )
 
     # -- full parameters on request -------------------------------------------------------------
     def sync_masters(self) -> None:
@@ -153,22 +172,33 @@ class Stage3Optimizer(ZeroOptimizer):
         gathered shows ``value`` too."""
         g = self.groups[gi]
         sp = g.sharded[pi]
-        self.placement.params.store_one(g, pi, self.masters[gi])  # an NVMe shard from the master just set
+        self.placement.params.store_one(
+            g, pi, self.masters[gi]
+        )  # an NVMe shard from the master just set
         if sp.state is ParamState.GATHERED:
             with torch.no_grad():
                 sp.full.narrow(0, 0, sp.numel).copy_(value.reshape(-1))
 
     @contextlib.contextmanager
-    def full_params(self, params: Sequence[ShardedParam], modifier_rank=None, writeback: bool = False,
-                    rank0_only: bool = False, offload_to_cpu: bool = False):
+    def full_params(
+        self,
+        params: Sequence[ShardedParam],
+        modifier_rank=None,
+        writeback: bool = False,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+    ):
         """Gather ``params`` whole for the duration; see Engine.summon_full_params and zero.GatheredParameters."""
         params = list(params)
         # Our own gathering, even when the caller is inside a forward (GatheredParameters around a tied head, as
         # TRL's fused loss does): the external-use mode must not take our parameter swaps for a user's reads.
         with self.module_hooks.own_work():
             self.fetcher.gather_now([sp for sp in params if sp.state is ParamState.GATHERED])
-            self.fetcher.fetch([sp for sp in params if sp.state is ParamState.SHARDED], "gathered parameters",
-                               exact=True)
+            self.fetcher.fetch(
+                [sp for sp in params if sp.state is ParamState.SHARDED],
+                "gathered parameters",
+                exact=True,
+            )
         for sp in params:
             sp.pinned = True
         saved = {}
@@ -176,15 +206,22 @@ class Stage3Optimizer(ZeroOptimizer):
             for sp in params:
                 saved[id(sp)] = sp.param.data
                 keep = (not rank0_only) or self.dp_rank == 0
-                sp.param.data = (sp.param.data.to("cpu", copy=True) if offload_to_cpu else sp.param.data) if keep \
+                sp.param.data = (
+                    (sp.param.data.to("cpu", copy=True) if offload_to_cpu else sp.param.data)
+                    if keep
                     else torch.empty(0, dtype=sp.full.dtype, device=sp.full.device)
+                )
         try:
             yield
         finally:
             with self.module_hooks.own_work():
-                self._end_full_params(params, saved, modifier_rank, writeback, rank0_only, offload_to_cpu)
+                self._end_full_params(
+                    params, saved, modifier_rank, writeback, rank0_only, offload_to_cpu
+                )
 
-    def _end_full_params(self, params, saved, modifier_rank, writeback, rank0_only, offload_to_cpu) -> None:
+    def _end_full_params(
+        self, params, saved, modifier_rank, writeback, rank0_only, offload_to_cpu
+    ) -> None:
         """Leave full_params: restore what the caller saw, write modifications back, release."""
         if saved:
             for sp in params:
@@ -209,11 +246,22 @@ class Stage3Optimizer(ZeroOptimizer):
         self.fetcher.drop_staging()
 
     @contextlib.contextmanager
-    def summon(self, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False,
-               with_grads: bool = False):
-        with agreement.collective_call("summon_full_params", self.dp_group), \
-                self.full_params(self.all_sharded, writeback=writeback, rank0_only=rank0_only,
-                                 offload_to_cpu=offload_to_cpu):
+    def summon(
+        self,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ):
+        with (
+            agreement.collective_call("summon_full_params", self.dp_group),
+            self.full_params(
+                self.all_sharded,
+                writeback=writeback,
+                rank0_only=rank0_only,
+                offload_to_cpu=offload_to_cpu,
+            ),
+        ):
             if with_grads:
                 self._gather_grads()
             try:
@@ -233,11 +281,15 @@ class Stage3Optimizer(ZeroOptimizer):
                 # [world, chunk] on the compute device: with optimizer offload the shard is on the host,
                 # and NCCL gathers only device tensors
                 staging = torch.empty(self.world, sp.chunk, dtype=shard.dtype, device=self.device)
-                staging[self.rank].copy_(shard[off:off + sp.chunk])
+                staging[self.rank].copy_(shard[off : off + sp.chunk])
                 collectives.all_gather_rows(staging, self.rank, self.comm_group)
-                sp.param.grad = (staging.view(-1)[:sp.numel] * factor).view(sp.shape).to(sp.full.dtype)
+                sp.param.grad = (
+                    (staging.view(-1)[: sp.numel] * factor).view(sp.shape).to(sp.full.dtype)
+                )
 
     def memory_tensors(self):
         kinds = super().memory_tensors()
-        kinds["parameters"] = kinds["parameters"] + self.frozen.tensors() + self.placement.params.host_buffers()
+        kinds["parameters"] = (
+            kinds["parameters"] + self.frozen.tensors() + self.placement.params.host_buffers()
+        )
         return kinds

@@ -12,6 +12,7 @@ parameter, so they do not bump the parameter's version counter.
 Which parameters are sharded is kept in a table of ours (``registry``), not
 in attributes on ``nn.Parameter``.
 """
+
 from __future__ import annotations
 
 import enum
@@ -27,16 +28,16 @@ from ...offload import pinned
 
 
 class ParamState(enum.Enum):
-    SHARDED = "sharded"    # only this rank's chunk exists; the full storage is freed
+    SHARDED = "sharded"  # only this rank's chunk exists; the full storage is freed
     GATHERED = "gathered"  # the full parameter is in memory
 
 
 class ZeroParamStatus(enum.Enum):
     """DeepSpeed's names and values for ``param.ds_status``."""
 
-    AVAILABLE = 1      # gathered
+    AVAILABLE = 1  # gathered
     NOT_AVAILABLE = 2  # only the shard exists
-    INFLIGHT = 3       # being gathered
+    INFLIGHT = 3  # being gathered
 
 
 class ZeroParameter(nn.Parameter):
@@ -96,26 +97,42 @@ class ShardedParam:
         self.numel = param.numel()
         self.world, self.rank = world, rank
         self.chunk = max(1, math.ceil(self.numel / world))
-        self.valid = max(0, min(self.chunk, self.numel - rank * self.chunk))  # real elements in my chunk
-        self.shard: Optional[torch.Tensor] = None  # [chunk] compute dtype, a view into its group's shard buffer
+        self.valid = max(
+            0, min(self.chunk, self.numel - rank * self.chunk)
+        )  # real elements in my chunk
+        self.shard: Optional[torch.Tensor] = (
+            None  # [chunk] compute dtype, a view into its group's shard buffer
+        )
         # NVMe offload (offload/param_swap.py): the swap that holds the shard, and its first element there; ``shard`` is
         # then None, or a resident copy (max_in_cpu)
         self.store = None
         self.file_elem = 0
-        self.full = torch.empty(world * self.chunk, dtype=param.dtype, device=param.device)  # [world*chunk]
+        self.full = torch.empty(
+            world * self.chunk, dtype=param.dtype, device=param.device
+        )  # [world*chunk]
         self.state = ParamState.GATHERED
-        self.holders = 0        # forward-time fetches not yet released
-        self.persistent = False  # small parameters stay gathered (stage3_param_persistence_threshold)
-        self.pinned = False      # held gathered by summon_full_params / GatheredParameters
-        self.owner = None        # the Stage3Optimizer holding it, once in an engine (GatheredParameters asks it)
-        self.freed_version = None  # the parameter's version counter when last released (see written_while_released)
+        self.holders = 0  # forward-time fetches not yet released
+        self.persistent = (
+            False  # small parameters stay gathered (stage3_param_persistence_threshold)
+        )
+        self.pinned = False  # held gathered by summon_full_params / GatheredParameters
+        self.owner = (
+            None  # the Stage3Optimizer holding it, once in an engine (GatheredParameters asks it)
+        )
+        self.freed_version = (
+            None  # the parameter's version counter when last released (see written_while_released)
+        )
         self.index = next(_next_index)
-        if type(param) is nn.Parameter:  # so that scripts can read DeepSpeed's ds_* members (ZeroParameter)
+        if (
+            type(param) is nn.Parameter
+        ):  # so that scripts can read DeepSpeed's ds_* members (ZeroParameter)
             param.__class__ = ZeroParameter
         with torch.no_grad():
             self.full.narrow(0, 0, self.numel).copy_(param.detach().reshape(-1))
             self.full.narrow(0, self.numel, self.full.numel() - self.numel).zero_()
-        self._empty = torch.empty(0, dtype=param.dtype, device=param.device)  # what a released parameter shows
+        self._empty = torch.empty(
+            0, dtype=param.dtype, device=param.device
+        )  # what a released parameter shows
         param.data = self._view()
 
     def _view(self) -> torch.Tensor:
@@ -151,8 +168,12 @@ class ShardedParam:
         ``resident`` a copy stays in host memory too."""
         with torch.no_grad():
             value = self.current_shard()
-            if resident:  # a cache of the file in host memory, as it holds it (pinned where the swap pins)
-                value = pinned.empty(self.chunk, store.dtype, kind=pinned.PARAMETERS, pin=store.pin).copy_(value)
+            if (
+                resident
+            ):  # a cache of the file in host memory, as it holds it (pinned where the swap pins)
+                value = pinned.empty(
+                    self.chunk, store.dtype, kind=pinned.PARAMETERS, pin=store.pin
+                ).copy_(value)
             self._leave_store()
             self.store, self.file_elem = store, elem
             self.shard = value if resident else None
@@ -195,8 +216,12 @@ class ShardedParam:
         run on a partitioned parameter): the write went nowhere. Read from the parameter's version counter,
         which every in-place write bumps, even of no element."""
         param = self.param  # (None once the module that held it is gone)
-        return self.state is ParamState.SHARDED and self.freed_version is not None and param is not None \
+        return (
+            self.state is ParamState.SHARDED
+            and self.freed_version is not None
+            and param is not None
             and param._version != self.freed_version
+        )
 
     def write_back_full(self) -> None:
         """Copy this rank's chunk of the (modified) full data into the shard."""

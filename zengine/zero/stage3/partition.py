@@ -6,6 +6,7 @@ broadcast from rank 0, cut and released in turn, so the device holds the shards 
 whole parameter, never the whole model: a model that fits the device only sharded can be built on
 the host.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
@@ -21,8 +22,14 @@ if TYPE_CHECKING:
     from ..optimizer import Ranks
 
 
-def partition(named: list, device: torch.device, dtype: Optional[torch.dtype], world: int,
-              rank: int, swap=None) -> list[ShardedParam]:
+def partition(
+    named: list,
+    device: torch.device,
+    dtype: Optional[torch.dtype],
+    world: int,
+    rank: int,
+    swap=None,
+) -> list[ShardedParam]:
     """Cut each (name, parameter) not yet partitioned into this rank's shard, one at a time: moved
     to ``device`` (and ``dtype`` when given), broadcast from rank 0, cut, and released, so the
     device holds the shards and at most one whole parameter. With ``swap`` (NVMe) the shard goes to

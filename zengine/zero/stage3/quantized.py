@@ -19,6 +19,7 @@ Only the gathers that feed compute are quantized: the masters and shards stay ex
 hand parameters to the user (``summon_full_params``, ``GatheredParameters``, the re-gather after a step of
 parameters that stay whole) are exact.
 """
+
 from __future__ import annotations
 
 import torch
@@ -52,8 +53,12 @@ class Int8Gather:
         world, width = staging.shape
         blocks = -(-ncols // BLOCK)
         extra = width - ncols  # the fetch check's tag columns: sent exactly, after the scales
-        q = torch.empty(world, blocks * BLOCK, dtype=torch.int8, device=staging.device)  # [world, blocks * BLOCK]
-        side = torch.empty(world, blocks + extra, dtype=torch.float32, device=staging.device)  # [world, blocks + tag]
+        q = torch.empty(
+            world, blocks * BLOCK, dtype=torch.int8, device=staging.device
+        )  # [world, blocks * BLOCK]
+        side = torch.empty(
+            world, blocks + extra, dtype=torch.float32, device=staging.device
+        )  # [world, blocks + tag]
         quantize_blocks(staging[rank, :ncols], 8, BLOCK, codes=q[rank], scales=side[rank, :blocks])
         if extra:
             side[rank, blocks:].copy_(staging[rank, ncols:])
@@ -85,8 +90,10 @@ def quantized_reduce_scatter(buf: torch.Tensor, group, bits: int = 8) -> tuple[l
     world, n = buf.shape
     q, scales = quantize_rows(buf, bits)
     got_q, got_scales = torch.empty_like(q), torch.empty_like(scales)
-    works = [collectives.all_to_all(got_q, q, group, async_op=True),
-             collectives.all_to_all(got_scales, scales, group, async_op=True)]
+    works = [
+        collectives.all_to_all(got_q, q, group, async_op=True),
+        collectives.all_to_all(got_scales, scales, group, async_op=True),
+    ]
 
     def summed() -> torch.Tensor:
         out = torch.empty(n, dtype=buf.dtype, device=buf.device)  # [n]: this rank's part, summed

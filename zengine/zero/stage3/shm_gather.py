@@ -9,6 +9,7 @@ piece's sync) each parameter's columns are copied out of the piece, every rank's
 its storage (``SharedMemoryTransport.gather_columns``): two copies of the data in all, and no
 transfer at all. The unit's tag (the fetch check's) rides at the end of the row as with gloo.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -22,8 +23,9 @@ from .gather import InFlightGather
 from .param import ShardedParam
 
 
-def transport(group, params: list[ShardedParam],
-              device: torch.device) -> Optional[SharedMemoryTransport]:
+def transport(
+    group, params: list[ShardedParam], device: torch.device
+) -> Optional[SharedMemoryTransport]:
     """``group``'s shared-memory transport when it has one and every shard of ``params`` is resident
     on this (CPU) device, which ``gather`` reads; else None (the gather goes through the group's
     backend)."""
@@ -34,8 +36,9 @@ def transport(group, params: list[ShardedParam],
     return found
 
 
-def gather(transport: SharedMemoryTransport, params: list[ShardedParam],
-           tag: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def gather(
+    transport: SharedMemoryTransport, params: list[ShardedParam], tag: Optional[torch.Tensor]
+) -> Optional[torch.Tensor]:
     """Make ``params`` whole through ``transport``; every rank calls this with the same parameters.
     Returns the gathered tag columns ([world, len(tag)]) when ``tag`` is given (the caller compares
     them)."""
@@ -47,14 +50,19 @@ def gather(transport: SharedMemoryTransport, params: list[ShardedParam],
     # each [world, width]
     targets = [sp.allocate() for sp in params] + ([tags] if tag is not None else [])
     width = sum(t.shape[1] for t in targets)
-    traffic.record("all_gather", transport.world * width * params[0].full.element_size(),
-                   transport.group)
+    traffic.record(
+        "all_gather", transport.world * width * params[0].full.element_size(), transport.group
+    )
     transport.gather_columns(sources, targets, dtype)
     return tags
 
 
-def start(transport: SharedMemoryTransport, params: list[ShardedParam], tag: Optional[torch.Tensor],
-          check: FetchCheck) -> InFlightGather:
+def start(
+    transport: SharedMemoryTransport,
+    params: list[ShardedParam],
+    tag: Optional[torch.Tensor],
+    check: FetchCheck,
+) -> InFlightGather:
     """Gather ``params`` through ``transport``, done before this returns (``check`` compares the
     tags); the gather it returns has nothing left to wait for or copy out."""
     tags = gather(transport, params, tag)

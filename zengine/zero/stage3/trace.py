@@ -14,6 +14,7 @@ Debug (``stage3_debug_fetch_order``, ``DebugOrderCheck``): before each fetch the
 hash of what they are about to gather; if they differ, every rank raises an error naming the fetch
 on each rank, instead of hanging in the collective.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,8 @@ class Trace:
         self.units: Optional[list[Unit]] = None  # recorded on the first training step
         self._recording: list[Unit] = []
         self._record = False
-        self.pos = 0              # the next unit of ``units`` the step should fetch
-        self.following = False    # a training step that has matched the trace so far
+        self.pos = 0  # the next unit of ``units`` the step should fetch
+        self.following = False  # a training step that has matched the trace so far
         self._warned_dynamic = False
 
     def begin_step(self, training: bool) -> None:
@@ -74,15 +75,19 @@ class Trace:
         if not self._warned_dynamic:
             self._warned_dynamic = True
             if self.rank == 0:
-                logger.info("stage 3: module order changed from the recorded trace at %r; "
-                            "fetching on demand", tag)
+                logger.info(
+                    "stage 3: module order changed from the recorded trace at %r; "
+                    "fetching on demand",
+                    tag,
+                )
 
     def upcoming(self) -> list[Unit]:
         """The units the trace fetches next (none when the step does not follow it)."""
-        return self.units[self.pos:] if self.following else []
+        return self.units[self.pos :] if self.following else []
 
-    def prefetches(self, in_flight_numel: int, room: int, in_flight: Callable[[ShardedParam], bool]
-                   ) -> Iterator[tuple[str, list[ShardedParam]]]:
+    def prefetches(
+        self, in_flight_numel: int, room: int, in_flight: Callable[[ShardedParam], bool]
+    ) -> Iterator[tuple[str, list[ShardedParam]]]:
         """The next units to gather ahead, as (label, parameters not yet gathered nor in flight):
         within the prefetch budget less ``in_flight_numel``, and within ``room`` live elements.
         Lazy: each is started before the next is looked at."""
@@ -108,8 +113,11 @@ class Trace:
         if not self.following or self.max_reuse <= 0:
             return False
         upcoming = self.upcoming()
-        next_size = sum(p.full.numel() for p in upcoming[0][1]
-                        if p.state is ParamState.SHARDED) if upcoming else 0
+        next_size = (
+            sum(p.full.numel() for p in upcoming[0][1] if p.state is ParamState.SHARDED)
+            if upcoming
+            else 0
+        )
         if next_size > room:
             return False
         distance = 0
@@ -170,11 +178,13 @@ class DebugOrderCheck:
             raise FetchOrderError(
                 f"stage 3: ranks diverged at parameter fetch {self._seq}; each rank was about "
                 f"to gather:\n{lines}\nThe ranks ran different modules (data-dependent control "
-                f"flow?); every rank must run the same modules in the same order.")
+                f"flow?); every rank must run the same modules in the same order."
+            )
 
 
-def order_check(zero_cfg: Any, device: torch.device, group: Any, rank: int,
-                world: int) -> OrderCheck:
+def order_check(
+    zero_cfg: Any, device: torch.device, group: Any, rank: int, world: int
+) -> OrderCheck:
     """``DebugOrderCheck`` when ``stage3_debug_fetch_order`` asks for it, else ``NoOrderCheck``."""
     if getattr(zero_cfg, "stage3_debug_fetch_order", False):
         return DebugOrderCheck(device, group, rank, world)
@@ -225,8 +235,14 @@ class SwapReadAhead:
     def follow(self, upcoming: list[Unit], in_flight: Callable[[ShardedParam], bool]) -> None:
         """Start reading the swap file's shards the trace gathers next, as far as its buffers go."""
         for _, params in upcoming:
-            todo = [sp for sp in params if sp.state is ParamState.SHARDED and sp.shard is None
-                    and sp.store is self.swap and not in_flight(sp)]
+            todo = [
+                sp
+                for sp in params
+                if sp.state is ParamState.SHARDED
+                and sp.shard is None
+                and sp.store is self.swap
+                and not in_flight(sp)
+            ]
             if todo and not self.swap.prefetch(todo):
                 return
 

@@ -11,6 +11,7 @@ A gather codec, as ``quantized.py``'s: ``start`` launches the cross-node hop asy
 prefetch still overlaps it), ``finish`` runs the in-node hop when the first is waited for and lays the
 rows out rank-major in the staging buffer, exactly as the flat gather would (the result is identical).
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,20 +45,26 @@ class TwoHopGather:
         rank = me % size  # in the shard group (consecutive ranks)
         self.node, self.local = rank // per_node, rank % per_node
         self.cross = self.inside = None
-        for first in range(0, world, size):  # every rank makes every group, in the same order (torch's rule)
+        for first in range(
+            0, world, size
+        ):  # every rank makes every group, in the same order (torch's rule)
             for local in range(per_node):
                 g = dist.new_group([first + n * per_node + local for n in range(self.nodes)])
                 if first <= me < first + size and self.local == local:
                     self.cross = g
             for node in range(self.nodes):
-                g = dist.new_group(list(range(first + node * per_node, first + (node + 1) * per_node)))
+                g = dist.new_group(
+                    list(range(first + node * per_node, first + (node + 1) * per_node))
+                )
                 if first + node * per_node <= me < first + (node + 1) * per_node:
                     self.inside = g
 
     def start(self, staging: torch.Tensor, ncols: int, rank: int, group) -> tuple[list, object]:
         """The hop across the nodes (asynchronous): among the ranks of this local rank."""
         width = staging.shape[1]
-        across = torch.empty(self.nodes, width, dtype=staging.dtype, device=staging.device)  # [nodes, width]
+        across = torch.empty(
+            self.nodes, width, dtype=staging.dtype, device=staging.device
+        )  # [nodes, width]
         across[self.node].copy_(staging[rank])
         return collectives.all_gather_rows(across, self.node, self.cross, async_op=True), across
 
@@ -65,11 +72,15 @@ class TwoHopGather:
         """The hop inside the node, then every rank's row laid out rank-major in ``staging``."""
         width = staging.shape[1]
         # [per_node, nodes * width]: row l holds local rank l's rows of every node
-        inside = torch.empty(self.per_node, self.nodes * width, dtype=staging.dtype, device=staging.device)
+        inside = torch.empty(
+            self.per_node, self.nodes * width, dtype=staging.dtype, device=staging.device
+        )
         inside[self.local].copy_(across.view(-1))
         collectives.all_gather_rows(inside, self.local, self.inside)
         # shard rank n * per_node + l is row (n, l): inside[l] holds node n's part at column block n
-        staging.view(self.nodes, self.per_node, width).copy_(inside.view(self.per_node, self.nodes, width).transpose(0, 1))
+        staging.view(self.nodes, self.per_node, width).copy_(
+            inside.view(self.per_node, self.nodes, width).transpose(0, 1)
+        )
 
 
 def gather_codec_for(zero_cfg: ZeroConfig, size: int) -> Optional[TwoHopGather]:
@@ -80,11 +91,16 @@ def gather_codec_for(zero_cfg: ZeroConfig, size: int) -> Optional[TwoHopGather]:
     per_node = max(1, local_world_size())
     if per_node >= size:
         if dist.get_rank() == 0:
-            logger.info("mics_hierarchical_params_gather: each shard group (%d ranks) is inside one node of %d: "
-                        "the flat gather is already one hop", size, per_node)
+            logger.info(
+                "mics_hierarchical_params_gather: each shard group (%d ranks) is inside one node of %d: "
+                "the flat gather is already one hop",
+                size,
+                per_node,
+            )
         return None
     if size % per_node:
-        raise TwoHopConfigError(f"mics_hierarchical_params_gather: a shard group of {size} ranks (mics_shard_size) "
-                                f"must hold whole nodes of {per_node} ranks (LOCAL_WORLD_SIZE)")
+        raise TwoHopConfigError(
+            f"mics_hierarchical_params_gather: a shard group of {size} ranks (mics_shard_size) "
+            f"must hold whole nodes of {per_node} ranks (LOCAL_WORLD_SIZE)"
+        )
     return TwoHopGather(size, per_node)
-
