@@ -17,7 +17,7 @@ import torch
 from pydantic import Field, PrivateAttr, model_validator
 
 from .activation_checkpointing import ActivationCheckpointingConfig
-from .base import BatchSize, Count, Flag, Interval, Number, _Section
+from .base import BatchSize, Flag, Interval, Number, _Section
 from .checkpoint import CheckpointConfig
 from .compile import CompileConfig
 from .elastic import ElasticityConfig

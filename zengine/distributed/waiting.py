@@ -18,7 +18,6 @@ second of a longer one.
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -130,8 +129,8 @@ def _diverged(what: str, rank: int, waits: dict[int, dict]) -> BaseException:
         else ""
     )
     error = diagnose.CollectiveTimeoutError(
-        f"zengine: the ranks are waiting in different collectives, each for the others: they ran different "
-        f"collectives (a deadlock, named before comm_timeout).\n" + "\n".join(lines) + hint
+        "zengine: the ranks are waiting in different collectives, each for the others: they ran different "
+        "collectives (a deadlock, named before comm_timeout).\n" + "\n".join(lines) + hint
     )
     diagnose.exchange(diagnose.current("failed", what), rank, world)  # ends the peers' waits too
     diagnose.set_reported(error)

@@ -10,7 +10,8 @@ One training step through the modules:
     engine.backward(loss)  -> loss * scale / gas -> autograd (a plain loss.backward()
                               is bracketed and scaled too: backward.py); gradient hooks
                               hand each gradient to the stage's gradient store
-                              (zero/grads.py), which reduces buckets as they fill
+                              (zero/grads.py at stages 0-1, zero/reducer.py at 2-3),
+                              which reduces buckets as they fill
     engine.step()          -> at the boundary: ZeroOptimizer.step (norm, overflow,
                               clip, torch optimizer on fp32 shards, write-back,
                               gather), then the LR schedule; else count the micro-step

@@ -4,6 +4,8 @@
   NVMe for the fp32 masters, their gradients and the optimizer states;
 - ``copies.py``: moving gradients down and parameters up between the device and host memory;
 - ``arrivals.py``: gradient pieces still on their way down, settled range by range;
+- ``landing.py``: where reduced gradient shards land (in memory, or ZeRO-Infinity's swap records)
+  and the sums of squares of the regions they wrote;
 - ``step_pipeline.py``: the offloaded step in pieces, as gradients land, each piece's parameters going
   up while CPU-Adam steps the next;
 - ``state_swap.py`` + ``swapped_adam.py``: optimizer states in an NVMe swap file, stepped by

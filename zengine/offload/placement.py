@@ -40,7 +40,8 @@ from .swapped_adam import SwappedAdam
 
 if TYPE_CHECKING:  # annotations only; offload/ never imports zero/ at run time
     from ..config.zero import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
-    from ..zero.masters import MasterStore, ParamGroup
+    from ..zero.flat_group import ParamGroup
+    from ..zero.masters import MasterStore
 
 WRITE_CHUNK = 1 << 24  # elements per write when NVMe shards are refreshed from masters in memory
 
@@ -249,7 +250,7 @@ class ParamsInMemory:
         (``optimizer_alignment``: the optimizer home's, for swapped masters)."""
         return optimizer_alignment
 
-    def master(self, group, optimizer: DevicePlacement) -> torch.Tensor:
+    def master(self, group, optimizer: OptimizerHome) -> torch.Tensor:
         """A group's fp32 master, in memory where ``optimizer`` keeps masters."""
         return optimizer.make_master(group.owned_params())
 
@@ -297,7 +298,7 @@ class ParamsOnNVMe(ParamsInMemory):
     def alignment(self, dtype: torch.dtype, optimizer_alignment: int) -> int:
         return align_elems(dtype)
 
-    def master(self, group, optimizer: DevicePlacement) -> torch.Tensor:
+    def master(self, group, optimizer: OptimizerHome) -> torch.Tensor:
         master = optimizer.empty(group.shard_numel, torch.float32, self.device)
         group.read_into(master, WRITE_CHUNK)
         return master

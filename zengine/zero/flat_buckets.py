@@ -14,7 +14,7 @@ import torch
 
 from ..distributed import collectives
 from ..offload.landing import Region, ShardsInMemory
-from ..offload.placement import DevicePlacement
+from ..offload.placement import OptimizerHome
 from .bucket_buffers import BucketBuffers
 from .bucket_order import BucketQueue
 from .flat_group import FlatParamGroup
@@ -111,7 +111,7 @@ def sharded_gradients(
     bucket_numel: int,
     dtypes: GradDtypes,
     to_owners: bool,
-    placement: DevicePlacement,
+    placement: OptimizerHome,
     comm_group=None,
     in_flight: int = 1,
     positions: Optional[Sequence[Sequence[int]]] = None,

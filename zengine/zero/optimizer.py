@@ -4,7 +4,7 @@ A stage is a composition, chosen once:
 
     stage 0: replicated master (num_shards = 1) + FullGradients
     stage 1: sharded master    (num_shards = W) + FullGradients
-    stage 2: sharded master    (num_shards = W) + ShardedGradients
+    stage 2: sharded master    (num_shards = W) + ShardReducer (flat_buckets.sharded_gradients)
 
 Every stage runs the same boundary step (``ZeroOptimizer.step``), in three
 parts: agree (1-3), decide (4: apply, skip or nothing to do), apply (5):

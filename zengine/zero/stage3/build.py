@@ -100,33 +100,20 @@ def build_stage3_optimizer(
         codec=compute_codec(zero_cfg, ranks.world),
     )  # MiCS's two hops, ZeRO++'s int8
     align = placement.alignment(dtype)
-    primary = (
-        ranks.replication.primary
-    )  # MiCS: only copy 0 counts in the norm and writes checkpoints
+    # MiCS: only copy 0 counts in the norm and writes checkpoints
+    on_home = dict(
+        dtype=dtype,
+        device=home.shard_device,
+        refresh=fetcher.gather_now,
+        pin=home.pin,
+        primary=ranks.replication.primary,
+    )
     groups = [
-        ShardedParamGroup(
-            sps,
-            hyper,
-            dtype,
-            home.shard_device,
-            fetcher.gather_now,
-            home.pin,
-            home.swap,
-            align,
-            primary,
-        )
+        ShardedParamGroup(sps, hyper, swap=home.swap, align=align, **on_home)
         for sps, (_, hyper) in zip(members, named_groups)
     ]
     in_groups = {id(sp) for g in groups for sp in g.sharded}
-    frozen = ShardedParamGroup(
-        [sp for sp in all_sharded if id(sp) not in in_groups],
-        {},
-        dtype,
-        home.shard_device,
-        fetcher.gather_now,
-        home.pin,
-        primary=primary,
-    )
+    frozen = ShardedParamGroup([sp for sp in all_sharded if id(sp) not in in_groups], {}, **on_home)
     for sp in all_sharded:
         if not sp.persistent and sp.state is ParamState.GATHERED:
             sp.free()

@@ -33,7 +33,7 @@ import torch
 from ...distributed import collectives
 from ...offload.landing import GradLanding, Region, ShardsInMemory, ShardsInSwap
 from ...offload.param_swap import on_disk
-from ...offload.placement import DevicePlacement
+from ...offload.placement import OptimizerHome
 from ...offload.state_swap import GradSwap
 from ..bucket_buffers import BucketBuffers
 from ..bucket_order import BucketQueue
@@ -199,7 +199,7 @@ class Stage3GradSpec:
     world: int  # ranks sharded over (MiCS: the shard group)
     rank: int
     # the optimizer's placement: where the gradient shards live, their copies
-    placement: DevicePlacement
+    placement: OptimizerHome
     # releases a parameter's full data once its gradient is taken
     after_grad: Callable[[ShardedParam], None]
     dtypes: GradDtypes

@@ -16,7 +16,7 @@ elements, rank-major), so it needs ``world`` to be a multiple of h; rank r holds
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 import torch.distributed as dist

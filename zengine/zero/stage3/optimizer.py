@@ -2,7 +2,7 @@
 
 The boundary step is ``ZeroOptimizer.step`` unchanged; what stage 3 adds is
 who holds the parameters (``ShardedParam``), how gradients reach the shards
-(``Stage3Gradients``), the hooks and fetcher that make parameters whole
+(``grads.stage3_gradients``), the hooks and fetcher that make parameters whole
 only while a module runs, and the fetcher's gather check, which joins the
 step's agreement as a participant (``GatherAgreement``). ``build.py``
 assembles it; where the shards live (device, host memory, an NVMe swap
@@ -52,7 +52,7 @@ class ShardedModel:
 class GatherAgreement:
     """Stage 3 in the boundary step (a ``zero/optimizer.StepParticipant``): the digest of the
     gathers each rank issued since the last boundary rides on the step's all-reduce
-    (``fetcher.FetchCheck``); ranks that gathered differently are named before anything is updated
+    (``fetch_check.FetchCheck``); ranks that gathered differently are named before anything is updated
     (``on_diverged`` first)."""
 
     def __init__(self, fetcher: Fetcher, on_diverged: Callable[[], None]):
