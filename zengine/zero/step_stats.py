@@ -13,7 +13,7 @@ the same value iff W * sum(v^2) == sum(v)^2. The header carries:
 - two digests of the gradient-bucket launch order this rank proposes (first
   step only, else 0);
 - two 16-bit halves of the digest of the stage-3 gathers this rank issued
-  since the last boundary (stage3/fetcher.py ``FetchCheck``; 0 at other
+  since the last boundary (stage3/fetch_check.py ``FetchCheck``; 0 at other
   stages), and how many of its staged gathers came back with another rank's
   unit in a row.
 
