@@ -107,8 +107,21 @@ def spawn_ranks(fn: Callable[..., None], world: int, *args: Any) -> None:
     a rank that fails raises here."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=True,
-                       start_method=start_method())
+    mp.start_processes(_in_environ, args=(dict(os.environ), fn, world, free_port(), *args),
+                       nprocs=world, join=True, start_method=start_method())
+
+
+def _in_environ(rank: int, environ: dict, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(rank, *args)`` under the launcher's environment."""
+    _take_environ(environ)
+    return fn(rank, *args)
+
+
+def _take_environ(environ: dict) -> None:
+    """The launcher's environment as it was at the start: a forkserver's process would otherwise
+    have the server's, from when the server started."""
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 def rank_results(fn: Callable[..., None], world: int, *args: Any, label: str = "") -> list[dict]:
@@ -155,7 +168,7 @@ def one_process(fn: Callable[..., Any], *args: Any, label: str = "", timeout: fl
     here with the process's traceback (``label``: what failed, in the message)."""
     ctx = multiprocessing.get_context(start_method())
     queue = ctx.Queue()
-    proc = ctx.Process(target=_report_to, args=(queue, fn, args))
+    proc = ctx.Process(target=_report_to, args=(queue, dict(os.environ), fn, args))
     proc.start()
     ok, value = queue.get(timeout=timeout)
     proc.join(timeout=30)
@@ -164,7 +177,8 @@ def one_process(fn: Callable[..., Any], *args: Any, label: str = "", timeout: fl
     return value
 
 
-def _report_to(queue: Any, fn: Callable[..., Any], args: tuple) -> None:
+def _report_to(queue: Any, environ: dict, fn: Callable[..., Any], args: tuple) -> None:
+    _take_environ(environ)
     try:
         queue.put((True, fn(*args)))
     except BaseException as error:  # report it to the parent instead of hanging it
