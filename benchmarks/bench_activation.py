@@ -27,21 +27,18 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, free_port, now, one_process, publish, result_path
+
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -125,27 +122,8 @@ def measure(variant: str, args: argparse.Namespace, port: int) -> dict:
             "packed": copies.packed, "moved": copies.moved_bytes}
 
 
-def _worker(variant: str, args: argparse.Namespace, port: int, queue) -> None:
-    try:
-        queue.put((True, measure(variant, args, port)))
-    except BaseException as error:  # report it to the parent instead of hanging it
-        import traceback
-        queue.put((False, f"{error!r}\n{traceback.format_exc()}"))
-
-
 def run_variant(variant: str, args: argparse.Namespace) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = ctx.Process(target=_worker, args=(variant, args, port, queue))
-    proc.start()
-    ok, value = queue.get(timeout=600)
-    proc.join(timeout=30)
-    if not ok:
-        raise RuntimeError(f"variant {variant} failed:\n{value}")
-    return value
+    return one_process(measure, variant, args, free_port(), label=f"variant {variant}")
 
 
 def report(args: argparse.Namespace, results: dict, seconds: float) -> str:
@@ -155,7 +133,7 @@ def report(args: argparse.Namespace, results: dict, seconds: float) -> str:
     dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     base = results["none"]
     lines = [
-        f"# Activation checkpointing: memory and step time, {datetime.datetime.now():%Y-%m-%d %H:%M}",
+        f"# Activation checkpointing: memory and step time, {now()}",
         "",
         f"Model: zengine.models.GPT, {args.layers} blocks, d_model {width}, {args.heads} heads, seq {seq}, "
         f"vocab {args.vocab}, fp32; micro batch {batch}; ZeRO stage 2 through zengine.initialize, one gloo rank, "
@@ -184,7 +162,7 @@ def report(args: argparse.Namespace, results: dict, seconds: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=256)
@@ -194,19 +172,13 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     began = time.perf_counter()
     results = {}
     for variant in VARIANTS:
         results[variant] = run_variant(variant, args)
         print(f"{variant}: {results[variant]}", file=sys.stderr)
-    text = report(args, results, time.perf_counter() - began)
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"activation_{datetime.date.today():%Y-%m-%d}.md"
-    path.write_text(text)
-    print(f"written to {path}", file=sys.stderr)
+    publish(report(args, results, time.perf_counter() - began), result_path(args.out, "activation"))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import os
 import platform
 import statistics
@@ -42,10 +41,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, now, result_path, write_result  # noqa: E402
+
 sys.path.insert(0, str(REPO))
 
-from benchmarks.host import write_result  # noqa: E402
 from zengine.ops import CPUAdam, simd_path  # noqa: E402
 
 BYTES_PER_PARAM = 28  # fp32 Adam: read p, g, m, v; write p, m, v
@@ -154,30 +153,22 @@ def optimizer_contender(name: str, factory: Callable[[list], torch.optim.Optimiz
     return Contender(name, make)
 
 
+TORCH_KINDS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "default": {"foreach": False}}
+
+
 def contenders(ds_cls) -> list[Contender]:
-    out = [
-        optimizer_contender("zengine CPUAdam (AdamW)",
-                            lambda ps: CPUAdam(ps, lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=True)),
-        optimizer_contender("torch AdamW fused",
-                            lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)),
-        optimizer_contender("torch AdamW foreach",
-                            lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)),
-        optimizer_contender("torch AdamW default",
-                            lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY, foreach=False)),
-        optimizer_contender("zengine CPUAdam (Adam, L2)",
-                            lambda ps: CPUAdam(ps, lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=False)),
-        optimizer_contender("torch Adam fused",
-                            lambda ps: torch.optim.Adam(ps, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)),
-        optimizer_contender("torch Adam foreach",
-                            lambda ps: torch.optim.Adam(ps, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)),
-        optimizer_contender("torch Adam default",
-                            lambda ps: torch.optim.Adam(ps, lr=LR, weight_decay=WEIGHT_DECAY, foreach=False)),
-    ]
-    if ds_cls is not None:
-        out.insert(2, optimizer_contender(
-            "DeepSpeedCPUAdam (AdamW)", lambda ps: ds_cls(ps, lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=True)))
-        out.insert(6, optimizer_contender(
-            "DeepSpeedCPUAdam (Adam, L2)", lambda ps: ds_cls(ps, lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=False)))
+    """AdamW then Adam with L2: zengine's CPUAdam, torch's three implementations and, when given,
+    DeepSpeedCPUAdam (after torch's fused AdamW; right after CPUAdam for Adam)."""
+    out = []
+    for adamw, mode, torch_cls in ((True, "AdamW", torch.optim.AdamW), (False, "Adam, L2", torch.optim.Adam)):
+        group = [optimizer_contender(f"zengine CPUAdam ({mode})", lambda ps, a=adamw: CPUAdam(
+            ps, lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=a))]
+        group += [optimizer_contender(f"torch {torch_cls.__name__} {kind}", lambda ps, c=torch_cls, kw=kw: c(
+            ps, lr=LR, weight_decay=WEIGHT_DECAY, **kw)) for kind, kw in TORCH_KINDS.items()]
+        if ds_cls is not None:
+            group.insert(2 if adamw else 1, optimizer_contender(f"DeepSpeedCPUAdam ({mode})", lambda ps, a=adamw: ds_cls(
+                ps, lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=a)))
+        out += group
     return out
 
 
@@ -338,7 +329,7 @@ def main(argv=None) -> int:
     except ImportError:
         cpu = platform.processor()
     meta = {
-        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "date": now(),
         "machine": f"{cpu}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
         "deepspeed": ds_version,
@@ -348,7 +339,7 @@ def main(argv=None) -> int:
     results = measure(sizes, args.rounds, ds_cls, include_slow=not args.skip_slow)
     table = render(results, sizes, meta)
     print(table)
-    write_result(table, REPO / "benchmarks" / "results" / f"adam_{datetime.date.today():%Y%m%d}.md", args.out)
+    write_result(table, result_path(None, "adam"), args.out)
     return 0
 
 

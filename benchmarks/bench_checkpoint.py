@@ -23,7 +23,6 @@ The table goes to stdout and to ``benchmarks/results/checkpoint_<date>.md``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -33,14 +32,13 @@ import sys
 import tempfile
 import textwrap
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, join_group, now, publish, result_path, spawn_ranks
+
 sys.path.insert(0, str(REPO))
 
 import zengine  # noqa: E402
@@ -96,10 +94,7 @@ def make_engine(width: int, layers: int, stage: int):
 
 
 def rank_job(rank: int, world: int, port: int, args, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group(rank, world, port)
     save_dir = os.path.join(args.dir, "main")
     engine = make_engine(args.width, args.layers, args.stage)
     saves, loads = [], []
@@ -159,7 +154,7 @@ def export_peak(checkpoint_dir: str, output: str) -> dict:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=6)
@@ -168,13 +163,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--export-layers", default="1,3,6")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=None, help="folder for the markdown table (default benchmarks/results)")
+    args = parser.parse_args(argv)
     args.export_layers = [int(x) for x in args.export_layers.split(",")]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         args.dir = tmp
         out = os.path.join(tmp, "result.json")
-        port = 29500 + os.getpid() % 1000
-        mp.spawn(rank_job, args=(args.world, port, args, out), nprocs=args.world, join=True)
+        spawn_ranks(rank_job, args.world, args, out)
         with open(out) as f:
             res = json.load(f)
         write_bw, read_bw = disk_bandwidth(tmp, res["bytes"])
@@ -193,7 +188,7 @@ def report(args, res, write_bw, read_bw, exports) -> None:
     stall, published = statistics.median(res["stalls"]), statistics.median(res["published"])
     largest = args.width * args.width * 4
     lines = [
-        f"# Checkpoint throughput and export memory, {datetime.datetime.now():%Y-%m-%d %H:%M}",
+        f"# Checkpoint throughput and export memory, {now()}",
         "",
         f"Model: {args.layers} x nn.Linear({args.width}, {args.width}), {params:,} parameters, fp32, AdamW after one "
         f"step; {args.world} gloo ranks at ZeRO stage {args.stage}; checkpoint {size / MB:,.0f} MiB (12 bytes per "
@@ -233,11 +228,7 @@ def report(args, res, write_bw, read_bw, exports) -> None:
         extra = m["peak"] - m["before"]
         lines.append(f"| {layers} | {n:,} | {n * 4 / MB:,.0f} | {extra / MB:,.0f} | {extra / largest:.2f} | "
                      f"{m['seconds']:.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    results = REPO / "benchmarks" / "results"
-    results.mkdir(exist_ok=True)
-    (results / f"checkpoint_{datetime.date.today():%Y%m%d}.md").write_text(text)
+    publish("\n".join(lines) + "\n", result_path(args.out, "checkpoint"))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ over every rank and its two-hop gather (``mics_hierarchical_params_gather``). Re
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -31,13 +30,12 @@ import sys
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, join_group, now, publish, result_path, spawn_ranks
+
 sys.path.insert(0, str(REPO))
 
 import zengine  # noqa: E402
@@ -69,11 +67,8 @@ FORMULA = {  # (collective, group kind) -> Ψ per step
 }
 
 
-def rank_job(rank: int, world: int, per_node: int, port: int, args, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def rank_job(rank: int, world: int, port: int, per_node: int, args, out: str) -> None:
+    join_group(rank, world, port, LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node))
     results = {}
     for name in args.stages:
         stage = int(name[0])
@@ -110,18 +105,18 @@ def rank_job(rank: int, world: int, per_node: int, port: int, args, out: str) ->
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--per-node", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--stages", default="1,2,3,3q,3h,3g,3qhg,3m,3mh")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=None, help="folder for the markdown table (default benchmarks/results)")
+    args = parser.parse_args(argv)
     args.stages = args.stages.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "comm.json")
-        port = 29500 + os.getpid() % 1000
-        mp.spawn(rank_job, args=(args.world, args.per_node, port, args, out), nprocs=args.world, join=True)
+        spawn_ranks(rank_job, args.world, args.per_node, args, out)
         with open(out) as f:
             results = json.load(f)
     report(args, results)
@@ -129,7 +124,7 @@ def main() -> None:
 
 def report(args, results: dict) -> None:
     nodes = args.world // args.per_node
-    lines = [f"# Communication per optimizer step, {datetime.datetime.now():%Y-%m-%d %H:%M}", "",
+    lines = [f"# Communication per optimizer step, {now()}", "",
              f"{args.world} gloo ranks as {nodes} nodes of {args.per_node} (LOCAL_WORLD_SIZE), the main job's GPT "
              f"(fp32), micro batch {MICRO}, {args.steps} steps after 2 warm-up steps; stage 3 with persistence "
              f"threshold and reuse distance 0. Ψ = the model's parameter bytes. Payload: the buffer each collective moves as a whole; "
@@ -160,11 +155,7 @@ def report(args, results: dict) -> None:
               "weights in the forward all-gather) 2.5; hpZ (backward all-gather inside the node) 2.0; qgZ (int4 "
               "gradient reduce-scatter) replaces 1.0 by 0.25; qwZ + hpZ + qgZ 0.75 (4x less); MiCS with shards "
               "inside a node: 2(R-1)/R x Ψ/s for the gradient all-reduce across R replicas of s-rank groups."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    results_dir = REPO / "benchmarks" / "results"
-    results_dir.mkdir(exist_ok=True)
-    (results_dir / f"comm_{datetime.date.today():%Y%m%d}.md").write_text(text)
+    publish("\n".join(lines) + "\n", result_path(args.out, "comm"))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ compile times mean nothing there (the models share the processes): use the separ
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import json
 import os
@@ -58,14 +57,16 @@ from pathlib import Path
 import psutil
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
+from common import (REPO, command_line, join_group, mean_over_ranks, publish, rank_results, result_path,
+                    save_rank_result, slowest_rank, spawn_ranks, today)
+
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_zero import BUCKET, MB, batch_for, build_fsdp2, free_port, torch_adamw, torch_steps, zero_config  # noqa: E402
-from zengine.models import GPT, ByteWindows, bench20m  # noqa: E402
+from bench_zero import BUCKET, MB, batch_for, build_fsdp2, torch_adamw, torch_steps, zero_config  # noqa: E402
+from zengine import models  # noqa: E402
+from zengine.models import GPT, ByteWindows  # noqa: E402
 
 CONTENDERS = ["ddp", "ddp-compiled", "ddp-compiled+gather", "zengine-0-compiled", "zengine-2", "zengine-2-compiled", "fsdp2",
               "fsdp2-compiled", "zengine-3", "zengine-3-compiled"]
@@ -122,24 +123,16 @@ def stage3_gather(params: list[torch.nn.Parameter]):
     return lambda: all_gather_rows(rows, rank)
 
 
-def join(rank: int, world: int, port: int) -> None:
-    """This process as gloo rank ``rank`` of ``world``, one compute thread."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10))
-
-
-def worker(rank: int, name: str, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
+def worker(rank: int, world: int, port: int, name: str, args: argparse.Namespace, out_dir: str) -> None:
     result = {"rank": rank}
     try:
-        join(rank, world, port)
+        join_group(rank, world, port, minutes=10)
         importlib.import_module("torch._dynamo")  # imports are not the training's memory
         if name.startswith("zengine"):
             importlib.import_module("zengine")
         baseline_rss = psutil.Process().memory_info().rss
         torch.manual_seed(0)
-        cfg = bench20m()
+        cfg = getattr(models, args.model)()
         model = GPT(cfg)
         dataset = ByteWindows(cfg.seq_len)
         forward_backward, optimizer_step = build(name, model, args.backend)
@@ -152,26 +145,21 @@ def worker(rank: int, name: str, world: int, port: int, args: argparse.Namespace
             optimizer_step()
             times.append(time.perf_counter() - t0)
             cpu_times.append(time.process_time() - c0)
-        step_times = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(step_times, op=dist.ReduceOp.MAX)  # a step ends when the slower rank's does
-        step_cpu = torch.tensor(cpu_times, dtype=torch.float64)
-        dist.all_reduce(step_cpu, op=dist.ReduceOp.MAX)
-        final_loss = loss.detach().double().clone()
-        dist.all_reduce(final_loss)
-        result.update(times=step_times.tolist(), cpu_times=step_cpu.tolist(), final_loss=final_loss.item() / world,
+        result.update(times=slowest_rank(times), cpu_times=slowest_rank(cpu_times),
+                      final_loss=mean_over_ranks(loss.item()),
                       baseline_rss=baseline_rss, peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         dist.barrier()
         dist.destroy_process_group()
     except Exception:
         result["error"] = traceback.format_exc(limit=8)
-    Path(out_dir, f"{name}.{rank}.json").write_text(json.dumps(result))
+    save_rank_result(out_dir, rank, result)
 
 
-def paired_worker(rank: int, names: list[str], world: int, port: int, args: argparse.Namespace,
+def paired_worker(rank: int, world: int, port: int, names: list[str], args: argparse.Namespace,
                   out_dir: str) -> None:
     """Every contender in these processes, one step of each in turn; writes the step times (slower rank)."""
-    join(rank, world, port)
-    cfg = bench20m()
+    join_group(rank, world, port, minutes=10)
+    cfg = getattr(models, args.model)()
     dataset = ByteWindows(cfg.seq_len)
     steps = {}
     for name in names:
@@ -205,7 +193,7 @@ def paired_worker(rank: int, names: list[str], world: int, port: int, args: argp
 def run_paired(names: list[str], args: argparse.Namespace) -> str:
     """The ``--paired`` table: each contender's step against compiled DDP's step beside it (or the first's)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(paired_worker, args=(names, args.world, free_port(), args, out_dir), nprocs=args.world, join=True)
+        spawn_ranks(paired_worker, args.world, names, args, out_dir)
         res = json.loads(Path(out_dir, "paired.json").read_text())
     first = "ddp-compiled" if "ddp-compiled" in names else names[0]
     base = res[first]
@@ -220,22 +208,17 @@ def run_paired(names: list[str], args: argparse.Namespace) -> str:
 
 
 def run_contender(name: str, args: argparse.Namespace) -> list[dict]:
-    with tempfile.TemporaryDirectory() as out_dir, tempfile.TemporaryDirectory() as cache:
+    with tempfile.TemporaryDirectory() as cache:
         # a fresh inductor cache per run (the workers inherit it): every compile time is a whole compile, not a
         # cache hit on graphs an earlier contender compiled
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-        try:
-            mp.spawn(worker, args=(name, args.world, free_port(), args, out_dir), nprocs=args.world, join=True)
-        except Exception as err:
-            print(f"  {name}: a worker failed: {err}", file=sys.stderr)
-        return [json.loads(Path(out_dir, f"{name}.{r}.json").read_text()) if Path(out_dir, f"{name}.{r}.json").exists()
-                else {"rank": r, "error": "no result"} for r in range(args.world)]
+        return rank_results(worker, args.world, name, args, label=name)
 
 
 def host_line(args: argparse.Namespace) -> str:
     return (f"Host: {platform.node()} ({os.cpu_count()} CPUs, shared), torch {torch.__version__}, backend "
-            f"{args.backend}, W={args.world} gloo ranks (1 thread each), model bench20m (21M parameters, fp32, "
-            f"AdamW, micro batch 4)")
+            f"{args.backend}, W={args.world} gloo ranks (1 thread each), model {args.model} "
+            f"({'21M parameters, ' if args.model == 'bench20m' else ''}fp32, AdamW, micro batch 4)")
 
 
 def summarize(runs: dict[str, list[list[dict]]], args: argparse.Namespace, command: str) -> str:
@@ -264,14 +247,14 @@ def summarize(runs: dict[str, list[list[dict]]], args: argparse.Namespace, comma
                 cpu = medians[name][1] / medians[other][1]
                 parts.append(f"{wall:.2f}x / {cpu:.2f}x {other}")
         table = table.replace(f"{{ratio_{name}}}", ", ".join(parts))
-    return (f"# torch.compile, side by side ({datetime.date.today()})\n\n"
+    return (f"# torch.compile, side by side ({today()})\n\n"
             f"`{command}`\n\n"
             f"{host_line(args)}, {args.warmup} untimed + {args.steps} timed steps x {args.rounds} round(s).\n\n"
             "| contender | s/step (median, wall) | CPU s/step (median) | ratio (wall / CPU) | compile s (first steps beyond "
             "warmup x median) | peak RSS MB per rank | final loss |\n|---|---|---|---|---|---|---|\n" + table + "\n")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of every compiled contender")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation happens here)")
@@ -282,11 +265,17 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the markdown table")
     parser.add_argument("--paired", action="store_true",
                         help="every contender in the same processes, steps in turn: ratios to ddp-compiled's steps")
-    args = parser.parse_args()
+    parser.add_argument("--model", default="bench20m", choices=["bench20m", "tiny"],
+                        help="zengine.models GPT config (tiny: the smoke run's)")
+    parser.add_argument("--smoke", action="store_true", help="the tiny model, one untimed and one timed step, "
+                        "torch.compile's eager backend: the harness works, the figures mean nothing")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.warmup, args.steps, args.rounds, args.model, args.backend = 1, 1, 1, "tiny", "eager"
     names = args.contenders.split(",")
-    command = "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:])
+    command = command_line("bench_compile.py", argv)
     if args.paired:
-        report = (f"# torch.compile, paired steps ({datetime.date.today()})\n\n`{command}`\n\n{host_line(args)}, "
+        report = (f"# torch.compile, paired steps ({today()})\n\n`{command}`\n\n{host_line(args)}, "
                   f"{args.warmup} untimed + {args.steps} timed steps, the contenders' steps in turn in the same "
                   f"processes.\n\n" + run_paired(names, args))
     else:
@@ -296,11 +285,7 @@ def main() -> None:
                 print(f"round {r + 1}: {name}", file=sys.stderr, flush=True)
                 runs[name].append(run_contender(name, args))
         report = summarize(runs, args, command)
-    print(report)
-    out = Path(args.out, f"compile_{datetime.date.today()}.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(report)
-    print(f"written to {out}", file=sys.stderr)
+    publish(report, result_path(args.out, "compile"))
 
 
 if __name__ == "__main__":

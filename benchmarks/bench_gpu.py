@@ -28,19 +28,18 @@ NCCL on a GPU, gloo with ``--device cpu``):
 Per contender: median s/step over the timed steps (the device synchronised around each step), tokens/s,
 MFU (model FLOPs: 6 x matmul parameters + attention, per token, over the device's dense bf16 peak),
 peak device memory (``torch.cuda.max_memory_allocated``), host RSS high-water mark, first and last loss.
-The table is printed and written to ``benchmarks/results/gpu_<date>.md`` (and to ``--out`` when given),
+The table is printed and written to ``benchmarks/results/gpu_<date>.md`` (to ``--out`` instead when given),
 with the raw figures as JSON beside it. A contender that fails or runs past ``--timeout`` is reported as
 such and the others still run.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
+import contextlib
 import json
 import os
 import platform
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,7 +50,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import REPO as ROOT
+from common import RESULTS, free_port, rank_env, result_path, today
+
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.95), 1e-8, 0.01
 CONTENDERS = ["torch", "fsdp2", "deepspeed-2", "deepspeed-3", "zengine-0", "zengine-1", "zengine-2", "zengine-3",
               "zengine-3-blocks", "zengine-2-offload", "deepspeed-2-offload", "zengine-3-offload", "zengine-infinity"]
@@ -119,12 +120,11 @@ def autocast(args, device):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
-def build_torch(args, model, device):
-    model.to(device)
-    opt = torch_adamw(model.parameters(), device)
-
+def clipped_steps(model, opt, context=contextlib.nullcontext):
+    """(forward_backward, optimizer_step) of a torch model and its optimizer: the forward under
+    ``context()``, the gradients clipped to norm 1 before each step."""
     def forward_backward(x, y):
-        with autocast(args, device):
+        with context():
             loss = model(x, y)
         loss.backward()
         return loss
@@ -134,6 +134,11 @@ def build_torch(args, model, device):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return forward_backward, optimizer_step
+
+
+def build_torch(args, model, device):
+    model.to(device)
+    return clipped_steps(model, torch_adamw(model.parameters(), device), lambda: autocast(args, device))
 
 
 def build_fsdp2(args, model, device):
@@ -147,18 +152,7 @@ def build_fsdp2(args, model, device):
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    opt = torch_adamw(model.parameters(), device)
-
-    def forward_backward(x, y):
-        loss = model(x, y)
-        loss.backward()
-        return loss
-
-    def optimizer_step():
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return forward_backward, optimizer_step
+    return clipped_steps(model, torch_adamw(model.parameters(), device))
 
 
 def build_engine(initialize, args, model, stage: int, offload: str | None, client_optimizer: bool):
@@ -277,18 +271,12 @@ def profile(args, forward_backward, optimizer_step, device) -> None:
 
 
 # -- the driver --------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_contender(name: str, args, argv: list[str]) -> dict:
     """One contender in a fresh process; its result, or why there is none."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                   LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env = dict(os.environ, **rank_env(0, 1, free_port(), LOCAL_WORLD_SIZE="1"),
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         cmd = [sys.executable, __file__, *argv, "--worker", name, "--result", out]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -307,7 +295,7 @@ def fmt(value, spec: str) -> str:
 
 def report(results: list[dict], args) -> str:
     by = {r["name"]: r for r in results if "error" not in r}
-    lines = [f"# bench_gpu, {datetime.date.today()}", "",
+    lines = [f"# bench_gpu, {today()}", "",
              f"Machine: {device_name(args)}; torch {torch.__version__}; python {platform.python_version()}.",
              f"Workload: GPT {args.layers} layers, d_model {args.d_model}, {args.heads} heads, seq {args.seq}, "
              f"vocab {args.vocab} ({next(iter(by.values()))['params'] / 1e6:,.1f}M parameters)" if by else "",
@@ -359,8 +347,8 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def main() -> None:
-    args = parse()
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     if args.worker:
         try:
             result = worker(args)
@@ -377,7 +365,7 @@ def main() -> None:
         raise SystemExit(f"bench_gpu: unknown contenders {unknown}; known: {KNOWN}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("bench_gpu: no CUDA device here; --device cpu runs the CPU smoke run")
-    argv = [a for a in sys.argv[1:]]
+    argv = list(sys.argv[1:] if argv is None else argv)
     results = []
     for name in args.contenders.split(","):
         result = run_contender(name, args, argv)
@@ -385,13 +373,11 @@ def main() -> None:
         print(json.dumps({k: v for k, v in result.items() if k != "times"}), flush=True)
     text = report(results, args)
     print(text)
-    stamp = datetime.date.today().isoformat()
-    dirs = [ROOT / "benchmarks" / "results"] + ([Path(args.out)] if args.out else [])
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-        suffix = "" if args.device.startswith("cuda") else "_cpu"
-        (d / f"gpu{suffix}_{stamp}.md").write_text(text + "\n")
-        (d / f"gpu{suffix}_{stamp}.json").write_text(json.dumps(results, indent=1))
+    stem = "gpu" if args.device.startswith("cuda") else "gpu_cpu"
+    out = args.out or str(RESULTS)  # --out given: there only (the device run brings its folder back)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    result_path(out, stem).write_text(text + "\n")
+    result_path(out, stem, "json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -28,26 +28,22 @@ suite (it takes minutes); results go to stdout and ``benchmarks/results/infinity
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import resource
 import shutil
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, cpu_line, isa_caps, publish, result_path, today
+
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 import zengine  # noqa: E402
 from zengine.models.gpt import GPT, GPTConfig  # noqa: E402
 from zengine.ops.aio import AsyncIO, SwapFile, aligned_empty  # noqa: E402
-from bench_zero import write_report  # noqa: E402
-from host import cpu_line, isa_caps  # noqa: E402
 
 GiB = 1 << 30
 # --variants: the precision sections of each ({} = fp32)
@@ -150,7 +146,7 @@ def _train_variant(name: str, config: dict, cfg: GPTConfig, args, x, y) -> tuple
     return rows, built, on_disk, policy
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--d-model", type=int, default=2560)
@@ -162,14 +158,22 @@ def main() -> None:
     ap.add_argument("--dir", default="/var/tmp/zengine-infinity")
     ap.add_argument("--variants", default="bf16", help="comma-separated, run in turn: " + ", ".join(VARIANTS))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the markdown report")
-    args = ap.parse_args()
+    ap.add_argument("--drive-mib", type=int, default=2048, help="MiB the drive-alone test writes and reads")
+    ap.add_argument("--smoke", action="store_true", help="a one-layer d_model 64 GPT, two steps, a 16 MiB drive "
+                    "test: the harness works, the figures mean nothing")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.layers, args.d_model, args.heads, args.seq, args.steps = 1, 64, 2, 8, 2
+        args.lr, args.drive_mib = 1e-3, 16
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not variants or any(v not in VARIANTS for v in variants):
         ap.error(f"--variants {args.variants!r}: choose from {', '.join(VARIANTS)}")
     vocab = 256
     n_params = _parameters(args.layers, args.d_model, vocab, args.seq)
     param_bytes = 4 if "fp32" in variants else 2
-    need = n_params * (param_bytes + 16 + param_bytes) + 2 * GiB  # params, optimizer records, zero.Init's copy, drive test
+    drive_bytes = args.drive_mib << 20
+    need = n_params * (param_bytes + 16 + param_bytes) + drive_bytes  # params, optimizer records, zero.Init's copy,
+    # drive test
     os.makedirs(args.dir, exist_ok=True)
     free = shutil.disk_usage(args.dir).free
     if free < need:
@@ -193,7 +197,7 @@ def main() -> None:
         },
     }
     print(f"drive alone ({args.dir}, 64 MiB O_DIRECT requests, 4 in flight) ...", flush=True)
-    drive_w, drive_r = _drive_alone(args.dir, aio)
+    drive_w, drive_r = _drive_alone(args.dir, aio, drive_bytes, min(64 << 20, drive_bytes // 4))
     print(f"  write {drive_w:.2f} GB/s, read {drive_r:.2f} GB/s", flush=True)
 
     cfg = GPTConfig(vocab_size=vocab, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
@@ -207,7 +211,7 @@ def main() -> None:
                + " python benchmarks/bench_infinity.py "
                f"--layers {args.layers} --d-model {args.d_model} --steps {args.steps} --variants {','.join(variants)}")
     lines = [
-        f"# ZeRO-Infinity, {datetime.date.today()}: {n_params / 1e9:.2f}B-parameter GPT on one process",
+        f"# ZeRO-Infinity, {today()}: {n_params / 1e9:.2f}B-parameter GPT on one process",
         "",
         f"`{command}`; {args.layers} layers, d_model {args.d_model}, seq {args.seq}, batch {args.batch}, "
         f"AdamW, stage 3, parameters and optimizer on NVMe ({args.dir}). {cpu_line()} "
@@ -253,7 +257,7 @@ def main() -> None:
             first = (fb, cpu) if first is None else first
             lines.append(f"| {v} | {fb:.2f} | {cpu:.2f} | {opt:.2f} | {fb + opt:.2f} | {fb / first[0]:.2f} | "
                          f"{cpu / first[1]:.2f} |")
-    write_report("\n".join(lines) + "\n", args.out, "infinity")
+    publish("\n".join(lines) + "\n", result_path(args.out, "infinity"))
     if failed:
         sys.exit(f"bench_infinity: the loss did not fall ({', '.join(failed)})")
 

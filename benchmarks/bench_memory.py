@@ -42,9 +42,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import hashlib
-import json
 import os
 import platform
 import shutil
@@ -53,22 +51,21 @@ import sys
 import tempfile
 import time
 import traceback
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-REPO = Path(__file__).resolve().parents[1]
+from common import (REPO, deepspeed_contenders, join_group, now, publish, rank_results, result_path,
+                    save_rank_result)
+
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 # Shared with the step-time benchmark: DeepSpeed's default stage-3 settings, the launcher's helpers and
 # the tensor counting used for contenders that have no engine.memory_breakdown().
-from bench_zero import (STAGE3, deepspeed_status, free_port, optimizer_state_tensors,  # noqa: E402
-                        tensors_reachable, unique_bytes, write_report)
+from bench_zero import STAGE3, optimizer_state_tensors, tensors_reachable, unique_bytes  # noqa: E402
 
 LR = 1e-4
 MICRO_BATCH = 2
@@ -236,16 +233,13 @@ CONTENDERS: dict[str, Contender] = {
 
 
 # -- one rank -------------------------------------------------------------------------------------
-def worker(rank: int, name: str, world: int, port: int, args: dict, nvme_dir: str | None, out_dir: str) -> None:
+def worker(rank: int, world: int, port: int, name: str, args: dict, nvme_dir: str | None, out_dir: str) -> None:
     ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 65536)  # freed large blocks go back to the system
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), ZENGINE_DEVICE="cpu")
-    torch.set_num_threads(1)
     result: dict = {"rank": rank}
     teardown = None
     try:
         # A rank that fails leaves its peers in a collective: time out rather than hang the launcher.
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
+        join_group(rank, world, port, minutes=5, ZENGINE_DEVICE="cpu")
         if name.startswith(("zengine", "deepspeed")):
             __import__(name.split("-")[0])  # the library's own import is not the training's memory
         torch.optim.AdamW([nn.Parameter(torch.ones(2))], fused=True).step()  # torch's lazy imports, before the baseline
@@ -279,7 +273,7 @@ def worker(rank: int, name: str, world: int, port: int, args: dict, nvme_dir: st
     except Exception:
         result["error"] = traceback.format_exc(limit=8)
     # Written before the teardown: a failure at exit does not lose the measurements.
-    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+    save_rank_result(out_dir, rank, result)
     if "error" not in result:
         teardown()
         dist.barrier()
@@ -305,16 +299,8 @@ def code_state() -> str:
 def run_contender(name: str, world: int, args: argparse.Namespace) -> list[dict]:
     nvme_dir = tempfile.mkdtemp(prefix="zengine_bench_memory_nvme_") if CONTENDERS[name].nvme else None
     try:
-        with tempfile.TemporaryDirectory() as out_dir:
-            sizes = {"layers": args.layers, "width": args.width, "steps": args.steps}
-            try:
-                mp.spawn(worker, args=(name, world, free_port(), sizes, nvme_dir, out_dir), nprocs=world, join=True)
-            except Exception as err:  # a crashed process: keep what the others wrote
-                print(f"  {name} W={world}: a worker failed: {err}", file=sys.stderr)
-            results = []
-            for rank in range(world):
-                path = Path(out_dir, f"{rank}.json")
-                results.append(json.loads(path.read_text()) if path.exists() else {"rank": rank, "error": "no result"})
+        sizes = {"layers": args.layers, "width": args.width, "steps": args.steps}
+        results = rank_results(worker, world, name, sizes, nvme_dir, label=f"{name} W={world}")
     finally:
         if nvme_dir is not None:
             shutil.rmtree(nvme_dir, ignore_errors=True)
@@ -363,7 +349,7 @@ def summarize(runs: dict[tuple[str, int], list[dict]], args: argparse.Namespace,
                      + " | " + "/".join(f"{p:.2f}" for p in peaks) + " |")
     worst.sort(reverse=True)
     header = [
-        f"# Peak resident memory per rank, {datetime.datetime.now():%Y-%m-%d %H:%M}",
+        f"# Peak resident memory per rank, {now()}",
         "",
         f"Model: {args.layers} × nn.Linear({args.width}, {args.width}, bias=False), Ψ = {numel:,} parameters, fp32; "
         f"1 unit = 4Ψ bytes = {4 * numel / 1e6:.1f} MB. AdamW lr {LR}, micro batch {MICRO_BATCH} "
@@ -399,7 +385,7 @@ def summarize(runs: dict[tuple[str, int], list[dict]], args: argparse.Namespace,
     return "\n".join(header + table + lines + failures) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=12, help="nn.Linear layers")
     parser.add_argument("--width", type=int, default=2048, help="in and out features of each layer")
@@ -409,7 +395,7 @@ def main() -> None:
     parser.add_argument("--contenders", default=",".join(CONTENDERS),
                         help="comma-separated subset of " + ", ".join(CONTENDERS))
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the markdown table")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     worlds = [2] if args.quick else [int(w) for w in args.worlds.split(",") if w.strip()]
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONTENDERS]
@@ -420,16 +406,9 @@ def main() -> None:
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    notes = []
-    if any(n.startswith("deepspeed") for n in names):
-        ok, info = deepspeed_status()
-        if ok:
-            notes.append(f"- DeepSpeed {info} (DS_ACCELERATOR=cpu), ZeRO with a client torch fused AdamW; counted: "
-                         "its parameters (and stage-3 partitions), gradients and every tensor reachable from its "
-                         "ZeRO optimizer.")
-        else:
-            names = [n for n in names if not n.startswith("deepspeed")]
-            notes.append(f"- DeepSpeed skipped: deepspeed not importable ({info}).")
+    names, notes = deepspeed_contenders(names, "ZeRO with a client torch fused AdamW; counted: its parameters "
+                                        "(and stage-3 partitions), gradients and every tensor reachable from its "
+                                        "ZeRO optimizer.")
 
     start, code = time.perf_counter(), code_state()
     runs: dict[tuple[str, int], list[dict]] = {}
@@ -443,7 +422,7 @@ def main() -> None:
 
     if code_state() != code:
         notes.append(f"- zengine's code changed during the run (now {code_state()}): the rows mix code states.")
-    write_report(summarize(runs, args, notes, time.perf_counter() - start, code), args.out, "memory")
+    publish(summarize(runs, args, notes, time.perf_counter() - start, code), result_path(args.out, "memory"))
 
 
 if __name__ == "__main__":

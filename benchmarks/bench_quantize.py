@@ -20,20 +20,18 @@ table goes to stdout and to ``benchmarks/results/quantize_<date>.md``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, cpu_line, now, result_path, write_result
+
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_adam import parse_size  # noqa: E402
-from benchmarks.host import cpu_line, write_result  # noqa: E402
+from bench_adam import parse_size  # noqa: E402
 from zengine.ops import load_op, simd_path  # noqa: E402
 from zengine.ops import quantize as codec  # noqa: E402
 
@@ -118,12 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     numel = parse_size(args.numel)
     if numel % 1024:
         parser.error("--numel must be a multiple of 1024 (four rows of whole blocks)")
-    meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": cpu_line(),
+    meta = {"date": now(), "machine": cpu_line(),
             "threads": str(torch.get_num_threads()), "torch": torch.__version__,
             "SIMD path": str(simd_path()), "elements": f"{numel:,}", "rounds": str(args.rounds)}
     table = render(measure(numel, args.rounds), meta)
     print(table)
-    write_result(table, REPO / "benchmarks" / "results" / f"quantize_{datetime.date.today()}.md", args.out)
+    write_result(table, result_path(None, "quantize"), args.out)
     return 0
 
 

@@ -12,7 +12,6 @@ the training benchmarks do. Prints a markdown table and writes it to ``benchmark
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -22,13 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, join_group, publish, result_path, spawn_ranks, today
+
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from bench_zero import free_port  # noqa: E402
 
 
 def _time(fn, repeats: int) -> tuple[float, float]:
@@ -47,9 +43,7 @@ def _time(fn, repeats: int) -> tuple[float, float]:
 def worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, out: str, piece: int) -> None:
     from zengine.distributed import collectives, shm
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group(rank, world, port)
     rows_out = []
     for mib in sizes:
         n = mib * 2 ** 20 // 4 // world
@@ -70,30 +64,26 @@ def worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, out
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--sizes", default="1,16,84", help="MiB of the whole buffer, comma-separated")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--piece", type=float, default=8.0, help="MiB each rank moves per sync (shared_memory.piece_size)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.md")
-        mp.spawn(worker, args=(args.world, free_port(), sizes, args.repeats, out, int(args.piece * 2 ** 20)), nprocs=args.world, join=True)
+        spawn_ranks(worker, args.world, sizes, args.repeats, out, int(args.piece * 2 ** 20))
         rows = Path(out).read_text()
-    command = "python benchmarks/bench_shm.py " + " ".join(sys.argv[1:])
-    text = (f"# Collectives through gloo and through shared memory ({datetime.date.today()})\n\n`{command}`\n\n"
+    command = "python benchmarks/bench_shm.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    text = (f"# Collectives through gloo and through shared memory ({today()})\n\n`{command}`\n\n"
             f"{os.cpu_count()} CPUs, torch {torch.__version__}, W={args.world} gloo ranks (1 thread each), fp32, "
             f"{args.piece:g} MiB pieces; times in ms, slowest rank, median of {args.repeats - 2}.\n\n"
             "| MiB | collective | gloo wall / CPU | shared memory wall / CPU | CPU ratio |\n|---|---|---|---|---|\n"
             + rows)
-    print(text)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    path = Path(args.out) / f"shm_{datetime.date.today()}.md"
-    path.write_text(text)
-    print(f"written to {path}")
+    publish(text, result_path(args.out, "shm"))
 
 
 if __name__ == "__main__":

@@ -32,17 +32,16 @@ Results go to stdout and to ``--out`` (default ``benchmarks/results/swap_<date>.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, now, result_path, write_result
+
 sys.path.insert(0, str(REPO))
 
 from zengine.ops import CPUAdam  # noqa: E402
@@ -226,7 +225,7 @@ def _timed(fn, steps: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--params", default="32M", help="fp32 parameters (moments: 8 bytes each)")
     ap.add_argument("--sub-group", default="4M", help="sub_group_size: elements per swapped chunk")
@@ -236,8 +235,8 @@ def main() -> None:
     ap.add_argument("--dir", default=os.environ.get("TMPDIR", "/tmp"))
     ap.add_argument("--sweep", action="store_true",
                     help="also time the swapper's I/O alone for several block sizes and numbers in flight")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / f"swap_{datetime.date.today()}.md"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, help="markdown file (default benchmarks/results/swap_<date>.md)")
+    args = ap.parse_args(argv)
     n, chunk = _size(args.params), _size(args.sub_group)
     torch.manual_seed(0)
     param = torch.randn(n)
@@ -300,7 +299,7 @@ def main() -> None:
     w = statistics.median(best_phases[True][1:] or best_phases[True])
     rd = statistics.median(best_phases[False][1:] or best_phases[False])
 
-    lines = [f"# NVMe swap of Adam's moments against the drive alone, {datetime.datetime.now():%Y-%m-%d %H:%M}", "",
+    lines = [f"# NVMe swap of Adam's moments against the drive alone, {now()}", "",
              f"- {n / 1e6:.1f}M fp32 parameters: moments {8 * n / MiB:.0f} MiB on {args.dir} "
              f"({'O_DIRECT' if direct else 'page cache'}), {16 * n / MiB:.0f} MiB read + written per step; "
              f"sub_group_size {chunk}, buffer_count {args.buffers}; torch threads {torch.get_num_threads()}; "
@@ -311,7 +310,7 @@ def main() -> None:
              f"- {args.rounds} rounds x {args.steps} steps, contenders in rotating order; medians; other processes "
              f"kept {others:.2f} of {os.cpu_count()} cores busy meanwhile"
              f"{' (the figures are disturbed: run again on a quiet machine)' if others > 0.25 else ''}. "
-             f"`{' '.join(['python benchmarks/bench_swap.py'] + sys.argv[1:])}`", "",
+             f"`{' '.join(['python benchmarks/bench_swap.py'] + (sys.argv[1:] if argv is None else argv))}`", "",
              "| contender | s/step | GB/s (16 B/param) | pool GB/s while busy | drive same pattern / this |",
              "|---|---|---|---|---|"]
     for k, v in med.items():
@@ -329,7 +328,7 @@ def main() -> None:
         lines += ["", *sweep(opt, args.rounds, moved, first_io)]
     text = "\n".join(lines) + "\n"
     print(text)
-    Path(args.out).write_text(text)
+    write_result(text, result_path(None, "swap"), args.out)
     for io in ios.values():
         io.close()
     sw.file.close()

@@ -32,32 +32,28 @@ a machine JIT-builds DeepSpeed's shared-memory comm op (about 100 s, cached in
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import platform
 import resource
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import psutil
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
+from common import (REPO, command_line, cpu_line, deepspeed_contenders, join_group, mean_over_ranks, now,
+                    publish, rank_results, result_path, save_rank_result, slowest_rank)
+
 sys.path.insert(0, str(REPO))
 
-from zengine.models import GPT, ByteWindows, bench20m  # noqa: E402
-from host import cpu_line, isa_caps  # noqa: E402
+from zengine import models  # noqa: E402
+from zengine.models import GPT, ByteWindows  # noqa: E402
 
 MB = 1024 * 1024
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
@@ -329,19 +325,16 @@ def batch_for(dataset: ByteWindows, step: int, rank: int, world: int) -> tuple[t
     return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
 
 
-def worker(rank: int, name: str, world: int, port: int, warmup: int, steps: int, bucket: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+def worker(rank: int, world: int, port: int, name: str, warmup: int, steps: int, bucket: int, model_name: str,
+           out_dir: str) -> None:
     result = {"rank": rank}
     try:
-        # A rank that fails leaves its peer in a collective: time out rather than hang the launcher.
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
+        join_group(rank, world, port, minutes=5)  # a failed peer times out rather than hangs the launcher
         if name.startswith(("zengine", "deepspeed")):
             __import__(name.split("-")[0])  # the library's own import is not the training's memory
         baseline_rss = psutil.Process().memory_info().rss
         torch.manual_seed(0)
-        cfg = bench20m()
+        cfg = getattr(models, model_name)()
         model = GPT(cfg)
         numel = sum(p.numel() for p in model.parameters())
         dataset = ByteWindows(cfg.seq_len)
@@ -362,63 +355,25 @@ def worker(rank: int, name: str, world: int, port: int, warmup: int, steps: int,
             fwd_bwd.append(t1 - t0)
             cpu_times.append(c1 - c0 + time.process_time() - c2)
         # A step ends on a rank when its last collective does; take the slower rank's time per step.
-        step_times = torch.tensor(times[warmup:], dtype=torch.float64)
-        dist.all_reduce(step_times, op=dist.ReduceOp.MAX)
-        step_cpu = torch.tensor(cpu_times[warmup:], dtype=torch.float64)
-        dist.all_reduce(step_cpu, op=dist.ReduceOp.MAX)
-        fwd_bwd_times = torch.tensor(fwd_bwd[warmup:], dtype=torch.float64)
-        dist.all_reduce(fwd_bwd_times, op=dist.ReduceOp.MAX)
-        final_loss = loss.detach().double().clone()
-        dist.all_reduce(final_loss)
         result.update(
-            step_times=step_times.tolist(), cpu_times=step_cpu.tolist(), fwd_bwd_times=fwd_bwd_times.tolist(),
-            final_loss=final_loss.item() / world,
+            step_times=slowest_rank(times[warmup:]), cpu_times=slowest_rank(cpu_times[warmup:]),
+            fwd_bwd_times=slowest_rank(fwd_bwd[warmup:]), final_loss=mean_over_ranks(loss.item()),
             numel=numel, state_bytes=state_bytes, gathered_numel=gathered_numel, note=trainer.note,
             baseline_rss=baseline_rss, peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         dist.barrier()
         dist.destroy_process_group()
     except Exception:
         result["error"] = traceback.format_exc(limit=6)
-    Path(out_dir, f"{name}.{rank}.json").write_text(json.dumps(result))
+    save_rank_result(out_dir, rank, result)
 
 
 # -- the launcher --------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_contender(name: str, args: argparse.Namespace) -> list[dict]:
-    with tempfile.TemporaryDirectory() as out_dir:
-        try:
-            mp.spawn(worker, args=(name, args.world, free_port(), args.warmup, args.steps, args.bucket, out_dir),
-                     nprocs=args.world, join=True)
-        except Exception as err:  # a crashed process: keep what the others wrote
-            print(f"  {name}: a worker failed: {err}", file=sys.stderr)
-        results = []
-        for rank in range(args.world):
-            path = Path(out_dir, f"{name}.{rank}.json")
-            results.append(json.loads(path.read_text()) if path.exists() else {"rank": rank, "error": "no result"})
-    return results
-
-
-def deepspeed_status() -> tuple[bool, str]:
-    """Whether ``import deepspeed`` works in a fresh process, and its version or error."""
-    proc = subprocess.run([sys.executable, "-c", "import deepspeed; print(deepspeed.__version__)"],
-                          capture_output=True, text=True, env=os.environ.copy(), timeout=300)
-    if proc.returncode == 0:
-        return True, proc.stdout.strip().splitlines()[-1]
-    return False, (proc.stderr.strip().splitlines() or ["unknown error"])[-1]
+    return rank_results(worker, args.world, name, args.warmup, args.steps, args.bucket, args.model, label=name)
 
 
 def per_rank(values) -> str:
     return "/".join(f"{v / MB:.0f}" for v in values)
-
-
-def command_line() -> str:
-    """This run's command, with the variables that cap the CPU's instruction sets in front."""
-    return " ".join(isa_caps() + ["python", "benchmarks/bench_zero.py", *sys.argv[1:]])
 
 
 def precision_table(ok: dict, median: dict) -> list[str]:
@@ -478,13 +433,13 @@ def summarize(runs: dict[str, list[list[dict]]], args, notes: list[str]) -> str:
                      f"| {states} | {formula} | {loss[name]:.6f} | {delta} |")
         lines.append(f"- {name}: model states = {rounds[-1][0]['note']}.")
     header = [
-        f"# ZeRO step time and memory, {datetime.datetime.now():%Y-%m-%d %H:%M}",
+        f"# ZeRO step time and memory, {now()}",
         "",
-        f"`{command_line()}`",
+        f"`{args.command}`",
         "",
-        f"Model: bench20m() GPT, Ψ = {numel:,} parameters, fp32 (bf16 where the name says); the same byte windows "
+        f"Model: {args.model}() GPT, Ψ = {numel:,} parameters, fp32 (bf16 where the name says); the same byte windows "
         "for every contender, "
-        f"micro batch {MICRO_BATCH} × seq {bench20m().seq_len}; {args.world} gloo ranks × 1 thread. "
+        f"micro batch {MICRO_BATCH} × seq {getattr(models, args.model)().seq_len}; {args.world} gloo ranks × 1 thread. "
         f"AdamW lr {LR}, betas {BETAS}, eps {EPS}, weight_decay {WEIGHT_DECAY}; no clipping, no LR schedule. "
         "Every contender steps torch's fused AdamW: the torch peers and DeepSpeed get "
         "torch.optim.AdamW(fused=True), and zengine's config builder picks the same on CPU.",
@@ -516,7 +471,7 @@ def summarize(runs: dict[str, list[list[dict]]], args, notes: list[str]) -> str:
     return "\n".join(header + table + side + ["", "Notes:", ""] + notes + lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per round")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
@@ -529,7 +484,14 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the markdown table")
     parser.add_argument("--bf16", action="store_true", help="contenders " + ",".join(BF16_SET)
                         + " (fp32 and bf16 side by side; overrides --contenders)")
-    args = parser.parse_args()
+    parser.add_argument("--model", default="bench20m", choices=["bench20m", "tiny"],
+                        help="zengine.models GPT config (tiny: the smoke run's)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="one step of the tiny model, one round: the harness works, the figures mean nothing")
+    args = parser.parse_args(argv)
+    args.command = command_line("bench_zero.py", argv)
+    if args.smoke:
+        args.warmup, args.steps, args.rounds, args.model = 0, 1, 1, "tiny"
     if args.bf16:
         args.contenders = ",".join(BF16_SET)
     args.bucket = int(args.bucket)
@@ -543,17 +505,11 @@ def main() -> None:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    notes = []
-    if any(n.startswith("deepspeed") for n in names):
-        ok, info = deepspeed_status()
-        if ok:
-            notes.append(f"- DeepSpeed {info} (DS_ACCELERATOR=cpu), ZeRO with a client torch fused AdamW. "
-                         "It keeps its fp32 master partition as a copy even for an fp32 model (+4Ψ/W over the "
-                         "formula), and its gradient bucket buffer is counted too. deepspeed-2-offload instead builds its "
-                         "own DeepSpeedCPUAdam from the config's optimizer section (offload_optimizer cpu).")
-        else:
-            names = [n for n in names if not n.startswith("deepspeed")]
-            notes.append(f"- DeepSpeed skipped: `import deepspeed` failed ({info}).")
+    names, notes = deepspeed_contenders(names, "ZeRO with a client torch fused AdamW. It keeps its fp32 master "
+                                        "partition as a copy even for an fp32 model (+4Ψ/W over the formula), and "
+                                        "its gradient bucket buffer is counted too. deepspeed-2-offload instead "
+                                        "builds its own DeepSpeedCPUAdam from the config's optimizer section "
+                                        "(offload_optimizer cpu).")
 
     runs: dict[str, list[list[dict]]] = {n: [] for n in names}
     for r in range(args.rounds):
@@ -566,18 +522,7 @@ def main() -> None:
             print(f"round {r + 1}/{args.rounds} {name}: {status} ({time.perf_counter() - t0:.0f} s)",
                   file=sys.stderr, flush=True)
 
-    write_report(summarize(runs, args, notes), args.out, "zero_bf16" if args.bf16 else "zero")
-
-
-def write_report(report: str, out_dir: str, name: str) -> Path:
-    """Print the report and write it to ``out_dir/<name>_<date>.md``."""
-    print(report)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}_{datetime.date.today():%Y-%m-%d}.md"
-    path.write_text(report)
-    print(f"written to {path}", file=sys.stderr)
-    return path
+    publish(summarize(runs, args, notes), result_path(args.out, "zero_bf16" if args.bf16 else "zero"))
 
 
 if __name__ == "__main__":

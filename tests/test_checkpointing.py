@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zengine
+from configs import NO_PREFETCH, SHARD_ALL, ds_config
 from harness import spawn
 from zengine import checkpointing
 from zengine.activation import SAVED_ON_HOST, current as current_settings, restore_defaults
@@ -267,12 +268,10 @@ def test_rng_tracker_and_model_parallel_seed():
 
 # -- through zengine.initialize, 2 ranks ------------------------------------------------------------
 def engine_config(stage: int, cpu_checkpointing: bool = False) -> dict:
-    zero = {"stage": stage}
-    if stage == 3:  # every parameter sharded and released after each use: recomputation must gather
-        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0,
-                    stage3_max_reuse_distance=0)
-    return {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "zero_optimization": zero, "activation_checkpointing": {"cpu_checkpointing": cpu_checkpointing}}
+    # stage 3: every parameter sharded and released after each use: recomputation must gather
+    zero = {**SHARD_ALL, **NO_PREFETCH} if stage == 3 else {}
+    return ds_config(stage, micro_batch=4, zero=zero,
+                     activation_checkpointing={"cpu_checkpointing": cpu_checkpointing})
 
 
 def train_run(stage: int, mode: str) -> list:

@@ -9,8 +9,7 @@ gives. Four cases prove the guard fails on the bugs it is for: a norm accumulate
 first GPU crash zengine had), a collective given a host tensor, a gradient read to the host in the
 step and an upload from pageable memory.
 """
-import os
-import tempfile
+from configs import SHARD_ALL, SMALL_BUCKETS, cpu, ds_config, nvme, swap_dir
 
 
 WORLD, GAS, STEPS = 2, 2, 3
@@ -19,25 +18,20 @@ GATHERS = "zengine/zero/stage3/gather.py"  # where host-resident shards are copi
 
 
 def _config(stage, precision, offload):
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.5,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "steps_per_print": 10**6,
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 200,
-                                 "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 1500,
-                                 "stage3_max_live_parameters": 4000}}
-    zero = cfg["zero_optimization"]
-    swap_dir = os.path.join(tempfile.gettempdir(), "zguard")
+    swap = swap_dir("zguard")
+    optimizer = param = None
     if offload in ("cpu", "param", "param-nvme"):
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        optimizer = cpu(pin_memory=True)
     if offload in ("nvme", "infinity"):
-        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": swap_dir, "pin_memory": True}
+        optimizer = nvme(swap, pin_memory=True)
     if offload == "param":
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        param = cpu(pin_memory=True)
     if offload in ("param-nvme", "infinity"):  # ZeRO-Infinity: parameter shards in a swap file
-        zero["offload_param"] = {"device": "nvme", "nvme_path": swap_dir, "buffer_count": 3, "buffer_size": 4096,
-                                 "pin_memory": True}
-    if precision != "fp32":
-        cfg[precision] = {"enabled": True}
-    return cfg
+        param = nvme(swap, buffer_count=3, buffer_size=4096, pin_memory=True)
+    return ds_config(stage, precision, gas=GAS, clip=0.5, steps_per_print=10**6,
+                     zero={**SMALL_BUCKETS, **SHARD_ALL, "stage3_prefetch_bucket_size": 1500,
+                           "stage3_max_live_parameters": 4000},
+                     offload_optimizer=optimizer, offload_param=param)
 
 
 def _run_case(stage, precision, offload, init, sabotage):

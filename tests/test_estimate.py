@@ -5,13 +5,14 @@ import sys
 import pytest
 from torch import nn
 
+from configs import ds_config
 from zengine.estimate import all_choices, estimate, main
 
 PSI = 8_000_000
 
 
 def _cfg(stage, **zero):
-    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage, **zero}}
+    return ds_config(stage, micro_batch=1, lr=None, zero=zero)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

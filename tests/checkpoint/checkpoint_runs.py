@@ -1,13 +1,11 @@
 """Shared by the checkpoint tests: a model with buffers, engine configs, and a training loop."""
 from __future__ import annotations
 
-import os
-import tempfile
-
 import torch
 import torch.distributed as dist
 
 import zengine
+from configs import SMALL_BUCKETS, adamw, ds_config, nvme, swap_dir
 from models import EdgeNet, edge_param_groups, make_batches, micro_batch
 
 LR, CLIP, GLOBAL_BATCH = 1e-2, 0.5, 6
@@ -23,32 +21,26 @@ class BufferedNet(EdgeNet):
 
 
 def config(stage: int, precision: str = "fp32", offload: bool | str = False, scheduler: bool = False) -> dict:
-    world = dist.get_world_size()
-    cfg = {
-        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8}},
-        "gradient_clipping": CLIP,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 200,
-                              "stage3_param_persistence_threshold": 30, "stage3_prefetch_bucket_size": 1500},
-        "steps_per_print": 1000,
-    }
+    zero = {**SMALL_BUCKETS, "stage3_param_persistence_threshold": 30,
+            "stage3_prefetch_bucket_size": 1500}
+    optimizer = param = None
     if offload in ("nvme", "infinity"):  # Adam's moments swapped to a file, in 700-element chunks through 2 buffers
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "buffer_count": 2,
-                                                         "nvme_path": os.path.join(tempfile.gettempdir(), "zswap")}
-        cfg["zero_optimization"]["sub_group_size"] = 700
+        optimizer = nvme(swap_dir("zswap"), buffer_count=2)
+        zero["sub_group_size"] = 700
     elif offload:
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        optimizer = "cpu"
     if offload == "infinity":  # stage 3: the parameter shards in a swap file too (ZeRO-Infinity)
-        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "buffer_count": 2, "buffer_size": 4096,
-                                                     "nvme_path": os.path.join(tempfile.gettempdir(), "zswap")}
+        param = nvme(swap_dir("zswap"), buffer_count=2, buffer_size=4096)
+    extra = {}
     if scheduler:
-        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": LR,
-                                                            "warmup_num_steps": 3}}
-    if precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
+        extra["scheduler"] = {"type": "WarmupLR", "params": {
+            "warmup_min_lr": 0, "warmup_max_lr": LR, "warmup_num_steps": 3}}
     if precision == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
-    return cfg
+        extra["fp16"] = {"initial_scale_power": 8, "loss_scale_window": 2}
+    return ds_config(stage, precision, micro_batch=GLOBAL_BATCH // dist.get_world_size(),
+                     optimizer=adamw(LR, betas=[0.9, 0.999], eps=1e-8), clip=CLIP, zero=zero,
+                     offload_optimizer=optimizer, offload_param=param, steps_per_print=1000,
+                     **extra)
 
 
 def make_engine(cfg: dict, seed: int):

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zengine
+from configs import SHARD_ALL, ds_config
 from harness import spawn
 from models import EdgeNet, edge_param_groups, make_batches, micro_batch
 from zengine.config import ConfigError, load_config
@@ -60,14 +61,11 @@ class CheckpointedEdgeNet(EdgeNet):
 
 
 def _config(stage, dtype, gas, offload=False, shared=False):
-    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
-    if offload:
-        zero["offload_optimizer"] = {"device": "cpu"}
-        if stage == 3:
-            zero["offload_param"] = {"device": "cpu"}
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR}}, "zero_optimization": zero,
-            "bf16": {"enabled": dtype == "bf16"}, "shared_memory": {"enabled": shared, "piece_size": 4096}}
+    return ds_config(stage, micro_batch=MICRO, gas=gas, clip=1.0, lr=LR, zero=SHARD_ALL,
+                     offload_optimizer="cpu" if offload else None,
+                     offload_param="cpu" if offload and stage == 3 else None,
+                     bf16={"enabled": dtype == "bf16"},
+                     shared_memory={"enabled": shared, "piece_size": 4096})
 
 
 def _train(engine, batches, gas):

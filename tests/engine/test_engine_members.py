@@ -6,13 +6,13 @@ import torch.distributed as dist
 from torch import nn
 
 import zengine
+from configs import adamw, ds_config
 from harness import spawn
 
 
 def _cfg(**extra):
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.8, 0.9]}},
-            "zero_optimization": {"stage": 2}, **extra}
+    return ds_config(2, micro_batch=2, gas=2, clip=0.5, optimizer=adamw(1e-2, betas=[0.8, 0.9]),
+                     **extra)
 
 
 def _members_run():

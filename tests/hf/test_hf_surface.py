@@ -16,6 +16,7 @@ from torch import nn
 
 import zengine
 from zengine.compat import DEEPSPEED_VERSION
+from configs import ds_config
 from harness import spawn
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(zengine.__file__)))
@@ -148,11 +149,12 @@ class _Tied(nn.Module):
 def _hf_config(stage: int) -> dict:
     """A config as transformers hands it over: "auto" left in the optimizer and scheduler sections when it
     enters zero.Init, filled in before initialize; accelerate's infinite steps_per_print."""
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "train_batch_size": "auto", "steps_per_print": float("inf"), "bf16": {"enabled": "auto"},
-            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "weight_decay": "auto"}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}},
-            "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True}}
+    auto = {"type": "AdamW", "params": dict.fromkeys(("lr", "betas", "weight_decay"), "auto")}
+    return ds_config(stage, micro_batch="auto", gas="auto", optimizer=auto,
+                     steps_per_print=float("inf"), train_batch_size="auto",
+                     zero={"stage3_gather_16bit_weights_on_model_save": True},
+                     bf16={"enabled": "auto"},
+                     scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}})
 
 
 def _filled(cfg: dict) -> dict:

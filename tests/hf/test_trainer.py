@@ -21,6 +21,7 @@ import os
 import pytest
 import torch
 
+from configs import SHARD_ALL, ds_config
 from harness import spawn
 
 # found, not imported: accelerate decides at import whether DeepSpeed is there, so the ranks import it only
@@ -106,14 +107,11 @@ def _args(out: str, batch: int, ds: dict = None, sft: bool = False, **kw):
 
 def _ds_config(stage: int, optimizer: bool) -> dict:
     """A DeepSpeed config as Trainer users write it: "auto" wherever the Trainer's arguments decide."""
-    cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-           "train_batch_size": "auto", "gradient_clipping": "auto",
-           "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True,
-                                 "stage3_param_persistence_threshold": 0}}
-    if optimizer:
-        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                        "weight_decay": "auto"}}
-    return cfg
+    auto = {"type": "AdamW",
+            "params": dict.fromkeys(("lr", "betas", "eps", "weight_decay"), "auto")}
+    return ds_config(stage, micro_batch="auto", gas="auto", clip="auto", lr=None,
+                     optimizer=auto if optimizer else None, train_batch_size="auto",
+                     zero={"stage3_gather_16bit_weights_on_model_save": True, **SHARD_ALL})
 
 
 def _sft_data():

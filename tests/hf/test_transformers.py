@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import zengine
+from configs import SHARD_ALL, adamw, ds_config
 from harness import spawn
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
@@ -31,11 +32,9 @@ def build(kind: str):
 
 
 def _config(stage):
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000,
-                                  "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 3000,
-                                  "stage3_max_live_parameters": 6000}}
+    return ds_config(stage, micro_batch=MICRO, clip=CLIP, optimizer=adamw(LR, weight_decay=0.0),
+                     zero={"reduce_bucket_size": 2000, "allgather_bucket_size": 2000, **SHARD_ALL,
+                           "stage3_prefetch_bucket_size": 3000, "stage3_max_live_parameters": 6000})
 
 
 def _reference(model, batches):

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zengine
+from configs import SHARD_ALL, ds_config
 from harness import spawn
 from zengine.offload.copies import HostCopies, Landed, StreamCopies, make_copies
 from zengine.offload.state_swap import GradSwap, StateSwapper
@@ -17,11 +18,8 @@ LAYERS, WIDTH = 6, 16
 
 
 def _config(stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300,
-                                  "stage3_param_persistence_threshold": 0,
-                                  "offload_optimizer": {"device": "cpu"}},
-            "steps_per_print": 1000}
+    return ds_config(stage, micro_batch=4, zero={"reduce_bucket_size": 300, **SHARD_ALL},
+                     offload_optimizer="cpu", steps_per_print=1000)
 
 
 def streamed_during_backward(stage: int) -> tuple[int, int]:

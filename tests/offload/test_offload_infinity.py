@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import zengine
+from configs import SHARD_ALL, ds_config, nvme
 from harness import free_port, spawn
 from models import EdgeNet, make_batches, train_global_batch
 
@@ -22,17 +23,12 @@ MICRO = 2
 
 
 def infinity_config(directory: str, buffer_count: int = 4, max_in_cpu: int = 0) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": 3, "reduce_bucket_size": 300, "sub_group_size": 1000,
-                              "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 1500,
-                              "stage3_max_live_parameters": 4000,
-                              "offload_param": {"device": "nvme", "nvme_path": directory, "buffer_count": buffer_count,
-                                                "buffer_size": 4096, "max_in_cpu": max_in_cpu},
-                              "offload_optimizer": {"device": "nvme", "nvme_path": directory, "buffer_count": 2}},
-        "steps_per_print": 1000,
-    }
+    return ds_config(3, micro_batch=MICRO, steps_per_print=1000,
+                     zero={"reduce_bucket_size": 300, "sub_group_size": 1000, **SHARD_ALL,
+                           "stage3_prefetch_bucket_size": 1500, "stage3_max_live_parameters": 4000},
+                     offload_param=nvme(directory, buffer_count=buffer_count, buffer_size=4096,
+                                        max_in_cpu=max_in_cpu),
+                     offload_optimizer=nvme(directory, buffer_count=2))
 
 
 def _leftovers(directory: str) -> list[str]:

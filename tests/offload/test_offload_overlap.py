@@ -27,18 +27,17 @@ from __future__ import annotations
 
 import contextlib
 
+from configs import SHARD_ALL, cpu, ds_config
+
 WORLD, STEPS = 2, 3
 SUB_GROUP = 256  # elements per piece: several pieces per group of the edge model
 
 
 def _config(stage: int, gas: int, offload_param: bool) -> dict:
-    zero = {"stage": stage, "reduce_bucket_size": 300, "sub_group_size": SUB_GROUP,
-            "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
-    if offload_param:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 0.5,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "bf16": {"enabled": True},
-            "steps_per_print": 10**6, "zero_optimization": zero}
+    return ds_config(stage, "bf16", gas=gas, clip=0.5, steps_per_print=10**6,
+                     zero={"reduce_bucket_size": 300, "sub_group_size": SUB_GROUP, **SHARD_ALL},
+                     offload_optimizer=cpu(pin_memory=True),
+                     offload_param=cpu(pin_memory=True) if offload_param else None)
 
 
 @contextlib.contextmanager

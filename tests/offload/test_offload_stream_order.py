@@ -12,22 +12,19 @@ log what they do: the test asserts the order of record, synchronize and the opti
 """
 import inspect
 import os
-import tempfile
+
+from configs import SHARD_ALL, cpu, ds_config, nvme, swap_dir
 
 WORLD, GAS, STEPS = 2, 2, 2
 
 
 def _config(offload: str) -> dict:
-    zero = {"stage": 3, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0,
-            "stage3_prefetch_bucket_size": 1500, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
-    if offload == "param":
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    else:
-        zero["offload_param"] = {"device": "nvme", "nvme_path": os.path.join(tempfile.gettempdir(), "zorder"),
-                                 "buffer_count": 3, "buffer_size": 4096, "pin_memory": True, "max_in_cpu": 0}
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "steps_per_print": 10**6,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "bf16": {"enabled": True},
-            "zero_optimization": zero}
+    param = cpu(pin_memory=True) if offload == "param" else nvme(
+        swap_dir("zorder"), buffer_count=3, buffer_size=4096, pin_memory=True, max_in_cpu=0)
+    return ds_config(3, "bf16", gas=GAS, steps_per_print=10**6,
+                     zero={"reduce_bucket_size": 300, **SHARD_ALL,
+                           "stage3_prefetch_bucket_size": 1500},
+                     offload_optimizer=cpu(pin_memory=True), offload_param=param)
 
 
 def _run_case(offload: str) -> dict:

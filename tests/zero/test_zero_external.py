@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zengine
+from configs import NO_PREFETCH, SHARD_ALL, adamw, ds_config
 from harness import spawn
 from models import train_beside_reference
 
@@ -36,10 +37,8 @@ class ConcatNet(nn.Module):
 
 
 def _config():
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                  "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}}
+    return ds_config(3, micro_batch=MICRO, gas=1, optimizer=adamw(LR, weight_decay=0.01),
+                     zero={**SHARD_ALL, **NO_PREFETCH})
 
 
 def _batches(world: int):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zengine
+from configs import SHARD_ALL, ds_config
 from harness import spawn
 from zengine import FetchOrderError
 
@@ -36,9 +37,7 @@ class Stack(nn.Module):
 
 
 def config(**extra) -> dict:
-    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **extra}}
+    return ds_config(3, micro_batch=4, gas=1, zero={**SHARD_ALL, **extra})
 
 
 def diverging_run(bias: bool, mode: str):

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import zengine
+from configs import SHARD_ALL, SMALL_BUCKETS, adamw, ds_config
 from harness import spawn
 from models import EdgeNet, make_batches, micro_batch
 from zengine.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
@@ -15,12 +16,8 @@ MICRO, LR = 2, 1e-2
 
 
 def _config(stage, precision):
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 200,
-                                 "stage3_param_persistence_threshold": 0}}
-    if precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    return cfg
+    return ds_config(stage, precision, micro_batch=MICRO, optimizer=adamw(LR, weight_decay=0.0),
+                     zero={**SMALL_BUCKETS, **SHARD_ALL})
 
 
 def _full_state_run(stage, precision):

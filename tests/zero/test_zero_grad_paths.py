@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zengine
+from configs import ds_config, sgd
 from harness import spawn
 
 DIM, STEPS, MICRO, LR, PENALTY = 8, 3, 2, 0.1, 1e-1  # plain SGD: an update shows any error in a gradient's scale
@@ -40,14 +41,10 @@ class Net(nn.Module):
 
 
 def _config(gas: int, precision: str):
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-           "optimizer": {"type": "SGD", "params": {"lr": LR}},
-           "zero_optimization": {"stage": 2, "reduce_bucket_size": 100}}
-    if precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    if precision == "fp16":  # dynamic loss scaling: the scale must be undone once, whatever the path
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 12}
-    return cfg
+    # fp16: dynamic loss scaling, the scale must be undone once, whatever the path
+    return ds_config(2, precision, micro_batch=MICRO, gas=gas, optimizer=sgd(LR),
+                     zero={"reduce_bucket_size": 100},
+                     **({"fp16": {"initial_scale_power": 12}} if precision == "fp16" else {}))
 
 
 def _loss(pattern, engines, x, y):

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import zengine
+from configs import SHARD_ALL, ds_config
 from harness import spawn
 from zengine.config import ConfigError, load_config
 from zengine.distributed import traffic
@@ -19,12 +20,10 @@ def _model():
 
 
 def _config(hpz: int, quantized: bool = False, gas: int = 1, offload: bool = False) -> dict:
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-            "zero_hpz_partition_size": hpz, "zero_quantized_weights": quantized}
-    if offload:  # parameters and optimizer on the host (CPU-Adam)
-        zero.update(offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": zero}
+    host = "cpu" if offload else None  # parameters and optimizer on the host (CPU-Adam)
+    return ds_config(3, gas=gas, offload_param=host, offload_optimizer=host,
+                     zero={**SHARD_ALL, "stage3_max_reuse_distance": 0,
+                           "zero_hpz_partition_size": hpz, "zero_quantized_weights": quantized})
 
 
 def _run(hpz: int, quantized: bool = False, gas: int = 1, save_dir: str = None, offload: bool = False,

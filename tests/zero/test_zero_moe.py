@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zengine
+from configs import SHARD_ALL, adamw, ds_config
 from harness import spawn
 from models import train_beside_reference
 
@@ -63,14 +64,10 @@ class MoENet(nn.Module):
 
 
 def _config(leaf_in_config: bool):
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                 "stage3_prefetch_bucket_size": 200, "stage3_max_reuse_distance": 0,
-                                 "reduce_bucket_size": 300}}
-    if leaf_in_config:
-        cfg["zero_optimization"]["leaf_module"] = {"classes": ["TopOneMoE"]}
-    return cfg
+    leaf = {"leaf_module": {"classes": ["TopOneMoE"]}} if leaf_in_config else {}
+    return ds_config(3, micro_batch=MICRO, gas=1, optimizer=adamw(LR, weight_decay=0.01),
+                     zero={**SHARD_ALL, "stage3_prefetch_bucket_size": 200,
+                           "stage3_max_reuse_distance": 0, "reduce_bucket_size": 300, **leaf})
 
 
 def moe_training(leaf_in_config: bool) -> dict:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import zengine
+from configs import NO_PREFETCH, ds_config
 from harness import spawn
 from zengine.engine.engine import model_state_bytes
 from zengine.estimate import estimate
@@ -107,13 +108,11 @@ def _model() -> nn.Module:
 
 
 def _config(stage: int) -> dict:
-    zero = {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}
+    zero = {"reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}
     if stage == 3:  # the least memory: one layer gathered (BUCKET is one layer), no prefetch, each
         # gradient reduced before backward goes on (the defaults would allow the whole model)
-        zero.update(stage3_max_live_parameters=BUCKET, stage3_max_reuse_distance=0,
-                    stage3_prefetch_bucket_size=0, overlap_comm=False)
-    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-            "zero_optimization": zero}
+        zero.update(stage3_max_live_parameters=BUCKET, **NO_PREFETCH, overlap_comm=False)
+    return ds_config(stage, lr=1e-4, zero=zero)
 
 
 FORMULA = {0: lambda w: 4.0, 1: lambda w: 2.0 + 2.0 / w, 2: lambda w: 1.0 + 3.0 / w}  # fp32 Adam, in units of 4Ψ

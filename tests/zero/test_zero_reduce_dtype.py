@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zengine
+from configs import SHARD_ALL, ds_config, sgd
 from harness import spawn
 from zengine.config import ConfigError, load_config
 from zengine.estimate import estimate
@@ -57,16 +58,16 @@ def _reference() -> list[torch.Tensor]:
 
 
 def _config(stage: int, precision: str, comm=None, accum=None, loss_scale=0.0) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "steps_per_print": 10**6,
-           "optimizer": {"type": "SGD", "params": {"lr": LR}},
-           # several buckets per step; stage 3 shards every parameter
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0},
-           precision: {"enabled": True, **({"loss_scale": loss_scale} if precision == "fp16" else {})}}
+    extra = {}
+    if precision == "fp16":
+        extra["fp16"] = {"loss_scale": loss_scale}
     if comm is not None:
-        cfg["communication_data_type"] = comm
+        extra["communication_data_type"] = comm
     if accum is not None:
-        cfg["data_types"] = {"grad_accum_dtype": accum}
-    return cfg
+        extra["data_types"] = {"grad_accum_dtype": accum}
+    # several buckets per step; stage 3 shards every parameter
+    return ds_config(stage, precision, micro_batch=MICRO, gas=GAS, steps_per_print=10**6,
+                     optimizer=sgd(LR), zero={"reduce_bucket_size": 300, **SHARD_ALL}, **extra)
 
 
 def _train(case: tuple) -> tuple[list, int]:

@@ -7,16 +7,12 @@ import torch.distributed as dist
 from torch import nn
 
 import zengine
+from configs import stage3_config
 from harness import spawn
 from zengine import FetchOrderError
 from zengine.zero.stage3.param import ParamState, lookup
 
 DIM = 48
-
-
-def stage3_config(**zero):
-    return {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
 
 
 class Stack(nn.Module):
