@@ -154,7 +154,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     output_file: str,
     tag: Optional[str] = None,
     exclude_frozen_parameters: bool = False,
-    dtype: torch.dtype = torch.float32,
+    dtype: Optional[torch.dtype] = None,
 ) -> None:
     """Write the fp32 state_dict to ``output_file``, streaming one tensor at a time.
 
@@ -162,7 +162,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     Face's ``save_pretrained``; ``load_safetensors_state_dict`` gives every key back); anything else: a
     ``torch.save`` file (tied keys share one storage). The file
     appears under its name only once complete. ``dtype``: floating-point tensors are written in it
-    (DeepSpeed's ``zero_to_torch.py --dtype``); integer and boolean buffers keep theirs.
+    (DeepSpeed's ``zero_to_torch.py --dtype``), integer and boolean buffers keep theirs; None:
+    parameters in fp32, buffers as saved.
     """
     tmp = f"{output_file}.tmp-{secrets.token_hex(4)}"
     try:
@@ -177,12 +178,12 @@ def convert_zero_checkpoint_to_fp32_state_dict(
             os.remove(tmp)
 
 
-def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor.to(dtype) if tensor.dtype.is_floating_point else tensor
+def _cast(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.dtype.is_floating_point else tensor
 
 
 def _write_torch(
-    reader: CheckpointReader, path: str, exclude_frozen: bool, dtype: torch.dtype
+    reader: CheckpointReader, path: str, exclude_frozen: bool, dtype: Optional[torch.dtype]
 ) -> None:
     writer = TorchFileWriter(path)
     try:
@@ -204,12 +205,12 @@ def write_safetensors(
     reader,
     path: str,
     exclude_frozen: bool = False,
-    dtype: torch.dtype = torch.float32,
+    dtype: Optional[torch.dtype] = None,
 ) -> dict[str, str]:
     """The fp32 model in ``reader``'s checkpoint to ``path`` as safetensors, streamed one tensor at a time,
     each tied weight once (safetensors has no shared tensors: as Hugging Face's ``save_pretrained``, the first
     name is stored and the aliases are recorded in the metadata under ``TIED_KEY``). Returns the aliases.
-    ``dtype``: floating-point tensors are written in it."""
+    ``dtype``: floating-point tensors are written in it (None: parameters in fp32, buffers as saved)."""
     meta = reader.meta
     first: dict[tuple[str, str], str] = {}
     specs, tied = [], {}
@@ -221,7 +222,7 @@ def write_safetensors(
         entry = meta["params" if kind == "param" else "buffers"][source]
         saved = torch.float32 if kind == "param" else meta_mod.dtype_of(entry["dtype"])
         specs.append(
-            TensorSpec(key, saved if not saved.is_floating_point else dtype, tuple(entry["shape"]))
+            TensorSpec(key, _cast(torch.empty(0, dtype=saved), dtype).dtype, tuple(entry["shape"]))
         )
     writer = TensorFileWriter(
         path, specs, plain_metadata={"format": "pt", TIED_KEY: json.dumps(tied)}
