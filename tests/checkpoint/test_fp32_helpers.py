@@ -10,6 +10,7 @@ writes both) run with plain ``python``, no compat variable, on both kinds.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -107,6 +108,37 @@ def test_deepspeed_checkpoint_load_and_convert(name, tmp_path):
         assert halves[key].dtype == torch.bfloat16 and torch.equal(halves[key], value.bfloat16()), (
             key
         )
+
+
+@pytest.mark.parametrize("safe", [False, True])
+def test_max_shard_size_writes_shards_and_index(safe, tmp_path):
+    # as DeepSpeed 0.19.8: shards of at most max_shard_size (Hugging Face's names) and their index
+    save_dir = os.path.join(FIXTURES, "s3_bf16_w3")
+    out = tmp_path / "sharded"
+    index_path = zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(
+        save_dir, str(out), max_shard_size="3KB", safe_serialization=safe
+    )
+    name = "model.safetensors" if safe else "pytorch_model.bin"
+    assert index_path == str(out / f"{name}.index.json")
+    index = json.loads(open(index_path).read())
+    files = sorted(set(index["weight_map"].values()))
+    stem, ext = os.path.splitext(name)
+    assert files == [f"{stem}-{i:05d}-of-{len(files):05d}{ext}" for i in range(1, len(files) + 1)]
+    assert len(files) > 2 and sorted(os.listdir(out)) == sorted(files + [f"{name}.index.json"])
+    from zengine.checkpoint import load_safetensors_state_dict
+
+    merged = {}
+    for f in files:
+        part = load_safetensors_state_dict(str(out / f)) if safe else torch.load(out / f)
+        assert set(part) == {k for k, v in index["weight_map"].items() if v == f}
+        merged.update(part)
+    expected = _expected("s3_bf16_w3")
+    assert set(merged) == set(expected)
+    for key, value in expected.items():  # the converter writes every floating tensor in fp32
+        assert merged[key].dtype == torch.float32 and torch.equal(merged[key], value.float()), key
+    assert index["metadata"]["total_size"] == sum(
+        v.numel() * 4 for k, v in expected.items() if k != "lm_head.weight"
+    )
 
 
 def _save_zengine(root: str) -> None:

@@ -26,7 +26,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..checkpoint.deepspeed.files import load_ds_file
-from ..checkpoint.export import fp32 as _fp32
+from ..checkpoint.export import fp32 as _fp32, shards as _shards
 from ..checkpoint.native import meta as _meta
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.native.reader import CheckpointReader
@@ -80,22 +80,29 @@ def convert_zero_checkpoint_to_state_dict(
     tag: Optional[str] = None,
     exclude_frozen_parameters: bool = False,
 ) -> str:
-    """Write the state_dict, floating-point tensors in ``dtype``: into ``output_dir`` as
-    ``pytorch_model.bin`` (``model.safetensors`` with ``safe_serialization``), or, when ``output_dir``
-    names a file (older DeepSpeed's ``output_file``), to that file. One file whatever
-    ``max_shard_size`` says. Returns its path."""
+    """Write the state_dict, floating-point tensors in ``dtype``, into ``output_dir``: as
+    ``pytorch_model.bin`` (``model.safetensors`` with ``safe_serialization``), or, for a model over
+    ``max_shard_size``, as shards with their index (``pytorch_model-00001-of-00002.bin`` ...,
+    ``pytorch_model.bin.index.json``), as DeepSpeed does; when ``output_dir`` names a file (older
+    DeepSpeed's ``output_file``), one file there. Returns the file's path (the index's when sharded)."""
     out_dtype = _output_dtype(dtype)
     if os.path.isdir(output_dir) or not os.path.splitext(output_dir)[1]:
         os.makedirs(output_dir, exist_ok=True)
-        path = os.path.join(
-            output_dir, "model.safetensors" if safe_serialization else "pytorch_model.bin"
+        name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
+        paths = _shards.write_shards(
+            checkpoint_dir,
+            output_dir,
+            name,
+            max_shard_size,
+            tag,
+            exclude_frozen_parameters,
+            out_dtype,
         )
-    else:
-        path = output_dir
+        return paths[-1]
     _fp32.convert_zero_checkpoint_to_fp32_state_dict(
-        checkpoint_dir, path, tag, exclude_frozen_parameters, out_dtype
+        checkpoint_dir, output_dir, tag, exclude_frozen_parameters, out_dtype
     )
-    return path
+    return output_dir
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
@@ -224,7 +231,9 @@ def _parser(description: str, with_dtype: bool) -> argparse.ArgumentParser:
         "-t", "--tag", default=None, help="checkpoint tag (default: the one in 'latest')"
     )
     parser.add_argument("--safe_serialization", action="store_true", help="write model.safetensors")
-    parser.add_argument("--max_shard_size", default="5GB", help="accepted; one file is written")
+    parser.add_argument(
+        "--max_shard_size", default="5GB", help="largest file into a folder, e.g. 5GB or 500MB"
+    )
     parser.add_argument("--exclude_frozen_parameters", action="store_true")
     parser.add_argument("-d", "--debug", action="store_true", help="accepted")
     return parser

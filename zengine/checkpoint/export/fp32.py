@@ -60,10 +60,12 @@ def open_checkpoint(checkpoint_dir: str, tag: Optional[str] = None, trusted: boo
     return CheckpointReader(directory)
 
 
-def _kept(meta: dict, exclude_frozen: bool) -> list:
-    """meta's state_dict rows, less those of untrained parameters when ``exclude_frozen`` (a tied name
-    of a trained parameter stays)."""
+def kept_rows(meta: dict, exclude_frozen: bool, keys: Optional[set] = None) -> list:
+    """meta's state_dict rows ``[key, kind, source]``, less those of untrained parameters when
+    ``exclude_frozen`` (a tied name of a trained parameter stays), only ``keys`` when given."""
     rows = meta["state_dict"]
+    if keys is not None:
+        rows = [r for r in rows if r[0] in keys]
     if not exclude_frozen:
         return rows
     params = meta["params"]
@@ -94,10 +96,11 @@ def _entries(
     reader: CheckpointReader,
     scratch: Optional[torch.Tensor] = None,
     exclude_frozen: bool = False,
+    keys: Optional[set] = None,
 ) -> Iterator[tuple[str, Union[torch.Tensor, Alias]]]:
     """(key, tensor or Alias) in state_dict order; with ``scratch``, each parameter is valid only until the next."""
     first: dict[str, str] = {}
-    for key, kind, source in _kept(reader.meta, exclude_frozen):
+    for key, kind, source in kept_rows(reader.meta, exclude_frozen, keys):
         if (kind, source) in first:
             yield key, Alias(first[(kind, source)])
         else:
@@ -155,6 +158,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     tag: Optional[str] = None,
     exclude_frozen_parameters: bool = False,
     dtype: Optional[torch.dtype] = None,
+    keys: Optional[set] = None,
 ) -> None:
     """Write the fp32 state_dict to ``output_file``, streaming one tensor at a time.
 
@@ -163,15 +167,15 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     ``torch.save`` file (tied keys share one storage). The file
     appears under its name only once complete. ``dtype``: floating-point tensors are written in it
     (DeepSpeed's ``zero_to_torch.py --dtype``), integer and boolean buffers keep theirs; None:
-    parameters in fp32, buffers as saved.
+    parameters in fp32, buffers as saved. ``keys``: only these (one shard: shards.py).
     """
     tmp = f"{output_file}.tmp-{secrets.token_hex(4)}"
     try:
         with open_checkpoint(checkpoint_dir, tag) as reader:
             if output_file.endswith(".safetensors"):
-                write_safetensors(reader, tmp, exclude_frozen_parameters, dtype)
+                write_safetensors(reader, tmp, exclude_frozen_parameters, dtype, keys)
             else:
-                _write_torch(reader, tmp, exclude_frozen_parameters, dtype)
+                _write_torch(reader, tmp, exclude_frozen_parameters, dtype, keys)
         os.replace(tmp, output_file)
     finally:
         if os.path.exists(tmp):
@@ -183,11 +187,15 @@ def _cast(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
 
 
 def _write_torch(
-    reader: CheckpointReader, path: str, exclude_frozen: bool, dtype: Optional[torch.dtype]
+    reader: CheckpointReader,
+    path: str,
+    exclude_frozen: bool,
+    dtype: Optional[torch.dtype],
+    keys: Optional[set],
 ) -> None:
     writer = TorchFileWriter(path)
     try:
-        for key, value in _entries(reader, _scratch(reader), exclude_frozen):
+        for key, value in _entries(reader, _scratch(reader), exclude_frozen, keys):
             if isinstance(value, Alias):
                 writer.alias(key, value.of)
             else:
@@ -206,6 +214,7 @@ def write_safetensors(
     path: str,
     exclude_frozen: bool = False,
     dtype: Optional[torch.dtype] = None,
+    keys: Optional[set] = None,
 ) -> dict[str, str]:
     """The fp32 model in ``reader``'s checkpoint to ``path`` as safetensors, streamed one tensor at a time,
     each tied weight once (safetensors has no shared tensors: as Hugging Face's ``save_pretrained``, the first
@@ -214,7 +223,7 @@ def write_safetensors(
     meta = reader.meta
     first: dict[tuple[str, str], str] = {}
     specs, tied = [], {}
-    for key, kind, source in _kept(meta, exclude_frozen):
+    for key, kind, source in kept_rows(meta, exclude_frozen, keys):
         if (kind, source) in first:
             tied[key] = first[(kind, source)]
             continue
@@ -228,7 +237,7 @@ def write_safetensors(
         path, specs, plain_metadata={"format": "pt", TIED_KEY: json.dumps(tied)}
     )
     try:
-        for key, value in _entries(reader, _scratch(reader), exclude_frozen):
+        for key, value in _entries(reader, _scratch(reader), exclude_frozen, keys):
             if not isinstance(value, Alias):
                 writer.write(key, _cast(value, dtype))
         writer.close()
