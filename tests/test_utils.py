@@ -1,6 +1,7 @@
 """``zengine.utils`` / ``zengine.runtime``: RepeatingLoader, set_random_seed, log_dist, zero_to_fp32's
 DeepSpeed signature (a folder or a file)."""
 import logging
+import os
 import random
 
 import torch
@@ -55,7 +56,13 @@ def test_log_dist_logs_on_the_ranks_named(caplog, monkeypatch):
 def test_zero_to_fp32_writes_into_a_folder_or_a_file(tmp_path, monkeypatch):
     written = []
     monkeypatch.setattr(zero_to_fp32._fp32, "convert_zero_checkpoint_to_fp32_state_dict",
-                        lambda ckpt, path, tag: written.append((ckpt, path, tag)))
+                        lambda ckpt, path, tag, *rest: written.append((ckpt, path, tag, *rest)))
+
+    def shards(ckpt, folder, name, max_shard_size, tag, exclude_frozen, dtype):  # into a folder
+        written.append((ckpt, os.path.join(folder, name), tag, exclude_frozen))
+        return [os.path.join(folder, name)]
+
+    monkeypatch.setattr(zero_to_fp32._shards, "write_shards", shards)
     out = zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict("ck", str(tmp_path / "out"), tag="t")
     assert out == str(tmp_path / "out" / "pytorch_model.bin") and (tmp_path / "out").is_dir()
     out = zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict("ck", str(tmp_path / "o2"), safe_serialization=True)
@@ -63,4 +70,5 @@ def test_zero_to_fp32_writes_into_a_folder_or_a_file(tmp_path, monkeypatch):
     out = zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict("ck", str(tmp_path / "model.pt"))
     assert out == str(tmp_path / "model.pt")
     assert [w[2] for w in written] == ["t", None, None]
-    assert zero_to_fp32.main(["ck", str(tmp_path / "o3"), "--exclude_frozen_parameters"]) == 1
+    assert zero_to_fp32.main(["ck", str(tmp_path / "o3"), "--exclude_frozen_parameters"]) == 0
+    assert written[-1][3] is True  # exclude_frozen_parameters passed on

@@ -18,7 +18,9 @@
 - ``export/``: files for other tools. ``fp32.py`` and ``to_fp32.py`` (``zengine-to-fp32``): the
   full fp32 state_dict in one process, streamed tensor by tensor, reading meta.json and the rank
   files only (nothing unpickled); ``hf.py``: one fp32 safetensors file, tied weights once;
-  ``convert.py`` (``zengine-convert``); ``model16.py``: ``engine.save_16bit_model``.
+  ``convert.py`` (``zengine-convert``); ``model16.py``: ``engine.save_16bit_model``; ``shards.py``:
+  the state_dict in Hugging Face style shards (DeepSpeed's ``max_shard_size``). ``fp32.open_checkpoint``
+  opens either kind, zengine's or DeepSpeed's, for all of them.
 - ``errors.py``: the exceptions of all three; ``utils.py``: DeepSpeed's
   ``deepspeed.checkpoint.utils``.
 """

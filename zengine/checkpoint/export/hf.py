@@ -24,22 +24,7 @@ from typing import Optional
 
 import torch
 
-from ..deepspeed.reader import DeepSpeedReader, is_deepspeed_checkpoint
-from ..native.reader import CheckpointReader, checkpoint_directory
-from .fp32 import TIED_KEY, write_safetensors
-
-
-def _open(checkpoint_dir: str, tag: Optional[str], trusted: bool):
-    """zengine's reader, or DeepSpeed's for a DeepSpeed checkpoint (its save_dir, or one tag's folder)."""
-    if tag is None and is_deepspeed_checkpoint(checkpoint_dir):
-        directory = checkpoint_dir
-    else:
-        directory = checkpoint_directory(checkpoint_dir, tag)
-    if is_deepspeed_checkpoint(
-        directory
-    ):  # no optimizer groups to compare: only the weights are read
-        return DeepSpeedReader(directory, trusted, [], 1)
-    return CheckpointReader(directory)
+from .fp32 import TIED_KEY, open_checkpoint, write_safetensors
 
 
 def export_safetensors(
@@ -51,7 +36,7 @@ def export_safetensors(
     objects of your own classes (only then is it unpickled beyond tensors and plain values)."""
     tmp = f"{output_file}.tmp-{secrets.token_hex(4)}"
     try:
-        with _open(checkpoint_dir, tag, trusted) as reader:
+        with open_checkpoint(checkpoint_dir, tag, trusted) as reader:
             tied = write_safetensors(reader, tmp)
         os.replace(tmp, output_file)
     finally:

@@ -7,7 +7,8 @@
                                     scaler, every rank's RNG states, client_state
         meta.json                   written last (see meta.py)
     save_dir/latest                 the tag
-    save_dir/zero_to_fp32.py        a script that writes one fp32 state_dict from a checkpoint (as DeepSpeed)
+    save_dir/zero_to_fp32.py        scripts that write one state_dict from a checkpoint, in fp32 or in a
+    save_dir/zero_to_torch.py       dtype given (as DeepSpeed's; they need zengine only, no compat mode)
 
 No rank gathers anything: each writes its own memory as it is (a device
 tensor goes to the host one chunk at a time). The three steps, each ended by
@@ -301,18 +302,28 @@ def _finish(
         "pieces": index,
     }
     meta_mod.write_meta(staging, meta)
-    # as DeepSpeed does: a script beside the checkpoints that turns one into a single fp32 state_dict
+    # as DeepSpeed does: scripts beside the checkpoints that turn one into a single state_dict
     # (before publishing: a failure here leaves the previous checkpoint and 'latest' as they were)
-    atomic.write_text(save_dir, "zero_to_fp32.py", RECOVERY_SCRIPT, 0o755)
+    for name, text in RECOVERY_SCRIPTS.items():
+        atomic.write_text(save_dir, name, text, 0o755)
     atomic.publish(staging, save_dir, tag, save_latest)
 
 
-RECOVERY_SCRIPT = """#!/usr/bin/env python
-# Written by zengine beside its checkpoints. Turns one into a single fp32 state_dict, without GPUs:
-#   python zero_to_fp32.py . OUTPUT_DIR_OR_FILE [--tag TAG] [--safe_serialization]
+_SCRIPT = """#!/usr/bin/env python
+# Written by zengine beside its checkpoints, as DeepSpeed writes its own. Turns one checkpoint, zengine's
+# or DeepSpeed's, into a single state_dict, without GPUs and with zengine only (no DeepSpeed):
+#   python {name} . OUTPUT_DIR_OR_FILE {usage}
 import sys
 
-from zengine.utils.zero_to_fp32 import main
+from zengine.utils.zero_to_fp32 import {main}
 
-sys.exit(main())
+sys.exit({main}())
 """
+RECOVERY_SCRIPTS = {
+    "zero_to_fp32.py": _SCRIPT.format(
+        name="zero_to_fp32.py", usage="[--tag TAG] [--safe_serialization]", main="main"
+    ),
+    "zero_to_torch.py": _SCRIPT.format(
+        name="zero_to_torch.py", usage="--dtype {fp32,fp16,bf16} [--tag TAG]", main="torch_main"
+    ),
+}
