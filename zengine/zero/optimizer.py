@@ -278,7 +278,9 @@ class ZeroOptimizer(ZeROOptimizer):
 
     def _master_grads(self) -> MasterGrads:
         return self.master_store.master_grads(
-            self.grads, self.grad_factor.unscale(), self.stepper.steps_in_pieces
+            self.grads,
+            self.grads.unscale_held(self.grad_factor.unscale()),
+            self.stepper.steps_in_pieces,
         )
 
     def _sq_norm(self, master_grads: MasterGrads) -> torch.Tensor:
