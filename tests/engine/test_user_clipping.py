@@ -2,7 +2,9 @@
 ``engine.backward`` and ``engine.step()`` (issue 41 case 1): at stages 0-1 the ``.grad`` it reads is
 what torch would hold there (the mean gradient of the global batch), so the norm it returns and the
 run equal plain torch clipped at ``max_norm``; before, ``.grad`` held the sum over ranks (W x the norm)
-and the run equalled torch clipped at max_norm / W."""
+and the run equalled torch clipped at max_norm / W. At stages 2-3, where each rank holds only a shard
+of the gradient outside ``.grad``, the call stops by name on every rank before any update (it returned
+0 and clipped nothing)."""
 
 import pytest
 import torch
@@ -78,3 +80,27 @@ def test_own_clipping_follows_torch(reference, stage, gas):
         assert worst <= 1e-5, (
             f"stage {stage} gas {gas} rank {rank}: max parameter error {worst:.3g}"
         )
+
+
+def refused_run(stage: int) -> dict:
+    engine = _engine(stage, 1)
+    rank, world, micro = (
+        dist.get_rank(),
+        dist.get_world_size(),
+        engine.train_micro_batch_size_per_gpu(),
+    )
+    with engine.summon_full_params(writeback=False):
+        before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    batch = make_batches(1, GLOBAL)[0]
+    engine.backward(engine(*micro_batch(batch, rank, world, micro, 0)))
+    with pytest.raises(zengine.ShardedGradientError, match="gradient_clipping") as caught:
+        torch.nn.utils.clip_grad_norm_(engine.module.parameters(), MAX_NORM)
+    with engine.summon_full_params(writeback=False):
+        same = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+    return {"message": str(caught.value), "same": same, "steps": engine.global_steps}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_own_clipping_refused_where_grads_are_sharded(stage):
+    for got in spawn(refused_run, 2, stage):
+        assert "clip_grad_norm_" in got["message"] and got["same"] and got["steps"] == 0

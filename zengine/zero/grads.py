@@ -56,6 +56,9 @@ class GradientStore(Protocol):
     local, and no bucket launch order to agree on."""
 
     unreduced: bool  # a backward without reduction (accumulation, no_sync) left local gradients
+    # the parameters' .grad are the store's (torch's clipping may read and scale them); else the
+    # gradient lives outside .grad and a script's own clipping is refused (user_clipping.py)
+    holds_param_grads: bool = False
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
         """A backward starts: ``boundary``, the last of an accumulation window; ``no_sync``, not
@@ -153,6 +156,7 @@ class FullGradients(GradientStore):
         self.comm_group = comm_group
         # the parameters' .grad can be views into the buffers
         self.views = dtypes.accumulate == dtypes.compute
+        self.holds_param_grads = self.views
         self.reduce_dtype = dtypes.reduce
         self.converts = dtypes.reduce != dtypes.accumulate  # buckets are summed as converted copies
         # converted copies left in flight when a launch returns
