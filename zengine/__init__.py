@@ -20,6 +20,7 @@ from .engine.build import UnfrozenParameterError
 from . import zero
 from .launcher.args import add_config_arguments
 from .zero.nonfinite import NonFiniteGradientError
+from .zero.user_clipping import ShardedGradientError
 from .zero.stage3.fetcher import FetchOrderError
 from .zero.stage3.grads import ExternalUseError
 
@@ -38,6 +39,7 @@ __all__ = [
     "ExternalUseError",
     "FetchOrderError",
     "NonFiniteGradientError",
+    "ShardedGradientError",
     "RanksOutOfStepError",
     "UnfrozenParameterError",
 ]

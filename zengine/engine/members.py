@@ -216,7 +216,9 @@ class DeepSpeedMembers:
         self.config.train_batch_size = train_batch_size
         self.config.gradient_accumulation_steps = gas
         self.grad_factor.accumulation_steps = gas  # what the losses or the next step divide by
-        self.micro_steps = self.global_steps * gas  # the boundary test counts micro-steps from here
+        self.accumulation.start_window(
+            self.micro_steps
+        )  # the next micro-step begins a global batch
 
     # -- optimizer queries ------------------------------------------------------------------------
     def get_mom(self) -> list:

@@ -75,6 +75,12 @@ class GradFactor:
         divided_here = 1 if self.loss_carries_accumulation else self.accumulation_steps
         return 1.0 / (self.dp_world * self.scaler.scale * divided_here)
 
+    def held_divisor(self) -> float:
+        """What the gradients summed over the ranks are divided by to become what torch would hold
+        in ``.grad`` after the window's last backward: the mean gradient of the global batch, times
+        the loss scale (fp16: a ``GradScaler``'s ``.grad`` is scaled too; 1 in fp32 / bf16)."""
+        return 1.0 / (self.unscale() * self.scaler.scale)
+
     # -- the pass running now, across engines ---------------------------------------------------
     @staticmethod
     @contextlib.contextmanager

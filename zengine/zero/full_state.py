@@ -113,7 +113,12 @@ def get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     opt, gi, pi = found
     opt.grads.drain()
     return _assemble(
-        opt, gi, pi, opt.grads.owned_grad(gi), "safe_get_full_grad", scale=opt.grad_factor.unscale()
+        opt,
+        gi,
+        pi,
+        opt.grads.owned_grad(gi),
+        "safe_get_full_grad",
+        scale=opt.grads.unscale_held(opt.grad_factor.unscale()),
     )
 
 

@@ -3,7 +3,10 @@
 ``FullGradients`` (stages 0 and 1): every rank keeps a full flat gradient
 buffer, the parameters' ``.grad`` are views into it, and buckets are
 all-reduced from gradient hooks as soon as all their parameters are ready,
-so communication overlaps the rest of backward. A second synchronised
+so communication overlaps the rest of backward. After the reduction the buffers are divided so that
+``.grad`` holds what torch would hold there, the mean gradient of the global batch (issue 41: a
+script's own ``clip_grad_norm_`` between backward and step reads and scales it); the step's factor
+is adjusted by what was divided (``unscale_held``). A second synchronised
 backward before the step (``backward(l1); backward(l2)``) first divides the
 already summed buffer by the world size, so that its all-reduce adds each
 rank's new gradient to the old sum once, not W times (the sum of W equal
@@ -25,7 +28,7 @@ copied in) and the sums over micro-steps in the accumulate dtype (``grad_dtypes.
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -53,6 +56,9 @@ class GradientStore(Protocol):
     local, and no bucket launch order to agree on."""
 
     unreduced: bool  # a backward without reduction (accumulation, no_sync) left local gradients
+    # the parameters' .grad are the store's (torch's clipping may read and scale them); else the
+    # gradient lives outside .grad and a script's own clipping is refused (user_clipping.py)
+    holds_param_grads: bool = False
 
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
         """A backward starts: ``boundary``, the last of an accumulation window; ``no_sync``, not
@@ -83,6 +89,11 @@ class GradientStore(Protocol):
     def tensors(self) -> list[torch.Tensor]:
         """The gradient memory held now (for the memory breakdown)."""
         ...
+
+    def unscale_held(self, unscale: float) -> float:
+        """What the gradients this store holds now are multiplied by to become the mean gradient,
+        given ``unscale`` for the raw sum over ranks (``GradFactor.unscale``): the same by default."""
+        return unscale
 
     def reduce_pending(self) -> None:
         """Reduce the gradients that backwards without reduction left local (the last backward
@@ -135,11 +146,17 @@ class FullGradients(GradientStore):
         comm_group=None,
         in_flight: int = 0,
         positions=None,
+        held_divisor: Optional[Callable[[], float]] = None,
     ):
         self.groups = groups
+        # the reduced sum is divided by held_divisor() (GradFactor.held_divisor) to become torch's
+        # .grad; None: left as the sum
+        self.held_divisor = held_divisor
+        self.divided = 1.0  # what the buffers were divided by since they held the raw sum
         self.comm_group = comm_group
         # the parameters' .grad can be views into the buffers
         self.views = dtypes.accumulate == dtypes.compute
+        self.holds_param_grads = self.views
         self.reduce_dtype = dtypes.reduce
         self.converts = dtypes.reduce != dtypes.accumulate  # buckets are summed as converted copies
         # converted copies left in flight when a launch returns
@@ -168,12 +185,13 @@ class FullGradients(GradientStore):
     def begin_backward(self, boundary: bool, no_sync: bool) -> None:
         # Accumulation micro-steps add into the full buffers locally; only the boundary reduces.
         self.sync = boundary and not no_sync
-        if self.reduced and self.world > 1:
+        if self.reduced and (self.world > 1 or self.divided != 1.0):
             # Local gradients are about to be added to a sum over ranks, to be reduced again later:
             # keep the old sum as this rank's 1/W share so that the next reduction counts it once
-            # (module doc).
+            # (module doc). Divided already by `divided` for .grad: by world / divided more.
             for buf in self.flat_grads:
-                buf.div_(self.world)
+                buf.mul_(self.divided / self.world)
+            self.divided = 1.0
         self.reduced = False
         self.unreduced = not self.sync and self.world > 1  # one rank: the local sum is the sum
 
@@ -220,6 +238,19 @@ class FullGradients(GradientStore):
         self.drain()
         if self.sync:
             self.reduced, self.unreduced = True, False
+            self._present()
+
+    def _present(self) -> None:
+        """After the reduction: the buffers (and the .grad views into them) hold the mean gradient
+        torch would hold, not the sum over ranks; the step multiplies by what is left."""
+        divisor = 1.0 if self.held_divisor is None else self.held_divisor()
+        if divisor != 1.0:  # (begin_backward left the raw sum: divided is 1 here)
+            for buf in self.flat_grads:
+                buf.div_(divisor)
+            self.divided = divisor
+
+    def unscale_held(self, unscale: float) -> float:
+        return unscale * self.divided
 
     def drain(self) -> None:
         """Wait for every reduction in flight, launching nothing new."""
@@ -234,6 +265,7 @@ class FullGradients(GradientStore):
     def zero(self) -> None:
         for buf in self.flat_grads:
             buf.zero_()
+        self.divided = 1.0
         self.reduced = self.unreduced = False
         self._attach_views()
 

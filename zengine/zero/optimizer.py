@@ -51,7 +51,7 @@ import torch
 
 from ..offload.placement import Placement
 from ..precision.grad_factor import GradFactor
-from . import full_state
+from . import full_state, user_clipping
 from .base_optimizer import ZeROOptimizer  # DeepSpeed's base: its state_dict, isinstance
 from .flat_group import ParamGroup, whole_params
 from .grad_hooks import GradHooks
@@ -217,6 +217,7 @@ class ZeroOptimizer(ZeROOptimizer):
         self.run_stepper = self.stepper.run_stepper
         self.global_grad_norm: Optional[float] = None
         full_state.register(self)  # zengine.utils.safe_get_full_* find parameters through it
+        user_clipping.install()  # a script's own clipping of shard-held gradients: refused by name
         self.grad_hooks = GradHooks(groups, self._on_grad)
 
     @property
@@ -278,7 +279,9 @@ class ZeroOptimizer(ZeROOptimizer):
 
     def _master_grads(self) -> MasterGrads:
         return self.master_store.master_grads(
-            self.grads, self.grad_factor.unscale(), self.stepper.steps_in_pieces
+            self.grads,
+            self.grads.unscale_held(self.grad_factor.unscale()),
+            self.stepper.steps_in_pieces,
         )
 
     def _sq_norm(self, master_grads: MasterGrads) -> torch.Tensor:

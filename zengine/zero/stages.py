@@ -98,7 +98,13 @@ def build_zero_optimizer(
         )
     else:
         grads = FullGradients(
-            groups, zero_cfg.reduce_bucket_size, dtypes, ranks.group, in_flight, positions
+            groups,
+            zero_cfg.reduce_bucket_size,
+            dtypes,
+            ranks.group,
+            in_flight,
+            positions,
+            held_divisor=grad_factor.held_divisor,  # .grad holds torch's mean gradient
         )
     cpu = placement.optimizer.cpu_optimizer
     masters = placement.master_store(groups, dtype, ranks.world, ranks.device)

@@ -104,6 +104,8 @@ def load_checkpoint(
     if not load_module_only:
         meta = state["meta"]
         engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
+        # a fresh global batch begins here, whatever accumulation steps the saved count was made with
+        engine.accumulation.start_window(engine.micro_steps)
         engine.global_samples = meta["global_samples"]
         if set(state["loss_scaler"]) == set(engine.scaler.state_dict()):  # the same kind of scaler
             engine.scaler.load_state_dict(state["loss_scaler"])

@@ -13,7 +13,6 @@ file) is the placement's business (``offload/placement.py``), asked through
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -30,7 +29,6 @@ from .group import ShardedParamGroup
 from .hooks import ModuleHooks
 from .param import ParamState, ShardedParam
 
-logger = logging.getLogger("zengine")
 # autograd's check of a gradient against the shape its op saw: "... got [0] but expected shape compatible with [a, b]"
 _EMPTY_GRADIENT = re.compile(
     r"returned an invalid gradient at index \d+ - got \[0\] but expected shape compatible "
@@ -95,10 +93,11 @@ class Stage3Optimizer(ZeroOptimizer):
             self.placement.params.swap
         )  # the parameter swap file, with offload_param nvme
         self.module_hooks = ModuleHooks(self.module, self.fetcher)
-        self._warned_state_dict = False
         # (torch marks the hook object itself, which a bound method cannot take: a plain function)
         self._state_dict_hook = self.module.register_state_dict_post_hook(
-            lambda module, state_dict, prefix, local_metadata: self._on_state_dict()
+            lambda module, state_dict, prefix, local_metadata: self._on_state_dict(
+                state_dict, prefix
+            )
         )
 
     # -- forward and backward -------------------------------------------------------------------
@@ -139,20 +138,19 @@ class Stage3Optimizer(ZeroOptimizer):
         self.module_hooks.remove()
         self._state_dict_hook.remove()
 
-    def _on_state_dict(self) -> None:
-        """``engine.module.state_dict()`` outside a gather holds the partitioned parameters' empty tensors, so
-        ``torch.save(engine.module.state_dict())`` would write a model of shape-(0,) weights: say so, once."""
-        if self._warned_state_dict or not any(
-            sp.state is ParamState.SHARDED for sp in self.all_sharded
-        ):
-            return
-        self._warned_state_dict = True
-        logger.warning(
-            "zengine: engine.module.state_dict() at stage 3 holds the partitioned parameters as empty "
-            "tensors (shape (0,)), not their values. Save the model with engine.save_16bit_model(dir) "
-            "(with zero_optimization.stage3_gather_16bit_weights_on_model_save), export a checkpoint "
-            "with zengine-to-fp32, or take the state_dict inside engine.summon_full_params()"
-        )
+    def _on_state_dict(self, state_dict: dict, prefix: str) -> None:
+        """``engine.module.state_dict()`` outside a gather would hold the partitioned parameters'
+        empty tensors (a file saved from it cannot be loaded): put their whole values in instead,
+        gathered, as torch's model would return them. A collective: every rank calls
+        ``state_dict()`` (one rank alone is named by the agreement, ``summon_full_params``)."""
+        if not any(sp.state is ParamState.SHARDED for sp in self.all_sharded):
+            return  # inside a gather, or nothing partitioned: the values are there
+        sharded = {id(sp.param) for sp in self.all_sharded}
+        with self.summon(writeback=False):
+            for name, p in self.module.named_parameters(remove_duplicate=False):
+                key = prefix + name
+                if id(p) in sharded and key in state_dict:
+                    state_dict[key] = p.detach().clone()  # (the gathered storage goes at the exit)
 
     def release_all(self) -> None:
         """Free every gathered parameter that is not persistent or held by a context."""

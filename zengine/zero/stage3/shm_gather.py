@@ -18,7 +18,7 @@ import torch
 
 from ...distributed import shm, traffic
 from ...distributed.shm import SharedMemoryTransport
-from .fetch_check import FetchCheck
+from .fetch_check import FetchCheck, gather_failed
 from .gather import InFlightGather
 from .param import ShardedParam
 
@@ -65,7 +65,10 @@ def start(
 ) -> InFlightGather:
     """Gather ``params`` through ``transport``, done before this returns (``check`` compares the
     tags); the gather it returns has nothing left to wait for or copy out."""
-    tags = gather(transport, params, tag)
+    try:
+        tags = gather(transport, params, tag)
+    except shm.CollectiveMismatchError as e:  # named as the backend's refusal is (gather.py)
+        raise gather_failed(params, transport.rank, check.issued_count, e) from e
     if tags is not None:
         check.compare(tags, tag)
     return InFlightGather(params, None, [], [sp.chunk for sp in params], direct=True)
