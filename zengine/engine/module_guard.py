@@ -1,0 +1,129 @@
+"""``engine.module`` calls that change what the engine owns: followed or refused, never half-applied.
+
+After ``initialize`` the engine owns the model's parameters: at stages 0-2 they are views into flat
+buffers in the compute dtype, at stage 3 shards, and the accumulated gradients live in the stage's
+gradient store, not in ``.grad``. Two ``nn.Module`` methods a script calls on ``engine.module`` would
+silently miss or break that:
+
+- ``zero_grad()`` in the middle of an accumulation window (before each micro-step): torch then keeps
+  only the gradients of the backwards after it. The root module's call is followed: the engine drops
+  what the window accumulated, on this rank (every rank runs the same script). A sub-module's call
+  would drop only some parameters' gradients, which the gradient store cannot do: refused by name.
+  Outside a window (right after a boundary step) both are what torch's are: nothing to drop.
+- ``_apply``, through which ``.to()``, ``.half()``, ``.float()``, ``.double()``, ``.bfloat16()``,
+  ``.cuda()``, ``.cpu()``, ``.type()`` and ``.to_empty()`` go: a call that would give a parameter a new
+  tensor (another dtype or device) would cut it from the engine's buffers, so it is refused by name
+  before any parameter changes; one that changes nothing (``.to("cpu")`` on a CPU run) runs as torch's.
+
+The guard's methods are instance attributes of each module; ``copy.deepcopy`` and pickling give the
+copy its class's own methods (``_GuardedCall.__reduce__``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+class EngineModuleError(RuntimeError):
+    """A call on ``engine.module`` would change what the engine owns in a way it cannot follow (a cast
+    or a move of its parameters, a sub-module's ``zero_grad`` mid-window). Raised before anything
+    changed."""
+
+
+class _GuardedCall:
+    """``module.<name>`` replaced by ``guard(module, original, *args)``; copies and pickles as the
+    class's own method of the copied module."""
+
+    def __init__(self, module: nn.Module, name: str, guard: Callable):
+        self.module, self.name, self.guard = module, name, guard
+        self.original = getattr(type(module), name).__get__(module)
+
+    def __call__(self, *args, **kwargs):
+        return self.guard(self.module, self.original, *args, **kwargs)
+
+    def __reduce__(self):
+        return getattr, (self.module, self.name)
+
+
+class ModuleGuard:
+    """Installs the guarded ``zero_grad`` and ``_apply`` on every module of ``model``.
+
+    ``window_open()`` says whether gradients accumulated since the last boundary step;
+    ``drop_window(set_to_none)`` forgets them (the engine's optimizer)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        window_open: Callable[[], bool],
+        drop_window: Callable[[bool], None],
+    ):
+        self.root = model
+        self.window_open = window_open
+        self.drop_window = drop_window
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.modules = [m for _, m in model.named_modules()]
+        for m in self.modules:
+            m.__dict__["zero_grad"] = _GuardedCall(m, "zero_grad", self._zero_grad)
+            m.__dict__["_apply"] = _GuardedCall(m, "_apply", self._apply)
+
+    def remove(self) -> None:
+        """The modules get their class's methods back (``engine.destroy()``)."""
+        for m in self.modules:
+            m.__dict__.pop("zero_grad", None)
+            m.__dict__.pop("_apply", None)
+
+    def _name(self, module: nn.Module) -> str:
+        name = self.names.get(id(module), "")
+        return "engine.module" + (f".{name}" if name else "")
+
+    def _zero_grad(self, module: nn.Module, original: Callable, set_to_none: bool = True) -> None:
+        open_window = self.window_open()
+        if open_window and module is not self.root:
+            raise EngineModuleError(
+                f"zengine: {self._name(module)}.zero_grad() in the middle of a gradient accumulation "
+                "window would drop the gradients of that sub-module's parameters only; the engine keeps "
+                "the window's gradients in one store per parameter group and cannot. Call "
+                "engine.module.zero_grad() (drops the window's gradients of every parameter, as torch "
+                "does) or drop the call"
+            )
+        original(set_to_none)
+        if open_window:
+            self.drop_window(set_to_none)
+
+    def _apply(self, module: nn.Module, original: Callable, fn: Callable, recurse: bool = True):
+        with torch.no_grad():  # (as torch's _apply runs fn)
+            for name, p in module.named_parameters(recurse=recurse):
+                changed = fn(p)
+                if changed is not p:
+                    where = f"{self._name(module)}.{name}".replace("engine.module.", "", 1)
+                    raise EngineModuleError(
+                        f"zengine: this call on {self._name(module)} (.to(), .half(), .float(), "
+                        ".double(), .bfloat16(), .cuda(), .cpu(), .type() or .to_empty()) would give "
+                        f"parameter {where} a new tensor ({p.dtype} on {p.device} -> "
+                        f"{changed.dtype} on {changed.device}) after zengine.initialize; the engine "
+                        "keeps its parameters, gradients and optimizer state in its own buffers in the "
+                        "configured dtype and device, and would train on without the cast. Nothing was "
+                        "changed. Choose the precision in the config (bf16 / fp16 enabled) or cast the "
+                        "model before zengine.initialize; for a copy in another dtype, build a separate "
+                        "model from the weights (engine.module.state_dict() inside "
+                        "engine.summon_full_params() at stage 3)"
+                    )
+        return original(fn, recurse)
+
+
+def optimizer_window_drop(optimizer) -> Callable[[bool], None]:
+    """``drop_window`` for a ZeRO optimizer: forget the window's gradients. With ``set_to_none=False``
+    torch keeps a zero ``.grad`` on the parameters that had one, which its optimizer still steps: the
+    parameters used so far stay marked used."""
+
+    def drop(set_to_none: bool) -> None:
+        used = [list(g.used) for g in optimizer.groups]
+        optimizer.zero_grad()
+        if not set_to_none:
+            for g, flags in zip(optimizer.groups, used):
+                g.used = flags
+
+    return drop
