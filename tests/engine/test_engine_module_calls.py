@@ -171,3 +171,75 @@ def test_casting_the_module_after_initialize_is_refused_and_changes_nothing(stag
         assert (torch.tensor(before) - _flat(_model())).abs().max() == 0
         assert (torch.tensor(after) - _flat(expected)).abs().max() < 1e-6
         assert copied == {"torch.float16"}
+
+
+def _fill(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear):
+        with torch.no_grad():
+            m.weight.fill_(0.05)
+            m.bias.fill_(-0.1)
+
+
+def _other_state() -> dict:
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).state_dict()
+
+
+EDITS = {"apply": lambda m: m.apply(_fill), "load": lambda m: m.load_state_dict(_other_state())}
+
+
+def _edited_reference(edit) -> torch.Tensor:
+    """Plain torch, two steps, ``edit`` (None: none) on the module between them."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(_batches(1)[0] + _batches(1)[1]):
+        if i == 1 and edit is not None:
+            edit(model)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return _flat(model)
+
+
+def _stage3_edits(persistence: int) -> dict:
+    out = {}
+    for name in EDITS:
+        for gathered in (False, True):
+            cfg = _config(3, 1)
+            cfg["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
+            engine, *_ = zengine.initialize(model=_model(), config=cfg)
+            rows = slice(dist.get_rank() * MICRO, (dist.get_rank() + 1) * MICRO)
+            message = None
+            for i, (x, y) in enumerate(_batches(1)[0] + _batches(1)[1]):
+                if i == 1:
+                    try:
+                        if gathered:  # the way out the error names
+                            with engine.summon_full_params():
+                                EDITS[name](engine.module)
+                        else:
+                            EDITS[name](engine.module)
+                    except EngineModuleError as e:
+                        message = str(e)
+                engine.backward(nn.functional.mse_loss(engine(x[rows]), y[rows]))
+                engine.step()
+            with engine.summon_full_params(writeback=False):
+                out[(name, gathered)] = (message, _flat(engine.module).tolist())
+            engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("persistence", [0, 1000])
+def test_stage3_apply_and_load_outside_a_gather_are_refused_and_followed_inside(persistence):
+    """Partitioned (threshold 0) or whole persistent parameters (1000): ``apply(fn)`` writing them and
+    ``load_state_dict`` outside a gather raise and change nothing (they wrote nothing, or were lost at
+    the next step, silently); inside ``summon_full_params`` they equal torch's edit."""
+    for runs in spawn(_stage3_edits, 2, persistence):
+        for (name, gathered), (message, weights) in runs.items():
+            weights = torch.tensor(weights)
+            if gathered:
+                assert message is None, message
+                assert (weights - _edited_reference(EDITS[name])).abs().max() < 1e-6, name
+            else:
+                assert message is not None and "summon_full_params" in message, name
+                assert (weights - _edited_reference(None)).abs().max() < 1e-6, name
+                assert (weights - _edited_reference(EDITS[name])).abs().max() > 1e-2, name

@@ -14,6 +14,12 @@ silently miss or break that:
   ``.cuda()``, ``.cpu()``, ``.type()`` and ``.to_empty()`` go: a call that would give a parameter a new
   tensor (another dtype or device) would cut it from the engine's buffers, so it is refused by name
   before any parameter changes; one that changes nothing (``.to("cpu")`` on a CPU run) runs as torch's.
+- at stage 3, ``apply(fn)`` and ``load_state_dict`` outside a gather (``summon_full_params``,
+  ``GatheredParameters``): the shards see no write to what the module shows, an empty tensor (a
+  partitioned parameter) or a whole persistent one. ``apply`` is refused by name once it returns when
+  ``fn`` wrote such a parameter in place (the version counters say so; the persistent ones are put
+  back), ``load_state_dict`` before anything is loaded. Both name the way out: the same call inside
+  ``engine.summon_full_params()`` on every rank, which is followed.
 
 The guard's methods are instance attributes of each module; ``copy.deepcopy`` and pickling give the
 copy its class's own methods (``_GuardedCall.__reduce__``).
@@ -21,10 +27,12 @@ copy its class's own methods (``_GuardedCall.__reduce__``).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from ..zero.stage3.param import ParamState, lookup
 
 
 class EngineModuleError(RuntimeError):
@@ -65,15 +73,22 @@ class ModuleGuard:
         self.drop_window = drop_window
         self.names = {id(m): n for n, m in model.named_modules()}
         self.modules = [m for _, m in model.named_modules()]
+        self._applying = 0  # nesting depth of apply calls (children's run inside their parent's)
+        guards = {
+            "zero_grad": self._zero_grad,
+            "_apply": self._apply,
+            "apply": self._apply_fn,
+            "load_state_dict": self._load_state_dict,
+        }
         for m in self.modules:
-            m.__dict__["zero_grad"] = _GuardedCall(m, "zero_grad", self._zero_grad)
-            m.__dict__["_apply"] = _GuardedCall(m, "_apply", self._apply)
+            for name, guard in guards.items():
+                m.__dict__[name] = _GuardedCall(m, name, guard)
 
     def remove(self) -> None:
         """The modules get their class's methods back (``engine.destroy()``)."""
         for m in self.modules:
-            m.__dict__.pop("zero_grad", None)
-            m.__dict__.pop("_apply", None)
+            for name in ("zero_grad", "_apply", "apply", "load_state_dict"):
+                m.__dict__.pop(name, None)
 
     def _name(self, module: nn.Module) -> str:
         name = self.names.get(id(module), "")
@@ -112,6 +127,58 @@ class ModuleGuard:
                         "engine.summon_full_params() at stage 3)"
                     )
         return original(fn, recurse)
+
+    def _apply_fn(self, module: nn.Module, original: Callable, fn: Callable):
+        if self._applying:  # a child's, inside its parent's: the outermost call checks
+            return original(fn)
+        # stage 3, outside a gather: persistent parameters stay whole, and a write to them would not
+        # reach their shards; kept to be put back (they are small: the persistence threshold)
+        whole = [
+            (sp, sp.param._version, sp.param.detach().clone())
+            for sp in _sharded(module)
+            if sp.state is ParamState.GATHERED and not sp.pinned
+        ]
+        self._applying += 1
+        try:
+            original(fn)
+        finally:
+            self._applying -= 1
+        lost = [sp for sp in _sharded(module) if sp.written_while_released]
+        for sp in lost:  # (said once)
+            sp.freed_version = sp.param._version
+        for sp, version, value in whole:
+            if sp.param._version != version:
+                lost.append(sp)
+                with torch.no_grad():
+                    sp.param.copy_(value)
+        if lost:
+            names = ", ".join(sp.name for sp in lost[:8]) + (" ..." if len(lost) > 8 else "")
+            raise EngineModuleError(
+                f"zengine: {self._name(module)}.apply(fn) wrote {len(lost)} stage-3 parameter(s) "
+                f"in place outside a gather ({names}): their shards do not see such writes, so "
+                "nothing was written (the partitioned ones show empty tensors; the whole ones were "
+                "put back) and training would go on with the old values. Run it gathered, on every "
+                f"rank: with engine.summon_full_params(): {self._name(module)}.apply(fn)"
+            )
+        return module
+
+    def _load_state_dict(self, module: nn.Module, original: Callable, *args, **kwargs):
+        outside = [sp for sp in _sharded(module) if not sp.pinned]
+        if outside:
+            raise EngineModuleError(
+                f"zengine: {self._name(module)}.load_state_dict() at stage 3 outside a gather: "
+                f"{len(outside)} parameter(s) are partitioned (e.g. {outside[0].name}; they show "
+                "empty tensors, or whole ones whose shards would not see the load); nothing was "
+                "loaded. Load gathered, on every rank: with engine.summon_full_params(): "
+                f"{self._name(module)}.load_state_dict(sd) (the values reach the shards and the "
+                "optimizer's masters), or use engine.load_checkpoint"
+            )
+        return original(*args, **kwargs)
+
+
+def _sharded(module: nn.Module) -> list:
+    """The stage-3 sharded parameters of ``module`` (none at stages 0-2)."""
+    return [sp for sp in map(lookup, module.parameters()) if sp is not None]
 
 
 def optimizer_window_drop(optimizer) -> Callable[[bool], None]:
