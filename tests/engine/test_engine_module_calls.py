@@ -243,3 +243,25 @@ def test_stage3_apply_and_load_outside_a_gather_are_refused_and_followed_inside(
                 assert message is not None and "summon_full_params" in message, name
                 assert (weights - _edited_reference(None)).abs().max() < 1e-6, name
                 assert (weights - _edited_reference(EDITS[name])).abs().max() > 1e-2, name
+
+
+def _moved(stage: int) -> tuple:
+    engine, *_ = zengine.initialize(model=_model(), config=_config(stage, 1))
+    x, y = _batches(1, 1)[0][0]
+    engine.backward(nn.functional.mse_loss(engine(x), y))
+    engine.step()
+    engine.module.to("meta")  # another device (as Lightning's teardown .cpu() on a GPU run)
+    devices = {str(p.device) for p in engine.module.parameters()}
+    with pytest.raises(
+        EngineModuleError, match=r"engine.forward\(\) after engine.module was moved"
+    ):
+        engine(x)
+    with pytest.raises(EngineModuleError, match="moved to another device"):
+        engine.step()
+    engine.destroy()
+    return devices
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_device_move_is_followed_and_training_after_it_refused(stage):
+    assert spawn(_moved, 2, stage) == [{"meta"}, {"meta"}]

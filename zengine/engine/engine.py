@@ -299,6 +299,7 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
                 f"engine.{what}(): the engine was destroyed (engine.destroy()); build a new one "
                 "with zengine.initialize to train again"
             )
+        self._module_guard.check(what)  # engine.module moved to another device since initialize
 
     def _warn_idle_step(self) -> None:
         if not self._warned_idle_step and self.global_rank == 0:

@@ -12,8 +12,10 @@ silently miss or break that:
   Outside a window (right after a boundary step) both are what torch's are: nothing to drop.
 - ``_apply``, through which ``.to()``, ``.half()``, ``.float()``, ``.double()``, ``.bfloat16()``,
   ``.cuda()``, ``.cpu()``, ``.type()`` and ``.to_empty()`` go: a call that would give a parameter a new
-  tensor (another dtype or device) would cut it from the engine's buffers, so it is refused by name
-  before any parameter changes; one that changes nothing (``.to("cpu")`` on a CPU run) runs as torch's.
+  tensor of another dtype (or ``to_empty``'s) would cut it from the engine's buffers: refused by name
+  before any parameter changes. A move to another device is followed, as torch's (Lightning's
+  teardown moves the module to the CPU at the end of a run); the engine's forward, backward and step
+  then raise by name. One that changes nothing (``.to("cpu")`` on a CPU run) runs as torch's.
 - at stage 3, ``apply(fn)`` and ``load_state_dict`` outside a gather (``summon_full_params``,
   ``GatheredParameters``): the shards see no write to what the module shows, an empty tensor (a
   partitioned parameter) or a whole persistent one. ``apply`` is refused by name once it returns when
@@ -73,6 +75,7 @@ class ModuleGuard:
         self.drop_window = drop_window
         self.names = {id(m): n for n, m in model.named_modules()}
         self.modules = [m for _, m in model.named_modules()]
+        self.moved: str | None = None  # which parameter moved where, once the module moved
         self._applying = 0  # nesting depth of apply calls (children's run inside their parent's)
         guards = {
             "zero_grad": self._zero_grad,
@@ -109,24 +112,41 @@ class ModuleGuard:
             self.drop_window(set_to_none)
 
     def _apply(self, module: nn.Module, original: Callable, fn: Callable, recurse: bool = True):
+        moved = None
         with torch.no_grad():  # (as torch's _apply runs fn)
             for name, p in module.named_parameters(recurse=recurse):
                 changed = fn(p)
-                if changed is not p:
-                    where = f"{self._name(module)}.{name}".replace("engine.module.", "", 1)
-                    raise EngineModuleError(
-                        f"zengine: this call on {self._name(module)} (.to(), .half(), .float(), "
-                        ".double(), .bfloat16(), .cuda(), .cpu(), .type() or .to_empty()) would give "
-                        f"parameter {where} a new tensor ({p.dtype} on {p.device} -> "
-                        f"{changed.dtype} on {changed.device}) after zengine.initialize; the engine "
-                        "keeps its parameters, gradients and optimizer state in its own buffers in the "
-                        "configured dtype and device, and would train on without the cast. Nothing was "
-                        "changed. Choose the precision in the config (bf16 / fp16 enabled) or cast the "
-                        "model before zengine.initialize; for a copy in another dtype, build a separate "
-                        "model from the weights (engine.module.state_dict() inside "
-                        "engine.summon_full_params() at stage 3)"
-                    )
+                if changed is p:
+                    continue
+                where = f"{self._name(module)}.{name}".replace("engine.module.", "", 1)
+                if changed.dtype == p.dtype and changed.device != p.device:
+                    moved = moved or f"{where} from {p.device} to {changed.device}"
+                    continue
+                raise EngineModuleError(
+                    f"zengine: this call on {self._name(module)} (.to(), .half(), .float(), "
+                    ".double(), .bfloat16(), .type() or .to_empty()) would give parameter "
+                    f"{where} a new tensor ({p.dtype} on {p.device} -> {changed.dtype} on "
+                    f"{changed.device}) after zengine.initialize; the engine keeps its parameters, "
+                    "gradients and optimizer state in its own buffers in the configured dtype, and "
+                    "would train on without the cast. Nothing was changed. Choose the precision in "
+                    "the config (bf16 / fp16 enabled) or cast the model before zengine.initialize; "
+                    "for a copy in another dtype, build a separate model from the weights "
+                    "(engine.module.state_dict() inside engine.summon_full_params() at stage 3)"
+                )
+        if moved is not None:  # followed, as at the end of a run (Lightning's teardown: .cpu())
+            self.moved = moved
         return original(fn, recurse)
+
+    def check(self, what: str) -> None:
+        """Raise ``EngineModuleError`` for ``engine.<what>()`` once the module was moved to another
+        device: its parameters left the engine's buffers, training on would not reach them."""
+        if self.moved is not None:
+            raise EngineModuleError(
+                f"zengine: engine.{what}() after engine.module was moved to another device "
+                f"({self.moved}): its parameters are no longer the engine's buffers, so the engine "
+                "cannot train or run it. Move the model before zengine.initialize (the engine places "
+                "it on its device), or build a new engine over the moved model"
+            )
 
     def _apply_fn(self, module: nn.Module, original: Callable, fn: Callable):
         if self._applying:  # a child's, inside its parent's: the outermost call checks
