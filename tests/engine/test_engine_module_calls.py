@@ -265,3 +265,23 @@ def _moved(stage: int) -> tuple:
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_device_move_is_followed_and_training_after_it_refused(stage):
     assert spawn(_moved, 2, stage) == [{"meta"}, {"meta"}]
+
+
+def _bf16_casts(stage: int) -> tuple:
+    cfg = _config(stage, 1)
+    cfg["bf16"] = {"enabled": True}
+    engine, *_ = zengine.initialize(model=_model(), config=cfg)
+    engine.module.bfloat16()  # the configured dtype: changes nothing
+    with pytest.raises(EngineModuleError, match="torch.bfloat16 on cpu -> torch.float32"):
+        engine.module.float()
+    x, y = _batches(1, 1)[0][0]
+    engine.backward(nn.functional.mse_loss(engine(x).float(), y))  # trains on, in bf16
+    engine.step()
+    dtypes = {str(p.dtype) for p in engine.module.parameters()}
+    engine.destroy()
+    return dtypes
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_float_in_a_bf16_run_is_refused(stage):
+    assert spawn(_bf16_casts, 2, stage) == [{"torch.bfloat16"}] * 2
