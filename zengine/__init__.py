@@ -17,6 +17,7 @@ from .distributed.agreement import CollectiveCallError
 from .distributed.diagnose import CollectiveTimeoutError, RanksOutOfStepError
 from .engine import DeepSpeedEngine, Engine
 from .engine.build import UnfrozenParameterError
+from .engine.module_guard import EngineModuleError
 from . import zero
 from .launcher.args import add_config_arguments
 from .zero.nonfinite import NonFiniteGradientError
@@ -36,6 +37,7 @@ __all__ = [
     # what a training step may raise (docs/API.md, "Errors and environment")
     "CollectiveCallError",
     "CollectiveTimeoutError",
+    "EngineModuleError",
     "ExternalUseError",
     "FetchOrderError",
     "NonFiniteGradientError",

@@ -56,6 +56,7 @@ from .build import (
 )
 from .compile import CompileMembers, take_user_compile
 from .members import DeepSpeedMembers
+from .module_guard import ModuleGuard, optimizer_window_drop
 from .saving import CheckpointMembers
 from .memory import PINNED_HOST, memory_breakdown, model_state_bytes  # noqa: F401 (public names here too)
 
@@ -152,6 +153,12 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
         self._compile_as_given(
             user_compiler
         )  # a model compiled before initialize, or the config's compile section
+        acc = self.accumulation  # engine.module's zero_grad and casts: followed or refused
+        self._module_guard = ModuleGuard(
+            model,
+            lambda: not acc.between_batches,
+            optimizer_window_drop(self.optimizer),
+        )
         shutdown.track(self)  # destroy() runs at exit if the script does not call it
         me = weakref.ref(
             self
@@ -283,6 +290,7 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
             self.optimizer.close()
             shm.uninstall(self._shared_memory)
         self.matmul.remove()  # the model's linear layers get their own forward back
+        self._module_guard.remove()  # and their zero_grad and _apply
         self._step_report.close()  # the monitor's files and writers
 
     def _check_alive(self, what: str) -> None:
@@ -291,6 +299,7 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
                 f"engine.{what}(): the engine was destroyed (engine.destroy()); build a new one "
                 "with zengine.initialize to train again"
             )
+        self._module_guard.check(what)  # engine.module moved to another device since initialize
 
     def _warn_idle_step(self) -> None:
         if not self._warned_idle_step and self.global_rank == 0:
