@@ -102,6 +102,9 @@ setup(
             "accelerate>=1.0",
             "trl>=0.20",
             "pytorch-lightning>=2.4",
+            # the formatter tests/test_format.py checks the tree with; pinned, as another release may
+            # lay the same code out differently
+            "ruff==0.17.6",
         ]
     },
     entry_points={

@@ -23,6 +23,7 @@ less the shared library pages (*peak in forward+backward*: everything above the 
 gradients included, the same in every variant). The worst step is reported, with the median
 step time. The table goes to stdout and to ``benchmarks/results/activation_<date>.md``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,10 +64,14 @@ class Checkpointed(nn.Module):
 
 
 def config_for(variant: str, batch: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "steps_per_print": 10 ** 9,
-            "zero_optimization": {"stage": 2},
-            "activation_checkpointing": {"cpu_checkpointing": variant == "checkpoint+cpu"}}
+    return {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 2},
+        "activation_checkpointing": {"cpu_checkpointing": variant == "checkpoint+cpu"},
+    }
 
 
 def measure(variant: str, args: argparse.Namespace, port: int) -> dict:
@@ -75,8 +80,14 @@ def measure(variant: str, args: argparse.Namespace, port: int) -> dict:
         ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 65536)
     except OSError:
         pass
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                      ZENGINE_DEVICE="cpu")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        ZENGINE_DEVICE="cpu",
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -86,8 +97,13 @@ def measure(variant: str, args: argparse.Namespace, port: int) -> dict:
 
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
-                    d_model=args.width)
+    cfg = GPTConfig(
+        vocab_size=args.vocab,
+        seq_len=args.seq,
+        n_layer=args.layers,
+        n_head=args.heads,
+        d_model=args.width,
+    )
     model = GPT(cfg)
     if variant != "none":
         model.blocks = nn.ModuleList(Checkpointed(block) for block in model.blocks)
@@ -96,7 +112,10 @@ def measure(variant: str, args: argparse.Namespace, port: int) -> dict:
         checkpointing.configure(None, deepspeed_config=config)
     engine, *_ = zengine.initialize(model=model, config=config)
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g) for _ in range(args.steps + 1)]
+    batches = [
+        torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+        for _ in range(args.steps + 1)
+    ]
     held, peaks, times, losses = [], [], [], []
     for i, tokens in enumerate(batches):
         x, y = tokens[:, :-1], tokens[:, 1:]
@@ -118,8 +137,14 @@ def measure(variant: str, args: argparse.Namespace, port: int) -> dict:
     copies = checkpointing._HOST_COPIES
     engine.destroy()
     dist.destroy_process_group()
-    return {"held": max(held), "peak": max(peaks), "time": statistics.median(times), "loss": losses[-1],
-            "packed": copies.packed, "moved": copies.moved_bytes}
+    return {
+        "held": max(held),
+        "peak": max(peaks),
+        "time": statistics.median(times),
+        "loss": losses[-1],
+        "packed": copies.packed,
+        "moved": copies.moved_bytes,
+    }
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict:
@@ -129,8 +154,12 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
 def report(args: argparse.Namespace, results: dict, seconds: float) -> str:
     width, seq, batch = args.width, args.seq, args.batch
     block_input = batch * seq * width * 4
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    )
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
     base = results["none"]
     lines = [
         f"# Activation checkpointing: memory and step time, {now()}",
@@ -153,12 +182,17 @@ def report(args: argparse.Namespace, results: dict, seconds: float) -> str:
     ]
     for variant in VARIANTS:
         r = results[variant]
-        lines.append(f"| {variant} | {r['held'] / MB:.1f} | {r['held'] / base['held']:.2f}x | {r['peak'] / MB:.1f} | "
-                     f"{r['peak'] / base['peak']:.2f}x | {r['time']:.2f} | {r['time'] / base['time']:.2f}x | "
-                     f"{r['loss']:.6f} | {r['packed']} ({r['moved'] / MB:.1f} MB moved) |")
-    lines += ["", f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs; "
-              f"{seconds:.0f} s for the whole run, load average at the end {os.getloadavg()[0]:.1f}. zengine: "
-              f"commit {commit.stdout.strip() or '?'}{' + uncommitted changes' if dirty else ''}."]
+        lines.append(
+            f"| {variant} | {r['held'] / MB:.1f} | {r['held'] / base['held']:.2f}x | {r['peak'] / MB:.1f} | "
+            f"{r['peak'] / base['peak']:.2f}x | {r['time']:.2f} | {r['time'] / base['time']:.2f}x | "
+            f"{r['loss']:.6f} | {r['packed']} ({r['moved'] / MB:.1f} MB moved) |"
+        )
+    lines += [
+        "",
+        f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs; "
+        f"{seconds:.0f} s for the whole run, load average at the end {os.getloadavg()[0]:.1f}. zengine: "
+        f"commit {commit.stdout.strip() or '?'}{' + uncommitted changes' if dirty else ''}.",
+    ]
     return "\n".join(lines) + "\n"
 
 

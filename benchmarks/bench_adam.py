@@ -22,6 +22,7 @@ passes, and contenders are compared by their fraction of the roofline. Contender
 
 The markdown table goes to stdout and to ``benchmarks/results/adam_<date>.md``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -105,8 +106,11 @@ def build_roofline(workdir: Path) -> Callable[..., float] | None:
     src.write_text(_ROOFLINE_C)
     cc = os.environ.get("CC", "cc")
     try:
-        subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(lib)],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(lib)],
+            check=True,
+            capture_output=True,
+        )
     except (OSError, subprocess.CalledProcessError) as err:
         print(f"roofline probe not built ({err}); skipping it", file=sys.stderr)
         return None
@@ -120,7 +124,14 @@ def build_roofline(workdir: Path) -> Callable[..., float] | None:
         best = float("inf")
         for fn in loops:
             start = time.perf_counter()
-            fn(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(), torch.get_num_threads())
+            fn(
+                p.data_ptr(),
+                g.data_ptr(),
+                m.data_ptr(),
+                v.data_ptr(),
+                p.numel(),
+                torch.get_num_threads(),
+            )
             best = min(best, time.perf_counter() - start)
         return best
 
@@ -153,21 +164,42 @@ def optimizer_contender(name: str, factory: Callable[[list], torch.optim.Optimiz
     return Contender(name, make)
 
 
-TORCH_KINDS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "default": {"foreach": False}}
+TORCH_KINDS = {
+    "fused": {"fused": True},
+    "foreach": {"foreach": True},
+    "default": {"foreach": False},
+}
 
 
 def contenders(ds_cls) -> list[Contender]:
     """AdamW then Adam with L2: zengine's CPUAdam, torch's three implementations and, when given,
     DeepSpeedCPUAdam (after torch's fused AdamW; right after CPUAdam for Adam)."""
     out = []
-    for adamw, mode, torch_cls in ((True, "AdamW", torch.optim.AdamW), (False, "Adam, L2", torch.optim.Adam)):
-        group = [optimizer_contender(f"zengine CPUAdam ({mode})", lambda ps, a=adamw: CPUAdam(
-            ps, lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=a))]
-        group += [optimizer_contender(f"torch {torch_cls.__name__} {kind}", lambda ps, c=torch_cls, kw=kw: c(
-            ps, lr=LR, weight_decay=WEIGHT_DECAY, **kw)) for kind, kw in TORCH_KINDS.items()]
+    for adamw, mode, torch_cls in (
+        (True, "AdamW", torch.optim.AdamW),
+        (False, "Adam, L2", torch.optim.Adam),
+    ):
+        group = [
+            optimizer_contender(
+                f"zengine CPUAdam ({mode})",
+                lambda ps, a=adamw: CPUAdam(ps, lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=a),
+            )
+        ]
+        group += [
+            optimizer_contender(
+                f"torch {torch_cls.__name__} {kind}",
+                lambda ps, c=torch_cls, kw=kw: c(ps, lr=LR, weight_decay=WEIGHT_DECAY, **kw),
+            )
+            for kind, kw in TORCH_KINDS.items()
+        ]
         if ds_cls is not None:
-            group.insert(2 if adamw else 1, optimizer_contender(f"DeepSpeedCPUAdam ({mode})", lambda ps, a=adamw: ds_cls(
-                ps, lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=a)))
+            group.insert(
+                2 if adamw else 1,
+                optimizer_contender(
+                    f"DeepSpeedCPUAdam ({mode})",
+                    lambda ps, a=adamw: ds_cls(ps, lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=a),
+                ),
+            )
         out += group
     return out
 
@@ -188,8 +220,10 @@ def copy_out_contenders() -> list[Contender]:
 
         return step
 
-    return [Contender("zengine CPUAdam + bf16 copy-out (one pass)", ours),
-            Contender("torch AdamW fused, then bf16 .copy_", torch_then_copy)]
+    return [
+        Contender("zengine CPUAdam + bf16 copy-out (one pass)", ours),
+        Contender("torch AdamW fused, then bf16 .copy_", torch_then_copy),
+    ]
 
 
 def steps_for(n: int) -> int:
@@ -201,7 +235,9 @@ class Samples:
     """Step times of one contender, and per block of steps its roofline fraction."""
 
     seconds: list[float] = field(default_factory=list)
-    roofline_ratio: list[float] = field(default_factory=list)  # median roofline / median step, per block
+    roofline_ratio: list[float] = field(
+        default_factory=list
+    )  # median roofline / median step, per block
 
     def rate(self, n: int) -> float:
         return n / statistics.median(self.seconds) / 1e9
@@ -213,7 +249,9 @@ class Samples:
 ROOFLINE = "roofline (C loop, 28 B/param)"
 
 
-def measure(sizes: list[int], rounds: int, ds_cls, include_slow: bool) -> dict[str, dict[int, Samples]]:
+def measure(
+    sizes: list[int], rounds: int, ds_cls, include_slow: bool
+) -> dict[str, dict[int, Samples]]:
     """Step times per contender per size. Each block of a contender's steps follows a block
     of roofline passes of the same length, so its fraction of the roofline is immune to the
     bandwidth drifting during the run (blocks, not single steps, so that data which fits in
@@ -231,8 +269,13 @@ def measure(sizes: list[int], rounds: int, ds_cls, include_slow: bool) -> dict[s
         for _ in range(rounds):
             for cand in cands:
                 steps = steps_for(n) if "default" not in cand.name else 3
-                roof = [roofline(probe[0], param.grad, probe[1], probe[2]) for _ in range(steps + 1)][1:] \
-                    if roofline else []
+                roof = (
+                    [roofline(probe[0], param.grad, probe[1], probe[2]) for _ in range(steps + 1)][
+                        1:
+                    ]
+                    if roofline
+                    else []
+                )
                 step = cand.make(param)
                 times = time_steps(step, steps)
                 del step
@@ -240,7 +283,9 @@ def measure(sizes: list[int], rounds: int, ds_cls, include_slow: bool) -> dict[s
                 samples.seconds += times
                 if roof:
                     results[ROOFLINE].setdefault(n, Samples()).seconds.extend(roof)
-                    samples.roofline_ratio.append(statistics.median(roof) / statistics.median(times))
+                    samples.roofline_ratio.append(
+                        statistics.median(roof) / statistics.median(times)
+                    )
             print(f"  {n:>11,d} params: round done", file=sys.stderr, flush=True)
         del probe
     if not results[ROOFLINE]:
@@ -264,10 +309,17 @@ def render(results: dict[str, dict[int, Samples]], sizes: list[int], meta: dict[
     label = {n: (f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n:,d}") for n in sizes}
     lines = [f"# CPU Adam step throughput, {meta['date']}", ""]
     lines += [f"- {key}: {value}" for key, value in meta.items() if key != "date"]
-    lines += ["", "G params/s from the median step time over all rounds. In brackets: fraction of the "
-                  "roofline, the median over rounds of (median roofline pass / median step) with the "
-                  "roofline passes taken just before each contender's steps.", ""]
-    lines += ["| contender | " + " | ".join(label[n] for n in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    lines += [
+        "",
+        "G params/s from the median step time over all rounds. In brackets: fraction of the "
+        "roofline, the median over rounds of (median roofline pass / median step) with the "
+        "roofline passes taken just before each contender's steps.",
+        "",
+    ]
+    lines += [
+        "| contender | " + " | ".join(label[n] for n in sizes) + " |",
+        "|---|" + "---|" * len(sizes),
+    ]
     for name, by_size in results.items():
         cells = []
         for n in sizes:
@@ -279,7 +331,10 @@ def render(results: dict[str, dict[int, Samples]], sizes: list[int], meta: dict[
                 cells.append(f"{rate:.3f} ({rate * BYTES_PER_PARAM:.1f} GB/s)")
             else:
                 fraction = samples.fraction()
-                cells.append(f"{samples.rate(n):.3f}" + (f" ({fraction:.0%})" if fraction is not None else ""))
+                cells.append(
+                    f"{samples.rate(n):.3f}"
+                    + (f" ({fraction:.0%})" if fraction is not None else "")
+                )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
 
     big = max(sizes)
@@ -293,31 +348,46 @@ def render(results: dict[str, dict[int, Samples]], sizes: list[int], meta: dict[
         return f"{fa / fb:.2f}" if fa and fb else "n/a"
 
     ours = "zengine CPUAdam (AdamW)"
-    lines += ["", f"Targets at {label[big]} (ratios of roofline fractions, so drift cancels):",
-              "- zengine AdamW / roofline (target >= 0.95): "
-              + (f"{fraction(ours):.2f}" if fraction(ours) else "n/a"),
-              f"- zengine AdamW / torch AdamW fused (target >= 1.0): {ratio(ours, 'torch AdamW fused')}",
-              f"- zengine AdamW / DeepSpeedCPUAdam AdamW (target >= 1.1): {ratio(ours, 'DeepSpeedCPUAdam (AdamW)')}",
-              f"- zengine Adam / DeepSpeedCPUAdam Adam (target >= 1.1): "
-              f"{ratio('zengine CPUAdam (Adam, L2)', 'DeepSpeedCPUAdam (Adam, L2)')}",
-              f"- bf16 copy-out, one pass / torch fused + .copy_ (target >= 1.2): "
-              f"{ratio('zengine CPUAdam + bf16 copy-out (one pass)', 'torch AdamW fused, then bf16 .copy_')}"]
+    lines += [
+        "",
+        f"Targets at {label[big]} (ratios of roofline fractions, so drift cancels):",
+        "- zengine AdamW / roofline (target >= 0.95): "
+        + (f"{fraction(ours):.2f}" if fraction(ours) else "n/a"),
+        f"- zengine AdamW / torch AdamW fused (target >= 1.0): {ratio(ours, 'torch AdamW fused')}",
+        f"- zengine AdamW / DeepSpeedCPUAdam AdamW (target >= 1.1): {ratio(ours, 'DeepSpeedCPUAdam (AdamW)')}",
+        f"- zengine Adam / DeepSpeedCPUAdam Adam (target >= 1.1): "
+        f"{ratio('zengine CPUAdam (Adam, L2)', 'DeepSpeedCPUAdam (Adam, L2)')}",
+        f"- bf16 copy-out, one pass / torch fused + .copy_ (target >= 1.2): "
+        f"{ratio('zengine CPUAdam + bf16 copy-out (one pass)', 'torch AdamW fused, then bf16 .copy_')}",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1M,16M,128M", help="comma list of parameter counts (K/M/G suffixes)")
+    parser.add_argument(
+        "--sizes", default="1M,16M,128M", help="comma list of parameter counts (K/M/G suffixes)"
+    )
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "0")) or None)
+    parser.add_argument(
+        "--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "0")) or None
+    )
     parser.add_argument("--no-deepspeed", action="store_true")
-    parser.add_argument("--skip-slow", action="store_true", help="skip torch's default (single-tensor) Adam above 16M")
-    parser.add_argument("--out", default=None, help="markdown file (default benchmarks/results/adam_<date>.md)")
+    parser.add_argument(
+        "--skip-slow",
+        action="store_true",
+        help="skip torch's default (single-tensor) Adam above 16M",
+    )
+    parser.add_argument(
+        "--out", default=None, help="markdown file (default benchmarks/results/adam_<date>.md)"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    ds_cls, ds_version = (None, "skipped (--no-deepspeed)") if args.no_deepspeed else deepspeed_cpu_adam()
+    ds_cls, ds_version = (
+        (None, "skipped (--no-deepspeed)") if args.no_deepspeed else deepspeed_cpu_adam()
+    )
     if ds_cls is not None:  # build (or load) DeepSpeed's op before any timing
         start = time.perf_counter()
         ds_cls([torch.nn.Parameter(torch.zeros(16))])

@@ -20,6 +20,7 @@ Export: ``zengine-to-fp32`` runs in a fresh process on checkpoints of
 before the export starts (an upper bound on what the export added).
 The table goes to stdout and to ``benchmarks/results/checkpoint_<date>.md``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,9 +86,15 @@ def disk_bandwidth(directory: str, nbytes: int) -> tuple[float, float]:
 def make_engine(width: int, layers: int, stage: int):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-    engine, *_ = zengine.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "zero_optimization": {"stage": stage}, "steps_per_print": 10**9})
+    engine, *_ = zengine.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "zero_optimization": {"stage": stage},
+            "steps_per_print": 10**9,
+        },
+    )
     engine.backward(engine(torch.randn(1, width)).pow(2).mean())
     engine.step()
     return engine
@@ -109,7 +116,9 @@ def rank_job(rank: int, world: int, port: int, args, out: str) -> None:
         dist.barrier()
         t0 = time.perf_counter()
         engine.save_checkpoint(save_dir, tag=f"async{r}", async_save=True)
-        stalls.append(time.perf_counter() - t0)  # what the step waits (the same on every rank: a collective)
+        stalls.append(
+            time.perf_counter() - t0
+        )  # what the step waits (the same on every rank: a collective)
         engine.wait_for_checkpoint()
         dist.barrier()
         published.append(time.perf_counter() - t0)
@@ -123,13 +132,26 @@ def rank_job(rank: int, world: int, port: int, args, out: str) -> None:
         dist.barrier()
         loads.append(time.perf_counter() - t0)
     del engine
-    for layers in args.export_layers:  # smaller checkpoints for the export's memory against model size
+    for (
+        layers
+    ) in args.export_layers:  # smaller checkpoints for the export's memory against model size
         if layers != args.layers:
-            make_engine(args.width, layers, args.stage).save_checkpoint(os.path.join(args.dir, f"export{layers}"))
+            make_engine(args.width, layers, args.stage).save_checkpoint(
+                os.path.join(args.dir, f"export{layers}")
+            )
     if rank == 0:
         size = sum(os.path.getsize(f) for f in checkpoint_files(os.path.join(save_dir, "round0")))
         with open(out, "w") as f:
-            json.dump({"saves": saves, "loads": loads, "bytes": size, "stalls": stalls, "published": published}, f)
+            json.dump(
+                {
+                    "saves": saves,
+                    "loads": loads,
+                    "bytes": size,
+                    "stalls": stalls,
+                    "published": published,
+                },
+                f,
+            )
     dist.destroy_process_group()
 
 
@@ -147,23 +169,35 @@ MEASURE = textwrap.dedent("""
 
 
 def export_peak(checkpoint_dir: str, output: str) -> dict:
-    run = subprocess.run([sys.executable, "-c", MEASURE, checkpoint_dir, output], capture_output=True, text=True,
-                         check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    run = subprocess.run(
+        [sys.executable, "-c", MEASURE, checkpoint_dir, output],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     result = json.loads(run.stdout.strip().splitlines()[-1])
     os.remove(output)
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--stage", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--export-layers", default="1,3,6")
-    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    parser.add_argument("--out", default=None, help="folder for the markdown table (default benchmarks/results)")
+    parser.add_argument(
+        "--dir", default=None, help="where to write (default: a temporary directory)"
+    )
+    parser.add_argument(
+        "--out", default=None, help="folder for the markdown table (default benchmarks/results)"
+    )
     args = parser.parse_args(argv)
     args.export_layers = [int(x) for x in args.export_layers.split(",")]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -226,8 +260,10 @@ def report(args, res, write_bw, read_bw, exports) -> None:
     for layers, m in exports:
         n = layers * (args.width * args.width + args.width)
         extra = m["peak"] - m["before"]
-        lines.append(f"| {layers} | {n:,} | {n * 4 / MB:,.0f} | {extra / MB:,.0f} | {extra / largest:.2f} | "
-                     f"{m['seconds']:.2f} |")
+        lines.append(
+            f"| {layers} | {n:,} | {n * 4 / MB:,.0f} | {extra / MB:,.0f} | {extra / largest:.2f} | "
+            f"{m['seconds']:.2f} |"
+        )
     publish("\n".join(lines) + "\n", result_path(args.out, "checkpoint"))
 
 

@@ -39,6 +39,7 @@ the median of its step's CPU (and wall) time over compiled DDP's step next to it
 without ``ddp-compiled``). Peak memory and
 compile times mean nothing there (the models share the processes): use the separate runs for those.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,19 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from common import (REPO, command_line, join_group, mean_over_ranks, publish, rank_results, result_path,
-                    save_rank_result, slowest_rank, spawn_ranks, today)
+from common import (
+    REPO,
+    command_line,
+    join_group,
+    mean_over_ranks,
+    publish,
+    rank_results,
+    result_path,
+    save_rank_result,
+    slowest_rank,
+    spawn_ranks,
+    today,
+)
 
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -68,8 +80,18 @@ from bench_zero import BUCKET, MB, batch_for, build_fsdp2, torch_adamw, torch_st
 from zengine import models  # noqa: E402
 from zengine.models import GPT, ByteWindows  # noqa: E402
 
-CONTENDERS = ["ddp", "ddp-compiled", "ddp-compiled+gather", "zengine-0-compiled", "zengine-2", "zengine-2-compiled", "fsdp2",
-              "fsdp2-compiled", "zengine-3", "zengine-3-compiled"]
+CONTENDERS = [
+    "ddp",
+    "ddp-compiled",
+    "ddp-compiled+gather",
+    "zengine-0-compiled",
+    "zengine-2",
+    "zengine-2-compiled",
+    "fsdp2",
+    "fsdp2-compiled",
+    "zengine-3",
+    "zengine-3-compiled",
+]
 
 
 def build(name: str, model: torch.nn.Module, backend: str):
@@ -97,9 +119,13 @@ def build(name: str, model: torch.nn.Module, backend: str):
 
     stage = int(name.split("-")[1])
     if stage == 3:
-        zengine.utils.set_z3_leaf_modules(model, [Block])  # one gather unit (and one graph) per block
+        zengine.utils.set_z3_leaf_modules(
+            model, [Block]
+        )  # one gather unit (and one graph) per block
     config = zero_config(stage, BUCKET)
-    if name.endswith("-gloo"):  # gloo's transport, not shared memory (the default where the ranks share a host)
+    if name.endswith(
+        "-gloo"
+    ):  # gloo's transport, not shared memory (the default where the ranks share a host)
         config["shared_memory"] = {"enabled": False}
     engine, *_ = zengine.initialize(model=model, config=config)
     if compiled:
@@ -123,7 +149,9 @@ def stage3_gather(params: list[torch.nn.Parameter]):
     return lambda: all_gather_rows(rows, rank)
 
 
-def worker(rank: int, world: int, port: int, name: str, args: argparse.Namespace, out_dir: str) -> None:
+def worker(
+    rank: int, world: int, port: int, name: str, args: argparse.Namespace, out_dir: str
+) -> None:
     result = {"rank": rank}
     try:
         join_group(rank, world, port, minutes=10)
@@ -145,9 +173,13 @@ def worker(rank: int, world: int, port: int, name: str, args: argparse.Namespace
             optimizer_step()
             times.append(time.perf_counter() - t0)
             cpu_times.append(time.process_time() - c0)
-        result.update(times=slowest_rank(times), cpu_times=slowest_rank(cpu_times),
-                      final_loss=mean_over_ranks(loss.item()),
-                      baseline_rss=baseline_rss, peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        result.update(
+            times=slowest_rank(times),
+            cpu_times=slowest_rank(cpu_times),
+            final_loss=mean_over_ranks(loss.item()),
+            baseline_rss=baseline_rss,
+            peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        )
         dist.barrier()
         dist.destroy_process_group()
     except Exception:
@@ -155,8 +187,9 @@ def worker(rank: int, world: int, port: int, name: str, args: argparse.Namespace
     save_rank_result(out_dir, rank, result)
 
 
-def paired_worker(rank: int, world: int, port: int, names: list[str], args: argparse.Namespace,
-                  out_dir: str) -> None:
+def paired_worker(
+    rank: int, world: int, port: int, names: list[str], args: argparse.Namespace, out_dir: str
+) -> None:
     """Every contender in these processes, one step of each in turn; writes the step times (slower rank)."""
     join_group(rank, world, port, minutes=10)
     cfg = getattr(models, args.model)()
@@ -168,7 +201,7 @@ def paired_worker(rank: int, world: int, port: int, names: list[str], args: argp
     cpu, wall, losses = ({n: [] for n in names} for _ in range(3))
     for i in range(args.warmup + args.steps):
         x, y = batch_for(dataset, i, rank, world)
-        for name in (names if i % 2 == 0 else names[::-1]):
+        for name in names if i % 2 == 0 else names[::-1]:
             forward_backward, optimizer_step = steps[name]
             dist.barrier()  # each contender's step starts with both ranks ready
             t0, c0 = time.perf_counter(), time.process_time()
@@ -184,9 +217,18 @@ def paired_worker(rank: int, world: int, port: int, names: list[str], args: argp
     dist.all_reduce(final)
     if rank == 0:
         k = len(names)
-        Path(out_dir, "paired.json").write_text(json.dumps({n: dict(cpu=times[j].tolist(), wall=times[k + j].tolist(),
-                                                                     loss=final[j].item() / world)
-                                                            for j, n in enumerate(names)}))
+        Path(out_dir, "paired.json").write_text(
+            json.dumps(
+                {
+                    n: dict(
+                        cpu=times[j].tolist(),
+                        wall=times[k + j].tolist(),
+                        loss=final[j].item() / world,
+                    )
+                    for j, n in enumerate(names)
+                }
+            )
+        )
     dist.destroy_process_group()
 
 
@@ -200,11 +242,17 @@ def run_paired(names: list[str], args: argparse.Namespace) -> str:
     rows = []
     for name in names:
         r = res[name]
-        ratio = {k: statistics.median(a / b for a, b in zip(r[k], base[k])) for k in ("cpu", "wall")}
-        rows.append(f"| {name} | {statistics.median(r['cpu']):.3f} | {statistics.median(r['wall']):.3f} | "
-                    f"{ratio['cpu']:.3f}x / {ratio['wall']:.3f}x | {r['loss']:.4f} |")
-    return (f"| contender | CPU s/step (median) | s/step (median, wall) | paired ratio to {first} (CPU / wall) "
-            "| final loss |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+        ratio = {
+            k: statistics.median(a / b for a, b in zip(r[k], base[k])) for k in ("cpu", "wall")
+        }
+        rows.append(
+            f"| {name} | {statistics.median(r['cpu']):.3f} | {statistics.median(r['wall']):.3f} | "
+            f"{ratio['cpu']:.3f}x / {ratio['wall']:.3f}x | {r['loss']:.4f} |"
+        )
+    return (
+        f"| contender | CPU s/step (median) | s/step (median, wall) | paired ratio to {first} (CPU / wall) "
+        "| final loss |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+    )
 
 
 def run_contender(name: str, args: argparse.Namespace) -> list[dict]:
@@ -216,9 +264,11 @@ def run_contender(name: str, args: argparse.Namespace) -> list[dict]:
 
 
 def host_line(args: argparse.Namespace) -> str:
-    return (f"Host: {platform.node()} ({os.cpu_count()} CPUs, shared), torch {torch.__version__}, backend "
-            f"{args.backend}, W={args.world} gloo ranks (1 thread each), model {args.model} "
-            f"({'21M parameters, ' if args.model == 'bench20m' else ''}fp32, AdamW, micro batch 4)")
+    return (
+        f"Host: {platform.node()} ({os.cpu_count()} CPUs, shared), torch {torch.__version__}, backend "
+        f"{args.backend}, W={args.world} gloo ranks (1 thread each), model {args.model} "
+        f"({'21M parameters, ' if args.model == 'bench20m' else ''}fp32, AdamW, micro batch 4)"
+    )
 
 
 def summarize(runs: dict[str, list[list[dict]]], args: argparse.Namespace, command: str) -> str:
@@ -228,18 +278,22 @@ def summarize(runs: dict[str, list[list[dict]]], args: argparse.Namespace, comma
         if errors:
             rows.append(f"| {name} | failed: {errors[0].strip().splitlines()[-1]} | | | | | |")
             continue
-        timed = [t for results in rounds for t in results[0]["times"][args.warmup:]]
+        timed = [t for results in rounds for t in results[0]["times"][args.warmup :]]
         median = statistics.median(timed)
-        cpu = statistics.median([t for results in rounds for t in results[0]["cpu_times"][args.warmup:]])
+        cpu = statistics.median(
+            [t for results in rounds for t in results[0]["cpu_times"][args.warmup :]]
+        )
         medians[name] = (median, cpu)
-        first = statistics.mean(sum(results[0]["times"][:args.warmup]) for results in rounds)
+        first = statistics.mean(sum(results[0]["times"][: args.warmup]) for results in rounds)
         peak = "/".join(f"{(r['peak_rss'] - r['baseline_rss']) / MB:.0f}" for r in rounds[-1])
         loss = rounds[-1][0]["final_loss"]
         compile_s = max(0.0, first - args.warmup * median)
-        rows.append(f"| {name} | {median:.3f} | {cpu:.3f} | {{ratio_{name}}} | {compile_s:.1f} | {peak} | {loss:.4f} |")
+        rows.append(
+            f"| {name} | {median:.3f} | {cpu:.3f} | {{ratio_{name}}} | {compile_s:.1f} | {peak} | {loss:.4f} |"
+        )
     table = "\n".join(rows)
     for name in runs:
-        eager = name[:-len("-compiled")] if name.endswith("-compiled") else None
+        eager = name[: -len("-compiled")] if name.endswith("-compiled") else None
         parts = []
         for other in ("ddp-compiled", eager):
             if name in medians and other in medians and other != name:
@@ -247,41 +301,66 @@ def summarize(runs: dict[str, list[list[dict]]], args: argparse.Namespace, comma
                 cpu = medians[name][1] / medians[other][1]
                 parts.append(f"{wall:.2f}x / {cpu:.2f}x {other}")
         table = table.replace(f"{{ratio_{name}}}", ", ".join(parts))
-    return (f"# torch.compile, side by side ({today()})\n\n"
-            f"`{command}`\n\n"
-            f"{host_line(args)}, {args.warmup} untimed + {args.steps} timed steps x {args.rounds} round(s).\n\n"
-            "| contender | s/step (median, wall) | CPU s/step (median) | ratio (wall / CPU) | compile s (first steps beyond "
-            "warmup x median) | peak RSS MB per rank | final loss |\n|---|---|---|---|---|---|---|\n" + table + "\n")
+    return (
+        f"# torch.compile, side by side ({today()})\n\n"
+        f"`{command}`\n\n"
+        f"{host_line(args)}, {args.warmup} untimed + {args.steps} timed steps x {args.rounds} round(s).\n\n"
+        "| contender | s/step (median, wall) | CPU s/step (median) | ratio (wall / CPU) | compile s (first steps beyond "
+        "warmup x median) | peak RSS MB per rank | final loss |\n|---|---|---|---|---|---|---|\n"
+        + table
+        + "\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backend", default="inductor", help="torch.compile backend of every compiled contender")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation happens here)")
+    parser.add_argument(
+        "--backend", default="inductor", help="torch.compile backend of every compiled contender"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps (compilation happens here)"
+    )
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
-    parser.add_argument("--rounds", type=int, default=1, help="times every contender runs, interleaved")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="times every contender runs, interleaved"
+    )
     parser.add_argument("--world", type=int, default=2, help="gloo ranks")
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the markdown table")
-    parser.add_argument("--paired", action="store_true",
-                        help="every contender in the same processes, steps in turn: ratios to ddp-compiled's steps")
-    parser.add_argument("--model", default="bench20m", choices=["bench20m", "tiny"],
-                        help="zengine.models GPT config (tiny: the smoke run's)")
-    parser.add_argument("--smoke", action="store_true", help="the tiny model, one untimed and one timed step, "
-                        "torch.compile's eager backend: the harness works, the figures mean nothing")
+    parser.add_argument(
+        "--out", default=str(REPO / "benchmarks" / "results"), help="folder for the markdown table"
+    )
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="every contender in the same processes, steps in turn: ratios to ddp-compiled's steps",
+    )
+    parser.add_argument(
+        "--model",
+        default="bench20m",
+        choices=["bench20m", "tiny"],
+        help="zengine.models GPT config (tiny: the smoke run's)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the tiny model, one untimed and one timed step, "
+        "torch.compile's eager backend: the harness works, the figures mean nothing",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.warmup, args.steps, args.rounds, args.model, args.backend = 1, 1, 1, "tiny", "eager"
     names = args.contenders.split(",")
     command = command_line("bench_compile.py", argv)
     if args.paired:
-        report = (f"# torch.compile, paired steps ({today()})\n\n`{command}`\n\n{host_line(args)}, "
-                  f"{args.warmup} untimed + {args.steps} timed steps, the contenders' steps in turn in the same "
-                  f"processes.\n\n" + run_paired(names, args))
+        report = (
+            f"# torch.compile, paired steps ({today()})\n\n`{command}`\n\n{host_line(args)}, "
+            f"{args.warmup} untimed + {args.steps} timed steps, the contenders' steps in turn in the same "
+            f"processes.\n\n" + run_paired(names, args)
+        )
     else:
         runs: dict[str, list] = {n: [] for n in names}
         for r in range(args.rounds):
-            for name in (names if r % 2 == 0 else names[::-1]):
+            for name in names if r % 2 == 0 else names[::-1]:
                 print(f"round {r + 1}: {name}", file=sys.stderr, flush=True)
                 runs[name].append(run_contender(name, args))
         report = summarize(runs, args, command)

@@ -32,6 +32,7 @@ The table is printed and written to ``benchmarks/results/gpu_<date>.md`` (to ``-
 with the raw figures as JSON beside it. A contender that fails or runs past ``--timeout`` is reported as
 such and the others still run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,21 @@ from common import REPO as ROOT
 from common import RESULTS, free_port, rank_env, result_path, today
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.95), 1e-8, 0.01
-CONTENDERS = ["torch", "fsdp2", "deepspeed-2", "deepspeed-3", "zengine-0", "zengine-1", "zengine-2", "zengine-3",
-              "zengine-3-blocks", "zengine-2-offload", "deepspeed-2-offload", "zengine-3-offload", "zengine-infinity"]
+CONTENDERS = [
+    "torch",
+    "fsdp2",
+    "deepspeed-2",
+    "deepspeed-3",
+    "zengine-0",
+    "zengine-1",
+    "zengine-2",
+    "zengine-3",
+    "zengine-3-blocks",
+    "zengine-2-offload",
+    "deepspeed-2-offload",
+    "zengine-3-offload",
+    "zengine-infinity",
+]
 # "<contender>-compiled" runs the contender under torch.compile (inductor): torch.compile of the model for torch,
 # engine.compile() for zengine (#26's GPU rows; not in the default list: the compiles take minutes)
 COMPILABLE = ["torch", "zengine-0", "zengine-1", "zengine-2", "zengine-3", "zengine-3-blocks"]
@@ -68,14 +82,19 @@ PEAKS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10G": 125
 def gpt_config(args):
     from zengine.models.gpt import GPTConfig
 
-    return GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
-                     d_model=args.d_model)
+    return GPTConfig(
+        vocab_size=args.vocab,
+        seq_len=args.seq,
+        n_layer=args.layers,
+        n_head=args.heads,
+        d_model=args.d_model,
+    )
 
 
 def flops_per_token(args) -> float:
     """Model FLOPs of one trained token: 6 per multiply-accumulate weight (forward 2, backward 4) of the
     blocks and the tied head, plus causal-free attention scores and values (12 x layers x d_model x seq)."""
-    matmul = args.layers * 12 * args.d_model ** 2 + args.vocab * args.d_model
+    matmul = args.layers * 12 * args.d_model**2 + args.vocab * args.d_model
     return 6 * matmul + 12 * args.layers * args.d_model * args.seq
 
 
@@ -96,23 +115,29 @@ def zengine_config(args, stage: int, offload: str | None) -> dict:
         zero["offload_optimizer"] = dict(nvme, buffer_count=4)
         zero["offload_param"] = dict(nvme, buffer_count=5)
         zero["sub_group_size"] = 100_000_000
-        zero["offload_param"]["buffer_size"] = 2 * args.vocab * args.d_model  # the largest parameter fits
+        zero["offload_param"]["buffer_size"] = (
+            2 * args.vocab * args.d_model
+        )  # the largest parameter fits
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY},
+        },
         "bf16": {"enabled": args.dtype == "bf16"},
         "fp16": {"enabled": args.dtype == "fp16"},
         "gradient_clipping": 1.0,
-        "steps_per_print": 10 ** 9,
+        "steps_per_print": 10**9,
         "zero_optimization": zero,
     }
 
 
 # -- the contenders (each returns step(x, y) -> loss) ----------------------------------------------------------
 def torch_adamw(params, device) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+    return torch.optim.AdamW(
+        params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True
+    )
 
 
 def autocast(args, device):
@@ -123,6 +148,7 @@ def autocast(args, device):
 def clipped_steps(model, opt, context=contextlib.nullcontext):
     """(forward_backward, optimizer_step) of a torch model and its optimizer: the forward under
     ``context()``, the gradients clipped to norm 1 before each step."""
+
     def forward_backward(x, y):
         with context():
             loss = model(x, y)
@@ -133,12 +159,15 @@ def clipped_steps(model, opt, context=contextlib.nullcontext):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     return forward_backward, optimizer_step
 
 
 def build_torch(args, model, device):
     model.to(device)
-    return clipped_steps(model, torch_adamw(model.parameters(), device), lambda: autocast(args, device))
+    return clipped_steps(
+        model, torch_adamw(model.parameters(), device), lambda: autocast(args, device)
+    )
 
 
 def build_fsdp2(args, model, device):
@@ -159,7 +188,9 @@ def build_engine(initialize, args, model, stage: int, offload: str | None, clien
     config = zengine_config(args, stage, offload)
     if client_optimizer:  # DeepSpeed without offload: the same fused torch AdamW as the others
         config.pop("optimizer")
-        engine, *_ = initialize(model=model, optimizer=torch_adamw(model.parameters(), None), config=config)
+        engine, *_ = initialize(
+            model=model, optimizer=torch_adamw(model.parameters(), None), config=config
+        )
     else:
         engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=config)
 
@@ -167,13 +198,16 @@ def build_engine(initialize, args, model, stage: int, offload: str | None, clien
         loss = engine(x, y)
         engine.backward(loss)
         return loss
+
     forward_backward.engine = engine  # (a "-compiled" contender compiles it)
     return forward_backward, engine.step
 
 
 def build(name: str, args, model, device):
-    if name.endswith("-compiled"):  # the first steps (--warmup) compile; stage 3's units at the second
-        base = name[:-len("-compiled")]
+    if name.endswith(
+        "-compiled"
+    ):  # the first steps (--warmup) compile; stage 3's units at the second
+        base = name[: -len("-compiled")]
         if base == "torch":
             model.compile()
             return build_torch(args, model, device)
@@ -194,9 +228,13 @@ def build(name: str, args, model, device):
     offload = {"offload": "cpu", "infinity": "nvme"}.get(parts[-1])
     if parts[0] == "zengine":
         import zengine
+
         return build_engine(zengine.initialize, args, model, stage, offload, client_optimizer=False)
     import deepspeed  # noqa: F401 (ImportError: reported as skipped)
-    return build_engine(deepspeed.initialize, args, model, stage, offload, client_optimizer=offload is None)
+
+    return build_engine(
+        deepspeed.initialize, args, model, stage, offload, client_optimizer=offload is None
+    )
 
 
 # -- one contender in this process --------------------------------------------------------------------------
@@ -243,13 +281,28 @@ def worker(args) -> dict:
     dist.destroy_process_group()
     s_step = statistics.median(times)
     tokens = args.micro_batch * args.seq / s_step
-    peak = PEAKS.get(next((k for k in PEAKS if device.type == "cuda" and k in torch.cuda.get_device_name(device)), ""))
-    return {"name": args.worker, "params": params, "build_s": build_s, "s_step": s_step, "tokens_s": tokens,
-            "mfu": tokens * flops_per_token(args) / (peak * 1e12) if peak else None,
-            "peak_device_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None,
-            "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
-            "first_loss": losses[0], "last_loss": losses[-1], "times": times,
-            "fwd_bwd_s": statistics.median(fb_times) if args.split else None}
+    peak = PEAKS.get(
+        next(
+            (k for k in PEAKS if device.type == "cuda" and k in torch.cuda.get_device_name(device)),
+            "",
+        )
+    )
+    return {
+        "name": args.worker,
+        "params": params,
+        "build_s": build_s,
+        "s_step": s_step,
+        "tokens_s": tokens,
+        "mfu": tokens * flops_per_token(args) / (peak * 1e12) if peak else None,
+        "peak_device_gib": torch.cuda.max_memory_allocated(device) / 2**30
+        if device.type == "cuda"
+        else None,
+        "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "times": times,
+        "fwd_bwd_s": statistics.median(fb_times) if args.split else None,
+    }
 
 
 def profile(args, forward_backward, optimizer_step, device) -> None:
@@ -275,11 +328,16 @@ def run_contender(name: str, args, argv: list[str]) -> dict:
     """One contender in a fresh process; its result, or why there is none."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        env = dict(os.environ, **rank_env(0, 1, free_port(), LOCAL_WORLD_SIZE="1"),
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ,
+            **rank_env(0, 1, free_port(), LOCAL_WORLD_SIZE="1"),
+            PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        )
         cmd = [sys.executable, __file__, *argv, "--worker", name, "--result", out]
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            proc = subprocess.run(
+                cmd, env=env, capture_output=True, text=True, timeout=args.timeout
+            )
         except subprocess.TimeoutExpired:
             return {"name": name, "error": f"ran past --timeout {args.timeout} s"}
         if os.path.exists(out):
@@ -295,26 +353,39 @@ def fmt(value, spec: str) -> str:
 
 def report(results: list[dict], args) -> str:
     by = {r["name"]: r for r in results if "error" not in r}
-    lines = [f"# bench_gpu, {today()}", "",
-             f"Machine: {device_name(args)}; torch {torch.__version__}; python {platform.python_version()}.",
-             f"Workload: GPT {args.layers} layers, d_model {args.d_model}, {args.heads} heads, seq {args.seq}, "
-             f"vocab {args.vocab} ({next(iter(by.values()))['params'] / 1e6:,.1f}M parameters)" if by else "",
-             f"micro-batch {args.micro_batch}, {args.dtype}, AdamW; {args.warmup} warm-up and {args.steps} timed "
-             f"steps per contender (median), one process each.", "",
-             "| contender | s/step | fwd+bwd s | tokens/s | vs torch | vs FSDP2 | MFU | peak device GiB | "
-             "host RSS GiB | first loss | last loss | build s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# bench_gpu, {today()}",
+        "",
+        f"Machine: {device_name(args)}; torch {torch.__version__}; python {platform.python_version()}.",
+        f"Workload: GPT {args.layers} layers, d_model {args.d_model}, {args.heads} heads, seq {args.seq}, "
+        f"vocab {args.vocab} ({next(iter(by.values()))['params'] / 1e6:,.1f}M parameters)"
+        if by
+        else "",
+        f"micro-batch {args.micro_batch}, {args.dtype}, AdamW; {args.warmup} warm-up and {args.steps} timed "
+        f"steps per contender (median), one process each.",
+        "",
+        "| contender | s/step | fwd+bwd s | tokens/s | vs torch | vs FSDP2 | MFU | peak device GiB | "
+        "host RSS GiB | first loss | last loss | build s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['name']} | failed: {r['error'][:300]} ||||||||||")
             continue
-        ratio = {k: (r["tokens_s"] / by[k]["tokens_s"] if k in by else None) for k in ("torch", "fsdp2")}
-        lines.append(f"| {r['name']} | {r['s_step']:.4f} | {fmt(r.get('fwd_bwd_s'), '.4f')} | {r['tokens_s']:,.0f} | {fmt(ratio['torch'], '.2f')} | "
-                     f"{fmt(ratio['fsdp2'], '.2f')} | {fmt(r['mfu'], '.3f')} | {fmt(r['peak_device_gib'], '.2f')} | "
-                     f"{r['rss_gib']:.2f} | {r['first_loss']:.4f} | {r['last_loss']:.4f} | {r['build_s']:.1f} |")
-    lines += ["", "Targets (issue 28): zengine stages 0-2 >= 0.95x torch tokens/s; stage 3 >= 0.95x FSDP2 and "
-              ">= 1.5x DeepSpeed ZeRO-3; ZeRO-2 + CPU offload <= 0.5 s/step (>= 1.5x DeepSpeed's).",
-              f"Reproduce: `python benchmarks/bench_gpu.py {' '.join(sys.argv[1:])}`"]
+        ratio = {
+            k: (r["tokens_s"] / by[k]["tokens_s"] if k in by else None) for k in ("torch", "fsdp2")
+        }
+        lines.append(
+            f"| {r['name']} | {r['s_step']:.4f} | {fmt(r.get('fwd_bwd_s'), '.4f')} | {r['tokens_s']:,.0f} | {fmt(ratio['torch'], '.2f')} | "
+            f"{fmt(ratio['fsdp2'], '.2f')} | {fmt(r['mfu'], '.3f')} | {fmt(r['peak_device_gib'], '.2f')} | "
+            f"{r['rss_gib']:.2f} | {r['first_loss']:.4f} | {r['last_loss']:.4f} | {r['build_s']:.1f} |"
+        )
+    lines += [
+        "",
+        "Targets (issue 28): zengine stages 0-2 >= 0.95x torch tokens/s; stage 3 >= 0.95x FSDP2 and "
+        ">= 1.5x DeepSpeed ZeRO-3; ZeRO-2 + CPU offload <= 0.5 s/step (>= 1.5x DeepSpeed's).",
+        f"Reproduce: `python benchmarks/bench_gpu.py {' '.join(sys.argv[1:])}`",
+    ]
     return "\n".join(lines)
 
 
@@ -325,7 +396,9 @@ def device_name(args) -> str:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cuda", help="cuda or cpu (the CPU smoke run)")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--d_model", type=int, default=2048)
@@ -336,12 +409,22 @@ def parse(argv=None):
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, in running order")
+    p.add_argument(
+        "--contenders", default=",".join(CONTENDERS), help="comma-separated, in running order"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per contender")
-    p.add_argument("--nvme_path", default=os.path.join(tempfile.gettempdir(), "zengine_bench_gpu_nvme"))
+    p.add_argument(
+        "--nvme_path", default=os.path.join(tempfile.gettempdir(), "zengine_bench_gpu_nvme")
+    )
     p.add_argument("--out", default=None, help="also write the table and JSON here")
-    p.add_argument("--split", action="store_true", help="also time forward+backward apart (a host sync between)")
-    p.add_argument("--profile", action="store_true", help="profile two more steps per contender into --out")
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="also time forward+backward apart (a host sync between)",
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="profile two more steps per contender into --out"
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -374,7 +457,9 @@ def main(argv: list[str] | None = None) -> None:
     text = report(results, args)
     print(text)
     stem = "gpu" if args.device.startswith("cuda") else "gpu_cpu"
-    out = args.out or str(RESULTS)  # --out given: there only (the device run brings its folder back)
+    out = args.out or str(
+        RESULTS
+    )  # --out given: there only (the device run brings its folder back)
     Path(out).mkdir(parents=True, exist_ok=True)
     result_path(out, stem).write_text(text + "\n")
     result_path(out, stem, "json").write_text(json.dumps(results, indent=1))

@@ -38,6 +38,7 @@ units, then resets the high-water mark, so each phase's peak is its own. The tab
 rank's values.
 The table goes to stdout and to ``benchmarks/results/memory_<date>.md``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import (REPO, deepspeed_contenders, join_group, now, publish, rank_results, result_path,
-                    save_rank_result)
+from common import (
+    REPO,
+    deepspeed_contenders,
+    join_group,
+    now,
+    publish,
+    rank_results,
+    result_path,
+    save_rank_result,
+)
 
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -71,12 +80,20 @@ LR = 1e-4
 MICRO_BATCH = 2
 BUCKET = 5_000_000  # reduce_bucket_size and allgather_bucket_size (elements)
 # Stage-3 settings of the "-small" variants: a bounded number of parameters gathered at once.
-STAGE3_SMALL = {"stage3_prefetch_bucket_size": 5_000_000, "stage3_max_live_parameters": 10_000_000,
-                "stage3_max_reuse_distance": 10_000_000, "stage3_param_persistence_threshold": 100_000}
+STAGE3_SMALL = {
+    "stage3_prefetch_bucket_size": 5_000_000,
+    "stage3_max_live_parameters": 10_000_000,
+    "stage3_max_reuse_distance": 10_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+}
 # The "-lean" variants: the least memory stage 3 has, one layer gathered and one bucket reduced at a time.
-STAGE3_LEAN = {"stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 5_000_000,
-               "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 100_000,
-               "overlap_comm": False}
+STAGE3_LEAN = {
+    "stage3_prefetch_bucket_size": 0,
+    "stage3_max_live_parameters": 5_000_000,
+    "stage3_max_reuse_distance": 0,
+    "stage3_param_persistence_threshold": 100_000,
+    "overlap_comm": False,
+}
 PHASES = ("build", "initialize", "forward", "backward", "step")
 M_MMAP_THRESHOLD = -3
 
@@ -87,8 +104,11 @@ _shared_at_reset = 0  # bytes of shared (file-backed, shm) pages mapped at the l
 
 def _status() -> dict[str, int]:
     with open("/proc/self/status") as f:
-        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f if ":" in line)
-                if v.strip().endswith("kB")}
+        return {
+            k: int(v.split()[0]) * 1024
+            for k, v in (line.split(":", 1) for line in f if ":" in line)
+            if v.strip().endswith("kB")
+        }
 
 
 def read_status() -> tuple[int, int]:
@@ -118,7 +138,9 @@ class Recorder:
         self.unit = unit
         reset_peak()
         self.base, _ = read_status()
-        self.phases: list[tuple[str, float, float]] = []  # (phase, own memory after it, peak during it)
+        self.phases: list[
+            tuple[str, float, float]
+        ] = []  # (phase, own memory after it, peak during it)
 
     def __call__(self, phase: str) -> None:
         rss, peak = read_status()
@@ -132,11 +154,20 @@ def build_model(layers: int, width: int) -> nn.Module:
 
 
 def zengine_config(stage: int, stage3: dict | None = None, **offload) -> dict:
-    zero = {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET, **(stage3 or {}),
-            **offload}
-    return {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR}}, "steps_per_print": 10 ** 9,
-            "zero_optimization": zero}
+    zero = {
+        "stage": stage,
+        "reduce_bucket_size": BUCKET,
+        "allgather_bucket_size": BUCKET,
+        **(stage3 or {}),
+        **offload,
+    }
+    return {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "steps_per_print": 10**9,
+        "zero_optimization": zero,
+    }
 
 
 class Contender:
@@ -144,21 +175,40 @@ class Contender:
     ``(module, backward, step, counted, teardown)``: ``module(x)`` is the forward, ``backward(loss)``,
     ``step()``, ``counted()`` the bytes of model states it counts, ``teardown()`` its clean end."""
 
-    def __init__(self, stage: int, prepare: Callable, formula: Callable[[int], float], formula_text: str,
-                 zero_init: bool = False, nvme: bool = False):
-        self.stage, self.prepare, self.formula, self.formula_text = stage, prepare, formula, formula_text
+    def __init__(
+        self,
+        stage: int,
+        prepare: Callable,
+        formula: Callable[[int], float],
+        formula_text: str,
+        zero_init: bool = False,
+        nvme: bool = False,
+    ):
+        self.stage, self.prepare, self.formula, self.formula_text = (
+            stage,
+            prepare,
+            formula,
+            formula_text,
+        )
         self.zero_init, self.nvme = zero_init, nvme
 
 
 def prepare_zengine(config: Callable[[str | None], dict]):
     """``config(nvme_dir)`` gives the zengine config."""
+
     def prepare(model: nn.Module, nvme_dir: str | None):
         import zengine
         from zengine.engine.engine import model_state_bytes
 
         engine, *_ = zengine.initialize(model=model, config=config(nvme_dir))
-        return (engine, engine.backward, engine.step, lambda: model_state_bytes(engine.memory_breakdown()),
-                engine.destroy)
+        return (
+            engine,
+            engine.backward,
+            engine.step,
+            lambda: model_state_bytes(engine.memory_breakdown()),
+            engine.destroy,
+        )
+
     prepare.config = config  # for zengine.estimate's prediction in the table
     return prepare
 
@@ -191,15 +241,28 @@ def prepare_deepspeed(stage: int, stage3: dict | None):
         def counted():
             params = list(engine.module.parameters())
             shards = [p.ds_tensor for p in params if getattr(p, "ds_tensor", None) is not None]
-            return unique_bytes([*params, *shards, *(p.grad for p in params), *tensors_reachable(optimizer)])
+            return unique_bytes(
+                [*params, *shards, *(p.grad for p in params), *tensors_reachable(optimizer)]
+            )
 
-        return engine, engine.backward, engine.step, counted, getattr(engine, "destroy", lambda: None)
+        return (
+            engine,
+            engine.backward,
+            engine.step,
+            counted,
+            getattr(engine, "destroy", lambda: None),
+        )
+
     return prepare
 
 
 # ZeRO paper's per-rank model states for fp32 Adam, in units of 4Ψ bytes (params 1, grads 1, moments 2).
-FORMULAS = {0: (lambda w: 4.0, "4"), 1: (lambda w: 2 + 2 / w, "2+2/W"), 2: (lambda w: 1 + 3 / w, "1+3/W"),
-            3: (lambda w: 4 / w, "4/W")}
+FORMULAS = {
+    0: (lambda w: 4.0, "4"),
+    1: (lambda w: 2 + 2 / w, "2+2/W"),
+    2: (lambda w: 1 + 3 / w, "1+3/W"),
+    3: (lambda w: 4 / w, "4/W"),
+}
 
 
 def contender(stage: int, prepare: Callable, **kw) -> Contender:
@@ -213,18 +276,37 @@ CONTENDERS: dict[str, Contender] = {
     "zengine-2": contender(2, prepare_zengine(lambda d: zengine_config(2))),
     "zengine-3": contender(3, prepare_zengine(lambda d: zengine_config(3, STAGE3))),
     "zengine-3-small": contender(3, prepare_zengine(lambda d: zengine_config(3, STAGE3_SMALL))),
-    "zengine-3-init": contender(3, prepare_zengine(lambda d: zengine_config(3, STAGE3_SMALL)), zero_init=True),
+    "zengine-3-init": contender(
+        3, prepare_zengine(lambda d: zengine_config(3, STAGE3_SMALL)), zero_init=True
+    ),
     "zengine-3-lean": contender(3, prepare_zengine(lambda d: zengine_config(3, STAGE3_LEAN))),
-    "zengine-3-lean-init": contender(3, prepare_zengine(lambda d: zengine_config(3, STAGE3_LEAN)), zero_init=True),
-    "zengine-2-offload": contender(2, prepare_zengine(
-        lambda d: zengine_config(2, offload_optimizer={"device": "cpu"}))),
-    "zengine-3-offload": contender(3, prepare_zengine(
-        lambda d: zengine_config(3, STAGE3_SMALL, offload_optimizer={"device": "cpu"},
-                                 offload_param={"device": "cpu"}))),
+    "zengine-3-lean-init": contender(
+        3, prepare_zengine(lambda d: zengine_config(3, STAGE3_LEAN)), zero_init=True
+    ),
+    "zengine-2-offload": contender(
+        2, prepare_zengine(lambda d: zengine_config(2, offload_optimizer={"device": "cpu"}))
+    ),
+    "zengine-3-offload": contender(
+        3,
+        prepare_zengine(
+            lambda d: zengine_config(
+                3,
+                STAGE3_SMALL,
+                offload_optimizer={"device": "cpu"},
+                offload_param={"device": "cpu"},
+            )
+        ),
+    ),
     # Adam's moments on disk: 2/W units stay in memory (parameter and gradient shards), plus swap buffers.
-    "zengine-3-nvme": Contender(3, prepare_zengine(
-        lambda d: zengine_config(3, STAGE3_SMALL, offload_optimizer={**NVME, "nvme_path": d})),
-        lambda w: 2 / w, "2/W (moments on disk)", nvme=True),
+    "zengine-3-nvme": Contender(
+        3,
+        prepare_zengine(
+            lambda d: zengine_config(3, STAGE3_SMALL, offload_optimizer={**NVME, "nvme_path": d})
+        ),
+        lambda w: 2 / w,
+        "2/W (moments on disk)",
+        nvme=True,
+    ),
     "ddp": contender(0, prepare_ddp),
     "deepspeed-1": contender(1, prepare_deepspeed(1, None)),
     "deepspeed-2": contender(2, prepare_deepspeed(2, None)),
@@ -233,8 +315,12 @@ CONTENDERS: dict[str, Contender] = {
 
 
 # -- one rank -------------------------------------------------------------------------------------
-def worker(rank: int, world: int, port: int, name: str, args: dict, nvme_dir: str | None, out_dir: str) -> None:
-    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 65536)  # freed large blocks go back to the system
+def worker(
+    rank: int, world: int, port: int, name: str, args: dict, nvme_dir: str | None, out_dir: str
+) -> None:
+    ctypes.CDLL("libc.so.6").mallopt(
+        M_MMAP_THRESHOLD, 65536
+    )  # freed large blocks go back to the system
     result: dict = {"rank": rank}
     teardown = None
     try:
@@ -242,7 +328,9 @@ def worker(rank: int, world: int, port: int, name: str, args: dict, nvme_dir: st
         join_group(rank, world, port, minutes=5, ZENGINE_DEVICE="cpu")
         if name.startswith(("zengine", "deepspeed")):
             __import__(name.split("-")[0])  # the library's own import is not the training's memory
-        torch.optim.AdamW([nn.Parameter(torch.ones(2))], fused=True).step()  # torch's lazy imports, before the baseline
+        torch.optim.AdamW(
+            [nn.Parameter(torch.ones(2))], fused=True
+        ).step()  # torch's lazy imports, before the baseline
         numel = args["layers"] * args["width"] ** 2
         record = Recorder(unit=4 * numel)
         spec = CONTENDERS[name]
@@ -264,12 +352,19 @@ def worker(rank: int, world: int, port: int, name: str, args: dict, nvme_dir: st
             record("forward")
             backward(loss)
             record("backward")
-            if i == args["steps"] - 1:  # grads and optimizer states both alive (read after the backward's peak)
+            if (
+                i == args["steps"] - 1
+            ):  # grads and optimizer states both alive (read after the backward's peak)
                 counted_bytes = counted()
             step()
             record("step")
-        result.update(phases=record.phases, counted=counted_bytes / record.unit, numel=numel,
-                      loss=loss.item(), base_mb=record.base / 2 ** 20)
+        result.update(
+            phases=record.phases,
+            counted=counted_bytes / record.unit,
+            numel=numel,
+            loss=loss.item(),
+            base_mb=record.base / 2**20,
+        )
     except Exception:
         result["error"] = traceback.format_exc(limit=8)
     # Written before the teardown: a failure at exit does not lose the measurements.
@@ -283,11 +378,15 @@ def worker(rank: int, world: int, port: int, name: str, args: dict, nvme_dir: st
 # -- the launcher ---------------------------------------------------------------------------------
 def code_state() -> str:
     """The commit measured and, when zengine/ has uncommitted changes, the files and a digest of the diff."""
+
     def git(*cmd: str) -> str:
         try:
-            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+            return subprocess.run(
+                ["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=60
+            ).stdout
         except (OSError, subprocess.SubprocessError):
             return ""
+
     head = git("rev-parse", "--short", "HEAD").strip() or "unknown"
     diff = git("diff", "HEAD", "--", "zengine")
     if not diff:
@@ -297,7 +396,9 @@ def code_state() -> str:
 
 
 def run_contender(name: str, world: int, args: argparse.Namespace) -> list[dict]:
-    nvme_dir = tempfile.mkdtemp(prefix="zengine_bench_memory_nvme_") if CONTENDERS[name].nvme else None
+    nvme_dir = (
+        tempfile.mkdtemp(prefix="zengine_bench_memory_nvme_") if CONTENDERS[name].nvme else None
+    )
     try:
         sizes = {"layers": args.layers, "width": args.width, "steps": args.steps}
         results = rank_results(worker, world, name, sizes, nvme_dir, label=f"{name} W={world}")
@@ -314,16 +415,28 @@ def predicted(spec: "Contender", args: argparse.Namespace, world: int) -> str:
         return ""
     from zengine.estimate import estimate
 
-    est = estimate([args.width * args.width] * args.layers, config(tempfile.gettempdir()), world, cpu_training=True)
-    return f"{(est.peak_device + est.host_states) / (4 * args.layers * args.width ** 2):.2f}"
+    est = estimate(
+        [args.width * args.width] * args.layers,
+        config(tempfile.gettempdir()),
+        world,
+        cpu_training=True,
+    )
+    return f"{(est.peak_device + est.host_states) / (4 * args.layers * args.width**2):.2f}"
 
 
-def summarize(runs: dict[tuple[str, int], list[dict]], args: argparse.Namespace, notes: list[str],
-              seconds: float, code: str) -> str:
-    numel = args.layers * args.width ** 2
-    table = ["| contender | W | formula | counted | after steps | peak | peak / formula | peak − formula "
-             "| estimate | build | initialize | forward | backward | step | peak per rank |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def summarize(
+    runs: dict[tuple[str, int], list[dict]],
+    args: argparse.Namespace,
+    notes: list[str],
+    seconds: float,
+    code: str,
+) -> str:
+    numel = args.layers * args.width**2
+    table = [
+        "| contender | W | formula | counted | after steps | peak | peak / formula | peak − formula "
+        "| estimate | build | initialize | forward | backward | step | peak per rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     failures = []
     worst: list[tuple[float, str]] = []
     for (name, world), ranks in runs.items():
@@ -339,14 +452,25 @@ def summarize(runs: dict[tuple[str, int], list[dict]], args: argparse.Namespace,
         peak = max(peaks)
         after = max(r["phases"][-1][1] for r in ranks)
         counted = max(r["counted"] for r in ranks)
-        by_phase = {k: max(p for r in ranks for kind, _, p in r["phases"] if kind == k) for k in PHASES}
+        by_phase = {
+            k: max(p for r in ranks for kind, _, p in r["phases"] if kind == k) for k in PHASES
+        }
         worst_phase = max(by_phase, key=by_phase.get)
-        worst.append((peak - formula, f"{name} W={world}: peak {peak:.2f} in {worst_phase}, "
-                                      f"{peak - formula:+.2f} over the formula {formula:.2f}"))
-        table.append(f"| {name} | {world} | {formula_cell} | {counted:.2f} | {after:.2f} | {peak:.2f} "
-                     f"| {peak / formula:.2f} | {peak - formula:+.2f} | {predicted(spec, args, world)} | "
-                     + " | ".join(f"{by_phase[k]:.2f}" for k in PHASES)
-                     + " | " + "/".join(f"{p:.2f}" for p in peaks) + " |")
+        worst.append(
+            (
+                peak - formula,
+                f"{name} W={world}: peak {peak:.2f} in {worst_phase}, "
+                f"{peak - formula:+.2f} over the formula {formula:.2f}",
+            )
+        )
+        table.append(
+            f"| {name} | {world} | {formula_cell} | {counted:.2f} | {after:.2f} | {peak:.2f} "
+            f"| {peak / formula:.2f} | {peak - formula:+.2f} | {predicted(spec, args, world)} | "
+            + " | ".join(f"{by_phase[k]:.2f}" for k in PHASES)
+            + " | "
+            + "/".join(f"{p:.2f}" for p in peaks)
+            + " |"
+        )
     worst.sort(reverse=True)
     header = [
         f"# Peak resident memory per rank, {now()}",
@@ -355,9 +479,11 @@ def summarize(runs: dict[tuple[str, int], list[dict]], args: argparse.Namespace,
         f"1 unit = 4Ψ bytes = {4 * numel / 1e6:.1f} MB. AdamW lr {LR}, micro batch {MICRO_BATCH} "
         f"(torch.randn({MICRO_BATCH}, {args.width}), loss out.pow(2).mean()), {args.steps} steps; "
         f"reduce_bucket_size = allgather_bucket_size = {BUCKET:,}; gloo ranks × 1 thread each, on "
-        f"{os.cpu_count()} CPUs. zengine-3: " + ", ".join(f"{k} {v:,}" for k, v in STAGE3.items())
+        f"{os.cpu_count()} CPUs. zengine-3: "
+        + ", ".join(f"{k} {v:,}" for k, v in STAGE3.items())
         + " (DeepSpeed's defaults); -small, -init, -offload, -nvme: "
-        + ", ".join(f"{k} {v:,}" for k, v in STAGE3_SMALL.items()) + ".",
+        + ", ".join(f"{k} {v:,}" for k, v in STAGE3_SMALL.items())
+        + ".",
         "",
         "All values in units, above a baseline taken after the process group and torch's lazy imports, "
         "with mallopt(M_MMAP_THRESHOLD, 65536). Worst rank of each run. formula: the ZeRO paper's model "
@@ -377,11 +503,15 @@ def summarize(runs: dict[tuple[str, int], list[dict]], args: argparse.Namespace,
     ]
     lines = ["", "Notes:", ""] + notes
     if worst:
-        lines.append("- Largest peak over the formula: " + "; ".join(text for _, text in worst[:3]) + ".")
-    lines += ["- ddp: torch's defaults (gradient_as_bucket_view=False, so DDP's reducer buckets are a second "
-              "copy of the gradients; zero_grad(set_to_none=True) after each step).",
-              "- zengine-3-nvme: Adam's moments are swapped to a temporary directory, so its formula leaves "
-              "them out (2/W: parameter and gradient shards); the swap buffers come on top."]
+        lines.append(
+            "- Largest peak over the formula: " + "; ".join(text for _, text in worst[:3]) + "."
+        )
+    lines += [
+        "- ddp: torch's defaults (gradient_as_bucket_view=False, so DDP's reducer buckets are a second "
+        "copy of the gradients; zero_grad(set_to_none=True) after each step).",
+        "- zengine-3-nvme: Adam's moments are swapped to a temporary directory, so its formula leaves "
+        "them out (2/W: parameter and gradient shards); the swap buffers come on top.",
+    ]
     return "\n".join(header + table + lines + failures) + "\n"
 
 
@@ -392,9 +522,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3, help="training steps")
     parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes (gloo ranks)")
     parser.add_argument("--quick", action="store_true", help="world size 2 only")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS),
-                        help="comma-separated subset of " + ", ".join(CONTENDERS))
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the markdown table")
+    parser.add_argument(
+        "--contenders",
+        default=",".join(CONTENDERS),
+        help="comma-separated subset of " + ", ".join(CONTENDERS),
+    )
+    parser.add_argument(
+        "--out", default=str(REPO / "benchmarks" / "results"), help="folder for the markdown table"
+    )
     args = parser.parse_args(argv)
     worlds = [2] if args.quick else [int(w) for w in args.worlds.split(",") if w.strip()]
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
@@ -406,9 +541,12 @@ def main(argv: list[str] | None = None) -> None:
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    names, notes = deepspeed_contenders(names, "ZeRO with a client torch fused AdamW; counted: its parameters "
-                                        "(and stage-3 partitions), gradients and every tensor reachable from its "
-                                        "ZeRO optimizer.")
+    names, notes = deepspeed_contenders(
+        names,
+        "ZeRO with a client torch fused AdamW; counted: its parameters "
+        "(and stage-3 partitions), gradients and every tensor reachable from its "
+        "ZeRO optimizer.",
+    )
 
     start, code = time.perf_counter(), code_state()
     runs: dict[tuple[str, int], list[dict]] = {}
@@ -416,13 +554,25 @@ def main(argv: list[str] | None = None) -> None:
         for world in worlds:
             t0 = time.perf_counter()
             runs[name, world] = results = run_contender(name, world, args)
-            status = "error" if any("error" in r for r in results) else \
-                f"peak {max(p for r in results for _, _, p in r['phases']):.2f} units"
-            print(f"{name} W={world}: {status} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            status = (
+                "error"
+                if any("error" in r for r in results)
+                else f"peak {max(p for r in results for _, _, p in r['phases']):.2f} units"
+            )
+            print(
+                f"{name} W={world}: {status} ({time.perf_counter() - t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     if code_state() != code:
-        notes.append(f"- zengine's code changed during the run (now {code_state()}): the rows mix code states.")
-    publish(summarize(runs, args, notes, time.perf_counter() - start, code), result_path(args.out, "memory"))
+        notes.append(
+            f"- zengine's code changed during the run (now {code_state()}): the rows mix code states."
+        )
+    publish(
+        summarize(runs, args, notes, time.perf_counter() - start, code),
+        result_path(args.out, "memory"),
+    )
 
 
 if __name__ == "__main__":

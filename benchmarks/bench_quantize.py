@@ -17,6 +17,7 @@ drifts on a shared machine): torch's ``copy_`` of the fp32 input (read + write);
 fraction of the roof next to it. ../shared/MEASURED.md has the reference machine's figures. The markdown
 table goes to stdout and to ``benchmarks/results/quantize_<date>.md``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,27 +64,49 @@ def measure(numel: int, rounds: int) -> list[tuple[str, float, float | None, flo
             coded = ncodes + 4 * blocks
             name = f"{str(dtype).split('.')[-1]} int{bits}"
             cases = [
-                (f"quantize {name}", x.nbytes + coded,
-                 lambda: codec.quantize_blocks(x, bits, codes=codes, scales=scales)),
-                (f"dequantize {name}", coded + out.nbytes,
-                 lambda: codec.dequantize_blocks(codes, scales, numel, out, bits)),
+                (
+                    f"quantize {name}",
+                    x.nbytes + coded,
+                    lambda: codec.quantize_blocks(x, bits, codes=codes, scales=scales),
+                ),
+                (
+                    f"dequantize {name}",
+                    coded + out.nbytes,
+                    lambda: codec.dequantize_blocks(codes, scales, numel, out, bits),
+                ),
             ]
             if dtype == torch.float32:
                 four_codes, four_scales = codes.view(4, -1), scales.view(4, -1)  # four ranks' rows
                 total = torch.empty(numel // 4)
-                cases.append((f"sum of 4 rows int{bits}", coded + total.nbytes,
-                              lambda: codec.dequantize_sum(four_codes, four_scales, numel // 4, total, bits)))
+                cases.append(
+                    (
+                        f"sum of 4 rows int{bits}",
+                        coded + total.nbytes,
+                        lambda: codec.dequantize_sum(
+                            four_codes, four_scales, numel // 4, total, bits
+                        ),
+                    )
+                )
             for case, nbytes, fn in cases:
                 roof = 2 * x32.nbytes / best_seconds(lambda: dst.copy_(x32), rounds) / 1e9
-                kernel = nbytes / best_seconds(fn, rounds) / 1e9 if load_op("quantize") is not None else None
+                kernel = (
+                    nbytes / best_seconds(fn, rounds) / 1e9
+                    if load_op("quantize") is not None
+                    else None
+                )
                 real_load = codec.load_op
-                codec.load_op = lambda name: None  # the torch fallback, as where the op cannot be built
+                codec.load_op = lambda name: (
+                    None
+                )  # the torch fallback, as where the op cannot be built
                 try:
                     fallback = nbytes / best_seconds(fn, max(1, rounds // 2)) / 1e9
                 finally:
                     codec.load_op = real_load
                 rows.append((case, fallback, kernel, roof))
-                print(f"{case}: torch {fallback:.2f} GB/s, kernel {kernel or float('nan'):.2f} GB/s", file=sys.stderr)
+                print(
+                    f"{case}: torch {fallback:.2f} GB/s, kernel {kernel or float('nan'):.2f} GB/s",
+                    file=sys.stderr,
+                )
     return rows
 
 
@@ -91,34 +114,54 @@ def render(rows, meta: dict[str, str]) -> str:
     """The markdown report."""
     lines = ["# ZeRO++ blockwise codec on CPU: compiled op against the torch fallback", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
-    lines += ["", "| case | torch GB/s | kernel GB/s | kernel / torch | copy_ roof GB/s | kernel / roof |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| case | torch GB/s | kernel GB/s | kernel / torch | copy_ roof GB/s | kernel / roof |",
+        "|---|---|---|---|---|---|",
+    ]
     for case, fallback, kernel, roof in rows:
         if kernel is None:
             lines.append(f"| {case} | {fallback:.2f} | n/a | n/a | {roof:.1f} | n/a |")
         else:
-            lines.append(f"| {case} | {fallback:.2f} | {kernel:.2f} | {kernel / fallback:.1f}x | {roof:.1f} | "
-                         f"{kernel / roof:.2f} |")
-    lines += ["", "GB/s counts the bytes each case must move (input + codes + scales, or codes + scales + output);",
-              "the copy_ roof counts its read and its write, the same way."]
+            lines.append(
+                f"| {case} | {fallback:.2f} | {kernel:.2f} | {kernel / fallback:.1f}x | {roof:.1f} | "
+                f"{kernel / roof:.2f} |"
+            )
+    lines += [
+        "",
+        "GB/s counts the bytes each case must move (input + codes + scales, or codes + scales + output);",
+        "the copy_ roof counts its read and its write, the same way.",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", default="64M", help="elements per input (K/M/G suffixes); a multiple of 1024")
+    parser.add_argument(
+        "--numel", default="64M", help="elements per input (K/M/G suffixes); a multiple of 1024"
+    )
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "0")) or None)
-    parser.add_argument("--out", default=None, help="markdown file (default benchmarks/results/quantize_<date>.md)")
+    parser.add_argument(
+        "--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "0")) or None
+    )
+    parser.add_argument(
+        "--out", default=None, help="markdown file (default benchmarks/results/quantize_<date>.md)"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     numel = parse_size(args.numel)
     if numel % 1024:
         parser.error("--numel must be a multiple of 1024 (four rows of whole blocks)")
-    meta = {"date": now(), "machine": cpu_line(),
-            "threads": str(torch.get_num_threads()), "torch": torch.__version__,
-            "SIMD path": str(simd_path()), "elements": f"{numel:,}", "rounds": str(args.rounds)}
+    meta = {
+        "date": now(),
+        "machine": cpu_line(),
+        "threads": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+        "SIMD path": str(simd_path()),
+        "elements": f"{numel:,}",
+        "rounds": str(args.rounds),
+    }
     table = render(measure(numel, args.rounds), meta)
     print(table)
     write_result(table, result_path(None, "quantize"), args.out)

@@ -9,6 +9,7 @@ gloo path all-reduces there), the median over the repeats (the first two left ou
 time and of the CPU time its process used (gloo's threads included). Each rank runs one compute thread, as
 the training benchmarks do. Prints a markdown table and writes it to ``benchmarks/results/shm_<date>.md``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,30 +36,40 @@ def _time(fn, repeats: int) -> tuple[float, float]:
         fn()
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-    both = torch.tensor([statistics.median(wall[2:]), statistics.median(cpu[2:])], dtype=torch.float64)
+    both = torch.tensor(
+        [statistics.median(wall[2:]), statistics.median(cpu[2:])], dtype=torch.float64
+    )
     dist.all_reduce(both, op=dist.ReduceOp.MAX)  # the slowest rank's
     return both[0].item(), both[1].item()
 
 
-def worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, out: str, piece: int) -> None:
+def worker(
+    rank: int, world: int, port: int, sizes: list[int], repeats: int, out: str, piece: int
+) -> None:
     from zengine.distributed import collectives, shm
 
     join_group(rank, world, port)
     rows_out = []
     for mib in sizes:
-        n = mib * 2 ** 20 // 4 // world
+        n = mib * 2**20 // 4 // world
         buf = torch.randn(world, n)  # [world, n] fp32
-        cases = {"all-gather by rows": lambda: collectives.all_gather_rows(buf, rank),
-                 "all-reduce": lambda: collectives.all_reduce_sum(buf),
-                 # gloo: an all-reduce whose row is kept (zengine's way there); shared memory: each rank its row
-                 "reduce-scatter of rows": lambda: [w.wait() for w in collectives.reduce_scatter_rows(buf, rank)[0]]}
+        cases = {
+            "all-gather by rows": lambda: collectives.all_gather_rows(buf, rank),
+            "all-reduce": lambda: collectives.all_reduce_sum(buf),
+            # gloo: an all-reduce whose row is kept (zengine's way there); shared memory: each rank its row
+            "reduce-scatter of rows": lambda: [
+                w.wait() for w in collectives.reduce_scatter_rows(buf, rank)[0]
+            ],
+        }
         for name, fn in cases.items():
             gloo = _time(fn, repeats)
             transport = shm.install(None, piece)
             shared = _time(fn, repeats)
             shm.uninstall(transport)
-            rows_out.append(f"| {mib} | {name} | {gloo[0] * 1e3:.1f} / {gloo[1] * 1e3:.1f} | "
-                            f"{shared[0] * 1e3:.1f} / {shared[1] * 1e3:.1f} | {gloo[1] / shared[1]:.2f}x |")
+            rows_out.append(
+                f"| {mib} | {name} | {gloo[0] * 1e3:.1f} / {gloo[1] * 1e3:.1f} | "
+                f"{shared[0] * 1e3:.1f} / {shared[1] * 1e3:.1f} | {gloo[1] / shared[1]:.2f}x |"
+            )
     if rank == 0:
         Path(out).write_text("\n".join(rows_out) + "\n")
     dist.destroy_process_group()
@@ -67,22 +78,31 @@ def worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, out
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--sizes", default="1,16,84", help="MiB of the whole buffer, comma-separated")
+    parser.add_argument(
+        "--sizes", default="1,16,84", help="MiB of the whole buffer, comma-separated"
+    )
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--piece", type=float, default=8.0, help="MiB each rank moves per sync (shared_memory.piece_size)")
+    parser.add_argument(
+        "--piece",
+        type=float,
+        default=8.0,
+        help="MiB each rank moves per sync (shared_memory.piece_size)",
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.md")
-        spawn_ranks(worker, args.world, sizes, args.repeats, out, int(args.piece * 2 ** 20))
+        spawn_ranks(worker, args.world, sizes, args.repeats, out, int(args.piece * 2**20))
         rows = Path(out).read_text()
     command = "python benchmarks/bench_shm.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = (f"# Collectives through gloo and through shared memory ({today()})\n\n`{command}`\n\n"
-            f"{os.cpu_count()} CPUs, torch {torch.__version__}, W={args.world} gloo ranks (1 thread each), fp32, "
-            f"{args.piece:g} MiB pieces; times in ms, slowest rank, median of {args.repeats - 2}.\n\n"
-            "| MiB | collective | gloo wall / CPU | shared memory wall / CPU | CPU ratio |\n|---|---|---|---|---|\n"
-            + rows)
+    text = (
+        f"# Collectives through gloo and through shared memory ({today()})\n\n`{command}`\n\n"
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}, W={args.world} gloo ranks (1 thread each), fp32, "
+        f"{args.piece:g} MiB pieces; times in ms, slowest rank, median of {args.repeats - 2}.\n\n"
+        "| MiB | collective | gloo wall / CPU | shared memory wall / CPU | CPU ratio |\n|---|---|---|---|---|\n"
+        + rows
+    )
     publish(text, result_path(args.out, "shm"))
 
 

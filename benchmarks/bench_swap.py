@@ -29,6 +29,7 @@ Reported: seconds per step, GB/s (16 bytes per parameter / time), the pool's own
 pattern) / (contender): 1.0 means the step moves its bytes as fast as the drive does alone.
 Results go to stdout and to ``--out`` (default ``benchmarks/results/swap_<date>.md``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,9 @@ MiB = 1 << 20
 
 def _size(text: str) -> int:
     scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(text[:-1]) * scale[text[-1].upper()]) if text[-1].upper() in scale else int(text)
+    return (
+        int(float(text[:-1]) * scale[text[-1].upper()]) if text[-1].upper() in scale else int(text)
+    )
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -67,9 +70,13 @@ def _raw(write: bool, fd: int, buf: memoryview, offset: int) -> None:
     done = 0
     while done < len(buf):
         part = buf[done:]
-        moved = os.pwritev(fd, [part], offset + done) if write else os.preadv(fd, [part], offset + done)
+        moved = (
+            os.pwritev(fd, [part], offset + done) if write else os.preadv(fd, [part], offset + done)
+        )
         if moved <= 0:
-            raise OSError(f"{'pwrite' if write else 'pread'} moved {moved} bytes at {offset + done}")
+            raise OSError(
+                f"{'pwrite' if write else 'pread'} moved {moved} bytes at {offset + done}"
+            )
         done += moved
 
 
@@ -92,6 +99,7 @@ class _Recorder:
 
             def done(self):
                 return request.done()
+
         return Noted()
 
     def read(self, tensor, file, offset):
@@ -112,7 +120,9 @@ def record(opt: SwappedAdam) -> list:
         sw.io = recorder.io
     waited = {e[1] for e in recorder.events if e[0] == "wait"}
     # requests nobody waited for inside stream (none today) are waited for at the end
-    recorder.events += [("wait", e[1]) for e in recorder.events if e[0] == "submit" and e[1] not in waited]
+    recorder.events += [
+        ("wait", e[1]) for e in recorder.events if e[0] == "submit" and e[1] not in waited
+    ]
     return recorder.events
 
 
@@ -120,8 +130,10 @@ def pattern_summary(events: list) -> str:
     sizes = sorted({e[3].numel() * e[3].element_size() for e in events if e[0] == "submit"})
     reads = sum(1 for e in events if e[0] == "submit" and not e[2])
     writes = sum(1 for e in events if e[0] == "submit" and e[2])
-    return (f"{reads} reads + {writes} writes of {', '.join(f'{s / MiB:g}' for s in sizes)} MiB, "
-            f"at most {max_in_flight(events)} in flight")
+    return (
+        f"{reads} reads + {writes} writes of {', '.join(f'{s / MiB:g}' for s in sizes)} MiB, "
+        f"at most {max_in_flight(events)} in flight"
+    )
 
 
 def max_in_flight(events: list) -> int:
@@ -146,6 +158,7 @@ def drive_same_pattern(events: list):
                 futures[i] = pool.submit(_raw, write, file.fd, buf, offset)
             else:
                 futures.pop(e[1]).result()
+
     return run, pool
 
 
@@ -167,6 +180,7 @@ def drive_best(file: SwapFile, request: int = 8 * MiB, in_flight: int = 16):
             for f in [pool.submit(worker, write, k) for k in range(in_flight)]:
                 f.result()
             phases.setdefault(write, []).append(time.perf_counter() - t)
+
     return run, pool, total, phases
 
 
@@ -176,21 +190,32 @@ def io_alone(opt: SwappedAdam):
 
     def run():
         sw.stream(sw.chunks[0], lambda c: False, lambda c, m, v: None)
+
     return run
 
 
 def sweep(opt: SwappedAdam, rounds: int, moved: int, restore: AsyncIO) -> list[str]:
     """The swapper's I/O alone (no compute) through pools of several block sizes and depths, one file."""
     K = 1 << 10
-    shapes = [(256 * K, 16), (512 * K, 8), (512 * K, 16), (512 * K, 32), (MiB, 8), (MiB, 16), (2 * MiB, 16),
-              (4 * MiB, 8), (8 * MiB, 4), (32 * MiB, 4)]
+    shapes = [
+        (256 * K, 16),
+        (512 * K, 8),
+        (512 * K, 16),
+        (512 * K, 32),
+        (MiB, 8),
+        (MiB, 16),
+        (2 * MiB, 16),
+        (4 * MiB, 8),
+        (8 * MiB, 4),
+        (32 * MiB, 4),
+    ]
     ios = {shape: AsyncIO(shape[0], 1, shape[1]) for shape in shapes}
     fifo = AsyncIO(MiB, 1, 8, priority=False)
     run = io_alone(opt)
     times: dict = {shape: [] for shape in [*shapes, "fifo"]}
     order = list(times)
     for r in range(-1, rounds):  # round -1: warm-up
-        for shape in order[r % len(order):] + order[:r % len(order)]:
+        for shape in order[r % len(order) :] + order[: r % len(order)]:
             opt.swapper.io = fifo if shape == "fifo" else ios[shape]
             t = _timed(run, 1 if r < 0 else 2)
             if r >= 0:
@@ -200,8 +225,14 @@ def sweep(opt: SwappedAdam, rounds: int, moved: int, restore: AsyncIO) -> list[s
         io.close()
     out = ["| swapper's I/O alone: block size x in flight | s/step | GB/s |", "|---|---|---|"]
     for shape, v in times.items():
-        name = "1024 KiB x 8, one FIFO (before)" if shape == "fifo" else f"{shape[0] >> 10} KiB x {shape[1]}, reads first"
-        out.append(f"| {name} | {statistics.median(v):.3f} | {moved / statistics.median(v) / 1e9:.2f} |")
+        name = (
+            "1024 KiB x 8, one FIFO (before)"
+            if shape == "fifo"
+            else f"{shape[0] >> 10} KiB x {shape[1]}, reads first"
+        )
+        out.append(
+            f"| {name} | {statistics.median(v):.3f} | {moved / statistics.median(v) / 1e9:.2f} |"
+        )
     return out
 
 
@@ -231,11 +262,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sub-group", default="4M", help="sub_group_size: elements per swapped chunk")
     ap.add_argument("--buffers", type=int, default=4, help="offload_optimizer.buffer_count")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per contender per round (median)")
+    ap.add_argument(
+        "--steps", type=int, default=3, help="timed steps per contender per round (median)"
+    )
     ap.add_argument("--dir", default=os.environ.get("TMPDIR", "/tmp"))
-    ap.add_argument("--sweep", action="store_true",
-                    help="also time the swapper's I/O alone for several block sizes and numbers in flight")
-    ap.add_argument("--out", default=None, help="markdown file (default benchmarks/results/swap_<date>.md)")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time the swapper's I/O alone for several block sizes and numbers in flight",
+    )
+    ap.add_argument(
+        "--out", default=None, help="markdown file (default benchmarks/results/swap_<date>.md)"
+    )
     args = ap.parse_args(argv)
     n, chunk = _size(args.params), _size(args.sub_group)
     torch.manual_seed(0)
@@ -250,14 +288,18 @@ def main(argv: list[str] | None = None) -> None:
     pools = {
         f"AsyncIO() defaults ({defaults}, reads first)": lambda: AsyncIO(),
         "before: 1 MiB blocks, 8 in flight, one FIFO": lambda: AsyncIO(MiB, 1, 8, priority=False),
-        "aio config defaults (1 MiB blocks, 1x8 in flight), reads first": lambda: AsyncIO(MiB, 1, 8),
+        "aio config defaults (1 MiB blocks, 1x8 in flight), reads first": lambda: AsyncIO(
+            MiB, 1, 8
+        ),
         f"Python threads ({defaults}, reads first)": lambda: AsyncIO(use_kernel=False),
     }
     # One optimizer, one swap file, one set of buffers for every contender: only the pool changes.
     ios = {label: make() for label, make in pools.items()}
     first_io = next(iter(ios.values()))
-    opt = SwappedAdam.replacing(CPUAdam([param], **HYPER),
-                                StateSwapper([param.numel()], args.dir, chunk, args.buffers, first_io))
+    opt = SwappedAdam.replacing(
+        CPUAdam([param], **HYPER),
+        StateSwapper([param.numel()], args.dir, chunk, args.buffers, first_io),
+    )
     opt.step()  # the moments exist on disk from here on
     sw = opt.swapper
     direct = sw.file.direct
@@ -270,10 +312,16 @@ def main(argv: list[str] | None = None) -> None:
 
     same_label = "drive alone, same pattern (plain threads, 1 syscall per request, no compute)"
     best_label = "drive at its best (8 MiB requests, 16 in flight; all written, then all read)"
-    unmixed_label = (f"drive alone, the swapper's requests unmixed ({request / MiB:g} MiB, {max_in_flight(events)} in "
-                     f"flight; all written, then all read)")
-    contenders = {best_label: (None, best), unmixed_label: (None, unmixed), same_label: (None, same),
-                  "CPUAdam, moments in memory": (None, plain.step)}
+    unmixed_label = (
+        f"drive alone, the swapper's requests unmixed ({request / MiB:g} MiB, {max_in_flight(events)} in "
+        f"flight; all written, then all read)"
+    )
+    contenders = {
+        best_label: (None, best),
+        unmixed_label: (None, unmixed),
+        same_label: (None, same),
+        "CPUAdam, moments in memory": (None, plain.step),
+    }
     for label, io in ios.items():
         contenders[f"I/O alone, no compute ({label})"] = (io, io_alone(opt))
         contenders[f"SwappedAdam ({label})"] = (io, opt.step)
@@ -285,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     start = _cpu_seconds()
     names = list(contenders)
     for r in range(args.rounds):
-        for k in names[r % len(names):] + names[:r % len(names)]:
+        for k in names[r % len(names) :] + names[: r % len(names)]:
             io, fn = contenders[k]
             sw.io = io or first_io
             before = sw.io.stats()
@@ -299,20 +347,24 @@ def main(argv: list[str] | None = None) -> None:
     w = statistics.median(best_phases[True][1:] or best_phases[True])
     rd = statistics.median(best_phases[False][1:] or best_phases[False])
 
-    lines = [f"# NVMe swap of Adam's moments against the drive alone, {now()}", "",
-             f"- {n / 1e6:.1f}M fp32 parameters: moments {8 * n / MiB:.0f} MiB on {args.dir} "
-             f"({'O_DIRECT' if direct else 'page cache'}), {16 * n / MiB:.0f} MiB read + written per step; "
-             f"sub_group_size {chunk}, buffer_count {args.buffers}; torch threads {torch.get_num_threads()}; "
-             f"{os.cpu_count()} cores",
-             f"- swapper's pattern per step: {pattern_summary(events)}",
-             f"- drive at its best, separately: writes {best_total / w / 2**30:.2f} GiB/s, "
-             f"reads {best_total / rd / 2**30:.2f} GiB/s",
-             f"- {args.rounds} rounds x {args.steps} steps, contenders in rotating order; medians; other processes "
-             f"kept {others:.2f} of {os.cpu_count()} cores busy meanwhile"
-             f"{' (the figures are disturbed: run again on a quiet machine)' if others > 0.25 else ''}. "
-             f"`{' '.join(['python benchmarks/bench_swap.py'] + (sys.argv[1:] if argv is None else argv))}`", "",
-             "| contender | s/step | GB/s (16 B/param) | pool GB/s while busy | drive same pattern / this |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"# NVMe swap of Adam's moments against the drive alone, {now()}",
+        "",
+        f"- {n / 1e6:.1f}M fp32 parameters: moments {8 * n / MiB:.0f} MiB on {args.dir} "
+        f"({'O_DIRECT' if direct else 'page cache'}), {16 * n / MiB:.0f} MiB read + written per step; "
+        f"sub_group_size {chunk}, buffer_count {args.buffers}; torch threads {torch.get_num_threads()}; "
+        f"{os.cpu_count()} cores",
+        f"- swapper's pattern per step: {pattern_summary(events)}",
+        f"- drive at its best, separately: writes {best_total / w / 2**30:.2f} GiB/s, "
+        f"reads {best_total / rd / 2**30:.2f} GiB/s",
+        f"- {args.rounds} rounds x {args.steps} steps, contenders in rotating order; medians; other processes "
+        f"kept {others:.2f} of {os.cpu_count()} cores busy meanwhile"
+        f"{' (the figures are disturbed: run again on a quiet machine)' if others > 0.25 else ''}. "
+        f"`{' '.join(['python benchmarks/bench_swap.py'] + (sys.argv[1:] if argv is None else argv))}`",
+        "",
+        "| contender | s/step | GB/s (16 B/param) | pool GB/s while busy | drive same pattern / this |",
+        "|---|---|---|---|---|",
+    ]
     for k, v in med.items():
         gbs = "-" if k.startswith("CPUAdam") else f"{moved / v / 1e9:.2f}"
         pool = f"{statistics.median(busy[k]):.2f}" if k in busy else ""
@@ -321,9 +373,11 @@ def main(argv: list[str] | None = None) -> None:
     lines.append("")
     for label in ios:  # the same round's drive figure against the same round's step: drift cancels
         per_round = [a / b for a, b in zip(rows[same_label], rows[f"SwappedAdam ({label})"])]
-        lines.append(f"- SwappedAdam ({label}): {statistics.median(per_round):.2f} of the drive alone with the same "
-                     f"pattern, round by round ({min(per_round):.2f} to {max(per_round):.2f}); "
-                     f"{med[unmixed_label] / med[f'SwappedAdam ({label})']:.2f} of the same requests unmixed")
+        lines.append(
+            f"- SwappedAdam ({label}): {statistics.median(per_round):.2f} of the drive alone with the same "
+            f"pattern, round by round ({min(per_round):.2f} to {max(per_round):.2f}); "
+            f"{med[unmixed_label] / med[f'SwappedAdam ({label})']:.2f} of the same requests unmixed"
+        )
     if args.sweep:
         lines += ["", *sweep(opt, args.rounds, moved, first_io)]
     text = "\n".join(lines) + "\n"

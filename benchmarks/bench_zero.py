@@ -29,6 +29,7 @@ stdout and to ``benchmarks/results/zero_<date>.md``. The first DeepSpeed run on
 a machine JIT-builds DeepSpeed's shared-memory comm op (about 100 s, cached in
 ~/.cache/torch_extensions afterwards).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,20 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from common import (REPO, command_line, cpu_line, deepspeed_contenders, join_group, mean_over_ranks, now,
-                    publish, rank_results, result_path, save_rank_result, slowest_rank)
+from common import (
+    REPO,
+    command_line,
+    cpu_line,
+    deepspeed_contenders,
+    join_group,
+    mean_over_ranks,
+    now,
+    publish,
+    rank_results,
+    result_path,
+    save_rank_result,
+    slowest_rank,
+)
 
 sys.path.insert(0, str(REPO))
 
@@ -60,8 +73,12 @@ LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
 MICRO_BATCH = 4
 BUCKET = 50_000_000  # default reduce/all-gather bucket (elements) for zengine and DeepSpeed alike
 # Stage-3 settings for zengine-3 and deepspeed-3 alike (DeepSpeed's defaults, which are zengine's too).
-STAGE3 = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
-          "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000}
+STAGE3 = {
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+}
 
 
 # -- what each contender is ---------------------------------------------------------------------
@@ -99,7 +116,9 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
 
 
 def torch_adamw(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+    return torch.optim.AdamW(
+        params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True
+    )
 
 
 def whole_param_numel(model: torch.nn.Module) -> int:
@@ -112,6 +131,7 @@ def whole_param_numel(model: torch.nn.Module) -> int:
 
 def torch_steps(ddp, opt):
     """forward_backward and optimizer_step of a DDP-wrapped model and its optimizer."""
+
     def forward_backward(x, y):
         loss = ddp(x, y)
         loss.backward()
@@ -134,8 +154,11 @@ def build_ddp(model: torch.nn.Module, bucket: int) -> Trainer:
 
     ddp = DistributedDataParallel(model)
     opt = torch_adamw(ddp.parameters())
-    return Trainer(*torch_steps(ddp, opt), lambda: torch_state_bytes(model, opt),
-                   "params + grads + AdamW state; DDP's reducer buckets not counted")
+    return Trainer(
+        *torch_steps(ddp, opt),
+        lambda: torch_state_bytes(model, opt),
+        "params + grads + AdamW state; DDP's reducer buckets not counted",
+    )
 
 
 def build_zero_redundancy(model: torch.nn.Module, bucket: int) -> Trainer:
@@ -143,16 +166,32 @@ def build_zero_redundancy(model: torch.nn.Module, bucket: int) -> Trainer:
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(model)
-    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, betas=BETAS,
-                                  eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
-    return Trainer(*torch_steps(ddp, opt), lambda: torch_state_bytes(model, opt.optim),
-                   "params + grads + this rank's AdamW state; DDP's reducer buckets not counted")
+    opt = ZeroRedundancyOptimizer(
+        ddp.parameters(),
+        optimizer_class=torch.optim.AdamW,
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=WEIGHT_DECAY,
+        fused=True,
+    )
+    return Trainer(
+        *torch_steps(ddp, opt),
+        lambda: torch_state_bytes(model, opt.optim),
+        "params + grads + this rank's AdamW state; DDP's reducer buckets not counted",
+    )
 
 
 # Optimizer offload variants: where Adam's states go (None: on the device, which is the CPU here too).
-OFFLOAD = {None: None, "cpu": {"device": "cpu"},
-           "nvme": {"device": "nvme", "nvme_path": os.path.join(tempfile.gettempdir(), "zengine_bench_nvme"),
-                    "buffer_count": 4}}
+OFFLOAD = {
+    None: None,
+    "cpu": {"device": "cpu"},
+    "nvme": {
+        "device": "nvme",
+        "nvme_path": os.path.join(tempfile.gettempdir(), "zengine_bench_nvme"),
+        "buffer_count": 4,
+    },
+}
 
 
 def zero_config(stage: int, bucket: int, offload: str | None = None) -> dict:
@@ -161,21 +200,30 @@ def zero_config(stage: int, bucket: int, offload: str | None = None) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY},
+        },
         "gradient_clipping": 0.0,
-        "steps_per_print": 10 ** 9,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                              **(STAGE3 if stage == 3 else {})},
+        "steps_per_print": 10**9,
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            **(STAGE3 if stage == 3 else {}),
+        },
     }
     if offload is not None:
         cfg["zero_optimization"]["offload_optimizer"] = OFFLOAD[offload]
-        cfg["zero_optimization"]["sub_group_size"] = 2 ** 20  # NVMe: 4 buffers x 8 B x 1M elements = 32 MiB
+        cfg["zero_optimization"]["sub_group_size"] = (
+            2**20
+        )  # NVMe: 4 buffers x 8 B x 1M elements = 32 MiB
     return cfg
 
 
 def build_zengine(stage: int, offload: str | None = None, cpu_matmul: str | None = None):
     """zengine at ``stage``; ``cpu_matmul`` set: in bf16 with that ``bf16.cpu_matmul`` ("native", "fp32")."""
+
     def build(model: torch.nn.Module, bucket: int) -> Trainer:
         import zengine
         from zengine.engine.engine import model_state_bytes
@@ -192,18 +240,29 @@ def build_zengine(stage: int, offload: str | None = None, cpu_matmul: str | None
             engine.backward(loss)
             return loss
 
-        trainer = Trainer(forward_backward, engine.step, lambda: model_state_bytes(engine.memory_breakdown()),
-                          f"engine.memory_breakdown(); optimizer {type(inner).__name__}(fused={fused})",
-                          lambda: whole_param_numel(model))
-        fetcher = getattr(engine.optimizer, "fetcher", None)  # stage 3: the engine's own gather accounting
+        trainer = Trainer(
+            forward_backward,
+            engine.step,
+            lambda: model_state_bytes(engine.memory_breakdown()),
+            f"engine.memory_breakdown(); optimizer {type(inner).__name__}(fused={fused})",
+            lambda: whole_param_numel(model),
+        )
+        fetcher = getattr(
+            engine.optimizer, "fetcher", None
+        )  # stage 3: the engine's own gather accounting
         if fetcher is not None:
+
             def state_bytes():
-                trainer.note = (f"engine.memory_breakdown(); optimizer {type(inner).__name__}(fused={fused}); "
-                                f"most gathered at once during the step (engine accounting, persistent ones "
-                                f"left out): {fetcher.peak_live_numel:,} elements")
+                trainer.note = (
+                    f"engine.memory_breakdown(); optimizer {type(inner).__name__}(fused={fused}); "
+                    f"most gathered at once during the step (engine accounting, persistent ones "
+                    f"left out): {fetcher.peak_live_numel:,} elements"
+                )
                 return model_state_bytes(engine.memory_breakdown())
+
             trainer.state_bytes = state_bytes
         return trainer
+
     return build
 
 
@@ -212,7 +271,11 @@ def tensors_reachable(obj, depth: int = 4, seen=None) -> list[torch.Tensor]:
     seen = set() if seen is None else seen
     if torch.is_tensor(obj):
         return [obj]
-    if depth < 0 or id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None), torch.nn.Module)):
+    if (
+        depth < 0
+        or id(obj) in seen
+        or isinstance(obj, (str, bytes, int, float, bool, type(None), torch.nn.Module))
+    ):
         return []
     seen.add(id(obj))
     if isinstance(obj, dict):
@@ -232,11 +295,15 @@ def build_deepspeed(stage: int, offload: str | None = None):
 
         if offload is None:
             config = {k: v for k, v in zero_config(stage, bucket).items() if k != "optimizer"}
-            engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch_adamw(model.parameters()),
-                                                           config=config)
+            engine, optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=torch_adamw(model.parameters()), config=config
+            )
         else:  # offload wants DeepSpeed's own CPU Adam, built from the config's optimizer section
-            engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                           config=zero_config(stage, bucket, offload))
+            engine, optimizer, _, _ = deepspeed.initialize(
+                model=model,
+                model_parameters=model.parameters(),
+                config=zero_config(stage, bucket, offload),
+            )
 
         def forward_backward(x, y):
             loss = engine(x, y)
@@ -245,13 +312,23 @@ def build_deepspeed(stage: int, offload: str | None = None):
 
         def state_bytes():
             params = list(engine.module.parameters())
-            shards = [p.ds_tensor for p in params if getattr(p, "ds_tensor", None) is not None]  # stage 3
-            return unique_bytes([*params, *shards, *(p.grad for p in params), *tensors_reachable(optimizer)])
+            shards = [
+                p.ds_tensor for p in params if getattr(p, "ds_tensor", None) is not None
+            ]  # stage 3
+            return unique_bytes(
+                [*params, *shards, *(p.grad for p in params), *tensors_reachable(optimizer)]
+            )
 
-        return Trainer(forward_backward, engine.step, state_bytes,
-                       "params" + (" (whole ones) + their partitions (ds_tensor)" if stage == 3 else "")
-                       + " + grads + every tensor reachable from the ZeRO optimizer (4 levels of attributes)",
-                       lambda: whole_param_numel(engine.module))
+        return Trainer(
+            forward_backward,
+            engine.step,
+            state_bytes,
+            "params"
+            + (" (whole ones) + their partitions (ds_tensor)" if stage == 3 else "")
+            + " + grads + every tensor reachable from the ZeRO optimizer (4 levels of attributes)",
+            lambda: whole_param_numel(engine.module),
+        )
+
     return build
 
 
@@ -273,12 +350,20 @@ def build_fsdp2(model: torch.nn.Module, bucket: int) -> Trainer:
 
     def state_bytes():
         params = list(model.parameters())
-        return unique_bytes([local(t) for t in [*params, *(p.grad for p in params), *optimizer_state_tensors(opt)]
-                             if t is not None])
+        return unique_bytes(
+            [
+                local(t)
+                for t in [*params, *(p.grad for p in params), *optimizer_state_tensors(opt)]
+                if t is not None
+            ]
+        )
 
-    return Trainer(*torch_steps(model, opt), state_bytes,
-                   "local shards of params + grads + AdamW state (DTensor.to_local()); whole parameters if any",
-                   lambda: whole_param_numel(model))
+    return Trainer(
+        *torch_steps(model, opt),
+        state_bytes,
+        "local shards of params + grads + AdamW state (DTensor.to_local()); whole parameters if any",
+        lambda: whole_param_numel(model),
+    )
 
 
 CONTENDERS: dict[str, tuple[Callable, str]] = {
@@ -298,38 +383,71 @@ CONTENDERS: dict[str, tuple[Callable, str]] = {
     "zengine-2-nvme": (build_zengine(2, "nvme"), "os+g-nvme"),
     "deepspeed-2-offload": (build_deepspeed(2, "cpu"), "os+g"),
     # bf16 (formulas are fp32's: not applied), torch's bf16 GEMM or fp32 products (bf16.cpu_matmul)
-    **{f"zengine-{s}-bf16-{label}": (build_zengine(s, cpu_matmul=mode), "bf16")
-       for s in (2, 3) for label, mode in (("native", "native"), ("fp32mm", "fp32"))},
+    **{
+        f"zengine-{s}-bf16-{label}": (build_zengine(s, cpu_matmul=mode), "bf16")
+        for s in (2, 3)
+        for label, mode in (("native", "native"), ("fp32mm", "fp32"))
+    },
 }
-BF16_SET = ["zengine-2", "zengine-2-bf16-native", "zengine-2-bf16-fp32mm",
-            "zengine-3", "zengine-3-bf16-native", "zengine-3-bf16-fp32mm"]
+BF16_SET = [
+    "zengine-2",
+    "zengine-2-bf16-native",
+    "zengine-2-bf16-fp32mm",
+    "zengine-3",
+    "zengine-3-bf16-native",
+    "zengine-3-bf16-fp32mm",
+]
 
 
 def formula_bytes(kind: str, numel: int, world: int, gathered: int = 0) -> float:
     """ZeRO paper's per-rank model-state bytes for fp32 Adam (params 4, grads 4, Adam moments 8 per element);
     with parameters partitioned too (stage 3), plus 4 bytes per element of the parameters held whole."""
-    return {"ddp": 16 * numel, "os": 8 * numel + 8 * numel / world, "os+g": 4 * numel + 12 * numel / world,
-            "p+os+g": 16 * numel / world + 4 * gathered,
-            "os+g-nvme": 4 * numel + 4 * numel / world, "bf16": float("nan")}[kind]
+    return {
+        "ddp": 16 * numel,
+        "os": 8 * numel + 8 * numel / world,
+        "os+g": 4 * numel + 12 * numel / world,
+        "p+os+g": 16 * numel / world + 4 * gathered,
+        "os+g-nvme": 4 * numel + 4 * numel / world,
+        "bf16": float("nan"),
+    }[kind]
 
 
-FORMULA_TEXT = {"ddp": "16Ψ", "os": "8Ψ+8Ψ/W", "os+g": "4Ψ+12Ψ/W", "p+os+g": "16Ψ/W+4·gathered",
-                "os+g-nvme": "4Ψ+4Ψ/W (+swap buffers; moments on disk)", "bf16": "fp32 formulas n/a"}
+FORMULA_TEXT = {
+    "ddp": "16Ψ",
+    "os": "8Ψ+8Ψ/W",
+    "os+g": "4Ψ+12Ψ/W",
+    "p+os+g": "16Ψ/W+4·gathered",
+    "os+g-nvme": "4Ψ+4Ψ/W (+swap buffers; moments on disk)",
+    "bf16": "fp32 formulas n/a",
+}
 
 
 # -- one worker ----------------------------------------------------------------------------------
-def batch_for(dataset: ByteWindows, step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_for(
+    dataset: ByteWindows, step: int, rank: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s micro-batch of global step ``step``: the same windows for every contender."""
     first = (step * world + rank) * MICRO_BATCH
     items = [dataset[(first + j) % len(dataset)] for j in range(MICRO_BATCH)]
     return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
 
 
-def worker(rank: int, world: int, port: int, name: str, warmup: int, steps: int, bucket: int, model_name: str,
-           out_dir: str) -> None:
+def worker(
+    rank: int,
+    world: int,
+    port: int,
+    name: str,
+    warmup: int,
+    steps: int,
+    bucket: int,
+    model_name: str,
+    out_dir: str,
+) -> None:
     result = {"rank": rank}
     try:
-        join_group(rank, world, port, minutes=5)  # a failed peer times out rather than hangs the launcher
+        join_group(
+            rank, world, port, minutes=5
+        )  # a failed peer times out rather than hangs the launcher
         if name.startswith(("zengine", "deepspeed")):
             __import__(name.split("-")[0])  # the library's own import is not the training's memory
         baseline_rss = psutil.Process().memory_info().rss
@@ -356,10 +474,17 @@ def worker(rank: int, world: int, port: int, name: str, warmup: int, steps: int,
             cpu_times.append(c1 - c0 + time.process_time() - c2)
         # A step ends on a rank when its last collective does; take the slower rank's time per step.
         result.update(
-            step_times=slowest_rank(times[warmup:]), cpu_times=slowest_rank(cpu_times[warmup:]),
-            fwd_bwd_times=slowest_rank(fwd_bwd[warmup:]), final_loss=mean_over_ranks(loss.item()),
-            numel=numel, state_bytes=state_bytes, gathered_numel=gathered_numel, note=trainer.note,
-            baseline_rss=baseline_rss, peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            step_times=slowest_rank(times[warmup:]),
+            cpu_times=slowest_rank(cpu_times[warmup:]),
+            fwd_bwd_times=slowest_rank(fwd_bwd[warmup:]),
+            final_loss=mean_over_ranks(loss.item()),
+            numel=numel,
+            state_bytes=state_bytes,
+            gathered_numel=gathered_numel,
+            note=trainer.note,
+            baseline_rss=baseline_rss,
+            peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        )
         dist.barrier()
         dist.destroy_process_group()
     except Exception:
@@ -369,7 +494,9 @@ def worker(rank: int, world: int, port: int, name: str, warmup: int, steps: int,
 
 # -- the launcher --------------------------------------------------------------------------------
 def run_contender(name: str, args: argparse.Namespace) -> list[dict]:
-    return rank_results(worker, args.world, name, args.warmup, args.steps, args.bucket, args.model, label=name)
+    return rank_results(
+        worker, args.world, name, args.warmup, args.steps, args.bucket, args.model, label=name
+    )
 
 
 def per_rank(values) -> str:
@@ -378,35 +505,59 @@ def per_rank(values) -> str:
 
 def precision_table(ok: dict, median: dict) -> list[str]:
     """Per stage: fp32, bf16 native and bf16 with fp32 products side by side, seconds and ratios to fp32."""
+
     def part(name, key):
         return statistics.median(t for rs in ok[name] for t in rs[0][key])
 
-    lines = ["| contender | step s | fwd+bwd s | optimizer s | step × fp32 | fwd+bwd × fp32 | CPU s/step "
-             "| CPU × fp32 | final loss |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| contender | step s | fwd+bwd s | optimizer s | step × fp32 | fwd+bwd × fp32 | CPU s/step "
+        "| CPU × fp32 | final loss |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name in ok:
         fp32 = name.split("-bf16")[0]
-        if not name.startswith("zengine-") or fp32 not in ok or (name != fp32 and "-bf16-" not in name):
+        if (
+            not name.startswith("zengine-")
+            or fp32 not in ok
+            or (name != fp32 and "-bf16-" not in name)
+        ):
             continue
         fb, base_fb = part(name, "fwd_bwd_times"), part(fp32, "fwd_bwd_times")
         cpu, base_cpu = part(name, "cpu_times"), part(fp32, "cpu_times")
-        lines.append(f"| {name} | {median[name]:.3f} | {fb:.3f} | {median[name] - fb:.3f} | "
-                     f"{median[name] / median[fp32]:.2f} | {fb / base_fb:.2f} | {cpu:.3f} | {cpu / base_cpu:.2f} | "
-                     f"{ok[name][-1][0]['final_loss']:.4f} |")
+        lines.append(
+            f"| {name} | {median[name]:.3f} | {fb:.3f} | {median[name] - fb:.3f} | "
+            f"{median[name] / median[fp32]:.2f} | {fb / base_fb:.2f} | {cpu:.3f} | {cpu / base_cpu:.2f} | "
+            f"{ok[name][-1][0]['final_loss']:.4f} |"
+        )
     return lines if len(lines) > 3 else []
 
 
 def summarize(runs: dict[str, list[list[dict]]], args, notes: list[str]) -> str:
     """The markdown report: a header with the settings, the table, then notes."""
     numel = next((r[0]["numel"] for rs in runs.values() for r in rs if "numel" in r[0]), 0)
-    ok = {n: rounds for n, rounds in runs.items() if not any("error" in r for rs in rounds for r in rs)}
-    median = {n: statistics.median(t for rs in rounds for t in rs[0]["step_times"]) for n, rounds in ok.items()}
-    best = {n: min(statistics.median(rs[0]["step_times"]) for rs in rounds) for n, rounds in ok.items()}
-    cpu = {n: statistics.median(t for rs in rounds for t in rs[0]["cpu_times"]) for n, rounds in ok.items()}
+    ok = {
+        n: rounds
+        for n, rounds in runs.items()
+        if not any("error" in r for rs in rounds for r in rs)
+    }
+    median = {
+        n: statistics.median(t for rs in rounds for t in rs[0]["step_times"])
+        for n, rounds in ok.items()
+    }
+    best = {
+        n: min(statistics.median(rs[0]["step_times"]) for rs in rounds) for n, rounds in ok.items()
+    }
+    cpu = {
+        n: statistics.median(t for rs in rounds for t in rs[0]["cpu_times"])
+        for n, rounds in ok.items()
+    }
     loss = {n: rounds[-1][0]["final_loss"] for n, rounds in ok.items()}
-    table = ["| contender | median step (s) | × DDP | best round (s) | × DDP (best) | CPU s/step | × DDP (CPU) "
-             "| peak RSS per rank (MB) | peak − RSS after imports (MB) | model states per rank (MB) "
-             "| ZeRO formula (MB) | final loss | Δ loss vs DDP |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    table = [
+        "| contender | median step (s) | × DDP | best round (s) | × DDP (best) | CPU s/step | × DDP (CPU) "
+        "| peak RSS per rank (MB) | peak − RSS after imports (MB) | model states per rank (MB) "
+        "| ZeRO formula (MB) | final loss | Δ loss vs DDP |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     lines = []
     for name, rounds in runs.items():
         if name not in ok:
@@ -419,18 +570,25 @@ def summarize(runs: dict[str, list[list[dict]]], args, notes: list[str]) -> str:
         cpu_ratio = f"{cpu[name] / cpu['ddp']:.2f}" if "ddp" in ok else "n/a"
         delta = f"{loss[name] - loss['ddp']:+.1e}" if "ddp" in ok else "n/a"
         peak = per_rank(max(rs[r]["peak_rss"] for rs in rounds) for r in range(args.world))
-        growth = per_rank(max(rs[r]["peak_rss"] - rs[r]["baseline_rss"] for rs in rounds) for r in range(args.world))
+        growth = per_rank(
+            max(rs[r]["peak_rss"] - rs[r]["baseline_rss"] for rs in rounds)
+            for r in range(args.world)
+        )
         states = per_rank(rounds[-1][r]["state_bytes"] for r in range(args.world))
         kind = CONTENDERS[name][1]
         gathered = rounds[-1][0].get("gathered_numel", 0)
-        formula = f"{formula_bytes(kind, numel, args.world, gathered) / MB:.0f} ({FORMULA_TEXT[kind]})"
+        formula = (
+            f"{formula_bytes(kind, numel, args.world, gathered) / MB:.0f} ({FORMULA_TEXT[kind]})"
+        )
         if kind == "bf16":
             formula = "n/a (the formulas are fp32's)"
         elif kind == "p+os+g":
             formula = formula[:-1] + f", {gathered:,} gathered)"
-        table.append(f"| {name} | {median[name]:.3f} | {ratio} | {best[name]:.3f} | {best_ratio} | {cpu[name]:.3f} "
-                     f"| {cpu_ratio} | {peak} | {growth} "
-                     f"| {states} | {formula} | {loss[name]:.6f} | {delta} |")
+        table.append(
+            f"| {name} | {median[name]:.3f} | {ratio} | {best[name]:.3f} | {best_ratio} | {cpu[name]:.3f} "
+            f"| {cpu_ratio} | {peak} | {growth} "
+            f"| {states} | {formula} | {loss[name]:.6f} | {delta} |"
+        )
         lines.append(f"- {name}: model states = {rounds[-1][0]['note']}.")
     header = [
         f"# ZeRO step time and memory, {now()}",
@@ -456,7 +614,9 @@ def summarize(runs: dict[str, list[list[dict]]], args, notes: list[str]) -> str:
         "stage3_param_persistence_threshold). Peak RSS: getrusage maxrss, "
         f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}. zengine and DeepSpeed: "
         f"reduce_bucket_size = allgather_bucket_size = {args.bucket:,} elements; DDP: its default buckets. "
-        "zengine-3 and deepspeed-3: " + ", ".join(f"{k} {v:,}" for k, v in STAGE3.items()) + " (DeepSpeed's "
+        "zengine-3 and deepspeed-3: "
+        + ", ".join(f"{k} {v:,}" for k, v in STAGE3.items())
+        + " (DeepSpeed's "
         "defaults). fsdp2: fully_shard per transformer block and on the root, its defaults otherwise "
         "(fp32, reshard after forward).",
         "",
@@ -466,8 +626,12 @@ def summarize(runs: dict[str, list[list[dict]]], args, notes: list[str]) -> str:
     ]
     side = precision_table(ok, median)
     if side:
-        side = ["", "bf16 beside fp32 (medians over the timed steps; optimizer s = step − fwd+bwd; fp32 = the "
-                "same stage in fp32; -native: torch's bf16 GEMM, -fp32mm: bf16.cpu_matmul \"fp32\"):", ""] + side
+        side = [
+            "",
+            "bf16 beside fp32 (medians over the timed steps; optimizer s = step − fwd+bwd; fp32 = the "
+            "same stage in fp32; -native: torch's bf16 GEMM, -fp32mm: bf16.cpu_matmul \"fp32\"):",
+            "",
+        ] + side
     return "\n".join(header + table + side + ["", "Notes:", ""] + notes + lines) + "\n"
 
 
@@ -475,19 +639,42 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per round")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
-    parser.add_argument("--rounds", type=int, default=2, help="times every contender runs, interleaved")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="times every contender runs, interleaved"
+    )
     parser.add_argument("--world", type=int, default=2, help="gloo ranks")
-    parser.add_argument("--bucket", type=float, default=BUCKET,
-                        help="reduce_bucket_size and allgather_bucket_size (elements) for zengine and DeepSpeed")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset of "
-                        + ", ".join(CONTENDERS))
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the markdown table")
-    parser.add_argument("--bf16", action="store_true", help="contenders " + ",".join(BF16_SET)
-                        + " (fp32 and bf16 side by side; overrides --contenders)")
-    parser.add_argument("--model", default="bench20m", choices=["bench20m", "tiny"],
-                        help="zengine.models GPT config (tiny: the smoke run's)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="one step of the tiny model, one round: the harness works, the figures mean nothing")
+    parser.add_argument(
+        "--bucket",
+        type=float,
+        default=BUCKET,
+        help="reduce_bucket_size and allgather_bucket_size (elements) for zengine and DeepSpeed",
+    )
+    parser.add_argument(
+        "--contenders",
+        default=",".join(CONTENDERS),
+        help="comma-separated subset of " + ", ".join(CONTENDERS),
+    )
+    parser.add_argument(
+        "--out", default=str(REPO / "benchmarks" / "results"), help="folder for the markdown table"
+    )
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="contenders "
+        + ",".join(BF16_SET)
+        + " (fp32 and bf16 side by side; overrides --contenders)",
+    )
+    parser.add_argument(
+        "--model",
+        default="bench20m",
+        choices=["bench20m", "tiny"],
+        help="zengine.models GPT config (tiny: the smoke run's)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one step of the tiny model, one round: the harness works, the figures mean nothing",
+    )
     args = parser.parse_args(argv)
     args.command = command_line("bench_zero.py", argv)
     if args.smoke:
@@ -505,11 +692,14 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    names, notes = deepspeed_contenders(names, "ZeRO with a client torch fused AdamW. It keeps its fp32 master "
-                                        "partition as a copy even for an fp32 model (+4Ψ/W over the formula), and "
-                                        "its gradient bucket buffer is counted too. deepspeed-2-offload instead "
-                                        "builds its own DeepSpeedCPUAdam from the config's optimizer section "
-                                        "(offload_optimizer cpu).")
+    names, notes = deepspeed_contenders(
+        names,
+        "ZeRO with a client torch fused AdamW. It keeps its fp32 master "
+        "partition as a copy even for an fp32 model (+4Ψ/W over the formula), and "
+        "its gradient bucket buffer is counted too. deepspeed-2-offload instead "
+        "builds its own DeepSpeedCPUAdam from the config's optimizer section "
+        "(offload_optimizer cpu).",
+    )
 
     runs: dict[str, list[list[dict]]] = {n: [] for n in names}
     for r in range(args.rounds):
@@ -518,11 +708,20 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.perf_counter()
             runs[name].append(run_contender(name, args))
             res = runs[name][-1][0]
-            status = "error" if "error" in res else f"median {statistics.median(res['step_times']):.3f} s"
-            print(f"round {r + 1}/{args.rounds} {name}: {status} ({time.perf_counter() - t0:.0f} s)",
-                  file=sys.stderr, flush=True)
+            status = (
+                "error"
+                if "error" in res
+                else f"median {statistics.median(res['step_times']):.3f} s"
+            )
+            print(
+                f"round {r + 1}/{args.rounds} {name}: {status} ({time.perf_counter() - t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
-    publish(summarize(runs, args, notes), result_path(args.out, "zero_bf16" if args.bf16 else "zero"))
+    publish(
+        summarize(runs, args, notes), result_path(args.out, "zero_bf16" if args.bf16 else "zero")
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Ranks start by ``spawn`` (a fresh interpreter: what a rank's memory and import t
 from nothing). ``BENCH_START_METHOD=forkserver`` starts them from a server that imported torch
 once instead: the smoke test's one-step runs, where only the rows matter, not the figures.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -76,12 +77,19 @@ def free_port() -> int:
 
 def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
     """The variables ``torch.distributed``'s env:// rendezvous reads, for rank ``rank``."""
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-            "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), **extra}
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        **extra,
+    }
 
 
-def join_group(rank: int, world: int, port: int, minutes: Optional[float] = None,
-               **env: str) -> None:
+def join_group(
+    rank: int, world: int, port: int, minutes: Optional[float] = None, **env: str
+) -> None:
     """This process as gloo rank ``rank`` of ``world`` with one compute thread (``env``: more
     variables to set first). ``minutes``: how long a collective may wait, so that a rank whose
     peer failed times out rather than hangs the launcher (torch's default when None)."""
@@ -107,8 +115,13 @@ def spawn_ranks(fn: Callable[..., None], world: int, *args: Any) -> None:
     a rank that fails raises here."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_in_environ, args=(dict(os.environ), fn, world, free_port(), *args),
-                       nprocs=world, join=True, start_method=start_method())
+    mp.start_processes(
+        _in_environ,
+        args=(dict(os.environ), fn, world, free_port(), *args),
+        nprocs=world,
+        join=True,
+        start_method=start_method(),
+    )
 
 
 def _in_environ(rank: int, environ: dict, fn: Callable[..., Any], *args: Any) -> Any:
@@ -133,8 +146,10 @@ def rank_results(fn: Callable[..., None], world: int, *args: Any, label: str = "
             spawn_ranks(fn, world, *args, folder)
         except Exception as err:  # a crashed process: keep what the others wrote
             print(f"  {label}: a worker failed: {err}", file=sys.stderr)
-        return [json.loads(path.read_text()) if path.exists() else {"rank": r, "error": "no result"}
-                for r, path in ((r, Path(folder, f"{r}.json")) for r in range(world))]
+        return [
+            json.loads(path.read_text()) if path.exists() else {"rank": r, "error": "no result"}
+            for r, path in ((r, Path(folder, f"{r}.json")) for r in range(world))
+        ]
 
 
 def save_rank_result(folder: str, rank: int, result: dict) -> None:
@@ -201,23 +216,31 @@ def cpu_line() -> str:
         first = open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
         info = dict(line.split(":", 1) for line in first if ":" in line)
         info = {k.strip(): v.strip() for k, v in info.items()}
-        model = (f"{info.get('model name', model)}, family {info.get('cpu family', '?')} "
-                 f"model {info.get('model', '?')}")
-    flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-                     if f in cpu_flags()) or "none known"
+        model = (
+            f"{info.get('model name', model)}, family {info.get('cpu family', '?')} "
+            f"model {info.get('model', '?')}"
+        )
+    flags = (
+        " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags())
+        or "none known"
+    )
     caps = " ".join(isa_caps())
     auto = choose_matmul_policy("auto", torch.bfloat16, torch.device("cpu"))
-    return (f"CPU: {model} ({flags}){'; ISA capped by ' + caps if caps else ''}; "
-            f"bf16.cpu_matmul \"auto\" here: {auto.mode}.")
+    return (
+        f"CPU: {model} ({flags}){'; ISA capped by ' + caps if caps else ''}; "
+        f"bf16.cpu_matmul \"auto\" here: {auto.mode}."
+    )
 
 
 def isa_caps() -> list[str]:
     """``NAME=value`` of the set variables that cap the instruction sets torch's CPU kernels use
     (set them to measure an AVX2 CPU's bf16 on a newer one: ONEDNN_MAX_CPU_ISA=AVX2
     ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2)."""
-    return [f"{k}={os.environ[k]}" for k in
-            ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
-            if k in os.environ]
+    return [
+        f"{k}={os.environ[k]}"
+        for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+        if k in os.environ
+    ]
 
 
 def deepspeed_contenders(names: list[str], note: str) -> tuple[list[str], list[str]]:
@@ -228,14 +251,21 @@ def deepspeed_contenders(names: list[str], note: str) -> tuple[list[str], list[s
     ok, info = deepspeed_status()
     if ok:
         return names, [f"- DeepSpeed {info} (DS_ACCELERATOR=cpu), {note}"]
-    return ([n for n in names if not n.startswith("deepspeed")],
-            [f"- DeepSpeed skipped: `import deepspeed` failed ({info})."])
+    return (
+        [n for n in names if not n.startswith("deepspeed")],
+        [f"- DeepSpeed skipped: `import deepspeed` failed ({info})."],
+    )
 
 
 def deepspeed_status() -> tuple[bool, str]:
     """Whether ``import deepspeed`` works in a fresh process, and its version or error."""
-    proc = subprocess.run([sys.executable, "-c", "import deepspeed; print(deepspeed.__version__)"],
-                          capture_output=True, text=True, env=os.environ.copy(), timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import deepspeed; print(deepspeed.__version__)"],
+        capture_output=True,
+        text=True,
+        env=os.environ.copy(),
+        timeout=300,
+    )
     if proc.returncode == 0:
         return True, proc.stdout.strip().splitlines()[-1]
     return False, (proc.stderr.strip().splitlines() or ["unknown error"])[-1]

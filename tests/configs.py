@@ -7,6 +7,7 @@ exactly what it configures. Sections given as keywords merge into what the build
 (``fp16={...}`` adds to ``{"enabled": True}``); ``DROP`` removes a key. The named presets below are
 the settings several tests share.
 """
+
 from __future__ import annotations
 
 import copy
@@ -68,11 +69,21 @@ def _offload(section: Offload) -> Optional[dict]:
     return {"device": section} if isinstance(section, str) else section
 
 
-def ds_config(stage: int = 2, precision: str = "fp32", *, micro_batch: Any = 2, gas: Any = None,
-              optimizer: Optional[dict] = None, lr: Optional[float] = 1e-2, clip: Any = None,
-              zero: Optional[dict] = None, offload_optimizer: Offload = None,
-              offload_param: Offload = None, steps_per_print: Optional[float] = None,
-              **sections: Any) -> dict:
+def ds_config(
+    stage: int = 2,
+    precision: str = "fp32",
+    *,
+    micro_batch: Any = 2,
+    gas: Any = None,
+    optimizer: Optional[dict] = None,
+    lr: Optional[float] = 1e-2,
+    clip: Any = None,
+    zero: Optional[dict] = None,
+    offload_optimizer: Offload = None,
+    offload_param: Offload = None,
+    steps_per_print: Optional[float] = None,
+    **sections: Any,
+) -> dict:
     """A config for ``zengine.initialize`` (DeepSpeed's JSON schema).
 
     ``precision``: "fp32" (no section), "bf16" or "fp16" (``{"enabled": True}``, merged with a
@@ -106,15 +117,26 @@ def ds_config(stage: int = 2, precision: str = "fp32", *, micro_batch: Any = 2, 
 PARITY_MICRO, PARITY_LR, PARITY_CLIP = 2, 1e-2, 0.5
 
 
-def parity_config(stage: int, precision: str, gas: int, world: int, offload: Any = False,
-                  zero_extra: Optional[dict] = None) -> dict:
+def parity_config(
+    stage: int,
+    precision: str,
+    gas: int,
+    world: int,
+    offload: Any = False,
+    zero_extra: Optional[dict] = None,
+) -> dict:
     """The parity suite's config (tests/zero/test_zero_parity.py): AdamW, clipping, micro batch 2,
     small buckets; stage 3 shards everything, prefetches a little and keeps few parameters gathered.
     ``offload``: False, True / "cpu" (optimizer on the host), "param" (parameters too), "nvme"
     (moments swapped), "param+nvme", "param-nvme" (parameter shards swapped), "infinity" (both).
     ``world`` is the caller's world size (the config does not depend on it)."""
-    zero = {**SMALL_BUCKETS, **SHARD_ALL, "stage3_prefetch_bucket_size": 1500,
-            "stage3_max_live_parameters": 4000, "stage3_max_reuse_distance": 1000}
+    zero = {
+        **SMALL_BUCKETS,
+        **SHARD_ALL,
+        "stage3_prefetch_bucket_size": 1500,
+        "stage3_max_live_parameters": 4000,
+        "stage3_max_reuse_distance": 1000,
+    }
     optimizer = param = None
     if offload in ("nvme", "param+nvme", "infinity"):  # moments swapped: 3 buffers, 1000-element
         # chunks
@@ -127,10 +149,18 @@ def parity_config(stage: int, precision: str, gas: int, world: int, offload: Any
     if offload in ("param-nvme", "infinity"):  # stage 3: parameter shards in a swap file, 3 read
         # buffers, the first 50 elements resident (max_in_cpu)
         param = nvme(swap_dir("zswap-params"), buffer_count=3, buffer_size=4096, max_in_cpu=50)
-    cfg = ds_config(stage, precision, micro_batch=PARITY_MICRO, gas=gas,
-                    optimizer=adamw(PARITY_LR, betas=[0.9, 0.999], eps=1e-8), clip=PARITY_CLIP,
-                    zero=zero, offload_optimizer=optimizer, offload_param=param,
-                    steps_per_print=1000)
+    cfg = ds_config(
+        stage,
+        precision,
+        micro_batch=PARITY_MICRO,
+        gas=gas,
+        optimizer=adamw(PARITY_LR, betas=[0.9, 0.999], eps=1e-8),
+        clip=PARITY_CLIP,
+        zero=zero,
+        offload_optimizer=optimizer,
+        offload_param=param,
+        steps_per_print=1000,
+    )
     cfg["zero_optimization"].update(zero_extra or {})  # e.g. MiCS's keys (test_zero_mics.py)
     if precision == "fp16":
         cfg["fp16"]["initial_scale_power"] = 8

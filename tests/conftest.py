@@ -1,4 +1,5 @@
 """Shared pytest set-up: make tests/ importable (for the harness and models) in spawned ranks too."""
+
 import os
 import sys
 

@@ -49,6 +49,7 @@ torch's ``FakeTensorMode`` would fake ``cuda`` tensors directly, but on a
 CPU-only build its ``copy_`` and ``.data =`` on fake CUDA tensors fail in
 C++ (no CUDA device guard), and the engine needs both.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,7 +68,13 @@ from torch.utils._pytree import tree_leaves
 
 aten = torch.ops.aten
 # Ops that move data between devices by design.
-_CROSSING = {aten.copy_, aten._to_copy, aten._copy_from, aten._copy_from_and_resize, aten.lift_fresh_copy}
+_CROSSING = {
+    aten.copy_,
+    aten._to_copy,
+    aten._copy_from,
+    aten._copy_from_and_resize,
+    aten.lift_fresh_copy,
+}
 
 
 class DeviceMixError(RuntimeError):
@@ -101,36 +108,55 @@ class DeviceRulesMode(TorchDispatchMode):
                     self.watch(kind, _byte_range(crossing[1]), where)
             moved = _host_copy_of_meta(func, args, kwargs)
             if moved is not None:
-                return self.pinned.add(moved) if crossing[3] else moved  # (a non_blocking .to("cpu"))
+                return (
+                    self.pinned.add(moved) if crossing[3] else moved
+                )  # (a non_blocking .to("cpu"))
         else:
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             if tensors:
                 written = _written(func, args, kwargs)
-                devices = {t.device for t in tensors if not _host_scalar(t) or any(t is w for w in written)}
+                devices = {
+                    t.device for t in tensors if not _host_scalar(t) or any(t is w for w in written)
+                }
                 if len(devices) > 1:
                     shapes = [(tuple(t.shape), str(t.device)) for t in tensors]
-                    raise DeviceMixError(f"{func}: tensors on different devices {sorted(map(str, devices))}: {shapes}")
-        if kwargs.get("pin_memory"):  # no pinned allocator without CUDA: host memory, recorded as pinned
+                    raise DeviceMixError(
+                        f"{func}: tensors on different devices {sorted(map(str, devices))}: {shapes}"
+                    )
+        if kwargs.get(
+            "pin_memory"
+        ):  # no pinned allocator without CUDA: host memory, recorded as pinned
             return self.pinned.add(func(*args, **{**kwargs, "pin_memory": False}))
         return func(*args, **kwargs)
 
-    def _classify(self, to_host: bool, host: torch.Tensor, non_blocking: bool, pins_output: bool,
-                  direct: bool) -> tuple[str, str]:
+    def _classify(
+        self, to_host: bool, host: torch.Tensor, non_blocking: bool, pins_output: bool, direct: bool
+    ) -> tuple[str, str]:
         """(kind, where) of one crossing copy; ``host`` is its host side (None: a new host tensor)."""
         pinned = pins_output or (host is not None and self.pinned.holds(host))
         if to_host:
             kind = D2H_ASYNC if pinned and non_blocking and direct else D2H_SYNC
         else:
-            kind = (H2D_PAGEABLE if not (pinned and direct) else H2D_ASYNC if non_blocking else H2D_BLOCKING)
+            kind = (
+                H2D_PAGEABLE
+                if not (pinned and direct)
+                else H2D_ASYNC
+                if non_blocking
+                else H2D_BLOCKING
+            )
         return kind, _caller()
 
 
 # What a copy between the device and the host costs on CUDA, by the kind the guard counts it as:
-D2H_ASYNC = "d2h_async"        # device -> pinned host memory, non_blocking: queued; the host waits on an event later
-D2H_SYNC = "d2h_sync"          # device -> host, blocking or into pageable memory: the host waits for the device
-H2D_ASYNC = "h2d_async"        # pinned host memory -> device, non_blocking: queued, the host goes on
+D2H_ASYNC = "d2h_async"  # device -> pinned host memory, non_blocking: queued; the host waits on an event later
+D2H_SYNC = (
+    "d2h_sync"  # device -> host, blocking or into pageable memory: the host waits for the device
+)
+H2D_ASYNC = "h2d_async"  # pinned host memory -> device, non_blocking: queued, the host goes on
 H2D_BLOCKING = "h2d_blocking"  # pinned -> device, blocking: the host waits for the copy (and the stream before it)
-H2D_PAGEABLE = "h2d_pageable"  # pageable host memory -> device (or one converted on the way): the host waits
+H2D_PAGEABLE = (
+    "h2d_pageable"  # pageable host memory -> device (or one converted on the way): the host waits
+)
 SYNC_KINDS = (D2H_SYNC, H2D_BLOCKING, H2D_PAGEABLE)
 
 
@@ -156,7 +182,9 @@ def _crossing(func, args, kwargs):
         non_blocking = bool(kwargs.get("non_blocking", False))
         if (src.device.type == "cpu") == (target.type == "cpu"):
             return None
-        if target.type == "cpu":  # CUDA pins the result of a non_blocking copy to the host (so it can be async)
+        if (
+            target.type == "cpu"
+        ):  # CUDA pins the result of a non_blocking copy to the host (so it can be async)
             return True, None, non_blocking, bool(kwargs.get("pin_memory") or non_blocking), True
         same = (kwargs.get("dtype") or src.dtype) == src.dtype
         return False, src, non_blocking, False, same and src.is_contiguous()
@@ -168,7 +196,12 @@ def _crossing(func, args, kwargs):
     if to_host:
         direct = dst.is_contiguous() and (bool(non_blocking) or dst.dtype == src.dtype)
     else:
-        direct = src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous() and src.shape == dst.shape
+        direct = (
+            src.dtype == dst.dtype
+            and src.is_contiguous()
+            and dst.is_contiguous()
+            and src.shape == dst.shape
+        )
     return to_host, dst if to_host else src, bool(non_blocking), False, direct
 
 
@@ -181,9 +214,12 @@ def _caller() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if f"{os.sep}zengine{os.sep}" in name and f"{os.sep}tests{os.sep}" not in name and \
-                frame.f_code.co_name != "__torch_function__":
-            return f"{name[name.rindex(os.sep + 'zengine' + os.sep) + 1:]}:{frame.f_lineno}"
+        if (
+            f"{os.sep}zengine{os.sep}" in name
+            and f"{os.sep}tests{os.sep}" not in name
+            and frame.f_code.co_name != "__torch_function__"
+        ):
+            return f"{name[name.rindex(os.sep + 'zengine' + os.sep) + 1 :]}:{frame.f_lineno}"
         frame = frame.f_back
     return "<outside zengine>"
 
@@ -308,8 +344,10 @@ class _LoggedEvent:
 
     def synchronize(self) -> None:
         self.log.add("sync", self.id, _sites())
-        if self.stream is not None:  # a stream runs in order: what it ran before this event has landed too
-            for event in self.stream.recorded[:self.stream.recorded.index(self) + 1]:
+        if (
+            self.stream is not None
+        ):  # a stream runs in order: what it ran before this event has landed too
+            for event in self.stream.recorded[: self.stream.recorded.index(self) + 1]:
                 event.landed = True
 
     def query(self) -> bool:
@@ -399,11 +437,18 @@ def adam_logged(log: StreamLog):
 def _host_copy_of_meta(func, args, kwargs):
     """A copy from the stand-in device to the host: meta has no data to give, so the host gets what it
     had (``copy_``) or uninitialised memory (``_to_copy``); host-side work then runs on that."""
-    if func.overloadpacket is aten.copy_ and args[0].device.type == "cpu" and args[1].device.type == "meta":
+    if (
+        func.overloadpacket is aten.copy_
+        and args[0].device.type == "cpu"
+        and args[1].device.type == "meta"
+    ):
         torch.broadcast_shapes(args[0].shape, args[1].shape)
         return args[0]
-    if func.overloadpacket is aten._to_copy and args[0].device.type == "meta" and \
-            torch.device(kwargs.get("device") or "meta").type == "cpu":
+    if (
+        func.overloadpacket is aten._to_copy
+        and args[0].device.type == "meta"
+        and torch.device(kwargs.get("device") or "meta").type == "cpu"
+    ):
         return torch.empty(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device="cpu")
     return None
 
@@ -438,13 +483,16 @@ class FakeCollectives:
             found = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
             self.calls.append((name, frozenset(t.device.type for t in found)))
             return _Done() if kwargs.get("async_op") else None
+
         return collective
 
     @contextlib.contextmanager
     def installed(self):
         import zengine.distributed.collectives as zcomm
 
-        stub = types.SimpleNamespace(**{k: getattr(dist, k) for k in dir(dist) if not k.startswith("__")})
+        stub = types.SimpleNamespace(
+            **{k: getattr(dist, k) for k in dir(dist) if not k.startswith("__")}
+        )
         for name in ("all_reduce", "reduce", "broadcast", "all_gather"):
             setattr(stub, name, self._record(name))
         saved = (zcomm.dist, zcomm._all_gather_flat, zcomm._reduce_scatter_flat)
@@ -490,7 +538,10 @@ class HostReads:
 
 def _fresh_child(fn, args, queue) -> None:
     import sys
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # device_guard and models, for fn
+
+    sys.path.insert(
+        0, os.path.dirname(os.path.abspath(__file__))
+    )  # device_guard and models, for fn
     os.environ["ZENGINE_DEVICE"] = "meta"
     torch.set_num_threads(1)
     queue.put(fn(*args))

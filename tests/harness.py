@@ -13,6 +13,7 @@ as a spawned process would. A test that measures a rank's resident memory asks f
 ``start="spawn"``: a forked rank re-faults the library pages its parent had mapped, one code path
 at a time, which an upper bound of its own peak would count.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,13 @@ def _context(start: str):
 def _worker(rank, world_size, port, backend, environ, env, fn, args, results):
     os.environ.clear()  # the caller's environment now, not the forkserver's from its start
     os.environ.update(environ)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     for key, value in (env or {}).items():
         if value is None:
             os.environ.pop(key, None)
@@ -78,14 +84,23 @@ def _leave_together(rank: int, world_size: int, wait_s: float = 60.0) -> None:
         store = dist.distributed_c10d._get_default_store()
         store.add("harness/done", 1)
         deadline = time.monotonic() + wait_s
-        while rank == 0 and store.add("harness/done", 0) < world_size and time.monotonic() < deadline:
+        while (
+            rank == 0 and store.add("harness/done", 0) < world_size and time.monotonic() < deadline
+        ):
             time.sleep(0.002)
     except Exception:  # a peer already gone took its part of the store with it: nothing to wait for
         pass
 
 
-def spawn(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo", env: dict | None = None,
-          start: str = "forkserver") -> list:
+def spawn(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 300.0,
+    backend: str = "gloo",
+    env: dict | None = None,
+    start: str = "forkserver",
+) -> list:
     """Run ``fn(*args)`` on ``world_size`` ranks; return the per-rank results.
 
     ``backend`` "nccl" puts rank r on cuda:r (tests/cuda); ``env`` overrides each rank's environment
@@ -97,8 +112,14 @@ def spawn(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gl
     results = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, environ, env, fn, args, results),
-                         daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, backend, environ, env, fn, args, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     out, errors = {}, []
@@ -108,7 +129,11 @@ def spawn(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gl
             try:
                 rank, ok, value = results.get(timeout=min(5.0, timeout))
             except queue_mod.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+                dead = [
+                    (r, p.exitcode)
+                    for r, p in enumerate(procs)
+                    if r not in out and p.exitcode is not None
+                ]
                 if dead:
                     try:  # its result may still be in the pipe
                         rank, ok, value = results.get(timeout=5)
@@ -116,8 +141,10 @@ def spawn(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gl
                         errors.append(f"ranks died without a result (rank, exit code): {dead}")
                         break
                 elif time.monotonic() > deadline:
-                    errors.append(f"timed out after {timeout}s waiting for ranks "
-                                  f"{sorted(set(range(world_size)) - set(out))}")
+                    errors.append(
+                        f"timed out after {timeout}s waiting for ranks "
+                        f"{sorted(set(range(world_size)) - set(out))}"
+                    )
                     break
                 else:
                     continue

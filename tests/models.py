@@ -1,4 +1,5 @@
 """Test models and the single-process torch reference they are checked against."""
+
 from __future__ import annotations
 
 import copy
@@ -34,7 +35,9 @@ class EdgeNet(nn.Module):
         h = torch.tanh(self.frozen(h))
         h = self.norm(self.fc2(h))
         h = h + self.mix(torch.tanh(self.mix(h)))  # the same module twice
-        logits = self.head(h) + 0.5 * F.linear(h, self.emb.weight)  # a parameter used outside its module
+        logits = self.head(h) + 0.5 * F.linear(
+            h, self.emb.weight
+        )  # a parameter used outside its module
         return F.cross_entropy(logits.float().view(-1, VOCAB), y.view(-1))
 
 
@@ -42,7 +45,10 @@ def edge_param_groups(model: nn.Module, lr: float) -> list[dict]:
     """Two groups with their own hyper-parameters: matrices with decay, vectors without and a larger lr."""
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": lr * 2}]
+    return [
+        {"params": decay, "weight_decay": 0.1},
+        {"params": no_decay, "weight_decay": 0.0, "lr": lr * 2},
+    ]
 
 
 def make_batches(steps: int, global_batch: int, seed: int = 1234):
@@ -59,7 +65,7 @@ def micro_batch(batch, rank: int, world: int, micro: int, m: int):
     """Rank ``rank``'s ``m``-th micro-batch of a global batch."""
     x, y = batch
     lo = (m * world + rank) * micro
-    return x[lo:lo + micro], y[lo:lo + micro]
+    return x[lo : lo + micro], y[lo : lo + micro]
 
 
 def train_global_batch(engine, batch, micro: int, gas: int, device=None) -> float:
@@ -79,13 +85,24 @@ def train_global_batch(engine, batch, micro: int, gas: int, device=None) -> floa
     return total.item() / (world * gas)
 
 
-def reference_run(model: nn.Module, batches, lr: float, clip: float, make_optimizer=None, make_scheduler=None,
-                  norms: list = None):
+def reference_run(
+    model: nn.Module,
+    batches,
+    lr: float,
+    clip: float,
+    make_optimizer=None,
+    make_scheduler=None,
+    norms: list = None,
+):
     """Plain torch on the global batch: AdamW (or ``make_optimizer(groups)``), clipping by the global
     norm, an optional scheduler. Returns (losses, params by name); appends each step's norm to ``norms``."""
     model = copy.deepcopy(model)
     groups = edge_param_groups(model, lr)
-    opt = make_optimizer(groups) if make_optimizer else torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    opt = (
+        make_optimizer(groups)
+        if make_optimizer
+        else torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    )
     sched = make_scheduler(opt) if make_scheduler else None
     losses = []
     for x, y in batches:
@@ -103,8 +120,9 @@ def reference_run(model: nn.Module, batches, lr: float, clip: float, make_optimi
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train_beside_reference(engine, reference: nn.Module, ref_opt, batches, micro: int,
-                           before_each=lambda: None) -> dict[str, float]:
+def train_beside_reference(
+    engine, reference: nn.Module, ref_opt, batches, micro: int, before_each=lambda: None
+) -> dict[str, float]:
     """Each global batch ``(x, y)`` through ``engine`` (this rank's ``micro`` rows, one step per batch, after
     ``before_each()``) and through the single-process ``reference`` (the whole batch); returns each parameter's
     largest difference between the two afterwards (the engine's gathered whole)."""
@@ -119,4 +137,6 @@ def train_beside_reference(engine, reference: nn.Module, ref_opt, batches, micro
         ref_opt.step()
     with engine.summon_full_params(writeback=False):
         got = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    return {n: (got[n].float() - p.detach()).abs().max().item() for n, p in reference.named_parameters()}
+    return {
+        n: (got[n].float() - p.detach()).abs().max().item() for n, p in reference.named_parameters()
+    }

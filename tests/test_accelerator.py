@@ -1,5 +1,6 @@
 """``zengine.accelerator.get_accelerator()`` (``zengine/device/``): DeepSpeed's members, on the CPU
 (CUDA ones skip without a GPU)."""
+
 import pytest
 import torch
 
@@ -16,7 +17,11 @@ def test_cpu_training_gets_the_cpu_accelerator(monkeypatch):
     monkeypatch.setenv("ZENGINE_DEVICE", "cpu")  # what tests/conftest.py sets for the CPU suite
     acc = get_accelerator()
     assert isinstance(acc, CpuAccelerator) and get_accelerator() is acc
-    assert acc.device_name() == "cpu" and acc.device_name(1) == "cpu" and acc.current_device_name() == "cpu"
+    assert (
+        acc.device_name() == "cpu"
+        and acc.device_name(1) == "cpu"
+        and acc.current_device_name() == "cpu"
+    )
     assert acc.communication_backend_name() == "gloo" and acc.is_available()
     assert acc.is_bf16_supported() and torch.bfloat16 in acc.supported_dtypes()
     x = torch.ones(3, device=acc.device_name(0))
@@ -27,8 +32,8 @@ def test_cpu_memory_figures_are_the_resident_set():
     acc = CpuAccelerator()
     acc.reset_peak_memory_stats()
     before = acc.memory_allocated()
-    block = torch.ones(64 * 2 ** 20 // 4)  # 64 MiB, touched
-    assert acc.memory_allocated() - before >= 60 * 2 ** 20
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    assert acc.memory_allocated() - before >= 60 * 2**20
     assert acc.max_memory_allocated() >= acc.memory_allocated()
     del block
     assert acc.total_memory() > acc.available_memory() > 0
@@ -75,7 +80,7 @@ def test_cuda_accelerator(monkeypatch):
     assert isinstance(acc, CudaAccelerator) and acc.device_name(0) == "cuda:0"
     assert acc.communication_backend_name() == "nccl"
     acc.reset_peak_memory_stats()
-    x = torch.ones(2 ** 20, device=acc.current_device_name())
+    x = torch.ones(2**20, device=acc.current_device_name())
     assert acc.max_memory_allocated() >= x.numel() * 4
     e = acc.Event(enable_timing=True)
     e.record()

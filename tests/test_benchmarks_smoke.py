@@ -5,6 +5,7 @@ The figures are not checked (one step on a busy machine measures nothing); that 
 there, and none says "failed", is. Ranks start from a forkserver that imported torch once
 (``BENCH_START_METHOD``), not a fresh interpreter each: the rows need no clean memory baseline.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -55,10 +56,18 @@ def assert_rows(path: Path, names: list[str]) -> None:
 
 def test_adam(bench, tmp_path):
     out = tmp_path / "adam.md"
-    bench("bench_adam").main(["--sizes", "4K", "--rounds", "1", "--no-deepspeed",
-                              "--out", str(out)])
-    assert_rows(out, ["zengine CPUAdam (AdamW)", "torch AdamW fused", "torch Adam default",
-                      "zengine CPUAdam + bf16 copy-out (one pass)"])
+    bench("bench_adam").main(
+        ["--sizes", "4K", "--rounds", "1", "--no-deepspeed", "--out", str(out)]
+    )
+    assert_rows(
+        out,
+        [
+            "zengine CPUAdam (AdamW)",
+            "torch AdamW fused",
+            "torch Adam default",
+            "zengine CPUAdam + bf16 copy-out (one pass)",
+        ],
+    )
 
 
 def test_quantize(bench, tmp_path):
@@ -69,80 +78,191 @@ def test_quantize(bench, tmp_path):
 
 def test_swap(bench, tmp_path):
     out = tmp_path / "swap.md"
-    bench("bench_swap").main(["--params", "256K", "--sub-group", "64K", "--buffers", "2",
-                              "--rounds", "1", "--steps", "1", "--dir", str(tmp_path),
-                              "--out", str(out)])
+    bench("bench_swap").main(
+        [
+            "--params",
+            "256K",
+            "--sub-group",
+            "64K",
+            "--buffers",
+            "2",
+            "--rounds",
+            "1",
+            "--steps",
+            "1",
+            "--dir",
+            str(tmp_path),
+            "--out",
+            str(out),
+        ]
+    )
     assert_rows(out, ["CPUAdam, moments in memory"])
     assert any(name.startswith("SwappedAdam") for name in table_rows(out))
 
 
 def test_activation(bench, tmp_path):
-    bench("bench_activation").main(["--layers", "1", "--width", "32", "--heads", "2", "--seq", "16",
-                                    "--batch", "2", "--vocab", "64", "--steps", "1",
-                                    "--out", str(tmp_path)])
+    bench("bench_activation").main(
+        [
+            "--layers",
+            "1",
+            "--width",
+            "32",
+            "--heads",
+            "2",
+            "--seq",
+            "16",
+            "--batch",
+            "2",
+            "--vocab",
+            "64",
+            "--steps",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert_rows(report(tmp_path), ["none", "checkpoint", "checkpoint+cpu"])
 
 
 def test_checkpoint(bench, tmp_path):
-    bench("bench_checkpoint").main(["--width", "64", "--layers", "1", "--world", "1",
-                                    "--rounds", "1", "--export-layers", "1", "--dir", str(tmp_path),
-                                    "--out", str(tmp_path / "out")])
-    assert_rows(report(tmp_path / "out"),
-                ["save_checkpoint (1 ranks)", "load_checkpoint (1 ranks, cold)", "1"])
+    bench("bench_checkpoint").main(
+        [
+            "--width",
+            "64",
+            "--layers",
+            "1",
+            "--world",
+            "1",
+            "--rounds",
+            "1",
+            "--export-layers",
+            "1",
+            "--dir",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
+    assert_rows(
+        report(tmp_path / "out"),
+        ["save_checkpoint (1 ranks)", "load_checkpoint (1 ranks, cold)", "1"],
+    )
 
 
 def test_comm(bench, tmp_path):
-    bench("bench_comm").main(["--world", "2", "--per-node", "1", "--steps", "1", "--stages", "1",
-                              "--out", str(tmp_path)])
+    bench("bench_comm").main(
+        ["--world", "2", "--per-node", "1", "--steps", "1", "--stages", "1", "--out", str(tmp_path)]
+    )
     assert_rows(report(tmp_path), ["1"])
 
 
 def test_compile(bench, tmp_path):
-    bench("bench_compile").main(["--smoke", "--world", "1", "--contenders", "zengine-2-compiled",
-                                 "--out", str(tmp_path)])
+    bench("bench_compile").main(
+        ["--smoke", "--world", "1", "--contenders", "zengine-2-compiled", "--out", str(tmp_path)]
+    )
     assert_rows(report(tmp_path), ["zengine-2-compiled"])
 
 
 def test_memory(bench, tmp_path):
-    bench("bench_memory").main(["--layers", "2", "--width", "64", "--steps", "1", "--worlds", "1",
-                                "--contenders", "zengine-2", "--out", str(tmp_path)])
+    bench("bench_memory").main(
+        [
+            "--layers",
+            "2",
+            "--width",
+            "64",
+            "--steps",
+            "1",
+            "--worlds",
+            "1",
+            "--contenders",
+            "zengine-2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert_rows(report(tmp_path), ["zengine-2"])
 
 
 def test_shm(bench, tmp_path):
-    bench("bench_shm").main(["--world", "2", "--sizes", "1", "--repeats", "3", "--piece", "0.25",
-                             "--out", str(tmp_path)])
+    bench("bench_shm").main(
+        [
+            "--world",
+            "2",
+            "--sizes",
+            "1",
+            "--repeats",
+            "3",
+            "--piece",
+            "0.25",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     lines = report(tmp_path).read_text().splitlines()
     assert sum(line.startswith("| 1 |") for line in lines) == 3  # three collectives at 1 MiB
 
 
 def test_zero(bench, tmp_path):
-    bench("bench_zero").main(["--smoke", "--world", "2", "--contenders", "zengine-2",
-                              "--out", str(tmp_path)])
+    bench("bench_zero").main(
+        ["--smoke", "--world", "2", "--contenders", "zengine-2", "--out", str(tmp_path)]
+    )
     assert_rows(report(tmp_path), ["zengine-2"])
 
 
 def test_zero_deepspeed(bench, tmp_path):
     pytest.importorskip("deepspeed", reason="DeepSpeed's contenders need it installed")
-    bench("bench_zero").main(["--smoke", "--world", "1", "--contenders", "deepspeed-2",
-                              "--out", str(tmp_path)])
+    bench("bench_zero").main(
+        ["--smoke", "--world", "1", "--contenders", "deepspeed-2", "--out", str(tmp_path)]
+    )
     assert_rows(report(tmp_path), ["deepspeed-2"])
 
 
 def test_infinity(tmp_path):
     # Its own process: it trains in this one (a process group of one, zengine's own).
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "bench_infinity.py"), "--smoke",
-                          "--dir", str(tmp_path / "swap"), "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "bench_infinity.py"),
+            "--smoke",
+            "--dir",
+            str(tmp_path / "swap"),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert_rows(report(tmp_path), ["1", "2"])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="bench_gpu measures a CUDA device; none here")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="bench_gpu measures a CUDA device; none here"
+)
 def test_gpu(bench, tmp_path):
-    bench("bench_gpu").main(["--layers", "1", "--d_model", "64", "--heads", "2", "--seq", "16",
-                             "--vocab", "256", "--micro_batch", "2", "--warmup", "0",
-                             "--steps", "1",
-                             "--contenders", "torch,zengine-2", "--out", str(tmp_path)])
+    bench("bench_gpu").main(
+        [
+            "--layers",
+            "1",
+            "--d_model",
+            "64",
+            "--heads",
+            "2",
+            "--seq",
+            "16",
+            "--vocab",
+            "256",
+            "--micro_batch",
+            "2",
+            "--warmup",
+            "0",
+            "--steps",
+            "1",
+            "--contenders",
+            "torch,zengine-2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert_rows(report(tmp_path), ["torch", "zengine-2"])

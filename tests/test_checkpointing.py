@@ -1,4 +1,5 @@
 """Activation checkpointing (``zengine.checkpointing``, DeepSpeed's ``deepspeed.checkpointing``)."""
+
 import json
 import logging
 
@@ -37,7 +38,9 @@ class Block(nn.Module):
 
     def forward(self, x):
         h = F.dropout(torch.tanh(self.up(x)), self.dropout, self.training)
-        if self.tracked_dropout:  # dropout drawn from the tracker's stream, as tensor-parallel layers do
+        if (
+            self.tracked_dropout
+        ):  # dropout drawn from the tracker's stream, as tensor-parallel layers do
             with checkpointing.get_cuda_rng_tracker().fork():
                 h = F.dropout(h, self.tracked_dropout, self.training)
         return x + self.down(h)
@@ -61,7 +64,11 @@ class Stack(nn.Module):
     def forward(self, x):
         x = self.mix(x)
         for block in self.blocks:
-            x = checkpointing.checkpoint(self.segment, block, x) if self.use_checkpoint else self.segment(block, x)
+            x = (
+                checkpointing.checkpoint(self.segment, block, x)
+                if self.use_checkpoint
+                else self.segment(block, x)
+            )
         return self.norm(x).pow(2).mean()
 
 
@@ -88,8 +95,11 @@ def assert_same_gradients(model, x):
         assert torch.equal(g, g_c)
 
 
-@pytest.mark.parametrize("block", [{}, {"dropout": 0.3}, {"dropout": 0.2, "tracked_dropout": 0.4}],
-                         ids=["plain", "dropout", "tracker-dropout"])
+@pytest.mark.parametrize(
+    "block",
+    [{}, {"dropout": 0.3}, {"dropout": 0.2, "tracked_dropout": 0.4}],
+    ids=["plain", "dropout", "tracker-dropout"],
+)
 def test_gradients_equal_those_without_checkpointing(block):
     torch.manual_seed(0)
     assert_same_gradients(Stack(**block), torch.randn(6, DIM))
@@ -153,17 +163,31 @@ def test_configure_refuses_an_mpu_by_name():
 
 
 def test_configure_arguments_and_their_checks():
-    checkpointing.configure(None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=4,
-                            checkpoint_in_cpu=True, synchronize=True, profile=True)
+    checkpointing.configure(
+        None,
+        partition_activations=True,
+        contiguous_checkpointing=True,
+        num_checkpoints=4,
+        checkpoint_in_cpu=True,
+        synchronize=True,
+        profile=True,
+    )
     settings = current_settings()
-    assert (settings.partition_activations, settings.contiguous_memory_optimization, settings.number_checkpoints,
-            settings.cpu_checkpointing, settings.synchronize_checkpoint_boundary, settings.profile) == \
-        (True, True, 4, True, True, True)
+    assert (
+        settings.partition_activations,
+        settings.contiguous_memory_optimization,
+        settings.number_checkpoints,
+        settings.cpu_checkpointing,
+        settings.synchronize_checkpoint_boundary,
+        settings.profile,
+    ) == (True, True, 4, True, True, True)
     with pytest.raises(ValueError, match="contiguous_checkpointing.*needs partition_activations"):
         checkpointing.configure(None, contiguous_checkpointing=True, num_checkpoints=2)
     with pytest.raises(ValueError, match="contiguous_checkpointing.*needs num_checkpoints"):
         checkpointing.configure(None, partition_activations=True, contiguous_checkpointing=True)
-    with pytest.raises(ValueError, match=r"checkpoint_in_cpu: .*boolean.*\n.*num_checkpoints: .*greater"):
+    with pytest.raises(
+        ValueError, match=r"checkpoint_in_cpu: .*boolean.*\n.*num_checkpoints: .*greater"
+    ):
         checkpointing.configure(None, checkpoint_in_cpu="yes", num_checkpoints=0)
 
 
@@ -183,40 +207,76 @@ def test_configure_from_a_deepspeed_config_file_dict_or_loaded_config(tmp_path):
     # a file without the section: the defaults
     checkpointing.configure(None, deepspeed_config={"train_batch_size": 8})
     assert not current_settings().cpu_checkpointing
-    with pytest.raises(ConfigError, match="activation_checkpointing.cpu_checkpoint: unknown key; did you mean "
-                                          "'cpu_checkpointing'"):
-        checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"cpu_checkpoint": True}})
+    with pytest.raises(
+        ConfigError,
+        match="activation_checkpointing.cpu_checkpoint: unknown key; did you mean "
+        "'cpu_checkpointing'",
+    ):
+        checkpointing.configure(
+            None, deepspeed_config={"activation_checkpointing": {"cpu_checkpoint": True}}
+        )
 
 
 def test_config_section_parsed_and_checked():
-    cfg = load_config({"train_batch_size": 4, "activation_checkpointing": {
-        "partition_activations": True, "cpu_checkpointing": True, "contiguous_memory_optimization": False,
-        "number_checkpoints": 12, "synchronize_checkpoint_boundary": True, "profile": False}}, world_size=2)
+    cfg = load_config(
+        {
+            "train_batch_size": 4,
+            "activation_checkpointing": {
+                "partition_activations": True,
+                "cpu_checkpointing": True,
+                "contiguous_memory_optimization": False,
+                "number_checkpoints": 12,
+                "synchronize_checkpoint_boundary": True,
+                "profile": False,
+            },
+        },
+        world_size=2,
+    )
     section = cfg.activation_checkpointing
-    assert section.cpu_checkpointing and section.partition_activations and section.synchronize_checkpoint_boundary
+    assert (
+        section.cpu_checkpointing
+        and section.partition_activations
+        and section.synchronize_checkpoint_boundary
+    )
     assert section.number_checkpoints == 12 and not section.profile
     assert "activation_checkpointing" not in cfg.ignored_keys
     default = load_config({"train_batch_size": 4, "activation_checkpointing": None}, world_size=2)
     assert default.activation_checkpointing == type(section)()
     with pytest.raises(ConfigError) as error:
-        load_config({"train_batch_size": 4, "activation_checkpointing": {
-            "cpu_checkpoint": True, "number_checkpoints": 0, "profile": 1}}, world_size=2)
+        load_config(
+            {
+                "train_batch_size": 4,
+                "activation_checkpointing": {
+                    "cpu_checkpoint": True,
+                    "number_checkpoints": 0,
+                    "profile": 1,
+                },
+            },
+            world_size=2,
+        )
     message = str(error.value)
-    assert "activation_checkpointing.cpu_checkpoint: unknown key; did you mean 'cpu_checkpointing'?" in message
+    assert (
+        "activation_checkpointing.cpu_checkpoint: unknown key; did you mean 'cpu_checkpointing'?"
+        in message
+    )
     assert "activation_checkpointing.number_checkpoints:" in message
     assert "activation_checkpointing.profile:" in message
 
 
 def test_is_configured_reset_and_the_engine_section():
     assert not checkpointing.is_configured()
-    section = load_config({"train_batch_size": 2, "activation_checkpointing": {"cpu_checkpointing": True}},
-                          world_size=1).activation_checkpointing
+    section = load_config(
+        {"train_batch_size": 2, "activation_checkpointing": {"cpu_checkpointing": True}},
+        world_size=1,
+    ).activation_checkpointing
     checkpointing.configure_from_config(section)  # what the engine does at initialize
     assert current_settings().cpu_checkpointing and not checkpointing.is_configured()
     checkpointing.configure(None, profile=True)  # the script's own call starts from the defaults
     assert checkpointing.is_configured()
     assert current_settings().profile and not current_settings().cpu_checkpointing
-    checkpointing.configure_from_config(section)  # a later initialize keeps what the script configured
+    checkpointing.configure_from_config(
+        section
+    )  # a later initialize keeps what the script configured
     assert current_settings().profile and not current_settings().cpu_checkpointing
     checkpointing.reset()  # DeepSpeed's reset frees buffers; the settings stay
     assert checkpointing.is_configured() and current_settings().profile
@@ -270,8 +330,12 @@ def test_rng_tracker_and_model_parallel_seed():
 def engine_config(stage: int, cpu_checkpointing: bool = False) -> dict:
     # stage 3: every parameter sharded and released after each use: recomputation must gather
     zero = {**SHARD_ALL, **NO_PREFETCH} if stage == 3 else {}
-    return ds_config(stage, micro_batch=4, zero=zero,
-                     activation_checkpointing={"cpu_checkpointing": cpu_checkpointing})
+    return ds_config(
+        stage,
+        micro_batch=4,
+        zero=zero,
+        activation_checkpointing={"cpu_checkpointing": cpu_checkpointing},
+    )
 
 
 def train_run(stage: int, mode: str) -> list:
@@ -315,7 +379,9 @@ def test_training_through_initialize_matches_without_checkpointing(stage):
 
 def section_after_initialize() -> tuple:
     restore_defaults()
-    engine, *_ = zengine.initialize(model=Stack(), config={**engine_config(2, cpu_checkpointing=True)})
+    engine, *_ = zengine.initialize(
+        model=Stack(), config={**engine_config(2, cpu_checkpointing=True)}
+    )
     engine.destroy()
     return current_settings().cpu_checkpointing, checkpointing.is_configured()
 

@@ -1,4 +1,5 @@
 """``zengine.comm``: DeepSpeed's ``deepspeed.comm`` functions, called as scripts call them."""
+
 import torch
 import torch.distributed as dist
 
@@ -17,8 +18,13 @@ def _collectives_run():
     import zengine.comm as zdist
 
     rank, world = zdist.get_rank(), zdist.get_world_size()
-    out = {"rank": rank, "world": world, "local": zdist.get_local_rank(), "init": zdist.is_initialized(),
-           "backend": zdist.get_backend()}
+    out = {
+        "rank": rank,
+        "world": world,
+        "local": zdist.get_local_rank(),
+        "init": zdist.is_initialized(),
+        "backend": zdist.get_backend(),
+    }
     t = torch.tensor([float(rank + 1)])
     zdist.all_reduce(t, op=zdist.ReduceOp.SUM, log_name="x", prof=False)
     out["sum"] = t.item()
@@ -47,7 +53,13 @@ def _collectives_run():
 def test_collectives_on_three_ranks():
     results = spawn(_collectives_run, 3)
     for r, out in enumerate(results):
-        assert (out["rank"], out["world"], out["local"], out["init"], out["backend"]) == (r, 3, r, True, "gloo")
+        assert (out["rank"], out["world"], out["local"], out["init"], out["backend"]) == (
+            r,
+            3,
+            r,
+            True,
+            "gloo",
+        )
         assert out["sum"] == 6.0 and out["max"] == 3.0
         assert out["gathered"] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
         assert out["into_tensor"] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
@@ -60,8 +72,13 @@ def _init_distributed_run():
     # the harness started the group: DeepSpeed's init_distributed is then a no-op with its keywords
     import zengine.comm as zdist
 
-    zdist.init_distributed(dist_backend="gloo", auto_mpi_discovery=True, distributed_port=29512, verbose=False,
-                           dist_init_required=None)
+    zdist.init_distributed(
+        dist_backend="gloo",
+        auto_mpi_discovery=True,
+        distributed_port=29512,
+        verbose=False,
+        dist_init_required=None,
+    )
     zengine.init_distributed("gloo", distributed_port=29512)
     return zdist.get_world_size()
 

@@ -2,6 +2,7 @@
 process of the environment zengine is installed in, started by whoever, resolves ``deepspeed`` to zengine
 from its first import; unset, nothing changes; a real DeepSpeed is never shadowed. The hook is the
 ``zengine-deepspeed-compat.pth`` line pip installs (setup.py) and ``zengine_compat_hook.arm``."""
+
 import os
 import site
 import subprocess
@@ -16,12 +17,14 @@ from zengine.compat import DEEPSPEED_VERSION
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(zengine.__file__)))
 PTH = "zengine-deepspeed-compat.pth"
 
-_ASK = ("import importlib.metadata as md, importlib.util as iu, sys\n"
-        "print('light', 'zengine' in sys.modules)\n"
-        "try:\n    print('version', md.version('deepspeed'))\n"
-        "except md.PackageNotFoundError:\n    print('version none')\n"
-        "print('spec', iu.find_spec('deepspeed') is not None)\n"
-        "import deepspeed\nprint('module', deepspeed.__name__)\n")
+_ASK = (
+    "import importlib.metadata as md, importlib.util as iu, sys\n"
+    "print('light', 'zengine' in sys.modules)\n"
+    "try:\n    print('version', md.version('deepspeed'))\n"
+    "except md.PackageNotFoundError:\n    print('version none')\n"
+    "print('spec', iu.find_spec('deepspeed') is not None)\n"
+    "import deepspeed\nprint('module', deepspeed.__name__)\n"
+)
 
 
 def _run(code: str, value, extra_path: str = None) -> subprocess.CompletedProcess:
@@ -29,8 +32,12 @@ def _run(code: str, value, extra_path: str = None) -> subprocess.CompletedProces
     env = {k: v for k, v in os.environ.items() if k != "ZENGINE_DEEPSPEED_COMPAT"}
     if value is not None:
         env["ZENGINE_DEEPSPEED_COMPAT"] = value
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [extra_path, PACKAGE_ROOT, env.get("PYTHONPATH")] if p)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in [extra_path, PACKAGE_ROOT, env.get("PYTHONPATH")] if p
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180
+    )
 
 
 def _site_dirs() -> list:
@@ -52,7 +59,12 @@ def test_any_process_gets_deepspeed_from_the_variable_alone(value):
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     # nothing of zengine (nor torch) is imported until the process asks for DeepSpeed
-    assert lines == ["light False", f"version {DEEPSPEED_VERSION}", "spec True", "module zengine"], run.stdout
+    assert lines == [
+        "light False",
+        f"version {DEEPSPEED_VERSION}",
+        "spec True",
+        "module zengine",
+    ], run.stdout
 
 
 @pytest.mark.parametrize("value", [None, "0", ""])
@@ -66,13 +78,20 @@ def test_a_real_deepspeed_is_not_shadowed(tmp_path):
     fake = tmp_path / "deepspeed"
     fake.mkdir()
     (fake / "__init__.py").write_text("REAL = True\n")
-    run = _run("import deepspeed; print('real', getattr(deepspeed, 'REAL', False))", "1", str(tmp_path))
+    run = _run(
+        "import deepspeed; print('real', getattr(deepspeed, 'REAL', False))", "1", str(tmp_path)
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == "real True"
     assert "a real DeepSpeed is installed" in run.stderr and str(fake) in run.stderr
 
 
 def test_wanted_reads_the_usual_spellings():
-    assert all(zengine_compat_hook.wanted({"ZENGINE_DEEPSPEED_COMPAT": v}) for v in ("1", "true", "Yes", " on "))
-    assert not any(zengine_compat_hook.wanted({"ZENGINE_DEEPSPEED_COMPAT": v}) for v in ("", "0", "no"))
+    assert all(
+        zengine_compat_hook.wanted({"ZENGINE_DEEPSPEED_COMPAT": v})
+        for v in ("1", "true", "Yes", " on ")
+    )
+    assert not any(
+        zengine_compat_hook.wanted({"ZENGINE_DEEPSPEED_COMPAT": v}) for v in ("", "0", "no")
+    )
     assert not zengine_compat_hook.wanted({})

@@ -9,6 +9,7 @@ gives. Four cases prove the guard fails on the bugs it is for: a norm accumulate
 first GPU crash zengine had), a collective given a host tensor, a gradient read to the host in the
 step and an upload from pageable memory.
 """
+
 from configs import SHARD_ALL, SMALL_BUCKETS, cpu, ds_config, nvme, swap_dir
 
 
@@ -28,10 +29,21 @@ def _config(stage, precision, offload):
         param = cpu(pin_memory=True)
     if offload in ("param-nvme", "infinity"):  # ZeRO-Infinity: parameter shards in a swap file
         param = nvme(swap, buffer_count=3, buffer_size=4096, pin_memory=True)
-    return ds_config(stage, precision, gas=GAS, clip=0.5, steps_per_print=10**6,
-                     zero={**SMALL_BUCKETS, **SHARD_ALL, "stage3_prefetch_bucket_size": 1500,
-                           "stage3_max_live_parameters": 4000},
-                     offload_optimizer=optimizer, offload_param=param)
+    return ds_config(
+        stage,
+        precision,
+        gas=GAS,
+        clip=0.5,
+        steps_per_print=10**6,
+        zero={
+            **SMALL_BUCKETS,
+            **SHARD_ALL,
+            "stage3_prefetch_bucket_size": 1500,
+            "stage3_max_live_parameters": 4000,
+        },
+        offload_optimizer=optimizer,
+        offload_param=param,
+    )
 
 
 def _run_case(stage, precision, offload, init, sabotage):
@@ -51,24 +63,32 @@ def _run_case(stage, precision, offload, init, sabotage):
             for g in grads.tensors:
                 acc += torch.linalg.vector_norm(g, dtype=torch.float64).square()
             return acc
+
         ZeroOptimizer._sq_norm = host_norm
     if sabotage == "host_collective":
         from zengine.zero.flat_group import FlatParamGroup
 
         original = FlatParamGroup.publish
-        FlatParamGroup.publish = lambda self, n, group=None: zengine.distributed.collectives.all_reduce_sum(torch.zeros(3), group) \
+        FlatParamGroup.publish = lambda self, n, group=None: (
+            zengine.distributed.collectives.all_reduce_sum(torch.zeros(3), group)
             or original(self, n, group)
+        )
     if sabotage in ("grad_to_host", "pageable_upload"):  # copies the host waits for, in the step
         from zengine.zero.optimizer import ZeroOptimizer
 
         original_sq = ZeroOptimizer._sq_norm
 
         def sq_norm(self, grads):
-            if sabotage == "grad_to_host":  # a gradient read on the host (a debugging print, a check)
+            if (
+                sabotage == "grad_to_host"
+            ):  # a gradient read on the host (a debugging print, a check)
                 grads.tensors[0].cpu()
                 return original_sq(self, grads)
             # a value made on the host and uploaded from pageable memory
-            return original_sq(self, grads) + torch.zeros((), dtype=torch.float64).to(self.device, non_blocking=True)
+            return original_sq(self, grads) + torch.zeros((), dtype=torch.float64).to(
+                self.device, non_blocking=True
+            )
+
         ZeroOptimizer._sq_norm = sq_norm
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     reads, collectives, mode = HostReads(WORLD), FakeCollectives(), DeviceRulesMode()
@@ -76,13 +96,19 @@ def _run_case(stage, precision, offload, init, sabotage):
     try:
         with reads.installed(), collectives.installed(), side_streams_on_meta(), mode:
             if init:  # with parameter offload to NVMe, Init writes the shards to the swap file
-                with zengine.zero.Init(config_dict_or_path=_config(stage, precision, offload)), torch.device("meta"):
+                with (
+                    zengine.zero.Init(config_dict_or_path=_config(stage, precision, offload)),
+                    torch.device("meta"),
+                ):
                     model = EdgeNet()
             else:
                 with torch.device("meta"):
                     model = EdgeNet()
-            engine, *_ = zengine.initialize(model=model, config=_config(stage, precision, offload),
-                                            model_parameters=edge_param_groups(model, 1e-2))
+            engine, *_ = zengine.initialize(
+                model=model,
+                config=_config(stage, precision, offload),
+                model_parameters=edge_param_groups(model, 1e-2),
+            )
             assert engine.device.type == "meta"
             mode.copies.window()  # from the first forward on
             for micro in range(STEPS * GAS):
@@ -95,8 +121,14 @@ def _run_case(stage, precision, offload, init, sabotage):
                     done = sum(s["reads"] for s in steps)
                     steps.append({"kinds": kinds, "sites": sites, "reads": reads.count - done})
         devices = sorted({d for _, ds in collectives.calls for d in ds})
-        return {"ok": True, "reads": reads.count, "steps": engine.global_steps, "devices": devices,
-                "kinds": sorted({name for name, _ in collectives.calls}), "copies": steps}
+        return {
+            "ok": True,
+            "reads": reads.count,
+            "steps": engine.global_steps,
+            "devices": devices,
+            "kinds": sorted({name for name, _ in collectives.calls}),
+            "copies": steps,
+        }
     except Exception as e:  # reported to the parent, which asserts on it
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
     finally:
@@ -114,11 +146,19 @@ def _run(cases):
     return run_on_meta(_run_cases, cases)
 
 
-CASES = ([(s, p, "none", False, None) for s in (0, 1, 2, 3) for p in ("fp32", "bf16", "fp16")]
-         + [(s, "bf16", o, False, None) for s in (1, 2, 3) for o in ("cpu", "nvme")]
-         + [(3, "bf16", "param", False, None), (3, "fp32", "none", True, None)]
-         + [(3, p, o, i, None) for p, o, i in (("bf16", "param-nvme", False), ("fp16", "infinity", False),
-                                                ("bf16", "infinity", True))])
+CASES = (
+    [(s, p, "none", False, None) for s in (0, 1, 2, 3) for p in ("fp32", "bf16", "fp16")]
+    + [(s, "bf16", o, False, None) for s in (1, 2, 3) for o in ("cpu", "nvme")]
+    + [(3, "bf16", "param", False, None), (3, "fp32", "none", True, None)]
+    + [
+        (3, p, o, i, None)
+        for p, o, i in (
+            ("bf16", "param-nvme", False),
+            ("fp16", "infinity", False),
+            ("bf16", "infinity", True),
+        )
+    ]
+)
 
 
 def expected_copies(stage: int, offload: str, step: int) -> dict:
@@ -129,29 +169,41 @@ def expected_copies(stage: int, offload: str, step: int) -> dict:
     many there are follows the fetch policy (prefetch, live parameters); that they are all pinned and
     non_blocking is what the absence of the waiting kinds checks.
     """
-    counts = {"reads": 1,  # the boundary step's one host read of the summed control values (step_stats.py)
-              "h2d_async": 1}  # that vector's header, uploaded from pinned memory
+    counts = {
+        "reads": 1,  # the boundary step's one host read of the summed control values (step_stats.py)
+        "h2d_async": 1,
+    }  # that vector's header, uploaded from pinned memory
     # -- down: offloaded gradients land in pinned host memory, copied on a side stream ----------------
     # EdgeNet at W = 2, reduce_bucket_size 300: the buckets holding part of this rank's shard, once per
     # micro-step (GAS = 2) as each is reduced.
     if stage == 1 and offload != "none":
-        counts["d2h_async"] = 2  # the summed gradient's owned slice of each param group, at the step
+        counts["d2h_async"] = (
+            2  # the summed gradient's owned slice of each param group, at the step
+        )
     if stage == 2 and offload != "none":
         counts["d2h_async"] = 3 * GAS  # 3 buckets intersect this rank's shard
     if stage == 3 and offload in ("cpu", "param"):
-        counts["d2h_async"] = 6 * GAS  # 6 buckets (of 150 shard elements), each with a row for this rank
+        counts["d2h_async"] = (
+            6 * GAS
+        )  # 6 buckets (of 150 shard elements), each with a row for this rank
     if stage == 3 and offload in ("nvme", "param-nvme", "infinity"):
         # each parameter's shard aligned to a 4 KiB O_DIRECT block: every one of the 11 is its own bucket
         # (optimizer on NVMe, ZeRO-Infinity: the bucket's row goes to the gradient swap, offload/state_swap.py)
         counts["d2h_async"] = 11 * GAS
         if offload == "nvme" and step == 0:
-            counts["d2h_async"] += 2  # ZeRO-Infinity's first step: each group's one never-stepped chunk's
+            counts["d2h_async"] += (
+                2  # ZeRO-Infinity's first step: each group's one never-stepped chunk's
+            )
             #                           master comes from the parameters on the device (offload/infinity.py)
     # -- up: the updated compute-dtype parameters, from pinned staging on a side stream ---------------
     if offload in ("cpu", "nvme") and not (stage == 3 and offload == "nvme"):
-        counts["h2d_async"] += 2  # CPUAdam's copy-out staging, one per param group (offload/copies.py)
+        counts["h2d_async"] += (
+            2  # CPUAdam's copy-out staging, one per param group (offload/copies.py)
+        )
     if stage == 3 and offload == "nvme":
-        counts["h2d_async"] += 2  # ZeRO-Infinity's write-back of each group's one chunk (infinity.py)
+        counts["h2d_async"] += (
+            2  # ZeRO-Infinity's write-back of each group's one chunk (infinity.py)
+        )
     #   (offload_param: CPUAdam writes the host shard itself, or the step writes the swap file)
     # -- waits the engine should not have --------------------------------------------------------------
     return counts
@@ -172,28 +224,50 @@ def copy_failures(case, result) -> list[str]:
     for i, step in enumerate(result["copies"]):
         want, got = expected_copies(case[0], case[2], i), seen_copies(step)
         if got != want:
-            waits = sorted(f"{kind} at {site} x{n}" for (kind, site), n in step["sites"].items() if kind in SYNC_KINDS)
+            waits = sorted(
+                f"{kind} at {site} x{n}"
+                for (kind, site), n in step["sites"].items()
+                if kind in SYNC_KINDS
+            )
             out.append(f"step {i}: copies {got}, expected {want}; the host waits for: {waits}")
     return out
 
 
 def test_step_path_stays_on_the_device_with_one_host_read_per_step():
     results = _run(CASES)
-    failures = [f"stage {c[0]} {c[1]} offload={c[2]} init={c[3]}: {r.get('error') or r}"
-                for c, r in zip(CASES, results)
-                if not (r["ok"] and r["reads"] == STEPS and r["steps"] == STEPS and r["devices"] == ["meta"])]
+    failures = [
+        f"stage {c[0]} {c[1]} offload={c[2]} init={c[3]}: {r.get('error') or r}"
+        for c, r in zip(CASES, results)
+        if not (
+            r["ok"] and r["reads"] == STEPS and r["steps"] == STEPS and r["devices"] == ["meta"]
+        )
+    ]
     assert not failures, "\n".join(failures)
     kinds = {k for r in results for k in r["kinds"]}
-    assert {"all_gather_flat", "reduce_scatter_flat", "reduce", "all_reduce"} <= kinds  # NCCL's paths ran
-    failures = [f"stage {c[0]} {c[1]} offload={c[2]} init={c[3]}: {f}"
-                for c, r in zip(CASES, results) for f in copy_failures(c, r)]
+    assert {
+        "all_gather_flat",
+        "reduce_scatter_flat",
+        "reduce",
+        "all_reduce",
+    } <= kinds  # NCCL's paths ran
+    failures = [
+        f"stage {c[0]} {c[1]} offload={c[2]} init={c[3]}: {f}"
+        for c, r in zip(CASES, results)
+        for f in copy_failures(c, r)
+    ]
     assert not failures, "\n".join(failures)
 
 
 def test_guard_catches_a_host_norm_and_a_host_collective():
-    [host_norm] = _run([(1, "fp32", "none", False, "host_norm")])  # one process each: sabotage patches classes
+    [host_norm] = _run(
+        [(1, "fp32", "none", False, "host_norm")]
+    )  # one process each: sabotage patches classes
     [host_collective] = _run([(1, "fp32", "none", False, "host_collective")])
-    assert not host_norm["ok"] and "DeviceMixError" in host_norm["error"] and "cpu" in host_norm["error"]
+    assert (
+        not host_norm["ok"]
+        and "DeviceMixError" in host_norm["error"]
+        and "cpu" in host_norm["error"]
+    )
     assert not host_collective["ok"] and "WrongDeviceError" in host_collective["error"]
     assert "all_reduce_sum" in host_collective["error"]
 
@@ -204,5 +278,9 @@ def test_guard_counts_a_gradient_read_to_the_host_and_a_pageable_upload():
         [result] = _run([case])
         assert result["ok"], result
         failures = copy_failures(case, result)
-        assert len(failures) == STEPS, failures  # one more copy, the host waiting for it, in every step
-        assert all(f"'{kind}': 1" in f and f"{kind} at zengine/zero/optimizer.py" in f for f in failures), failures
+        assert len(failures) == STEPS, (
+            failures
+        )  # one more copy, the host waiting for it, in every step
+        assert all(
+            f"'{kind}': 1" in f and f"{kind} at zengine/zero/optimizer.py" in f for f in failures
+        ), failures

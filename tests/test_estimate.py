@@ -1,4 +1,5 @@
 """zengine.estimate: the ZeRO formulas per stage, precision and offload, and the step's transients."""
+
 import subprocess
 import sys
 
@@ -17,7 +18,12 @@ def _cfg(stage, **zero):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_model_states_follow_the_zero_formulas(world):
-    per = {0: 16 * PSI, 1: 8 * PSI + 8 * PSI / world, 2: 4 * PSI + 12 * PSI / world, 3: 16 * PSI / world}
+    per = {
+        0: 16 * PSI,
+        1: 8 * PSI + 8 * PSI / world,
+        2: 4 * PSI + 12 * PSI / world,
+        3: 16 * PSI / world,
+    }
     for stage, expected in per.items():
         est = estimate(PSI, _cfg(stage), world)
         assert est.device_states == pytest.approx(expected, rel=1e-6), (stage, est.format())
@@ -25,9 +31,13 @@ def test_model_states_follow_the_zero_formulas(world):
     # bf16: 2 bytes of parameter, 4 of fp32 gradient shard (accumulated in fp32 at stages 2-3), 4 of fp32
     # master, 8 of moments; a bf16 gradient shard (DeepSpeed's default) is 2
     bf16 = {**_cfg(2), "bf16": {"enabled": True}}
-    assert estimate(PSI, bf16, world).device_states == pytest.approx(2 * PSI + 16 * PSI / world, rel=1e-6)
+    assert estimate(PSI, bf16, world).device_states == pytest.approx(
+        2 * PSI + 16 * PSI / world, rel=1e-6
+    )
     bf16["data_types"] = {"grad_accum_dtype": "bf16"}
-    assert estimate(PSI, bf16, world).device_states == pytest.approx(2 * PSI + 14 * PSI / world, rel=1e-6)
+    assert estimate(PSI, bf16, world).device_states == pytest.approx(
+        2 * PSI + 14 * PSI / world, rel=1e-6
+    )
 
 
 def test_offload_moves_states_to_the_host():
@@ -36,7 +46,9 @@ def test_offload_moves_states_to_the_host():
     assert cpu.device == {"parameters": 4 * PSI}
     # fp32 gradient shard, master, moments, and the staging CPUAdam writes the parameters into (fp32 here)
     assert cpu.host_states == 20 * PSI // world
-    both = estimate(PSI, _cfg(3, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"}), world)
+    both = estimate(
+        PSI, _cfg(3, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"}), world
+    )
     assert both.device_states == 0 and both.host_states == 20 * PSI // world
     nvme_cfg = {"device": "nvme", "nvme_path": "/tmp", "buffer_count": 4}
     nvme = estimate(PSI, _cfg(2, offload_optimizer=nvme_cfg, sub_group_size=250_000), world)
@@ -44,40 +56,89 @@ def test_offload_moves_states_to_the_host():
     few = estimate(PSI, _cfg(2, offload_optimizer=nvme_cfg, sub_group_size=1_000_000), world)
     assert few.host["optimizer swap buffers"] == 2 * 2 * 4 * 1_000_000  # two chunks: two buffers
     # training on the CPU: CPU offload moves nothing (the host is the device), NVMe only the moments
-    assert estimate(PSI, _cfg(2, offload_optimizer={"device": "cpu"}), world, cpu_training=True).device_states \
+    assert (
+        estimate(
+            PSI, _cfg(2, offload_optimizer={"device": "cpu"}), world, cpu_training=True
+        ).device_states
         == estimate(PSI, _cfg(2), world).device_states
+    )
 
 
 def test_transients_are_bounded_by_their_keys():
-    model = nn.Sequential(nn.Linear(1000, 1000, bias=False), nn.Linear(1000, 10, bias=False), nn.LayerNorm(10))
+    model = nn.Sequential(
+        nn.Linear(1000, 1000, bias=False), nn.Linear(1000, 10, bias=False), nn.LayerNorm(10)
+    )
     numel = sum(p.numel() for p in model.parameters())
     est = estimate(model, _cfg(2, reduce_bucket_size=100_000, overlap_comm=False), 2)
-    assert est.transients == {"autograd gradient": 4 * 1_000_000, "gradient buckets": 4 * 100_000 * 1}
-    est3 = estimate(model, _cfg(3, reduce_bucket_size=100_000, stage3_max_live_parameters=300_000,
-                                stage3_prefetch_bucket_size=50_000), 2)
-    assert est3.transients["gathered parameters"] == 4 * min(300_000 + 1_000_000, numel)  # live limit + module in hand
-    assert "prefetch staging" not in est3.transients  # one sharded parameter per module: gathered in place
-    with_bias = estimate(nn.Linear(1000, 1000), _cfg(3, stage3_param_persistence_threshold=100,
-                                                     stage3_prefetch_bucket_size=50_000), 2)
-    assert with_bias.transients["prefetch staging"] == 4 * 50_000  # weight and bias share a staging buffer
+    assert est.transients == {
+        "autograd gradient": 4 * 1_000_000,
+        "gradient buckets": 4 * 100_000 * 1,
+    }
+    est3 = estimate(
+        model,
+        _cfg(
+            3,
+            reduce_bucket_size=100_000,
+            stage3_max_live_parameters=300_000,
+            stage3_prefetch_bucket_size=50_000,
+        ),
+        2,
+    )
+    assert est3.transients["gathered parameters"] == 4 * min(
+        300_000 + 1_000_000, numel
+    )  # live limit + module in hand
+    assert (
+        "prefetch staging" not in est3.transients
+    )  # one sharded parameter per module: gathered in place
+    with_bias = estimate(
+        nn.Linear(1000, 1000),
+        _cfg(3, stage3_param_persistence_threshold=100, stage3_prefetch_bucket_size=50_000),
+        2,
+    )
+    assert (
+        with_bias.transients["prefetch staging"] == 4 * 50_000
+    )  # weight and bias share a staging buffer
     assert est3.device["persistent parameters"] == 4 * (10_000 + 20) // 2  # small ones kept whole
     assert est3.device["parameters"] == 4 * -(-numel // 2)
     # optimizer offload on a GPU: reduced buckets kept while their copies down run, at most 1 GiB, at most the gradient
     off = {"device": "cpu"}
     small = estimate(model, _cfg(2, offload_optimizer=off), 2)
     assert small.transients["gradient downloads"] == 4 * numel
-    assert estimate(10**9, _cfg(3, offload_optimizer=off), 4).transients["gradient downloads"] == 1 << 30
-    assert "gradient downloads" not in estimate(model, _cfg(2, offload_optimizer=off), 2, cpu_training=True).transients
+    assert (
+        estimate(10**9, _cfg(3, offload_optimizer=off), 4).transients["gradient downloads"]
+        == 1 << 30
+    )
+    assert (
+        "gradient downloads"
+        not in estimate(model, _cfg(2, offload_optimizer=off), 2, cpu_training=True).transients
+    )
     assert "gradient downloads" not in estimate(model, _cfg(2), 2).transients
 
 
 def test_every_choice_and_the_command_line(capsys):
     choices = all_choices(PSI, 8)
-    assert [(e.stage, e.label) for e in choices][:3] == [(0, "fp32"), (1, "fp32"), (1, "fp32, optimizer on cpu")]
+    assert [(e.stage, e.label) for e in choices][:3] == [
+        (0, "fp32"),
+        (1, "fp32"),
+        (1, "fp32, optimizer on cpu"),
+    ]
     assert len(choices) == 8
     assert main(["--params", "8e6", "--world", "8"]) == 0
     out = capsys.readouterr().out
     assert out.count("ZeRO stage") == 8 and "optimizer on cpu, parameters on cpu" in out
-    done = subprocess.run([sys.executable, "-m", "zengine.estimate", "--params", "1.3e9", "--gpus", "8",
-                           "--config", "configs/zero3.json"], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zengine.estimate",
+            "--params",
+            "1.3e9",
+            "--gpus",
+            "8",
+            "--config",
+            "configs/zero3.json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0 and "ZeRO stage 3, 8 rank(s)" in done.stdout, done.stderr

@@ -1,4 +1,5 @@
 """Monitoring (DeepSpeed's tensorboard / csv_monitor / wandb sections) and wall_clock_breakdown timers."""
+
 import csv
 import logging
 import sys
@@ -11,8 +12,16 @@ import torch
 
 from harness import spawn
 from zengine.config import ConfigError, load_config
-from zengine.monitor import (CsvMonitor, MonitorDependencyError, MonitorMaster, NullMonitor, StepReport,
-                             TensorBoardMonitor, WandbMonitor, build_monitor)
+from zengine.monitor import (
+    CsvMonitor,
+    MonitorDependencyError,
+    MonitorMaster,
+    NullMonitor,
+    StepReport,
+    TensorBoardMonitor,
+    WandbMonitor,
+    build_monitor,
+)
 from zengine.monitor import events as ev
 from zengine.monitor.timers import BACKWARD, FORWARD, STEP, Timers, WallClockTimer, format_breakdown
 
@@ -47,7 +56,10 @@ def test_csv_monitor_writes_one_file_per_event_with_step_and_value(tmp_path):
     files = sorted(p.name for p in (tmp_path / "job").iterdir())
     assert files == ["Train_Samples_lr.csv", "Train_Samples_train_loss.csv", "my_metric.csv"]
     assert _read_csv(tmp_path / "job" / "Train_Samples_train_loss.csv") == [
-        ["step", "train_loss"], ["8", "2.5"], ["16", "1.25"]]
+        ["step", "train_loss"],
+        ["8", "2.5"],
+        ["16", "1.25"],
+    ]
     assert _read_csv(tmp_path / "job" / "Train_Samples_lr.csv") == [["step", "lr"], ["8", "0.001"]]
     assert _read_csv(tmp_path / "job" / "my_metric.csv") == [["step", "my metric"], ["16", "3.0"]]
 
@@ -55,7 +67,11 @@ def test_csv_monitor_writes_one_file_per_event_with_step_and_value(tmp_path):
 def test_csv_monitor_resumed_run_appends_without_a_second_header(tmp_path):
     CsvMonitor(str(tmp_path), "job").write_events([("Train/Samples/lr", 0.5, 1)])
     CsvMonitor(str(tmp_path), "job").write_events([("Train/Samples/lr", 0.25, 2)])
-    assert _read_csv(tmp_path / "job" / "Train_Samples_lr.csv") == [["step", "lr"], ["1", "0.5"], ["2", "0.25"]]
+    assert _read_csv(tmp_path / "job" / "Train_Samples_lr.csv") == [
+        ["step", "lr"],
+        ["1", "0.5"],
+        ["2", "0.25"],
+    ]
 
 
 def test_csv_monitor_empty_output_path_is_the_working_directory(tmp_path, monkeypatch):
@@ -87,26 +103,39 @@ def test_tensorboard_monitor_writes_scalars_and_flushes(tmp_path, monkeypatch):
         def close(self):
             calls.append(("close",))
 
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=SummaryWriter))
+    monkeypatch.setitem(
+        sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=SummaryWriter)
+    )
     monitor = TensorBoardMonitor(str(tmp_path), "tb")
     monitor.write_events([("Train/Samples/lr", 0.1, 4), ("Train/Samples/train_loss", 2.0, 4)])
     monitor.close()
     monitor.close()
-    assert calls == [("init", str(tmp_path / "tb")), ("scalar", "Train/Samples/lr", 0.1, 4),
-                     ("scalar", "Train/Samples/train_loss", 2.0, 4), ("flush",), ("close",)]
+    assert calls == [
+        ("init", str(tmp_path / "tb")),
+        ("scalar", "Train/Samples/lr", 0.1, 4),
+        ("scalar", "Train/Samples/train_loss", 2.0, 4),
+        ("flush",),
+        ("close",),
+    ]
 
 
 def test_wandb_monitor_logs_one_dict_per_step(monkeypatch):
     calls = []
-    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)),
-                                 log=lambda values, step: calls.append(("log", values, step)),
-                                 finish=lambda: calls.append(("finish",)))
+    fake = types.SimpleNamespace(
+        init=lambda **kw: calls.append(("init", kw)),
+        log=lambda values, step: calls.append(("log", values, step)),
+        finish=lambda: calls.append(("finish",)),
+    )
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monitor = WandbMonitor(project="p", group="g", team="t")
     monitor.write_events([("a", 1.0, 8), ("b", 2.0, 8), ("a", 3.0, 16)])
     monitor.close()
-    assert calls == [("init", {"project": "p", "group": "g", "entity": "t"}), ("log", {"a": 1.0, "b": 2.0}, 8),
-                     ("log", {"a": 3.0}, 16), ("finish",)]
+    assert calls == [
+        ("init", {"project": "p", "group": "g", "entity": "t"}),
+        ("log", {"a": 1.0, "b": 2.0}, 8),
+        ("log", {"a": 3.0}, 16),
+        ("finish",),
+    ]
 
 
 # -- build_monitor -------------------------------------------------------------------------------------
@@ -135,10 +164,14 @@ def test_csv_monitor_on_rank_0_only(tmp_path):
     assert _read_csv(tmp_path / "j" / "Train_Samples_lr.csv") == [["step", "lr"], ["2", "0.5"]]
 
 
-@pytest.mark.parametrize("section, module", [("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")])
+@pytest.mark.parametrize(
+    "section, module", [("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")]
+)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_missing_package_is_a_clear_error_on_every_rank(section, module, rank, monkeypatch):
-    monkeypatch.setitem(sys.modules, module, None)  # makes the import fail whether or not it is installed
+    monkeypatch.setitem(
+        sys.modules, module, None
+    )  # makes the import fail whether or not it is installed
     cfg = _cfg(**{section: {"enabled": True}})
     with pytest.raises(MonitorDependencyError) as error:
         build_monitor(cfg, rank)
@@ -150,7 +183,10 @@ def test_missing_package_is_a_clear_error_on_every_rank(section, module, rank, m
 def test_missing_package_of_a_disabled_section_is_not_needed(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     monkeypatch.setitem(sys.modules, "wandb", None)
-    assert isinstance(build_monitor(_cfg(tensorboard={"enabled": False}, wandb={"enabled": False}), 0), NullMonitor)
+    assert isinstance(
+        build_monitor(_cfg(tensorboard={"enabled": False}, wandb={"enabled": False}), 0),
+        NullMonitor,
+    )
 
 
 def test_monitor_master_closes_every_sink_even_if_one_fails():
@@ -171,35 +207,71 @@ def test_monitor_master_closes_every_sink_even_if_one_fails():
 
 def test_sections_parse_with_deepspeed_defaults():
     cfg = _cfg()
-    assert (cfg.tensorboard.enabled, cfg.tensorboard.output_path, cfg.tensorboard.job_name) == \
-        (False, "", "DeepSpeedJobName")
-    assert (cfg.csv_monitor.enabled, cfg.csv_monitor.output_path, cfg.csv_monitor.job_name) == \
-        (False, "", "DeepSpeedJobName")
-    assert (cfg.wandb.enabled, cfg.wandb.group, cfg.wandb.team, cfg.wandb.project) == (False, None, None, "deepspeed")
-    cfg = _cfg(tensorboard={"enabled": True, "output_path": "out/", "job_name": "bert"},
-               csv_monitor={"enabled": True, "output_path": "csv/", "job_name": "run1"},
-               wandb={"enabled": True, "group": "g", "team": "t", "project": "p"}, wall_clock_breakdown=True)
-    assert (cfg.tensorboard.output_path, cfg.tensorboard.job_name, cfg.csv_monitor.job_name) == ("out/", "bert", "run1")
-    assert (cfg.wandb.group, cfg.wandb.team, cfg.wandb.project, cfg.wall_clock_breakdown) == ("g", "t", "p", True)
+    assert (cfg.tensorboard.enabled, cfg.tensorboard.output_path, cfg.tensorboard.job_name) == (
+        False,
+        "",
+        "DeepSpeedJobName",
+    )
+    assert (cfg.csv_monitor.enabled, cfg.csv_monitor.output_path, cfg.csv_monitor.job_name) == (
+        False,
+        "",
+        "DeepSpeedJobName",
+    )
+    assert (cfg.wandb.enabled, cfg.wandb.group, cfg.wandb.team, cfg.wandb.project) == (
+        False,
+        None,
+        None,
+        "deepspeed",
+    )
+    cfg = _cfg(
+        tensorboard={"enabled": True, "output_path": "out/", "job_name": "bert"},
+        csv_monitor={"enabled": True, "output_path": "csv/", "job_name": "run1"},
+        wandb={"enabled": True, "group": "g", "team": "t", "project": "p"},
+        wall_clock_breakdown=True,
+    )
+    assert (cfg.tensorboard.output_path, cfg.tensorboard.job_name, cfg.csv_monitor.job_name) == (
+        "out/",
+        "bert",
+        "run1",
+    )
+    assert (cfg.wandb.group, cfg.wandb.team, cfg.wandb.project, cfg.wall_clock_breakdown) == (
+        "g",
+        "t",
+        "p",
+        True,
+    )
 
 
 def test_sections_are_no_longer_ignored_keys():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no ConfigWarning "accepts but ignores"
-        cfg = load_config({**BASE, "tensorboard": {"enabled": False}, "csv_monitor": {}, "wandb": None}, 1)
+        cfg = load_config(
+            {**BASE, "tensorboard": {"enabled": False}, "csv_monitor": {}, "wandb": None}, 1
+        )
     assert cfg.ignored_keys == ()
 
 
-@pytest.mark.parametrize("sections, message", [
-    ({"csv_monitor": {"enabled": True, "ouput_path": "x"}}, "csv_monitor.ouput_path: unknown key; did you mean "
-                                                            "'output_path'?"),
-    ({"tensorboard": {"enabeld": True}}, "tensorboard.enabeld: unknown key; did you mean 'enabled'?"),
-    ({"wandb": {"enabled": True, "teams": "x"}}, "wandb.teams: unknown key; did you mean 'team'?"),
-    ({"csv_monitr": {"enabled": True}}, "csv_monitr: unknown key; did you mean 'csv_monitor'?"),
-    ({"tensorboard": {"enabled": "yes"}}, "tensorboard.enabled:"),
-    ({"wandb": {"project": 3}}, "wandb.project:"),
-    ({"csv_monitor": True}, "csv_monitor:"),
-])
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        (
+            {"csv_monitor": {"enabled": True, "ouput_path": "x"}},
+            "csv_monitor.ouput_path: unknown key; did you mean 'output_path'?",
+        ),
+        (
+            {"tensorboard": {"enabeld": True}},
+            "tensorboard.enabeld: unknown key; did you mean 'enabled'?",
+        ),
+        (
+            {"wandb": {"enabled": True, "teams": "x"}},
+            "wandb.teams: unknown key; did you mean 'team'?",
+        ),
+        ({"csv_monitr": {"enabled": True}}, "csv_monitr: unknown key; did you mean 'csv_monitor'?"),
+        ({"tensorboard": {"enabled": "yes"}}, "tensorboard.enabled:"),
+        ({"wandb": {"project": 3}}, "wandb.project:"),
+        ({"csv_monitor": True}, "csv_monitor:"),
+    ],
+)
 def test_typos_and_wrong_types_are_refused(sections, message):
     with pytest.raises(ConfigError) as error:
         load_config({**BASE, **sections}, 1)
@@ -257,8 +329,10 @@ def test_for_device_synchronizes_a_gpu_only_when_enabled():
 
 
 def test_breakdown_line_in_deepspeeds_layout():
-    assert format_breakdown({FORWARD: 12.345, BACKWARD: 20.0, STEP: 3.4}) == \
-        "time (ms) | fwd: 12.35 | bwd: 20.00 | step: 3.40"
+    assert (
+        format_breakdown({FORWARD: 12.345, BACKWARD: 20.0, STEP: 3.4})
+        == "time (ms) | fwd: 12.35 | bwd: 20.00 | step: 3.40"
+    )
 
 
 # -- the report an engine makes ------------------------------------------------------------------------
@@ -351,9 +425,11 @@ def test_breakdown_is_logged_and_written_at_a_report():
         log.setLevel(previous)
     for event in ev.ELAPSED.values():
         assert got[event][0] >= 4.0
-    assert ev.ELAPSED == {FORWARD: "Train/Samples/elapsed_time_ms_forward",
-                          BACKWARD: "Train/Samples/elapsed_time_ms_backward",
-                          STEP: "Train/Samples/elapsed_time_ms_step"}
+    assert ev.ELAPSED == {
+        FORWARD: "Train/Samples/elapsed_time_ms_forward",
+        BACKWARD: "Train/Samples/elapsed_time_ms_backward",
+        STEP: "Train/Samples/elapsed_time_ms_step",
+    }
     breakdown = [line for line in lines if line.startswith("time (ms) | fwd: ")]
     assert len(breakdown) == 1 and " | bwd: " in breakdown[0] and " | step: " in breakdown[0]
     assert timers.elapsed_ms([FORWARD]) == {FORWARD: 0.0}  # read and reset by the report
@@ -385,12 +461,24 @@ def _train_with_csv_monitor(out_dir):
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 2,
-              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
-                                                           "warmup_num_steps": 8, "warmup_type": "linear"}},
-              "wall_clock_breakdown": True, "zero_optimization": {"stage": 2},
-              "csv_monitor": {"enabled": True, "output_path": out_dir, "job_name": "job"}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": 0.01,
+                "warmup_num_steps": 8,
+                "warmup_type": "linear",
+            },
+        },
+        "wall_clock_breakdown": True,
+        "zero_optimization": {"stage": 2},
+        "csv_monitor": {"enabled": True, "output_path": out_dir, "job_name": "job"},
+    }
     engine, _, _, _ = zengine.initialize(model=model, config=config)
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(100 + rank)
@@ -422,18 +510,31 @@ def test_engine_writes_csv_rows_on_rank_0_at_steps_per_print(tmp_path):
     # One row per optimizer step, as in DeepSpeed (written at the reports of steps 2 and 4), so rank 1
     # wrote nothing; x is the samples trained so far.
     steps = [1, 2, 3, 4]
-    assert [row[0] for row in loss_rows] == ["step"] + [str(samples[s]) for s in steps] == \
-        [row[0] for row in lr_rows]
+    assert (
+        [row[0] for row in loss_rows]
+        == ["step"] + [str(samples[s]) for s in steps]
+        == [row[0] for row in lr_rows]
+    )
     assert (samples[2], samples[4]) == (16, 32)
     assert loss_rows[0] == ["step", "train_loss"] and lr_rows[0] == ["step", "lr"]
-    assert [float(row[1]) for row in loss_rows[1:]] == pytest.approx([loss[s] for s in steps], rel=1e-6)
-    assert [float(row[1]) for row in lr_rows[1:]] == pytest.approx([lr[s] for s in steps], rel=1e-12)
+    assert [float(row[1]) for row in loss_rows[1:]] == pytest.approx(
+        [loss[s] for s in steps], rel=1e-6
+    )
+    assert [float(row[1]) for row in lr_rows[1:]] == pytest.approx(
+        [lr[s] for s in steps], rel=1e-12
+    )
     grad_rows = _read_csv(job / "Train_Samples_global_grad_norm.csv")
     assert [row[0] for row in grad_rows] == ["step", str(samples[2]), str(samples[4])]  # per report
     assert lr[2] != lr[4]
     names = {p.name for p in job.iterdir()}
-    for name in ("global_grad_norm", "samples_per_sec", "host_rss_gb", "elapsed_time_ms_forward",
-                 "elapsed_time_ms_backward", "elapsed_time_ms_step"):
+    for name in (
+        "global_grad_norm",
+        "samples_per_sec",
+        "host_rss_gb",
+        "elapsed_time_ms_forward",
+        "elapsed_time_ms_backward",
+        "elapsed_time_ms_step",
+    ):
         assert f"Train_Samples_{name}.csv" in names
     assert "Train_Samples_loss_scale.csv" not in names  # fp32: no loss scale, as in DeepSpeed
 
@@ -444,11 +545,18 @@ def _initialize_with_tensorboard_missing():
 
     import zengine
 
-    sys.modules["torch.utils.tensorboard"] = None  # as if the tensorboard package were not installed
+    sys.modules["torch.utils.tensorboard"] = (
+        None  # as if the tensorboard package were not installed
+    )
     try:
-        zengine.initialize(model=nn.Linear(2, 2), config={
-            "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {}},
-            "tensorboard": {"enabled": True}})
+        zengine.initialize(
+            model=nn.Linear(2, 2),
+            config={
+                "train_micro_batch_size_per_gpu": 1,
+                "optimizer": {"type": "AdamW", "params": {}},
+                "tensorboard": {"enabled": True},
+            },
+        )
     except MonitorDependencyError as error:
         return dist.get_rank(), str(error)
     return dist.get_rank(), None

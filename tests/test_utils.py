@@ -1,5 +1,6 @@
 """``zengine.utils`` / ``zengine.runtime``: RepeatingLoader, set_random_seed, log_dist, zero_to_fp32's
 DeepSpeed signature (a folder or a file)."""
+
 import logging
 import os
 import random
@@ -49,23 +50,34 @@ def test_log_dist_logs_on_the_ranks_named(caplog, monkeypatch):
     finally:
         logger.propagate = False
     text = caplog.text
-    assert "[Rank -1] before the group" in text and "[Rank 0] hello" in text and "[Rank 0] everyone" in text
+    assert (
+        "[Rank -1] before the group" in text
+        and "[Rank 0] hello" in text
+        and "[Rank 0] everyone" in text
+    )
     assert "not me" not in text and "nobody" not in text
 
 
 def test_zero_to_fp32_writes_into_a_folder_or_a_file(tmp_path, monkeypatch):
     written = []
-    monkeypatch.setattr(zero_to_fp32._fp32, "convert_zero_checkpoint_to_fp32_state_dict",
-                        lambda ckpt, path, tag, *rest: written.append((ckpt, path, tag, *rest)))
+    monkeypatch.setattr(
+        zero_to_fp32._fp32,
+        "convert_zero_checkpoint_to_fp32_state_dict",
+        lambda ckpt, path, tag, *rest: written.append((ckpt, path, tag, *rest)),
+    )
 
     def shards(ckpt, folder, name, max_shard_size, tag, exclude_frozen, dtype):  # into a folder
         written.append((ckpt, os.path.join(folder, name), tag, exclude_frozen))
         return [os.path.join(folder, name)]
 
     monkeypatch.setattr(zero_to_fp32._shards, "write_shards", shards)
-    out = zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict("ck", str(tmp_path / "out"), tag="t")
+    out = zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(
+        "ck", str(tmp_path / "out"), tag="t"
+    )
     assert out == str(tmp_path / "out" / "pytorch_model.bin") and (tmp_path / "out").is_dir()
-    out = zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict("ck", str(tmp_path / "o2"), safe_serialization=True)
+    out = zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(
+        "ck", str(tmp_path / "o2"), safe_serialization=True
+    )
     assert out.endswith("model.safetensors")
     out = zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict("ck", str(tmp_path / "model.pt"))
     assert out == str(tmp_path / "model.pt")

@@ -10,6 +10,7 @@ RepeatingLoader, set_random_seed, activation checkpointing, the csv monitor, saf
 save_checkpoint (and the zero_to_fp32.py script it leaves) and destroy. Rank 0 writes the losses and
 the final fp32 parameters to ``--out``.
 """
+
 import argparse
 import json
 import os
@@ -66,13 +67,22 @@ def main():
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "zero_optimization": {"stage": args.stage},
         "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False},
-        "csv_monitor": {"enabled": True, "output_path": os.path.join(args.out, "csv"), "job_name": "ds_style"},
+        "csv_monitor": {
+            "enabled": True,
+            "output_path": os.path.join(args.out, "csv"),
+            "job_name": "ds_style",
+        },
     }
     data = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randn(64))
     model = Net()
     deepspeed.checkpointing.configure(None, deepspeed_config=config)
-    engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
-                                                training_data=data, config=config)
+    engine, _, loader, _ = deepspeed.initialize(
+        args=args,
+        model=model,
+        model_parameters=model.parameters(),
+        training_data=data,
+        config=config,
+    )
     batches = iter(RepeatingLoader(loader))
     losses = []
     for step in range(args.steps * engine.gradient_accumulation_steps()):
@@ -88,8 +98,15 @@ def main():
     dist.barrier()
     if rank == 0:
         with open(os.path.join(args.out, "result.json"), "w") as f:
-            json.dump({"losses": losses, "params": {n: t.cpu().tolist() for n, t in full.items()},
-                       "world": world, "global_steps": engine.global_steps}, f)
+            json.dump(
+                {
+                    "losses": losses,
+                    "params": {n: t.cpu().tolist() for n, t in full.items()},
+                    "world": world,
+                    "global_steps": engine.global_steps,
+                },
+                f,
+            )
     engine.destroy()
 
 

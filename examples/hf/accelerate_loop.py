@@ -5,6 +5,7 @@
 (``--num_gpus N`` on a GPU host.) Trains, saves the whole state with ``save_state`` and the model with
 ``get_state_dict`` + ``save_pretrained``.
 """
+
 import argparse
 
 import torch
@@ -22,8 +23,12 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
     cpu_process_group_if_no_gpu()
-    plugin = DeepSpeedPlugin(zero_stage=args.stage, gradient_accumulation_steps=2, gradient_clipping=1.0,
-                             zero3_save_16bit_model=True)
+    plugin = DeepSpeedPlugin(
+        zero_stage=args.stage,
+        gradient_accumulation_steps=2,
+        gradient_clipping=1.0,
+        zero3_save_16bit_model=True,
+    )
     acc = Accelerator(deepspeed_plugin=plugin)
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -47,8 +52,9 @@ def main() -> None:
                     break
     acc.save_state(args.out + "/state")
     state = acc.get_state_dict(model)
-    acc.unwrap_model(model).save_pretrained(args.out + "/final", state_dict=state,
-                                            is_main_process=acc.is_main_process)
+    acc.unwrap_model(model).save_pretrained(
+        args.out + "/final", state_dict=state, is_main_process=acc.is_main_process
+    )
     acc.print(f"saved the training state to {args.out}/state and the model to {args.out}/final")
 
 

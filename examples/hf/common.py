@@ -1,5 +1,6 @@
 """What the three Hugging Face examples share: the CPU process-group recipe, a small causal LM built from a
 config (nothing downloaded) and token data it can learn from."""
+
 import os
 
 import torch
@@ -24,9 +25,18 @@ def tiny_llama(vocab: int = 256):
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 

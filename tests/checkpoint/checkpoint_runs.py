@@ -1,4 +1,5 @@
 """Shared by the checkpoint tests: a model with buffers, engine configs, and a training loop."""
+
 from __future__ import annotations
 
 import torch
@@ -20,11 +21,19 @@ class BufferedNet(EdgeNet):
         self.register_buffer("scratch", torch.zeros(2), persistent=False)
 
 
-def config(stage: int, precision: str = "fp32", offload: bool | str = False, scheduler: bool = False) -> dict:
-    zero = {**SMALL_BUCKETS, "stage3_param_persistence_threshold": 30,
-            "stage3_prefetch_bucket_size": 1500}
+def config(
+    stage: int, precision: str = "fp32", offload: bool | str = False, scheduler: bool = False
+) -> dict:
+    zero = {
+        **SMALL_BUCKETS,
+        "stage3_param_persistence_threshold": 30,
+        "stage3_prefetch_bucket_size": 1500,
+    }
     optimizer = param = None
-    if offload in ("nvme", "infinity"):  # Adam's moments swapped to a file, in 700-element chunks through 2 buffers
+    if offload in (
+        "nvme",
+        "infinity",
+    ):  # Adam's moments swapped to a file, in 700-element chunks through 2 buffers
         optimizer = nvme(swap_dir("zswap"), buffer_count=2)
         zero["sub_group_size"] = 700
     elif offload:
@@ -33,20 +42,32 @@ def config(stage: int, precision: str = "fp32", offload: bool | str = False, sch
         param = nvme(swap_dir("zswap"), buffer_count=2, buffer_size=4096)
     extra = {}
     if scheduler:
-        extra["scheduler"] = {"type": "WarmupLR", "params": {
-            "warmup_min_lr": 0, "warmup_max_lr": LR, "warmup_num_steps": 3}}
+        extra["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0, "warmup_max_lr": LR, "warmup_num_steps": 3},
+        }
     if precision == "fp16":
         extra["fp16"] = {"initial_scale_power": 8, "loss_scale_window": 2}
-    return ds_config(stage, precision, micro_batch=GLOBAL_BATCH // dist.get_world_size(),
-                     optimizer=adamw(LR, betas=[0.9, 0.999], eps=1e-8), clip=CLIP, zero=zero,
-                     offload_optimizer=optimizer, offload_param=param, steps_per_print=1000,
-                     **extra)
+    return ds_config(
+        stage,
+        precision,
+        micro_batch=GLOBAL_BATCH // dist.get_world_size(),
+        optimizer=adamw(LR, betas=[0.9, 0.999], eps=1e-8),
+        clip=CLIP,
+        zero=zero,
+        offload_optimizer=optimizer,
+        offload_param=param,
+        steps_per_print=1000,
+        **extra,
+    )
 
 
 def make_engine(cfg: dict, seed: int):
     torch.manual_seed(seed)
     model = BufferedNet()
-    engine, *_ = zengine.initialize(model=model, config=cfg, model_parameters=edge_param_groups(model, LR))
+    engine, *_ = zengine.initialize(
+        model=model, config=cfg, model_parameters=edge_param_groups(model, LR)
+    )
     return engine
 
 

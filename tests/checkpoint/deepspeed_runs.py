@@ -4,6 +4,7 @@ model, the one config both engines read, the batches and the training loop.
 The same file runs under DeepSpeed (tests/fixtures/deepspeed/make_fixtures.py, in a venv that has it) and
 under zengine (tests/checkpoint/test_deepspeed_migration.py): it imports neither.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 VOCAB, DIM, HIDDEN, SEQ = 37, 13, 29, 5  # odd sizes: no world size divides a parameter or a group
-LR, CLIP, GLOBAL_BATCH = 1e-2, 1.0, 6     # 6 rows split evenly over 1, 2 or 3 ranks
-SAVED_AT, CONTINUED = 3, 3                # steps before the save, and after it
+LR, CLIP, GLOBAL_BATCH = 1e-2, 1.0, 6  # 6 rows split evenly over 1, 2 or 3 ranks
+SAVED_AT, CONTINUED = 3, 3  # steps before the save, and after it
 
 
 class TiedLM(nn.Module):
@@ -48,8 +49,10 @@ class TiedLM(nn.Module):
 def param_groups(model: nn.Module) -> list[dict]:
     """Two groups, as a GPT recipe makes them: matrices with weight decay, vectors without."""
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [{"params": [p for _, p in trained if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for _, p in trained if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for _, p in trained if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for _, p in trained if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -65,8 +68,15 @@ def config(stage: int, precision: str, world: int, aligned: bool = False) -> dic
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": CLIP,
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
-                                                      "warmup_num_steps": 4, "warmup_type": "linear"}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": LR,
+                "warmup_num_steps": 4,
+                "warmup_type": "linear",
+            },
+        },
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 20},
         "steps_per_print": 1000,
         "wall_clock_breakdown": False,
@@ -96,7 +106,7 @@ def train(engine, steps: list) -> list[float]:
     rows = GLOBAL_BATCH // world
     losses = []
     for x, y in steps:
-        loss = engine(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])
+        loss = engine(x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows])
         engine.backward(loss)
         engine.step()
         total = loss.detach().float().clone()

@@ -1,6 +1,7 @@
 """The fp32 export (function and zengine-to-fp32) equals the gathered parameters exactly, whatever stage and world
 size saved; save_16bit_model writes the whole model in the compute dtype; the export's peak memory stays near
 the largest tensor."""
+
 import json
 import os
 import subprocess
@@ -32,15 +33,21 @@ def save_cases(root: str) -> None:
         train(engine, batches(2))
         path = os.path.join(root, f"{stage}-{precision}")
         engine.save_checkpoint(path)
-        assert engine.save_16bit_model(path, "model16.bin") and engine.save_16bit_model(path, "model16.safetensors")
-        if stage == 3:  # as in DeepSpeed, stage 3 gathers 16-bit weights for saving only when asked to
+        assert engine.save_16bit_model(path, "model16.bin") and engine.save_16bit_model(
+            path, "model16.safetensors"
+        )
+        if (
+            stage == 3
+        ):  # as in DeepSpeed, stage 3 gathers 16-bit weights for saving only when asked to
             engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save = False
             assert engine.save_16bit_model(path, "not-saved.bin") is False
             assert not os.path.exists(os.path.join(path, "not-saved.bin"))
         params = full_params(engine)
         if dist.get_rank() == 0:
-            torch.save({"params": params, "state_dict_keys": list(BufferedNet().state_dict())},
-                       os.path.join(path, "gathered.pt"))
+            torch.save(
+                {"params": params, "state_dict_keys": list(BufferedNet().state_dict())},
+                os.path.join(path, "gathered.pt"),
+            )
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +71,9 @@ def test_fp32_export_equals_gathered_parameters(saved, tmp_path, stage, precisio
     gathered = torch.load(os.path.join(path, "gathered.pt"))
     params, keys = gathered["params"], gathered["state_dict_keys"]
     exported = get_fp32_state_dict_from_zero_checkpoint(path)
-    assert list(exported) == keys  # the model's state_dict keys and order: tied head.weight, the buffer
+    assert (
+        list(exported) == keys
+    )  # the model's state_dict keys and order: tied head.weight, the buffer
     assert exported["head.weight"] is exported["emb.weight"]
     assert torch.equal(exported["scale"], torch.arange(3.0) + 2.0)
     for name, p in params.items():
@@ -76,7 +85,10 @@ def test_fp32_export_equals_gathered_parameters(saved, tmp_path, stage, precisio
     assert to_fp32([path, str(tmp_path / "model.pt")]) == 0
     loaded = torch.load(tmp_path / "model.pt", mmap=True, weights_only=True)
     assert list(loaded) == keys and all(torch.equal(loaded[k], exported[k]) for k in keys)
-    assert loaded["head.weight"].untyped_storage().data_ptr() == loaded["emb.weight"].untyped_storage().data_ptr()
+    assert (
+        loaded["head.weight"].untyped_storage().data_ptr()
+        == loaded["emb.weight"].untyped_storage().data_ptr()
+    )
 
 
 def test_fp32_export_to_safetensors(saved, tmp_path):
@@ -90,10 +102,13 @@ def test_fp32_export_to_safetensors(saved, tmp_path):
     assert all(torch.equal(written[k], exported[k]) for k in written)
     try:
         from zengine.checkpoint import load_safetensors_state_dict
+
         every = load_safetensors_state_dict(out)
     except ImportError:
         return
-    assert list(sorted(every)) == sorted(exported) and all(torch.equal(every[k], exported[k]) for k in exported)
+    assert list(sorted(every)) == sorted(exported) and all(
+        torch.equal(every[k], exported[k]) for k in exported
+    )
     assert every["head.weight"] is every["emb.weight"]
 
 
@@ -101,8 +116,10 @@ def test_fp32_export_to_safetensors(saved, tmp_path):
 def test_16bit_model(saved, stage, precision):
     path = os.path.join(saved, f"{stage}-{precision}")
     gathered = torch.load(os.path.join(path, "gathered.pt"))
-    for written in (torch.load(os.path.join(path, "model16.bin"), weights_only=True),
-                    _read_safetensors(os.path.join(path, "model16.safetensors"))):
+    for written in (
+        torch.load(os.path.join(path, "model16.bin"), weights_only=True),
+        _read_safetensors(os.path.join(path, "model16.safetensors")),
+    ):
         assert list(written) == gathered["state_dict_keys"]
         for name, p in gathered["params"].items():
             assert written[name].dtype == p.dtype and torch.equal(written[name], p), name
@@ -117,9 +134,15 @@ LAYERS, WIDTH = 8, 2048  # 8 tensors of 4M fp32 elements (16 MiB) plus biases: 1
 def save_wide(path: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-    engine, *_ = zengine.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 1}, "steps_per_print": 1000})
+    engine, *_ = zengine.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 1},
+            "steps_per_print": 1000,
+        },
+    )
     engine.backward(engine(torch.randn(1, WIDTH)).pow(2).mean())
     engine.step()
     engine.save_checkpoint(path)
@@ -138,12 +161,16 @@ MEASURE = textwrap.dedent("""
 def test_export_peak_memory(saved, tmp_path):
     path = os.path.join(saved, "wide")
     out = str(tmp_path / "wide.pt")
-    run = subprocess.run([sys.executable, "-c", MEASURE, path, out], capture_output=True, text=True, check=True)
+    run = subprocess.run(
+        [sys.executable, "-c", MEASURE, path, out], capture_output=True, text=True, check=True
+    )
     measured = json.loads(run.stdout.strip().splitlines()[-1])
     extra = measured["peak"] - measured["before"]  # an upper bound on what the export added
     largest = WIDTH * WIDTH * 4
     total = LAYERS * (WIDTH * WIDTH + WIDTH) * 4
     assert extra <= 1.5 * largest + (200 << 20), f"export peak {extra >> 20} MiB"
-    assert extra < total / 2, f"export peak {extra >> 20} MiB for a {total >> 20} MiB model: not streaming"
+    assert extra < total / 2, (
+        f"export peak {extra >> 20} MiB for a {total >> 20} MiB model: not streaming"
+    )
     written = torch.load(out, mmap=True, weights_only=True)
     assert len(written) == 2 * LAYERS and written["7.weight"].shape == (WIDTH, WIDTH)

@@ -3,6 +3,7 @@
 
 One spawn (2 ranks) runs every case and records what each call returned or raised; the tests check the record.
 """
+
 import json
 import os
 import shutil
@@ -12,8 +13,11 @@ import torch.distributed as dist
 
 from checkpoint_runs import batches, config, make_engine, train
 from harness import spawn
-from zengine.checkpoint import (CheckpointFileError, CheckpointNotFoundError,
-                                get_fp32_state_dict_from_zero_checkpoint)
+from zengine.checkpoint import (
+    CheckpointFileError,
+    CheckpointNotFoundError,
+    get_fp32_state_dict_from_zero_checkpoint,
+)
 from zengine.checkpoint.native import atomic, meta as meta_mod
 
 
@@ -97,7 +101,11 @@ def missing_cases(root: str) -> dict:
 
     engine.global_steps = 0
     loaded = _outcome(load, ckpt, tag="good")
-    out["good"] = (loaded[0], loaded[1][0] if loaded[0] == "returned" else loaded, engine.global_steps)
+    out["good"] = (
+        loaded[0],
+        loaded[1][0] if loaded[0] == "returned" else loaded,
+        engine.global_steps,
+    )
     return out
 
 
@@ -116,7 +124,9 @@ def test_missing_directory_raises_unless_missing_ok(record):
     root, ranks = record
     for out in ranks:
         message = _raised(out["missing_dir"], "CheckpointNotFoundError")
-        assert os.path.join(root, "nothing-here") in message and "missing_ok=True" in message, message
+        assert os.path.join(root, "nothing-here") in message and "missing_ok=True" in message, (
+            message
+        )
         assert out["missing_dir_ok"] == ("returned", (None, None))
 
 
@@ -124,7 +134,9 @@ def test_missing_latest_or_tag_raises_unless_missing_ok(record):
     root, ranks = record
     for out in ranks:
         message = _raised(out["no_latest"], "CheckpointNotFoundError")
-        assert os.path.join(root, "empty", "latest") in message and "does not exist" in message, message
+        assert os.path.join(root, "empty", "latest") in message and "does not exist" in message, (
+            message
+        )
         message = _raised(out["missing_tag"], "CheckpointNotFoundError")
         assert "'nope'" in message and os.path.join(root, "ckpt", "nope") in message, message
         assert out["no_latest_ok"] == out["missing_tag_ok"] == ("returned", (None, None))
@@ -141,7 +153,10 @@ def test_latest_naming_a_missing_tag_raises(record):
 def test_empty_latest_says_it_is_empty(record):
     root, ranks = record
     for out in ranks:
-        for case in ("empty_latest", "empty_latest_ok"):  # a damaged 'latest', not a missing checkpoint
+        for case in (
+            "empty_latest",
+            "empty_latest_ok",
+        ):  # a damaged 'latest', not a missing checkpoint
             message = _raised(out[case], "CheckpointFileError")
             assert os.path.join(root, "ckpt", "latest") + " is empty" in message, message
             assert "meta.json" not in message, message
@@ -151,8 +166,12 @@ def test_edited_meta_is_refused(record):
     root, ranks = record
     for out in ranks:
         message = _raised(out["edited_meta"], "CheckpointFileError")
-        assert os.path.join(root, "ckpt", "edited", "meta.json") in message and "checksum" in message, message
-    with pytest.raises(CheckpointFileError, match="meta.json fails its checksum"):  # the offline export too
+        assert (
+            os.path.join(root, "ckpt", "edited", "meta.json") in message and "checksum" in message
+        ), message
+    with pytest.raises(
+        CheckpointFileError, match="meta.json fails its checksum"
+    ):  # the offline export too
         get_fp32_state_dict_from_zero_checkpoint(os.path.join(root, "ckpt"), tag="edited")
 
 
@@ -167,13 +186,23 @@ def test_ranks_that_find_different_checkpoints_all_raise(record):
     _, ranks = record
     for out in ranks:
         message = _raised(out["disagree_ok"], "CheckpointError")
-        assert "rank 0: " in message and "rank 1: " in message and "does not exist" in message, message
+        assert "rank 0: " in message and "rank 1: " in message and "does not exist" in message, (
+            message
+        )
 
 
 def test_next_save_removes_stale_staging_folders(record):
     _, ranks = record
     for out in ranks:
-        assert out["listing"] == [".tmp-notes", "cut", "edited", "good", "latest", "next", "zero_to_fp32.py"], out["listing"]
+        assert out["listing"] == [
+            ".tmp-notes",
+            "cut",
+            "edited",
+            "good",
+            "latest",
+            "next",
+            "zero_to_fp32.py",
+        ], out["listing"]
         assert "reserved" in _raised(out["reserved_tag"], "ValueError")
         kind, directory, steps = out["good"]
         assert kind == "returned" and directory.endswith("good") and steps == 1, out["good"]
@@ -205,4 +234,6 @@ def test_find_without_processes(tmp_path):
     (tmp_path / "latest").write_text("  \n")
     with pytest.raises(CheckpointFileError, match="latest is empty"):
         atomic.find(str(tmp_path))
-    assert isinstance(CheckpointNotFoundError("x"), FileNotFoundError)  # as the offline export raised before
+    assert isinstance(
+        CheckpointNotFoundError("x"), FileNotFoundError
+    )  # as the offline export raised before

@@ -1,5 +1,6 @@
 """Crash safety and bad input: kill -9 during a save, a full disk, a truncated or corrupt file, another model,
 a missing tag (with missing_ok; test_checkpoint_missing.py has the rest)."""
+
 import errno
 import os
 import shutil
@@ -16,8 +17,12 @@ import zengine
 from checkpoint_runs import LR, BufferedNet, batches, config, full_params, make_engine, train
 from harness import spawn
 from models import DIM, HIDDEN, edge_param_groups
-from zengine.checkpoint import (CheckpointError, CheckpointMismatchError, CheckpointSaveError,
-                                get_fp32_state_dict_from_zero_checkpoint)
+from zengine.checkpoint import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    get_fp32_state_dict_from_zero_checkpoint,
+)
 from zengine.checkpoint.native import tensorfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -47,8 +52,13 @@ KILLED_SAVE = textwrap.dedent("""
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     save_dir, params_file = str(tmp_path / "ckpt"), str(tmp_path / "params.pt")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)] + sys.path)}
-    child = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, save_dir, params_file], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, env=env, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SAVE, save_dir, params_file],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        text=True,
+    )
     try:
         for line in child.stdout:
             if "WRITING" in line:
@@ -58,7 +68,9 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
         child.kill()
         child.wait(timeout=30)
     assert child.returncode == -signal.SIGKILL
-    assert any(n.startswith(".tmp-a-") for n in os.listdir(save_dir)), "the child was not killed during the save"
+    assert any(n.startswith(".tmp-a-") for n in os.listdir(save_dir)), (
+        "the child was not killed during the save"
+    )
     with open(os.path.join(save_dir, "latest")) as f:
         assert f.read() == "a"
     restored = get_fp32_state_dict_from_zero_checkpoint(save_dir)  # verifies every checksum
@@ -102,8 +114,10 @@ def bad_inputs(root: str) -> dict:
 
     write = tensorfile.write_bytes
     if rank == 1:
+
         def full(f, data):
             raise OSError(errno.ENOSPC, "No space left on device")
+
         tensorfile.write_bytes = full
     try:
         out["full_disk"] = _expect(CheckpointSaveError, engine.save_checkpoint, root, tag="full")
@@ -112,16 +126,23 @@ def bad_inputs(root: str) -> dict:
     out["listing"] = sorted(os.listdir(root))
 
     model = WiderNet()
-    other, *_ = zengine.initialize(model=model, config=config(2), model_parameters=edge_param_groups(model, LR))
+    other, *_ = zengine.initialize(
+        model=model, config=config(2), model_parameters=edge_param_groups(model, LR)
+    )
     out["mismatch"] = _expect(CheckpointMismatchError, other.load_checkpoint, root, tag="good")
     # DeepSpeed's load_module_strict=False: a reshaped parameter still raises; one the checkpoint lacks keeps
     # its value, one only the checkpoint has is ignored, and training goes on
-    out["lenient_reshaped"] = _expect(CheckpointMismatchError, other.load_checkpoint, root, tag="good",
-                                      load_module_strict=False)
+    out["lenient_reshaped"] = _expect(
+        CheckpointMismatchError, other.load_checkpoint, root, tag="good", load_module_strict=False
+    )
     model = PlusNet()
-    plus, *_ = zengine.initialize(model=model, config=config(2), model_parameters=edge_param_groups(model, LR))
+    plus, *_ = zengine.initialize(
+        model=model, config=config(2), model_parameters=edge_param_groups(model, LR)
+    )
     before = full_params(plus)
-    out["lenient_path"] = plus.load_checkpoint(root, tag="good", load_module_strict=False)[0] is not None
+    out["lenient_path"] = (
+        plus.load_checkpoint(root, tag="good", load_module_strict=False)[0] is not None
+    )
     loaded, saved = full_params(plus), full_params(engine)
     out["lenient_same"] = all(torch.equal(loaded[n], saved[n]) for n in saved)
     extra = [n for n in loaded if n.startswith("extra.")]
@@ -151,13 +172,29 @@ def test_bad_inputs(tmp_path):
     for rank, out in enumerate(spawn(bad_inputs, 2, str(tmp_path))):
         assert out["no_latest"] == (None, None) and out["no_tag"] == (None, None)
         assert "No space left on device" in out["full_disk"] and "untouched" in out["full_disk"]
-        assert out["listing"] == ["good", "latest", "zero_to_fp32.py"], "a failed save left files behind or moved 'latest'"
-        for expected in ("fc2.weight: shape (23, 41) in the checkpoint, (23, 42) in the model",
-                         "missing from the checkpoint: extra.weight, extra.bias"):
+        assert out["listing"] == ["good", "latest", "zero_to_fp32.py"], (
+            "a failed save left files behind or moved 'latest'"
+        )
+        for expected in (
+            "fc2.weight: shape (23, 41) in the checkpoint, (23, 42) in the model",
+            "missing from the checkpoint: extra.weight, extra.bias",
+        ):
             assert expected in out["mismatch"], out["mismatch"]
-        assert "fc2.weight: shape (23, 41) in the checkpoint, (23, 42) in the model" in out["lenient_reshaped"]
+        assert (
+            "fc2.weight: shape (23, 41) in the checkpoint, (23, 42) in the model"
+            in out["lenient_reshaped"]
+        )
         assert "missing from the checkpoint" not in out["lenient_reshaped"]
-        assert out["lenient_path"] and out["lenient_same"] and out["lenient_kept"] and out["lenient_trains"], out
-        assert "rank_00001.safetensors" in out["truncated"] and "truncated" in out["truncated"], out["truncated"]
-        assert "rank_00001.safetensors" in out["corrupt"] and "checksum" in out["corrupt"], out["corrupt"]
+        assert (
+            out["lenient_path"]
+            and out["lenient_same"]
+            and out["lenient_kept"]
+            and out["lenient_trains"]
+        ), out
+        assert "rank_00001.safetensors" in out["truncated"] and "truncated" in out["truncated"], (
+            out["truncated"]
+        )
+        assert "rank_00001.safetensors" in out["corrupt"] and "checksum" in out["corrupt"], out[
+            "corrupt"
+        ]
         assert out["good_after"]

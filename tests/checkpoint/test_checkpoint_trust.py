@@ -5,6 +5,7 @@ state) loads so, and so do tensors and plain values in ``client_state``; an obje
 CheckpointUntrustedError on every rank unless ``load_checkpoint(..., trust_client_state=True)``; a pickle
 whose unpickling would run code does not run. One spawn (2 ranks) runs every case; the tests check the record.
 """
+
 import io
 import json
 import os
@@ -19,7 +20,11 @@ import torch.distributed as dist
 
 from checkpoint_runs import batches, config, make_engine, train
 from harness import spawn
-from zengine.checkpoint import CheckpointError, CheckpointUntrustedError, get_fp32_state_dict_from_zero_checkpoint
+from zengine.checkpoint import (
+    CheckpointError,
+    CheckpointUntrustedError,
+    get_fp32_state_dict_from_zero_checkpoint,
+)
 from zengine.checkpoint.export import to_fp32
 from zengine.checkpoint.native import meta as meta_mod, safe_load
 from zengine.utils import zero_to_fp32
@@ -43,12 +48,26 @@ class Payload:
 
 
 def plain_client_state() -> dict:
-    return {"epoch": 3, "loss": 0.25, "name": "run-1", "history": [1, 2.5, "x", None, True], "shape": (2, 3),
-            "nested": {"ids": {4, 5}, "scale": torch.tensor([1.5, -2.0]), "big": torch.arange(6).view(2, 3)}}
+    return {
+        "epoch": 3,
+        "loss": 0.25,
+        "name": "run-1",
+        "history": [1, 2.5, "x", None, True],
+        "shape": (2, 3),
+        "nested": {
+            "ids": {4, 5},
+            "scale": torch.tensor([1.5, -2.0]),
+            "big": torch.arange(6).view(2, 3),
+        },
+    }
 
 
 def numpy_client_state() -> dict:
-    return {"np": np.arange(3, dtype=np.int64), "np_scalar": np.float32(0.5), "mask": np.array([True, False])}
+    return {
+        "np": np.arange(3, dtype=np.int64),
+        "np_scalar": np.float32(0.5),
+        "mask": np.array([True, False]),
+    }
 
 
 def _same(a, b) -> bool:
@@ -123,14 +142,19 @@ def trust_cases(root: str) -> dict:
     _, client = fresh.load_checkpoint(root, tag="plain")
     out["draws_loaded"] = _draws()
     out["plain_client"] = _same(client, plain_client_state())
-    out["plain_resumed"] = ((fresh.global_steps, fresh.get_lr(), fresh.loss_scale)
-                            == (engine.global_steps, engine.get_lr(), engine.loss_scale))
+    out["plain_resumed"] = (fresh.global_steps, fresh.get_lr(), fresh.loss_scale) == (
+        engine.global_steps,
+        engine.get_lr(),
+        engine.loss_scale,
+    )
     out["plain_unsafe_globals"] = torch.serialization.get_unsafe_globals_in_checkpoint(
-        os.path.join(root, "plain", meta_mod.STATE))  # torch's own allow-list, nothing added
+        os.path.join(root, "plain", meta_mod.STATE)
+    )  # torch's own allow-list, nothing added
 
     _on_rank0(_as_older_checkpoint, os.path.join(root, "plain"), os.path.join(root, "older"))
     out["older_unsafe_globals"] = torch.serialization.get_unsafe_globals_in_checkpoint(
-        os.path.join(root, "older", meta_mod.STATE))
+        os.path.join(root, "older", meta_mod.STATE)
+    )
     _scramble()
     out["older"] = _outcome(fresh.load_checkpoint, root, tag="older")
     out["draws_older"] = _draws()
@@ -168,7 +192,9 @@ def record(tmp_path_factory):
 def test_what_zengine_writes_loads_weights_only_and_resumes(record):
     _, ranks = record
     for out in ranks:
-        assert out["plain_unsafe_globals"] == [], "state.pt holds types torch.load(weights_only=True) refuses"
+        assert out["plain_unsafe_globals"] == [], (
+            "state.pt holds types torch.load(weights_only=True) refuses"
+        )
         assert out["plain_client"] and out["plain_resumed"]
         assert out["draws_loaded"] == out["draws_saved"], "the generators were not restored"
     assert ranks[0]["draws_saved"] != ranks[1]["draws_saved"]  # each rank gets its own states back
@@ -187,9 +213,14 @@ def test_user_class_in_client_state_needs_trust_on_every_rank(record):
     root, ranks = record
     for rank, out in enumerate(ranks):
         kind, name, message, is_checkpoint_error = out["custom"]
-        assert (kind, name, is_checkpoint_error) == ("raised", "CheckpointUntrustedError", True), out["custom"]
-        for expected in (os.path.join(root, "custom", "state.pt"), "test_checkpoint_trust.Note",
-                         "load_checkpoint(..., trust_client_state=True)"):
+        assert (kind, name, is_checkpoint_error) == ("raised", "CheckpointUntrustedError", True), (
+            out["custom"]
+        )
+        for expected in (
+            os.path.join(root, "custom", "state.pt"),
+            "test_checkpoint_trust.Note",
+            "load_checkpoint(..., trust_client_state=True)",
+        ):
             assert expected in message, message
         # rank 0 trusts it, rank 1 does not: both raise (none is left waiting in a collective), the same class
         kind, name, message, _ = out["custom_rank1_refuses"]
@@ -204,7 +235,9 @@ def test_hostile_pickle_does_not_run(record):
         kind, name, message, _ = out["payload"]
         assert (kind, name) == ("raised", "CheckpointUntrustedError"), out["payload"]
         assert os.path.join(root, "payload", "state.pt") in message and "exec" in message, message
-        assert not out["marker_after_default"], "a default load_checkpoint (or an export) ran the checkpoint's code"
+        assert not out["marker_after_default"], (
+            "a default load_checkpoint (or an export) ran the checkpoint's code"
+        )
         assert out["marker_after_trusted"]
 
 
@@ -222,12 +255,16 @@ def test_state_file_loading_without_processes(tmp_path):
     marker = str(tmp_path / "marker")
     buf = io.BytesIO()
     torch.save({"client_state": SystemPayload(marker)}, buf)
-    with pytest.raises(CheckpointUntrustedError, match=r"holds objects \((posix|nt)\.system\)") as err:
+    with pytest.raises(
+        CheckpointUntrustedError, match=r"holds objects \((posix|nt)\.system\)"
+    ) as err:
         safe_load.load_state(buf.getvalue(), "somewhere/state.pt")
     assert "somewhere/state.pt" in str(err.value) and "is blocked" in str(err.value)
     assert not os.path.exists(marker)
     before = torch.serialization.get_safe_globals()
-    torch.serialization.add_safe_globals([np.ndarray])  # the user's, also among what a load allows for a while
+    torch.serialization.add_safe_globals(
+        [np.ndarray]
+    )  # the user's, also among what a load allows for a while
     try:
         buf = io.BytesIO()
         torch.save({"a": np.arange(2, dtype=np.uint32)}, buf)

@@ -1,9 +1,14 @@
 """The batch rule: train_batch_size = micro * accumulation * world size, any two imply the third."""
+
 import pytest
 
 from zengine.config import ConfigError, load_config, resolve_batch_sizes
 
-TBS, MICRO, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
+TBS, MICRO, GAS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+)
 WORLDS = [1, 2, 3, 4]
 
 
@@ -66,7 +71,9 @@ def test_total_not_divisible_by_world(world):
 
 
 def test_total_not_divisible_by_micro():
-    with pytest.raises(ConfigError, match=rf"{TBS}: 30 is not divisible by {MICRO} 4 \* world size 2 = 8"):
+    with pytest.raises(
+        ConfigError, match=rf"{TBS}: 30 is not divisible by {MICRO} 4 \* world size 2 = 8"
+    ):
         load_config({TBS: 30, MICRO: 4}, 2)
 
 

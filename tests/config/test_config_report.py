@@ -1,4 +1,5 @@
 """format_config: one aligned `key.path = value` line per setting, `*` on changed values."""
+
 import warnings
 
 from zengine.config import ZengineConfig, format_config, load_config
@@ -18,8 +19,13 @@ def _lines(config, world_size=2):
 
 
 def test_changed_values_are_marked():
-    _, rows = _lines({"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
-                      "zero_optimization": {"stage": 2, "reduce_bucket_size": "5e7"}})
+    _, rows = _lines(
+        {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": "5e7"},
+        }
+    )
     assert rows["gradient_clipping"] == "1.0 *"
     assert rows["zero_optimization.stage"] == "2 *"
     assert rows["zero_optimization.reduce_bucket_size"] == "50000000 *"
@@ -29,8 +35,13 @@ def test_changed_values_are_marked():
 
 
 def test_value_equal_to_default_is_not_marked():
-    _, rows = _lines({"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10,
-                      "zero_optimization": {"reduce_bucket_size": "5e8"}})
+    _, rows = _lines(
+        {
+            "train_micro_batch_size_per_gpu": 4,
+            "steps_per_print": 10,
+            "zero_optimization": {"reduce_bucket_size": "5e8"},
+        }
+    )
     assert rows["steps_per_print"] == "10"
     assert rows["zero_optimization.reduce_bucket_size"] == "500000000"
 
@@ -38,7 +49,12 @@ def test_value_equal_to_default_is_not_marked():
 def test_stage_dependent_default_of_overlap_comm():
     _, rows = _lines({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}})
     assert rows["zero_optimization.overlap_comm"] == "true"
-    _, rows = _lines({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1, "overlap_comm": True}})
+    _, rows = _lines(
+        {
+            "train_micro_batch_size_per_gpu": 4,
+            "zero_optimization": {"stage": 1, "overlap_comm": True},
+        }
+    )
     assert rows["zero_optimization.overlap_comm"] == "true *"
 
 
@@ -51,10 +67,17 @@ def test_batch_keys_given_or_derived():
 
 
 def test_optimizer_params_and_ignored_keys_are_listed(tmp_path):
-    text, rows = _lines({"train_micro_batch_size_per_gpu": 4, "comet": {"enabled": True},
-                         "optimizer": {"type": "adamw", "params": {"lr": 3e-4, "betas": [0.9, 0.99]}},
-                         "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
-                                                                             "nvme_path": str(tmp_path)}}})
+    text, rows = _lines(
+        {
+            "train_micro_batch_size_per_gpu": 4,
+            "comet": {"enabled": True},
+            "optimizer": {"type": "adamw", "params": {"lr": 3e-4, "betas": [0.9, 0.99]}},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+            },
+        }
+    )
     assert rows["optimizer.type"] == '"AdamW" *'
     assert rows["optimizer.params.lr"] == "0.0003 *"
     assert rows["optimizer.params.betas"] == "[0.9, 0.99] *"
@@ -72,12 +95,26 @@ def test_lines_are_aligned_and_cover_every_field():
 
 
 def test_changed_only_lists_the_changes_and_counts_the_rest():
-    cfg = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
-                       "zero_optimization": {"stage": 2}}, 2)
-    full, short = format_config(cfg).splitlines(), format_config(cfg, changed_only=True).splitlines()
+    cfg = load_config(
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": 2},
+        },
+        2,
+    )
+    full, short = (
+        format_config(cfg).splitlines(),
+        format_config(cfg, changed_only=True).splitlines(),
+    )
     squeeze = lambda lines: [" ".join(line.split()) for line in lines]  # (alignment widths differ)
-    assert squeeze(line for line in full if line.rstrip().endswith(("*", "(derived)"))) == squeeze(short[:-2])
+    assert squeeze(line for line in full if line.rstrip().endswith(("*", "(derived)"))) == squeeze(
+        short[:-2]
+    )
     assert any(line.startswith("zero_optimization.stage") for line in short)
     assert not any(line.startswith("fp16.enabled") for line in short)  # a default
     hidden = sum(1 for line in full if " = " in line) - sum(1 for line in short if " = " in line)
-    assert short[-2] == f"({hidden} more settings at their defaults; ZENGINE_PRINT_CONFIG=full logs every one)"
+    assert (
+        short[-2]
+        == f"({hidden} more settings at their defaults; ZENGINE_PRINT_CONFIG=full logs every one)"
+    )

@@ -2,6 +2,7 @@
 integer key refuses a boolean and a decimal, a decimal key takes any number but a boolean. Also
 ``comm_timeout``, and that one config reports all its problems even when a deprecated key is
 among them."""
+
 import typing
 import warnings
 
@@ -24,7 +25,9 @@ def _leaf_fields():
             if len(inners) > 1:  # a flag or "auto" (shared_memory.enabled): its own test below
                 continue
             (inner,) = inners
-            annotation = typing.get_args(inner)[0] if typing.get_origin(inner) is typing.Annotated else inner
+            annotation = (
+                typing.get_args(inner)[0] if typing.get_origin(inner) is typing.Annotated else inner
+            )
         if annotation is bool:
             yield ".".join(path), "flag"
         elif annotation is int:
@@ -59,13 +62,18 @@ def test_the_walk_finds_every_kind():
     kinds = dict(FIELDS)
     assert kinds["zero_optimization.stage"] == "integer" and kinds["fp16.enabled"] == "flag"
     assert kinds["train_batch_size"] == "integer" and kinds["gradient_clipping"] == "number"
-    assert kinds["zero_optimization.reduce_bucket_size"] == "size" and kinds["comm_timeout"] == "number"
+    assert (
+        kinds["zero_optimization.reduce_bucket_size"] == "size"
+        and kinds["comm_timeout"] == "number"
+    )
 
 
 @pytest.mark.parametrize("path", [path for path, kind in FIELDS if kind == "flag"])
 @pytest.mark.parametrize("value", [1, 0, "true", "yes"])
 def test_flags_take_only_true_or_false(path, value):
-    assert f"\n  {path}: Input should be a valid boolean (got {value!r})" in _error(_nest(path, value))
+    assert f"\n  {path}: Input should be a valid boolean (got {value!r})" in _error(
+        _nest(path, value)
+    )
 
 
 @pytest.mark.parametrize("path", [path for path, kind in FIELDS if kind != "flag"])
@@ -89,12 +97,24 @@ def test_decimals_take_ints(path):
     assert value == 1.0 and isinstance(value, float)
 
 
-@pytest.mark.parametrize("config,line", [
-    ({**BASE, "zero_optimization": {"stage": True}}, "zero_optimization.stage: expected an integer, not a boolean"),
-    ({**BASE, "fp16": {"enabled": 1}}, "fp16.enabled: Input should be a valid boolean (got 1)"),
-    ({"train_batch_size": 2.0}, "train_batch_size: expected an integer, not a decimal number (2.0)"),
-    ({**BASE, "gradient_clipping": True}, "gradient_clipping: expected a number, not a boolean"),
-])
+@pytest.mark.parametrize(
+    "config,line",
+    [
+        (
+            {**BASE, "zero_optimization": {"stage": True}},
+            "zero_optimization.stage: expected an integer, not a boolean",
+        ),
+        ({**BASE, "fp16": {"enabled": 1}}, "fp16.enabled: Input should be a valid boolean (got 1)"),
+        (
+            {"train_batch_size": 2.0},
+            "train_batch_size: expected an integer, not a decimal number (2.0)",
+        ),
+        (
+            {**BASE, "gradient_clipping": True},
+            "gradient_clipping: expected a number, not a boolean",
+        ),
+    ],
+)
 def test_the_issue_examples_are_refused_by_key_path(config, line):
     assert line in _error(config)
 
@@ -105,10 +125,19 @@ def test_an_int_clipping_is_accepted():
 
 
 def test_numbers_written_as_strings_read_as_before():
-    cfg = load_config({**BASE, "zero_optimization": {"stage": "2", "reduce_bucket_size": "5e7"},
-                       "gradient_clipping": "0.5"}, 1)
-    assert (cfg.zero_optimization.stage, cfg.zero_optimization.reduce_bucket_size, cfg.gradient_clipping) == \
-        (2, 50_000_000, 0.5)
+    cfg = load_config(
+        {
+            **BASE,
+            "zero_optimization": {"stage": "2", "reduce_bucket_size": "5e7"},
+            "gradient_clipping": "0.5",
+        },
+        1,
+    )
+    assert (
+        cfg.zero_optimization.stage,
+        cfg.zero_optimization.reduce_bucket_size,
+        cfg.gradient_clipping,
+    ) == (2, 50_000_000, 0.5)
 
 
 def test_comm_timeout():
@@ -121,20 +150,34 @@ def test_comm_timeout():
 
 
 def test_deprecated_keys_do_not_hide_other_problems():
-    message = _error({**BASE, "bfloat16": {"enabled": True}, "bf16": {"enabled": True},
-                      "zero_optimization": {"stage": True, "cpu_offload": 1, "reduce_bucket_size": -1},
-                      "fp16": {"enabled": 1}})
+    message = _error(
+        {
+            **BASE,
+            "bfloat16": {"enabled": True},
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": True, "cpu_offload": 1, "reduce_bucket_size": -1},
+            "fp16": {"enabled": 1},
+        }
+    )
     assert "(5 problems)" in message
-    for line in ("bfloat16: deprecated spelling of 'bf16'; give only one of them",
-                 "zero_optimization.cpu_offload: expected true or false, got 1",
-                 "zero_optimization.stage: expected an integer, not a boolean",
-                 "zero_optimization.reduce_bucket_size:", "fp16.enabled:"):
+    for line in (
+        "bfloat16: deprecated spelling of 'bf16'; give only one of them",
+        "zero_optimization.cpu_offload: expected true or false, got 1",
+        "zero_optimization.stage: expected an integer, not a boolean",
+        "zero_optimization.reduce_bucket_size:",
+        "fp16.enabled:",
+    ):
         assert f"\n  {line}" in message, line
 
 
 def test_a_flag_or_auto_takes_those_three_only():
     for value in (True, False, "auto"):
-        assert load_config({**BASE, "shared_memory": {"enabled": value}}, 1).shared_memory.enabled == value
+        assert (
+            load_config({**BASE, "shared_memory": {"enabled": value}}, 1).shared_memory.enabled
+            == value
+        )
     assert ZengineConfig().shared_memory.enabled == "auto"
     for value in (1, "yes", "on", None):
-        assert "\n  shared_memory.enabled: " in _error({**BASE, "shared_memory": {"enabled": value}}), value
+        assert "\n  shared_memory.enabled: " in _error(
+            {**BASE, "shared_memory": {"enabled": value}}
+        ), value

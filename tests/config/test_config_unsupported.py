@@ -1,4 +1,5 @@
 """DeepSpeed keys for features zengine lacks: refused when they change results, else named as ignored."""
+
 import warnings
 
 import pytest
@@ -48,47 +49,55 @@ def test_ignorable_keys_are_accepted_and_named(path):
     assert len(notes) == 1 and path in notes[0] and "ignores" in notes[0]
 
 
-@pytest.mark.parametrize("path,value", [
-    ("amp", {"enabled": True, "opt_level": "O1"}),
-    ("pipeline", {"stages": 2}),
-    ("sparse_attention", {"mode": "fixed"}),
-    ("torch_autocast", {"enabled": True}),
-    ("curriculum_learning", {"enabled": True}),
-    ("data_efficiency", {"enabled": True}),
-    ("compression_training", {"weight_quantization": {}}),
-    ("prescale_gradients", True),
-    ("gradient_predivide_factor", 2.0),
-    ("sparse_gradients", True),
-    ("data_types.buffer_dtype", "fp32"),
-    ("tensor_parallel", {"autotp_size": 2}),
-    ("fp16.fp16_master_weights_and_grads", True),
-    ("bf16.bf16_master_weights_and_grads", True),
-    ("zero_optimization.zero_quantized_nontrainable_weights", True),
-    ("zero_optimization.offload_optimizer.ratio", 0.3),
-    ("managed_gradient_accumulation", False),
-    ("checkpoint.load_universal", True),
-    ("checkpoint.use_node_local_storage", True),
-])
+@pytest.mark.parametrize(
+    "path,value",
+    [
+        ("amp", {"enabled": True, "opt_level": "O1"}),
+        ("pipeline", {"stages": 2}),
+        ("sparse_attention", {"mode": "fixed"}),
+        ("torch_autocast", {"enabled": True}),
+        ("curriculum_learning", {"enabled": True}),
+        ("data_efficiency", {"enabled": True}),
+        ("compression_training", {"weight_quantization": {}}),
+        ("prescale_gradients", True),
+        ("gradient_predivide_factor", 2.0),
+        ("sparse_gradients", True),
+        ("data_types.buffer_dtype", "fp32"),
+        ("tensor_parallel", {"autotp_size": 2}),
+        ("fp16.fp16_master_weights_and_grads", True),
+        ("bf16.bf16_master_weights_and_grads", True),
+        ("zero_optimization.zero_quantized_nontrainable_weights", True),
+        ("zero_optimization.offload_optimizer.ratio", 0.3),
+        ("managed_gradient_accumulation", False),
+        ("checkpoint.load_universal", True),
+        ("checkpoint.use_node_local_storage", True),
+    ],
+)
 def test_result_changing_keys_are_refused(path, value):
     with pytest.raises(ConfigError) as info:
         load_config(_nest(path, value), 1)
     message = str(info.value)
-    assert f"{path}: zengine does not implement DeepSpeed's" in message and "remove the key" in message
+    assert (
+        f"{path}: zengine does not implement DeepSpeed's" in message and "remove the key" in message
+    )
 
 
-@pytest.mark.parametrize("path,value", [
-    ("amp", {"enabled": False, "opt_level": "O1"}),
-    ("torch_autocast", {"enabled": False}),
-    ("curriculum_learning", {}),
-    ("prescale_gradients", False),
-    ("gradient_predivide_factor", 1.0),
-    ("sparse_gradients", False),
-    ("data_types.buffer_dtype", None),
-    ("bfloat16.bf16_master_weights_and_grads", False),
-    ("managed_gradient_accumulation", True),
-    ("checkpoint.load_universal", False),
-    ("zero_optimization.offload_optimizer.ratio", 1.0),
-])
+@pytest.mark.parametrize(
+    "path,value",
+    [
+        ("amp", {"enabled": False, "opt_level": "O1"}),
+        ("torch_autocast", {"enabled": False}),
+        ("curriculum_learning", {}),
+        ("prescale_gradients", False),
+        ("gradient_predivide_factor", 1.0),
+        ("sparse_gradients", False),
+        ("data_types.buffer_dtype", None),
+        ("bfloat16.bf16_master_weights_and_grads", False),
+        ("managed_gradient_accumulation", True),
+        ("checkpoint.load_universal", False),
+        ("zero_optimization.offload_optimizer.ratio", 1.0),
+    ],
+)
 def test_result_changing_keys_accepted_when_inert(path, value):
     cfg, notes = _load(_nest(path, value))
     expected = path.replace("bfloat16", "bf16")
@@ -98,8 +107,13 @@ def test_result_changing_keys_accepted_when_inert(path, value):
 def test_every_result_changing_key_is_inert_at_deepspeed_default():
     for entry in UNSUPPORTED_KEYS:
         if entry.effect == CHANGES_RESULTS:
-            assert entry.inert(None) or entry.inert({"enabled": False}) or entry.inert(False) \
-                or entry.inert(1) or entry.inert(-1), entry.path
+            assert (
+                entry.inert(None)
+                or entry.inert({"enabled": False})
+                or entry.inert(False)
+                or entry.inert(1)
+                or entry.inert(-1)
+            ), entry.path
 
 
 def test_refusal_hint_says_how_to_disable():
@@ -110,13 +124,28 @@ def test_refusal_hint_says_how_to_disable():
 
 
 def test_one_warning_names_every_ignored_key():
-    config = {**BASE, "comet": {"enabled": True}, "comms_logger": {"enabled": False}, "flops_profiler": {},
-              "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 2, "round_robin_gradients": True, "ignore_unused_parameters": True}}
+    config = {
+        **BASE,
+        "comet": {"enabled": True},
+        "comms_logger": {"enabled": False},
+        "flops_profiler": {},
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {
+            "stage": 2,
+            "round_robin_gradients": True,
+            "ignore_unused_parameters": True,
+        },
+    }
     cfg, notes = _load(config)
     assert len(notes) == 1
-    for key in ("comet", "comms_logger", "flops_profiler", "zero_allow_untested_optimizer",
-                "zero_optimization.round_robin_gradients", "zero_optimization.ignore_unused_parameters"):
+    for key in (
+        "comet",
+        "comms_logger",
+        "flops_profiler",
+        "zero_allow_untested_optimizer",
+        "zero_optimization.round_robin_gradients",
+        "zero_optimization.ignore_unused_parameters",
+    ):
         assert key in notes[0] and key in cfg.ignored_keys
 
 

@@ -25,6 +25,7 @@ What is checked (each against the plain torch reference computed on the SAME dev
 - ``checkpoint_roundtrip``: a checkpoint saved on the device loads on two CPU gloo ranks and the
   run continues with the losses of an uninterrupted run on the device; and the other way round.
 """
+
 from __future__ import annotations
 
 import copy
@@ -39,7 +40,14 @@ import torch.distributed as dist
 
 import zengine
 from harness import spawn
-from models import EdgeNet, edge_param_groups, make_batches, micro_batch, reference_run, train_global_batch
+from models import (
+    EdgeNet,
+    edge_param_groups,
+    make_batches,
+    micro_batch,
+    reference_run,
+    train_global_batch,
+)
 from zengine.engine.engine import model_state_bytes
 from zengine.zero.stage3.param import ParamState, lookup
 
@@ -63,7 +71,9 @@ parity_suite = _load("_cuda_zero_parity", os.path.join(TESTS, "zero", "test_zero
 ckpt = _load("_cuda_checkpoint_runs", os.path.join(TESTS, "checkpoint", "checkpoint_runs.py"))
 
 STEPS, MICRO, LR, CLIP = parity_suite.STEPS, parity_suite.MICRO, parity_suite.LR, parity_suite.CLIP
-TOLERANCE = parity_suite.TOLERANCE  # {precision: (max abs param error, error / movement, relative loss error)}
+TOLERANCE = (
+    parity_suite.TOLERANCE
+)  # {precision: (max abs param error, error / movement, relative loss error)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The environment of a device-side process: no ZENGINE_DEVICE (tests/conftest.py sets "cpu" for the
 # CPU suite), so the engine's own rule picks the device: NCCL -> cuda:LOCAL_RANK, gloo -> cpu.
@@ -71,7 +81,9 @@ DEVICE_ENV = {"ZENGINE_DEVICE": None}
 
 
 # -- processes ---------------------------------------------------------------------------------
-def spawn_backend(fn, world_size: int, backend: str, *args, env: dict | None = None, timeout: float = 900.0) -> list:
+def spawn_backend(
+    fn, world_size: int, backend: str, *args, env: dict | None = None, timeout: float = 900.0
+) -> list:
     """``harness.spawn`` on ``backend`` (nccl: rank r on cuda:r), with a device-side default timeout."""
     return spawn(fn, world_size, *args, timeout=timeout, backend=backend, env=env)
 
@@ -145,10 +157,18 @@ def case_id(case) -> str:
     return "-".join(parts)
 
 
-OFFLOADS = {"none": False, "cpu": True, "nvme": "nvme", "param": "param", "param+nvme": "param+nvme"}
+OFFLOADS = {
+    "none": False,
+    "cpu": True,
+    "nvme": "nvme",
+    "param": "param",
+    "param+nvme": "param+nvme",
+}
 
 
-def engine_config(stage: int, precision: str, gas: int, offload: str, nvme_dir: str, world: int = 1) -> dict:
+def engine_config(
+    stage: int, precision: str, gas: int, offload: str, nvme_dir: str, world: int = 1
+) -> dict:
     """test_zero_parity's config (gradient clipping on, small buckets, stage 3 sharding everything), with
     the NVMe swap directory under ``nvme_dir``."""
     cfg = parity_suite.engine_config(stage, precision, gas, world, OFFLOADS[offload])
@@ -171,7 +191,9 @@ def check_placement(engine, device: torch.device, offload: str, errors: list, wh
     gradient stores and stage-3 shards are where the offload setting puts them."""
     if engine.device != device:
         errors.append(f"{when}: engine.device is {engine.device}, expected {device}")
-    bad = sorted({f"{n}@{p.device}" for n, p in engine.module.named_parameters() if p.device != device})
+    bad = sorted(
+        {f"{n}@{p.device}" for n, p in engine.module.named_parameters() if p.device != device}
+    )
     if bad:
         errors.append(f"{when}: module parameters off {device}: {bad[:6]}")
     opt = engine.optimizer
@@ -182,11 +204,17 @@ def check_placement(engine, device: torch.device, offload: str, errors: list, wh
     for gi, sp in enumerate(opt.shard_params):
         for k, t in opt.optimizer.state.get(sp, {}).items():
             if torch.is_tensor(t) and t.numel() > 1 and t.device != master_dev:
-                errors.append(f"{when}: optimizer state {k!r} of group {gi} on {t.device}, expected {master_dev}")
-    grads_dev = device if offload == "none" else None  # offloaded: stages 2-3 keep host shards, 0-1 device buffers
+                errors.append(
+                    f"{when}: optimizer state {k!r} of group {gi} on {t.device}, expected {master_dev}"
+                )
+    grads_dev = (
+        device if offload == "none" else None
+    )  # offloaded: stages 2-3 keep host shards, 0-1 device buffers
     for t in opt.grads.tensors():
         if grads_dev is not None and t.device != grads_dev:
-            errors.append(f"{when}: a gradient buffer {tuple(t.shape)} on {t.device}, expected {grads_dev}")
+            errors.append(
+                f"{when}: a gradient buffer {tuple(t.shape)} on {t.device}, expected {grads_dev}"
+            )
             break
     for g in opt.groups:
         flat = getattr(g, "shard_flat", None)
@@ -213,6 +241,7 @@ class ForwardWatch:
                 whole = p.numel() == (sp.numel if sp is not None else p.numel())
                 if p.device != self.device or not whole:
                     self.bad.add(f"{name}.{pname}@{p.device} numel {p.numel()}")
+
         return check
 
     def remove(self) -> None:
@@ -226,7 +255,9 @@ def full_params(engine) -> dict:
         return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
 
 
-def run_steps(engine, batches, gas: int, device: torch.device, errors: list, offload: str, watch=None):
+def run_steps(
+    engine, batches, gas: int, device: torch.device, errors: list, offload: str, watch=None
+):
     """One optimizer step per batch (``gas`` micro-steps each); (mean losses, global norms)."""
     losses, norms, placement = [], [], []
     for s, batch in enumerate(batches):
@@ -243,12 +274,22 @@ def run_steps(engine, batches, gas: int, device: torch.device, errors: list, off
             unique.append(e)
     errors += unique
     if watch is not None and watch.bad:
-        errors.append(f"during forward: parameters not on {device} or not whole: {sorted(watch.bad)[:6]}")
+        errors.append(
+            f"during forward: parameters not on {device} or not whole: {sorted(watch.bad)[:6]}"
+        )
     return losses, norms
 
 
-def compare_with_reference(what: str, params: dict, losses: list, norms: list, init, batches, precision: str,
-                           device: torch.device) -> tuple[list, dict]:
+def compare_with_reference(
+    what: str,
+    params: dict,
+    losses: list,
+    norms: list,
+    init,
+    batches,
+    precision: str,
+    device: torch.device,
+) -> tuple[list, dict]:
     """test_zero_parity's checks against ``reference_run`` on the same device; (failures, measurements)."""
     errors = []
     ref_norms = []
@@ -263,21 +304,35 @@ def compare_with_reference(what: str, params: dict, losses: list, norms: list, i
     if moved <= 0.1:
         errors.append(f"{what}: the reference moved only {moved:.3g}: the check could not fail")
     if not off <= move_tol * moved:
-        errors.append(f"{what}: parameters off by {off / moved:.3g} of the reference movement (tolerance {move_tol})")
+        errors.append(
+            f"{what}: parameters off by {off / moved:.3g} of the reference movement (tolerance {move_tol})"
+        )
     if p_tol is not None and not worst <= p_tol:
         errors.append(f"{what}: max parameter error {worst:.3g} (tolerance {p_tol})")
     if len(losses) != len(ref_losses) or not loss_err <= l_tol:
-        errors.append(f"{what}: losses {losses} vs reference {ref_losses} (relative tolerance {l_tol})")
-    if precision == "fp32":  # the global norm over all shards, before clipping, as torch computes it
-        bad = [(a, b) for a, b in zip(norms, ref_norms) if a is None or not abs(a - b) <= 1e-5 * abs(b)]
+        errors.append(
+            f"{what}: losses {losses} vs reference {ref_losses} (relative tolerance {l_tol})"
+        )
+    if (
+        precision == "fp32"
+    ):  # the global norm over all shards, before clipping, as torch computes it
+        bad = [
+            (a, b) for a, b in zip(norms, ref_norms) if a is None or not abs(a - b) <= 1e-5 * abs(b)
+        ]
         if bad or len(norms) != len(ref_norms):
             errors.append(f"{what}: global norms {norms} vs reference {ref_norms}")
     dtype = DTYPES[precision]
     init_state = {n: t.to(device) for n, t in init.state_dict().items()}
     for name in ("frozen.weight", "unused.weight", "unused.bias"):  # as torch DDP leaves them
         if not torch.equal(params[name], init_state[name].to(dtype).float()):
-            errors.append(f"{what}: {name} changed; frozen and unused parameters must keep their initial values")
-    return errors, {"off_over_moved": off / max(moved, 1e-30), "max_param_error": worst, "max_loss_error": loss_err}
+            errors.append(
+                f"{what}: {name} changed; frozen and unused parameters must keep their initial values"
+            )
+    return errors, {
+        "off_over_moved": off / max(moved, 1e-30),
+        "max_param_error": worst,
+        "max_loss_error": loss_err,
+    }
 
 
 # -- stage x precision x offload x accumulation ------------------------------------------------
@@ -296,26 +351,40 @@ def parity_case(case, device: str, nvme_dir: str, errors: list) -> dict:
         model.unused.requires_grad_(False)
     init = copy.deepcopy(model)
     batches = on_device(make_batches(STEPS, MICRO * gas * world), dev)
-    engine, *_ = zengine.initialize(model=model, config=engine_config(stage, precision, gas, offload, nvme_dir, world),
-                                    model_parameters=edge_param_groups(model, LR))
+    engine, *_ = zengine.initialize(
+        model=model,
+        config=engine_config(stage, precision, gas, offload, nvme_dir, world),
+        model_parameters=edge_param_groups(model, LR),
+    )
     if wrong_device(engine, dev, errors):
         return {"errors": errors}
     check_placement(engine, dev, offload, errors, "after initialize")
     if offload != "none":
-        expected = ("InfinityAdam" if stage == 3 else "SwappedAdam") if "nvme" in offload else "CPUAdam"
+        expected = (
+            ("InfinityAdam" if stage == 3 else "SwappedAdam") if "nvme" in offload else "CPUAdam"
+        )
         if type(engine.optimizer.optimizer).__name__ != expected:
-            errors.append(f"the offloaded step runs {type(engine.optimizer.optimizer).__name__}, expected {expected}")
+            errors.append(
+                f"the offloaded step runs {type(engine.optimizer.optimizer).__name__}, expected {expected}"
+            )
     watch = ForwardWatch(engine.module, dev)
     losses, norms = run_steps(engine, batches, gas, dev, errors, offload, watch)
     watch.remove()
     params = full_params(engine)
-    failures, measured = compare_with_reference(case_id(case), params, losses, norms, init, batches, precision, dev)
+    failures, measured = compare_with_reference(
+        case_id(case), params, losses, norms, init, batches, precision, dev
+    )
     memory = engine.memory_breakdown()  # runs over device tensors too
-    return {"errors": errors + failures, "peak_bytes": peak_bytes(dev), "memory": memory, **measured}
+    return {
+        "errors": errors + failures,
+        "peak_bytes": peak_bytes(dev),
+        "memory": memory,
+        **measured,
+    }
 
 
 # -- fp16 overflow -----------------------------------------------------------------------------
-HUGE_SCALE = 2.0 ** 40  # loss * scale overflows fp16 in the logits' gradient
+HUGE_SCALE = 2.0**40  # loss * scale overflows fp16 in the logits' gradient
 
 
 def _snapshot(engine) -> dict:
@@ -326,14 +395,25 @@ def _snapshot(engine) -> dict:
         for k, t in opt.optimizer.state.get(sp, {}).items():
             if torch.is_tensor(t):
                 states[f"{gi}.{k}"] = t.detach().cpu().clone()
-    return {"params": {n: t.cpu() for n, t in full_params(engine).items()},
-            "masters": [m.detach().cpu().clone() for m in opt.masters], "states": states}
+    return {
+        "params": {n: t.cpu() for n, t in full_params(engine).items()},
+        "masters": [m.detach().cpu().clone() for m in opt.masters],
+        "states": states,
+    }
 
 
 def _differences(a: dict, b: dict) -> list:
     out = [f"param {n}" for n in a["params"] if not torch.equal(a["params"][n], b["params"][n])]
-    out += [f"master {i}" for i, (x, y) in enumerate(zip(a["masters"], b["masters"])) if not torch.equal(x, y)]
-    out += [f"state {k}" for k in a["states"] if k not in b["states"] or not torch.equal(a["states"][k], b["states"][k])]
+    out += [
+        f"master {i}"
+        for i, (x, y) in enumerate(zip(a["masters"], b["masters"]))
+        if not torch.equal(x, y)
+    ]
+    out += [
+        f"state {k}"
+        for k in a["states"]
+        if k not in b["states"] or not torch.equal(a["states"][k], b["states"][k])
+    ]
     return out
 
 
@@ -347,7 +427,9 @@ def overflow_case(case, device: str, nvme_dir: str, errors: list) -> dict:
     model = EdgeNet()
     cfg = engine_config(stage, "fp16", 1, offload, nvme_dir, world)
     cfg["fp16"]["hysteresis"] = 1
-    engine, *_ = zengine.initialize(model=model, config=cfg, model_parameters=edge_param_groups(model, LR))
+    engine, *_ = zengine.initialize(
+        model=model, config=cfg, model_parameters=edge_param_groups(model, LR)
+    )
     batches = on_device(make_batches(3, MICRO * world), dev)
     if wrong_device(engine, dev, errors):
         return {"errors": errors}
@@ -377,7 +459,9 @@ def overflow_case(case, device: str, nvme_dir: str, errors: list) -> dict:
     if engine.skipped_steps != 1:
         errors.append(f"skipped_steps {engine.skipped_steps}, expected 1")
     if engine.loss_scale != expected_scale:
-        errors.append(f"loss scale {engine.loss_scale:g} after the overflow, expected {expected_scale:g} (halved)")
+        errors.append(
+            f"loss scale {engine.loss_scale:g} after the overflow, expected {expected_scale:g} (halved)"
+        )
     changed = _differences(before, _snapshot(engine))
     if changed:
         errors.append(f"the skipped step changed {changed[:6]}")
@@ -386,8 +470,10 @@ def overflow_case(case, device: str, nvme_dir: str, errors: list) -> dict:
     engine.scaler.scale = scale0 if how == "scale" else engine.scaler.scale  # a sane scale again
     step(batches[2])
     if not engine.was_step_applied():
-        errors.append(f"the step after the overflow was skipped too (scale {engine.loss_scale:g}): the "
-                      f"non-finite gradient was not cleared")
+        errors.append(
+            f"the step after the overflow was skipped too (scale {engine.loss_scale:g}): the "
+            f"non-finite gradient was not cleared"
+        )
     after = _snapshot(engine)
     if not _differences(before, after):
         errors.append("the step after the overflow changed nothing")
@@ -410,7 +496,10 @@ def init_param_groups(model, lr: float) -> list[dict]:
     matrices and vectors told apart by their real shapes."""
     decay = [p for p in model.parameters() if p.requires_grad and len(_true_shape(p)) >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and len(_true_shape(p)) < 2]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": lr * 2}]
+    return [
+        {"params": decay, "weight_decay": 0.1},
+        {"params": no_decay, "weight_decay": 0.0, "lr": lr * 2},
+    ]
 
 
 def _master_slice(engine, sp):
@@ -418,7 +507,7 @@ def _master_slice(engine, sp):
         for k, other in enumerate(g.sharded):
             if other is sp:
                 off = g.offsets[k]
-                return engine.optimizer.masters[gi][off:off + sp.valid]
+                return engine.optimizer.masters[gi][off : off + sp.valid]
     return None
 
 
@@ -437,14 +526,23 @@ def init_case(case, device: str, nvme_dir: str, errors: list) -> dict:
         sp = lookup(p)
         if sp is None:
             errors.append(f"built in Init: {n} is not sharded")
-        elif sp.state is not ParamState.SHARDED or sp.shard.device != dev or p.device != dev or p.numel() != 0:
-            errors.append(f"built in Init: {n} state {sp.state.value}, shard on {sp.shard.device}, parameter "
-                          f"{p.device} numel {p.numel()}; expected sharded with the shard on {dev}")
+        elif (
+            sp.state is not ParamState.SHARDED
+            or sp.shard.device != dev
+            or p.device != dev
+            or p.numel() != 0
+        ):
+            errors.append(
+                f"built in Init: {n} state {sp.state.value}, shard on {sp.shard.device}, parameter "
+                f"{p.device} numel {p.numel()}; expected sharded with the shard on {dev}"
+            )
     params = list(model.parameters())
     with zengine.zero.GatheredParameters(params):
         for (n, p), q in zip(model.named_parameters(), plain.parameters()):
             if p.device != dev or not torch.equal(p.detach().cpu(), q.detach()):
-                errors.append(f"built in Init: {n} gathered on {p.device} differs from a plain build")
+                errors.append(
+                    f"built in Init: {n} gathered on {p.device} differs from a plain build"
+                )
     # modifier_rank=0 before the engine: the write lands in this rank's shard
     with zengine.zero.GatheredParameters([model.fc1.weight], modifier_rank=0):
         with torch.no_grad():
@@ -452,15 +550,19 @@ def init_case(case, device: str, nvme_dir: str, errors: list) -> dict:
     with torch.no_grad():
         plain.fc1.weight.mul_(0.5)
     sp = lookup(model.fc1.weight)
-    want = plain.fc1.weight.detach().reshape(-1)[rank * sp.chunk:rank * sp.chunk + sp.valid]
-    if not torch.equal(sp.shard[:sp.valid].cpu(), want) or sp.state is not ParamState.SHARDED:
-        errors.append("GatheredParameters(modifier_rank=0) before the engine: the write is not in the shard "
-                      "(or the parameter stayed gathered)")
+    want = plain.fc1.weight.detach().reshape(-1)[rank * sp.chunk : rank * sp.chunk + sp.valid]
+    if not torch.equal(sp.shard[: sp.valid].cpu(), want) or sp.state is not ParamState.SHARDED:
+        errors.append(
+            "GatheredParameters(modifier_rank=0) before the engine: the write is not in the shard "
+            "(or the parameter stayed gathered)"
+        )
 
     init = copy.deepcopy(plain)
     batches = on_device(make_batches(INIT_STEPS, MICRO * world), dev)
     cfg = engine_config(3, precision, 1, offload, nvme_dir, world)
-    engine, *_ = zengine.initialize(model=model, config=cfg, model_parameters=init_param_groups(model, LR))
+    engine, *_ = zengine.initialize(
+        model=model, config=cfg, model_parameters=init_param_groups(model, LR)
+    )
     if wrong_device(engine, dev, errors):
         return {"errors": errors}
     check_placement(engine, dev, offload, errors, "after initialize")
@@ -470,11 +572,23 @@ def init_case(case, device: str, nvme_dir: str, errors: list) -> dict:
     opt = engine.optimizer  # with stage3_param_persistence_threshold 0 nothing should stay gathered
     persistent = sorted(s.name for s in opt.all_sharded if s.persistent)
     gathered = sorted(s.name for s in opt.all_sharded if s.state is ParamState.GATHERED)
-    if persistent or gathered:  # Init-built parameters show empty tensors: judged by their real size
-        errors.append(f"stage3_param_persistence_threshold 0: persistent {persistent}, still gathered after the "
-                      f"steps {gathered}; expected none (the model would stay whole on every GPU)")
-    failures, measured = compare_with_reference(f"init-{precision}-{offload}", full_params(engine), losses, norms,
-                                                init, batches, precision, dev)
+    if (
+        persistent or gathered
+    ):  # Init-built parameters show empty tensors: judged by their real size
+        errors.append(
+            f"stage3_param_persistence_threshold 0: persistent {persistent}, still gathered after the "
+            f"steps {gathered}; expected none (the model would stay whole on every GPU)"
+        )
+    failures, measured = compare_with_reference(
+        f"init-{precision}-{offload}",
+        full_params(engine),
+        losses,
+        norms,
+        init,
+        batches,
+        precision,
+        dev,
+    )
     errors += failures
 
     # modifier_rank=0 inside the engine: the write lands in the shard and in the fp32 master
@@ -484,23 +598,43 @@ def init_case(case, device: str, nvme_dir: str, errors: list) -> dict:
             bias.fill_(0.25)
     sp = lookup(bias)
     _, shard_dev = _where(offload, dev)
-    if sp.shard.device != shard_dev or not bool((sp.shard[:sp.valid] == 0.25).all()):
-        errors.append(f"GatheredParameters(modifier_rank=0) in the engine: shard on {sp.shard.device} "
-                      f"(expected {shard_dev}) holds {sp.shard[:sp.valid].tolist()[:4]}..., expected 0.25")
+    if sp.shard.device != shard_dev or not bool((sp.shard[: sp.valid] == 0.25).all()):
+        errors.append(
+            f"GatheredParameters(modifier_rank=0) in the engine: shard on {sp.shard.device} "
+            f"(expected {shard_dev}) holds {sp.shard[: sp.valid].tolist()[:4]}..., expected 0.25"
+        )
     master = _master_slice(engine, sp)
     if master is None or not bool((master == 0.25).all()):
-        errors.append("GatheredParameters(modifier_rank=0) in the engine: the fp32 master does not hold the write")
+        errors.append(
+            "GatheredParameters(modifier_rank=0) in the engine: the fp32 master does not hold the write"
+        )
     if not bool((full_params(engine)["fc2.bias"] == 0.25).all()):
-        errors.append("GatheredParameters(modifier_rank=0) in the engine: summon_full_params does not show the write")
-    x, y = micro_batch(on_device(make_batches(1, MICRO * world, seed=99), dev)[0], rank, world, MICRO, 0)
+        errors.append(
+            "GatheredParameters(modifier_rank=0) in the engine: summon_full_params does not show the write"
+        )
+    x, y = micro_batch(
+        on_device(make_batches(1, MICRO * world, seed=99), dev)[0], rank, world, MICRO, 0
+    )
     engine.backward(engine(x, y))
     engine.step()
     after = full_params(engine)["fc2.bias"]
-    if not engine.was_step_applied() or bool((after == 0.25).all()) or not bool(torch.isfinite(after).all()):
-        errors.append("the step after GatheredParameters(modifier_rank=0) did not train from the written values")
+    if (
+        not engine.was_step_applied()
+        or bool((after == 0.25).all())
+        or not bool(torch.isfinite(after).all())
+    ):
+        errors.append(
+            "the step after GatheredParameters(modifier_rank=0) did not train from the written values"
+        )
     check_placement(engine, dev, offload, errors, "after the last step")
-    return {"errors": errors, "peak_bytes": peak_bytes(dev), "persistent": persistent,
-            "gathered_after_step": gathered, "parameters": len(opt.all_sharded), **measured}
+    return {
+        "errors": errors,
+        "peak_bytes": peak_bytes(dev),
+        "persistent": persistent,
+        "gathered_after_step": gathered,
+        "parameters": len(opt.all_sharded),
+        **measured,
+    }
 
 
 # -- one process, many cases -------------------------------------------------------------------
@@ -524,13 +658,23 @@ def memory_case(case, device: str, nvme_dir: str, errors: list) -> dict:
     bucket = MEM_WIDTH * MEM_WIDTH  # one layer
     zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     if stage == 3:
-        zero.update(stage3_max_live_parameters=bucket, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0,
-                    overlap_comm=False, stage3_param_persistence_threshold=0)
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-              "zero_optimization": zero}
+        zero.update(
+            stage3_max_live_parameters=bucket,
+            stage3_max_reuse_distance=0,
+            stage3_prefetch_bucket_size=0,
+            overlap_comm=False,
+            stage3_param_persistence_threshold=0,
+        )
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": zero,
+    }
 
     def build():
-        return nn.Sequential(*[nn.Linear(MEM_WIDTH, MEM_WIDTH, bias=False) for _ in range(MEM_LAYERS)])
+        return nn.Sequential(
+            *[nn.Linear(MEM_WIDTH, MEM_WIDTH, bias=False) for _ in range(MEM_LAYERS)]
+        )
 
     predicted = estimate(build(), config, dist.get_world_size()).peak_device / unit
     if dev.type == "cuda":
@@ -550,8 +694,12 @@ def memory_case(case, device: str, nvme_dir: str, errors: list) -> dict:
     peak = peak_bytes(dev)
     counted = model_state_bytes(engine.memory_breakdown()) / unit
     engine.destroy()
-    return {"errors": errors, "peak": None if peak is None else (peak - base) / unit, "counted": counted,
-            "estimate": predicted}
+    return {
+        "errors": errors,
+        "peak": None if peak is None else (peak - base) / unit,
+        "counted": counted,
+        "estimate": predicted,
+    }
 
 
 def run_groups(plan: dict, device: str, tmp: str) -> dict:
@@ -561,14 +709,24 @@ def run_groups(plan: dict, device: str, tmp: str) -> dict:
     Returns {group: {case id: result}} plus "process": what this process computed on."""
     plain_gpu_numerics(device)
     dev = expected_device(device)
-    runners = {"parity": parity_case, "overflow": overflow_case, "init": init_case, "memory": memory_case}
+    runners = {
+        "parity": parity_case,
+        "overflow": overflow_case,
+        "init": init_case,
+        "memory": memory_case,
+    }
     out = {}
     for group, cases in plan.items():
         out[group] = {case_id(c): _guard(runners[group], c, device, tmp) for c in cases}
     from zengine.distributed.process_group import ProcessRank
-    out["process"] = {"backend": dist.get_backend(), "placement": str(ProcessRank.current().device), "device": str(dev),
-                      "peak_bytes": peak_bytes(dev),
-                      "name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+
+    out["process"] = {
+        "backend": dist.get_backend(),
+        "placement": str(ProcessRank.current().device),
+        "device": str(dev),
+        "peak_bytes": peak_bytes(dev),
+        "name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+    }
     return out
 
 
@@ -625,6 +783,7 @@ def _each_ckpt_case(cases, device: str, what: str, offload_of, run) -> dict:
 def ckpt_save(root: str, cases, device: str) -> dict:
     """Per case: the losses of an uninterrupted run, and a second run saved after CKPT_STOP steps
     (with its parameters at that point)."""
+
     def run(case, cfg, data, dev, errors):
         whole = ckpt.make_engine(cfg, seed=0)
         if whole.device != dev:
@@ -642,6 +801,7 @@ def ckpt_save(root: str, cases, device: str) -> dict:
 def ckpt_load(root: str, cases, device: str) -> dict:
     """Per case: a fresh engine (other initial weights) loads the checkpoint saved under ``root`` and
     trains the remaining steps; its parameters right after loading, and its losses."""
+
     def run(case, cfg, data, dev, errors):
         engine = ckpt.make_engine(cfg, seed=1)
         engine.load_checkpoint(os.path.join(root, ckpt_id(case)))
@@ -661,7 +821,10 @@ def ckpt_load(root: str, cases, device: str) -> dict:
 def device_side(dev_root: str, cpu_root: str, cases, device: str) -> dict:
     """The device process: save its own checkpoints, and load the CPU ranks' ones."""
     plain_gpu_numerics(device)
-    return {"saved": ckpt_save(dev_root, cases, device), "loaded": ckpt_load(cpu_root, cases, device)}
+    return {
+        "saved": ckpt_save(dev_root, cases, device),
+        "loaded": ckpt_load(cpu_root, cases, device),
+    }
 
 
 CPU_WORLD = 2
@@ -675,22 +838,36 @@ def checkpoint_sequence(root: str, cases, device: str, on_cpu, on_device) -> dic
     cpu_saved = on_cpu(ckpt_save, cpu_root, cases, "cpu")
     dev = on_device(device_side, dev_root, cpu_root, cases, device)
     cpu_loaded = on_cpu(ckpt_load, dev_root, cases, "cpu")
-    return {"cpu_saved": cpu_saved, "dev_saved": dev["saved"], "dev_loaded": dev["loaded"], "cpu_loaded": cpu_loaded}
+    return {
+        "cpu_saved": cpu_saved,
+        "dev_saved": dev["saved"],
+        "dev_loaded": dev["loaded"],
+        "cpu_loaded": cpu_loaded,
+    }
 
 
-def checkpoint_roundtrip(root: str, cases, device: str, backend: str, timeout: float = 900.0) -> dict:
+def checkpoint_roundtrip(
+    root: str, cases, device: str, backend: str, timeout: float = 900.0
+) -> dict:
     """``checkpoint_sequence`` across processes: two gloo CPU ranks, and one ``backend`` process on
     ``device`` (NCCL on cuda:0 on a GPU machine)."""
     return checkpoint_sequence(
-        root, cases, device,
+        root,
+        cases,
+        device,
         on_cpu=lambda fn, *args: spawn(fn, CPU_WORLD, *args)[0],
-        on_device=lambda fn, *args: spawn_backend(fn, 1, backend, *args, env=DEVICE_ENV, timeout=timeout)[0])
+        on_device=lambda fn, *args: spawn_backend(
+            fn, 1, backend, *args, env=DEVICE_ENV, timeout=timeout
+        )[0],
+    )
 
 
 def checkpoint_in_this_process(root: str, cases, device: str) -> dict:
     """``checkpoint_sequence`` with every side in this process (the CPU smoke test: one process is quick)."""
+
     def here(fn, *args):
         return fn(*args)
+
     return checkpoint_sequence(root, cases, device, here, here)
 
 
@@ -701,8 +878,11 @@ def placement_probe() -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = EdgeNet()
-    engine, *_ = zengine.initialize(model=model, config=engine_config(3, "bf16", 1, "cpu", "", world),
-                                    model_parameters=edge_param_groups(model, LR))
+    engine, *_ = zengine.initialize(
+        model=model,
+        config=engine_config(3, "bf16", 1, "cpu", "", world),
+        model_parameters=edge_param_groups(model, LR),
+    )
     cpu, other = torch.device("cpu"), torch.device("meta")
     right, wrong_dev, wrong_offload = [], [], []
     watch_right, watch_wrong = ForwardWatch(engine.module, cpu), ForwardWatch(engine.module, other)
@@ -711,16 +891,26 @@ def placement_probe() -> dict:
     engine.step()
     check_placement(engine, cpu, "cpu", right, "probe")
     check_placement(engine, other, "cpu", wrong_dev, "probe")
-    check_placement(engine, other, "none", wrong_offload, "probe")  # masters, states, grads, shards all on "meta"
-    return {"right": right + sorted(watch_right.bad), "wrong_device": wrong_dev, "watch_wrong": sorted(watch_wrong.bad),
-            "wrong_offload": wrong_offload, "stops": wrong_device(engine, other, [])}
+    check_placement(
+        engine, other, "none", wrong_offload, "probe"
+    )  # masters, states, grads, shards all on "meta"
+    return {
+        "right": right + sorted(watch_right.bad),
+        "wrong_device": wrong_dev,
+        "watch_wrong": sorted(watch_wrong.bad),
+        "wrong_offload": wrong_offload,
+        "stops": wrong_device(engine, other, []),
+    }
 
 
 def cpu_smoke(plan: dict, tmp: str, ckpt_cases) -> dict:
     """The CPU smoke test's one process: ``run_groups`` on the CPU, the placement probe and the checkpoint
     sequence."""
-    return {"groups": run_groups(plan, "cpu", tmp), "probe": placement_probe(),
-            "checkpoint": checkpoint_in_this_process(os.path.join(tmp, "ckpt"), ckpt_cases, "cpu")}
+    return {
+        "groups": run_groups(plan, "cpu", tmp),
+        "probe": placement_probe(),
+        "checkpoint": checkpoint_in_this_process(os.path.join(tmp, "ckpt"), ckpt_cases, "cpu"),
+    }
 
 
 def checkpoint_failures(results: dict, case, direction: str) -> list:
@@ -728,10 +918,15 @@ def checkpoint_failures(results: dict, case, direction: str) -> list:
     the other way. The parameters right after loading equal the saved ones exactly; the continued losses
     match the saving side's uninterrupted run (fp32: 1e-5 relative; 16-bit: the parity tolerance)."""
     cid = ckpt_id(case)
-    saved, loaded = ((results["dev_saved"], results["cpu_loaded"]) if direction == "device-to-cpu"
-                     else (results["cpu_saved"], results["dev_loaded"]))
+    saved, loaded = (
+        (results["dev_saved"], results["cpu_loaded"])
+        if direction == "device-to-cpu"
+        else (results["cpu_saved"], results["dev_loaded"])
+    )
     saved, loaded = saved[cid], loaded[cid]
-    errors = [f"saving side: {e}" for e in saved["errors"]] + [f"loading side: {e}" for e in loaded["errors"]]
+    errors = [f"saving side: {e}" for e in saved["errors"]] + [
+        f"loading side: {e}" for e in loaded["errors"]
+    ]
     if "losses" not in saved or "losses" not in loaded:
         return errors
     differ = sorted(n for n in saved["params"] if saved["params"][n] != loaded["params"].get(n))
@@ -739,8 +934,12 @@ def checkpoint_failures(results: dict, case, direction: str) -> list:
         errors.append(f"parameters right after loading differ from those saved: {differ}")
     tol = 1e-5 if case[1] == "fp32" else TOLERANCE[case[1]][2]
     expected = saved["losses"][CKPT_STOP:]
-    if len(loaded["losses"]) != len(expected) or any(abs(a - b) > tol * abs(b) for a, b in zip(loaded["losses"], expected)):
-        errors.append(f"continued losses {loaded['losses']} vs uninterrupted {expected} (relative tolerance {tol})")
+    if len(loaded["losses"]) != len(expected) or any(
+        abs(a - b) > tol * abs(b) for a, b in zip(loaded["losses"], expected)
+    ):
+        errors.append(
+            f"continued losses {loaded['losses']} vs uninterrupted {expected} (relative tolerance {tol})"
+        )
     return errors
 
 
@@ -760,17 +959,25 @@ def stays_on_cpu() -> dict:
         os.environ.pop("ZENGINE_DEVICE")
         rank, world = dist.get_rank(), dist.get_world_size()
         devices = {}
-        for stage, offload in ((2, "cpu"), (3, "param")):  # pin_memory asked for: must not pin without a GPU
+        for stage, offload in (
+            (2, "cpu"),
+            (3, "param"),
+        ):  # pin_memory asked for: must not pin without a GPU
             torch.manual_seed(0)
             model = EdgeNet()
-            engine, *_ = zengine.initialize(model=model, config=engine_config(stage, "bf16", 1, offload, "", world),
-                                            model_parameters=edge_param_groups(model, LR))
+            engine, *_ = zengine.initialize(
+                model=model,
+                config=engine_config(stage, "bf16", 1, offload, "", world),
+                model_parameters=edge_param_groups(model, LR),
+            )
             for batch in make_batches(2, MICRO * world):
                 x, y = micro_batch(batch, rank, world, MICRO, 0)
                 engine.backward(engine(x, y))
                 engine.step()
             errors = []
-            check_placement(engine, torch.device("cpu"), offload, errors, f"stage {stage} offload {offload}")
+            check_placement(
+                engine, torch.device("cpu"), offload, errors, f"stage {stage} offload {offload}"
+            )
             devices[f"s{stage}-{offload}"] = {"engine": str(engine.device), "errors": errors}
         out["engines"] = devices
     finally:

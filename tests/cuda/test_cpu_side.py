@@ -7,36 +7,76 @@
 - gloo ranks compute on the CPU whether or not CUDA is visible (tests/conftest.py sets
   ZENGINE_DEVICE=cpu, but the backend alone must already mean the CPU), and make no CUDA context.
 """
+
 import copy
 
 import pytest
 import torch
 
-from cuda_runs import (CLIP, DEVICE_ENV, LR, STEPS, case_id, checkpoint_failures, ckpt_id, compare_with_reference,
-                       cpu_smoke, spawn_backend, stays_on_cpu)
+from cuda_runs import (
+    CLIP,
+    DEVICE_ENV,
+    LR,
+    STEPS,
+    case_id,
+    checkpoint_failures,
+    ckpt_id,
+    compare_with_reference,
+    cpu_smoke,
+    spawn_backend,
+    stays_on_cpu,
+)
 from harness import spawn
 from models import EdgeNet, make_batches, reference_run
 
-SMOKE_PLAN = {"parity": [(2, "fp32", "none", 2, False), (3, "bf16", "cpu", 1, True), (1, "fp16", "nvme", 1, True)],
-              "overflow": [(1, "none", "inf"), (3, "param", "scale")],
-              "init": [("bf16", "none")],
-              "memory": [(3, "init")]}
+SMOKE_PLAN = {
+    "parity": [
+        (2, "fp32", "none", 2, False),
+        (3, "bf16", "cpu", 1, True),
+        (1, "fp16", "nvme", 1, True),
+    ],
+    "overflow": [(1, "none", "inf"), (3, "param", "scale")],
+    "init": [("bf16", "none")],
+    "memory": [(3, "init")],
+}
 
 
-SMOKE_CHECKPOINT_CASES = [(2, "fp32", "none", "none"), (3, "bf16", "cpu", "cpu"), (2, "fp32", "cpu", "none")]
+SMOKE_CHECKPOINT_CASES = [
+    (2, "fp32", "none", "none"),
+    (3, "bf16", "cpu", "cpu"),
+    (2, "fp32", "cpu", "none"),
+]
 
 
 def test_cuda_suite_helpers_pass_on_the_cpu(tmp_path):
     """One gloo process (world size 1) runs a few cases of every kind, then the checkpoint sequence with
     every side in that process; where the engine is right on the CPU, the GPU suite's checks pass."""
-    out = spawn_backend(cpu_smoke, 1, "gloo", SMOKE_PLAN, str(tmp_path), SMOKE_CHECKPOINT_CASES, env=DEVICE_ENV,
-                        timeout=300)[0]
+    out = spawn_backend(
+        cpu_smoke,
+        1,
+        "gloo",
+        SMOKE_PLAN,
+        str(tmp_path),
+        SMOKE_CHECKPOINT_CASES,
+        env=DEVICE_ENV,
+        timeout=300,
+    )[0]
     groups = out["groups"]
-    failures = {f"{group}/{cid}": r["errors"] for group in SMOKE_PLAN for cid, r in groups[group].items() if r["errors"]}
+    failures = {
+        f"{group}/{cid}": r["errors"]
+        for group in SMOKE_PLAN
+        for cid, r in groups[group].items()
+        if r["errors"]
+    }
     assert not failures, failures
     assert set(groups["parity"]) == {case_id(c) for c in SMOKE_PLAN["parity"]}
-    assert groups["process"] == {"backend": "gloo", "placement": "cpu", "device": "cpu", "peak_bytes": None,
-                                 "name": "cpu"}
+    assert groups["process"] == {
+        "backend": "gloo",
+        "placement": "cpu",
+        "device": "cpu",
+        "peak_bytes": None,
+        "name": "cpu",
+    }
     memory = groups["memory"]["s3-init"]  # no device peak on the CPU; the states are counted
     assert memory["peak"] is None and memory["counted"] == pytest.approx(4.0, rel=1e-3), memory
     assert memory["estimate"] >= 4.0, memory
@@ -52,7 +92,9 @@ def test_cuda_suite_helpers_pass_on_the_cpu(tmp_path):
     assert probe["watch_wrong"], probe
     for what in ("fp32 master", "optimizer state", "gradient buffer", "stage-3 parameter shard"):
         assert any(what in e for e in probe["wrong_offload"]), (what, probe)
-    assert not any("fp32 master" in e or "optimizer state" in e for e in probe["wrong_device"]), probe
+    assert not any("fp32 master" in e or "optimizer state" in e for e in probe["wrong_device"]), (
+        probe
+    )
 
     results = out["checkpoint"]
     for case in SMOKE_CHECKPOINT_CASES:
@@ -63,7 +105,9 @@ def test_cuda_suite_helpers_pass_on_the_cpu(tmp_path):
     loaded["losses"][0] *= 1.001
     loaded["params"]["fc1.bias"][0] += 1.0
     errors = checkpoint_failures(results, SMOKE_CHECKPOINT_CASES[0], "device-to-cpu")
-    assert any("continued losses" in e for e in errors) and any("fc1.bias" in e for e in errors), errors
+    assert any("continued losses" in e for e in errors) and any("fc1.bias" in e for e in errors), (
+        errors
+    )
 
 
 def test_the_reference_check_can_fail():
@@ -73,18 +117,32 @@ def test_the_reference_check_can_fail():
     norms = []
     losses, params = reference_run(init, batches, LR, CLIP, norms=norms)
     cpu = torch.device("cpu")
-    errors, _ = compare_with_reference("exact", {n: p.float() for n, p in params.items()}, losses, norms, init,
-                                       batches, "fp32", cpu)
+    errors, _ = compare_with_reference(
+        "exact",
+        {n: p.float() for n, p in params.items()},
+        losses,
+        norms,
+        init,
+        batches,
+        "fp32",
+        cpu,
+    )
     assert errors == []  # the reference's own values pass
     norms = [n * 1.001 for n in norms]
     off = {n: p.float() for n, p in params.items()}
     off["fc1.weight"] = off["fc1.weight"] + 1e-3
     errors, _ = compare_with_reference("off", off, losses, norms, init, batches, "fp32", cpu)
-    assert any("max parameter error" in e for e in errors) and any("global norms" in e for e in errors), errors
+    assert any("max parameter error" in e for e in errors) and any(
+        "global norms" in e for e in errors
+    ), errors
     changed = copy.deepcopy(params)
     changed["unused.bias"] = changed["unused.bias"] + 1.0
-    errors, _ = compare_with_reference("unused", changed, [x * 1.1 for x in losses], norms, init, batches, "fp16", cpu)
-    assert any("unused.bias changed" in e for e in errors) and any("losses" in e for e in errors), errors
+    errors, _ = compare_with_reference(
+        "unused", changed, [x * 1.1 for x in losses], norms, init, batches, "fp16", cpu
+    )
+    assert any("unused.bias changed" in e for e in errors) and any("losses" in e for e in errors), (
+        errors
+    )
 
 
 @pytest.fixture(scope="module")
@@ -101,5 +159,6 @@ def test_gloo_ranks_compute_on_the_cpu_even_where_cuda_is_visible(gloo_ranks):
 
 def test_gloo_training_makes_no_cuda_context(gloo_ranks):
     for rank, out in enumerate(gloo_ranks):
-        assert not out["cuda_initialized_before"] and not out["cuda_initialized_after"], \
+        assert not out["cuda_initialized_before"] and not out["cuda_initialized_after"], (
             f"rank {rank}: a gloo (CPU) run initialised CUDA (a pinned buffer, a .cuda(), a CUDA stream or event?)"
+        )

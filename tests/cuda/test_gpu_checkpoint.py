@@ -6,6 +6,7 @@ ones exactly.
 Three processes for all cases (``cuda_runs.checkpoint_roundtrip``): CPU ranks save, the GPU process
 saves and loads the CPU checkpoints, CPU ranks load the GPU checkpoints.
 """
+
 import pytest
 import torch
 
@@ -17,8 +18,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # two change the optimizer between save and load: torch's fused AdamW <-> CPUAdam (host). Loaded on the GPU,
 # a fused AdamW needs its ``step`` on the GPU, and a checkpoint written by CPUAdam does not say "fused":
 # that case comes last, so that a CUDA error there cannot spoil the other cases of the GPU process.
-CASES = [(2, "fp32", "none", "none"), (3, "fp32", "cpu", "cpu"), (1, "bf16", "none", "none"),
-         (0, "fp16", "none", "none"), (3, "fp32", "none", "cpu"), (2, "fp32", "cpu", "none")]
+CASES = [
+    (2, "fp32", "none", "none"),
+    (3, "fp32", "cpu", "cpu"),
+    (1, "bf16", "none", "none"),
+    (0, "fp16", "none", "none"),
+    (3, "fp32", "none", "cpu"),
+    (2, "fp32", "cpu", "none"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ All cases run in ONE spawned process (``cuda_runs.run_groups``); each parametriz
 case's result, so a failure names its combination: ``s<stage>-<precision>-<offload>-gas<n>[-allused]``
 (``allused``: EdgeNet's unused layer frozen, so that the offloaded step takes the copy-out path).
 """
+
 import pytest
 import torch
 
@@ -27,20 +28,36 @@ def _parity_cases() -> list:
                 all_used = offload != "none" and (stage + pi) % 2 == 0
                 cases.append((stage, precision, offload, gas, all_used))
     # stage 3 parameter offload (with the optimizer on the host too)
-    cases += [(3, "fp32", "param", 1, True), (3, "bf16", "param", 2, False), (3, "fp16", "param", 1, False),
-              (3, "fp32", "param+nvme", 2, True)]
+    cases += [
+        (3, "fp32", "param", 1, True),
+        (3, "bf16", "param", 2, False),
+        (3, "fp16", "param", 1, False),
+        (3, "fp32", "param+nvme", 2, True),
+    ]
     return cases
 
 
 PARITY_CASES = _parity_cases()
 # (stage, offload, how): "inf" injects an Inf into fc1.weight's gradient, "scale" sets the loss scale to 2**40
-OVERFLOW_CASES = [(0, "none", "scale"), (1, "none", "inf"), (1, "cpu", "scale"), (2, "none", "inf"),
-                  (2, "nvme", "inf"), (3, "none", "scale"), (3, "param", "inf")]
+OVERFLOW_CASES = [
+    (0, "none", "scale"),
+    (1, "none", "inf"),
+    (1, "cpu", "scale"),
+    (2, "none", "inf"),
+    (2, "nvme", "inf"),
+    (3, "none", "scale"),
+    (3, "param", "inf"),
+]
 # (precision, offload), stage 3
 INIT_CASES = [("fp32", "none"), ("bf16", "none"), ("fp16", "cpu"), ("fp32", "param")]
 # (stage, how): peak device memory of 12 x Linear(2048) fp32 against the formulas
 MEMORY_CASES = [(0, "plain"), (1, "plain"), (2, "plain"), (3, "plain"), (3, "init")]
-PLAN = {"parity": PARITY_CASES, "overflow": OVERFLOW_CASES, "init": INIT_CASES, "memory": MEMORY_CASES}
+PLAN = {
+    "parity": PARITY_CASES,
+    "overflow": OVERFLOW_CASES,
+    "init": INIT_CASES,
+    "memory": MEMORY_CASES,
+}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +93,11 @@ def test_zero_init_and_gathered_parameters_on_cuda(gpu, case):
 
 
 def test_peak_gpu_memory_is_recorded(gpu):
-    peaks = {f"{group}/{cid}": r.get("peak_bytes") for group in ("parity", "init") for cid, r in gpu[group].items()}
+    peaks = {
+        f"{group}/{cid}": r.get("peak_bytes")
+        for group in ("parity", "init")
+        for cid, r in gpu[group].items()
+    }
     recorded = {k: v for k, v in peaks.items() if v is not None}
     print("\npeak torch.cuda.max_memory_allocated per case (bytes):")
     for k, v in recorded.items():

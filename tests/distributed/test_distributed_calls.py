@@ -7,6 +7,7 @@ such a call's first collective: the rank in the call and the ranks elsewhere all
 ``CollectiveCallError`` within seconds, naming the call. Calls that run no collective (stages 0-2's
 ``summon_full_params``) stay rank-local, and calls every rank makes work as before.
 """
+
 from __future__ import annotations
 
 import time
@@ -24,8 +25,11 @@ from zengine.distributed.agreement import CollectiveCallError
 def _engine(stage: int):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     engine, *_ = zengine.initialize(model=model, config=config)
     return engine
 
@@ -58,7 +62,11 @@ def _train(engine, steps: int, callers: dict, path: str):
     except CollectiveCallError as e:
         return "CollectiveCallError", str(e), time.monotonic() - start
     with engine.summon_full_params(writeback=False):
-        return "trained", [p.detach().tolist() for p in engine.module.parameters()], time.monotonic() - start
+        return (
+            "trained",
+            [p.detach().tolist() for p in engine.module.parameters()],
+            time.monotonic() - start,
+        )
 
 
 def one_rank_calls(stage: int, what: str, path: str):
@@ -73,8 +81,15 @@ def every_rank_calls(stage: int, what: str, path: str, world: int):
     return _train(_engine(stage), 3, {r: what for r in range(world)}, path)
 
 
-@pytest.mark.parametrize("stage, what, world", [(3, "summon_full_params", 2), (3, "GatheredParameters", 3),
-                                                (2, "save_checkpoint", 2), (1, "safe_get_full_fp32_param", 2)])
+@pytest.mark.parametrize(
+    "stage, what, world",
+    [
+        (3, "summon_full_params", 2),
+        (3, "GatheredParameters", 3),
+        (2, "save_checkpoint", 2),
+        (1, "safe_get_full_fp32_param", 2),
+    ],
+)
 def test_a_call_on_rank_0_only_fails_by_name_on_every_rank(tmp_path, stage, what, world):
     results = spawn(one_rank_calls, world, stage, what, str(tmp_path / "ckpt"), timeout=120)
     for rank, (outcome, message, seconds) in enumerate(results):
@@ -82,7 +97,9 @@ def test_a_call_on_rank_0_only_fails_by_name_on_every_rank(tmp_path, stage, what
         assert what in message and "every rank" in message, (rank, message)
         assert seconds < 60, f"rank {rank} took {seconds:.0f} s (comm_timeout is 300 s)"
     assert "rank 0 called " + what in results[0][1], results[0][1]
-    for rank in range(1, world):  # the ranks left in the training step's collectives say who is where
+    for rank in range(
+        1, world
+    ):  # the ranks left in the training step's collectives say who is where
         assert f"rank {rank} was waiting in the collective" in results[rank][1], results[rank][1]
         assert f"rank 0 in {what}" in results[rank][1], results[rank][1]
 
@@ -92,12 +109,19 @@ def test_ranks_in_different_calls_fail_naming_each_call(tmp_path):
     for rank, (outcome, message, _) in enumerate(results):
         assert outcome == "CollectiveCallError", (rank, outcome)
         assert "different collective calls" in message, message
-        assert "rank 0: summon_full_params" in message or "rank 0 (this rank): summon_full_params" in message
-        assert "rank 1: save_checkpoint" in message or "rank 1 (this rank): save_checkpoint" in message
+        assert (
+            "rank 0: summon_full_params" in message
+            or "rank 0 (this rank): summon_full_params" in message
+        )
+        assert (
+            "rank 1: save_checkpoint" in message or "rank 1 (this rank): save_checkpoint" in message
+        )
 
 
 # (summon_full_params and save_checkpoint made by every rank are exercised throughout the suite)
-@pytest.mark.parametrize("stage, what", [(3, "GatheredParameters"), (1, "safe_get_full_fp32_param")])
+@pytest.mark.parametrize(
+    "stage, what", [(3, "GatheredParameters"), (1, "safe_get_full_fp32_param")]
+)
 def test_calls_every_rank_makes_train_as_without_them(tmp_path, stage, what):
     with_call = spawn(every_rank_calls, 2, stage, what, str(tmp_path / "ckpt"), 2, timeout=120)
     without = spawn(every_rank_calls, 2, stage, "none", str(tmp_path / "unused"), 0, timeout=120)

@@ -5,6 +5,7 @@ pair with the peers' next ones), so it is caught where the ranks' ends differ: t
 sees that a peer finished, and both ranks fail the job naming each rank's steps. A stopped rank is
 named when comm_timeout expires. A slow rank is not a failure.
 """
+
 import os
 import re
 import subprocess
@@ -55,9 +56,26 @@ def _launch(tmp_path, script: str, *args: str, timeout: float = 120):
     path.write_text(script)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [PACKAGE_ROOT, env.get("PYTHONPATH")] if p)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(path), *args],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            str(path),
+            *args,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.parametrize("stage, gas", [(0, 1), (2, 2), (3, 1)])
@@ -69,12 +87,18 @@ def test_a_rank_skipping_a_step_fails_the_job_on_every_rank(tmp_path, stage, gas
     assert done.returncode != 0, out
     # rank 0, left waiting in its last step's first collective, names what happened
     assert "RanksOutOfStepError: zengine: rank 0 was waiting in the collective" in out, out
-    assert f"rank 1: finished and left the job after 3 optimizer step(s) ({4 * gas - 1} micro-step(s))" in out, out
-    assert "rank 0 (this rank): failed in the collective" in out and f"in micro-step {4 * gas}" in out, out
+    assert (
+        f"rank 1: finished and left the job after 3 optimizer step(s) ({4 * gas - 1} micro-step(s))"
+        in out
+    ), out
+    assert (
+        "rank 0 (this rank): failed in the collective" in out and f"in micro-step {4 * gas}" in out
+    ), out
     # and rank 1, whose own loop ended normally, fails the job too rather than exiting 0 (or, if the
     # launcher stops it first on rank 0's failure, it is listed as stopped: never as a success)
-    assert ("zengine: rank 1 finished, but the job did not: rank(s) [0] failed" in out
-            or re.search(r"rank\s+: 1 \(local_rank: 1\)\s+exitcode\s+: -15", out)), out
+    assert "zengine: rank 1 finished, but the job did not: rank(s) [0] failed" in out or re.search(
+        r"rank\s+: 1 \(local_rank: 1\)\s+exitcode\s+: -15", out
+    ), out
     # both at once: not at the collective timeout (300 s by default)
     assert elapsed < 60, f"the job took {elapsed:.0f} s to fail"
 
@@ -82,8 +106,12 @@ def test_a_rank_skipping_a_step_fails_the_job_on_every_rank(tmp_path, stage, gas
 def _stopped_rank(sleep_s: float, timeout_s: float):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-    config = {"train_micro_batch_size_per_gpu": 2, "comm_timeout": timeout_s,
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "comm_timeout": timeout_s,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+    }
     engine, *_ = zengine.initialize(model=model, config=config)
     rank = dist.get_rank()
     engine.backward(engine(torch.randn(2, 8)).sum())
@@ -103,11 +131,19 @@ def test_a_stopped_rank_is_named_when_comm_timeout_expires():
     results = spawn(_stopped_rank, 2, 12.0, 2.0, timeout=120)
     message, waited = results[0]
     assert message is not None, "rank 0 did not raise CollectiveTimeoutError"
-    assert "did not complete on rank 0" in message and "rank(s) [1] never arrived" in message, message
-    assert "the collective all_reduce of a [" in message, message  # the gradient bucket it waited in
-    assert "rank 0 (this rank): failed in the collective" in message and "in micro-step 2" in message, message
+    assert "did not complete on rank 0" in message and "rank(s) [1] never arrived" in message, (
+        message
+    )
+    assert "the collective all_reduce of a [" in message, (
+        message
+    )  # the gradient bucket it waited in
+    assert (
+        "rank 0 (this rank): failed in the collective" in message and "in micro-step 2" in message
+    ), message
     assert "rank 1: no report within" in message, message
-    assert waited < 11, f"rank 0 waited {waited:.0f} s: longer than comm_timeout plus the grace for reports"
+    assert waited < 11, (
+        f"rank 0 waited {waited:.0f} s: longer than comm_timeout plus the grace for reports"
+    )
     # rank 1 wakes into a collective nobody else will join, and gets a diagnosed error at once, not a hang.
     # (Here rank 0's record left with rank 0, which hosted the store; under a launcher the store outlives it.)
     message, waited = results[1]
@@ -134,9 +170,15 @@ def test_a_slow_rank_is_waited_for():
 
 
 def test_program_errors_are_not_taken_for_communication_failures():
-    assert is_backend_failure(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
-    assert is_backend_failure(RuntimeError("Timed out waiting 3000ms for recv operation to complete"))
-    assert not is_backend_failure(comm.WrongDeviceError("zengine.distributed.collectives.all_reduce_sum: a cpu tensor ..."))
+    assert is_backend_failure(
+        RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    )
+    assert is_backend_failure(
+        RuntimeError("Timed out waiting 3000ms for recv operation to complete")
+    )
+    assert not is_backend_failure(
+        comm.WrongDeviceError("zengine.distributed.collectives.all_reduce_sum: a cpu tensor ...")
+    )
     assert not is_backend_failure(ValueError("shapes do not match"))
     assert not is_backend_failure(CollectiveTimeoutError("already diagnosed"))
 
@@ -159,8 +201,11 @@ class _SideBranch(nn.Module):
 
 def side_branch_run(zero_out: bool):
     torch.manual_seed(0)
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
     engine, *_ = zengine.initialize(model=_SideBranch(zero_out), config=config)
     start = time.monotonic()
     try:

@@ -1,5 +1,6 @@
 """The end of a process (zengine/distributed/shutdown.py): a finished run exits 0, every time; a failed rank
 exits at once; ``Engine.destroy`` finishes and releases what the engine runs."""
+
 import os
 import subprocess
 import sys
@@ -47,9 +48,25 @@ def _launch(tmp_path, script: str, timeout: float):
     path.write_text(script)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [PACKAGE_ROOT, env.get("PYTHONPATH")] if p)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            str(path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_a_finished_stage3_run_always_exits_zero(tmp_path):
@@ -60,7 +77,9 @@ def test_a_finished_stage3_run_always_exits_zero(tmp_path):
         done = _launch(tmp_path, STAGE3_JOB, timeout=120)
         assert done.stdout.count("finished") == 2, done.stdout + done.stderr
         assert "terminate called" not in done.stderr, f"run {attempt}:\n{done.stderr[-3000:]}"
-        assert done.returncode == 0, f"run {attempt} exited {done.returncode}:\n{done.stderr[-3000:]}"
+        assert done.returncode == 0, (
+            f"run {attempt} exited {done.returncode}:\n{done.stderr[-3000:]}"
+        )
 
 
 FAILING_RANK = textwrap.dedent(
@@ -94,8 +113,11 @@ def _destroy_releases(stage: int, offload: str, tmp_dir: str):
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if offload == "nvme":
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": tmp_dir}
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": zero,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+    }
     engine, optimizer, _, _ = zengine.initialize(model=model, config=config)
     for _ in range(2):
         engine.backward(engine(torch.randn(2, 16)).sum())
@@ -105,7 +127,9 @@ def _destroy_releases(stage: int, offload: str, tmp_dir: str):
         engine.optimizer.fetcher.trace.following = True
         engine.optimizer.fetcher.trace.pos = 0
         engine.optimizer.fetcher._prefetch_ahead()
-        assert engine.optimizer.fetcher.holds.all_in_flight(), "the test meant to leave a prefetch in flight"
+        assert engine.optimizer.fetcher.holds.all_in_flight(), (
+            "the test meant to leave a prefetch in flight"
+        )
     swap_fd = optimizer.optimizer.swapper.file.fd if offload == "nvme" else None
     hooked = [p for p in model.parameters() if p._post_accumulate_grad_hooks]
     engine.destroy()

@@ -2,6 +2,7 @@
 container it receives, a KV cache passed as a list or a dict, and the caller must then see what the model
 wrote, as it does calling the model itself. Greedy generation through ``engine(x, cache)`` at stages 0 and
 3 on 2 ranks, fp32 (tokens equal the plain module's) and bf16 (the cache is filled, the container kept)."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -48,8 +49,11 @@ def _run(stage: int, precision: str, kind: str):
     reference = CachedLM()
     torch.manual_seed(0)
     model = CachedLM()
-    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
         reference = reference.to(torch.bfloat16)
@@ -63,16 +67,23 @@ def _run(stage: int, precision: str, kind: str):
 
 def _runs(stage: int) -> dict:
     """Every case of one stage in one spawn (process start-up is most of the cost)."""
-    return {(precision, kind): _run(stage, precision, kind) for precision in ("fp32", "bf16")
-            for kind in ("list", "dict")}
+    return {
+        (precision, kind): _run(stage, precision, kind)
+        for precision in ("fp32", "bf16")
+        for kind in ("list", "dict")
+    }
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_cache_the_model_fills_is_the_callers(stage):
     for results in spawn(_runs, 2, stage):
         for (precision, kind), (tokens, expected, filled, _) in results.items():
-            assert filled == TOKENS, f"{precision} {kind}: the cache holds {filled} entries after {TOKENS} calls"
-            if precision == "fp32":  # (bf16 on a CPU without bf16 products computes in fp32: not the reference)
+            assert filled == TOKENS, (
+                f"{precision} {kind}: the cache holds {filled} entries after {TOKENS} calls"
+            )
+            if (
+                precision == "fp32"
+            ):  # (bf16 on a CPU without bf16 products computes in fp32: not the reference)
                 assert tokens == expected, f"{kind}: {tokens} != {expected}"
 
 

@@ -1,5 +1,6 @@
 """The DeepSpeed engine members beyond training (engine/members.py), initialize's DeepSpeed signature,
 and the optimizers scripts import from ``deepspeed.ops.adam``."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,19 +12,27 @@ from harness import spawn
 
 
 def _cfg(**extra):
-    return ds_config(2, micro_batch=2, gas=2, clip=0.5, optimizer=adamw(1e-2, betas=[0.8, 0.9]),
-                     **extra)
+    return ds_config(
+        2, micro_batch=2, gas=2, clip=0.5, optimizer=adamw(1e-2, betas=[0.8, 0.9]), **extra
+    )
 
 
 def _members_run():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1))
     # DeepSpeed's positional order: args first; keywords as scripts write them
-    engine, opt, _, _ = zengine.initialize(None, model, None, model.parameters(), config=_cfg(), mpu=None,
-                                           distributed_port=29555)
-    out = {"fp16": engine.fp16_enabled(), "bf16": engine.bfloat16_enabled(), "clip": engine.gradient_clipping(),
-           "spp": engine.steps_per_print(), "offload": engine.zero_offload_optimizer(), "mom": engine.get_mom(),
-           "dp": (engine.get_data_parallel_world_size(), engine.dp_world_size, engine.mp_world_size)}
+    engine, opt, _, _ = zengine.initialize(
+        None, model, None, model.parameters(), config=_cfg(), mpu=None, distributed_port=29555
+    )
+    out = {
+        "fp16": engine.fp16_enabled(),
+        "bf16": engine.bfloat16_enabled(),
+        "clip": engine.gradient_clipping(),
+        "spp": engine.steps_per_print(),
+        "offload": engine.zero_offload_optimizer(),
+        "mom": engine.get_mom(),
+        "dp": (engine.get_data_parallel_world_size(), engine.dp_world_size, engine.mp_world_size),
+    }
     x = torch.randn(2, 6)
     # a manual boundary after one micro-step (gas is 2): the step applies at once
     engine.set_gradient_accumulation_boundary(True)
@@ -42,7 +51,9 @@ def _members_run():
     before = [p.detach().clone() for p in engine.module.parameters()]
     engine.offload_states()
     engine.reload_states()
-    out["same_after_reload"] = all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+    out["same_after_reload"] = all(
+        torch.equal(a, p) for a, p in zip(before, engine.module.parameters())
+    )
     engine.eval()
     out["eval"] = not engine.module.training
     engine.train()
@@ -53,7 +64,13 @@ def _members_run():
 
 def test_engine_members_as_scripts_call_them():
     for out in spawn(_members_run, 2):
-        assert (out["fp16"], out["bf16"], out["clip"], out["spp"], out["offload"]) == (False, False, 0.5, 10, False)
+        assert (out["fp16"], out["bf16"], out["clip"], out["spp"], out["offload"]) == (
+            False,
+            False,
+            0.5,
+            10,
+            False,
+        )
         assert out["mom"] == [(0.8, 0.9)] and out["dp"] == (2, 2, 1)
         assert out["steps_after_forced_boundary"] == 1
         assert out["gas1"] == (1, 2)
@@ -87,7 +104,7 @@ def test_fused_adam_is_torch_adamw():
     for _ in range(3):
         for p, o in ((a, ours), (b, ref)):
             o.zero_grad()
-            (p ** 3).sum().backward()
+            (p**3).sum().backward()
             o.step()
     assert torch.allclose(a, b, atol=1e-6)
     with pytest.raises(ValueError, match="bias_correction"):
@@ -99,5 +116,7 @@ def test_zengine_ops_without_importing_it_first():
     import sys
 
     code = "import zengine; print(zengine.ops.CPUAdam.__name__, zengine.comm.get_world_size())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.split() == ["CPUAdam", "1"]

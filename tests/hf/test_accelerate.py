@@ -8,6 +8,7 @@ On a CPU-only host accelerate keeps ``backend=None`` for DeepSpeed and counts on
 ``PartialState(backend="gloo")`` first (the README's recipe). Both stages run in one process to keep the
 suite short, with accelerate's state reset between them.
 """
+
 import importlib.util
 import os
 
@@ -17,24 +18,39 @@ import torch
 from harness import spawn
 
 # found, not imported: accelerate decides at import whether DeepSpeed is there (after zengine.compat.install())
-pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("transformers", "accelerate")),
-                                reason="the test extra installs transformers and accelerate")
+pytestmark = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("transformers", "accelerate")),
+    reason="the test extra installs transformers and accelerate",
+)
 
 VOCAB, SEQ, MICRO, GAS, STEPS, LR, CLIP = 64, 8, 2, 2, 4, 1e-2, 1.0
-PARAM_TOL = 5e-5  # summation order (bucketed all-reduce vs one process) through Adam, as in test_trainer.py
+PARAM_TOL = (
+    5e-5  # summation order (bucketed all-reduce vs one process) through Adam, as in test_trainer.py
+)
 
 
 def _model():
     import transformers
 
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            n_positions=SEQ,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 def _data() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (STEPS * GAS * MICRO * 2, SEQ), generator=torch.Generator().manual_seed(3))
+    return torch.randint(
+        0, VOCAB, (STEPS * GAS * MICRO * 2, SEQ), generator=torch.Generator().manual_seed(3)
+    )
 
 
 def _reference(world: int) -> dict:
@@ -44,7 +60,7 @@ def _reference(world: int) -> dict:
     rows = MICRO * world
     for step in range(STEPS):
         for m in range(GAS):
-            ids = data[(step * GAS + m) * rows:(step * GAS + m + 1) * rows]
+            ids = data[(step * GAS + m) * rows : (step * GAS + m + 1) * rows]
             (model(input_ids=ids, labels=ids).loss / GAS).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
@@ -75,8 +91,12 @@ def _one_stage(stage: int, out: str) -> dict:
 
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
-    plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=GAS, gradient_clipping=CLIP,
-                             zero3_save_16bit_model=True)
+    plugin = DeepSpeedPlugin(
+        zero_stage=stage,
+        gradient_accumulation_steps=GAS,
+        gradient_clipping=CLIP,
+        zero3_save_16bit_model=True,
+    )
     acc = Accelerator(deepspeed_plugin=plugin)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
@@ -85,12 +105,12 @@ def _one_stage(stage: int, out: str) -> dict:
     loader = torch.utils.data.DataLoader(data, batch_size=MICRO, shuffle=False)
     model, opt, loader = acc.prepare(model, opt, loader)
     batches = list(loader)
-    _train(acc, model, opt, batches[:GAS * 2], 2)
+    _train(acc, model, opt, batches[: GAS * 2], 2)
     acc.save_state(os.path.join(out, f"state{stage}"))
-    _train(acc, model, opt, batches[GAS * 2:], 2)
+    _train(acc, model, opt, batches[GAS * 2 :], 2)
     first = acc.get_state_dict(model)
     acc.load_state(os.path.join(out, f"state{stage}"))
-    _train(acc, model, opt, batches[GAS * 2:], 2)
+    _train(acc, model, opt, batches[GAS * 2 :], 2)
     again = acc.get_state_dict(model)
     res = {"engine": type(model).__name__, "stage": model.config["zero_optimization"]["stage"]}
     if acc.is_main_process:
@@ -122,7 +142,12 @@ def test_accelerate_deepspeed_plugin_trains_saves_and_resumes(tmp_path):
     ranks = spawn(_accelerate_run, 2, str(tmp_path))
     for stage, run in zip((2, 3), ranks[0]):
         assert run["engine"] == "Engine" and run["stage"] == stage, run
-        assert run["diff"] < PARAM_TOL, (stage, run)  # the same training as plain torch on the global batch
+        assert run["diff"] < PARAM_TOL, (
+            stage,
+            run,
+        )  # the same training as plain torch on the global batch
         assert run["resumed_diff"] < 1e-7, (stage, run)  # load_state: the same steps again, exactly
-        assert run["keys"] >= 2 * 12 + 4, run  # the whole model (every block's tensors), not a shard
+        assert run["keys"] >= 2 * 12 + 4, (
+            run
+        )  # the whole model (every block's tensors), not a shard
     assert all("diff" not in run for run in ranks[1])  # the state dict is rank 0's

@@ -7,6 +7,7 @@ with "auto" values), 2 ranks, against the same loop in plain torch on the global
 
 On a CPU-only host the script builds ``PartialState(backend="gloo")`` first (the README's recipe:
 accelerate otherwise keeps no backend for DeepSpeed without a GPU and counts one process)."""
+
 import importlib.util
 import json
 import os
@@ -18,8 +19,9 @@ import torch
 
 from harness import free_port
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
-                                reason="the test extra installs accelerate")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None, reason="the test extra installs accelerate"
+)
 
 STEPS, MICRO, WORLD, LR = 3, 2, 2, 1e-2
 
@@ -63,11 +65,17 @@ rdzv_backend: static
 same_network: true
 use_cpu: false
 """
-INLINE = "  gradient_accumulation_steps: 1\n  zero_stage: 2\n  offload_optimizer_device: none\n" \
-         "  offload_param_device: none\n  zero3_init_flag: false"
-DS_FILE = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-           "zero_optimization": {"stage": 2, "overlap_comm": True}}  # (a bucket "auto" needs model.config)
+INLINE = (
+    "  gradient_accumulation_steps: 1\n  zero_stage: 2\n  offload_optimizer_device: none\n"
+    "  offload_param_device: none\n  zero3_init_flag: false"
+)
+DS_FILE = {
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "zero_optimization": {"stage": 2, "overlap_comm": True},
+}  # (a bucket "auto" needs model.config)
 
 
 def _reference(clip: float) -> dict:
@@ -102,18 +110,39 @@ def test_accelerate_launch_with_a_config_file_trains_on_zengine(tmp_path, way):
     cfg = tmp_path / "accelerate.yaml"
     # (with a DeepSpeed config file accelerate refuses its own precision key: the file says it)
     precision = "mixed_precision: 'no'\n" if way == "inline" else ""
-    cfg.write_text(ACCELERATE.format(deepspeed=deepspeed, precision=precision, world=WORLD, port=free_port()))
+    cfg.write_text(
+        ACCELERATE.format(deepspeed=deepspeed, precision=precision, world=WORLD, port=free_port())
+    )
     (tmp_path / "train.py").write_text(SCRIPT)
     root = os.path.dirname(os.path.dirname(os.path.abspath(zengine.__file__)))
-    env = dict(os.environ, ZENGINE_DEEPSPEED_COMPAT="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p))
+    env = dict(
+        os.environ,
+        ZENGINE_DEEPSPEED_COMPAT="1",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p),
+    )
     out = tmp_path / "out.pt"
-    run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg),
-                          str(tmp_path / "train.py"), str(out)], env=env, cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(cfg),
+            str(tmp_path / "train.py"),
+            str(out),
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     result = torch.load(out)
     assert (result["engine"], result["deepspeed"], result["world"]) == ("Engine", "zengine", WORLD)
     reference = _reference(result["clip"])
-    worst = max((torch.tensor(result["weights"][k]) - v).abs().max().item() for k, v in reference.items())
+    worst = max(
+        (torch.tensor(result["weights"][k]) - v).abs().max().item() for k, v in reference.items()
+    )
     assert worst < 1e-6, worst

@@ -15,6 +15,7 @@ GPU and counts one process, so each rank builds ``PartialState(backend="gloo")``
 Several trainers share one process here (to keep the suite short), so accelerate's state is reset between
 them; a user's script makes one.
 """
+
 import importlib.util
 import os
 
@@ -26,8 +27,10 @@ from harness import spawn
 
 # found, not imported: accelerate decides at import whether DeepSpeed is there, so the ranks import it only
 # after zengine.compat.install()
-pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("transformers", "accelerate")),
-                                reason="the test extra installs transformers and accelerate")
+pytestmark = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("transformers", "accelerate")),
+    reason="the test extra installs transformers and accelerate",
+)
 
 VOCAB, SEQ, MICRO, GAS, STEPS, LR = 64, 16, 2, 2, 4, 1e-2
 HAVE_TRL = importlib.util.find_spec("trl") is not None
@@ -52,12 +55,33 @@ def _model(kind: str):
 
     torch.manual_seed(0)
     if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=1))
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(  # lm_head tied to the token embedding
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=1))
+        return transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=SEQ,
+                bos_token_id=0,
+                eos_token_id=1,
+            )
+        )
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(  # lm_head tied to the token embedding
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            n_positions=SEQ,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
+    )
 
 
 def _trainer(cls_name: str = "Trainer", **kw):
@@ -67,6 +91,7 @@ def _trainer(cls_name: str = "Trainer", **kw):
 
     if cls_name == "SFTTrainer":
         import trl
+
         base = trl.SFTTrainer
     else:
         base = transformers.Trainer
@@ -86,20 +111,35 @@ def _trainer(cls_name: str = "Trainer", **kw):
 
 def _steps_run(trainer) -> int:
     """Optimizer steps this trainer itself ran (a resumed one: only those after its checkpoint)."""
-    return next(c.run for c in trainer.callback_handler.callbacks if type(c).__name__ == "CountSteps")
+    return next(
+        c.run for c in trainer.callback_handler.callbacks if type(c).__name__ == "CountSteps"
+    )
 
 
 def _args(out: str, batch: int, ds: dict = None, sft: bool = False, **kw):
     import transformers
 
-    fields = dict(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=GAS,
-                  max_steps=STEPS, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                  learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0, seed=0, disable_tqdm=True)
+    fields = dict(
+        output_dir=out,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=GAS,
+        max_steps=STEPS,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        learning_rate=LR,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        seed=0,
+        disable_tqdm=True,
+    )
     if ds is not None:
         fields.update(deepspeed=ds, accelerator_config={"use_configured_state": True})
     fields.update(kw)
     if sft:
         import trl
+
         # TRL asks for bf16 by default; fp32 here, as the other trainers (bf16 is checked against torch elsewhere)
         return trl.SFTConfig(**fields, bf16=False, dataset_kwargs={"skip_prepare_dataset": True})
     return transformers.TrainingArguments(**fields)
@@ -107,11 +147,20 @@ def _args(out: str, batch: int, ds: dict = None, sft: bool = False, **kw):
 
 def _ds_config(stage: int, optimizer: bool) -> dict:
     """A DeepSpeed config as Trainer users write it: "auto" wherever the Trainer's arguments decide."""
-    auto = {"type": "AdamW",
-            "params": dict.fromkeys(("lr", "betas", "eps", "weight_decay"), "auto")}
-    return ds_config(stage, micro_batch="auto", gas="auto", clip="auto", lr=None,
-                     optimizer=auto if optimizer else None, train_batch_size="auto",
-                     zero={"stage3_gather_16bit_weights_on_model_save": True, **SHARD_ALL})
+    auto = {
+        "type": "AdamW",
+        "params": dict.fromkeys(("lr", "betas", "eps", "weight_decay"), "auto"),
+    }
+    return ds_config(
+        stage,
+        micro_batch="auto",
+        gas="auto",
+        clip="auto",
+        lr=None,
+        optimizer=auto if optimizer else None,
+        train_batch_size="auto",
+        zero={"stage3_gather_16bit_weights_on_model_save": True, **SHARD_ALL},
+    )
 
 
 def _sft_data():
@@ -130,7 +179,9 @@ def _tokenizer():
     vocab = {f"t{i}": i for i in range(VOCAB)}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t2"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t1", eos_token="t1")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="t1", eos_token="t1"
+    )
 
 
 def _losses(trainer) -> list:
@@ -149,12 +200,21 @@ def _reference(out: str) -> dict:
     llama_init = os.path.join(out, "llama_init")
     _model("llama").save_pretrained(llama_init)
     for name, kind in (("gpt2", "gpt2"), ("llama", "llama")):
-        t = _trainer(model=_model(kind), args=_args(os.path.join(out, name), MICRO * 2), train_dataset=Tokens())
+        t = _trainer(
+            model=_model(kind),
+            args=_args(os.path.join(out, name), MICRO * 2),
+            train_dataset=Tokens(),
+        )
         t.train()
         refs[name] = (_losses(t), {n: p.detach().tolist() for n, p in t.model.named_parameters()})
     if HAVE_TRL:
-        t = _trainer("SFTTrainer", model=_model("gpt2"), args=_args(os.path.join(out, "sft"), MICRO * 2, sft=True),
-                     train_dataset=_sft_data(), processing_class=_tokenizer())
+        t = _trainer(
+            "SFTTrainer",
+            model=_model("gpt2"),
+            args=_args(os.path.join(out, "sft"), MICRO * 2, sft=True),
+            train_dataset=_sft_data(),
+            processing_class=_tokenizer(),
+        )
         t.train()
         refs["sft"] = (_losses(t), {n: p.detach().tolist() for n, p in t.model.named_parameters()})
     return refs
@@ -182,30 +242,49 @@ def _zengine(out: str) -> dict:
     def finish(name, t):
         path = os.path.join(out, name, "final")
         t.save_model(path)
-        res[name] = {"losses": _losses(t), "steps_run": _steps_run(t), "saved": _saved(path) if rank0 else None,
-                     "stage": t.model_wrapped.config["zero_optimization"]["stage"],
-                     "engine": type(t.model_wrapped).__name__}
+        res[name] = {
+            "losses": _losses(t),
+            "steps_run": _steps_run(t),
+            "saved": _saved(path) if rank0 else None,
+            "stage": t.model_wrapped.config["zero_optimization"]["stage"],
+            "engine": type(t.model_wrapped).__name__,
+        }
 
     # GPT-2, stage 2, the optimizer from the config; a checkpoint at step 2, then resumed from it
     gpt2 = os.path.join(out, "gpt2")
-    t = _trainer(model=_model("gpt2"), train_dataset=Tokens(),
-                 args=_args(gpt2, MICRO, _ds_config(2, True), save_strategy="steps", save_steps=2))
+    t = _trainer(
+        model=_model("gpt2"),
+        train_dataset=Tokens(),
+        args=_args(gpt2, MICRO, _ds_config(2, True), save_strategy="steps", save_steps=2),
+    )
     t.train()
     finish("gpt2", t)
     _fresh_accelerate_state()
-    t = _trainer(model=_model("gpt2"), train_dataset=Tokens(), args=_args(gpt2 + "_resumed", MICRO, _ds_config(2, True)))
+    t = _trainer(
+        model=_model("gpt2"),
+        train_dataset=Tokens(),
+        args=_args(gpt2 + "_resumed", MICRO, _ds_config(2, True)),
+    )
     t.train(resume_from_checkpoint=os.path.join(gpt2, "checkpoint-2"))
     finish("gpt2_resumed", t)
     # GPT-2, stage 3, the Trainer's own optimizer
     _fresh_accelerate_state()
-    t = _trainer(model=_model("gpt2"), train_dataset=Tokens(), args=_args(os.path.join(out, "gpt2_z3"), MICRO,
-                                                                        _ds_config(3, False)))
+    t = _trainer(
+        model=_model("gpt2"),
+        train_dataset=Tokens(),
+        args=_args(os.path.join(out, "gpt2_z3"), MICRO, _ds_config(3, False)),
+    )
     t.train()
     finish("gpt2_z3", t)
     # Llama, stage 3, from_pretrained under zero.Init (the arguments exist first, as in HF's examples)
-    for name, resume in (("llama", None), ("llama_resumed", os.path.join(out, "llama", "checkpoint-2"))):
+    for name, resume in (
+        ("llama", None),
+        ("llama_resumed", os.path.join(out, "llama", "checkpoint-2")),
+    ):
         _fresh_accelerate_state()
-        args = _args(os.path.join(out, name), MICRO, _ds_config(3, True), save_strategy="steps", save_steps=2)
+        args = _args(
+            os.path.join(out, name), MICRO, _ds_config(3, True), save_strategy="steps", save_steps=2
+        )
         model = transformers.LlamaForCausalLM.from_pretrained(os.path.join(out, "llama_init"))
         if resume is None:
             weight = model.model.layers[0].mlp.up_proj.weight
@@ -215,8 +294,13 @@ def _zengine(out: str) -> dict:
         finish(name, t)
     if HAVE_TRL:
         _fresh_accelerate_state()
-        t = _trainer("SFTTrainer", model=_model("gpt2"), train_dataset=_sft_data(), processing_class=_tokenizer(),
-                     args=_args(os.path.join(out, "sft"), MICRO, _ds_config(3, True), sft=True))
+        t = _trainer(
+            "SFTTrainer",
+            model=_model("gpt2"),
+            train_dataset=_sft_data(),
+            processing_class=_tokenizer(),
+            args=_args(os.path.join(out, "sft"), MICRO, _ds_config(3, True), sft=True),
+        )
         t.train()
         finish("sft", t)
     return res
@@ -224,23 +308,41 @@ def _zengine(out: str) -> dict:
 
 def _max_diff(saved: dict, reference: dict) -> float:
     assert set(saved) <= set(reference), sorted(set(saved) - set(reference))
-    return max((torch.tensor(saved[n]) - torch.tensor(reference[n])).abs().max().item() for n in saved)
+    return max(
+        (torch.tensor(saved[n]) - torch.tensor(reference[n])).abs().max().item() for n in saved
+    )
 
 
 def test_trainer_and_sft_trainer_train_like_one_process(tmp_path):
     refs = spawn(_reference, 1, str(tmp_path))[0]
     got, other = spawn(_zengine, 2, str(tmp_path))
     assert other["gpt2"]["saved"] is None  # one writer
-    expected = {"gpt2": ("gpt2", 2), "gpt2_resumed": ("gpt2", 2), "gpt2_z3": ("gpt2", 3), "llama": ("llama", 3),
-                "llama_resumed": ("llama", 3)}
+    expected = {
+        "gpt2": ("gpt2", 2),
+        "gpt2_resumed": ("gpt2", 2),
+        "gpt2_z3": ("gpt2", 3),
+        "llama": ("llama", 3),
+        "llama_resumed": ("llama", 3),
+    }
     if HAVE_TRL:
         expected["sft"] = ("sft", 3)
     for name, (ref_name, stage) in expected.items():
         run, (ref_losses, ref_params) = got[name], refs[ref_name]
-        assert run["engine"] == "Engine" and run["stage"] == stage, (name, run["engine"], run["stage"])
+        assert run["engine"] == "Engine" and run["stage"] == stage, (
+            name,
+            run["engine"],
+            run["stage"],
+        )
         # a resumed run ran only the steps after its checkpoint (the log it restored has the earlier ones)
-        assert run["steps_run"] == (STEPS - 2 if "resumed" in name else STEPS), (name, run["steps_run"])
-        assert run["losses"] == pytest.approx(ref_losses, abs=2e-6), (name, run["losses"], ref_losses)
+        assert run["steps_run"] == (STEPS - 2 if "resumed" in name else STEPS), (
+            name,
+            run["steps_run"],
+        )
+        assert run["losses"] == pytest.approx(ref_losses, abs=2e-6), (
+            name,
+            run["losses"],
+            ref_losses,
+        )
         # save_model wrote every parameter; GPT-2's tied head may come as a copy of the embedding (below stage 3
         # accelerate clones the state dict, as with DeepSpeed), never as a different tensor
         saved = dict(run["saved"])
@@ -248,7 +350,9 @@ def test_trainer_and_sft_trainer_train_like_one_process(tmp_path):
             assert saved.pop("lm_head.weight") == saved["transformer.wte.weight"], name
         assert set(saved) == set(ref_params), (name, sorted(set(saved) ^ set(ref_params)))
         assert _max_diff(saved, ref_params) < PARAM_TOL, name
-    assert got["partitioned"][0] == 0 and got["partitioned"][1] == 64 * 32  # arrived sharded, full size known
+    assert (
+        got["partitioned"][0] == 0 and got["partitioned"][1] == 64 * 32
+    )  # arrived sharded, full size known
     # resuming reproduces the uninterrupted run
     assert _max_diff(got["gpt2_resumed"]["saved"], got["gpt2"]["saved"]) < 1e-7
     assert _max_diff(got["llama_resumed"]["saved"], got["llama"]["saved"]) < 1e-7

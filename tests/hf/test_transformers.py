@@ -1,6 +1,7 @@
 """Hugging Face transformers models (built from a config, nothing downloaded) train at stages 0-3, and
 at stage 3 under ``zero.Init`` with a saved state dict loaded through ``GatheredParameters``, to the
 single-process torch reference: a Llama-style and a GPT-2 causal LM on 2 gloo ranks."""
+
 import copy
 import logging
 
@@ -22,19 +23,47 @@ STEPS, MICRO, SEQ, VOCAB, LR, CLIP = 3, 2, 8, 64, 1e-2, 1.0
 def build(kind: str):
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if kind == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                       bos_token_id=0, eos_token_id=1)
+        cfg = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
         return transformers.LlamaForCausalLM(cfg)
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     return transformers.GPT2LMHeadModel(cfg)  # lm_head tied to the token embedding
 
 
 def _config(stage):
-    return ds_config(stage, micro_batch=MICRO, clip=CLIP, optimizer=adamw(LR, weight_decay=0.0),
-                     zero={"reduce_bucket_size": 2000, "allgather_bucket_size": 2000, **SHARD_ALL,
-                           "stage3_prefetch_bucket_size": 3000, "stage3_max_live_parameters": 6000})
+    return ds_config(
+        stage,
+        micro_batch=MICRO,
+        clip=CLIP,
+        optimizer=adamw(LR, weight_decay=0.0),
+        zero={
+            "reduce_bucket_size": 2000,
+            "allgather_bucket_size": 2000,
+            **SHARD_ALL,
+            "stage3_prefetch_bucket_size": 3000,
+            "stage3_max_live_parameters": 6000,
+        },
+    )
 
 
 def _reference(model, batches):
@@ -61,7 +90,9 @@ def _hf_run(kind):
     ref_losses, ref_params = _reference(start, batches)
     results = {}
     for stage, with_init in ((0, False), (1, False), (2, False), (3, False), (3, True)):
-        torch.manual_seed(100 + rank)  # a different initialisation per rank: the loaded state must win
+        torch.manual_seed(
+            100 + rank
+        )  # a different initialisation per rank: the loaded state must win
         if with_init:
             with zengine.zero.Init():
                 model = build(kind)
@@ -74,7 +105,7 @@ def _hf_run(kind):
         engine, *_ = zengine.initialize(model=model, config=_config(stage))
         losses = []
         for ids in batches:
-            mine = ids[rank * MICRO:(rank + 1) * MICRO]
+            mine = ids[rank * MICRO : (rank + 1) * MICRO]
             out = engine(input_ids=mine, labels=mine)
             engine.backward(out.loss)
             engine.step()
@@ -82,9 +113,15 @@ def _hf_run(kind):
             dist.all_reduce(total)
             losses.append(total.item() / world)
         with engine.summon_full_params(writeback=False):
-            worst = max((p.detach() - ref_params[n]).abs().max().item() for n, p in engine.module.named_parameters())
+            worst = max(
+                (p.detach() - ref_params[n]).abs().max().item()
+                for n, p in engine.module.named_parameters()
+            )
         engine.destroy()
-        results[f"s{stage}{'-init' if with_init else ''}"] = (worst, max(abs(a - b) for a, b in zip(losses, ref_losses)))
+        results[f"s{stage}{'-init' if with_init else ''}"] = (
+            worst,
+            max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        )
     moved = max((ref_params[n] - p).abs().max().item() for n, p in start.named_parameters())
     return results, moved
 
@@ -94,4 +131,6 @@ def test_transformers_causal_lm_trains_like_torch(kind):
     for results, moved in spawn(_hf_run, 2, kind):
         assert moved > 1e-2
         for case, (param_err, loss_err) in results.items():
-            assert param_err < 5e-5 and loss_err < 1e-5, f"{kind} {case}: params off {param_err:.3g}, loss {loss_err:.3g}"
+            assert param_err < 5e-5 and loss_err < 1e-5, (
+                f"{kind} {case}: params off {param_err:.3g}, loss {loss_err:.3g}"
+            )

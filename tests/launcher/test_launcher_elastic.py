@@ -1,6 +1,7 @@
 """Elastic restarts (`zengine --max_restarts N`): a rank killed with SIGKILL mid-run, the job restarts by
 itself, resumes from the latest checkpoint (``auto_resume``) and ends with exactly the parameters of an
 uninterrupted run. The job is the main job, examples/train_gpt.py, checkpointing every few steps."""
+
 import json
 import os
 import signal
@@ -41,37 +42,73 @@ def _launch(cwd, script, config, save_dir, *extra):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [REPO, env.get("PYTHONPATH")] if p)
     env.pop("OMP_NUM_THREADS", None)
-    return subprocess.run([sys.executable, "-m", "zengine.launcher.runner", "--master_port", str(free_port()),
-                           "--num_procs", "2", *extra, script, "--deepspeed_config", config, "--steps", str(STEPS),
-                           "--print_every", str(EVERY), "--save_dir", save_dir, "--save_every", str(EVERY)],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zengine.launcher.runner",
+            "--master_port",
+            str(free_port()),
+            "--num_procs",
+            "2",
+            *extra,
+            script,
+            "--deepspeed_config",
+            config,
+            "--steps",
+            str(STEPS),
+            "--print_every",
+            str(EVERY),
+            "--save_dir",
+            save_dir,
+            "--save_every",
+            str(EVERY),
+        ],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 # (stage 1 restarts through the same sharded-state checkpoint path as stage 2, and stage 0 through the simplest
 # one (every rank whole; its resume is exact in tests/checkpoint): left out to keep the suite short)
-@pytest.mark.parametrize("config", ["zero2.json", "zero3.json",
-                                    "zero3_offload_nvme.json"])  # the last: parameters on the CPU, Adam on NVMe
+@pytest.mark.parametrize(
+    "config", ["zero2.json", "zero3.json", "zero3_offload_nvme.json"]
+)  # the last: parameters on the CPU, Adam on NVMe
 def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path, config):
     config = os.path.join(REPO, "configs", config)
-    plain = _launch(tmp_path, os.path.join(REPO, "examples", "train_gpt.py"), config, str(tmp_path / "plain"))
+    plain = _launch(
+        tmp_path, os.path.join(REPO, "examples", "train_gpt.py"), config, str(tmp_path / "plain")
+    )
     assert plain.returncode == 0, plain.stderr[-3000:]
     wrapper = tmp_path / "killing_train_gpt.py"
     wrapper.write_text(KILLING_WRAPPER)
-    elastic = _launch(tmp_path, str(wrapper), config, str(tmp_path / "elastic"), "--max_restarts", "1")
+    elastic = _launch(
+        tmp_path, str(wrapper), config, str(tmp_path / "elastic"), "--max_restarts", "1"
+    )
     assert elastic.returncode == 0, elastic.stderr[-3000:]
     assert "exitcode: -9" in elastic.stderr  # a rank really died, and the agent restarted the job
-    assert f"resumed from {tmp_path / 'elastic' / 'global_step4'} at step 4" in elastic.stderr + elastic.stdout
+    assert (
+        f"resumed from {tmp_path / 'elastic' / 'global_step4'} at step 4"
+        in elastic.stderr + elastic.stdout
+    )
     a = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "plain"))
     b = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "elastic"))
     assert open(tmp_path / "elastic" / "latest").read().strip() == f"global_step{STEPS}"
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the restarted run ended elsewhere"
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (
+        "the restarted run ended elsewhere"
+    )
 
 
 def test_restarts_use_the_c10d_rendezvous():
     from zengine.launcher.options import build_parser
     from zengine.launcher.plan import plan_launch, torchrun_argv
 
-    args = build_parser().parse_args(["--num_procs", "2", "--max_restarts", "2", "--master_port", "29999", "x.py"])
+    args = build_parser().parse_args(
+        ["--num_procs", "2", "--max_restarts", "2", "--master_port", "29999", "x.py"]
+    )
     plan = plan_launch(args, None, 2, False)
     argv = torchrun_argv(plan, plan.nodes[0], args)
     assert argv[argv.index("--rdzv_backend") + 1] == "c10d"
@@ -89,18 +126,61 @@ def test_two_launchers_as_two_nodes_train_like_one_four_rank_launch(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [REPO, env.get("PYTHONPATH")] if p)
     env.pop("OMP_NUM_THREADS", None)
-    job = [os.path.join(REPO, "examples", "train_gpt.py"), "--deepspeed_config",
-           os.path.join(REPO, "configs", "zero2.json"), "--steps", "4", "--print_every", "4"]
+    job = [
+        os.path.join(REPO, "examples", "train_gpt.py"),
+        "--deepspeed_config",
+        os.path.join(REPO, "configs", "zero2.json"),
+        "--steps",
+        "4",
+        "--print_every",
+        "4",
+    ]
     launcher = [sys.executable, "-m", "zengine.launcher.runner"]
-    one = subprocess.run([*launcher, "--master_port", str(free_port()), "--num_procs", "4", *job,
-                          "--save_dir", str(tmp_path / "one")], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
+    one = subprocess.run(
+        [
+            *launcher,
+            "--master_port",
+            str(free_port()),
+            "--num_procs",
+            "4",
+            *job,
+            "--save_dir",
+            str(tmp_path / "one"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     port = str(free_port())
-    nodes = [subprocess.Popen([*launcher, "--num_nodes", "2", "--node_rank", str(i), "--num_procs", "2",
-                               "--master_addr", "127.0.0.1", "--master_port", port, *job,
-                               "--save_dir", str(tmp_path / "two")], cwd=tmp_path, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                *launcher,
+                "--num_nodes",
+                "2",
+                "--node_rank",
+                str(i),
+                "--num_procs",
+                "2",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                port,
+                *job,
+                "--save_dir",
+                str(tmp_path / "two"),
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
     outs = [p.communicate(timeout=300) for p in nodes]
     assert all(p.returncode == 0 for p in nodes), [o[1][-2000:] for o in outs]
     a = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "one"))
@@ -150,13 +230,22 @@ def test_lost_node_continues_at_the_smaller_world_size(tmp_path, stage, batch):
 
     with open(os.path.join(REPO, "configs", f"zero{stage}.json")) as f:
         config = json.load(f)
-    del config["gradient_accumulation_steps"]  # derived from the world size: 32 = 8 x W x accumulation
+    del config[
+        "gradient_accumulation_steps"
+    ]  # derived from the world size: 32 = 8 x W x accumulation
     config["comm_timeout"] = 30
-    if batch == "elasticity":  # of the batches <= 32 made of micro batches of 8, 32 suits the most world
+    if (
+        batch == "elasticity"
+    ):  # of the batches <= 32 made of micro batches of 8, 32 suits the most world
         # sizes in 2..4: 2 (accumulation 2) and 4 (accumulation 1); 24 suits only 3, 16 only 2
         del config["train_micro_batch_size_per_gpu"]
-        config["elasticity"] = {"enabled": True, "max_train_batch_size": 32, "micro_batch_sizes": [8],
-                                "min_gpus": 2, "max_gpus": 4}
+        config["elasticity"] = {
+            "enabled": True,
+            "max_train_batch_size": 32,
+            "micro_batch_sizes": [8],
+            "min_gpus": 2,
+            "max_gpus": 4,
+        }
     else:
         config["train_batch_size"] = 32
     config_path = tmp_path / "elastic.json"
@@ -164,24 +253,77 @@ def test_lost_node_continues_at_the_smaller_world_size(tmp_path, stage, batch):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [REPO, env.get("PYTHONPATH")] if p)
     env.pop("OMP_NUM_THREADS", None)
-    job = ["--deepspeed_config", str(config_path), "--steps", str(STEPS), "--print_every", "2",
-           "--save_every", str(EVERY)]
+    job = [
+        "--deepspeed_config",
+        str(config_path),
+        "--steps",
+        str(STEPS),
+        "--print_every",
+        "2",
+        "--save_every",
+        str(EVERY),
+    ]
     launcher = [sys.executable, "-m", "zengine.launcher.runner"]
-    plain = subprocess.run([*launcher, "--master_port", str(free_port()), "--num_procs", "4",
-                            os.path.join(REPO, "examples", "train_gpt.py"), *job, "--save_dir", str(tmp_path / "plain")],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    plain = subprocess.run(
+        [
+            *launcher,
+            "--master_port",
+            str(free_port()),
+            "--num_procs",
+            "4",
+            os.path.join(REPO, "examples", "train_gpt.py"),
+            *job,
+            "--save_dir",
+            str(tmp_path / "plain"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert plain.returncode == 0, plain.stderr[-3000:]
 
     wrapper = tmp_path / "node_killing_train_gpt.py"
     wrapper.write_text(NODE_KILLING_WRAPPER)
-    elastic = [*launcher, "--nnodes", "1:2", "--num_procs", "2", "--master_addr", "127.0.0.1", "--master_port",
-               str(free_port()), "--max_restarts", "1", "--rdzv_conf", "last_call_timeout=10", str(wrapper), *job,
-               "--save_dir", str(tmp_path / "elastic")]
-    survivor = subprocess.Popen(elastic, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+    elastic = [
+        *launcher,
+        "--nnodes",
+        "1:2",
+        "--num_procs",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "--max_restarts",
+        "1",
+        "--rdzv_conf",
+        "last_call_timeout=10",
+        str(wrapper),
+        *job,
+        "--save_dir",
+        str(tmp_path / "elastic"),
+    ]
+    survivor = subprocess.Popen(
+        elastic,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     time.sleep(1)  # the survivor hosts the rendezvous store, as a machine that stays up should
-    doomed = subprocess.Popen(elastic, cwd=tmp_path, env={**env, "ZENGINE_TEST_DOOMED_NODE": "1"},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    doomed = subprocess.Popen(
+        elastic,
+        cwd=tmp_path,
+        env={**env, "ZENGINE_TEST_DOOMED_NODE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = survivor.communicate(timeout=400)
         doomed.communicate(timeout=60)
@@ -189,7 +331,9 @@ def test_lost_node_continues_at_the_smaller_world_size(tmp_path, stage, batch):
         for proc in (survivor, doomed):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    assert doomed.returncode == -signal.SIGKILL, "the doomed machine's launcher did not die as planned"
+    assert doomed.returncode == -signal.SIGKILL, (
+        "the doomed machine's launcher did not die as planned"
+    )
     assert survivor.returncode == 0, err[-4000:]
     assert "world size 4" in out and "world size 2, 32 sequences per step" in out, out
     assert f"resumed from {tmp_path / 'elastic' / 'global_step4'} at step 4" in out + err

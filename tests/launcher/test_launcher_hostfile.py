@@ -1,4 +1,5 @@
 """Hostfile parsing, --include/--exclude resolution and the host name check (no processes)."""
+
 import socket
 
 import pytest
@@ -31,7 +32,9 @@ def test_parse_hostfile_keeps_file_order():
 
 
 def test_duplicate_host_names_both_lines():
-    with pytest.raises(HostfileError, match=r"hf, line 3: host 'a' is listed twice \(first on line 1\)"):
+    with pytest.raises(
+        HostfileError, match=r"hf, line 3: host 'a' is listed twice \(first on line 1\)"
+    ):
         parse_hostfile_lines(["a slots=1", "b slots=1", "a slots=2"], source="hf")
 
 
@@ -53,13 +56,19 @@ def test_bad_line_is_named(line, message):
 
 def test_host_starting_with_dash_is_refused_by_line():
     """A host that ssh or pdsh would read as an option (``-oProxyCommand=...`` runs a command) never gets there."""
-    with pytest.raises(HostfileError, match=r"hf, line 3: host '-oProxyCommand=/tmp/x.sh' starts with '-'") as err:
-        parse_hostfile_lines(["ok slots=1", "# a comment", "-oProxyCommand=/tmp/x.sh slots=1"], source="hf")
+    with pytest.raises(
+        HostfileError, match=r"hf, line 3: host '-oProxyCommand=/tmp/x.sh' starts with '-'"
+    ) as err:
+        parse_hostfile_lines(
+            ["ok slots=1", "# a comment", "-oProxyCommand=/tmp/x.sh slots=1"], source="hf"
+        )
     assert "option" in str(err.value)
     with pytest.raises(HostfileError, match=r"hf, line 1: host '-p' starts with '-'"):
         parse_hostfile_lines(["-p slots=2"], source="hf")
     for option in ("--include", "--exclude"):
-        with pytest.raises(HostfileError, match=rf"{option} 'a@-oProxyCommand=x:0': host '-oProxyCommand=x' starts"):
+        with pytest.raises(
+            HostfileError, match=rf"{option} 'a@-oProxyCommand=x:0': host '-oProxyCommand=x' starts"
+        ):
             parse_filter("a@-oProxyCommand=x:0", option)
 
 
@@ -122,7 +131,9 @@ def test_include_and_exclude_together_rejected():
 def test_unknown_host_and_slot_rejected():
     with pytest.raises(HostfileError, match=r"--include: unknown host 'worker-9'"):
         resolve_resources(HOSTS, include="worker-9")
-    with pytest.raises(HostfileError, match=r"--exclude: host 'worker-2' has no slot 2 \(it has slots 0..1\)"):
+    with pytest.raises(
+        HostfileError, match=r"--exclude: host 'worker-2' has no slot 2 \(it has slots 0..1\)"
+    ):
         resolve_resources(HOSTS, exclude="worker-2:2")
 
 
@@ -142,9 +153,19 @@ def test_hostfile_remembers_lines():
 
 
 def test_unresolvable_hosts_are_named_with_their_lines():
-    hosts = parse_hostfile_lines(["localhost slots=1", "no-such-host.invalid slots=2", "127.0.0.1 slots=1",
-                                  "::1 slots=1", "also-not.invalid slots=1"], source="hf")
-    check_hosts_resolve(["localhost", "127.0.0.1", "::1"], hosts, getaddrinfo)  # names and IP literals pass
+    hosts = parse_hostfile_lines(
+        [
+            "localhost slots=1",
+            "no-such-host.invalid slots=2",
+            "127.0.0.1 slots=1",
+            "::1 slots=1",
+            "also-not.invalid slots=1",
+        ],
+        source="hf",
+    )
+    check_hosts_resolve(
+        ["localhost", "127.0.0.1", "::1"], hosts, getaddrinfo
+    )  # names and IP literals pass
     with pytest.raises(HostfileError) as err:
         check_hosts_resolve(list(hosts), hosts, getaddrinfo)
     message = str(err.value)

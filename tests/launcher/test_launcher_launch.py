@@ -1,4 +1,5 @@
 """Real launches through torch.distributed.run: CPU processes on this machine."""
+
 import json
 import os
 import socket
@@ -37,7 +38,11 @@ def launch(tmp_path, *argv, timeout=60):
     env.pop("OMP_NUM_THREADS", None)
     return subprocess.run(
         [sys.executable, "-m", "zengine.launcher.runner", "--master_port", str(free_port()), *argv],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

@@ -1,4 +1,5 @@
 """Launch planning, torchrun/ssh command construction and input errors (no processes started)."""
+
 import argparse
 import re
 import shlex
@@ -58,9 +59,15 @@ def test_defaults():
         (["--nnodes", "3:2"], "need 1 <= MIN <= MAX"),
         (["--nnodes", "two"], "expected a node count N or a range MIN:MAX"),
         (["--nnodes", "0"], "need 1 <= MIN <= MAX"),
-        (["--nnodes", "1:2", "--num_nodes", "2"], "--nnodes and --num_nodes both give the node count"),
+        (
+            ["--nnodes", "1:2", "--num_nodes", "2"],
+            "--nnodes and --num_nodes both give the node count",
+        ),
         (["--elastic_training"], "--elastic_training needs the node range"),
-        (["--min_elastic_nodes", "0", "--max_elastic_nodes", "2"], "--min_elastic_nodes must be at least 1"),
+        (
+            ["--min_elastic_nodes", "0", "--max_elastic_nodes", "2"],
+            "--min_elastic_nodes must be at least 1",
+        ),
         (["--min_elastic_nodes", "3", "--max_elastic_nodes", "2"], "need 1 <= MIN <= MAX"),
     ],
 )
@@ -93,7 +100,9 @@ def test_gpu_machine_defaults_to_every_gpu():
 
 
 def test_num_procs_on_cpu_is_not_bounded_by_cores():
-    plan = plan_launch(parse("--num_procs", "6", "t.py"), None, local_slot_count=2, gpus_present=False)
+    plan = plan_launch(
+        parse("--num_procs", "6", "t.py"), None, local_slot_count=2, gpus_present=False
+    )
     assert plan.nodes[0].slots == tuple(range(6))
 
 
@@ -112,7 +121,17 @@ def test_include_and_exclude_on_this_machine():
 
 
 def test_manual_multi_node():
-    args = parse("--num_nodes", "3", "--node_rank", "2", "--master_addr", "10.0.0.1", "--num_gpus", "2", "t.py")
+    args = parse(
+        "--num_nodes",
+        "3",
+        "--node_rank",
+        "2",
+        "--master_addr",
+        "10.0.0.1",
+        "--num_gpus",
+        "2",
+        "t.py",
+    )
     plan = plan_launch(args, None, 2, True)
     assert (plan.num_nodes, plan.nodes[0].node_rank, plan.master_addr) == (3, 2, "10.0.0.1")
     assert not plan.remote
@@ -121,7 +140,12 @@ def test_manual_multi_node():
 
 def test_node_rank_must_be_below_num_nodes():
     with pytest.raises(LaunchError, match="--node_rank 2 must be less than --num_nodes 2"):
-        plan_launch(parse("--num_nodes", "2", "--node_rank", "2", "--master_addr", "h", "t.py"), None, 1, False)
+        plan_launch(
+            parse("--num_nodes", "2", "--node_rank", "2", "--master_addr", "h", "t.py"),
+            None,
+            1,
+            False,
+        )
 
 
 def test_manual_multi_node_needs_master_addr():
@@ -149,15 +173,24 @@ def test_hostfile_num_nodes_and_num_gpus_take_the_first():
 
 
 def test_hostfile_include_and_master_addr_override():
-    plan = plan_launch(parse("--include", "worker-1:2,3@worker-2", "--master_addr", "10.1.1.1", "t.py"), HOSTS, 0, False)
+    plan = plan_launch(
+        parse("--include", "worker-1:2,3@worker-2", "--master_addr", "10.1.1.1", "t.py"),
+        HOSTS,
+        0,
+        False,
+    )
     assert slots(plan) == {"worker-1": [2, 3], "worker-2": [0, 1]}
     assert plan.master_addr == "10.1.1.1" and plan.nodes[0].node_rank == 0
 
 
 def test_single_local_host_in_hostfile_runs_here():
-    plan = plan_launch(parse("--include", "me:1", "t.py"), {"me": 2, "other": 2}, 0, False, lambda h: h == "me")
+    plan = plan_launch(
+        parse("--include", "me:1", "t.py"), {"me": 2, "other": 2}, 0, False, lambda h: h == "me"
+    )
     assert not plan.remote and plan.nodes[0].slots == (1,)
-    away = plan_launch(parse("--include", "other", "t.py"), {"me": 2, "other": 2}, 0, False, lambda h: h == "me")
+    away = plan_launch(
+        parse("--include", "other", "t.py"), {"me": 2, "other": 2}, 0, False, lambda h: h == "me"
+    )
     assert away.remote and away.master_addr == "other"
 
 
@@ -165,7 +198,9 @@ def test_single_local_host_in_hostfile_runs_here():
 
 
 def test_worker_env():
-    plan = plan_launch(parse("--include", "localhost:1,3", "--no_local_rank", "t.py"), None, 4, True)
+    plan = plan_launch(
+        parse("--include", "localhost:1,3", "--no_local_rank", "t.py"), None, 4, True
+    )
     env = worker_env(plan.nodes[0], parse("--no_local_rank", "t.py"), ["4", "5", "6", "7"])
     assert env == {"ZENGINE_NO_LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "5,7"}
     plan = plan_launch(parse("--num_gpus", "2", "t.py"), None, 4, True)
@@ -175,18 +210,43 @@ def test_worker_env():
 
 
 def test_local_torchrun_argv():
-    args = parse("--num_procs", "2", "--master_port", "1234", "--max_restarts", "3", "train.py", "a", "--b")
+    args = parse(
+        "--num_procs", "2", "--master_port", "1234", "--max_restarts", "3", "train.py", "a", "--b"
+    )
     plan = plan_launch(args, None, 1, False)
     # with restarts: the c10d rendezvous (a fresh store per round), no node rank (c10d numbers nodes)
     assert torchrun_argv(plan, plan.nodes[0], args) == [
-        "--nnodes", "1", "--nproc_per_node", "2",
-        "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:1234", "--rdzv_id", "zengine-1234",
-        "--max_restarts", "3", "-m", "zengine.launcher.entry", "train.py", "a", "--b",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        "127.0.0.1:1234",
+        "--rdzv_id",
+        "zengine-1234",
+        "--max_restarts",
+        "3",
+        "-m",
+        "zengine.launcher.entry",
+        "train.py",
+        "a",
+        "--b",
     ]
     args = parse("--num_procs", "2", "--master_port", "1234", "train.py")
     assert torchrun_argv(plan, plan.nodes[0], args)[:10] == [
-        "--nnodes", "1", "--node_rank", "0", "--nproc_per_node", "2",
-        "--rdzv_backend", "static", "--master_addr", "127.0.0.1"]
+        "--nnodes",
+        "1",
+        "--node_rank",
+        "0",
+        "--nproc_per_node",
+        "2",
+        "--rdzv_backend",
+        "static",
+        "--master_addr",
+        "127.0.0.1",
+    ]
 
 
 def test_exported_env_and_env_files(tmp_path):
@@ -194,10 +254,19 @@ def test_exported_env_and_env_files(tmp_path):
     home_file.write_text("# cluster settings\nNCCL_IB_DISABLE=1\nMY_FLAG=a=b\n\n")
     cwd_file = tmp_path / ".zengine_env"
     cwd_file.write_text("MY_FLAG=override\n")
-    environ = {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/src", "PATH": "/bin", "HOME": "/root", "SECRET": "x"}
+    environ = {
+        "NCCL_DEBUG": "INFO",
+        "PYTHONPATH": "/src",
+        "PATH": "/bin",
+        "HOME": "/root",
+        "SECRET": "x",
+    }
     assert exported_env(environ, [str(home_file), str(cwd_file)]) == {
-        "NCCL_DEBUG": "INFO", "PYTHONPATH": "/src", "PATH": "/bin",
-        "NCCL_IB_DISABLE": "1", "MY_FLAG": "override",
+        "NCCL_DEBUG": "INFO",
+        "PYTHONPATH": "/src",
+        "PATH": "/bin",
+        "NCCL_IB_DISABLE": "1",
+        "MY_FLAG": "override",
     }
     bad = tmp_path / "bad_env"
     bad.write_text("GOOD=1\nnot a pair\n")
@@ -206,13 +275,27 @@ def test_exported_env_and_env_files(tmp_path):
 
 
 def test_ssh_commands():
-    args = parse("--include", "worker-0:0,1@worker-1:2,3", "--master_port", "6000", "--no_local_rank",
-                 "--ssh_port", "2222", "train.py", "--name", "two words")
+    args = parse(
+        "--include",
+        "worker-0:0,1@worker-1:2,3",
+        "--master_port",
+        "6000",
+        "--no_local_rank",
+        "--ssh_port",
+        "2222",
+        "train.py",
+        "--name",
+        "two words",
+    )
     plan = plan_launch(args, HOSTS, 0, False)
     exports = {"NCCL_DEBUG": "INFO", "PATH": "/usr/bin"}
-    commands = [ssh_command(plan, n, args, exports, "/data/my job", "/usr/bin/python3") for n in plan.nodes]
-    assert [c[:5] for c in commands] == [["ssh", "-p", "2222", "--", "worker-0"],
-                                         ["ssh", "-p", "2222", "--", "worker-1"]]
+    commands = [
+        ssh_command(plan, n, args, exports, "/data/my job", "/usr/bin/python3") for n in plan.nodes
+    ]
+    assert [c[:5] for c in commands] == [
+        ["ssh", "-p", "2222", "--", "worker-0"],
+        ["ssh", "-p", "2222", "--", "worker-1"],
+    ]
     assert commands[1][5] == (
         "cd '/data/my job' && env NCCL_DEBUG=INFO PATH=/usr/bin ZENGINE_NO_LOCAL_RANK=1 "
         "CUDA_VISIBLE_DEVICES=2,3 /usr/bin/python3 -u -m torch.distributed.run "
@@ -222,19 +305,39 @@ def test_ssh_commands():
     )
     # The remote shell splits it back into the same words.
     words = shlex.split(commands[0][5])
-    assert words[words.index("zengine.launcher.entry") + 1:] == ["train.py", "--name", "two words"]
+    assert words[words.index("zengine.launcher.entry") + 1 :] == ["train.py", "--name", "two words"]
     assert "CUDA_VISIBLE_DEVICES=0,1" not in words  # slots 0..n-1 need no narrowing
     assert words[words.index("--node_rank") + 1] == "0"
 
 
 def test_pdsh_command():
     """One pdsh for every host; pdsh writes each host's index where the command says %n."""
-    args = parse("--launcher", "pdsh", "--include", "worker-0:0,1@worker-1:0,1", "--master_port", "6000",
-                 "--ssh_port", "2222", "train.py", "--name", "two words")
+    args = parse(
+        "--launcher",
+        "pdsh",
+        "--include",
+        "worker-0:0,1@worker-1:0,1",
+        "--master_port",
+        "6000",
+        "--ssh_port",
+        "2222",
+        "train.py",
+        "--name",
+        "two words",
+    )
     plan = plan_launch(args, HOSTS, 0, False)
     command = pdsh_command(plan, args, {"NCCL_DEBUG": "INFO"}, "/data/my job", "/usr/bin/python3")
-    assert command[:9] == ["env", "PDSH_RCMD_TYPE=ssh", "PDSH_SSH_ARGS_APPEND=-p 2222", "pdsh", "-S", "-f",
-                           "1024", "-w", "worker-0,worker-1"]
+    assert command[:9] == [
+        "env",
+        "PDSH_RCMD_TYPE=ssh",
+        "PDSH_SSH_ARGS_APPEND=-p 2222",
+        "pdsh",
+        "-S",
+        "-f",
+        "1024",
+        "-w",
+        "worker-0,worker-1",
+    ]
     assert command[9] == (
         "cd '/data/my job' && env NCCL_DEBUG=INFO /usr/bin/python3 -u -m torch.distributed.run "
         "--nnodes 2 --node_rank %n --nproc_per_node 2 --rdzv_backend static "
@@ -268,10 +371,13 @@ def test_main_errors(capsys, tmp_path, script):
     assert "--num_gpus must be at least 1" in run_main_error(capsys, "--num_gpus", "0", script)
     assert "hostfile" in run_main_error(capsys, "--hostfile", str(tmp_path / "nohosts"), script)
     assert "not found" in run_main_error(capsys, "--hostfile", str(tmp_path / "nohosts"), script)
-    assert "cannot be used together" in run_main_error(capsys, "-i", "localhost", "-e", "localhost:0", script)
+    assert "cannot be used together" in run_main_error(
+        capsys, "-i", "localhost", "-e", "localhost:0", script
+    )
     assert "has no slot 100000" in run_main_error(capsys, "--include", "localhost:100000", script)
     assert "must be less than --num_nodes" in run_main_error(
-        capsys, "--num_nodes", "2", "--node_rank", "5", "--master_addr", "h", script)
+        capsys, "--num_nodes", "2", "--node_rank", "5", "--master_addr", "h", script
+    )
 
 
 def test_main_hostfile_errors(capsys, tmp_path, script):
@@ -281,7 +387,8 @@ def test_main_hostfile_errors(capsys, tmp_path, script):
     hostfile.write_text("a slots=2\nb slots=2\n")
     assert "unknown host 'c'" in run_main_error(capsys, "-H", str(hostfile), "-i", "c", script)
     assert "--node_rank is for starting nodes by hand" in run_main_error(
-        capsys, "-H", str(hostfile), "--node_rank", "0", script)
+        capsys, "-H", str(hostfile), "--node_rank", "0", script
+    )
 
 
 @pytest.fixture
@@ -310,7 +417,9 @@ def test_main_unresolvable_host_fails_before_ssh(capsys, tmp_path, script, start
     assert "line 3: host 'no-such-host.invalid' does not resolve" in err and started == []
 
 
-def test_main_refuses_option_like_hosts_before_anything_runs(capsys, tmp_path, script, started, monkeypatch):
+def test_main_refuses_option_like_hosts_before_anything_runs(
+    capsys, tmp_path, script, started, monkeypatch
+):
     """A hostfile host or --master_addr starting with '-' would be an ssh/pdsh option: refused, by line, first."""
     composed, resolved = [], []
     monkeypatch.setattr(runner, "ssh_command", lambda *a: composed.append(a) or ["ssh"])
@@ -320,7 +429,9 @@ def test_main_refuses_option_like_hosts_before_anything_runs(capsys, tmp_path, s
     for launcher in ("ssh", "pdsh"):
         err = run_main_error(capsys, "-H", str(hostfile), "--launcher", launcher, script)
         assert f"{hostfile}, line 2: host '-oProxyCommand=/tmp/pwn.sh' starts with '-'" in err, err
-    err = run_main_error(capsys, "--num_nodes", "2", "--node_rank", "1", "--master_addr=-oProxyJump=x", script)
+    err = run_main_error(
+        capsys, "--num_nodes", "2", "--node_rank", "1", "--master_addr=-oProxyJump=x", script
+    )
     assert "--master_addr '-oProxyJump=x' starts with '-'" in err, err
     assert composed == [] and resolved == [] and started == []
 
@@ -330,9 +441,16 @@ def test_pdsh_refuses_names_its_host_list_reads_otherwise():
     name (a leading '-' excludes, '^' reads a file, '/' filters, ',' separates) is refused."""
     args = parse("--launcher", "pdsh", "train.py")
     for odd in ("-oProxyCommand=x", "^/etc/hosts", "/wor/", "a,b"):
-        plan = LaunchPlan(nodes=(NodePlan("worker-0", 0, (0,)), NodePlan(odd, 1, (0,))),
-                                 num_nodes=2, master_addr="worker-0", master_port=6000, remote=True)
-        with pytest.raises(LaunchError, match=re.escape(f"pdsh would not read {odd!r} as host names")):
+        plan = LaunchPlan(
+            nodes=(NodePlan("worker-0", 0, (0,)), NodePlan(odd, 1, (0,))),
+            num_nodes=2,
+            master_addr="worker-0",
+            master_port=6000,
+            remote=True,
+        )
+        with pytest.raises(
+            LaunchError, match=re.escape(f"pdsh would not read {odd!r} as host names")
+        ):
             pdsh_command(plan, args, {}, "/", "python")
         assert ssh_command(plan, plan.nodes[1], args, {}, "/", "python")[1:3] == ["--", odd]
 
@@ -346,8 +464,11 @@ def test_main_checks_only_the_hosts_it_runs_on(tmp_path, script, started):
 
 def test_ssh_config_decides_which_name_must_resolve(monkeypatch):
     """An ssh alias is checked through its HostName; a host behind a ProxyJump is resolved elsewhere."""
-    config = {"alias": "hostname 127.0.0.1\nport 22\n", "typo": "hostname no-such-host.invalid\n",
-              "inner": "hostname no-such-host.invalid\nproxyjump bastion\n"}
+    config = {
+        "alias": "hostname 127.0.0.1\nport 22\n",
+        "typo": "hostname no-such-host.invalid\n",
+        "inner": "hostname no-such-host.invalid\nproxyjump bastion\n",
+    }
 
     def ssh_g(argv, **kwargs):
         assert argv[:2] == ["ssh", "-G"] and kwargs["stdin"] is subprocess.DEVNULL
@@ -368,7 +489,8 @@ def test_main_rejects_busy_master_port(capsys, script):
         busy.listen()
         port = busy.getsockname()[1]
         assert f"--master_port {port} is already in use" in run_main_error(
-            capsys, "--master_port", str(port), script)
+            capsys, "--master_port", str(port), script
+        )
 
 
 # --- the script side ---------------------------------------------------------------------
@@ -377,24 +499,48 @@ def test_main_rejects_busy_master_port(capsys, script):
 def test_add_config_arguments():
     parser = argparse.ArgumentParser()
     assert add_config_arguments(parser) is parser
-    args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json", "--zengine_config", "z.json"])
-    assert (args.deepspeed, args.deepspeed_config, args.zengine_config) == (True, "ds.json", "z.json")
+    args = parser.parse_args(
+        ["--deepspeed", "--deepspeed_config", "ds.json", "--zengine_config", "z.json"]
+    )
+    assert (args.deepspeed, args.deepspeed_config, args.zengine_config) == (
+        True,
+        "ds.json",
+        "z.json",
+    )
     defaults = parser.parse_args([])
-    assert (defaults.deepspeed, defaults.deepspeed_config, defaults.zengine_config) == (False, None, None)
+    assert (defaults.deepspeed, defaults.deepspeed_config, defaults.zengine_config) == (
+        False,
+        None,
+        None,
+    )
     assert not hasattr(defaults, "local_rank")  # as in DeepSpeed, the script declares it
 
 
 def test_entry_argv():
     assert target_argv("t.py", ["a"], {"LOCAL_RANK": "3"}) == ["t.py", "--local_rank=3", "a"]
-    assert target_argv("t.py", ["a"], {"LOCAL_RANK": "3", "ZENGINE_NO_LOCAL_RANK": "1"}) == ["t.py", "a"]
+    assert target_argv("t.py", ["a"], {"LOCAL_RANK": "3", "ZENGINE_NO_LOCAL_RANK": "1"}) == [
+        "t.py",
+        "a",
+    ]
 
 
 # --- node counts and rendezvous ----------------------------------------------
 
 
 def test_elastic_node_range_uses_c10d_with_a_store_per_round():
-    args = parse("--nnodes", "1:2", "--num_procs", "2", "--master_addr", "10.0.0.1", "--master_port", "6000",
-                 "--rdzv_conf", "last_call_timeout=5", "t.py")
+    args = parse(
+        "--nnodes",
+        "1:2",
+        "--num_procs",
+        "2",
+        "--master_addr",
+        "10.0.0.1",
+        "--master_port",
+        "6000",
+        "--rdzv_conf",
+        "last_call_timeout=5",
+        "t.py",
+    )
     plan = plan_launch(args, None, 2, False)
     assert (plan.num_nodes, plan.node_range.min_nodes, plan.node_range.elastic) == (2, 1, True)
     argv = torchrun_argv(plan, plan.nodes[0], args)

@@ -9,6 +9,7 @@ index). Lightning's launcher starts the second rank itself; it gets the compatib
 strategy's ``deepspeed.zero.Init``); its optimizer is AdamW with a StepLR schedule stepped every
 step, which Lightning steps on the optimizer zengine keeps and restores from the client state.
 """
+
 import os
 import subprocess
 import sys
@@ -90,8 +91,14 @@ def run_script(tmp_path: Path, body: str) -> None:
     path = os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p)
     env = dict(os.environ, ZENGINE_DEEPSPEED_COMPAT="1", OMP_NUM_THREADS="1", PYTHONPATH=path)
     env.pop("LOCAL_RANK", None)  # Lightning's launcher starts the other rank from a plain process
-    run = subprocess.run([sys.executable, str(tmp_path / "train.py"), str(tmp_path)], env=env,
-                         cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    run = subprocess.run(
+        [sys.executable, str(tmp_path / "train.py"), str(tmp_path)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
 
 

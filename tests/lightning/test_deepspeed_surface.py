@@ -40,10 +40,14 @@ def _engine(stage: int, nvme_path: Optional[str] = None):
     zero = {"stage": stage}
     if nvme_path:  # Adam's moments and the masters swapped to files between steps
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2}
-    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
-    engine, optimizer, _, _ = zengine.initialize(model=model, config=cfg,
-                                                 model_parameters=model.parameters())
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    }
+    engine, optimizer, _, _ = zengine.initialize(
+        model=model, config=cfg, model_parameters=model.parameters()
+    )
     for step in range(2):
         g = torch.Generator().manual_seed(step * 10 + dist.get_rank())
         loss = engine(torch.randn(2, 4, generator=g)).square().mean()
@@ -64,8 +68,11 @@ def surface_cases(root: str) -> dict:
     for stage in (2, 3):
         engine, optimizer = _engine(stage)
         state = optimizer.state_dict()
-        live = list(optimizer.masters) + [optimizer.state[p][key] for p in optimizer.shard_params
-                                          for key in ("exp_avg", "exp_avg_sq")]
+        live = list(optimizer.masters) + [
+            optimizer.state[p][key]
+            for p in optimizer.shard_params
+            for key in ("exp_avg", "exp_avg_sq")
+        ]
         mine = _tensors(state)
         shared = len(mine) == len(live) and all(t is l for t, l in zip(mine, live))
         with pytest.raises(NotImplementedError, match="engine.load_checkpoint"):
@@ -73,12 +80,19 @@ def surface_cases(root: str) -> dict:
         with pytest.raises(NotImplementedError, match="exclude_frozen_parameters"):
             engine.save_checkpoint(root, tag=f"s{stage}_frozen", exclude_frozen_parameters=True)
         folder = os.path.join(root, f"s{stage}")
-        engine.save_checkpoint(folder, tag="ck", client_state={"epoch": 3, "note": "x"},
-                               exclude_frozen_parameters=False)
+        engine.save_checkpoint(
+            folder,
+            tag="ck",
+            client_state={"epoch": 3, "note": "x"},
+            exclude_frozen_parameters=False,
+        )
         engine.save_checkpoint(folder, tag="user", client_state={"obj": Note()})
-        out[stage] = {"isinstance": isinstance(optimizer, DeepSpeedOptimizer), "shared": shared,
-                      "partition_count": state["partition_count"],
-                      "numel": sum(m.numel() for m in state["single_partition_of_fp32_groups"])}
+        out[stage] = {
+            "isinstance": isinstance(optimizer, DeepSpeedOptimizer),
+            "shared": shared,
+            "partition_count": state["partition_count"],
+            "numel": sum(m.numel() for m in state["single_partition_of_fp32_groups"]),
+        }
         engine.destroy()
     engine, optimizer = _engine(2, os.path.join(root, f"swap{dist.get_rank()}"))
     first = _tensors(optimizer.state_dict())
@@ -86,8 +100,11 @@ def surface_cases(root: str) -> dict:
     for t in first:
         t.add_(1.0)  # copies: the swapped states keep their values
     again = _tensors(optimizer.state_dict())
-    out["nvme"] = {"copies": all(torch.equal(a, b) for a, b in zip(again, seen)),
-                   "moments": all(t.abs().sum() > 0 for t in again), "count": len(again)}
+    out["nvme"] = {
+        "copies": all(torch.equal(a, b) for a, b in zip(again, seen)),
+        "moments": all(t.abs().sum() > 0 for t in again),
+        "count": len(again),
+    }
     engine.destroy()
     return out
 

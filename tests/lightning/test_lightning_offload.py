@@ -5,14 +5,17 @@ offload sections Lightning writes (``nvme_path``, ``buffer_count``, ``max_in_cpu
 ranks, the script run as a user would (``lightning_runs.py``). After 2 steps and a save, Lightning's
 converter gives plain torch's weights on the global batch (<1e-6).
 """
+
 import importlib.util
 
 import pytest
 
 from lightning_runs import MICRO, WORLD, check_converted, named, plain, run_script
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("pytorch_lightning") is None,
-                                reason="the test extra installs pytorch-lightning")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("pytorch_lightning") is None,
+    reason="the test extra installs pytorch-lightning",
+)
 
 BODY = '''
 offloads = [(2, dict(offload_optimizer=True)),

@@ -11,6 +11,7 @@ with a new optimizer state as Lightning warns, from the 4-step weights; and at s
 ``accumulate_grad_batches=2`` equals plain torch on both micro-batches of each step. Everything runs
 in the same two processes: importing Lightning takes most of the time.
 """
+
 import importlib.util
 
 import pytest
@@ -18,8 +19,10 @@ import torch
 
 from lightning_runs import LR, MICRO, WORLD, check_converted, named, plain, run_script
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("pytorch_lightning") is None,
-                                reason="the test extra installs pytorch-lightning")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("pytorch_lightning") is None,
+    reason="the test extra installs pytorch-lightning",
+)
 
 BODY = '''
 for stage in (2, 3):
@@ -70,7 +73,13 @@ def _reference() -> dict:
 def test_trainer_fit_save_resume_convert_at_stages_2_and_3(tmp_path):
     run_script(tmp_path, BODY)
     reference = _reference()
-    cases = [("s2_2", 2, 2), ("s2_4", 4, 4), ("s3_2", 2, 2), ("s3_4", 4, 4), ("s3_5", 5, "full"),
-             ("s2_acc", 2, "acc")]
+    cases = [
+        ("s2_2", 2, 2),
+        ("s2_4", 4, 4),
+        ("s3_2", 2, 2),
+        ("s3_4", 4, 4),
+        ("s3_5", 5, "full"),
+        ("s2_acc", 2, "acc"),
+    ]
     for name, steps, expected in cases:
         check_converted(tmp_path, name, steps, reference[expected])

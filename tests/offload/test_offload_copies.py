@@ -1,5 +1,6 @@
 """Offloaded gradients reach the host shard during backward; the CUDA side-stream copies (GPU only); the
 ZeRO-Infinity gradient swap finishes pieces whose copies land late as if they had landed at once."""
+
 import copy
 
 import pytest
@@ -18,8 +19,13 @@ LAYERS, WIDTH = 6, 16
 
 
 def _config(stage: int) -> dict:
-    return ds_config(stage, micro_batch=4, zero={"reduce_bucket_size": 300, **SHARD_ALL},
-                     offload_optimizer="cpu", steps_per_print=1000)
+    return ds_config(
+        stage,
+        micro_batch=4,
+        zero={"reduce_bucket_size": 300, **SHARD_ALL},
+        offload_optimizer="cpu",
+        steps_per_print=1000,
+    )
 
 
 def streamed_during_backward(stage: int) -> tuple[int, int]:
@@ -95,7 +101,9 @@ def test_download_and_upload_on_cuda():
     src = torch.empty(1 << 20, dtype=torch.bfloat16, device=device)
     hosts = [torch.empty(1 << 20, pin_memory=True) for _ in range(3)]
     landings = []
-    for k, host in enumerate(hosts):  # the device rewrites the source right after each download is queued
+    for k, host in enumerate(
+        hosts
+    ):  # the device rewrites the source right after each download is queued
         src.fill_(k + 1)
         landings.append(copies.download(host, src))
     for k, (host, landing) in enumerate(zip(hosts, landings)):
@@ -132,19 +140,25 @@ class _LateCopies(HostCopies):
                 if self.src is not None:
                     dst.copy_(self.src)
                     self.src = None
+
         return Late()
 
 
 def _grad_swap_run(directory: str, copies) -> tuple[list[float], list[torch.Tensor]]:
     """Two accumulation windows over a [3000] gradient in chunks of 2048: whole, then a part again (added to
     what the file holds), then the next window replacing it. (The sums of squares, the gradient read back.)"""
-    swap = GradSwap(StateSwapper([3000, 1024], directory, 2048, 2, AsyncIO(1 << 14, 2), parts=4), copies)
+    swap = GradSwap(
+        StateSwapper([3000, 1024], directory, 2048, 2, AsyncIO(1 << 14, 2), parts=4), copies
+    )
     torch.manual_seed(0)
     pieces = [torch.randn(3000, dtype=torch.bfloat16) for _ in range(3)]
     sums, grads = [], []
     for window in range(2):
-        totals = [swap.accumulate(0, 0, 3000, pieces[window]), swap.accumulate(1, 0, 1024, pieces[2][:1024]),
-                  swap.accumulate(0, 1024, 3000, pieces[2][1024:])]
+        totals = [
+            swap.accumulate(0, 0, 3000, pieces[window]),
+            swap.accumulate(1, 0, 1024, pieces[2][:1024]),
+            swap.accumulate(0, 1024, 3000, pieces[2][1024:]),
+        ]
         swap.flush()
         sums.append([float(t) for t in totals])
         grads.append((swap.read(0), swap.read(1)))
@@ -162,7 +176,9 @@ def test_grad_swap_with_late_landings_matches_copies_in_order(tmp_path, polls):
         assert torch.equal(a0, b0) and torch.equal(a1, b1)
     torch.manual_seed(0)
     pieces = [torch.randn(3000, dtype=torch.bfloat16).float() for _ in range(3)]
-    for window, (g0, g1) in enumerate(grads):  # each window replaced the last; the part written twice is summed
+    for window, (g0, g1) in enumerate(
+        grads
+    ):  # each window replaced the last; the part written twice is summed
         want = pieces[window].clone()
         want[1024:] += pieces[2][1024:]
         assert torch.equal(g0, want) and torch.equal(g1, pieces[2][:1024])
@@ -170,18 +186,28 @@ def test_grad_swap_with_late_landings_matches_copies_in_order(tmp_path, polls):
 
 def offload_on_cuda(offload_param: bool) -> dict:
     from models import EdgeNet, edge_param_groups, make_batches, micro_batch, reference_run
+
     torch.manual_seed(0)
     model = EdgeNet()
     init = copy.deepcopy(model)
     batches = make_batches(4, 2)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "gradient_clipping": 0.5,
-           "zero_optimization": {"stage": 3, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0,
-                                 "offload_optimizer": {"device": "cpu", "pin_memory": True}},
-           "steps_per_print": 1000}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "gradient_clipping": 0.5,
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": 300,
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        },
+        "steps_per_print": 1000,
+    }
     if offload_param:
         cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
-    engine, *_ = zengine.initialize(model=model, config=cfg, model_parameters=edge_param_groups(model, 1e-2))
+    engine, *_ = zengine.initialize(
+        model=model, config=cfg, model_parameters=edge_param_groups(model, 1e-2)
+    )
     assert engine.device.type == "cuda"
     shards = [g.shard_flat for g in engine.optimizer.groups]
     assert all((s.device.type == "cpu" and s.is_pinned()) == offload_param for s in shards)

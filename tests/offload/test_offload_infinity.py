@@ -2,6 +2,7 @@
 (parity is in test_zero_parity.py): reads ahead from a bounded pool, zero.Init straight to the file, a
 file that vanishes or a disk that fills gives an error naming the path and loses no checkpoint, and
 nothing is left on disk however the process ends."""
+
 import os
 import resource
 import signal
@@ -23,29 +24,49 @@ MICRO = 2
 
 
 def infinity_config(directory: str, buffer_count: int = 4, max_in_cpu: int = 0) -> dict:
-    return ds_config(3, micro_batch=MICRO, steps_per_print=1000,
-                     zero={"reduce_bucket_size": 300, "sub_group_size": 1000, **SHARD_ALL,
-                           "stage3_prefetch_bucket_size": 1500, "stage3_max_live_parameters": 4000},
-                     offload_param=nvme(directory, buffer_count=buffer_count, buffer_size=4096,
-                                        max_in_cpu=max_in_cpu),
-                     offload_optimizer=nvme(directory, buffer_count=2))
+    return ds_config(
+        3,
+        micro_batch=MICRO,
+        steps_per_print=1000,
+        zero={
+            "reduce_bucket_size": 300,
+            "sub_group_size": 1000,
+            **SHARD_ALL,
+            "stage3_prefetch_bucket_size": 1500,
+            "stage3_max_live_parameters": 4000,
+        },
+        offload_param=nvme(
+            directory, buffer_count=buffer_count, buffer_size=4096, max_in_cpu=max_in_cpu
+        ),
+        offload_optimizer=nvme(directory, buffer_count=2),
+    )
 
 
 def _leftovers(directory: str) -> list[str]:
-    return sorted(f for f in os.listdir(directory) if f.startswith("zengine-")) if os.path.isdir(directory) else []
+    return (
+        sorted(f for f in os.listdir(directory) if f.startswith("zengine-"))
+        if os.path.isdir(directory)
+        else []
+    )
 
 
 def reads_ahead(directory: str) -> dict:
     torch.manual_seed(0)
-    engine, *_ = zengine.initialize(model=EdgeNet(), config=infinity_config(directory, buffer_count=6))
+    engine, *_ = zengine.initialize(
+        model=EdgeNet(), config=infinity_config(directory, buffer_count=6)
+    )
     swap = engine.optimizer.param_swap
     hits = []
     for batch in make_batches(3, MICRO * dist.get_world_size()):
         before = (swap.prefetch_hits, swap.demand_reads)
         train_global_batch(engine, batch, MICRO, 1)
         hits.append((swap.prefetch_hits - before[0], swap.demand_reads - before[1]))
-    out = {"hits": hits, "pool": len(swap.slots), "extra": swap.extra_buffers,
-           "files_while_running": _leftovers(directory)}
+    out = {
+        "hits": hits,
+        "pool": len(swap.slots),
+        "extra": swap.extra_buffers,
+        "files_while_running": _leftovers(directory),
+    }
     engine.destroy()
     return out
 
@@ -53,11 +74,15 @@ def reads_ahead(directory: str) -> dict:
 def test_reads_follow_the_trace_ahead_of_use_from_a_bounded_pool(tmp_path):
     for r in spawn(reads_ahead, 2, str(tmp_path)):
         first, *later = r["hits"]
-        assert first[0] == 0 and first[1] > 0  # the first step records the trace: every read on demand
+        assert (
+            first[0] == 0 and first[1] > 0
+        )  # the first step records the trace: every read on demand
         for hits, demand in later:  # then the reads run ahead along it
             assert hits > demand, r["hits"]
         assert r["pool"] == 6 and r["extra"] == 0  # never more than buffer_count read buffers
-        assert r["files_while_running"] == []  # the swap files are unlinked as soon as they are open
+        assert (
+            r["files_while_running"] == []
+        )  # the swap files are unlinked as soon as they are open
 
 
 def init_to_nvme(directory: str) -> dict:
@@ -69,7 +94,9 @@ def init_to_nvme(directory: str) -> dict:
 
     sharded = [lookup(p) for p in model.parameters()]
     in_file = all(sp is not None and sp.shard is None and sp.store is not None for sp in sharded)
-    with zengine.zero.GatheredParameters(model.fc1.bias, modifier_rank=0):  # written back to the file
+    with zengine.zero.GatheredParameters(
+        model.fc1.bias, modifier_rank=0
+    ):  # written back to the file
         if dist.get_rank() == 0:
             model.fc1.bias.data.fill_(0.25)
     engine, *_ = zengine.initialize(model=model, config=cfg)
@@ -99,7 +126,9 @@ def test_zero_init_writes_shards_to_nvme_as_modules_are_built(tmp_path):
     results = spawn(init_to_nvme, 3, str(tmp_path))
     expected = spawn(built_in_memory, 3, str(tmp_path))[0]
     for r in results:
-        assert r["in_file"]  # every shard went to the file as its module was built, none kept in memory
+        assert r[
+            "in_file"
+        ]  # every shard went to the file as its module was built, none kept in memory
         assert r["bias"] == [0.25] * len(r["bias"])  # GatheredParameters wrote it back
         for name, value in expected.items():  # and trains exactly as the same model built in memory
             assert r["params"][name] == value, name
@@ -122,15 +151,20 @@ def modify_while_training(directory: str, offload: bool) -> dict:
             engine.module.fc2.weight.data.mul_(0.5)
     losses = [train_global_batch(engine, batch, MICRO, 1) for batch in batches[2:]]
     with engine.summon_full_params(writeback=False):
-        return {"losses": losses, "params": {n: p.detach().tolist() for n, p in engine.module.named_parameters()}}
+        return {
+            "losses": losses,
+            "params": {n: p.detach().tolist() for n, p in engine.module.named_parameters()},
+        }
 
 
 def test_gathered_parameters_modified_between_steps_reach_the_swapped_masters(tmp_path):
     swapped = spawn(modify_while_training, 3, str(tmp_path), True)[0]
     plain = spawn(modify_while_training, 3, str(tmp_path), False)[0]
     assert swapped["losses"] == pytest.approx(plain["losses"], rel=1e-5)
-    worst = max((torch.tensor(swapped["params"][n]) - torch.tensor(v)).abs().max().item()
-                for n, v in plain["params"].items())
+    worst = max(
+        (torch.tensor(swapped["params"][n]) - torch.tensor(v)).abs().max().item()
+        for n, v in plain["params"].items()
+    )
     assert worst <= 1e-5
 
 
@@ -155,8 +189,12 @@ def vanishing_file(directory: str, ckpt: str, which: str) -> dict:
     fresh.load_checkpoint(ckpt, tag="good")
     with fresh.summon_full_params(writeback=False):
         loaded = {n: p.detach().clone() for n, p in fresh.module.named_parameters()}
-    return {"error": error, "path": swap.file.path, "same": all(torch.equal(saved[n], loaded[n]) for n in saved),
-            "step": fresh.global_steps}
+    return {
+        "error": error,
+        "path": swap.file.path,
+        "same": all(torch.equal(saved[n], loaded[n]) for n in saved),
+        "step": fresh.global_steps,
+    }
 
 
 @pytest.mark.parametrize("which", ["params", "optimizer"])
@@ -168,7 +206,9 @@ def test_a_vanished_swap_file_fails_naming_it_and_loses_no_checkpoint(tmp_path, 
 
 def full_disk(directory: str, with_init: bool) -> str:
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+    previous = signal.signal(
+        signal.SIGXFSZ, signal.SIG_IGN
+    )  # a write past the limit fails with EFBIG instead
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # the "disk" holds one page
     try:
         cfg = infinity_config(directory)
@@ -209,18 +249,32 @@ KILLED = textwrap.dedent("""
 
 def test_nothing_is_left_on_disk_after_kill_9(tmp_path):
     tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-               LOCAL_RANK="0", PYTHONPATH=os.pathsep.join([tests, os.path.dirname(tests)]))
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        PYTHONPATH=os.pathsep.join([tests, os.path.dirname(tests)]),
+    )
     script = KILLED.format(tests=[tests, os.path.dirname(tests)], directory=str(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert line.strip() == "trained", proc.stderr.read()
         fd_dir = f"/proc/{proc.pid}/fd"
         held = [os.readlink(os.path.join(fd_dir, f)) for f in os.listdir(fd_dir)]
         swapped = [h for h in held if str(tmp_path) in h]
-        assert swapped and all(h.endswith("(deleted)") for h in swapped), held  # open, yet already unlinked
+        assert swapped and all(h.endswith("(deleted)") for h in swapped), (
+            held
+        )  # open, yet already unlinked
         assert _leftovers(str(tmp_path)) == []
     finally:
         proc.kill()  # SIGKILL: no cleanup code runs

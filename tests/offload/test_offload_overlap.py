@@ -23,6 +23,7 @@ host) with the optimizer on the host:
 Each of four sabotages (settling every download at the end of backward, the compute stream waiting for each
 download, stepping only once every download has landed, uploading after the whole step) breaks it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,10 +35,16 @@ SUB_GROUP = 256  # elements per piece: several pieces per group of the edge mode
 
 
 def _config(stage: int, gas: int, offload_param: bool) -> dict:
-    return ds_config(stage, "bf16", gas=gas, clip=0.5, steps_per_print=10**6,
-                     zero={"reduce_bucket_size": 300, "sub_group_size": SUB_GROUP, **SHARD_ALL},
-                     offload_optimizer=cpu(pin_memory=True),
-                     offload_param=cpu(pin_memory=True) if offload_param else None)
+    return ds_config(
+        stage,
+        "bf16",
+        gas=gas,
+        clip=0.5,
+        steps_per_print=10**6,
+        zero={"reduce_bucket_size": 300, "sub_group_size": SUB_GROUP, **SHARD_ALL},
+        offload_optimizer=cpu(pin_memory=True),
+        offload_param=cpu(pin_memory=True) if offload_param else None,
+    )
 
 
 @contextlib.contextmanager
@@ -54,9 +61,13 @@ def _sabotage(name):
         saved.append((owner, attr, getattr(owner, attr)))
         setattr(owner, attr, value)
 
-    if name == "no_backlog":  # not a sabotage: every reused bucket buffer waits for its download (on the device)
+    if (
+        name == "no_backlog"
+    ):  # not a sabotage: every reused bucket buffer waits for its download (on the device)
         patch(BucketBuffers, "DOWNLOAD_BACKLOG_BYTES", 0)
-    elif name == "settle_after_backward":  # the host waits for every download at the end of backward
+    elif (
+        name == "settle_after_backward"
+    ):  # the host waits for every download at the end of backward
         end = ShardReducer.end_backward
         patch(ShardReducer, "end_backward", lambda self: (end(self), self.landing.settle())[0])
     elif name == "compute_waits":  # the compute stream waits for each download as it is queued
@@ -66,10 +77,15 @@ def _sabotage(name):
             landing = queue(self, dst, src)
             self._compute().wait_event(landing.done)
             return landing
+
         patch(StreamCopies, "_queue_down", queue_and_wait)
     elif name == "step_after_all":  # CPU-Adam starts once every download has landed
         run = StepPipeline.run
-        patch(StepPipeline, "run", lambda self, grads, *a: (self.copies.settle(), run(self, grads, *a))[1])
+        patch(
+            StepPipeline,
+            "run",
+            lambda self, grads, *a: (self.copies.settle(), run(self, grads, *a))[1],
+        )
     elif name == "upload_after_step":  # the pieces go up only after the whole step
         send, sent = StreamCopies.send_piece, StreamCopies.pieces_sent
         held = []
@@ -79,6 +95,7 @@ def _sabotage(name):
             while held:
                 send(self, *held.pop(0))
             sent(self)
+
         patch(StreamCopies, "pieces_sent", send_all)
     try:
         yield
@@ -93,19 +110,35 @@ def _train(stage: int, gas: int, offload_param: bool, sabotage) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import zengine
-    from device_guard import DeviceRulesMode, FakeCollectives, HostReads, StreamLog, adam_logged, side_streams_on_meta
+    from device_guard import (
+        DeviceRulesMode,
+        FakeCollectives,
+        HostReads,
+        StreamLog,
+        adam_logged,
+        side_streams_on_meta,
+    )
     from models import EdgeNet, edge_param_groups
 
     log, mode = StreamLog(), DeviceRulesMode()
     mode.watch = log.copy
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     try:
-        with HostReads(WORLD).installed(), FakeCollectives().installed(), side_streams_on_meta(log), \
-                adam_logged(log), _sabotage(sabotage), mode:
+        with (
+            HostReads(WORLD).installed(),
+            FakeCollectives().installed(),
+            side_streams_on_meta(log),
+            adam_logged(log),
+            _sabotage(sabotage),
+            mode,
+        ):
             with torch.device("meta"):
                 model = EdgeNet()
-            engine, *_ = zengine.initialize(model=model, config=_config(stage, gas, offload_param),
-                                            model_parameters=edge_param_groups(model, 1e-2))
+            engine, *_ = zengine.initialize(
+                model=model,
+                config=_config(stage, gas, offload_param),
+                model_parameters=edge_param_groups(model, 1e-2),
+            )
             for micro in range(STEPS * gas):
                 x = torch.randint(0, 37, (2, 5), device="meta")
                 log.add("forward", micro)
@@ -135,7 +168,9 @@ def order_failures(entries: list[tuple], alone: bool) -> list[str]:
     recorded = {}  # event -> (stream, index in entries)
     landed = set()  # events the host waited for, or older ones of their stream
     by_stream: dict[str, list[int]] = {}
-    covers: dict[int, list] = {}  # side-stream event -> host ranges of the copies it follows on its stream
+    covers: dict[
+        int, list
+    ] = {}  # side-stream event -> host ranges of the copies it follows on its stream
     issued: dict[str, list] = {}  # stream -> host ranges of copies since its last event
     down_streams, up_streams = set(), set()
     downloads = set()  # done events of gradient downloads
@@ -144,20 +179,29 @@ def order_failures(entries: list[tuple], alone: bool) -> list[str]:
     pending_uploads = []  # copy-out ranges of this step's CPU-Adam calls whose upload is not issued yet
     last_upload = None  # event after this step's newest upload
     stage_events = set()  # events recorded before the current step (for the staging-reuse waits)
-    sent = {e[3] for e in entries if e[0] == "copy" and e[1].startswith("h2d") and "copies.py" in e[4]}
+    sent = {
+        e[3] for e in entries if e[0] == "copy" and e[1].startswith("h2d") and "copies.py" in e[4]
+    }
     for i, e in enumerate(entries):
         kind = e[0]
         if phase is None and kind != "forward":
             continue  # building the engine (the masters made from the device's parameters) is not a step
         if kind in ("forward", "backward", "step"):
             if kind == "forward" and last_upload is not None:
-                out.append(f"forward {e[1]}: the compute stream never waited for upload event {last_upload}")
+                out.append(
+                    f"forward {e[1]}: the compute stream never waited for upload event {last_upload}"
+                )
             if kind == "forward":
                 last_upload = None
             phase = kind
             if kind == "step":
                 boundary, step_start = e[2], i
-                last_adam, waited_since_adam, first_adam_seen, uploaded_this_step = None, [], False, False
+                last_adam, waited_since_adam, first_adam_seen, uploaded_this_step = (
+                    None,
+                    [],
+                    False,
+                    False,
+                )
                 stage_events = set(recorded)
             continue
         if kind == "record":
@@ -174,10 +218,22 @@ def order_failures(entries: list[tuple], alone: bool) -> list[str]:
                     out.append(f"entry {i}: a download {ck} on the {stream} stream at {site}")
                     continue
                 down_streams.add(stream)
-                before = [x for x in entries[:i] if x[0] in ("wait", "copy") and x[1 if x[0] == "wait" else 2] == stream]
-                if not before or before[-1][0] != "wait" or recorded.get(before[-1][2], ("?",))[0] != "compute":
-                    out.append(f"entry {i}: a download on {stream} not after an event of the compute stream")
-                after = next((x for x in entries[i + 1:] if x[0] == "record" and x[2] == stream), None)
+                before = [
+                    x
+                    for x in entries[:i]
+                    if x[0] in ("wait", "copy") and x[1 if x[0] == "wait" else 2] == stream
+                ]
+                if (
+                    not before
+                    or before[-1][0] != "wait"
+                    or recorded.get(before[-1][2], ("?",))[0] != "compute"
+                ):
+                    out.append(
+                        f"entry {i}: a download on {stream} not after an event of the compute stream"
+                    )
+                after = next(
+                    (x for x in entries[i + 1 :] if x[0] == "record" and x[2] == stream), None
+                )
                 if after is None:
                     out.append(f"entry {i}: no event after the download on {stream}")
                 else:
@@ -187,10 +243,19 @@ def order_failures(entries: list[tuple], alone: bool) -> list[str]:
                 if stream == "compute" or ck != "h2d_async":
                     out.append(f"entry {i}: an upload {ck} on the {stream} stream at {site}")
                     continue
-                if phase == "step" and not uploaded_this_step and not any(
-                        x[0] == "wait" and x[1] == stream and recorded.get(x[2], ("?",))[0] == "compute"
-                        for x in entries[step_start:i]):
-                    out.append(f"entry {i}: the step's first upload not after an event of the compute stream")
+                if (
+                    phase == "step"
+                    and not uploaded_this_step
+                    and not any(
+                        x[0] == "wait"
+                        and x[1] == stream
+                        and recorded.get(x[2], ("?",))[0] == "compute"
+                        for x in entries[step_start:i]
+                    )
+                ):
+                    out.append(
+                        f"entry {i}: the step's first upload not after an event of the compute stream"
+                    )
                 up_streams.add(stream)
                 uploaded_this_step = True
                 issued.setdefault(stream, []).append(host)
@@ -202,7 +267,9 @@ def order_failures(entries: list[tuple], alone: bool) -> list[str]:
         elif kind == "wait":
             _, stream, ev, site = e
             if stream == "compute" and ev in downloads and "_new_buffer" not in site:
-                out.append(f"entry {i}: the compute stream waits for download event {ev} at {site} (not a reuse)")
+                out.append(
+                    f"entry {i}: the compute stream waits for download event {ev} at {site} (not a reuse)"
+                )
             if stream == "compute" and ev == last_upload:
                 last_upload = None
         elif kind in ("stream_sync", "device_sync", "wait_stream"):
@@ -213,33 +280,45 @@ def order_failures(entries: list[tuple], alone: bool) -> list[str]:
                 out.append(f"entry {i}: the host waits for event {ev} during {phase} ({site})")
             elif ev in downloads:
                 waited_since_adam.append(ev)
-            elif not ("fetcher.py" in site or (ev in stage_events and "copies.py:writable" in site)):
+            elif not (
+                "fetcher.py" in site or (ev in stage_events and "copies.py:writable" in site)
+            ):
                 out.append(f"entry {i}: the host waits for event {ev} in the step at {site}")
             if ev in recorded:
                 stream = recorded[ev][0]
                 events = by_stream[stream]
-                landed.update(events[:events.index(ev) + 1])
+                landed.update(events[: events.index(ev) + 1])
         elif kind == "adam":
             _, grad, copy_out = e
             if pending_uploads:
-                out.append(f"entry {i}: CPU-Adam on the next piece before the last piece's upload was issued")
+                out.append(
+                    f"entry {i}: CPU-Adam on the next piece before the last piece's upload was issued"
+                )
                 pending_uploads = []
             mine = [ev for ev in downloads if any(_overlaps(h, grad) for h in covers.get(ev, []))]
             unlanded = [ev for ev in mine if ev not in landed]
             if unlanded:
-                out.append(f"entry {i}: CPU-Adam reads a gradient whose downloads {unlanded} have not landed")
+                out.append(
+                    f"entry {i}: CPU-Adam reads a gradient whose downloads {unlanded} have not landed"
+                )
             strangers = [ev for ev in waited_since_adam if ev not in mine]
             if alone and strangers:
                 out.append(f"entry {i}: CPU-Adam waited for downloads {strangers} of other pieces")
             if alone and len(waited_since_adam) > 1:
-                out.append(f"entry {i}: CPU-Adam waited for {len(waited_since_adam)} events, not its piece's one")
+                out.append(
+                    f"entry {i}: CPU-Adam waited for {len(waited_since_adam)} events, not its piece's one"
+                )
             if alone and boundary and not first_adam_seen:
                 in_flight = [ev for ev in downloads if ev not in landed and recorded[ev][1] < i]
                 if not in_flight:
-                    out.append(f"entry {i}: the step's first CPU-Adam starts after every download landed")
+                    out.append(
+                        f"entry {i}: the step's first CPU-Adam starts after every download landed"
+                    )
             first_adam_seen = True
             waited_since_adam = []
-            if copy_out in sent and phase == "step":  # (not the host shards themselves: offload_param)
+            if (
+                copy_out in sent and phase == "step"
+            ):  # (not the host shards themselves: offload_param)
                 pending_uploads.append(copy_out)
     if pending_uploads:
         out.append("the last pieces' uploads were never issued")
@@ -251,8 +330,14 @@ def _run_all(cases):
 
 
 # (stage, gas, offload_param, tweak): the last with every bucket buffer's reuse waiting for its download
-CASES = [(1, 1, False, None), (2, 1, False, None), (3, 1, False, None), (3, 1, True, None), (2, 2, False, None),
-         (3, 1, False, "no_backlog")]
+CASES = [
+    (1, 1, False, None),
+    (2, 1, False, None),
+    (3, 1, False, None),
+    (3, 1, True, None),
+    (2, 2, False, None),
+    (3, 1, False, "no_backlog"),
+]
 SABOTAGES = ["settle_after_backward", "compute_waits", "step_after_all", "upload_after_step"]
 
 
@@ -269,12 +354,20 @@ def test_copies_overlap_compute_and_cpu_adam():
         found = order_failures(entries, alone=gas == 1)
         if sabotage in (None, "no_backlog"):
             failures += [f"{name} {sabotage or ''}: {f}" for f in found]
-            reuses = [e for e in entries if e[0] == "wait" and e[1] == "compute" and "_new_buffer" in e[3]]
+            reuses = [
+                e for e in entries if e[0] == "wait" and e[1] == "compute" and "_new_buffer" in e[3]
+            ]
             assert bool(reuses) == (sabotage == "no_backlog"), (name, sabotage, len(reuses))
             adams = [e for e in entries if e[0] == "adam"]
-            uploads = [e for e in entries if e[0] == "copy" and e[1].startswith("h2d") and "copies.py" in e[4]]
+            uploads = [
+                e
+                for e in entries
+                if e[0] == "copy" and e[1].startswith("h2d") and "copies.py" in e[4]
+            ]
             assert len(adams) >= 2 * STEPS, (name, len(adams))  # several pieces per step
-            assert bool(uploads) != offload_param, name  # (offload_param: CPU-Adam writes the host shards)
+            assert bool(uploads) != offload_param, (
+                name
+            )  # (offload_param: CPU-Adam writes the host shards)
         else:
             assert found, f"{name}: sabotage {sabotage} went unnoticed"
     assert not failures, "\n".join(failures)

@@ -9,6 +9,7 @@ gradient accumulation summing late pieces in launch order. Without gradient clip
 optimizer states and their step counts equal the whole step's exactly; with clipping the norm is summed by
 region (on a GPU, on the device) in another order, so they agree to rounding.
 """
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -53,7 +54,9 @@ class LateCopies(HostCopies):
 
     def accumulate(self, shard_slice, piece, overwrite=False):
         staging = None if overwrite else torch.empty(piece.shape, dtype=shard_slice.dtype)
-        landing = _Late(self.queue, shard_slice if overwrite else staging, piece.detach().clone(), self.polls)
+        landing = _Late(
+            self.queue, shard_slice if overwrite else staging, piece.detach().clone(), self.polls
+        )
         self.arrivals.add(landing, staging, shard_slice, overwrite)
         self.arrivals.poll()
 
@@ -91,13 +94,24 @@ def _train(model_name: str, stage: int, gas: int, clip: float, offload: str, lat
     torch.manual_seed(0)
     model = EdgeNet() if model_name == "edge" else _Loss(_mlp())
     groups = edge_param_groups(model, 1e-2)
-    zero = {"stage": stage, "reduce_bucket_size": 300, "sub_group_size": 100, "stage3_param_persistence_threshold": 0,
-            "offload_optimizer": {"device": "cpu"}}
+    zero = {
+        "stage": stage,
+        "reduce_bucket_size": 300,
+        "sub_group_size": 100,
+        "stage3_param_persistence_threshold": 0,
+        "offload_optimizer": {"device": "cpu"},
+    }
     if offload == "param":
         zero["offload_param"] = {"device": "cpu"}
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "bf16": {"enabled": True},
-           "steps_per_print": 10**6, "zero_optimization": zero}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "bf16": {"enabled": True},
+        "steps_per_print": 10**6,
+        "zero_optimization": zero,
+    }
     original = placement.make_copies
     if late is not None:
         placement.make_copies = lambda device: LateCopies(late)
@@ -117,37 +131,57 @@ def _train(model_name: str, stage: int, gas: int, clip: float, offload: str, lat
     opt = engine.optimizer
     with engine.summon_full_params(writeback=False):
         params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    states = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.optimizer.state[sp].items()}
-              for sp in opt.shard_params]
+    states = [
+        {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.optimizer.state[sp].items()}
+        for sp in opt.shard_params
+    ]
     masters = [m.clone() for m in opt.masters]
     if late is not None:  # several pieces per step, every copy landed and added
-        assert copies.ranges_settled >= 3 * STEPS and not copies.queue and not copies.arrivals.pending
+        assert (
+            copies.ranges_settled >= 3 * STEPS and not copies.queue and not copies.arrivals.pending
+        )
     engine.destroy()
     return params, states, masters, norms
 
 
 # (model, stage, accumulation steps, gradient clipping, offload): the edge model has unused parameters (the
 # step by runs, parameters written after it), the MLP none (CPU-Adam writes the bf16 parameters as it steps)
-CASES = [("edge", 2, 3, 0.0, "cpu"), ("mlp", 2, 1, 0.0, "cpu"), ("mlp", 3, 3, 0.0, "cpu"), ("edge", 3, 1, 0.0, "param"),
-         ("mlp", 2, 3, 0.5, "cpu")]
+CASES = [
+    ("edge", 2, 3, 0.0, "cpu"),
+    ("mlp", 2, 1, 0.0, "cpu"),
+    ("mlp", 3, 3, 0.0, "cpu"),
+    ("edge", 3, 1, 0.0, "param"),
+    ("mlp", 2, 3, 0.5, "cpu"),
+]
 
 
 def _compare(cases) -> list[str]:
     out = []
     for case in cases:
         whole = _train(*case, late=None)
-        for polls in (1,):  # the oldest lands at the second poll (backward polls at each piece), the rest when waited for
+        for polls in (
+            1,
+        ):  # the oldest lands at the second poll (backward polls at each piece), the rest when waited for
             pieces = _train(*case, late=polls)
             exact = case[3] == 0.0
             for name, a in whole[0].items():
                 b = pieces[0][name]
                 if not (torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-5, atol=1e-6)):
-                    out.append(f"{case} polls {polls}: {name} differs by {(a - b).abs().max().item():.3g}")
+                    out.append(
+                        f"{case} polls {polls}: {name} differs by {(a - b).abs().max().item():.3g}"
+                    )
             for sa, sb in zip(whole[1], pieces[1]):
                 for key in sa:
-                    same = torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])) if exact else \
-                        torch.allclose(torch.as_tensor(sa[key]).float(), torch.as_tensor(sb[key]).float(), rtol=1e-4,
-                                       atol=1e-7)
+                    same = (
+                        torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key]))
+                        if exact
+                        else torch.allclose(
+                            torch.as_tensor(sa[key]).float(),
+                            torch.as_tensor(sb[key]).float(),
+                            rtol=1e-4,
+                            atol=1e-7,
+                        )
+                    )
                     if not same:
                         out.append(f"{case} polls {polls}: optimizer state {key} differs")
             if exact and not all(torch.equal(a, b) for a, b in zip(whole[2], pieces[2])):

@@ -10,6 +10,7 @@ on the compute device's stream, not the current device's (``zero.Init`` never se
 CI has no GPU, so the stand-in device of ``device_guard.py`` (``meta``) gets side streams whose events
 log what they do: the test asserts the order of record, synchronize and the optimizer's update.
 """
+
 import inspect
 import os
 
@@ -19,12 +20,22 @@ WORLD, GAS, STEPS = 2, 2, 2
 
 
 def _config(offload: str) -> dict:
-    param = cpu(pin_memory=True) if offload == "param" else nvme(
-        swap_dir("zorder"), buffer_count=3, buffer_size=4096, pin_memory=True, max_in_cpu=0)
-    return ds_config(3, "bf16", gas=GAS, steps_per_print=10**6,
-                     zero={"reduce_bucket_size": 300, **SHARD_ALL,
-                           "stage3_prefetch_bucket_size": 1500},
-                     offload_optimizer=cpu(pin_memory=True), offload_param=param)
+    param = (
+        cpu(pin_memory=True)
+        if offload == "param"
+        else nvme(
+            swap_dir("zorder"), buffer_count=3, buffer_size=4096, pin_memory=True, max_in_cpu=0
+        )
+    )
+    return ds_config(
+        3,
+        "bf16",
+        gas=GAS,
+        steps_per_print=10**6,
+        zero={"reduce_bucket_size": 300, **SHARD_ALL, "stage3_prefetch_bucket_size": 1500},
+        offload_optimizer=cpu(pin_memory=True),
+        offload_param=param,
+    )
 
 
 def _run_case(offload: str) -> dict:
@@ -92,7 +103,9 @@ def _run_case(offload: str) -> dict:
         def step(self, *args, **kwargs):
             log.append(("update",))
             return original(self, *args, **kwargs)
+
         return step
+
     for name in ("step", "step_with_copy", "step_runs"):  # whichever the step path calls
         setattr(CPUAdam, name, logged(getattr(CPUAdam, name)))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
@@ -101,8 +114,11 @@ def _run_case(offload: str) -> dict:
         with HostReads(WORLD).installed(), FakeCollectives().installed(), DeviceRulesMode():
             with torch.device("meta"):
                 model = EdgeNet()
-            engine, *_ = zengine.initialize(model=model, config=_config(offload),
-                                            model_parameters=edge_param_groups(model, 1e-2))
+            engine, *_ = zengine.initialize(
+                model=model,
+                config=_config(offload),
+                model_parameters=edge_param_groups(model, 1e-2),
+            )
             for _ in range(STEPS * GAS):
                 x = torch.randint(0, 37, (2, 5), device="meta")
                 engine.backward(engine(x, (x * 7 + 3) % 37))
@@ -131,8 +147,10 @@ def test_the_step_waits_for_uploads_from_host_shards_before_writing_them():
         reads = [e for e in log[:u] if e[0] == "record" and e[2] == "fetcher.py"]
         assert reads, "no event after the uploads from host shards"
         last = reads[-1]
-        assert last[3] == "compute", last  # recorded on the compute stream, after the uploads it orders
-        waited = [e for e in log[log.index(last):u] if e[0] == "synchronize" and e[1] == last[1]]
+        assert last[3] == "compute", (
+            last
+        )  # recorded on the compute stream, after the uploads it orders
+        waited = [e for e in log[log.index(last) : u] if e[0] == "synchronize" and e[1] == last[1]]
         assert waited, f"the step wrote the host shards without waiting for event {last[1]}"
 
 

@@ -1,5 +1,6 @@
 """NVMe offload of Adam's moments: SwappedAdam steps exactly as CPUAdam while host memory holds only its
 buffers; the file holds the moments; checkpoints see them; unused ranges keep theirs."""
+
 import os
 import struct
 import tempfile
@@ -17,7 +18,9 @@ from zengine.offload.state_swap import StateSwapper
 from zengine.offload.swapped_adam import SwappedAdam
 
 SIZES = [5000, 1, 3071, 12000]  # chunks of 1024: tails, a one-element parameter, many chunks each
-HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, adamw_mode=True, bias_correction=True)
+HYPER = dict(
+    lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, adamw_mode=True, bias_correction=True
+)
 
 
 def _pair(tmp_path, buffer_count, chunk=1024):
@@ -27,7 +30,8 @@ def _pair(tmp_path, buffer_count, chunk=1024):
     plain = CPUAdam([{"params": ref[:2]}, {"params": ref[2:], "lr": 3e-3}], **HYPER)
     swapped = SwappedAdam.replacing(
         CPUAdam([{"params": mine[:2]}, {"params": mine[2:], "lr": 3e-3}], **HYPER),
-        StateSwapper(SIZES, str(tmp_path), chunk, buffer_count, AsyncIO(1 << 14, 2)))
+        StateSwapper(SIZES, str(tmp_path), chunk, buffer_count, AsyncIO(1 << 14, 2)),
+    )
     return ref, mine, plain, swapped
 
 
@@ -49,7 +53,9 @@ def test_swapped_adam_equals_cpu_adam_bit_for_bit(tmp_path, buffer_count):
         plain.step()
         swapped.step_with_copy(dict(zip(mine, outs)))
     assert all(torch.equal(a, b) for a, b in zip(ref, mine))
-    assert all(torch.equal(o, p.to(torch.bfloat16)) for o, p in zip(outs, mine))  # written in the same pass
+    assert all(
+        torch.equal(o, p.to(torch.bfloat16)) for o, p in zip(outs, mine)
+    )  # written in the same pass
     # host memory: the buffers only, not the 2 x 4 bytes per element of the moments
     held = sum(b.numel() * 4 for b in swapped.host_buffers())
     assert held == buffer_count * 2 * 1024 * 4 < 2 * 4 * sum(SIZES)
@@ -76,8 +82,11 @@ def test_the_file_holds_the_moments(tmp_path):
         os.close(fd)
     values = torch.tensor(struct.unpack(f"{2 * chunk.padded}f", raw))
     n = chunk.hi - chunk.lo
-    assert torch.equal(values[:n], plain.state[ref[3]]["exp_avg"][chunk.lo:chunk.hi])
-    assert torch.equal(values[chunk.padded:chunk.padded + n], plain.state[ref[3]]["exp_avg_sq"][chunk.lo:chunk.hi])
+    assert torch.equal(values[:n], plain.state[ref[3]]["exp_avg"][chunk.lo : chunk.hi])
+    assert torch.equal(
+        values[chunk.padded : chunk.padded + n],
+        plain.state[ref[3]]["exp_avg_sq"][chunk.lo : chunk.hi],
+    )
 
 
 def test_changes_made_in_memory_go_back_to_the_file(tmp_path):
@@ -101,43 +110,70 @@ def test_kept_ranges_keep_their_moments(tmp_path):
     _grads(ref, mine, 0)
     swapped.step()
     with swapped.states_in_memory():
-        before = [(swapped.state[p]["exp_avg"].clone(), swapped.state[p]["exp_avg_sq"].clone()) for p in mine]
+        before = [
+            (swapped.state[p]["exp_avg"].clone(), swapped.state[p]["exp_avg_sq"].clone())
+            for p in mine
+        ]
     _grads(ref, mine, 1)
     n = mine[3].numel()  # elements [1000, 2100) left out of this step: across a chunk boundary
-    swapped.step_runs({p: [(0, p.numel(), 2)] for p in mine[:3]} | {mine[3]: [(0, 1000, 2), (2100, n, 2)]}, {})
+    swapped.step_runs(
+        {p: [(0, p.numel(), 2)] for p in mine[:3]} | {mine[3]: [(0, 1000, 2), (2100, n, 2)]}, {}
+    )
     with swapped.states_in_memory():
         m, v = swapped.state[mine[3]]["exp_avg"], swapped.state[mine[3]]["exp_avg_sq"]
-        assert torch.equal(m[1000:2100], before[3][0][1000:2100]) and torch.equal(v[1000:2100], before[3][1][1000:2100])
+        assert torch.equal(m[1000:2100], before[3][0][1000:2100]) and torch.equal(
+            v[1000:2100], before[3][1][1000:2100]
+        )
         assert not torch.equal(m[:1000], before[3][0][:1000])  # the rest moved
     _grads(ref, mine, 2)
     swapped.step()  # the request lasts one step only
     with swapped.states_in_memory():
-        assert not torch.equal(swapped.state[mine[3]]["exp_avg"][1000:2100], before[3][0][1000:2100])
+        assert not torch.equal(
+            swapped.state[mine[3]]["exp_avg"][1000:2100], before[3][0][1000:2100]
+        )
 
 
 def test_nvme_needs_adam():
-    with pytest.raises(ValueError, match="needs CPUAdam: optimizer.type Adam, AdamW or CPUAdam .* got SGD"):
+    with pytest.raises(
+        ValueError, match="needs CPUAdam: optimizer.type Adam, AdamW or CPUAdam .* got SGD"
+    ):
         SwappedAdam.replacing(torch.optim.SGD([torch.zeros(3)], lr=0.1), None)
 
 
 def nvme_memory(stage: int) -> dict:
     torch.manual_seed(0)
     model = EdgeNet()
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": stage, "sub_group_size": 1024,
-                                 "offload_optimizer": {"device": "nvme", "buffer_count": 2,
-                                                       "nvme_path": os.path.join(tempfile.gettempdir(), "zswap")}},
-           "steps_per_print": 1000}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": stage,
+            "sub_group_size": 1024,
+            "offload_optimizer": {
+                "device": "nvme",
+                "buffer_count": 2,
+                "nvme_path": os.path.join(tempfile.gettempdir(), "zswap"),
+            },
+        },
+        "steps_per_print": 1000,
+    }
     engine, *_ = zengine.initialize(model=model, config=cfg)
     x = torch.randint(0, 37, (2, 5))
     engine.backward(engine(x, x))
     engine.step()
     kinds = engine.optimizer.memory_tensors()
-    opt = engine.optimizer  # (ZeRO-Infinity's masters are empty in memory: the groups know the shard's size)
+    opt = (
+        engine.optimizer
+    )  # (ZeRO-Infinity's masters are empty in memory: the groups know the shard's size)
     shard = sum(m.numel() for m in opt.masters) or sum(g.shard_numel for g in opt.groups)
     nbytes = {k: sum(t.numel() * t.element_size() for t in ts) for k, ts in kinds.items()}
-    return {"states": nbytes["optimizer_states"], "masters": nbytes["master_weights"],
-            "grads": nbytes["gradients"], "shard": shard, "world": dist.get_world_size()}
+    return {
+        "states": nbytes["optimizer_states"],
+        "masters": nbytes["master_weights"],
+        "grads": nbytes["gradients"],
+        "shard": shard,
+        "world": dist.get_world_size(),
+    }
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -145,7 +181,9 @@ def test_host_holds_only_the_swap_buffers(stage):
     for r in spawn(nvme_memory, 2, stage):
         assert r["shard"] > 1024  # ... while the shard's moments would take 8 x shard bytes
         if stage == 2:
-            assert r["states"] == 2 * 2 * 1024 * 4  # two buffers of [exp_avg | exp_avg_sq] for 1024 elements
+            assert (
+                r["states"] == 2 * 2 * 1024 * 4
+            )  # two buffers of [exp_avg | exp_avg_sq] for 1024 elements
         else:  # ZeRO-Infinity: two buffers of [exp_avg | exp_avg_sq | master | grad]; no master or gradient
             assert r["states"] == 2 * 4 * 1024 * 4  # shard in host memory at all
             assert r["masters"] == 0 and r["grads"] == 0

@@ -4,6 +4,7 @@ count in memory_breakdown() and in the estimator.
 
 CI has no GPU: the CUDA runtime is a fake that records each call (``pinned.RUNTIME``), and torch's
 pinned allocator is the CPU stand-in of device_guard.py (``DeviceRulesMode``)."""
+
 import gc
 import logging
 
@@ -58,14 +59,24 @@ def test_registers_the_exact_size_and_unregisters_when_the_last_view_goes(cudart
     view = buf[7:]
     del buf
     gc.collect()
-    assert cudart.unregistered == [] and pinned.held_bytes("test") == ODD  # a view still uses the memory
+    assert (
+        cudart.unregistered == [] and pinned.held_bytes("test") == ODD
+    )  # a view still uses the memory
     del view
     assert cudart.unregistered == [ptr] and pinned.held_bytes("test") == 0
     # typed and shaped, on a page (O_DIRECT's alignment): [250, 3] fp32 is 3000 bytes registered
     swap = pinned.zeros((250, 3), torch.float32, kind="test")
-    assert cudart.registered[-1][1:] == (3000, 0) and swap.shape == (250, 3) and float(swap.abs().sum()) == 0
-    plain = pinned.empty(ODD, torch.uint8, kind="test", pin=False)  # not asked to pin: nothing registered
-    assert len(cudart.registered) == 2 and pinned.held_bytes("test") == 3000 and plain.numel() == ODD
+    assert (
+        cudart.registered[-1][1:] == (3000, 0)
+        and swap.shape == (250, 3)
+        and float(swap.abs().sum()) == 0
+    )
+    plain = pinned.empty(
+        ODD, torch.uint8, kind="test", pin=False
+    )  # not asked to pin: nothing registered
+    assert (
+        len(cudart.registered) == 2 and pinned.held_bytes("test") == 3000 and plain.numel() == ODD
+    )
 
 
 def test_a_failed_registration_falls_back_to_torchs_allocator_once_said(cudart, caplog):
@@ -116,13 +127,25 @@ def _stage2_offload_on_meta() -> dict:
     from device_guard import FakeCollectives, HostReads, side_streams_on_meta
     from models import EdgeNet
 
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "steps_per_print": 10**6, "bf16": {"enabled": True},
-           "zero_optimization": {"stage": 2, "reduce_bucket_size": 300,
-                                 "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "steps_per_print": 10**6,
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 2,
+            "reduce_bucket_size": 300,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        },
+    }
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     try:
-        with HostReads(1).installed(), FakeCollectives().installed(), side_streams_on_meta(), DeviceRulesMode():
+        with (
+            HostReads(1).installed(),
+            FakeCollectives().installed(),
+            side_streams_on_meta(),
+            DeviceRulesMode(),
+        ):
             with torch.device("meta"):
                 model = EdgeNet()
             engine, *_ = zengine.initialize(model=model, config=cfg)
@@ -132,11 +155,17 @@ def _stage2_offload_on_meta() -> dict:
                 engine.step()
             opt = engine.optimizer
             staging = [host for host, _ in opt.placement.optimizer.copies.staging.values()]
-            buffers = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                       for t in list(opt.masters) + list(opt.grads.shards) + staging}
-            return {"breakdown": engine.memory_breakdown(), "buffers": sum(buffers.values()),
-                    "kinds": pinned.held(), "masters": sum(m.numel() for m in opt.masters),
-                    "staging": [(t.dtype, t.numel()) for t in staging]}
+            buffers = {
+                t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in list(opt.masters) + list(opt.grads.shards) + staging
+            }
+            return {
+                "breakdown": engine.memory_breakdown(),
+                "buffers": sum(buffers.values()),
+                "kinds": pinned.held(),
+                "masters": sum(m.numel() for m in opt.masters),
+                "staging": [(t.dtype, t.numel()) for t in staging],
+            }
     finally:
         dist.destroy_process_group()
 
@@ -144,26 +173,52 @@ def _stage2_offload_on_meta() -> dict:
 def test_memory_breakdown_counts_the_pinned_buffers_exactly():
     got = run_on_meta(_stage2_offload_on_meta)
     n = got["masters"]  # W = 1: this rank's shard is every trainable element
-    assert got["kinds"] == {pinned.OPTIMIZER: 2 * 4 * n, pinned.STAGING: 2 * n}  # fp32 masters + grads; bf16
+    assert got["kinds"] == {
+        pinned.OPTIMIZER: 2 * 4 * n,
+        pinned.STAGING: 2 * n,
+    }  # fp32 masters + grads; bf16
     assert got["breakdown"]["pinned_host"] == got["buffers"] == 10 * n
     assert all(dtype == torch.bfloat16 for dtype, _ in got["staging"])
 
 
 def test_the_estimator_counts_pinned_host_memory_at_exact_sizes():
     psi, world = ODD, 1
-    cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
-           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    }
     est = estimate(psi, cfg, world)
     # fp32 masters and gradient shard pinned (pin_memory's default), CPUAdam's moments pageable, bf16 staging
     assert est.pinned == {"master weights": 4 * psi, "gradients": 4 * psi, "copy staging": 2 * psi}
     assert est.pinned_host == 10 * psi and est.host_states == 18 * psi and "pinned" in est.format()
     cfg["zero_optimization"]["offload_optimizer"]["pin_memory"] = False
-    assert estimate(psi, cfg, world).pinned == {"copy staging": 2 * psi}  # staging is pinned regardless
-    assert estimate(psi, cfg, world, cpu_training=True).pinned == {}  # the host is the device: nothing pinned
+    assert estimate(psi, cfg, world).pinned == {
+        "copy staging": 2 * psi
+    }  # staging is pinned regardless
+    assert (
+        estimate(psi, cfg, world, cpu_training=True).pinned == {}
+    )  # the host is the device: nothing pinned
     nvme = {"device": "nvme", "nvme_path": "/tmp", "buffer_count": 4}
-    infinity = estimate(psi, {**cfg, "zero_optimization": {"stage": 3, "offload_optimizer": nvme,
-                                                           "offload_param": {**nvme, "buffer_size": 10**6},
-                                                           "sub_group_size": 10**6}}, world)
-    assert set(infinity.pinned) == {"optimizer swap buffers", "parameter swap buffers",
-                                    "parameters kept in memory", "gradient writes"}
-    assert infinity.pinned["parameter swap buffers"] == 2 * 4 * 10**6  # bf16, 4 buffers of buffer_size
+    infinity = estimate(
+        psi,
+        {
+            **cfg,
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": nvme,
+                "offload_param": {**nvme, "buffer_size": 10**6},
+                "sub_group_size": 10**6,
+            },
+        },
+        world,
+    )
+    assert set(infinity.pinned) == {
+        "optimizer swap buffers",
+        "parameter swap buffers",
+        "parameters kept in memory",
+        "gradient writes",
+    }
+    assert (
+        infinity.pinned["parameter swap buffers"] == 2 * 4 * 10**6
+    )  # bf16, 4 buffers of buffer_size

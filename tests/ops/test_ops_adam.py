@@ -1,4 +1,5 @@
 """CPUAdam and adam_step_: against torch's Adam/AdamW, across SIMD paths, with copy-out."""
+
 from __future__ import annotations
 
 import copy
@@ -53,7 +54,9 @@ def test_matches_torch_adam_and_adamw(kernel, n, weight_decay, adamw_mode):
     grad_list = grads(n)
     kwargs = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay)
     ours = run_optimizer(CPUAdam, start, grad_list, adamw_mode=adamw_mode, **kwargs)
-    ref = run_optimizer(torch.optim.AdamW if adamw_mode else torch.optim.Adam, start, grad_list, **kwargs)
+    ref = run_optimizer(
+        torch.optim.AdamW if adamw_mode else torch.optim.Adam, start, grad_list, **kwargs
+    )
     # torch's own fused and default AdamW differ by ~1e-5 of the movement over 30 steps.
     assert movement_error(ours, ref, start) < 2e-5
 
@@ -83,13 +86,25 @@ def test_without_bias_correction(kernel, adamw_mode, weight_decay):
     start = torch.randn(n, generator=torch.Generator().manual_seed(3))
     grad_list = grads(n)
     kwargs = dict(lr=1e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=weight_decay)
-    ours = run_optimizer(CPUAdam, start, grad_list, adamw_mode=adamw_mode, bias_correction=False, **kwargs)
+    ours = run_optimizer(
+        CPUAdam, start, grad_list, adamw_mode=adamw_mode, bias_correction=False, **kwargs
+    )
     ref = reference_adam_no_bias_correction(start, grad_list, adamw_mode=adamw_mode, **kwargs)
     assert movement_error(ours.double(), ref, start.double()) < 1e-4
 
 
-def run_kernel(n, path, *, copy_dtype=None, num_threads=1, bias_correction=True, adamw_mode=True, wd=0.1,
-               steps=STEPS, stepper=adam_step_):
+def run_kernel(
+    n,
+    path,
+    *,
+    copy_dtype=None,
+    num_threads=1,
+    bias_correction=True,
+    adamw_mode=True,
+    wd=0.1,
+    steps=STEPS,
+    stepper=adam_step_,
+):
     """Steps a fresh shard ``steps`` times; returns (param, exp_avg, exp_avg_sq, copy_out)."""
     gen = torch.Generator().manual_seed(5)
     param = torch.randn(n, generator=gen)
@@ -97,8 +112,15 @@ def run_kernel(n, path, *, copy_dtype=None, num_threads=1, bias_correction=True,
     out = torch.empty(n, dtype=copy_dtype) if copy_dtype is not None else None
     extra = {} if stepper is _torch_adam_step_ else dict(simd=path, num_threads=num_threads)
     for step, g in enumerate(grads(n, steps), start=1):
-        hyper = dict(step=step, lr=3e-3, eps=1e-8, weight_decay=wd, bias_correction=bias_correction,
-                     adamw_mode=adamw_mode, copy_out=out)
+        hyper = dict(
+            step=step,
+            lr=3e-3,
+            eps=1e-8,
+            weight_decay=wd,
+            bias_correction=bias_correction,
+            adamw_mode=adamw_mode,
+            copy_out=out,
+        )
         if stepper is _torch_adam_step_:
             stepper(param, g, exp_avg, exp_avg_sq, beta1=0.9, beta2=0.999, **hyper)
         else:
@@ -144,22 +166,69 @@ def test_copy_out_equals_param_to_dtype(kernel, path, dtype):
     if not supported(path):
         pytest.skip(f"this CPU cannot run the {path} path")
     param, _, _, out = run_kernel(1000003, path, copy_dtype=dtype, steps=3, num_threads=2)
-    assert torch.equal(out.view(torch.int16) if dtype != torch.float32 else out,
-                       param.to(dtype).view(torch.int16) if dtype != torch.float32 else param)
+    assert torch.equal(
+        out.view(torch.int16) if dtype != torch.float32 else out,
+        param.to(dtype).view(torch.int16) if dtype != torch.float32 else param,
+    )
     plain, _, _, _ = run_kernel(1000003, path, steps=3, num_threads=2)
     assert torch.equal(plain, param)  # the copy does not change the update
 
 
 def special_values() -> torch.Tensor:
     """Values on every rounding boundary of bf16 and fp16 that a float can sit on."""
-    f32 = torch.tensor([0.0, -0.0, 1.0, -1.0, 65504.0, 65519.0, 65520.0, 65535.0, 1e6, -1e6,
-                        6.1035156e-05, 6.0e-05, 5.96e-08, 2.98e-08, 2.99e-08, 1e-10, 1e-45,
-                        3.4028235e38, -3.4028235e38, float("inf"), float("-inf")])
-    bits = torch.tensor([0x7FC00000, 0xFFC00000 - (1 << 32), 0x7F800001, 0x7FFFFFFF,  # NaNs
-                         0x3F808000, 0x3F818000, 0x3F808001, 0x3F80FFFF,  # bf16 ties and near-ties
-                         0x3F801000, 0x3F803000, 0x3F801001,  # fp16 ties
-                         0x387FE000, 0x387FF000, 0x33000000, 0x33000001, 0x337FFFFF,  # fp16 subnormals
-                         0x477FEFFF, 0x477FF000, 0x7F7FFFFF], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    f32 = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            65504.0,
+            65519.0,
+            65520.0,
+            65535.0,
+            1e6,
+            -1e6,
+            6.1035156e-05,
+            6.0e-05,
+            5.96e-08,
+            2.98e-08,
+            2.99e-08,
+            1e-10,
+            1e-45,
+            3.4028235e38,
+            -3.4028235e38,
+            float("inf"),
+            float("-inf"),
+        ]
+    )
+    bits = (
+        torch.tensor(
+            [
+                0x7FC00000,
+                0xFFC00000 - (1 << 32),
+                0x7F800001,
+                0x7FFFFFFF,  # NaNs
+                0x3F808000,
+                0x3F818000,
+                0x3F808001,
+                0x3F80FFFF,  # bf16 ties and near-ties
+                0x3F801000,
+                0x3F803000,
+                0x3F801001,  # fp16 ties
+                0x387FE000,
+                0x387FF000,
+                0x33000000,
+                0x33000001,
+                0x337FFFFF,  # fp16 subnormals
+                0x477FEFFF,
+                0x477FF000,
+                0x7F7FFFFF,
+            ],
+            dtype=torch.int64,
+        )
+        .to(torch.int32)
+        .view(torch.float32)
+    )
     gen = torch.Generator().manual_seed(9)
     spread = torch.randn(4000, generator=gen) * torch.exp(torch.randn(4000, generator=gen) * 12)
     return torch.cat([f32, bits, spread, -spread])
@@ -174,16 +243,36 @@ def test_conversion_rounding_matches_torch(kernel, path, dtype):
     values = special_values()
     param = values.clone()
     out = torch.empty_like(param, dtype=dtype)
-    adam_step_(param, torch.ones_like(param), torch.zeros_like(param), torch.zeros_like(param), step=1, lr=0.0,
-               copy_out=out, simd=path)
+    adam_step_(
+        param,
+        torch.ones_like(param),
+        torch.zeros_like(param),
+        torch.zeros_like(param),
+        step=1,
+        lr=0.0,
+        copy_out=out,
+        simd=path,
+    )
     finite_or_inf = ~values.isnan()  # a signalling NaN comes back quieted
-    assert torch.equal(param[finite_or_inf].view(torch.int32), values[finite_or_inf].view(torch.int32))
+    assert torch.equal(
+        param[finite_or_inf].view(torch.int32), values[finite_or_inf].view(torch.int32)
+    )
     # NaN bit patterns differ between torch's own scalar and vector conversions: only NaN-ness.
-    assert torch.equal(out[finite_or_inf].view(torch.int16), values[finite_or_inf].to(dtype).view(torch.int16))
+    assert torch.equal(
+        out[finite_or_inf].view(torch.int16), values[finite_or_inf].to(dtype).view(torch.int16)
+    )
     assert torch.equal(out.isnan(), values.isnan())
     scalar_out = torch.empty_like(out)
-    adam_step_(values.clone(), torch.ones_like(param), torch.zeros_like(param), torch.zeros_like(param), step=1,
-               lr=0.0, copy_out=scalar_out, simd="scalar")
+    adam_step_(
+        values.clone(),
+        torch.ones_like(param),
+        torch.zeros_like(param),
+        torch.zeros_like(param),
+        step=1,
+        lr=0.0,
+        copy_out=scalar_out,
+        simd="scalar",
+    )
     assert torch.equal(out.view(torch.int16), scalar_out.view(torch.int16))  # NaNs too
 
 
@@ -207,7 +296,10 @@ def test_thread_count_does_not_change_results(kernel):
 def test_step_with_copy_and_state(kernel):
     params = [torch.nn.Parameter(torch.randn(10, 3)), torch.nn.Parameter(torch.randn(5))]
     opt = DeepSpeedCPUAdam(params, lr=0.01, weight_decay=0.01)
-    outs = {params[0]: torch.empty(10, 3, dtype=torch.bfloat16), params[1]: torch.empty(5, dtype=torch.float16)}
+    outs = {
+        params[0]: torch.empty(10, 3, dtype=torch.bfloat16),
+        params[1]: torch.empty(5, dtype=torch.float16),
+    }
     for _ in range(3):
         for p in params:
             p.grad = torch.randn_like(p)
@@ -255,11 +347,15 @@ def test_non_contiguous_and_per_group_options(kernel):
     base = torch.randn(6, 8)
     p_strided = torch.nn.Parameter(base.clone().t())  # not contiguous: the torch path
     p_plain = torch.nn.Parameter(torch.randn(11))
-    opt = CPUAdam([{"params": [p_strided]}, {"params": [p_plain], "adamw_mode": False, "lr": 0.1}], lr=0.01)
+    opt = CPUAdam(
+        [{"params": [p_strided]}, {"params": [p_plain], "adamw_mode": False, "lr": 0.1}], lr=0.01
+    )
     ref_strided = torch.nn.Parameter(base.clone().t())
     ref_plain = torch.nn.Parameter(p_plain.detach().clone())
-    ref = [torch.optim.AdamW([ref_strided], lr=0.01, weight_decay=0.0),
-           torch.optim.Adam([ref_plain], lr=0.1)]
+    ref = [
+        torch.optim.AdamW([ref_strided], lr=0.01, weight_decay=0.0),
+        torch.optim.Adam([ref_plain], lr=0.1),
+    ]
     for _ in range(5):
         g1, g2 = torch.randn(8, 6), torch.randn(11)
         p_strided.grad, ref_strided.grad = g1.clone(), g1.clone()
@@ -284,14 +380,19 @@ def test_low_precision_gradient_is_converted_once(kernel):
     grad = torch.randn(1001).to(torch.bfloat16)
     a = torch.randn(1001)
     b = a.clone()
-    state_a, state_b = (torch.zeros(1001), torch.zeros(1001)), (torch.zeros(1001), torch.zeros(1001))
+    state_a, state_b = (
+        (torch.zeros(1001), torch.zeros(1001)),
+        (torch.zeros(1001), torch.zeros(1001)),
+    )
     adam_step_(a, grad, *state_a, step=1, lr=0.1)
     adam_step_(b, grad.float(), *state_b, step=1, lr=0.1)
     assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("offset", [0, 1])  # 0: aligned, streamed stores; 1: misaligned, plain stores
+@pytest.mark.parametrize(
+    "offset", [0, 1]
+)  # 0: aligned, streamed stores; 1: misaligned, plain stores
 def test_large_copy_out_streamed_or_not(kernel, dtype, offset):
     n = (1 << 22) + 13  # above the kernel's streaming threshold
     gen = torch.Generator().manual_seed(2)

@@ -1,4 +1,5 @@
 """Async file I/O: the compiled pool and the Python-thread fallback move bytes exactly; bad requests are refused."""
+
 import os
 import time
 
@@ -26,7 +27,9 @@ def test_round_trip_many_requests_in_flight(tmp_path, kind):
     assert os.listdir(tmp_path) == []  # unlinked at once: nothing is left behind
     n = (1 << 20) // 4  # 1 MiB per tensor, 16 blocks of 64 KiB each
     sources = [aligned_empty(n).uniform_() for _ in range(6)]
-    writes = [io.write(t, f, k * (1 << 20)) for k, t in enumerate(sources)]  # all queued before any wait
+    writes = [
+        io.write(t, f, k * (1 << 20)) for k, t in enumerate(sources)
+    ]  # all queued before any wait
     for w in writes:
         w.wait()
     back = [aligned_empty(n) for _ in sources]
@@ -76,8 +79,11 @@ def test_swap_file_reservation_fails_clearly_when_the_disk_cannot_hold_it(tmp_pa
 def test_swap_file_in_an_unusable_directory_names_it(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    with pytest.raises(OSError, match="cannot create an NVMe swap file in .*a-file/swap.*nvme_path must name a "
-                                      "writable directory"):
+    with pytest.raises(
+        OSError,
+        match="cannot create an NVMe swap file in .*a-file/swap.*nvme_path must name a "
+        "writable directory",
+    ):
         SwapFile(blocker / "swap", ALIGN)
 
 
@@ -91,7 +97,9 @@ def test_defaults_move_half_mebibyte_blocks_sixteen_at_a_time_reads_first():
     io = AsyncIO(use_kernel=False)
     assert (io.block_size, io.thread_count, io.priority) == (512 << 10, 16, True)
     io.close()
-    assert (AsyncIO(1 << 20, 2, 4, use_kernel=False).thread_count) == 8  # thread_count x queue_depth workers
+    assert (
+        AsyncIO(1 << 20, 2, 4, use_kernel=False).thread_count
+    ) == 8  # thread_count x queue_depth workers
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -146,7 +154,9 @@ def test_the_request_waited_for_goes_first(tmp_path, kind):
     f, big = _slow_region(tmp_path, kind, n)
     io = _pool(kind, ALIGN, 1, True)
     first = io.read(big, f, 0)  # a long read queued first
-    second = io.write(aligned_empty(ALIGN // 4).zero_(), f, n)  # a write behind it (writes come last)
+    second = io.write(
+        aligned_empty(ALIGN // 4).zero_(), f, n
+    )  # a write behind it (writes come last)
     second.wait()  # the caller is blocked on the write: it goes ahead of the rest of the read
     assert not first.done()
     first.wait()
@@ -168,9 +178,18 @@ def test_stats_count_bytes_requests_and_busy_time(tmp_path, kind):
     end = io.stats()
     assert (mid.bytes_written, mid.bytes_read, mid.writes, mid.reads) == (2 << 20, 0, 1, 0)
     step = end - mid
-    assert (step.bytes_read, step.bytes_written, step.reads, step.writes, step.bytes) == (2 << 20, 0, 2, 0, 2 << 20)
+    assert (step.bytes_read, step.bytes_written, step.reads, step.writes, step.bytes) == (
+        2 << 20,
+        0,
+        2,
+        0,
+        2 << 20,
+    )
     assert step.write_seconds == 0 and 0 < step.read_seconds == pytest.approx(step.busy_seconds)
-    assert 0 < end.busy_seconds <= wall and end.read_seconds + end.write_seconds >= end.busy_seconds * 0.999
+    assert (
+        0 < end.busy_seconds <= wall
+        and end.read_seconds + end.write_seconds >= end.busy_seconds * 0.999
+    )
     assert end.gbps() == pytest.approx(end.bytes / end.busy_seconds / 1e9)
     assert end.gbps(2.0) == pytest.approx(end.bytes / 2e9)
     io.close()

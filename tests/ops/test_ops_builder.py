@@ -1,4 +1,5 @@
 """The op builder: cache, file lock, fallback with one warning, ZENGINE_DISABLE_OPS."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,14 +23,21 @@ from zengine.ops.ops import FLATTEN, OpSpec
 REPO = Path(__file__).resolve().parents[2]
 
 needs_compiler = pytest.mark.skipif(
-    shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler on this machine")
+    shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler on this machine"
+)
 
 
 def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Runs code in a fresh interpreter from the repository root; returns the finished process."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def load_counting_warnings(builder: OpBuilder):
@@ -47,7 +55,11 @@ def test_no_compiler_falls_back_with_one_warning(tmp_path, monkeypatch):
     assert first is None and second is None
     assert len(caught) == 1
     message = str(caught[0].message)
-    assert "'flatten'" in message and "no C++ compiler" in message and "torch implementation" in message
+    assert (
+        "'flatten'" in message
+        and "no C++ compiler" in message
+        and "torch implementation" in message
+    )
     assert builder.status().state is OpState.UNAVAILABLE
 
 
@@ -82,8 +94,17 @@ def concurrent_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("ops_cache")
     code = textwrap.dedent(BUILD_AND_REPORT.format(cache=str(cache)))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=300)
@@ -150,6 +171,7 @@ def test_disabling_one_op_by_name(monkeypatch):
     monkeypatch.setenv("ZENGINE_DISABLE_OPS", "flatten, unscale_norm")
     assert OpBuilder(FLATTEN).status().state is OpState.DISABLED
     from zengine.ops.ops import CPU_ADAM
+
     assert OpBuilder(CPU_ADAM).status().state is not OpState.DISABLED
 
 

@@ -1,4 +1,5 @@
 """flatten / unflatten_into: round trips through the threaded kernel and the torch path."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,9 @@ def tensor_list(dtype=torch.float32):
     return [torch.randn(shape, generator=gen).to(dtype) for shape in shapes]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
+)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_round_trip(dtype, threads):
     tensors = tensor_list(dtype)

@@ -1,4 +1,5 @@
 """unscale_and_norm_: the fused unscale + sum of squares + non-finite check against torch."""
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """The quantize op (ZeRO++'s blockwise int8/int4 codec): kernel against the torch fallback, bit for bit."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,9 +26,9 @@ def rows_of(n: int, dtype: torch.dtype, rows: int = 3, seed: int = 0) -> torch.T
     """Values over seven decades, an all-zero block, exact ties at half a step, negatives."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, n, generator=gen) * torch.logspace(-3, 4, n)
-    x[:, :min(n, BLOCK)] = 0.0
+    x[:, : min(n, BLOCK)] = 0.0
     if n > BLOCK + 4:  # with a max of 127 (int8) the step is 1: these are ties, rounded to even
-        x[:, BLOCK:BLOCK + 5] = torch.tensor([127.0, 0.5, -2.5, 1.5, -0.5])
+        x[:, BLOCK : BLOCK + 5] = torch.tensor([127.0, 0.5, -2.5, 1.5, -0.5])
     return x.to(dtype)
 
 
@@ -41,7 +42,9 @@ def torch_codec(x: torch.Tensor, bits: int):
 
 
 def use_fallback(monkeypatch):
-    monkeypatch.setattr(qmod, "load_op", lambda name: None)  # as when the build failed or is disabled
+    monkeypatch.setattr(
+        qmod, "load_op", lambda name: None
+    )  # as when the build failed or is disabled
 
 
 @pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
@@ -50,7 +53,14 @@ def use_fallback(monkeypatch):
 def test_kernel_matches_the_fallback(kernel, path, bits, dtype):
     if path not in simd_paths():
         pytest.skip(f"this CPU cannot run the {path} path")
-    for n in (1, 7, BLOCK - 1, BLOCK + 9, 3 * BLOCK + 17, 70001):  # none a multiple of a vector or a block
+    for n in (
+        1,
+        7,
+        BLOCK - 1,
+        BLOCK + 9,
+        3 * BLOCK + 17,
+        70001,
+    ):  # none a multiple of a vector or a block
         x = rows_of(n, dtype)
         codes, scales = quantize_blocks(x, bits, simd=path)
         want_codes, want_scales = torch_codec(x, bits)
@@ -60,16 +70,20 @@ def test_kernel_matches_the_fallback(kernel, path, bits, dtype):
             out = torch.full((3, n + 3), 9.0, dtype=out_dtype)  # wider rows: the tail stays
             dequantize_blocks(codes, scales, n, out, bits, simd=path)
             assert torch.equal(out[:, :n], decoded.to(out_dtype)) and torch.all(out[:, n:] == 9.0)
-            total = dequantize_sum(codes, scales, n, torch.empty(n, dtype=out_dtype), bits, simd=path)
+            total = dequantize_sum(
+                codes, scales, n, torch.empty(n, dtype=out_dtype), bits, simd=path
+            )
             assert torch.equal(total, (decoded[0] + decoded[1] + decoded[2]).to(out_dtype))
 
 
 def test_rounding_ties_to_even_and_zero_blocks(kernel):
     x = rows_of(3 * BLOCK, torch.float32, rows=1)
     codes, scales = quantize_blocks(x, 8)
-    assert scales[0, 0] == 0 and torch.all(codes[0, :BLOCK] == 0)  # an all-zero block: scale 0, codes 0
+    assert scales[0, 0] == 0 and torch.all(
+        codes[0, :BLOCK] == 0
+    )  # an all-zero block: scale 0, codes 0
     assert scales[0, 1] == 1.0  # 127 / 127
-    assert codes[0, BLOCK:BLOCK + 5].tolist() == [127, 0, -2, 2, 0]
+    assert codes[0, BLOCK : BLOCK + 5].tolist() == [127, 0, -2, 2, 0]
 
 
 def test_strided_rows_threads_and_inplace_outputs(kernel):
@@ -101,7 +115,7 @@ def test_round_trip_error_is_at_most_half_a_step(bits):
     dequantize_blocks(codes, scales, x.shape[1], out, bits)
     qmax = 127 if bits == 8 else 7
     padded = torch.nn.functional.pad(x, (0, 4 * BLOCK - x.shape[1])).view(2, 4, BLOCK)
-    half_step = (padded.abs().amax(2) / (2 * qmax)).repeat_interleave(BLOCK, dim=1)[:, :x.shape[1]]
+    half_step = (padded.abs().amax(2) / (2 * qmax)).repeat_interleave(BLOCK, dim=1)[:, : x.shape[1]]
     err = (out - x).abs()
     assert torch.all(err <= half_step * (1 + 1e-5)), (err - half_step).max()
     assert err.max() > 0 and torch.all(out[:, :BLOCK] == 0)
@@ -118,8 +132,8 @@ def test_a_non_finite_value_spoils_only_its_block(monkeypatch, bad):
         codes, scales = quantize_blocks(x, 4)
         out = torch.empty_like(x)
         dequantize_blocks(codes, scales, x.shape[1], out, 4)
-        assert not torch.isfinite(out[0, BLOCK:2 * BLOCK]).any()
-        results.append(out[0, 2 * BLOCK:])
+        assert not torch.isfinite(out[0, BLOCK : 2 * BLOCK]).any()
+        results.append(out[0, 2 * BLOCK :])
     assert torch.isfinite(results[0]).all() and torch.equal(results[0], results[1])
 
 
@@ -133,7 +147,9 @@ def test_meta_and_device_tensors_take_the_torch_path(monkeypatch):
     assert scales.shape == (2, 4) and scales.dtype == torch.float32
     out = torch.empty(1000, device="meta")
     assert dequantize_sum(codes, scales, 1000, out, 4).device.type == "meta"
-    x = torch.randn(2, 300, dtype=torch.float64)  # a dtype the kernel does not take: torch on the CPU
+    x = torch.randn(
+        2, 300, dtype=torch.float64
+    )  # a dtype the kernel does not take: torch on the CPU
     out64 = torch.empty_like(x)
     dequantize_blocks(*quantize_blocks(x), 300, out64)
     assert (out64 - x).abs().max() <= x.abs().max() / 254 * (1 + 1e-5)
@@ -148,9 +164,12 @@ def test_a_disabled_build_falls_back_to_the_same_bits(kernel, monkeypatch):
     for bits, (codes, scales) in zip((8, 4), kernel_result):
         want_codes, want_scales = quantize_blocks(x, bits)
         assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
-        assert torch.equal(dequantize_sum(codes, scales, 1000, torch.empty(1000, dtype=torch.bfloat16), bits),
-                           dequantize_sum(want_codes, want_scales, 1000, torch.empty(1000, dtype=torch.bfloat16),
-                                          bits))
+        assert torch.equal(
+            dequantize_sum(codes, scales, 1000, torch.empty(1000, dtype=torch.bfloat16), bits),
+            dequantize_sum(
+                want_codes, want_scales, 1000, torch.empty(1000, dtype=torch.bfloat16), bits
+            ),
+        )
 
 
 def test_errors():
@@ -164,6 +183,8 @@ def test_errors():
     with pytest.raises(ValueError, match="need"):
         dequantize_blocks(codes[:, :BLOCK], scales, 300, torch.empty(2, 300))
     with pytest.raises(ValueError, match="out must be"):
-        dequantize_blocks(codes, scales, 300, torch.empty(1, 300))  # a row short: never written past
+        dequantize_blocks(
+            codes, scales, 300, torch.empty(1, 300)
+        )  # a row short: never written past
     with pytest.raises(ValueError, match="at least one row"):
         dequantize_sum(codes[:0], scales[:0], 300, torch.empty(300))

@@ -1,4 +1,5 @@
 """zengine-report: versions, CPU features and every op's status."""
+
 from __future__ import annotations
 
 from zengine.ops import ALL_OPS
@@ -19,15 +20,24 @@ def test_collect_states(monkeypatch):
     report = collect()
     states = {name: state for name, (state, _, _) in report["ops"].items()}
     assert set(states) == {spec.name for spec in ALL_OPS}
-    assert states["unscale_norm"] in ("disabled", "built", "prebuilt")  # already loaded ones stay loaded
-    assert all(s in ("prebuilt", "built", "can be built", "disabled", "unavailable") for s in states.values())
+    assert states["unscale_norm"] in (
+        "disabled",
+        "built",
+        "prebuilt",
+    )  # already loaded ones stay loaded
+    assert all(
+        s in ("prebuilt", "built", "can be built", "disabled", "unavailable")
+        for s in states.values()
+    )
 
 
 def test_report_shows_the_bf16_matmul_choice_and_rates(capsys, monkeypatch):
     from zengine.precision import cpu_matmul
 
     small = cpu_matmul.measure_gemm_rates
-    monkeypatch.setattr(cpu_matmul, "measure_gemm_rates", lambda: small(tokens=8, width=64, budget_s=0.001))
+    monkeypatch.setattr(
+        cpu_matmul, "measure_gemm_rates", lambda: small(tokens=8, width=64, budget_s=0.001)
+    )
     assert main([]) == 0
     text = capsys.readouterr().out
     assert "bf16_cpu_matmul" in text and ("native (auto: " in text or "fp32 (auto: " in text)

@@ -59,7 +59,12 @@ def test_warmup_lr_log():
 
 def test_warmup_lr_linear_from_nonzero_min():
     opt = groups(1.0)
-    lrs = run(WarmupLR(opt, warmup_min_lr=0.02, warmup_max_lr=0.12, warmup_num_steps=10, warmup_type="linear"), 12)
+    lrs = run(
+        WarmupLR(
+            opt, warmup_min_lr=0.02, warmup_max_lr=0.12, warmup_num_steps=10, warmup_type="linear"
+        ),
+        12,
+    )
     assert lrs[0] == pytest.approx(0.02)
     assert at(lrs, 0) == pytest.approx(0.02)
     assert at(lrs, 5) == pytest.approx(0.07)
@@ -79,7 +84,13 @@ def test_warmup_lr_max_defaults_to_each_group_lr():
 
 def test_warmup_lr_per_group_lists_and_short_warmup():
     opt = groups(1.0, 1.0)
-    schedule = WarmupLR(opt, warmup_min_lr=[0.0, 0.1], warmup_max_lr=[1.0, 0.5], warmup_num_steps=1, warmup_type="linear")
+    schedule = WarmupLR(
+        opt,
+        warmup_min_lr=[0.0, 0.1],
+        warmup_max_lr=[1.0, 0.5],
+        warmup_num_steps=1,
+        warmup_type="linear",
+    )
     # DeepSpeed warms up over at least 2 steps.
     assert schedule.warmup_num_steps == 2
     schedule.step()
@@ -97,7 +108,12 @@ def test_warmup_lr_per_group_lists_and_short_warmup():
 
 def test_warmup_decay_lr_linear():
     opt = groups(1.0)
-    lrs = run(WarmupDecayLR(opt, total_num_steps=20, warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear"), 30)
+    lrs = run(
+        WarmupDecayLR(
+            opt, total_num_steps=20, warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear"
+        ),
+        30,
+    )
     assert at(lrs, 4) == pytest.approx(0.04)
     assert at(lrs, 10) == pytest.approx(0.1)  # end of warmup: (20 - 10) / (20 - 10)
     assert at(lrs, 15) == pytest.approx(0.05)  # mid decay
@@ -121,8 +137,14 @@ def test_warmup_decay_lr_log_and_default_max():
 
 def test_warmup_cosine_lr_linear():
     opt = groups(0.2)
-    schedule = WarmupCosineLR(opt, total_num_steps=25, warmup_min_ratio=0.1, warmup_num_steps=5,
-                              cos_min_ratio=0.01, warmup_type="linear")
+    schedule = WarmupCosineLR(
+        opt,
+        total_num_steps=25,
+        warmup_min_ratio=0.1,
+        warmup_num_steps=5,
+        cos_min_ratio=0.01,
+        warmup_type="linear",
+    )
     lrs = run(schedule, 32)
     assert lrs[0] == 0.0  # DeepSpeed: ratio 0 before the first step
     assert at(lrs, 0) == pytest.approx(0.2 * 0.1)
@@ -149,8 +171,17 @@ def test_warmup_cosine_lr_log_ratios_follow_each_group_base_lr():
 
 
 def one_cycle(opt, **overrides):
-    params = dict(cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_first_step_size=4, cycle_second_step_size=6,
-                  decay_step_size=2, decay_lr_rate=0.5, cycle_min_mom=0.8, cycle_max_mom=0.9, decay_mom_rate=0.1)
+    params = dict(
+        cycle_min_lr=0.01,
+        cycle_max_lr=0.1,
+        cycle_first_step_size=4,
+        cycle_second_step_size=6,
+        decay_step_size=2,
+        decay_lr_rate=0.5,
+        cycle_min_mom=0.8,
+        cycle_max_mom=0.9,
+        decay_mom_rate=0.1,
+    )
     return OneCycle(opt, **{**params, **overrides})
 
 
@@ -170,9 +201,14 @@ def test_one_cycle_lr():
     assert at(lrs, 13) == pytest.approx(0.01 / (1 + 0.5 * 2))
 
 
-ONECYCLE_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed" / "onecycle_0.19.8.json"
-OPTIMIZERS = {"AdamW": lambda ps, d: torch.optim.AdamW(ps, **d), "Adam": lambda ps, d: torch.optim.Adam(ps, **d),
-              "SGD": lambda ps, d: torch.optim.SGD(ps, **d)}
+ONECYCLE_FIXTURE = (
+    Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed" / "onecycle_0.19.8.json"
+)
+OPTIMIZERS = {
+    "AdamW": lambda ps, d: torch.optim.AdamW(ps, **d),
+    "Adam": lambda ps, d: torch.optim.Adam(ps, **d),
+    "SGD": lambda ps, d: torch.optim.SGD(ps, **d),
+}
 
 
 @pytest.mark.parametrize("case", ["adamw_decay", "adam_no_decay", "adamw_stairs", "sgd_momentum"])
@@ -181,7 +217,9 @@ def test_one_cycle_equals_deepspeed_lr_and_betas(case):
     momentum (not cycled) after each step, as DeepSpeed 0.19.8's OneCycle wrote them on the same
     optimizer (tests/fixtures/deepspeed/make_onecycle.py)."""
     recorded = json.loads(ONECYCLE_FIXTURE.read_text())[case]
-    opt = OPTIMIZERS[recorded["optimizer"]]([torch.nn.Parameter(torch.zeros(2))], recorded["defaults"])
+    opt = OPTIMIZERS[recorded["optimizer"]](
+        [torch.nn.Parameter(torch.zeros(2))], recorded["defaults"]
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         schedule = OneCycle(opt, **recorded["params"])
@@ -190,9 +228,17 @@ def test_one_cycle_equals_deepspeed_lr_and_betas(case):
         if k:
             schedule.step()
         group = opt.param_groups[0]
-        assert group["lr"] == pytest.approx(row["lr"], rel=1e-12, abs=1e-15), (k, group["lr"], row["lr"])
+        assert group["lr"] == pytest.approx(row["lr"], rel=1e-12, abs=1e-15), (
+            k,
+            group["lr"],
+            row["lr"],
+        )
         if row["betas"] is not None:
-            assert list(group["betas"]) == pytest.approx(row["betas"], rel=1e-12), (k, group["betas"], row)
+            assert list(group["betas"]) == pytest.approx(row["betas"], rel=1e-12), (
+                k,
+                group["betas"],
+                row,
+            )
         assert group.get("momentum") == row["momentum"]
 
 
@@ -219,13 +265,28 @@ def test_one_cycle_staircase():
 
 
 def test_lr_range_test_continuous_and_staircase():
-    lrs = run(LRRangeTest(groups(1.0), lr_range_test_min_lr=0.01, lr_range_test_step_size=10,
-                          lr_range_test_step_rate=2.0), 12)
+    lrs = run(
+        LRRangeTest(
+            groups(1.0),
+            lr_range_test_min_lr=0.01,
+            lr_range_test_step_size=10,
+            lr_range_test_step_rate=2.0,
+        ),
+        12,
+    )
     assert lrs[0] == pytest.approx(0.01)
     assert at(lrs, 4) == pytest.approx(0.01 * (1 + 2.0 * 5 / 10))
     assert at(lrs, 9) == pytest.approx(0.03)
-    stairs = run(LRRangeTest(groups(1.0), lr_range_test_min_lr=0.01, lr_range_test_step_size=10,
-                             lr_range_test_step_rate=2.0, lr_range_test_staircase=True), 12)
+    stairs = run(
+        LRRangeTest(
+            groups(1.0),
+            lr_range_test_min_lr=0.01,
+            lr_range_test_step_size=10,
+            lr_range_test_step_rate=2.0,
+            lr_range_test_staircase=True,
+        ),
+        12,
+    )
     assert at(stairs, 8) == pytest.approx(0.01)
     assert at(stairs, 9) == pytest.approx(0.03)
 
@@ -234,10 +295,21 @@ def test_lr_range_test_continuous_and_staircase():
 
 ALL = [
     ("WarmupLR", dict(warmup_max_lr=0.1, warmup_num_steps=7)),
-    ("WarmupDecayLR", dict(total_num_steps=30, warmup_max_lr=0.1, warmup_num_steps=7, warmup_type="linear")),
+    (
+        "WarmupDecayLR",
+        dict(total_num_steps=30, warmup_max_lr=0.1, warmup_num_steps=7, warmup_type="linear"),
+    ),
     ("WarmupCosineLR", dict(total_num_steps=30, warmup_num_steps=7, warmup_min_ratio=0.05)),
-    ("OneCycle", dict(cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_first_step_size=5, decay_step_size=3,
-                      decay_lr_rate=0.1)),
+    (
+        "OneCycle",
+        dict(
+            cycle_min_lr=0.01,
+            cycle_max_lr=0.1,
+            cycle_first_step_size=5,
+            decay_step_size=3,
+            decay_lr_rate=0.1,
+        ),
+    ),
     ("LRRangeTest", dict(lr_range_test_min_lr=0.01, lr_range_test_step_size=4)),
 ]
 
@@ -279,8 +351,13 @@ def test_sets_lr_on_construction_and_step_and_explicit_iteration(name, params):
 def test_resume_by_last_batch_iteration_argument():
     fresh = WarmupLR(groups(1.0), warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear")
     fresh.step(4)
-    resumed = WarmupLR(groups(1.0), warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear",
-                       last_batch_iteration=4)
+    resumed = WarmupLR(
+        groups(1.0),
+        warmup_max_lr=0.1,
+        warmup_num_steps=10,
+        warmup_type="linear",
+        last_batch_iteration=4,
+    )
     assert resumed.get_last_lr() == fresh.get_last_lr() == pytest.approx([0.04])
 
 
@@ -304,10 +381,16 @@ def test_rejects_an_object_without_param_groups():
 
 
 def test_build_scheduler_is_case_insensitive():
-    assert isinstance(build_scheduler("warmupcosinelr", {"total_num_steps": 2000}, groups(1.0)), WarmupCosineLR)
+    assert isinstance(
+        build_scheduler("warmupcosinelr", {"total_num_steps": 2000}, groups(1.0)), WarmupCosineLR
+    )
     one_cycle_params = {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0}
-    assert isinstance(build_scheduler("ONECYCLE", one_cycle_params, groups(1.0, momentum=0.9)), OneCycle)
-    assert isinstance(build_scheduler("WarmupDecayLR", {"total_num_steps": 2000}, groups(1.0)), WarmupDecayLR)
+    assert isinstance(
+        build_scheduler("ONECYCLE", one_cycle_params, groups(1.0, momentum=0.9)), OneCycle
+    )
+    assert isinstance(
+        build_scheduler("WarmupDecayLR", {"total_num_steps": 2000}, groups(1.0)), WarmupDecayLR
+    )
 
 
 def test_warns_when_warmup_outlasts_the_schedule():
@@ -315,18 +398,37 @@ def test_warns_when_warmup_outlasts_the_schedule():
         build_scheduler("WarmupCosineLR", {"total_num_steps": 10}, groups(1.0))
 
 
-@pytest.mark.parametrize("type_name,params,expected", [
-    ("WarmupLRR", {}, r"scheduler.type 'WarmupLRR'.*did you mean 'WarmupLR'"),
-    ("Cosine", {}, r"scheduler.type 'Cosine'"),
-    ("WarmupLR", {"warmup_num_step": 10}, r"scheduler.params.warmup_num_step .*did you mean 'warmup_num_steps'"),
-    ("WarmupDecayLR", {}, r"scheduler.params.total_num_steps is required"),
-    ("OneCycle", {"cycle_min_lr": 0.1}, r"scheduler.params.cycle_max_lr is required"),
-    ("WarmupLR", {"warmup_type": "cosine"}, r"scheduler.params.warmup_type must be 'log' or 'linear'"),
-    ("WarmupLR", {"warmup_num_steps": -1}, r"scheduler.params.warmup_num_steps must be >= 0"),
-    ("WarmupLR", {"warmup_num_steps": 10.5}, r"scheduler.params.warmup_num_steps must be an integer"),
-    ("WarmupLR", {"warmup_max_lr": "auto"}, r"scheduler.params.warmup_max_lr must be a number"),
-    ("LRRangeTest", {"lr_range_test_staircase": 1}, r"scheduler.params.lr_range_test_staircase must be true or false"),
-])
+@pytest.mark.parametrize(
+    "type_name,params,expected",
+    [
+        ("WarmupLRR", {}, r"scheduler.type 'WarmupLRR'.*did you mean 'WarmupLR'"),
+        ("Cosine", {}, r"scheduler.type 'Cosine'"),
+        (
+            "WarmupLR",
+            {"warmup_num_step": 10},
+            r"scheduler.params.warmup_num_step .*did you mean 'warmup_num_steps'",
+        ),
+        ("WarmupDecayLR", {}, r"scheduler.params.total_num_steps is required"),
+        ("OneCycle", {"cycle_min_lr": 0.1}, r"scheduler.params.cycle_max_lr is required"),
+        (
+            "WarmupLR",
+            {"warmup_type": "cosine"},
+            r"scheduler.params.warmup_type must be 'log' or 'linear'",
+        ),
+        ("WarmupLR", {"warmup_num_steps": -1}, r"scheduler.params.warmup_num_steps must be >= 0"),
+        (
+            "WarmupLR",
+            {"warmup_num_steps": 10.5},
+            r"scheduler.params.warmup_num_steps must be an integer",
+        ),
+        ("WarmupLR", {"warmup_max_lr": "auto"}, r"scheduler.params.warmup_max_lr must be a number"),
+        (
+            "LRRangeTest",
+            {"lr_range_test_staircase": 1},
+            r"scheduler.params.lr_range_test_staircase must be true or false",
+        ),
+    ],
+)
 def test_build_scheduler_errors_name_the_key(type_name, params, expected):
     with pytest.raises(ValueError, match=expected):
         build_scheduler(type_name, params, groups(1.0))
@@ -340,7 +442,9 @@ def test_integral_float_step_counts_are_accepted():
 SCHEDULES_FIXTURE = ONECYCLE_FIXTURE.with_name("schedules_0.19.8.json")
 
 
-@pytest.mark.parametrize("case", [k for k in json.loads(SCHEDULES_FIXTURE.read_text()) if k != "deepspeed"])
+@pytest.mark.parametrize(
+    "case", [k for k in json.loads(SCHEDULES_FIXTURE.read_text()) if k != "deepspeed"]
+)
 def test_every_schedule_equals_deepspeed(case):
     """Each schedule's lr before the first step and after each of 24, with every extra parameter
     (warmup_type, warmup_min_ratio, cos_min_ratio, the staircase), as DeepSpeed 0.19.8 wrote them

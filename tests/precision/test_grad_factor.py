@@ -1,5 +1,6 @@
 """The gradient factor (zengine/precision/grad_factor.py) without a process group: what a loss is
 multiplied by, what the step divides the summed gradients by, and the pass running across engines."""
+
 from types import SimpleNamespace
 
 import pytest

@@ -1,4 +1,5 @@
 """Any torch optimizer passed in (instance or callable) has its state sharded and matches torch."""
+
 import copy
 
 import pytest
@@ -27,10 +28,17 @@ def run(stage, as_instance):
     init = copy.deepcopy(model)
     groups = edge_param_groups(model, LR)
     optimizer = sgd(groups) if as_instance else sgd
-    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage, "reduce_bucket_size": 400,
-                                                                      "stage3_param_persistence_threshold": 0}}
-    engine, opt, _, sched = zengine.initialize(model=model, config=cfg, model_parameters=groups,
-                                               optimizer=optimizer, lr_scheduler=step_lr)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 400,
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
+    engine, opt, _, sched = zengine.initialize(
+        model=model, config=cfg, model_parameters=groups, optimizer=optimizer, lr_scheduler=step_lr
+    )
     if as_instance:
         assert opt.optimizer is optimizer  # the caller's object is kept, pointed at the shards
     batches = make_batches(5, 2 * world)
@@ -39,7 +47,9 @@ def run(stage, as_instance):
         engine.step()
     _, ref = reference_run(init, batches, LR, clip=0.0, make_optimizer=sgd, make_scheduler=step_lr)
     with engine.summon_full_params(writeback=False):
-        worst = max((p.detach() - ref[n]).abs().max().item() for n, p in engine.module.named_parameters())
+        worst = max(
+            (p.detach() - ref[n]).abs().max().item() for n, p in engine.module.named_parameters()
+        )
     assert worst < 1e-5, worst
     assert engine.get_lr() == pytest.approx([LR * 0.25, LR * 2 * 0.25])
     # momentum buffers are sharded with the master: each rank holds only its shard's worth

@@ -2,6 +2,7 @@
 stage 3 also with parameters and optimizer on NVMe: the bf16 parity tolerances of test_zero_parity.py hold
 against the single-process fp32 reference, and the fp32 path is the one that ran. At stage 3 with activation
 checkpointing (test_checkpointing.py's model and run), checkpointed training equals plain training."""
+
 import torch
 
 import test_zero_parity as parity
@@ -52,7 +53,9 @@ def _checkpointed_stage3_with_fp32_matmuls():
     calls = _count_fp32_linear_calls()
     plain_config = ckpt.engine_config
     ckpt.engine_config = lambda stage, cpu_checkpointing=False: {
-        **plain_config(stage, cpu_checkpointing), "bf16": {"enabled": True, "cpu_matmul": "fp32"}}
+        **plain_config(stage, cpu_checkpointing),
+        "bf16": {"enabled": True, "cpu_matmul": "fp32"},
+    }
     return ckpt.same_training_with_and_without_checkpointing(3), len(calls)
 
 

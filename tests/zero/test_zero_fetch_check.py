@@ -7,6 +7,7 @@ gather and tags each rank's row of a staged gather; the boundary step's all-redu
 rank raises FetchOrderError before anything is updated, naming the gather where the ranks parted, without
 a collective of its own on the normal path. A forward outside training checks the tags at its end.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -45,8 +46,10 @@ def diverging_run(bias: bool, mode: str):
     demand and releasing at once, both ranks issue the same number of gathers: they pair up wrongly."""
     rank = dist.get_rank()
     torch.manual_seed(0)
-    engine, *_ = zengine.initialize(model=Stack(3, bias), config=config(stage3_prefetch_bucket_size=0,
-                                                                         stage3_max_reuse_distance=0))
+    engine, *_ = zengine.initialize(
+        model=Stack(3, bias),
+        config=config(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0),
+    )
     with engine.summon_full_params(writeback=False):
         before = [p.detach().clone() for p in engine.module.parameters()]
     x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(rank))
@@ -56,7 +59,9 @@ def diverging_run(bias: bool, mode: str):
     with engine.summon_full_params(writeback=False):
         before = [p.detach().clone() for p in engine.module.parameters()]
     try:
-        if mode == "train":  # every layer runs, in another order: the collectives pair up, the parameters do not
+        if (
+            mode == "train"
+        ):  # every layer runs, in another order: the collectives pair up, the parameters do not
             engine.module.order = [0, 1, 2] if rank == 0 else [0, 2, 1]
             engine.backward(engine(x))
             engine.step()
@@ -75,8 +80,11 @@ def diverging_run(bias: bool, mode: str):
     return message, unchanged
 
 
-@pytest.mark.parametrize("bias,mode", [(True, "train"), (False, "train"), (True, "eval")],
-                         ids=["staged-train", "direct-train", "staged-eval"])
+@pytest.mark.parametrize(
+    "bias,mode",
+    [(True, "train"), (False, "train"), (True, "eval")],
+    ids=["staged-train", "direct-train", "staged-eval"],
+)
 def test_ranks_gathering_different_modules_raise_before_any_update(bias, mode):
     results = spawn(diverging_run, 2, bias, mode, timeout=120)
     for rank, (message, unchanged) in enumerate(results):
@@ -98,7 +106,9 @@ def agreeing_run():
     with torch.no_grad():
         engine(x)
     fetcher = engine.optimizer.fetcher
-    return fetcher.check.issued_count, float(fetcher.check.bad) if fetcher.check.bad is not None else None
+    return fetcher.check.issued_count, float(
+        fetcher.check.bad
+    ) if fetcher.check.bad is not None else None
 
 
 def test_agreeing_ranks_pass_the_check():

@@ -1,6 +1,7 @@
 """The parts the stage-3 Fetcher composes, each without a process group: the trace (record, follow,
 prefetch within the budget and the live room, reuse), the holds and live count, the staging pool,
 the copy-out of a gather's rows (and its tag check), and hpZ's null object."""
+
 import torch
 from torch import nn
 
@@ -36,8 +37,10 @@ def test_the_trace_prefetches_what_follows_within_the_budget_and_the_room():
     trace = _recorded([[a], [b], [c], [d]], prefetch=25)
     trace.begin_step(training=True)
     trace.note([a], "u0")
-    assert [label for label, _ in trace.prefetches(0, 10**9, lambda sp: False)] == \
-        ["u1 (prefetch)", "u2 (prefetch)"]  # 25 elements ahead: two units of 10
+    assert [label for label, _ in trace.prefetches(0, 10**9, lambda sp: False)] == [
+        "u1 (prefetch)",
+        "u2 (prefetch)",
+    ]  # 25 elements ahead: two units of 10
     assert [todo for _, todo in trace.prefetches(0, 15, lambda sp: False)] == [[b]]  # room for one
     assert [todo for _, todo in trace.prefetches(0, 10**9, lambda sp: sp is b)] == [[c], [d]]
     trace.note([c], "u2")  # departs from the trace: on demand for the rest of the step
@@ -50,10 +53,10 @@ def test_a_released_parameter_is_kept_when_the_trace_fetches_it_again_soon():
     trace = _recorded([[a], [b], [a], [c]], reuse=15)
     trace.begin_step(training=True)
     trace.note([a], "u0")
-    assert trace.reused_soon(a, room=100)          # b (10 elements) lies between
-    assert not trace.reused_soon(a, room=5)        # no room left for b
-    assert not trace.reused_soon(c, room=100)      # 30 elements away
-    trace.begin_step(training=False)               # outside training: never kept
+    assert trace.reused_soon(a, room=100)  # b (10 elements) lies between
+    assert not trace.reused_soon(a, room=5)  # no room left for b
+    assert not trace.reused_soon(c, room=100)  # 30 elements away
+    trace.begin_step(training=False)  # outside training: never kept
     assert not trace.reused_soon(a, room=100)
 
 
@@ -93,8 +96,9 @@ def test_copy_out_lays_every_ranks_columns_into_each_parameter_and_checks_the_ta
     a, b = _sharded("a", 4), _sharded("b", 6)  # chunks of 2 and 3
     check = FetchCheck(torch.device("cpu"))
     _, tag = check.unit([a, b], torch.float32, torch.device("cpu"), staged=True)
-    staging = torch.cat([torch.tensor([[0., 1, 10, 11, 12], [2, 3, 13, 14, 15]]),
-                         tag.expand(WORLD, TAG)], dim=1)
+    staging = torch.cat(
+        [torch.tensor([[0.0, 1, 10, 11, 12], [2, 3, 13, 14, 15]]), tag.expand(WORLD, TAG)], dim=1
+    )
     foreach_all_gather_copy_out(InFlightGather([a, b], staging, [], [2, 3], tag=tag), check, 0)
     assert a.full.tolist() == [0, 1, 2, 3] and b.full.tolist() == [10, 11, 12, 13, 14, 15]
     assert float(check.bad) == 0

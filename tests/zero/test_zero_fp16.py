@@ -1,4 +1,5 @@
 """fp16 dynamic loss scaling: an overflow on one rank skips the step everywhere and halves the scale."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,9 +12,16 @@ from models import EdgeNet, make_batches, micro_batch
 def overflow_run(stage):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0},
-           "fp16": {"enabled": True, "initial_scale_power": 10, "hysteresis": 1}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 500,
+            "stage3_param_persistence_threshold": 0,
+        },
+        "fp16": {"enabled": True, "initial_scale_power": 10, "hysteresis": 1},
+    }
     engine, *_ = zengine.initialize(model=EdgeNet(), config=cfg)
     batches = make_batches(4, 2 * world)
     record = []
@@ -28,7 +36,9 @@ def overflow_run(stage):
         scale = engine.loss_scale
         engine.step()
         with engine.summon_full_params(writeback=False):
-            changed = any(not torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+            changed = any(
+                not torch.equal(before[n], p) for n, p in engine.module.named_parameters()
+            )
         record.append((engine.was_step_applied(), scale, engine.loss_scale, changed))
     return record
 
@@ -45,7 +55,8 @@ def test_overflow_skips_everywhere_and_halves_scale(stage):
 
 def test_dynamic_scaler_rules():
     from zengine.precision.loss_scaler import DynamicLossScaler
-    s = DynamicLossScaler(2.0 ** 4, window=3, hysteresis=2, min_scale=2.0)
+
+    s = DynamicLossScaler(2.0**4, window=3, hysteresis=2, min_scale=2.0)
     s.update(True)
     assert s.scale == 16  # first overflow absorbed by hysteresis
     s.update(True)

@@ -4,6 +4,7 @@ on the global batch, at gas 1 and 2, fp32, bf16 and fp16 (a loss scale undone on
 ``loss.backward()``: a model returning ``(loss, logits)`` whose loss is built from its logits; a dict
 output; two engines chained (the encoder engine's output feeds the decoder engine); a penalty computed
 outside the forward from ``engine.module.parameters()``; an engine called twice per micro-step."""
+
 from __future__ import annotations
 
 import copy
@@ -18,7 +19,13 @@ import zengine
 from configs import ds_config, sgd
 from harness import spawn
 
-DIM, STEPS, MICRO, LR, PENALTY = 8, 3, 2, 0.1, 1e-1  # plain SGD: an update shows any error in a gradient's scale
+DIM, STEPS, MICRO, LR, PENALTY = (
+    8,
+    3,
+    2,
+    0.1,
+    1e-1,
+)  # plain SGD: an update shows any error in a gradient's scale
 
 
 class Net(nn.Module):
@@ -42,9 +49,15 @@ class Net(nn.Module):
 
 def _config(gas: int, precision: str):
     # fp16: dynamic loss scaling, the scale must be undone once, whatever the path
-    return ds_config(2, precision, micro_batch=MICRO, gas=gas, optimizer=sgd(LR),
-                     zero={"reduce_bucket_size": 100},
-                     **({"fp16": {"initial_scale_power": 12}} if precision == "fp16" else {}))
+    return ds_config(
+        2,
+        precision,
+        micro_batch=MICRO,
+        gas=gas,
+        optimizer=sgd(LR),
+        zero={"reduce_bucket_size": 100},
+        **({"fp16": {"initial_scale_power": 12}} if precision == "fp16" else {}),
+    )
 
 
 def _loss(pattern, engines, x, y):
@@ -80,7 +93,7 @@ def grad_paths(pattern: str, gas: int, precision: str, plain: bool) -> dict:
         y = torch.randn(gas * world * MICRO, DIM, generator=g)
         for m in range(gas):
             lo = (m * world + rank) * MICRO
-            loss = _loss(pattern, engines, x[lo:lo + MICRO], y[lo:lo + MICRO])
+            loss = _loss(pattern, engines, x[lo : lo + MICRO], y[lo : lo + MICRO])
             if plain:
                 loss.backward()
             else:
@@ -88,8 +101,12 @@ def grad_paths(pattern: str, gas: int, precision: str, plain: bool) -> dict:
             for e in engines:
                 e.step()
         ref_opt.zero_grad()
-        total = sum(_loss(pattern, references, x[k * MICRO:(k + 1) * MICRO], y[k * MICRO:(k + 1) * MICRO])
-                    for k in range(gas * world)) / (gas * world)
+        total = sum(
+            _loss(
+                pattern, references, x[k * MICRO : (k + 1) * MICRO], y[k * MICRO : (k + 1) * MICRO]
+            )
+            for k in range(gas * world)
+        ) / (gas * world)
         total.backward()
         ref_opt.step()
     out = {}
@@ -99,12 +116,25 @@ def grad_paths(pattern: str, gas: int, precision: str, plain: bool) -> dict:
     return out
 
 
-TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 4e-3}  # 16-bit: the parameters' own rounding over a few steps
+TOLERANCE = {
+    "fp32": 1e-5,
+    "bf16": 3e-2,
+    "fp16": 4e-3,
+}  # 16-bit: the parameters' own rounding over a few steps
 
 
 @pytest.mark.parametrize("pattern", ["tuple", "dict", "chained", "penalty", "twice"])
-@pytest.mark.parametrize("gas,precision,plain", [(2, "fp32", True), (2, "fp32", False), (1, "bf16", True),
-                                                 (2, "bf16", False), (2, "fp16", True), (1, "fp16", False)])
+@pytest.mark.parametrize(
+    "gas,precision,plain",
+    [
+        (2, "fp32", True),
+        (2, "fp32", False),
+        (1, "bf16", True),
+        (2, "bf16", False),
+        (2, "fp16", True),
+        (1, "fp16", False),
+    ],
+)
 def test_every_gradient_counts_once(pattern, gas, precision, plain):
     for errors in spawn(grad_paths, 2, pattern, gas, precision, plain):
         assert max(errors.values()) < TOLERANCE[precision], errors
@@ -116,7 +146,7 @@ def mixed_window() -> str:
     x, y = torch.randn(MICRO, DIM), torch.randn(MICRO, DIM)
     engine.backward(engine(x, y))  # the loss times the loss scale over the accumulation steps
     engine.step()
-    engine(x, y).backward()        # a plain backward: nothing to scale
+    engine(x, y).backward()  # a plain backward: nothing to scale
     try:
         engine.step()
     except RuntimeError as e:

@@ -1,4 +1,5 @@
 """Gradient buckets launch in the order the first backward completed them, agreed by every rank."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,9 +24,15 @@ class Reversed(nn.Module):
 
 def _engine(stage):
     torch.manual_seed(0)
-    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 300,
-                                    "stage3_param_persistence_threshold": 0}}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 300,
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
     engine, *_ = zengine.initialize(model=Reversed(), config=config)
     return engine
 
@@ -35,7 +42,7 @@ def _train(engine, steps=4):
     g = torch.Generator().manual_seed(3)
     for _ in range(steps):
         x = torch.randn(4 * world, 16, generator=g)
-        engine.backward(engine(x[4 * rank:4 * (rank + 1)]))
+        engine.backward(engine(x[4 * rank : 4 * (rank + 1)]))
         engine.step()
     with engine.summon_full_params(writeback=False):
         return {n: p.detach().clone() for n, p in engine.module.named_parameters()}

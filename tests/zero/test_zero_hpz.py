@@ -1,6 +1,7 @@
 """ZeRO++ hierarchical partitioning (``zero_hpz_partition_size``, zero/stage3/hierarchical.py): the backward
 gathers from the secondary shards kept inside each "node", so they never cross nodes, and training is
 bit-identical to plain stage 3 (the secondary shards are exact copies of the forward's gathered weights)."""
+
 import pytest
 import torch
 from torch import nn
@@ -16,18 +17,36 @@ STEPS = 3
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 12), nn.Tanh(), nn.Linear(12, 3))
+    return nn.Sequential(
+        nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 12), nn.Tanh(), nn.Linear(12, 3)
+    )
 
 
 def _config(hpz: int, quantized: bool = False, gas: int = 1, offload: bool = False) -> dict:
     host = "cpu" if offload else None  # parameters and optimizer on the host (CPU-Adam)
-    return ds_config(3, gas=gas, offload_param=host, offload_optimizer=host,
-                     zero={**SHARD_ALL, "stage3_max_reuse_distance": 0,
-                           "zero_hpz_partition_size": hpz, "zero_quantized_weights": quantized})
+    return ds_config(
+        3,
+        gas=gas,
+        offload_param=host,
+        offload_optimizer=host,
+        zero={
+            **SHARD_ALL,
+            "stage3_max_reuse_distance": 0,
+            "zero_hpz_partition_size": hpz,
+            "zero_quantized_weights": quantized,
+        },
+    )
 
 
-def _run(hpz: int, quantized: bool = False, gas: int = 1, save_dir: str = None, offload: bool = False,
-         load_dir: str = None, steps: int = STEPS) -> dict:
+def _run(
+    hpz: int,
+    quantized: bool = False,
+    gas: int = 1,
+    save_dir: str = None,
+    offload: bool = False,
+    load_dir: str = None,
+    steps: int = STEPS,
+) -> dict:
     engine, *_ = zengine.initialize(model=_model(), config=_config(hpz, quantized, gas, offload))
     if load_dir is not None:
         engine.load_checkpoint(load_dir)
@@ -42,7 +61,10 @@ def _run(hpz: int, quantized: bool = False, gas: int = 1, save_dir: str = None, 
         engine.step()
         losses.append(loss.item())
     stats = engine.comm_stats(reset=True)
-    params = {n: zengine.utils.safe_get_full_fp32_param(p).tolist() for n, p in engine.module.named_parameters()}
+    params = {
+        n: zengine.utils.safe_get_full_fp32_param(p).tolist()
+        for n, p in engine.module.named_parameters()
+    }
     if save_dir is not None:
         engine.save_checkpoint(save_dir, tag="hpz")
     psi = sum(p.ds_numel * 4 for p in engine.module.parameters())
@@ -50,25 +72,43 @@ def _run(hpz: int, quantized: bool = False, gas: int = 1, save_dir: str = None, 
 
 
 def _compare(save_dir: str) -> dict:
-    return {"plain": _run(1), "hpz": _run(2, save_dir=save_dir), "plain_q": _run(1, True), "hpz_q": _run(2, True),
-            "plain_gas": _run(1, gas=2), "hpz_gas": _run(2, gas=2),
-            "plain_off": _run(1, True, offload=True), "hpz_off": _run(2, True, offload=True),
-            # resumed from the checkpoint saved after STEPS steps: the same as STEPS more steps without a stop
-            "hpz_long": _run(2, steps=2 * STEPS), "hpz_resumed": _run(2, load_dir=save_dir)}
+    return {
+        "plain": _run(1),
+        "hpz": _run(2, save_dir=save_dir),
+        "plain_q": _run(1, True),
+        "hpz_q": _run(2, True),
+        "plain_gas": _run(1, gas=2),
+        "hpz_gas": _run(2, gas=2),
+        "plain_off": _run(1, True, offload=True),
+        "hpz_off": _run(2, True, offload=True),
+        # resumed from the checkpoint saved after STEPS steps: the same as STEPS more steps without a stop
+        "hpz_long": _run(2, steps=2 * STEPS),
+        "hpz_resumed": _run(2, load_dir=save_dir),
+    }
 
 
 def _load_plain(save_dir: str) -> dict:
     engine, *_ = zengine.initialize(model=_model(), config=_config(1))
     engine.load_checkpoint(save_dir)
-    return {n: zengine.utils.safe_get_full_fp32_param(p).tolist() for n, p in engine.module.named_parameters()}
+    return {
+        n: zengine.utils.safe_get_full_fp32_param(p).tolist()
+        for n, p in engine.module.named_parameters()
+    }
 
 
 def test_hpz_keeps_the_backward_gather_on_the_node_and_trains_bit_identically(tmp_path):
-    out = spawn(_compare, 4, str(tmp_path), env={"LOCAL_WORLD_SIZE": "2"})  # 4 ranks as 2 "nodes" of 2
+    out = spawn(
+        _compare, 4, str(tmp_path), env={"LOCAL_WORLD_SIZE": "2"}
+    )  # 4 ranks as 2 "nodes" of 2
     # its checkpoint is a plain stage-3 one: it loads into plain stage 3 at another world size
     assert spawn(_load_plain, 2, str(tmp_path))[0] == out[0]["hpz"]["params"]
     for rank, res in enumerate(out):
-        for plain, hpz in (("plain", "hpz"), ("plain_q", "hpz_q"), ("plain_gas", "hpz_gas"), ("plain_off", "hpz_off")):
+        for plain, hpz in (
+            ("plain", "hpz"),
+            ("plain_q", "hpz_q"),
+            ("plain_gas", "hpz_gas"),
+            ("plain_off", "hpz_off"),
+        ):
             assert res[hpz]["losses"] == res[plain]["losses"], (rank, plain)
             assert res[hpz]["params"] == res[plain]["params"], (rank, plain)
         assert res["hpz_resumed"]["params"] == res["hpz_long"]["params"], rank
@@ -82,10 +122,13 @@ def test_hpz_keeps_the_backward_gather_on_the_node_and_trains_bit_identically(tm
         assert abs(stats["intra"]["all_gather"]["bytes"] / STEPS / psi - 1.0) < 0.05, stats
 
 
-@pytest.mark.parametrize("zero,message", [
-    ({"stage": 2, "zero_hpz_partition_size": 2}, "needs stage 3"),
-    ({"stage": 3, "zero_hpz_partition_size": 0}, "zero_hpz_partition_size"),
-])
+@pytest.mark.parametrize(
+    "zero,message",
+    [
+        ({"stage": 2, "zero_hpz_partition_size": 2}, "needs stage 3"),
+        ({"stage": 3, "zero_hpz_partition_size": 0}, "zero_hpz_partition_size"),
+    ],
+)
 def test_hpz_config_refusals(zero, message):
     with pytest.raises(ConfigError, match=message):
         load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, 4)
@@ -101,4 +144,6 @@ def _odd_world() -> str:
 
 def test_hpz_size_must_divide_the_world():
     for message in spawn(_odd_world, 3):
-        assert "zero_hpz_partition_size 2 must divide the data-parallel world size 3" in message, message
+        assert "zero_hpz_partition_size 2 must divide the data-parallel world size 3" in message, (
+            message
+        )

@@ -10,6 +10,7 @@ Checked against the single-process torch reference: rank 1 detaches a branch tha
 param groups (weights, and biases with their own learning rate) and one bucket per parameter. Before the
 sequence spanned the groups, stages 0-3 failed here with mismatched collectives (a hang on NCCL).
 """
+
 import copy
 
 import torch
@@ -41,8 +42,10 @@ class RankBranchNet(nn.Module):
 
 
 def _groups(model, lr: float) -> list[dict]:
-    return [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")]},
-            {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "lr": 2 * lr}]
+    return [
+        {"params": [p for n, p in model.named_parameters() if n.endswith("weight")]},
+        {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "lr": 2 * lr},
+    ]
 
 
 def _batches():
@@ -58,16 +61,28 @@ def _train(stage: int) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = RankBranchNet()
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-           # stage 3: every parameter stays whole once gathered (persistent): the backward re-gathers nothing, which
-           # would differ between the ranks (stage 3 needs the same modules' backward on every rank)
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 1, "stage3_param_persistence_threshold": 1000}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        # stage 3: every parameter stays whole once gathered (persistent): the backward re-gathers nothing, which
+        # would differ between the ranks (stage 3 needs the same modules' backward on every rank)
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 1,
+            "stage3_param_persistence_threshold": 1000,
+        },
+    }
     engine, *_ = zengine.initialize(model=model, config=cfg, model_parameters=_groups(model, LR))
     for x in _batches():
-        loss = engine(x[rank * MICRO:(rank + 1) * MICRO], detach=rank == 1)  # no branch gradient on rank 1
+        loss = engine(
+            x[rank * MICRO : (rank + 1) * MICRO], detach=rank == 1
+        )  # no branch gradient on rank 1
         engine.backward(loss)
         engine.step()
-    return {n: zengine.utils.safe_get_full_fp32_param(p).tolist() for n, p in engine.module.named_parameters()}
+    return {
+        n: zengine.utils.safe_get_full_fp32_param(p).tolist()
+        for n, p in engine.module.named_parameters()
+    }
 
 
 def _reference() -> dict:
@@ -76,7 +91,9 @@ def _reference() -> dict:
     opt = torch.optim.AdamW(_groups(model, LR), lr=LR, weight_decay=0.01)
     for x in _batches():
         opt.zero_grad()
-        loss = (model(x[:MICRO], detach=False) + model(x[MICRO:], detach=True)) / 2  # the mean over the ranks
+        loss = (
+            model(x[:MICRO], detach=False) + model(x[MICRO:], detach=True)
+        ) / 2  # the mean over the ranks
         loss.backward()
         opt.step()
     return {n: p.detach().tolist() for n, p in model.named_parameters()}
@@ -88,4 +105,8 @@ def test_buckets_launch_in_one_order_when_a_branch_is_detached_on_one_rank():
         for stage, params in by_stage.items():
             for name, value in ref.items():
                 got = torch.tensor(params[name])
-                assert torch.allclose(got, torch.tensor(value), atol=1e-6, rtol=1e-5), (stage, rank, name)
+                assert torch.allclose(got, torch.tensor(value), atol=1e-6, rtol=1e-5), (
+                    stage,
+                    rank,
+                    name,
+                )

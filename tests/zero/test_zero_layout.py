@@ -1,4 +1,5 @@
 """Shard arithmetic, without a process group."""
+
 import pytest
 
 from zengine.zero.layout import FlatLayout, chunk_ranges, gradient_buckets, intersect, padded_size

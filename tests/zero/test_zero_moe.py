@@ -2,6 +2,7 @@
 by routing, so ranks run different experts in one step. Marked as a leaf module (``set_z3_leaf_modules``,
 or the config's ``zero_optimization.leaf_module``), it gathers all its experts on entry and trains to
 the single-process torch reference."""
+
 from __future__ import annotations
 
 import copy
@@ -65,9 +66,19 @@ class MoENet(nn.Module):
 
 def _config(leaf_in_config: bool):
     leaf = {"leaf_module": {"classes": ["TopOneMoE"]}} if leaf_in_config else {}
-    return ds_config(3, micro_batch=MICRO, gas=1, optimizer=adamw(LR, weight_decay=0.01),
-                     zero={**SHARD_ALL, "stage3_prefetch_bucket_size": 200,
-                           "stage3_max_reuse_distance": 0, "reduce_bucket_size": 300, **leaf})
+    return ds_config(
+        3,
+        micro_batch=MICRO,
+        gas=1,
+        optimizer=adamw(LR, weight_decay=0.01),
+        zero={
+            **SHARD_ALL,
+            "stage3_prefetch_bucket_size": 200,
+            "stage3_max_reuse_distance": 0,
+            "reduce_bucket_size": 300,
+            **leaf,
+        },
+    )
 
 
 def moe_training(leaf_in_config: bool) -> dict:
@@ -81,8 +92,10 @@ def moe_training(leaf_in_config: bool) -> dict:
     engine, *_ = zengine.initialize(model=model, config=_config(leaf_in_config))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
     g = torch.Generator().manual_seed(3)
-    batches = [(torch.randn(MICRO * world, DIM, generator=g) * 2, torch.randn(MICRO * world, generator=g))
-               for _ in range(STEPS)]
+    batches = [
+        (torch.randn(MICRO * world, DIM, generator=g) * 2, torch.randn(MICRO * world, generator=g))
+        for _ in range(STEPS)
+    ]
     errors = train_beside_reference(engine, reference, ref_opt, batches, MICRO)
     return {"errors": errors, "ran": model.moe.ran}
 
@@ -90,7 +103,9 @@ def moe_training(leaf_in_config: bool) -> dict:
 @pytest.mark.parametrize("leaf_in_config", [False, True], ids=["set_z3_leaf_modules", "config"])
 def test_experts_chosen_per_rank_train_as_in_torch(leaf_in_config):
     results = spawn(moe_training, 2, leaf_in_config)
-    assert any(a != b for a, b in zip(results[0]["ran"], results[1]["ran"])), "the ranks ran the same experts"
+    assert any(a != b for a, b in zip(results[0]["ran"], results[1]["ran"])), (
+        "the ranks ran the same experts"
+    )
     for r in results:
         assert max(r["errors"].values()) < 1e-5, r["errors"]
 

@@ -1,4 +1,5 @@
 """no_sync(): gradients accumulate locally with no communication; the boundary reduces them all."""
+
 import copy
 
 import pytest
@@ -18,14 +19,25 @@ def run(stage):
     torch.manual_seed(0)
     model = EdgeNet()
     init = copy.deepcopy(model)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0}}
-    engine, *_ = zengine.initialize(model=model, config=cfg, model_parameters=edge_param_groups(model, LR))
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 300,
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
+    engine, *_ = zengine.initialize(
+        model=model, config=cfg, model_parameters=edge_param_groups(model, LR)
+    )
     calls = []
     for name in ("all_reduce_sum", "reduce_sum_to", "broadcast"):
         original = getattr(comm, name)
-        setattr(comm, name, lambda *a, _f=original, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
+        setattr(
+            comm, name, lambda *a, _f=original, _n=name, **k: (calls.append(_n), _f(*a, **k))[1]
+        )
     batches = make_batches(4, 2 * 2 * world)
     for batch in batches:
         with engine.no_sync():
@@ -44,7 +56,9 @@ def run(stage):
             engine.step()
     _, ref = reference_run(init, batches, LR, clip=0.0)
     with engine.summon_full_params(writeback=False):
-        worst = max((p.detach() - ref[n]).abs().max().item() for n, p in engine.module.named_parameters())
+        worst = max(
+            (p.detach() - ref[n]).abs().max().item() for n, p in engine.module.named_parameters()
+        )
     assert worst < 1e-5, worst
 
 
@@ -60,10 +74,19 @@ def boundary_under_no_sync(stage, gas):
     torch.manual_seed(0)
     model = EdgeNet()
     init = copy.deepcopy(model)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0}}
-    engine, *_ = zengine.initialize(model=model, config=cfg, model_parameters=edge_param_groups(model, LR))
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 300,
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
+    engine, *_ = zengine.initialize(
+        model=model, config=cfg, model_parameters=edge_param_groups(model, LR)
+    )
     batches = make_batches(3, 2 * gas * world)
     for i, batch in enumerate(batches):
         for m in range(gas):
@@ -78,7 +101,9 @@ def boundary_under_no_sync(stage, gas):
     assert engine.global_steps == len(batches)
     _, ref = reference_run(init, batches, LR, clip=0.0)
     with engine.summon_full_params(writeback=False):
-        worst = max((p.detach() - ref[n]).abs().max().item() for n, p in engine.module.named_parameters())
+        worst = max(
+            (p.detach() - ref[n]).abs().max().item() for n, p in engine.module.named_parameters()
+        )
     assert worst < 1e-5, f"stage {stage} gas {gas}: {worst}"
 
 

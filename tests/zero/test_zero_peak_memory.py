@@ -14,6 +14,7 @@ warm machine), so they are taken out. The high-water mark counts both kinds; the
 part is bounded above by the mark less the shared pages mapped when the phase began (shared pages
 only grow while a phase runs).
 """
+
 import ctypes
 
 import pytest
@@ -26,7 +27,10 @@ from harness import spawn
 from zengine.engine.engine import model_state_bytes
 from zengine.estimate import estimate
 
-LAYERS, WIDTH = 12, 2048  # 50M parameters: 201 MB, so that fixed costs (code, op libraries) are noise
+LAYERS, WIDTH = (
+    12,
+    2048,
+)  # 50M parameters: 201 MB, so that fixed costs (code, op libraries) are noise
 PSI = LAYERS * WIDTH * WIDTH
 UNIT = 4 * PSI  # bytes of the fp32 parameters
 BUCKET = PSI // 12  # a tenth of a unit per bucket, as 5e6 elements are for a 50M-parameter model
@@ -34,7 +38,11 @@ BUCKET = PSI // 12  # a tenth of a unit per bucket, as 5e6 elements are for a 50
 
 def _status() -> dict[str, int]:
     with open("/proc/self/status") as f:
-        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f) if v.strip().endswith("kB")}
+        return {
+            k: int(v.split()[0]) * 1024
+            for k, v in (line.split(":", 1) for line in f)
+            if v.strip().endswith("kB")
+        }
 
 
 class _Meter:
@@ -52,8 +60,12 @@ class _Meter:
 
 
 def _peaks(stage: int, with_init: bool = False, reversed_order: bool = False):
-    ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: large blocks go back to the system when freed
-    torch.optim.AdamW([nn.Parameter(torch.ones(2))], fused=True).step()  # torch's lazy imports, before the baseline
+    ctypes.CDLL("libc.so.6").mallopt(
+        -3, 65536
+    )  # M_MMAP_THRESHOLD: large blocks go back to the system when freed
+    torch.optim.AdamW(
+        [nn.Parameter(torch.ones(2))], fused=True
+    ).step()  # torch's lazy imports, before the baseline
     meter = _Meter()
     meter.reset()
     base, _ = meter.read()
@@ -115,7 +127,11 @@ def _config(stage: int) -> dict:
     return ds_config(stage, lr=1e-4, zero=zero)
 
 
-FORMULA = {0: lambda w: 4.0, 1: lambda w: 2.0 + 2.0 / w, 2: lambda w: 1.0 + 3.0 / w}  # fp32 Adam, in units of 4Ψ
+FORMULA = {
+    0: lambda w: 4.0,
+    1: lambda w: 2.0 + 2.0 / w,
+    2: lambda w: 1.0 + 3.0 / w,
+}  # fp32 Adam, in units of 4Ψ
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -128,7 +144,9 @@ def test_peak_follows_the_formula(stage):
         assert counted == pytest.approx(formula, rel=1e-3), (rank, counted)
         worst = max(peak for _, peak in phases.values())
         held = phases["step"][0]
-        report = f"stage {stage} rank {rank}: " + ", ".join(f"{k} {c:.2f}/{p:.2f}" for k, (c, p) in phases.items())
+        report = f"stage {stage} rank {rank}: " + ", ".join(
+            f"{k} {c:.2f}/{p:.2f}" for k, (c, p) in phases.items()
+        )
         # what stays resident after a step: the formula, give or take allocator slack
         assert held <= formula + 0.15, report
         # the peak: the formula plus the documented transients (a few gradient buckets), within the target
@@ -136,15 +154,22 @@ def test_peak_follows_the_formula(stage):
         # the model is never held twice while it is flattened into the engine's buffers
         assert phases["initialize"][1] <= phases["initialize"][0] + 0.15, report
         # the estimator's peak (states + transients) is within 10% of the peak measured
-        assert predicted.peak_device / UNIT == pytest.approx(worst, rel=0.10), (predicted.format(), report)
+        assert predicted.peak_device / UNIT == pytest.approx(worst, rel=0.10), (
+            predicted.format(),
+            report,
+        )
 
 
 def test_stage3_with_zero_init_stays_partitioned_and_bounded():
     world = 4
     formula = 4.0 / world
     predicted = estimate(_model(), _config(3), world)
-    for rank, (phases, counted, parameters) in enumerate(spawn(_peaks, world, 3, True, start="spawn")):
-        report = f"stage 3 + zero.Init rank {rank}: " + ", ".join(f"{k} {c:.2f}/{p:.2f}" for k, (c, p) in phases.items())
+    for rank, (phases, counted, parameters) in enumerate(
+        spawn(_peaks, world, 3, True, start="spawn")
+    ):
+        report = f"stage 3 + zero.Init rank {rank}: " + ", ".join(
+            f"{k} {c:.2f}/{p:.2f}" for k, (c, p) in phases.items()
+        )
         # a model built inside zero.Init holds 1/W of its parameters after training steps, as one the
         # engine partitioned does (it used to keep every parameter gathered after first use: 1.25 units)
         assert parameters == pytest.approx(1.0 / world, rel=1e-3), report
@@ -157,7 +182,10 @@ def test_stage3_with_zero_init_stays_partitioned_and_bounded():
         worst = max(peak for _, peak in phases.values())
         assert worst <= formula + 0.25, report
         assert worst <= predicted.peak_device / UNIT * 1.10, (predicted.format(), report)
-        assert worst == pytest.approx(predicted.peak_device / UNIT, rel=0.10), (predicted.format(), report)
+        assert worst == pytest.approx(predicted.peak_device / UNIT, rel=0.10), (
+            predicted.format(),
+            report,
+        )
 
 
 def test_gradient_peak_does_not_depend_on_the_order_backward_runs_in():
@@ -166,6 +194,10 @@ def test_gradient_peak_does_not_depend_on_the_order_backward_runs_in():
     # the whole gradient waited for the first bucket, +1.1 units).
     world, stage = 2, 2
     formula = FORMULA[stage](world)
-    for rank, (phases, counted) in enumerate(spawn(_peaks, world, stage, False, True, start="spawn")):
-        report = f"reversed stage 2 rank {rank}: " + ", ".join(f"{k} {c:.2f}/{p:.2f}" for k, (c, p) in phases.items())
+    for rank, (phases, counted) in enumerate(
+        spawn(_peaks, world, stage, False, True, start="spawn")
+    ):
+        report = f"reversed stage 2 rank {rank}: " + ", ".join(
+            f"{k} {c:.2f}/{p:.2f}" for k, (c, p) in phases.items()
+        )
         assert phases["backward"][1] <= formula * 1.10 + 0.15, report  # the last step's backward

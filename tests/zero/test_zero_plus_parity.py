@@ -2,6 +2,7 @@
 two param groups) against the single-process torch reference (test_zero_parity.py's harness): the quantized
 modes, alone and with hpZ, within a documented bound at W=4 as 2 "nodes" of 2 and at W=3 (hpZ alone is
 bit-identical to plain stage 3: test_zero_hpz.py)."""
+
 from harness import spawn
 from test_zero_parity import check_parity
 
@@ -22,7 +23,10 @@ QG = {"zero_quantized_gradients": True}
 
 
 def _cases(cases) -> list:
-    return [check_parity(3, precision, gas, False, extra, tolerance) for precision, gas, extra, tolerance in cases]
+    return [
+        check_parity(3, precision, gas, False, extra, tolerance)
+        for precision, gas, extra, tolerance in cases
+    ]
 
 
 def test_zero_plus_modes_train_the_parity_model_like_the_reference():

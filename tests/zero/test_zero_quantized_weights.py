@@ -2,6 +2,7 @@
 for compute travel as blockwise int8, with ``zero_quantized_gradients`` its gradient reduction (an int8, or int4,
 all-to-all summed in fp32); training follows the exact run closely, the bytes drop to about a quarter of
 fp32's, and what the user is handed whole (GatheredParameters, summon_full_params) stays exact."""
+
 import pytest
 import torch
 from torch import nn
@@ -17,30 +18,39 @@ STEPS = 6
 def test_quantize_round_trip_error_is_half_a_step():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3 * BLOCK + 17, generator=g) * torch.logspace(-3, 2, 3 * BLOCK + 17)
-    x[BLOCK:2 * BLOCK] = 0.0  # an all-zero block stays zero
+    x[BLOCK : 2 * BLOCK] = 0.0  # an all-zero block stays zero
     q, scales = quantize(x)
     assert q.dtype == torch.int8 and q.numel() == 4 * BLOCK and scales.shape == (4,)
     out = torch.empty(1, x.numel())
     dequantize(q.view(1, -1), scales.view(1, -1), x.numel(), out)
     err = (out[0] - x).abs()
     blocks = torch.nn.functional.pad(x, (0, 4 * BLOCK - x.numel())).view(4, BLOCK).abs().amax(1)
-    bound = (blocks / 254).repeat_interleave(BLOCK)[:x.numel()]
+    bound = (blocks / 254).repeat_interleave(BLOCK)[: x.numel()]
     assert torch.all(err <= bound * (1 + 1e-5) + 1e-12), (err - bound).max()
-    assert torch.all(out[0, BLOCK:2 * BLOCK] == 0)
+    assert torch.all(out[0, BLOCK : 2 * BLOCK] == 0)
     assert err.max() > 0  # it does quantize
 
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(24, 300), nn.Tanh(), nn.Linear(300, 24), nn.Tanh(), nn.Linear(24, 8))
+    return nn.Sequential(
+        nn.Linear(24, 300), nn.Tanh(), nn.Linear(300, 24), nn.Tanh(), nn.Linear(24, 8)
+    )
 
 
 def _run(quantized: bool, precision: str, grads: bool = False) -> dict:
     model = _model()
-    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                 "stage3_max_reuse_distance": 0, "zero_quantized_weights": quantized and not grads,
-                                 "zero_quantized_gradients": quantized and grads}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_reuse_distance": 0,
+            "zero_quantized_weights": quantized and not grads,
+            "zero_quantized_gradients": quantized and grads,
+        },
+    }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     engine, *_ = zengine.initialize(model=model, config=cfg)
@@ -55,15 +65,27 @@ def _run(quantized: bool, precision: str, grads: bool = False) -> dict:
         losses.append(loss.item())
     stats = engine.comm_stats(reset=True)
     gathered = sum(v["all_gather"]["bytes"] for v in stats.values() if "all_gather" in v)
-    reduced = sum(v[c]["bytes"] for v in stats.values() for c in ("all_reduce", "reduce_scatter", "all_to_all")
-                  if c in v)
+    reduced = sum(
+        v[c]["bytes"]
+        for v in stats.values()
+        for c in ("all_reduce", "reduce_scatter", "all_to_all")
+        if c in v
+    )
     weight = engine.module[0].weight
     with zengine.zero.GatheredParameters([weight]):
         whole = weight.detach().float().clone()
     master = zengine.utils.safe_get_full_fp32_param(weight)
-    exact_to_user = (whole - master.to(whole.dtype).float()).abs().max().item() if precision == "fp32" else \
-        (whole - master.to(torch.bfloat16).float()).abs().max().item()
-    return {"losses": losses, "gathered": gathered, "reduced": reduced, "exact_to_user": exact_to_user}
+    exact_to_user = (
+        (whole - master.to(whole.dtype).float()).abs().max().item()
+        if precision == "fp32"
+        else (whole - master.to(torch.bfloat16).float()).abs().max().item()
+    )
+    return {
+        "losses": losses,
+        "gathered": gathered,
+        "reduced": reduced,
+        "exact_to_user": exact_to_user,
+    }
 
 
 def _both(precision: str) -> dict:
@@ -96,7 +118,10 @@ def test_quantized_gradient_reduction_trains_like_the_exact_one():
     for out in spawn(_both_grads, 3):  # an odd world: rows padded to whole blocks
         exact, int8 = out["exact"], out["int8"]
         drift = max(abs(a - b) / abs(a) for a, b in zip(exact["losses"], int8["losses"]))
-        assert drift <= 2e-2 and exact["losses"] != int8["losses"], (exact["losses"], int8["losses"])
+        assert drift <= 2e-2 and exact["losses"] != int8["losses"], (
+            exact["losses"],
+            int8["losses"],
+        )
         assert int8["losses"][-1] < int8["losses"][0]
         # an all-to-all of int8 + scales against gloo's all-reduce of the fp32 buckets (plus a few bytes of
         # step statistics on both sides)
@@ -109,7 +134,10 @@ def _reduce_scatter_both_widths() -> dict:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     n = 3 * BLOCK + 17  # the last block padded
     scale = torch.logspace(-2, 2, n)
-    bufs = [torch.randn(world, n, generator=torch.Generator().manual_seed(r)) * scale for r in range(world)]
+    bufs = [
+        torch.randn(world, n, generator=torch.Generator().manual_seed(r)) * scale
+        for r in range(world)
+    ]
     exact = sum(b[rank] for b in bufs)
     out = {}
     for bits, qmax in ((8, 127), (4, 7)):
@@ -122,8 +150,12 @@ def _reduce_scatter_both_widths() -> dict:
         # at most half a step of each rank's block: max|block| / (2 qmax), summed over the ranks
         padded = [torch.nn.functional.pad(b[rank], (0, 4 * BLOCK - n)).view(4, BLOCK) for b in bufs]
         bound = sum((p.abs().amax(1) / (2 * qmax)).repeat_interleave(BLOCK)[:n] for p in padded)
-        out[bits] = {"over": ((got - exact).abs() - bound * (1 + 1e-5)).max().item(),
-                     "err": (got - exact).abs().max().item(), "bytes": sent, "dtype": str(got.dtype)}
+        out[bits] = {
+            "over": ((got - exact).abs() - bound * (1 + 1e-5)).max().item(),
+            "err": (got - exact).abs().max().item(),
+            "bytes": sent,
+            "dtype": str(got.dtype),
+        }
     return out
 
 

@@ -10,6 +10,7 @@ The model is chosen so that the sums are what differs: its initial weights and i
 the outputs (so the gradient barely depends on the rounded activations), and SGD passes gradient errors
 on to the weights as they are (Adam's first steps are nearly sign descent, which hides them).
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,7 +31,9 @@ def _model() -> nn.Module:
     model = nn.Linear(DIM, DIM)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(p.bfloat16().float())  # exact in bf16 and fp16: the engine's 16-bit copy is the reference's
+            p.copy_(
+                p.bfloat16().float()
+            )  # exact in bf16 and fp16: the engine's 16-bit copy is the reference's
     return model
 
 
@@ -38,8 +41,10 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     n = MICRO * GAS * WORLD
     # inputs exact in bf16 (the engine casts them), targets far from the outputs: the gradient is led by them
-    return [(torch.randn(n, DIM, generator=g).bfloat16().float(), 4 + torch.randn(n, DIM, generator=g))
-            for _ in range(STEPS)]
+    return [
+        (torch.randn(n, DIM, generator=g).bfloat16().float(), 4 + torch.randn(n, DIM, generator=g))
+        for _ in range(STEPS)
+    ]
 
 
 def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -66,8 +71,16 @@ def _config(stage: int, precision: str, comm=None, accum=None, loss_scale=0.0) -
     if accum is not None:
         extra["data_types"] = {"grad_accum_dtype": accum}
     # several buckets per step; stage 3 shards every parameter
-    return ds_config(stage, precision, micro_batch=MICRO, gas=GAS, steps_per_print=10**6,
-                     optimizer=sgd(LR), zero={"reduce_bucket_size": 300, **SHARD_ALL}, **extra)
+    return ds_config(
+        stage,
+        precision,
+        micro_batch=MICRO,
+        gas=GAS,
+        steps_per_print=10**6,
+        optimizer=sgd(LR),
+        zero={"reduce_bucket_size": 300, **SHARD_ALL},
+        **extra,
+    )
 
 
 def _train(case: tuple) -> tuple[list, int]:
@@ -80,7 +93,9 @@ def _train(case: tuple) -> tuple[list, int]:
             rows = slice((m * WORLD + rank) * MICRO, (m * WORLD + rank + 1) * MICRO)
             engine.backward(_loss(engine(x[rows]), y[rows]))
             engine.step()
-    masters = [zengine.utils.safe_get_full_fp32_param(p).tolist() for p in engine.module.parameters()]
+    masters = [
+        zengine.utils.safe_get_full_fp32_param(p).tolist() for p in engine.module.parameters()
+    ]
     return masters, engine.skipped_steps
 
 
@@ -93,7 +108,9 @@ def _fp16_scale() -> float:
     while the sum of the four does not (about 8e4 > 65504)."""
     model = _model()
     x, y = _batches()[0]
-    _loss(model(x), y).backward()  # each rank's micro-batch gradient is about the global one: the targets lead
+    _loss(
+        model(x), y
+    ).backward()  # each rank's micro-batch gradient is about the global one: the targets lead
     largest = max(p.grad.abs().max().item() for p in model.parameters())
     return 2e4 * GAS / largest  # fp16 backward runs on loss * scale / GAS, as DeepSpeed's
 
@@ -106,7 +123,10 @@ def test_fp32_reduction_is_closer_to_the_fp32_reference():
     scale = _fp16_scale()
     cases = [(stage, "bf16", *dtypes) for stage in (2, 3) for dtypes in BF16.values()]
     cases += [(stage, "fp16", comm, None, scale) for stage in (2, 3) for comm in ("fp16", "fp32")]
-    cases += [(1, "bf16", "fp32", None), (1, "bf16", "fp32", "fp32")]  # stage 1: converted buckets; fp32 sum
+    cases += [
+        (1, "bf16", "fp32", None),
+        (1, "bf16", "fp32", "fp32"),
+    ]  # stage 1: converted buckets; fp32 sum
     results = spawn(_train_all, WORLD, cases)[0]
     ref, start = _reference(), list(_model().parameters())
     moved = sum(((r - s) ** 2).sum() for r, s in zip(ref, start)).sqrt().item()
@@ -121,10 +141,17 @@ def test_fp32_reduction_is_closer_to_the_fp32_reference():
         # measured (stage 2 and 3 alike): 2.6e-3 summed in bf16, 2.1e-3 by default, 1.2e-3 in fp32
         assert bf16 < 5e-3 and fp32 < 2e-3, report
         assert fp32 * 1.5 < bf16 and fp32 < default < bf16, report
-        fp16_sum, fp32_sum = (stage, "fp16", "fp16", None, scale), (stage, "fp16", "fp32", None, scale)
+        fp16_sum, fp32_sum = (
+            (stage, "fp16", "fp16", None, scale),
+            (stage, "fp16", "fp32", None, scale),
+        )
         # four ranks' fp16 gradients overflow their fp16 sum: every step is skipped, nothing moves
-        assert skipped[fp16_sum] == STEPS and error[fp16_sum] == pytest.approx(1.0, abs=1e-6), report
-        assert skipped[fp32_sum] == 0 and error[fp32_sum] < 1e-3, report  # summed in fp32: no overflow
+        assert skipped[fp16_sum] == STEPS and error[fp16_sum] == pytest.approx(1.0, abs=1e-6), (
+            report
+        )
+        assert skipped[fp32_sum] == 0 and error[fp32_sum] < 1e-3, (
+            report
+        )  # summed in fp32: no overflow
     # stage 1: buckets reduced as fp32 copies of the bf16 buffer; summed in fp32 throughout
     converted, full = error[(1, "bf16", "fp32", None)], error[(1, "bf16", "fp32", "fp32")]
     assert converted < 5e-3 and full < 2e-3 and full < converted, report
@@ -141,23 +168,43 @@ def test_defaults_follow_deepspeed_and_fsdp2():
     # reduced in the compute dtype; summed over micro-steps in fp32 where that is a shard, else as computed
     assert dtypes(0) == dtypes(1) == GradDtypes(bf16, bf16, bf16)
     assert dtypes(2) == dtypes(3) == GradDtypes(bf16, bf16, fp32)
-    assert dtypes(2, "fp16") == GradDtypes(fp16, fp16, fp32) and dtypes(1, "fp32") == GradDtypes(fp32, fp32, fp32)
+    assert dtypes(2, "fp16") == GradDtypes(fp16, fp16, fp32) and dtypes(1, "fp32") == GradDtypes(
+        fp32, fp32, fp32
+    )
     # DeepSpeed's spellings: communication_data_type any case, data_types by its DtypeEnum names
-    assert dtypes(3, communication_data_type="FP32", data_types={"grad_accum_dtype": "bfloat16"}) \
-        == GradDtypes(bf16, fp32, bf16)
-    assert dtypes(1, "fp16", communication_data_type="fp32", data_types={"grad_accum_dtype": "float"}) \
-        == GradDtypes(fp16, fp32, fp32)
-    assert dtypes(2, data_types={"param_dtype": "bf16"}) == GradDtypes(bf16, bf16, fp32)  # matches: accepted
+    assert dtypes(
+        3, communication_data_type="FP32", data_types={"grad_accum_dtype": "bfloat16"}
+    ) == GradDtypes(bf16, fp32, bf16)
+    assert dtypes(
+        1, "fp16", communication_data_type="fp32", data_types={"grad_accum_dtype": "float"}
+    ) == GradDtypes(fp16, fp32, fp32)
+    assert dtypes(2, data_types={"param_dtype": "bf16"}) == GradDtypes(
+        bf16, bf16, fp32
+    )  # matches: accepted
     assert not dtypes(2, communication_data_type="fp32").grad_lands_in_bucket
 
 
-@pytest.mark.parametrize("keys,message", [
-    ({"communication_data_type": "fp8"}, "communication_data_type: Input should be 'fp32', 'fp16' or 'bf16'"),
-    ({"data_types": {"grad_accum_dtype": "int8"}}, "data_types.grad_accum_dtype: Input should be 'fp32', 'fp16'"),
-    ({"data_types": {"param_dtype": "fp16"}, "bf16": {"enabled": True}},
-     "data_types.param_dtype: 'fp16' differs from the compute dtype 'bf16'"),
-    ({"data_types": {"buffer_dtype": "fp32"}}, "data_types.buffer_dtype: zengine does not implement"),
-])
+@pytest.mark.parametrize(
+    "keys,message",
+    [
+        (
+            {"communication_data_type": "fp8"},
+            "communication_data_type: Input should be 'fp32', 'fp16' or 'bf16'",
+        ),
+        (
+            {"data_types": {"grad_accum_dtype": "int8"}},
+            "data_types.grad_accum_dtype: Input should be 'fp32', 'fp16'",
+        ),
+        (
+            {"data_types": {"param_dtype": "fp16"}, "bf16": {"enabled": True}},
+            "data_types.param_dtype: 'fp16' differs from the compute dtype 'bf16'",
+        ),
+        (
+            {"data_types": {"buffer_dtype": "fp32"}},
+            "data_types.buffer_dtype: zengine does not implement",
+        ),
+    ],
+)
 def test_invalid_values_are_refused_at_load(keys, message):
     with pytest.raises(ConfigError) as info:
         load_config({"train_micro_batch_size_per_gpu": 1, **keys}, 1)
@@ -166,8 +213,12 @@ def test_invalid_values_are_refused_at_load(keys, message):
 
 def test_estimate_counts_the_dtypes():
     def est(stage, **keys):
-        cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
-               "zero_optimization": {"stage": stage, "reduce_bucket_size": 1000}, **keys}
+        cfg = {
+            "train_micro_batch_size_per_gpu": 1,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 1000},
+            **keys,
+        }
         return estimate(100_000, cfg, 4)
 
     assert est(2).device["gradients"] == 4 * 25_000  # fp32 shard by default

@@ -1,5 +1,6 @@
 """The gradient reducer's parts on their own, without a process group: the flat bucket layout, the
 landing of reduced pieces in memory, the bucket buffer pool and the launch-order agreement."""
+
 import pytest
 import torch
 from torch import nn
@@ -30,8 +31,8 @@ def test_flat_ranges_give_each_rank_its_shard_once(world, rank):
         mine = layout.mine(0, bucket, reduced)
         assert (mine is None) == (region is None)
         if region is not None:
-            assert (shard[region[0]:region[1]] == -1).all(), "two buckets write one element"
-            shard[region[0]:region[1]] = mine
+            assert (shard[region[0] : region[1]] == -1).all(), "two buckets write one element"
+            shard[region[0] : region[1]] = mine
     assert torch.equal(shard, torch.arange(lo0, hi0, dtype=torch.float32))
 
 

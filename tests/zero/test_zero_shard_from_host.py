@@ -9,6 +9,7 @@ the live bytes among them must stay near a quarter of the model, where the old p
 (each parameter's full buffer, alive until the groups were built). On a GPU the same code path moves
 each parameter to the device just before cutting it.
 """
+
 import weakref
 
 import torch
@@ -51,8 +52,11 @@ def peak_made_bytes(stage: int) -> dict:
     model = nn.Sequential(*[nn.Linear(DIM, DIM) for _ in range(LAYERS)])  # fp32, built whole
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     largest = max(p.numel() * p.element_size() for p in model.parameters())
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     with LiveMade() as live:
         engine, *_ = zengine.initialize(model=model, config=config)
     with engine.summon_full_params(writeback=False):  # every rank holds rank 0's model
@@ -67,7 +71,9 @@ def test_stage3_never_holds_the_whole_model_at_once():
         # steps on the buffer itself), and a whole parameter in flight (measured: exactly 2/W of the model;
         # the old path: 1.25x the model)
         bound = 2 * r["model"] / WORLD + 2 * r["largest"]
-        assert r["peak"] <= bound, f"peak {r['peak']} B made, bound {bound:.0f} B, model {r['model']} B"
+        assert r["peak"] <= bound, (
+            f"peak {r['peak']} B made, bound {bound:.0f} B, model {r['model']} B"
+        )
     assert len({r["digest"] for r in results}) == 1, results  # cut from the same (rank 0's) values
 
 

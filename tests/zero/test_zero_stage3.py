@@ -1,4 +1,5 @@
 """Stage 3: memory held in and out of forward, zero.Init, dynamic order, divergence, full parameters."""
+
 import copy
 
 import pytest
@@ -36,13 +37,22 @@ def held_bytes(module):
 def memory_run():
     torch.manual_seed(0)
     layer_numel = DIM * DIM  # biases and LayerNorm (<= DIM elements) stay whole
-    engine, *_ = zengine.initialize(model=Stack(), config=stage3_config(
-        stage3_max_live_parameters=2 * layer_numel, stage3_prefetch_bucket_size=layer_numel,
-        stage3_param_persistence_threshold=DIM))  # LayerNorm stays whole
+    engine, *_ = zengine.initialize(
+        model=Stack(),
+        config=stage3_config(
+            stage3_max_live_parameters=2 * layer_numel,
+            stage3_prefetch_bucket_size=layer_numel,
+            stage3_param_persistence_threshold=DIM,
+        ),
+    )  # LayerNorm stays whole
     seen = []
 
     def probe(m, args):  # checked against the tensors' storage at every module entry
-        live = sum(sp.full.untyped_storage().nbytes() for sp in engine.optimizer.all_sharded if not sp.persistent)
+        live = sum(
+            sp.full.untyped_storage().nbytes()
+            for sp in engine.optimizer.all_sharded
+            if not sp.persistent
+        )
         seen.append((live, engine.optimizer.fetcher.held_numel * 4))
 
     for layer in engine.module.layers:
@@ -53,13 +63,19 @@ def memory_run():
     fetcher = engine.optimizer.fetcher
     sharded = [sp for sp in engine.optimizer.all_sharded if not sp.persistent]
     chunks = sum(sp.chunk for sp in sharded)
-    persistent = sum(sp.numel for sp in engine.optimizer.all_sharded if sp.persistent)  # biases, LayerNorm
+    persistent = sum(
+        sp.numel for sp in engine.optimizer.all_sharded if sp.persistent
+    )  # biases, LayerNorm
     assert persistent == 8 * DIM and len(sharded) == 6
     # outside forward: shards plus the persistent parameters, nothing else
     assert held_bytes(engine.module) == 4 * persistent
     persistent_chunks = sum(sp.chunk for sp in engine.optimizer.all_sharded if sp.persistent)
-    persistent_full = sum(sp.full.numel() for sp in engine.optimizer.all_sharded if sp.persistent)  # padded
-    assert engine.memory_breakdown()["parameters"] == 4 * (chunks + persistent_chunks + persistent_full)
+    persistent_full = sum(
+        sp.full.numel() for sp in engine.optimizer.all_sharded if sp.persistent
+    )  # padded
+    assert engine.memory_breakdown()["parameters"] == 4 * (
+        chunks + persistent_chunks + persistent_full
+    )
     assert all(a == b for a, b in seen), seen
     assert max(a for a, _ in seen) <= 4 * 2 * layer_numel
     assert fetcher.peak_live_numel <= 2 * layer_numel
@@ -116,28 +132,38 @@ def dynamic_run(flip_from=2):
     torch.manual_seed(0)
     model = Stack(n=3)
     ref = copy.deepcopy(model)
-    engine, *_ = zengine.initialize(model=model, config=stage3_config(stage3_prefetch_bucket_size=10 ** 6))
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)  # DeepSpeed's AdamW default
+    engine, *_ = zengine.initialize(
+        model=model, config=stage3_config(stage3_prefetch_bucket_size=10**6)
+    )
+    opt = torch.optim.AdamW(
+        ref.parameters(), lr=1e-2, weight_decay=0.0
+    )  # DeepSpeed's AdamW default
     g = torch.Generator().manual_seed(7)
     for step in range(5):
         x = torch.randn(4 * world, DIM, generator=g)
         engine.module.flip = ref.flip = step >= flip_from  # the module order changes
-        engine.backward(engine(x[rank * 4:(rank + 1) * 4]))
+        engine.backward(engine(x[rank * 4 : (rank + 1) * 4]))
         engine.step()
         opt.zero_grad()
         ref(x).backward()
         opt.step()
     with engine.summon_full_params(writeback=False):
-        return max((p - q).abs().max().item() for p, q in zip(engine.module.parameters(), ref.parameters()))
+        return max(
+            (p - q).abs().max().item() for p, q in zip(engine.module.parameters(), ref.parameters())
+        )
 
 
 def test_dynamic_module_order_trains_correctly():
-    assert max(spawn(dynamic_run, 2)) < 1e-4  # same as with a fixed order (float rounding through Adam)
+    assert (
+        max(spawn(dynamic_run, 2)) < 1e-4
+    )  # same as with a fixed order (float rounding through Adam)
 
 
 def divergent_run():
     torch.manual_seed(0)
-    engine, *_ = zengine.initialize(model=Stack(n=3), config=stage3_config(stage3_debug_fetch_order=True))
+    engine, *_ = zengine.initialize(
+        model=Stack(n=3), config=stage3_config(stage3_debug_fetch_order=True)
+    )
     if dist.get_rank() == 1:
         engine.module.layers[1] = engine.module.layers[2]  # this rank skips a module
     try:
@@ -184,10 +210,13 @@ def grads_run():
     ref = copy.deepcopy(model)
     engine, *_ = zengine.initialize(model=model, config=stage3_config())
     x = torch.randn(4 * world, DIM, generator=torch.Generator().manual_seed(3))
-    engine.backward(engine(x[rank * 4:(rank + 1) * 4]))
+    engine.backward(engine(x[rank * 4 : (rank + 1) * 4]))
     ref(x).backward()
     with engine.summon_full_params(with_grads=True, writeback=False):
-        worst = max((p.grad - q.grad).abs().max().item() for p, q in zip(engine.module.parameters(), ref.parameters()))
+        worst = max(
+            (p.grad - q.grad).abs().max().item()
+            for p, q in zip(engine.module.parameters(), ref.parameters())
+        )
     return worst
 
 
@@ -236,8 +265,11 @@ def adopted_gradient_run(precision, adopt=True):
         model = Chain()
         ref = copy.deepcopy(model)
         cfg = stage3_config(reduce_bucket_size=DIM * DIM, overlap_comm=precision != "bf16")
-        cfg.update(gradient_accumulation_steps=2, gradient_clipping=0.0,
-                   optimizer={"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}})
+        cfg.update(
+            gradient_accumulation_steps=2,
+            gradient_clipping=0.0,
+            optimizer={"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        )
         if precision == "bf16":
             cfg["bf16"] = {"enabled": True}
         engine, *_ = zengine.initialize(model=model, config=cfg)
@@ -274,9 +306,15 @@ def test_gradients_reduced_in_place_match_torch(precision):
         torch.manual_seed(0)
         start = list(Chain().parameters())
         for (params, ref, adopted), (params_copied, _, none) in zip(runs, copied):
-            params, ref, params_copied = ([torch.tensor(t) for t in ts] for ts in (params, ref, params_copied))
-            assert adopted >= 4 * 3 * 4 and none == 0, f"W={world}: {adopted} gradients reduced in place"
-            assert all(torch.equal(a, b) for a, b in zip(params, params_copied)), f"W={world}: results differ"
+            params, ref, params_copied = (
+                [torch.tensor(t) for t in ts] for ts in (params, ref, params_copied)
+            )
+            assert adopted >= 4 * 3 * 4 and none == 0, (
+                f"W={world}: {adopted} gradients reduced in place"
+            )
+            assert all(torch.equal(a, b) for a, b in zip(params, params_copied)), (
+                f"W={world}: results differ"
+            )
             moved = max((p - q).abs().max().item() for p, q in zip(ref, start))
             assert moved > 1e-2
             if precision == "fp32":

@@ -1,13 +1,18 @@
 """The boundary step's control vector (zengine/zero/step_stats.py) on one rank, without a process
 group: the named header slots, and the agreement tests read from them."""
+
 import torch
 
 from zengine.zero.step_stats import HEADER, RankValues, Slot, gather_stats
 
 
 def _values(**kw) -> RankValues:
-    base = dict(sq_norm=torch.tensor(9.0, dtype=torch.float64), had_backward=True, micro_step=5,
-                used=[True, False, True])
+    base = dict(
+        sq_norm=torch.tensor(9.0, dtype=torch.float64),
+        had_backward=True,
+        micro_step=5,
+        used=[True, False, True],
+    )
     return RankValues(**{**base, **kw})
 
 
@@ -15,8 +20,13 @@ def test_each_agreed_value_travels_beside_its_square():
     head = _values(order=(3, 4), fetch_digest=(6, 7)).header(norm_on_host=True)
     assert len(head) == HEADER
     assert head[Slot.SQ_NORM] == 9.0 and head[Slot.HAD_BACKWARD] == 1.0
-    for slot, value in [(Slot.MICRO_STEP, 5), (Slot.ORDER_A, 3), (Slot.ORDER_B, 4), (Slot.FETCH_A, 6),
-                        (Slot.FETCH_B, 7)]:
+    for slot, value in [
+        (Slot.MICRO_STEP, 5),
+        (Slot.ORDER_A, 3),
+        (Slot.ORDER_B, 4),
+        (Slot.FETCH_A, 6),
+        (Slot.FETCH_B, 7),
+    ]:
         assert (head[slot], head[slot + 1]) == (value, value * value)
     assert _values().header(norm_on_host=False)[Slot.SQ_NORM] == 0.0  # copied on the device instead
 

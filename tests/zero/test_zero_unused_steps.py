@@ -9,6 +9,7 @@ reference with AdamW (bias correction reads the count), SGD with momentum, dampe
 CPU-Adam (offload to CPU) and the NVMe-swapped Adam (stages 0-2 and ZeRO-Infinity), and across a
 checkpoint saved while the counts differ, loaded at another world size.
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,10 +31,24 @@ VOCAB, DIM, HIDDEN, MICRO, LR = 29, 12, 18, 2, 1e-2
 # skipped at steps 3 and 5, so the two branches' step counts differ from step 3 on.
 SCHEDULE = ("l", "lr", "l", "r", "lr", "r")
 OPTIMIZERS = {
-    "AdamW": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}},
-    "SGD": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}},
-    "Adam": {"type": "Adam", "params": {"lr": LR, "betas": [0.8, 0.9], "eps": 1e-8, "weight_decay": 0.05,
-                                        "adam_w_mode": False}},  # L2: decay through the moments
+    "AdamW": {
+        "type": "AdamW",
+        "params": {"lr": LR, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1},
+    },
+    "SGD": {
+        "type": "SGD",
+        "params": {"lr": 0.05, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
+    },
+    "Adam": {
+        "type": "Adam",
+        "params": {
+            "lr": LR,
+            "betas": [0.8, 0.9],
+            "eps": 1e-8,
+            "weight_decay": 0.05,
+            "adam_w_mode": False,
+        },
+    },  # L2: decay through the moments
 }
 
 
@@ -66,10 +81,16 @@ def batch(step: int, rows: int):
 def torch_optimizer(name: str, params):
     spec = OPTIMIZERS[name]["params"]
     if name == "AdamW":
-        return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=spec["weight_decay"])
+        return torch.optim.AdamW(
+            params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=spec["weight_decay"]
+        )
     if name == "Adam":
-        return torch.optim.Adam(params, lr=LR, betas=(0.8, 0.9), eps=1e-8, weight_decay=spec["weight_decay"])
-    return torch.optim.SGD(params, lr=spec["lr"], momentum=0.9, dampening=0.1, weight_decay=spec["weight_decay"])
+        return torch.optim.Adam(
+            params, lr=LR, betas=(0.8, 0.9), eps=1e-8, weight_decay=spec["weight_decay"]
+        )
+    return torch.optim.SGD(
+        params, lr=spec["lr"], momentum=0.9, dampening=0.1, weight_decay=spec["weight_decay"]
+    )
 
 
 def reference(init: nn.Module, name: str, steps, rows: int) -> dict[str, torch.Tensor]:
@@ -94,8 +115,13 @@ def train(engine, steps, world: int) -> None:
     rank = dist.get_rank()
     for s in steps:
         x, y = batch(s, MICRO * world)
-        engine.backward(engine(x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO],
-                               SCHEDULE[s]))
+        engine.backward(
+            engine(
+                x[rank * MICRO : (rank + 1) * MICRO],
+                y[rank * MICRO : (rank + 1) * MICRO],
+                SCHEDULE[s],
+            )
+        )
         engine.step()
 
 
@@ -115,19 +141,25 @@ def errors(cases) -> dict[str, float]:
         engine, *_ = zengine.initialize(model=model, config=config(stage, name, offload, world))
         train(engine, range(len(SCHEDULE)), world)
         got, ref = whole(engine), reference(init, name, range(len(SCHEDULE)), MICRO * world)
-        out[f"stage {stage} {name} {offload or 'device'}"] = max((got[n] - ref[n]).abs().max().item() for n in ref)
+        out[f"stage {stage} {name} {offload or 'device'}"] = max(
+            (got[n] - ref[n]).abs().max().item() for n in ref
+        )
         engine.destroy()
     return out
 
 
 def _assert_match(results) -> None:
     bad = {case: err for case, err in results[0].items() if not err < 1e-5}
-    assert not bad, f"parameters differ from torch (a parameter without a gradient was stepped?): {bad}"
+    assert not bad, (
+        f"parameters differ from torch (a parameter without a gradient was stepped?): {bad}"
+    )
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_unused_parameters_step_as_torch(stage):
-    cases = [(stage, name, False) for name in OPTIMIZERS] + ([(stage, "AdamW", "cpu")] if stage else [])
+    cases = [(stage, name, False) for name in OPTIMIZERS] + (
+        [(stage, "AdamW", "cpu")] if stage else []
+    )
     _assert_match(spawn(errors, 2, cases))
 
 
@@ -151,7 +183,9 @@ def resume_error(stage: int, name: str, offload, path: str) -> float:
     world = dist.get_world_size()
     torch.manual_seed(0)
     init = BranchNet()
-    engine, *_ = zengine.initialize(model=copy.deepcopy(init), config=config(stage, name, offload, world))
+    engine, *_ = zengine.initialize(
+        model=copy.deepcopy(init), config=config(stage, name, offload, world)
+    )
     engine.load_checkpoint(path)
     train(engine, range(4, len(SCHEDULE)), world)
     got = whole(engine)
@@ -168,7 +202,9 @@ def resume_error(stage: int, name: str, offload, path: str) -> float:
     return max((got[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
 
 
-@pytest.mark.parametrize("stage,name,offload", [(2, "AdamW", False), (3, "SGD", False), (1, "AdamW", "cpu")])
+@pytest.mark.parametrize(
+    "stage,name,offload", [(2, "AdamW", False), (3, "SGD", False), (1, "AdamW", "cpu")]
+)
 def test_step_counts_survive_a_checkpoint_at_another_world_size(stage, name, offload):
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "ckpt")

@@ -11,6 +11,7 @@
 
 Each spawned run covers every case of one stage (or every stage) to save process start-up time.
 """
+
 import math
 import re
 
@@ -35,7 +36,9 @@ def make_engine(stage, precision="fp32", gas=1, model_cls=EdgeNet, **overrides):
     model = model_cls()
     cfg = engine_config(stage, precision, gas, dist.get_world_size())
     cfg.update(overrides)
-    engine, *_ = zengine.initialize(model=model, config=cfg, model_parameters=edge_param_groups(model, LR))
+    engine, *_ = zengine.initialize(
+        model=model, config=cfg, model_parameters=edge_param_groups(model, LR)
+    )
     return engine
 
 
@@ -47,8 +50,12 @@ def full_params(engine):
 
 def snapshot(engine):
     """Parameters, fp32 masters and optimizer state tensors of this rank: for bit-for-bit comparisons."""
-    state = [t.clone() for sp in engine.optimizer.shard_params
-             for t in engine.optimizer.state.get(sp, {}).values() if torch.is_tensor(t)]
+    state = [
+        t.clone()
+        for sp in engine.optimizer.shard_params
+        for t in engine.optimizer.state.get(sp, {}).values()
+        if torch.is_tensor(t)
+    ]
     return full_params(engine), [m.detach().clone() for m in engine.optimizer.masters], state
 
 
@@ -57,17 +64,28 @@ def assert_same_snapshot(a, b, what):
     pb, mb, sb = b
     for n in pa:
         assert torch.equal(pa[n], pb[n]), f"{what}: parameter {n} changed"
-    assert len(ma) == len(mb) and all(torch.equal(x, y) for x, y in zip(ma, mb)), f"{what}: an fp32 master changed"
-    assert len(sa) == len(sb) and all(torch.equal(x, y) for x, y in zip(sa, sb)), f"{what}: optimizer state changed"
+    assert len(ma) == len(mb) and all(torch.equal(x, y) for x, y in zip(ma, mb)), (
+        f"{what}: an fp32 master changed"
+    )
+    assert len(sa) == len(sb) and all(torch.equal(x, y) for x, y in zip(sa, sb)), (
+        f"{what}: optimizer state changed"
+    )
 
 
 def assert_params_close(a, b, rel, what, start=None):
     """||a - b|| within ``rel`` of how far the parameters moved from ``start`` (or of ||b||)."""
     off = math.sqrt(sum(((a[n] - b[n]) ** 2).sum().item() for n in b))
-    scale = math.sqrt(sum(((b[n] - start[n]) ** 2).sum().item() for n in b)) if start else \
-        math.sqrt(sum((b[n] ** 2).sum().item() for n in b))
-    assert scale > 1e-3, f"{what}: the parameters did not move ({scale:.3g}): the comparison could not fail"
-    assert off <= rel * scale, f"{what}: parameters differ by {off:.3g} ({off / scale:.3g} relative)"
+    scale = (
+        math.sqrt(sum(((b[n] - start[n]) ** 2).sum().item() for n in b))
+        if start
+        else math.sqrt(sum((b[n] ** 2).sum().item() for n in b))
+    )
+    assert scale > 1e-3, (
+        f"{what}: the parameters did not move ({scale:.3g}): the comparison could not fail"
+    )
+    assert off <= rel * scale, (
+        f"{what}: parameters differ by {off:.3g} ({off / scale:.3g} relative)"
+    )
 
 
 def moved(a, b) -> bool:
@@ -122,19 +140,29 @@ def two_backwards_matrix(stages, gases, retain=True):
             # so the norm is twice the reference's; every norm is above the clip, so after clipping the
             # update, and hence the parameters, are the reference's.
             ref_norms = []
-            _, ref = reference_run(init, make_batches(STEPS, MICRO * gas * world), LR, CLIP, norms=ref_norms)
+            _, ref = reference_run(
+                init, make_batches(STEPS, MICRO * gas * world), LR, CLIP, norms=ref_norms
+            )
             assert min(ref_norms) > 2 * CLIP
             sep_norms, sep = two_backward_run(stage, gas, "separate")
             sum_norms, summed = two_backward_run(stage, gas, "summed")
-            assert sep_norms == pytest.approx(sum_norms, rel=1e-5), f"{case}: backward(l1); backward(l2) vs l1 + l2"
-            assert_params_close(sep, summed, 1e-5, f"{case} backward(l1); backward(l2) vs backward(l1 + l2)", start)
+            assert sep_norms == pytest.approx(sum_norms, rel=1e-5), (
+                f"{case}: backward(l1); backward(l2) vs l1 + l2"
+            )
+            assert_params_close(
+                sep, summed, 1e-5, f"{case} backward(l1); backward(l2) vs backward(l1 + l2)", start
+            )
             assert sum_norms == pytest.approx([2 * r for r in ref_norms], rel=1e-5), case
             assert_params_close(summed, ref, 1e-4, f"{case} backward(l1 + l2) vs torch", start)
             if retain:
                 ret_norms, ret = two_backward_run(stage, gas, "retain")
                 dbl_norms, dbl = two_backward_run(stage, gas, "double")
-                assert ret_norms == pytest.approx(dbl_norms, rel=1e-5), f"{case}: twice with retain_graph vs 2 * loss"
-                assert_params_close(ret, dbl, 1e-5, f"{case} twice with retain_graph vs backward(2 * loss)", start)
+                assert ret_norms == pytest.approx(dbl_norms, rel=1e-5), (
+                    f"{case}: twice with retain_graph vs 2 * loss"
+                )
+                assert_params_close(
+                    ret, dbl, 1e-5, f"{case} twice with retain_graph vs backward(2 * loss)", start
+                )
                 assert dbl_norms == pytest.approx([2 * r for r in ref_norms], rel=1e-5), case
 
 
@@ -196,12 +224,18 @@ def plain_backward_matrix(stage):
     for precision, gas, overrides in cases:
         case = f"stage {stage} {precision} gas {gas}"
         e_norms, e_params, _ = backward_style_run(stage, precision, gas, "engine", **overrides)
-        p_norms, p_params, p_scales = backward_style_run(stage, precision, gas, "plain", **overrides)
+        p_norms, p_params, p_scales = backward_style_run(
+            stage, precision, gas, "plain", **overrides
+        )
         # fp16: a plain backward runs without the loss scale (the engine never sees the loss), so the two
         # differ by fp16's rounding of unscaled against scaled gradients, not by a factor
         tol = 1e-6 if precision == "fp32" else FP16_PLAIN_TOL
-        assert p_norms == pytest.approx(e_norms, rel=tol), f"{case}: loss.backward() vs engine.backward()"
-        assert_params_close(p_params, e_params, tol, f"{case}: loss.backward() vs engine.backward()", start)
+        assert p_norms == pytest.approx(e_norms, rel=tol), (
+            f"{case}: loss.backward() vs engine.backward()"
+        )
+        assert_params_close(
+            p_params, e_params, tol, f"{case}: loss.backward() vs engine.backward()", start
+        )
         if precision == "fp16":
             assert p_scales == [128.0] * STEPS, p_scales
     # fp32 against plain torch too: the factor 1/gas was applied exactly once
@@ -217,12 +251,16 @@ def plain_backward_matrix(stage):
         e_norms, e_params, _ = backward_style_run(stage, "fp32", gas, "engine", boxed=True)
         p_norms, p_params, _ = backward_style_run(stage, "fp32", gas, "plain", boxed=True)
         assert p_norms == pytest.approx(e_norms, rel=1e-6), f"stage {stage}: boxed loss, gas {gas}"
-        assert_params_close(p_params, e_params, 1e-6, f"stage {stage}: boxed loss, gas {gas}", start)
+        assert_params_close(
+            p_params, e_params, 1e-6, f"stage {stage}: boxed loss, gas {gas}", start
+        )
     # ... and with fp16 too: nothing is multiplied on the way, the step divides by what the pass carried (1)
     e_norms, e_params, _ = backward_style_run(stage, "fp16", 2, "engine", boxed=True, **FP16_STATIC)
     p_norms, p_params, _ = backward_style_run(stage, "fp16", 2, "plain", boxed=True, **FP16_STATIC)
     assert p_norms == pytest.approx(e_norms, rel=FP16_PLAIN_TOL), f"stage {stage}: boxed fp16 loss"
-    assert_params_close(p_params, e_params, FP16_PLAIN_TOL, f"stage {stage}: boxed fp16 loss", start)
+    assert_params_close(
+        p_params, e_params, FP16_PLAIN_TOL, f"stage {stage}: boxed fp16 loss", start
+    )
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -248,12 +286,22 @@ def nan_run(stage, precision, nan_steps, nan_ranks, steps, record=None, **overri
         engine.backward(loss)
         engine.step()
         after = snapshot(engine)
-        record.append((engine.was_step_applied(), engine.skipped_steps, engine.get_global_grad_norm(),
-                       engine.global_steps))
+        record.append(
+            (
+                engine.was_step_applied(),
+                engine.skipped_steps,
+                engine.get_global_grad_norm(),
+                engine.global_steps,
+            )
+        )
         if not engine.was_step_applied():
-            assert_same_snapshot(before, after, f"stage {stage} {precision} skipped step {i} on rank {rank}")
+            assert_same_snapshot(
+                before, after, f"stage {stage} {precision} skipped step {i} on rank {rank}"
+            )
         else:
-            assert moved(before[0], after[0]), f"stage {stage} {precision} step {i} applied but nothing moved"
+            assert moved(before[0], after[0]), (
+                f"stage {stage} {precision} step {i} applied but nothing moved"
+            )
     return record, engine
 
 
@@ -275,19 +323,32 @@ def nonfinite_matrix(stage):
             assert applied == [True, False, True, True], f"{case}: {record}"
             assert [r[1] for r in record] == [0, 1, 1, 1], f"{case}: skipped_steps {record}"
             norms = [r[2] for r in record]
-            assert not math.isfinite(norms[1]) and all(math.isfinite(n) for n in norms[:1] + norms[2:]), case
+            assert not math.isfinite(norms[1]) and all(
+                math.isfinite(n) for n in norms[:1] + norms[2:]
+            ), case
             # the skipped step left no trace: gradients dropped, optimizer state and LR untouched
             final = full_params(engine)
             for n in clean:
-                assert torch.equal(final[n], clean[n]), f"{case}: {n} differs from a run without that step"
+                assert torch.equal(final[n], clean[n]), (
+                    f"{case}: {n} differs from a run without that step"
+                )
 
         # max_consecutive_skips in a row raise, naming a parameter; a finite step resets the count
         names = {n for n, p in EdgeNet().named_parameters() if p.requires_grad}
         record = []
         with pytest.raises(NonFiniteGradientError) as err:
-            nan_run(stage, precision, {1, 2, 4, 5, 6}, [1], 8, record,
-                    nonfinite_gradients={"max_consecutive_skips": 3})
-        assert len(record) == 6, f"stage {stage} {precision}: raised at step {len(record)}, not 6: {record}"
+            nan_run(
+                stage,
+                precision,
+                {1, 2, 4, 5, 6},
+                [1],
+                8,
+                record,
+                nonfinite_gradients={"max_consecutive_skips": 3},
+            )
+        assert len(record) == 6, (
+            f"stage {stage} {precision}: raised at step {len(record)}, not 6: {record}"
+        )
         assert [r[1] for r in record] == [0, 1, 2, 2, 3, 4], record
         message = str(err.value)
         named = re.search(r"non-finite is '([^']+)'", message)
@@ -337,11 +398,17 @@ def one_rank_without_backward(stages):
 
 
 def test_rank_without_backward_at_step_raises_out_of_step():
-    stages = [0, 1, 2]  # stage 3's forward gathers parameters: a rank without forward would leave them unmatched
+    stages = [
+        0,
+        1,
+        2,
+    ]  # stage 3's forward gathers parameters: a rank without forward would leave them unmatched
     results = spawn(one_rank_without_backward, 2, stages, timeout=60)
     for rank, messages in enumerate(results):
         for stage, message in zip(stages, messages):
-            assert message is not None, f"stage {stage}: rank {rank} did not raise RanksOutOfStepError"
+            assert message is not None, (
+                f"stage {stage}: rank {rank} did not raise RanksOutOfStepError"
+            )
             assert "rank 0: micro-step 1, its last backward under no_sync\n" in message, message
             assert "rank 1: micro-step 1, no backward since the last step" in message, message
 
@@ -370,13 +437,21 @@ def idle_steps(stages):
             assert engine.was_step_applied() and engine.global_steps == i + 1
             norm, before = engine.get_global_grad_norm(), snapshot(engine)
             engine.step()  # again, with no backward since
-            assert_same_snapshot(before, snapshot(engine), f"stage {stage}: second step() of step {i}")
-            assert not engine.was_step_applied(), f"stage {stage}: second step() reported as applied"
-            assert (engine.global_steps, engine.micro_steps) == (i + 1, i + 1), f"stage {stage}: counted"
+            assert_same_snapshot(
+                before, snapshot(engine), f"stage {stage}: second step() of step {i}"
+            )
+            assert not engine.was_step_applied(), (
+                f"stage {stage}: second step() reported as applied"
+            )
+            assert (engine.global_steps, engine.micro_steps) == (i + 1, i + 1), (
+                f"stage {stage}: counted"
+            )
             assert engine.get_global_grad_norm() == norm
         got = full_params(engine)
         for n in expected:  # and the idle steps left no trace in the training
-            assert torch.equal(got[n], expected[n]), f"stage {stage}: {n} differs from a run without idle steps"
+            assert torch.equal(got[n], expected[n]), (
+                f"stage {stage}: {n} differs from a run without idle steps"
+            )
         assert engine.get_global_grad_norm() == expected_norm
 
 

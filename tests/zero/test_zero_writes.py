@@ -10,6 +10,7 @@ or is named once with the way out.
 (d) ``engine.module.state_dict()`` at stage 3 outside a gather holds the whole parameters (gathered; it held
     empty tensors after a warning, issue 41 case 7).
 """
+
 from __future__ import annotations
 
 import copy
@@ -70,19 +71,26 @@ def init_under_zero_init() -> dict:
         model = SelfInitNet()
     engine, *_ = zengine.initialize(model=model, config=_stage3())
     with engine.summon_full_params(writeback=False):
-        return {n: torch.equal(p.detach(), dict(reference.named_parameters())[n]) for n, p in model.named_parameters()}
+        return {
+            n: torch.equal(p.detach(), dict(reference.named_parameters())[n])
+            for n, p in model.named_parameters()
+        }
 
 
 def test_apply_at_the_end_of_the_constructor_initialises_partitioned_children():
     for equal in spawn(init_under_zero_init, 2):
-        assert all(equal.values()), equal  # std 0.02 and zero biases, as built whole (rank 0's draws)
+        assert all(equal.values()), (
+            equal
+        )  # std 0.02 and zero biases, as built whole (rank 0's draws)
 
 
 def write_after_init() -> list[str]:
     records = Records()
     with zengine.zero.Init():
         model = SelfInitNet()
-    nn.init.zeros_(model.fc1.weight)  # after Init: the parameter is an empty tensor, the write goes nowhere
+    nn.init.zeros_(
+        model.fc1.weight
+    )  # after Init: the parameter is an empty tensor, the write goes nowhere
     zengine.initialize(model=model, config=_stage3())
     return records.messages
 
@@ -90,27 +98,41 @@ def write_after_init() -> list[str]:
 def test_a_write_to_a_partitioned_parameter_is_named():
     for messages in spawn(write_after_init, 2):  # on every rank
         lost = [m for m in messages if "written in place while partitioned" in m]
-        assert len(lost) == 1 and "fc1.weight" in lost[0] and "GatheredParameters" in lost[0], messages
+        assert len(lost) == 1 and "fc1.weight" in lost[0] and "GatheredParameters" in lost[0], (
+            messages
+        )
         assert "fc2.weight" not in lost[0]
 
 
 def load_state_dict_between_steps(stage: int, precision: str) -> dict:
     torch.manual_seed(0)
     model = EdgeNet()
-    engine, *_ = zengine.initialize(model=model, config=engine_config(stage, precision, 1, dist.get_world_size()),
-                                    model_parameters=edge_param_groups(model, 1e-2))
+    engine, *_ = zengine.initialize(
+        model=model,
+        config=engine_config(stage, precision, 1, dist.get_world_size()),
+        model_parameters=edge_param_groups(model, 1e-2),
+    )
     batches = make_batches(2, MICRO * dist.get_world_size())
     train_global_batch(engine, batches[0], MICRO, 1)
     before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     # far from where training is (every key, so that the tied head and embedding agree)
-    engine.module.load_state_dict({k: (v.float() + 1.0).to(v.dtype) for k, v in model.state_dict().items()})
-    expect = {n: p.detach().float().clone() for n, p in model.named_parameters()}  # as stored in the dtype
+    engine.module.load_state_dict(
+        {k: (v.float() + 1.0).to(v.dtype) for k, v in model.state_dict().items()}
+    )
+    expect = {
+        n: p.detach().float().clone() for n, p in model.named_parameters()
+    }  # as stored in the dtype
     train_global_batch(engine, batches[1], MICRO, 1)
     after = {n: p.detach().float() for n, p in model.named_parameters()}
-    trained = [n for n, p in model.named_parameters() if p.requires_grad and n != "unused.weight"
-               and n != "unused.bias"]
-    return {"from_loaded": max((after[n] - expect[n]).abs().max().item() for n in trained),
-            "from_old": min((after[n] - before[n]).abs().max().item() for n in trained)}
+    trained = [
+        n
+        for n, p in model.named_parameters()
+        if p.requires_grad and n != "unused.weight" and n != "unused.bias"
+    ]
+    return {
+        "from_loaded": max((after[n] - expect[n]).abs().max().item() for n in trained),
+        "from_old": min((after[n] - before[n]).abs().max().item() for n in trained),
+    }
 
 
 @pytest.mark.parametrize("stage,precision", [(0, "bf16"), (1, "fp16"), (2, "bf16")])
@@ -127,8 +149,11 @@ def unfreeze_after_initialize(stage: int) -> dict:
     records = Records()
     torch.manual_seed(0)
     model = EdgeNet()
-    engine, *_ = zengine.initialize(model=model, config=engine_config(stage, "fp32", 1, dist.get_world_size()),
-                                    model_parameters=edge_param_groups(model, 1e-2))
+    engine, *_ = zengine.initialize(
+        model=model,
+        config=engine_config(stage, "fp32", 1, dist.get_world_size()),
+        model_parameters=edge_param_groups(model, 1e-2),
+    )
     batches = make_batches(2, MICRO * dist.get_world_size())
     train_global_batch(engine, batches[0], MICRO, 1)
     before = {n: p.detach().clone() for n, p in full_parameters(engine).items()}
@@ -139,8 +164,11 @@ def unfreeze_after_initialize(stage: int) -> dict:
     except UnfrozenParameterError as e:
         error = str(e)
     after = full_parameters(engine)
-    return {"error": error, "moved": [n for n in before if not torch.equal(before[n], after[n])],
-            "warned": [m for m in records.messages if "left out of model_parameters" in m]}
+    return {
+        "error": error,
+        "moved": [n for n in before if not torch.equal(before[n], after[n])],
+        "warned": [m for m in records.messages if "left out of model_parameters" in m],
+    }
 
 
 def full_parameters(engine) -> dict:
@@ -151,7 +179,11 @@ def full_parameters(engine) -> dict:
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_parameter_unfrozen_after_initialize_stops_the_run_by_name(stage):
     for r in spawn(unfreeze_after_initialize, 2, stage):
-        assert r["error"] is not None and "frozen.weight" in r["error"] and "frozen.bias" not in r["error"], r
+        assert (
+            r["error"] is not None
+            and "frozen.weight" in r["error"]
+            and "frozen.bias" not in r["error"]
+        ), r
         assert "Unfreeze before initialize" in r["error"]
         assert r["moved"] == [], r  # raised before the step updated anything
         assert r["warned"] == [], r
@@ -164,8 +196,11 @@ def left_out_of_model_parameters() -> list[str]:
     model = EdgeNet()
     groups = edge_param_groups(model, 1e-2)
     groups[1]["params"] = [p for p in groups[1]["params"] if p is not model.fc2.bias]
-    engine, *_ = zengine.initialize(model=model, config=engine_config(2, "fp32", 1, dist.get_world_size()),
-                                    model_parameters=groups)
+    engine, *_ = zengine.initialize(
+        model=model,
+        config=engine_config(2, "fp32", 1, dist.get_world_size()),
+        model_parameters=groups,
+    )
     for batch in make_batches(2, MICRO * dist.get_world_size()):
         train_global_batch(engine, batch, MICRO, 1)
     return [m for m in records.messages if "left out of model_parameters" in m]
@@ -185,8 +220,12 @@ def state_dict_at_stage3() -> dict:
         whole = copy.deepcopy(engine.module.state_dict())  # gathered already
     outside = engine.module.state_dict()  # gathered by the call
     same = all(torch.equal(whole[k], v) for k, v in outside.items())
-    return {"messages": records.messages, "whole": {k: tuple(v.shape) for k, v in whole.items()},
-            "outside": {k: tuple(v.shape) for k, v in outside.items()}, "same": same}
+    return {
+        "messages": records.messages,
+        "whole": {k: tuple(v.shape) for k, v in whole.items()},
+        "outside": {k: tuple(v.shape) for k, v in outside.items()},
+        "same": same,
+    }
 
 
 def test_state_dict_of_partitioned_parameters_is_whole():
