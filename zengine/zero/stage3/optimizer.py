@@ -104,7 +104,8 @@ class Stage3Optimizer(ZeroOptimizer):
     # -- forward and backward -------------------------------------------------------------------
     @contextlib.contextmanager
     def forward_context(self):
-        training = torch.is_grad_enabled() and self.module.training
+        # nothing to train (an engine without an optimizer): no step follows, so no forward is a training one
+        training = torch.is_grad_enabled() and self.module.training and bool(self.groups)
         self.fetcher.begin_step(training)
         with self.module_hooks.mode():
             yield
