@@ -95,6 +95,7 @@ class Stage3Optimizer(ZeroOptimizer):
             self.placement.params.swap
         )  # the parameter swap file, with offload_param nvme
         self.module_hooks = ModuleHooks(self.module, self.fetcher)
+        self.module_hooks.gather_before_gradient([sp for g in groups for sp in g.sharded])
         self._warned_state_dict = False
         # (torch marks the hook object itself, which a bound method cannot take: a plain function)
         self._state_dict_hook = self.module.register_state_dict_post_hook(
