@@ -12,6 +12,7 @@ from torch import nn
 
 from .config import ZengineConfig, load_config
 from .distributed.process_group import DEFAULT_PORT, ProcessRank, init_distributed
+from .engine.build import Training
 from .engine.engine import Engine
 
 
@@ -72,14 +73,16 @@ def _apply_timeout_to_existing_group(cfg: ZengineConfig) -> None:
         )
 
 
-def _refuse_unimplemented(cfg: ZengineConfig) -> None:
-    """Valid DeepSpeed settings whose feature zengine does not have yet: refused before any work."""
+def _refuse_unimplemented(cfg: ZengineConfig, trains: bool) -> None:
+    """Valid DeepSpeed settings whose feature zengine does not have yet: refused before any work.
+    ``trains``: the engine has an optimizer (without one, parameter offload stands alone)."""
     from .config import ConfigError
 
     zero = cfg.zero_optimization
     problems = []
     if (
-        zero.offload_param is not None
+        trains
+        and zero.offload_param is not None
         and zero.offload_param.enabled
         and not zero.offload_optimizer.enabled
     ):
@@ -95,7 +98,10 @@ def _refuse_unimplemented(cfg: ZengineConfig) -> None:
 
 
 def _refuse_untrainable(model: nn.Module) -> None:
-    """A model with nothing to train is a mistake (everything frozen, or built empty): say so before any work."""
+    """A model with nothing to train, given an optimizer, is a mistake (everything frozen, or built
+    empty): say so before any work. (DeepSpeed 0.19.8 fails there too at stages 1-3, with an
+    IndexError or a bare assertion, and at stage 0 builds an optimizer that changes nothing.) An engine
+    without an optimizer trains nothing by design and is not checked."""
     params = list(model.parameters())
     if not params:
         raise ValueError(
@@ -127,6 +133,10 @@ def initialize(
 ):
     """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
+    Without an optimizer (no ``optimizer=``, no ``"optimizer"`` section) the engine runs forward only
+    (a reference model, inference): sharded and saved as the config says, ``backward`` and ``step``
+    refused by name; the optimizer and scheduler returned are None.
+
     DeepSpeed's parameters in DeepSpeed's order (see docs/API.md for each); call it with keywords.
     ``initialize(model, config)``, with the model first, is also taken as meant. The config is
     validated before any work starts; the process group is initialised when it is not yet (on
@@ -150,7 +160,6 @@ def initialize(
         raise TypeError(
             f"zengine.initialize: model must be a torch.nn.Module, got {type(model).__name__}"
         )
-    _refuse_untrainable(model)
     source = _config_source(config, config_params, args)
     local_rank = getattr(args, "local_rank", None) if args is not None else None
     if local_rank is not None and local_rank >= 0 and "LOCAL_RANK" not in os.environ:
@@ -167,7 +176,10 @@ def initialize(
         )
     )
     cfg = load_config(source, world)
-    _refuse_unimplemented(cfg)
+    trains = Training.of(optimizer, cfg).has_optimizer  # else an engine for forward only
+    if trains:
+        _refuse_untrainable(model)
+    _refuse_unimplemented(cfg, trains)
     if torch.distributed.is_initialized():
         _apply_timeout_to_existing_group(cfg)
     elif dist_init_required is not False:
@@ -187,4 +199,6 @@ def initialize(
         training_data=training_data,
         collate_fn=collate_fn,
     )
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+    # without an optimizer there is none to give the script (DeepSpeed's stage 0 gives None too)
+    optimizer = engine.optimizer if engine.trains.has_optimizer else None
+    return engine, optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -30,8 +30,14 @@ def route_matmuls(
     return policy
 
 
-def named_param_groups(model: nn.Module, model_parameters, client_optimizer) -> list:
-    """(name, parameter) pairs and hyper-parameters of each param group; frozen and repeated ones left out."""
+def named_param_groups(
+    model: nn.Module, model_parameters, client_optimizer, training: "Training"
+) -> list:
+    """(name, parameter) pairs and hyper-parameters of each param group; frozen and repeated ones left
+    out. None without an optimizer: the engine trains nothing (as DeepSpeed, it ignores
+    ``model_parameters`` then; Lightning passes ``[]``)."""
+    if not training.has_optimizer:
+        return []
     names = {id(p): n for n, p in model.named_parameters()}
     if isinstance(client_optimizer, torch.optim.Optimizer):
         raw = client_optimizer.param_groups
@@ -63,6 +69,50 @@ def named_param_groups(model: nn.Module, model_parameters, client_optimizer) -> 
     return groups
 
 
+class NoOptimizerError(RuntimeError):
+    """``engine.backward`` or ``engine.step`` on an engine built without an optimizer (no
+    ``optimizer=`` and no ``"optimizer"`` section: a reference model, inference, evaluation)."""
+
+
+class Training:
+    """Whether the engine trains, chosen once at ``initialize``: with an optimizer (``optimizer=``
+    or the config's ``"optimizer"`` section) it runs backward and step; without one it is an engine
+    for forward only (DeepSpeed builds such an engine too: TRL's reference model, Lightning's
+    ``validate``/``test``/``predict`` and Fabric's ``setup_module``), which keeps the model placed
+    and sharded as the config says, saves and loads it, and refuses backward and step by name."""
+
+    def __init__(self, has_optimizer: bool):
+        self.has_optimizer = has_optimizer
+
+    @classmethod
+    def of(cls, client_optimizer, config: ZengineConfig) -> "Training":
+        """The engine trains when the script passes an optimizer or the config names one."""
+        return cls(client_optimizer is not None or config.optimizer is not None)
+
+    def require(self, what: str) -> None:
+        """Raise ``NoOptimizerError`` naming ``engine.<what>()`` when there is no optimizer."""
+        if not self.has_optimizer:
+            raise NoOptimizerError(
+                f"engine.{what}(): this engine was built without an optimizer (zengine.initialize had "
+                "no optimizer= and the config no \"optimizer\" section), so it runs forward, eval(), "
+                "save and load only. To train, pass optimizer= (a torch.optim.Optimizer or a "
+                "callable(params)) or add an \"optimizer\" section to the config"
+            )
+
+
+class NoOptimizer(torch.optim.Optimizer):
+    """The wrapped optimizer of an engine without one: no param groups, no state. ``step`` raises
+    (the engine refuses earlier, by name: ``Training.require``)."""
+
+    def __init__(self):
+        super().__init__([{"params": []}], {})  # (torch refuses an empty list of parameters)
+        self.param_groups.clear()
+
+    def step(self, closure=None):
+        """Refused: there is nothing to step."""
+        Training(False).require("step")
+
+
 def optimizer_factory(client_optimizer, config: ZengineConfig):
     """A function (flat shard param groups, cpu_offload) -> the wrapped torch optimizer."""
     if isinstance(client_optimizer, torch.optim.Optimizer):
@@ -81,17 +131,24 @@ def optimizer_factory(client_optimizer, config: ZengineConfig):
                 "zengine.initialize: optimizer must be a torch.optim.Optimizer or a callable(params)"
             )
         return lambda groups, cpu_offload=False: client_optimizer(groups)
-    if config.optimizer is None:
-        raise ValueError(
-            "zengine.initialize: no optimizer; pass optimizer= or add an \"optimizer\" section "
-            "to the config"
-        )
+    if config.optimizer is None:  # an engine for forward only (Trainings.NONE)
+        return lambda groups, cpu_offload=False: NoOptimizer()
     return lambda groups, cpu_offload=False: build_optimizer(
         config.optimizer.type, config.optimizer.params, groups, cpu_offload=cpu_offload
     )
 
 
-def make_scheduler(lr_scheduler, config: ZengineConfig, optimizer):
+def make_scheduler(lr_scheduler, config: ZengineConfig, optimizer, training: "Training"):
+    """The LR schedule: the script's (an object, or a callable given the wrapped torch optimizer), else
+    the config's section, else None. Without an optimizer there is nothing to schedule: None, and a
+    schedule given is named in a warning (DeepSpeed ignores it silently)."""
+    if not training.has_optimizer:
+        if lr_scheduler is not None or config.scheduler is not None:
+            logger.warning(
+                "zengine.initialize: no optimizer, so the LR scheduler given (lr_scheduler= or the "
+                "config's \"scheduler\" section) is not used"
+            )
+        return None
     if lr_scheduler is not None:
         # A callable gets the wrapped torch optimizer (as in DeepSpeed), so torch's own schedulers work.
         return lr_scheduler if hasattr(lr_scheduler, "step") else lr_scheduler(optimizer.optimizer)

@@ -47,6 +47,7 @@ from ..zero.stages import shard_group
 from .accumulation import Accumulation
 from .backward import BackwardTracker
 from .build import (
+    Training,
     UntrainedParameters,
     make_dataloader,
     make_scheduler,
@@ -123,7 +124,8 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
         # stage 3 (MiCS: over shard groups): cut one parameter at a time
         place_model(model, config.zero_optimization.stage, config.compute_dtype, ranks)
         self.matmul = route_matmuls(model, config, process_rank)  # bf16 on a CPU without it: fp32
-        named_groups = named_param_groups(model, model_parameters, optimizer)
+        self.trains = Training.of(optimizer, config)  # without an optimizer: forward only
+        named_groups = named_param_groups(model, model_parameters, optimizer, self.trains)
         self._untrained = UntrainedParameters(
             model, named_groups
         )  # named at the step if unfrozen later
@@ -143,7 +145,7 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
             ranks,
             self._backward.on_param_grad,
         )
-        self.lr_scheduler = make_scheduler(lr_scheduler, config, self.optimizer)
+        self.lr_scheduler = make_scheduler(lr_scheduler, config, self.optimizer, self.trains)
         self.training_dataloader = (
             make_dataloader(training_data, config, process_rank, collate_fn)
             if training_data is not None
@@ -206,6 +208,7 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
         ``scale_wrt_gas=False`` (HF's Trainer): the loss is already divided by the accumulation steps; the
         pass is recorded as carrying that division, so the step does not divide again."""
         self._check_alive("backward")
+        self.trains.require("backward")
         # scale_wrt_gas=False: the caller divided by the accumulation steps already
         factor = self.grad_factor.loss_factor() if scale_wrt_gas else self.scaler.scale
         carried = None if scale_wrt_gas else self.grad_factor.divided_loss_carries()
@@ -235,6 +238,7 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
         rank; a ``step()`` with no backward since the last one does nothing and is not counted.
         """
         self._check_alive("step")
+        self.trains.require("step")
         if self._no_sync:
             raise RuntimeError(
                 "engine.step() was called inside engine.no_sync(); leave the context first "

@@ -23,6 +23,7 @@ from ..log import setup_logging
 
 if TYPE_CHECKING:
     from ..config import ZengineConfig
+    from .build import Training
 
 _logger = setup_logging()
 
@@ -33,6 +34,7 @@ class CheckpointMembers:
 
     config: "ZengineConfig"
     global_rank: int
+    trains: "Training"
 
     def save_checkpoint(
         self,
@@ -82,14 +84,15 @@ class CheckpointMembers:
         weights-only (tensors, plain values): other objects (in ``client_state``) raise
         ``CheckpointUntrustedError`` unless ``trust_client_state=True``, which may run the file's code.
         ``load_module_strict=False``: parameters and buffers the checkpoint lacks keep their values, those it
-        alone has are ignored (both logged); a reshaped one still raises."""
+        alone has are ignored (both logged); a reshaped one still raises. An engine without an optimizer
+        loads the model alone (as DeepSpeed's does)."""
         with agreement.collective_call("load_checkpoint"):
             background.wait(self)  # an asynchronous save still writing: published (or failed) first
             return checkpoint.load_checkpoint(
                 self,
                 load_dir,
                 tag,
-                load_optimizer_states,
+                load_optimizer_states and self.trains.has_optimizer,
                 load_lr_scheduler_states,
                 load_module_only,
                 missing_ok,

@@ -172,10 +172,12 @@ def _read(
                 {n for kind in ("params", "buffers") for n in meta[kind] if n not in ours[kind]},
             )
         state = reader.read_state(trusted)
-        if with_optimizer and state["optimizer"] and len(state["optimizer"]) != len(opt.groups):
+        saved_groups = len(state["optimizer"] or [])  # 0: written by an engine without an optimizer
+        if with_optimizer and saved_groups != len(opt.groups):
             raise CheckpointMismatchError(
-                f"checkpoint {directory} has {len(state['optimizer'])} optimizer param "
-                f"groups, the engine {len(opt.groups)}"
+                f"checkpoint {directory} has {saved_groups} optimizer param groups, the engine "
+                f"{len(opt.groups)}; load_checkpoint(..., load_optimizer_states=False) loads the "
+                "model alone"
             )
         for gi, master in enumerate(holdings.masters(opt, engine.world_size, saving=False)):
             reader.fill(_present(master, lacking), ("master", "param"))

@@ -15,6 +15,14 @@ caught by a torch-function mode that is active during the engine's forward:
 an op that receives a sharded parameter gathers it first, the running
 module releases it when it finishes, and the op's outputs are hooked to
 gather it again for backward.
+
+A gradient reaches a trainable parameter's accumulator only whole: autograd checks it against the
+parameter's shape there. One that arrives while the parameter is sharded gathers it first
+(``gather_before_gradient``): an op read the parameter where no hook saw it, such as TRL's fused
+loss, which reads ``lm_head.weight`` inside an ``autograd.Function`` under ``GatheredParameters``
+and releases it again before its backward returns the gradient. DeepSpeed keeps such a parameter
+gathered through the backward of the module whose forward read it (an "external parameter"); the
+gradient hook releases ours once its gradient is reduced.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .fetcher import Fetcher
 from .leaf import z3_leaf_module
-from .param import ShardedParam, lookup
+from .param import ParamState, ShardedParam, lookup
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
@@ -158,6 +166,24 @@ class ModuleHooks:
 
     def mode(self) -> "ExternalParamMode":
         return ExternalParamMode(self)
+
+    def gather_before_gradient(self, params: list[ShardedParam]) -> None:
+        """Hook each of ``params`` (the trainable ones) so that its gradient finds it whole (see the
+        module's docstring); a no-op check when the module hooks gathered it, as they usually do."""
+        for sp in params:
+            if sp.param.requires_grad:
+                self.handles.append(sp.param.register_hook(self._whole_before_gradient(sp)))
+
+    def _whole_before_gradient(self, sp: ShardedParam) -> Callable:
+        def gather(sp: ShardedParam) -> None:
+            with self.own_work():
+                self.fetcher.fetch([sp], sp.name + " (gradient)")
+
+        def hook(grad: torch.Tensor) -> None:
+            if sp.state is ParamState.SHARDED:
+                self.wrap(gather)(sp)  # (compiled autograd: eager, as the other backward gathers)
+
+        return hook
 
     def backward_done(self) -> None:
         """A backward ended: a later backward through a retained graph fetches again."""

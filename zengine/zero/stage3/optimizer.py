@@ -93,6 +93,7 @@ class Stage3Optimizer(ZeroOptimizer):
             self.placement.params.swap
         )  # the parameter swap file, with offload_param nvme
         self.module_hooks = ModuleHooks(self.module, self.fetcher)
+        self.module_hooks.gather_before_gradient([sp for g in groups for sp in g.sharded])
         # (torch marks the hook object itself, which a bound method cannot take: a plain function)
         self._state_dict_hook = self.module.register_state_dict_post_hook(
             lambda module, state_dict, prefix, local_metadata: self._on_state_dict(
@@ -103,7 +104,8 @@ class Stage3Optimizer(ZeroOptimizer):
     # -- forward and backward -------------------------------------------------------------------
     @contextlib.contextmanager
     def forward_context(self):
-        training = torch.is_grad_enabled() and self.module.training
+        # nothing to train (an engine without an optimizer): no step follows, so no forward is a training one
+        training = torch.is_grad_enabled() and self.module.training and bool(self.groups)
         self.fetcher.begin_step(training)
         with self.module_hooks.mode():
             yield
