@@ -202,6 +202,7 @@ def test_next_save_removes_stale_staging_folders(record):
             "latest",
             "next",
             "zero_to_fp32.py",
+            "zero_to_torch.py",
         ], out["listing"]
         assert "reserved" in _raised(out["reserved_tag"], "ValueError")
         kind, directory, steps = out["good"]

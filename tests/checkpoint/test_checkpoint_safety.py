@@ -172,7 +172,7 @@ def test_bad_inputs(tmp_path):
     for rank, out in enumerate(spawn(bad_inputs, 2, str(tmp_path))):
         assert out["no_latest"] == (None, None) and out["no_tag"] == (None, None)
         assert "No space left on device" in out["full_disk"] and "untouched" in out["full_disk"]
-        assert out["listing"] == ["good", "latest", "zero_to_fp32.py"], (
+        assert out["listing"] == ["good", "latest", "zero_to_fp32.py", "zero_to_torch.py"], (
             "a failed save left files behind or moved 'latest'"
         )
         for expected in (
