@@ -93,7 +93,9 @@ def init_to_nvme(directory: str) -> dict:
     from zengine.zero.stage3.param import lookup
 
     sharded = [lookup(p) for p in model.parameters()]
-    in_file = all(sp is not None and sp.shard is None and sp.store is not None for sp in sharded)
+    in_file = all(
+        sp is not None and sp.shard is None and sp.swap_file is not None for sp in sharded
+    )
     with zengine.zero.GatheredParameters(
         model.fc1.bias, modifier_rank=0
     ):  # written back to the file

@@ -274,7 +274,7 @@ class MastersInMemory:
     def write_params(self, copied: bool) -> None:
         """After the step: the compute-dtype parameters from the masters (unless ``copied``)."""
         for g, master in zip(self.groups, self.masters):
-            self.params.store(g, master, copied=copied)
+            self.params.write_params(g, master, copied=copied)
 
     def note_params_written(self) -> None:
         """zengine wrote the parameters: later writes are someone else's

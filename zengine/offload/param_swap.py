@@ -338,7 +338,7 @@ class GrowingSwap(ParamSwap):
                     f"offload_param.nvme_path elsewhere",
                 ) from e
             self.file.size = size
-        sp.move_to_store(self, elem, False)
+        sp.move_to_swap(self, elem, False)
         self.live += 1
 
     def take_copy(self, sp) -> torch.Tensor:

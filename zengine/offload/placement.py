@@ -89,9 +89,9 @@ class ParamsHome(Protocol):
 
     def master(self, group: "ParamGroup", optimizer: OptimizerHome) -> torch.Tensor: ...
 
-    def store(self, group: "ParamGroup", master: torch.Tensor, copied: bool) -> None: ...
+    def write_params(self, group: "ParamGroup", master: torch.Tensor, copied: bool) -> None: ...
 
-    def store_one(self, group: "ParamGroup", pi: int, master: torch.Tensor) -> None: ...
+    def write_param(self, group: "ParamGroup", pi: int, master: torch.Tensor) -> None: ...
 
     def load(self, group: "ParamGroup", master: torch.Tensor) -> None: ...
 
@@ -256,13 +256,13 @@ class ParamsInMemory:
 
     copies_out = True  # the optimizer may write the parameters while stepping (CPUAdam's copy-out)
 
-    def store(self, group, master: torch.Tensor, copied: bool) -> None:
+    def write_params(self, group, master: torch.Tensor, copied: bool) -> None:
         """After the step: the compute-dtype shard from the fp32 ``master`` (unless ``copied`` already)."""
         owned = group.owned_params()
         if not copied and owned.data_ptr() != master.data_ptr():
             owned.copy_(master)
 
-    def store_one(self, group, pi: int, master: torch.Tensor) -> None:
+    def write_param(self, group, pi: int, master: torch.Tensor) -> None:
         """After ``safe_set_full_fp32_param`` set parameter ``pi``'s part of ``master``: nothing more to
         write (the caller copied it into the shard)."""
 
@@ -303,12 +303,12 @@ class ParamsOnNVMe(ParamsInMemory):
         group.read_into(master, WRITE_CHUNK)
         return master
 
-    def store(self, group, master: torch.Tensor, copied: bool) -> None:
+    def write_params(self, group, master: torch.Tensor, copied: bool) -> None:
         group.write_from(master, WRITE_CHUNK)
 
-    def store_one(self, group, pi: int, master: torch.Tensor) -> None:
+    def write_param(self, group, pi: int, master: torch.Tensor) -> None:
         sp, off = group.sharded[pi], group.offsets[pi]
-        sp.store.write_shard(sp, master[off : off + sp.chunk])
+        sp.swap_file.write_shard(sp, master[off : off + sp.chunk])
 
     def load(self, group, master: torch.Tensor) -> None:
         group.read_into(master, WRITE_CHUNK)

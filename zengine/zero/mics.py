@@ -9,7 +9,7 @@ the group; the gradients are reduce-scattered inside the group and the resulting
 all-reduced across the *replica group* (the W / m ranks holding the same shard, one per shard
 group). Memory per rank is the stage-3 formula with m in place of W.
 
-Everything that shards (the fetcher, the gradient buckets, zero.Init's cuts) sees ``Ranks(world=m,
+Everything that shards (the fetcher, the gradient buckets, zero.Init's cuts) sees ``ShardGroup(world=m,
 rank=rank % m, group=shard group)``; ``Replication`` tells the optimizer the rest: how many copies
 of each shard exist, which one this rank holds, and the replica group for the gradient all-reduce;
 the default group (MiCS cuts the whole world) serves the step's agreement (norm, ranks in step,

@@ -64,8 +64,9 @@ from .step_stats import RankValues, StepStats, first_nonfinite, gather_stats
 
 
 @dataclass(frozen=True)
-class Ranks:
-    """This rank in the data-parallel group the optimizer shards over."""
+class ShardGroup:
+    """This rank in the group the model states are sharded over (built from the process's
+    ``ProcessRank`` by ``stages.shard_group``; with MiCS a shard group smaller than the world)."""
 
     world: int
     rank: int
@@ -167,7 +168,7 @@ class ZeroOptimizer(ZeROOptimizer):
         make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
         grad_factor: GradFactor,
         rules: StepRules,
-        ranks: Ranks,
+        ranks: ShardGroup,
         on_unbracketed_grad: Callable[[], None] = lambda: None,
         participant: StepParticipant = NoParticipant(),
     ):

@@ -9,10 +9,10 @@ from torch import nn
 
 from ..distributed import collectives
 from ..precision.cast import cast_module
-from .optimizer import Ranks
+from .optimizer import ShardGroup
 
 
-def place_model(model: nn.Module, stage: int, dtype: torch.dtype, ranks: Ranks) -> None:
+def place_model(model: nn.Module, stage: int, dtype: torch.dtype, ranks: ShardGroup) -> None:
     """Put the model on the compute device in the compute dtype, every replica starting from rank
     0's values.
 

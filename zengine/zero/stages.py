@@ -20,20 +20,20 @@ from .flat_buckets import sharded_gradients
 from .grads import FullGradients, buckets_in_flight
 from .nonfinite import NonFinitePolicy
 from .mics import sharding
-from .optimizer import Ranks, StepRules, ZeroOptimizer
+from .optimizer import ShardGroup, StepRules, ZeroOptimizer
 
 if TYPE_CHECKING:  # annotations only
     from ..config import ZengineConfig
     from ..config.zero import ZeroConfig
 
 
-def shard_group(zero_cfg: ZeroConfig, process_rank: ProcessRank) -> Ranks:
+def shard_group(zero_cfg: ZeroConfig, process_rank: ProcessRank) -> ShardGroup:
     """The ranks the model states are sharded over, from this process's rank record: all ranks
     of the default group, or with MiCS (``mics_shard_size``) this rank's shard group, the copies
-    across groups in ``Ranks.replication``."""
+    across groups in ``ShardGroup.replication``."""
     world, rank = process_rank.world_size, process_rank.rank
     size, shard_rank, group, replication = sharding(zero_cfg, world, rank)
-    return Ranks(size, shard_rank, process_rank.device, group, replication)
+    return ShardGroup(size, shard_rank, process_rank.device, group, replication)
 
 
 def build_zero_optimizer(
@@ -42,7 +42,7 @@ def build_zero_optimizer(
     named_groups: Sequence[tuple[list[tuple[str, nn.Parameter]], dict]],
     make_optimizer: Callable,
     grad_factor: GradFactor,
-    ranks: Ranks,
+    ranks: ShardGroup,
     on_unbracketed_grad: Callable[[], None] = lambda: None,
 ) -> ZeroOptimizer:
     """Flatten each group's trainable parameters and assemble the optimizer for the config's stage.

@@ -22,7 +22,7 @@ from ..grad_dtypes import GradDtypes
 from ..grads import buckets_in_flight
 from ..init import warn_lost_writes
 from ..mics import MicsConfigError
-from ..optimizer import Ranks, StepRules
+from ..optimizer import ShardGroup, StepRules
 from .fetcher import Fetcher, compute_codec
 from .hierarchical import secondary_partition
 from .trace import read_ahead_for
@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # annotations only
 
 
 def shard_parameters(
-    module: nn.Module, zero_cfg: ZeroConfig, dtype: torch.dtype, ranks: Ranks
+    module: nn.Module, zero_cfg: ZeroConfig, dtype: torch.dtype, ranks: ShardGroup
 ) -> list[ShardedParam]:
     """Every parameter of ``module`` as a ``ShardedParam`` (those ``zero.Init`` partitioned already keep
     theirs, gathered in the compute dtype), with its persistence decided."""
@@ -74,7 +74,7 @@ def build_stage3_optimizer(
     make_optimizer: Callable,
     grad_factor: GradFactor,
     rules: StepRules,
-    ranks: Ranks,
+    ranks: ShardGroup,
     on_unbracketed_grad: Callable[[], None],
 ) -> Stage3Optimizer:
     """The stage-3 optimizer over ``module`` for ``config`` (a ``ZengineConfig``); arguments as

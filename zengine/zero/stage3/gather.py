@@ -140,7 +140,7 @@ def copy_in(
     notes the reads."""
     for sp in params:  # shards on NVMe: every read in flight at once
         if sp.shard is None:
-            sp.store.start_read(sp)
+            sp.swap_file.start_read(sp)
     if not direct and all(sp.shard is not None and sp.shard.device == device for sp in params):
         # shards on the device: one multi-tensor copy into this rank's row, not a launch per shard
         torch._foreach_copy_(
@@ -150,10 +150,10 @@ def copy_in(
     col = 0
     for sp in params:
         # host memory with offload_param
-        source = sp.shard if sp.shard is not None else sp.store.take(sp)
+        source = sp.shard if sp.shard is not None else sp.swap_file.take(sp)
         row[col : col + sp.chunk].copy_(source, non_blocking=True)
         if sp.shard is None:
-            sp.store.give_back(sp)
+            sp.swap_file.give_back(sp)
         col += sp.chunk
     return False
 

@@ -62,7 +62,7 @@ class ShardedParamGroup:
             self.base = swap.add_group(self.shard_numel)
             for sp, off in zip(self.sharded, self.offsets):
                 swap.check_fits(sp.name, round_up(sp.chunk, align))
-                sp.move_to_store(swap, self.base + off, swap.keep_resident(sp.chunk))
+                sp.move_to_swap(swap, self.base + off, swap.keep_resident(sp.chunk))
         self.used = [False] * len(self.params)
         self._refresh = refresh
 

@@ -172,7 +172,7 @@ class Stage3Optimizer(ZeroOptimizer):
         gathered shows ``value`` too."""
         g = self.groups[gi]
         sp = g.sharded[pi]
-        self.placement.params.store_one(
+        self.placement.params.write_param(
             g, pi, self.masters[gi]
         )  # an NVMe shard from the master just set
         if sp.state is ParamState.GATHERED:

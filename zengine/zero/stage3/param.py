@@ -105,7 +105,7 @@ class ShardedParam:
         )
         # NVMe offload (offload/param_swap.py): the swap that holds the shard, and its first element there; ``shard`` is
         # then None, or a resident copy (max_in_cpu)
-        self.store = None
+        self.swap_file = None
         self.file_elem = 0
         self.full = torch.empty(
             world * self.chunk, dtype=param.dtype, device=param.device
@@ -151,7 +151,7 @@ class ShardedParam:
         chunk it held before when it was already sharded, e.g. by zero.Init)."""
         with torch.no_grad():
             shard.copy_(self.current_shard())
-        self._leave_store()
+        self._leave_swap()
         self.shard = shard
 
     def current_shard(self) -> torch.Tensor:
@@ -161,10 +161,10 @@ class ShardedParam:
             return self.full.narrow(0, self.rank * self.chunk, self.chunk)
         if self.shard is not None:
             return self.shard
-        return self.store.take_copy(self)
+        return self.swap_file.take_copy(self)
 
-    def move_to_store(self, store, elem: int, resident: bool) -> None:
-        """Make ``store`` (an NVMe swap) the home of this rank's chunk, at element ``elem``; with
+    def move_to_swap(self, swap_file, elem: int, resident: bool) -> None:
+        """Make ``swap_file`` (an NVMe swap) the home of this rank's chunk, at element ``elem``; with
         ``resident`` a copy stays in host memory too."""
         with torch.no_grad():
             value = self.current_shard()
@@ -172,17 +172,17 @@ class ShardedParam:
                 resident
             ):  # a cache of the file in host memory, as it holds it (pinned where the swap pins)
                 value = pinned.empty(
-                    self.chunk, store.dtype, kind=pinned.PARAMETERS, pin=store.pin
+                    self.chunk, swap_file.dtype, kind=pinned.PARAMETERS, pin=swap_file.pin
                 ).copy_(value)
-            self._leave_store()
-            self.store, self.file_elem = store, elem
+            self._leave_swap()
+            self.swap_file, self.file_elem = swap_file, elem
             self.shard = value if resident else None
-            store.write_shard(self, value)
+            swap_file.write_shard(self, value)
 
-    def _leave_store(self) -> None:
-        if self.store is not None:
-            self.store.forget(self)
-        self.store = None
+    def _leave_swap(self) -> None:
+        if self.swap_file is not None:
+            self.swap_file.forget(self)
+        self.swap_file = None
 
     def retype(self, dtype: torch.dtype, device: torch.device) -> None:
         """Gather into ``dtype`` on ``device`` from now on (a sharded parameter adopted by an engine)."""
@@ -227,8 +227,8 @@ class ShardedParam:
         """Copy this rank's chunk of the (modified) full data into the shard."""
         with torch.no_grad():
             mine = self.full.narrow(0, self.rank * self.chunk, self.chunk)
-            if self.store is not None:
-                self.store.write_shard(self, mine)  # updates the resident copy too
+            if self.swap_file is not None:
+                self.swap_file.write_shard(self, mine)  # updates the resident copy too
             else:
                 self.shard.copy_(mine)
 

@@ -19,7 +19,7 @@ from ...distributed import collectives
 from .param import ShardedParam, lookup, register
 
 if TYPE_CHECKING:
-    from ..optimizer import Ranks
+    from ..optimizer import ShardGroup
 
 
 def partition(
@@ -56,7 +56,9 @@ def partition(
     return made
 
 
-def partition_model(model: nn.Module, dtype: torch.dtype, ranks: "Ranks") -> list[ShardedParam]:
+def partition_model(
+    model: nn.Module, dtype: torch.dtype, ranks: "ShardGroup"
+) -> list[ShardedParam]:
     """Cut ``model``'s parameters not yet partitioned (by ``zero.Init``) over the shard group
     ``ranks`` (MiCS: this rank's shard group), in the compute ``dtype`` on its device."""
     return partition(list(model.named_parameters()), ranks.device, dtype, ranks.world, ranks.rank)

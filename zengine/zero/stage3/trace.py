@@ -240,7 +240,7 @@ class SwapReadAhead:
                 for sp in params
                 if sp.state is ParamState.SHARDED
                 and sp.shard is None
-                and sp.store is self.swap
+                and sp.swap_file is self.swap
                 and not in_flight(sp)
             ]
             if todo and not self.swap.prefetch(todo):
