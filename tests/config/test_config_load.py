@@ -208,44 +208,7 @@ def test_auto_outside_batch_keys_explains_itself():
 
 # Hugging Face's documented ZeRO-3 config with offload, as its docs print it: the Trainer fills the
 # "auto" values only after the model is built, so zero.Init sees them as they are here.
-HF_ZERO3 = {
-    "fp16": {
-        "enabled": "auto",
-        "loss_scale": 0,
-        "loss_scale_window": 1000,
-        "initial_scale_power": 16,
-        "hysteresis": 2,
-        "min_loss_scale": 1,
-    },
-    "optimizer": {
-        "type": "AdamW",
-        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
-    },
-    "scheduler": {
-        "type": "WarmupLR",
-        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
-    },
-    "zero_optimization": {
-        "stage": 3,
-        "offload_optimizer": {"device": "cpu", "pin_memory": True},
-        "offload_param": {"device": "cpu", "pin_memory": True},
-        "overlap_comm": True,
-        "contiguous_gradients": True,
-        "sub_group_size": 1e9,
-        "reduce_bucket_size": "auto",
-        "stage3_prefetch_bucket_size": "auto",
-        "stage3_param_persistence_threshold": "auto",
-        "stage3_max_live_parameters": 1e9,
-        "stage3_max_reuse_distance": 1e9,
-        "stage3_gather_16bit_weights_on_model_save": True,
-    },
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "steps_per_print": 2000,
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
-    "wall_clock_breakdown": False,
-}
+HF_ZERO3 = json.loads((REPO / "tests" / "fixtures" / "hf" / "ds_config_zero3.json").read_text())
 
 
 def test_auto_in_the_zero_section_takes_deepspeeds_default_at_zero_init():
