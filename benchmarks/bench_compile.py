@@ -3,7 +3,7 @@
     python benchmarks/bench_compile.py [--backend inductor] [--warmup 3] [--steps 5] [--rounds 1] [--paired]
                                        [--contenders ddp,ddp-compiled,zengine-2,zengine-2-compiled,...]
 
-The model and data are bench_zero.py's (``bench20m``: the main job's GPT at 21M parameters, fp32, AdamW,
+The model and data are zero_contenders.py's (``bench20m``: the main job's GPT at 21M parameters, fp32, AdamW,
 micro batch 4 per rank, CPU gloo ranks). Contenders:
 
 - ``ddp`` / ``ddp-compiled``: torch DistributedDataParallel, eager / ``torch.compile(ddp_model)``
@@ -76,7 +76,15 @@ from common import (
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_zero import BUCKET, MB, batch_for, build_fsdp2, torch_adamw, torch_steps, zero_config  # noqa: E402
+from zero_contenders import (
+    BUCKET,
+    MB,
+    batch_for,
+    build_fsdp2,
+    torch_adamw,
+    torch_steps,
+    zero_config,
+)  # noqa: E402
 from zengine import models  # noqa: E402
 from zengine.models import GPT, ByteWindows  # noqa: E402
 

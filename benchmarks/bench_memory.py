@@ -9,7 +9,7 @@ AdamW (lr 1e-4), micro batch 2 (``torch.randn(2, width)``, loss ``out.pow(2).mea
 reduce_bucket_size = allgather_bucket_size = 5e6, ``--steps`` training steps. Contenders:
 
 - ``zengine-0/1/2/3``: zengine ZeRO stage 0-3; stage 3 with DeepSpeed's default stage-3 settings
-  (``bench_zero.STAGE3``: prefetch bucket 5e7, max live parameters 1e9, max reuse distance 1e9,
+  (``zero_contenders.STAGE3``: prefetch bucket 5e7, max live parameters 1e9, max reuse distance 1e9,
   persistence threshold 1e5);
 - ``zengine-3-small``: stage 3 with prefetch bucket 5e6, max live 1e7, max reuse distance 1e7,
   persistence threshold 1e5; ``zengine-3-init``: the same, the model built inside ``zengine.zero.Init()``;
@@ -74,7 +74,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 # Shared with the step-time benchmark: DeepSpeed's default stage-3 settings, the launcher's helpers and
 # the tensor counting used for contenders that have no engine.memory_breakdown().
-from bench_zero import STAGE3, optimizer_state_tensors, tensors_reachable, unique_bytes  # noqa: E402
+from zero_contenders import STAGE3, optimizer_state_tensors, tensors_reachable, unique_bytes  # noqa: E402
 
 LR = 1e-4
 MICRO_BATCH = 2
