@@ -202,6 +202,19 @@ def test_shm(bench, tmp_path):
     assert sum(line.startswith("| 1 |") for line in lines) == 3  # three collectives at 1 MiB
 
 
+def test_gather_units(bench, tmp_path):
+    bench("bench_gather_units").main(
+        ["--world", "2", "--model", "tiny", "--warmup", "1", "--steps", "2", "--rounds", "1"]
+        + ["--contenders", "auto,module,leaf-blocks", "--out", str(tmp_path)]
+    )
+    lines = report(tmp_path).read_text().splitlines()
+    assert [line.split("|")[1].strip() for line in lines if line.startswith("| ")][1:] == [
+        "auto",
+        "module",
+        "leaf-blocks",
+    ]
+
+
 def test_zero(bench, tmp_path):
     bench("bench_zero").main(
         ["--smoke", "--world", "2", "--contenders", "zengine-2", "--out", str(tmp_path)]

@@ -23,8 +23,11 @@ def _sharded(name: str, numel: int) -> ShardedParam:
     return sp
 
 
-def _recorded(units: list[list[ShardedParam]], prefetch: int = 100, reuse: int = 0) -> Trace:
-    trace = Trace(prefetch, reuse, rank=1)
+def _recorded(
+    units: list[list[ShardedParam]], prefetch: int = 100, reuse: int = 0, coalesce: bool = False
+) -> Trace:
+    """A trace recorded over ``units`` (one collective per unit unless ``coalesce``)."""
+    trace = Trace(prefetch, reuse, rank=1, coalesce=coalesce)
     trace.begin_step(training=True)
     for i, unit in enumerate(units):
         trace.note(unit, f"u{i}")
@@ -46,6 +49,24 @@ def test_the_trace_prefetches_what_follows_within_the_budget_and_the_room():
     trace.note([c], "u2")  # departs from the trace: on demand for the rest of the step
     assert not trace.following and trace.upcoming() == []
     assert list(trace.prefetches(0, 10**9, lambda sp: False)) == []
+
+
+def test_coalesced_units_prefetch_as_whole_groups():
+    a, b, c, d, e = (_sharded(n, 10) for n in "abcde")
+    trace = _recorded([[a], [b], [c], [d], [e]], prefetch=25, coalesce=True)
+    assert trace.group_end == [2, 2, 4, 4, 5]  # 20 elements a group: two units under the 25
+    trace.begin_step(training=True)
+    trace.note([a], "u0")
+    assert trace.rest_of_group(lambda sp: False) == [b]  # the fetch of a takes b along
+    # (were b not taken along) b alone, then c+d would pass the 25-element budget: not started
+    assert list(trace.prefetches(0, 10**9, lambda sp: False)) == [("u1 (prefetch)", [b])]
+    # b is whole now (a's fetch took it along) and c still is (its module runs): c+d is not
+    # gathered in pieces, the walk waits until all of it is sharded
+    b.state = c.state = ParamState.GATHERED
+    assert [todo for _, todo in trace.prefetches(0, 10**9, lambda sp: False)] == []
+    c.state = ParamState.SHARDED
+    assert list(trace.prefetches(0, 10**9, lambda sp: False)) == [("u2 +1 units (prefetch)", [c, d])]
+    b.state = ParamState.SHARDED
 
 
 def test_a_released_parameter_is_kept_when_the_trace_fetches_it_again_soon():

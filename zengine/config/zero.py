@@ -180,6 +180,16 @@ class ZeroConfig(_Section):
         1_000_000_000,
         description="Keep a gathered parameter if it is used again within this many elements.",
     )
+    stage3_gather_units: Literal["auto", "module"] = Field(
+        "auto",
+        description=(
+            "zengine only: how stage 3 groups its parameter gathers once the first step's order is "
+            "recorded. 'auto': consecutive modules' parameters travel as one collective, in groups of "
+            "up to stage3_prefetch_bucket_size elements (about a transformer block at the defaults, as "
+            "FSDP2's per-block units); 'module': one collective per module (or leaf module), as "
+            "DeepSpeed. The values are exact either way; leaf modules are honoured in both."
+        ),
+    )
     stage3_gather_16bit_weights_on_model_save: Flag = Field(
         False, description="Gather the full 16-bit weights when saving the model."
     )

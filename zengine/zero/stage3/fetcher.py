@@ -89,7 +89,10 @@ class Fetcher:
         self.device = device  # the compute device: the checks' messages travel there
         self.max_live = int(zero_cfg.stage3_max_live_parameters)
         self.trace = Trace(
-            int(zero_cfg.stage3_prefetch_bucket_size), int(zero_cfg.stage3_max_reuse_distance), rank
+            int(zero_cfg.stage3_prefetch_bucket_size),
+            int(zero_cfg.stage3_max_reuse_distance),
+            rank,
+            coalesce=getattr(zero_cfg, "stage3_gather_units", "auto") == "auto",
         )
         self.order_check = order_check(zero_cfg, device, comm_group, rank, world)
         self.holds = Holds()
@@ -151,8 +154,11 @@ class Fetcher:
         for gather in self.holds.gathers_of(params):
             self._finish(gather)
         if todo:
-            self.order_check.before(todo, tag)
-            self._finish(self._start(todo, tag, exact=exact))
+            # opening a gather group of the trace: the rest of the group travels in this collective
+            rest = [] if exact else self._rest_of_group(todo)
+            label = tag if not rest else f"{tag} +{len(rest)} of its group"
+            self.order_check.before(todo + rest, label)
+            self._finish(self._start(todo + rest, label, exact=exact))
         self.holds.hold(params)
         self._prefetch_ahead()
 
@@ -226,6 +232,16 @@ class Fetcher:
         for label, todo in self.trace.prefetches(in_flight, room, self.holds.in_flight):
             self.order_check.before(todo, label)
             self._start(todo, label)
+
+    def _rest_of_group(self, todo: list[ShardedParam]) -> list[ShardedParam]:
+        """The rest of the current gather group, when it fits the live limit beside ``todo``."""
+        ids = {id(sp) for sp in todo}
+        rest = [sp for sp in self.trace.rest_of_group(self.holds.in_flight) if id(sp) not in ids]
+        kind = (todo[0].full.dtype, todo[0].full.device)
+        if any((sp.full.dtype, sp.full.device) != kind for sp in rest):
+            return []
+        size = sum(sp.full.numel() for sp in todo + rest)
+        return rest if size <= self.max_live - self.holds.held_numel else []
 
     def _reused_soon(self, sp: ShardedParam) -> bool:
         return self.trace.reused_soon(sp, self.max_live - self.holds.held_numel)

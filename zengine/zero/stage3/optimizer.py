@@ -23,6 +23,7 @@ from torch import nn
 from ...distributed import agreement, collectives
 from ..optimizer import ZeroOptimizer
 from ..step_stats import StepStats
+from .blocks import BlockOf, block_names
 from .fetcher import Fetcher
 from .grads import ExternalUseError
 from .group import ShardedParamGroup
@@ -93,6 +94,8 @@ class Stage3Optimizer(ZeroOptimizer):
             self.placement.params.swap
         )  # the parameter swap file, with offload_param nvme
         self.module_hooks = ModuleHooks(self.module, self.fetcher)
+        # stage3_gather_units "auto": a gather group never spans two of the model's blocks
+        self.fetcher.trace.block_of = BlockOf(block_names(self.module))
         self.module_hooks.gather_before_gradient([sp for g in groups for sp in g.sharded])
         # (torch marks the hook object itself, which a bound method cannot take: a plain function)
         self._state_dict_hook = self.module.register_state_dict_post_hook(
