@@ -65,7 +65,9 @@ def test_coalesced_units_prefetch_as_whole_groups():
     b.state = c.state = ParamState.GATHERED
     assert [todo for _, todo in trace.prefetches(0, 10**9, lambda sp: False)] == []
     c.state = ParamState.SHARDED
-    assert list(trace.prefetches(0, 10**9, lambda sp: False)) == [("u2 +1 units (prefetch)", [c, d])]
+    assert list(trace.prefetches(0, 10**9, lambda sp: False)) == [
+        ("u2 +1 units (prefetch)", [c, d])
+    ]
     b.state = ParamState.SHARDED
 
 
