@@ -24,6 +24,8 @@ import traceback
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
+from .cores import bind_this_rank
+
 COMPAT_ENV = "ZENGINE_DEEPSPEED_COMPAT"  # "1": `import deepspeed` is zengine (zengine/compat.py)
 NO_LOCAL_RANK_ENV = "ZENGINE_NO_LOCAL_RANK"
 RUN_MODULE_ENV = "ZENGINE_RUN_MODULE"
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("usage: python -m zengine.launcher.entry TARGET [ARGS...]")
     target, args = argv[0], argv[1:]
     sys.argv = target_argv(target, args, dict(os.environ))
+    bind_this_rank(os.environ)  # zengine --bind_cores_to_rank: this rank's cores and threads
     if (
         os.environ.get(COMPAT_ENV) == "1"
     ):  # zengine --deepspeed_compat: `import deepspeed` is zengine

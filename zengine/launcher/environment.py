@@ -9,6 +9,13 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 
+from zengine.launcher.cores import (
+    BIND_CORES_ENV,
+    CoreBindingError,
+    cores_for_rank,
+    default_core_list,
+    parse_core_list,
+)
 from zengine.launcher.entry import COMPAT_ENV, NO_LOCAL_RANK_ENV, RUN_MODULE_ENV
 from zengine.launcher.options import LaunchError
 from zengine.launcher.plan import NodePlan
@@ -39,6 +46,12 @@ def worker_env(
         env[RUN_MODULE_ENV] = "1"
     if args.deepspeed_compat:
         env[COMPAT_ENV] = "1"
+    if getattr(args, "bind_cores_to_rank", False):  # each rank pins its share (cores.py)
+        env[BIND_CORES_ENV] = args.bind_core_list or default_core_list()
+        try:  # enough cores for every rank of the node: said before anything starts
+            cores_for_rank(parse_core_list(env[BIND_CORES_ENV]), node.nproc, 0)
+        except CoreBindingError as err:
+            raise LaunchError(str(err)) from None
     if args.comm_timeout is not None:
         env["ZENGINE_COMM_TIMEOUT"] = repr(float(args.comm_timeout))
     # Rank i uses device i; narrow the visible devices only when the chosen

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from zengine.launcher.cores import CoreBindingError, parse_core_list
 from zengine.launcher.hostfile import OPTION_LIKE
 from zengine.launcher.rendezvous import (
     NodeCountError,
@@ -115,6 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Treat the script as a Python module name, as 'python -m' does.",
     )
+    p.add_argument(
+        "--bind_cores_to_rank",
+        action="store_true",
+        help="Pin each rank of a node to its own consecutive share of the cores (every physical "
+        "core, or --bind_core_list) and give it that many threads (launcher/cores.py).",
+    )
+    p.add_argument(
+        "--bind_core_list",
+        default=None,
+        help="With --bind_cores_to_rank: the cores to share, e.g. '0-15,32-47' (default: every "
+        "physical core).",
+    )
     p.add_argument("--ssh_port", type=int, default=None, help="Port for ssh to remote hosts.")
     p.add_argument(
         "--launcher",
@@ -158,6 +171,15 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("min_elastic_nodes", "max_elastic_nodes"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise LaunchError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.bind_core_list is not None:
+        if not args.bind_cores_to_rank:
+            raise LaunchError(
+                "--bind_core_list names the cores --bind_cores_to_rank shares; add it"
+            )
+        try:
+            parse_core_list(args.bind_core_list)
+        except CoreBindingError as err:
+            raise LaunchError(str(err)) from None
     try:
         requested_range(args)
     except NodeCountError as err:
