@@ -16,7 +16,9 @@ NCCL on a GPU, gloo with ``--device cpu``):
 - ``fsdp2``: ``fully_shard`` per block then the root, ``MixedPrecisionPolicy(bf16 params, fp32 reduce)``,
   fused AdamW: the bar for stage 3;
 - ``deepspeed-2`` / ``deepspeed-3`` / ``deepspeed-2-offload``: DeepSpeed with the same config, when it imports;
-- ``zengine-0`` .. ``zengine-3``: zengine with ``bf16.enabled`` (bf16 parameters, fp32 masters);
+- ``zengine-0`` .. ``zengine-3``: zengine with ``bf16.enabled`` (bf16 parameters, fp32 masters); stage 3
+  at DeepSpeed's defaults, whose gathers zengine groups by block itself (``stage3_gather_units`` "auto");
+  ``zengine-3-module``: one gather per module (``stage3_gather_units: "module"``, DeepSpeed's way);
   ``zengine-3-blocks``: stage 3 with each transformer block one gather unit (``set_z3_leaf_modules``), as
   FSDP2 is given one ``fully_shard`` per block;
 - ``<contender>-compiled`` (torch, zengine-0 .. zengine-3, zengine-3-blocks): under ``torch.compile``
@@ -64,6 +66,7 @@ CONTENDERS = [
     "zengine-1",
     "zengine-2",
     "zengine-3",
+    "zengine-3-module",
     "zengine-3-blocks",
     "zengine-2-offload",
     "deepspeed-2-offload",
@@ -229,7 +232,12 @@ def build(name: str, args, model, device):
     if parts[0] == "zengine":
         import zengine
 
-        return build_engine(zengine.initialize, args, model, stage, offload, client_optimizer=False)
+        def initialize(**kwargs):  # zengine-3-module: DeepSpeed's one gather per module
+            if parts[-1] == "module":
+                kwargs["config"]["zero_optimization"]["stage3_gather_units"] = "module"
+            return zengine.initialize(**kwargs)
+
+        return build_engine(initialize, args, model, stage, offload, client_optimizer=False)
     import deepspeed  # noqa: F401 (ImportError: reported as skipped)
 
     return build_engine(
