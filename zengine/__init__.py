@@ -15,6 +15,7 @@ from .api import initialize
 from .distributed import init_distributed
 from .distributed.agreement import CollectiveCallError
 from .distributed.diagnose import CollectiveTimeoutError, RanksOutOfStepError
+from .distributed.identity import CollectiveMismatchError
 from .engine import DeepSpeedEngine, Engine
 from .engine.build import UnfrozenParameterError
 from .engine.module_guard import EngineModuleError
@@ -36,6 +37,7 @@ __all__ = [
     "__version__",
     # what a training step may raise (docs/API.md, "Errors and environment")
     "CollectiveCallError",
+    "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "EngineModuleError",
     "ExternalUseError",

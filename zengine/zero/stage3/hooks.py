@@ -28,6 +28,7 @@ gradient hook releases ours once its gradient is reduced.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -35,6 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ...distributed import diagnose
 from .fetcher import Fetcher
 from .leaf import z3_leaf_module
 from .param import ParamState, ShardedParam, lookup
@@ -76,6 +78,12 @@ class ModuleHooks:
             0  # backwards finished so far (end_backward); a retained graph runs again
         )
         self.handles = []
+        # forwards of the whole model, [with gradients, without]: a failed collective compares
+        # them across ranks (diagnose.uneven_forwards: a rank that stopped generating early)
+        self.forwards = [0, 0]
+        self.handles.append(module.register_forward_pre_hook(self._count_forward))
+        me = weakref.ref(self)  # the registry must not keep an old engine alive
+        diagnose.track_forwards(lambda: me().forwards if me() is not None else [])
         inside_leaf: list[
             str
         ] = []  # module paths of the leaves met so far: their descendants get no hooks
@@ -99,6 +107,9 @@ class ModuleHooks:
             self.names[m] = name or "<root>"
             self.handles.append(m.register_forward_pre_hook(self._pre_forward))
             self.handles.append(m.register_forward_hook(self._post_forward))
+
+    def _count_forward(self, m: nn.Module, args) -> None:
+        self.forwards[0 if torch.is_grad_enabled() else 1] += 1
 
     def _pre_forward(self, m: nn.Module, args) -> None:
         if not self.enabled:
