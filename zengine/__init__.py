@@ -22,6 +22,7 @@ from .engine.module_guard import EngineModuleError
 from . import zero
 from .launcher.args import add_config_arguments
 from .zero.nonfinite import NonFiniteGradientError
+from .zero.param_writes import ParameterWriteError
 from .zero.user_clipping import ShardedGradientError
 from .zero.stage3.fetcher import FetchOrderError
 from .zero.stage3.grads import ExternalUseError
@@ -43,6 +44,7 @@ __all__ = [
     "ExternalUseError",
     "FetchOrderError",
     "NonFiniteGradientError",
+    "ParameterWriteError",
     "ShardedGradientError",
     "RanksOutOfStepError",
     "UnfrozenParameterError",
