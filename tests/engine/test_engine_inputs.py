@@ -95,3 +95,49 @@ def test_inputs_with_nothing_to_cast_come_back_as_given():
     assert cast_floating(args, torch.bfloat16) is args
     cache = [torch.ones(2)]
     assert cast_floating(cache, torch.bfloat16) is cache and cache[0].dtype == torch.bfloat16
+
+
+class FillsBuffers(nn.Module):
+    """Writes its hidden state into the buffers it is given (a tuple of preallocated tensors, and
+    one on its own), as a model with a static KV cache does."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Linear(DIM, DIM)
+
+    def forward(self, x, buffers, last):
+        h = torch.tanh(self.mix(x))
+        buffers[0].copy_(h)
+        buffers[1].copy_(2 * h)
+        last.copy_(h.sum(0))
+        return h.sum()
+
+
+def _fill(stage: int) -> tuple[list, list]:
+    torch.manual_seed(0)
+    reference = FillsBuffers().to(torch.bfloat16)
+    torch.manual_seed(0)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": True},
+    }
+    engine, *_ = zengine.initialize(model=FillsBuffers(), config=cfg)
+    x = torch.randn(2, DIM, generator=torch.Generator().manual_seed(1))
+    filled = []
+    for model, inputs in ((engine, x), (reference, x.to(torch.bfloat16))):
+        buffers, last = (torch.zeros(2, DIM), torch.zeros(2, DIM)), torch.zeros(DIM)  # fp32
+        with torch.no_grad():
+            model(inputs, buffers, last)
+        filled.append([b.tolist() for b in (*buffers, last)])
+    return filled
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_buffers_the_model_fills_in_a_bf16_run_are_the_callers(stage):
+    """The fp32 buffers are cast to bf16 on the way in; the model's writes into the copies reach
+    the caller's buffers as torch's bf16 model writes them (they stayed zero: issue 41 neighbour of
+    case 5)."""
+    for got, want in spawn(_fill, 2, stage):
+        assert got == want and any(v != 0 for v in got[2]), (got, want)
