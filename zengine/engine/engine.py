@@ -37,7 +37,7 @@ from ..distributed.process_group import ProcessRank
 from ..log import setup_logging
 from ..monitor import StepReport, build_monitor
 from ..monitor.timers import BACKWARD, FORWARD, STEP, Timers
-from ..precision.cast import cast_floating, write_back
+from ..precision.cast import cast_inputs, write_back
 from ..precision.grad_factor import GradFactor
 from ..precision.loss_scaler import make_loss_scaler
 from ..zero import build_zero_optimizer
@@ -178,11 +178,9 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
     def forward(self, *args, **kwargs):
         self._check_alive("forward")
         dtype = self.config.compute_dtype
-        casts: list = []  # inputs cast to the compute dtype, for the model's in-place writes
+        args, kwargs, casts = cast_inputs(args, kwargs, dtype)
         with self.timers(FORWARD), self.optimizer.forward_context():
-            out = self.module(
-                *cast_floating(args, dtype, casts), **cast_floating(kwargs, dtype, casts)
-            )
+            out = self.module(*args, **kwargs)
         write_back(casts)  # a buffer the model filled is the caller's, as without the cast
         if torch.is_grad_enabled():
             self._backward.hook_outputs(out)  # so that a plain loss.backward() is bracketed

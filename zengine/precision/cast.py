@@ -43,6 +43,12 @@ def cast_floating(obj: Any, dtype: torch.dtype, casts: Optional[list] = None) ->
     return obj
 
 
+def cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict, list]:
+    """A forward's arguments cast (``cast_floating``), and the casts made, for ``write_back``."""
+    casts: list = []
+    return cast_floating(args, dtype, casts), cast_floating(kwargs, dtype, casts), casts
+
+
 def write_back(casts: list) -> None:
     """After the forward: each cast input the model wrote in place (a buffer it fills, in a tuple or
     on its own) is copied into the caller's tensor, in its dtype, as the model's ``copy_`` into the
