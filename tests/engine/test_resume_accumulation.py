@@ -61,13 +61,17 @@ def test_resume_with_other_accumulation_steps(tmp_path):
     path = str(tmp_path / "ckpt")
     torch.manual_seed(0)
     ref_losses, ref_params = reference_run(EdgeNet(), make_batches(STEPS, GLOBAL), LR, CLIP)
-    assert spawn(save_after, 2, path)[0] == pytest.approx(ref_losses[:STOP], rel=1e-5)
-    for stage, got in zip((1, 3), spawn(resume, 3, path, (1, 3))[0]):
-        assert got["steps"] == STEPS, stage
-        assert got["losses"] == pytest.approx(ref_losses[STOP:], rel=1e-5), f"stage {stage}"
-        worst = max(
-            (torch.tensor(got["params"][n]) - p).abs().max().item() for n, p in ref_params.items()
-        )
-        assert worst <= 1e-5, (
-            f"W=2 gas 3 -> W=3 gas 2, stage {stage}: max parameter error {worst:.3g}"
-        )
+    for saved in spawn(save_after, 2, path):
+        assert saved == pytest.approx(ref_losses[:STOP], rel=1e-5)
+    for rank, runs in enumerate(spawn(resume, 3, path, (1, 3))):  # every rank
+        for stage, got in zip((1, 3), runs):
+            assert got["steps"] == STEPS, stage
+            assert got["losses"] == pytest.approx(ref_losses[STOP:], rel=1e-5), (rank, stage)
+            worst = max(
+                (torch.tensor(got["params"][n]) - p).abs().max().item()
+                for n, p in ref_params.items()
+            )
+            assert worst <= 1e-5, (
+                f"W=2 gas 3 -> W=3 gas 2, stage {stage}, rank {rank}: max parameter error "
+                f"{worst:.3g}"
+            )
