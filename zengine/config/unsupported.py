@@ -225,11 +225,6 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _ignorable(
         "zero_optimization.offload_optimizer.pipeline_write", "pipelined NVMe optimizer writes"
     ),
-    _flag(
-        "zero_optimization.offload_optimizer.ratio",
-        "partial optimizer offload (zengine offloads every optimizer state or none)",
-        1.0,
-    ),
     _ignorable("zero_optimization.offload_optimizer.super_offload", "Superchip offload"),
     _ignorable(
         "zero_optimization.offload_optimizer.convert_grad_on_cpu", "CPU gradient conversion"
