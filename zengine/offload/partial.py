@@ -133,15 +133,17 @@ class PartialPlacement(DevicePlacement):
         self, optimizer: torch.optim.Optimizer, shard_params: Sequence[torch.Tensor] = ()
     ) -> torch.optim.Optimizer:
         """CPU-Adam over the host share, torch's Adam(W) over the device share (``PartialAdam``,
-        sharing the optimizer's param groups so that a schedule set on either reaches both).
-        DeepSpeed takes only its CPU-Adam here ("Hybrid Optimizer Only Supports DeepSpeedCPUAdam")."""
-        if not isinstance(optimizer, CPUAdam):
+        sharing the optimizer's param groups so that a schedule set on either reaches both). The
+        optimizer must be an Adam: DeepSpeed takes only its CPU-Adam here ("Hybrid Optimizer Only
+        Supports DeepSpeedCPUAdam"); zengine also takes torch's Adam and AdamW, which the config's
+        Adam becomes when some shards are on the device (``optim/builder.py``)."""
+        if not isinstance(optimizer, (CPUAdam, torch.optim.Adam)):
             raise PartialOptimizerError(
                 f"zero_optimization.offload_optimizer.ratio {self.ratio:g}: partial offload steps the "
                 f"host share with CPU-Adam and the device share with torch's Adam(W), so the optimizer "
-                f"must be Adam, AdamW or CPUAdam (the config's optimizer section, or "
-                f"zengine.ops.DeepSpeedCPUAdam); got {type(optimizer).__name__}. Use one of those, "
-                f"or leave ratio at 1.0"
+                f"must be Adam, AdamW or CPUAdam (the config's optimizer section, torch.optim.Adam "
+                f"or AdamW, or zengine.ops.DeepSpeedCPUAdam); got {type(optimizer).__name__}. Use "
+                f"one of those, or leave ratio at 1.0"
             )
         on_device = [p for p, host in zip(shard_params, self.on_host) if not host]
         return PartialAdam.replacing(optimizer, on_device)

@@ -41,10 +41,31 @@ class PartialAdam(CPUAdam):
                 )
 
     @classmethod
-    def replacing(cls, optimizer: CPUAdam, on_device: Iterable[torch.Tensor]) -> "PartialAdam":
+    def replacing(
+        cls, optimizer: torch.optim.Optimizer, on_device: Iterable[torch.Tensor]
+    ) -> "PartialAdam":
         """A ``PartialAdam`` over ``optimizer``'s param groups (the same dicts: an LR schedule built on
-        ``optimizer`` still drives it) with its defaults."""
-        defaults = {k: v for k, v in optimizer.defaults.items()}
+        ``optimizer`` still drives it). ``optimizer`` is CPU-Adam, or torch's Adam or AdamW (what the
+        config's Adam becomes when some shards are not in host memory), whose groups take CPU-Adam's
+        two keys from their own (``decoupled_weight_decay``); AMSGrad and maximize are refused."""
+        if not isinstance(optimizer, (CPUAdam, torch.optim.Adam)):
+            raise TypeError(f"PartialAdam replaces CPU-Adam or torch's Adam(W), not {optimizer!r}")
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or isinstance(optimizer, CPUAdam)
+        for group in optimizer.param_groups:
+            for flag in ("amsgrad", "maximize"):
+                if group.get(flag):
+                    raise ValueError(
+                        f"partial offload: {flag}=True is not CPU-Adam's; leave it off, or offload "
+                        f"every state (ratio 1.0)"
+                    )
+            group.setdefault("adamw_mode", group.get("decoupled_weight_decay", decoupled))
+            group.setdefault("bias_correction", True)
+            for key in ("fused", "capturable"):  # torch's kernels choices: not taken here
+                if group.get(key):
+                    group[key] = None if key == "fused" else False
+        keys = ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")
+        first = optimizer.param_groups[0] if optimizer.param_groups else optimizer.defaults
+        defaults = {k: first[k] for k in keys if k in first}
         return cls(optimizer.param_groups, on_device=on_device, **defaults)
 
     def _step(self, closure, copy_out_by_id: Mapping[int, torch.Tensor]):
