@@ -136,6 +136,48 @@ def resume_across_ratios(folder):
     return out
 
 
+def _world_batches(worlds):
+    """Two steps' global batches for each world size in turn (the global batch follows the ranks)."""
+    out = []
+    for i, w in enumerate(worlds):
+        out += make_batches(2, PARITY_MICRO * GAS * w, seed=100 + i)
+    return out
+
+
+def save_at(folder, ratio, worlds):
+    """The first two steps at this world size and ``ratio``, saved."""
+    torch.manual_seed(0)
+    engine = _engine(EdgeNet(), "fp32", ratio)
+    for batch in _world_batches(worlds)[:2]:
+        train_global_batch(engine, batch, PARITY_MICRO, GAS)
+    engine.save_checkpoint(folder, tag="first")
+    engine.destroy()
+
+
+def load_at(folder, ratio, worlds):
+    """Loaded at this world size and ``ratio``, two more steps: against the reference of all four."""
+    torch.manual_seed(0)
+    init = EdgeNet()
+    engine = _engine(copy.deepcopy(init), "fp32", ratio)
+    engine.load_checkpoint(folder, tag="first")
+    batches = _world_batches(worlds)
+    for batch in batches[2:]:
+        train_global_batch(engine, batch, PARITY_MICRO, GAS)
+    params = _params(engine)
+    _, ref_params = reference_run(init, batches, PARITY_LR, PARITY_CLIP)
+    worst, _, _ = _off(params, ref_params, init)
+    assert worst <= 1e-6, worst
+    engine.destroy()
+    return worst
+
+
+def test_partial_offload_checkpoint_reshards_across_world_sizes_and_ratios():
+    with tempfile.TemporaryDirectory() as folder:
+        spawn(save_at, 3, folder, 0.3, (3, 2))
+        [worst, _] = spawn(load_at, 2, folder, 0.5, (3, 2))
+    assert worst <= 1e-6
+
+
 def partial_suite(folder):
     return ratio_parity("fp32"), ratio_parity("bf16"), resume_across_ratios(folder)
 
@@ -182,6 +224,10 @@ def test_ratio_refused_where_deepspeed_refuses_it_and_ignored_with_a_warning_whe
     # DeepSpeed splits nothing it swaps to NVMe: refused by name rather than half-done
     with pytest.raises(ConfigError, match="offload_optimizer.ratio.*device \"cpu\""):
         load_config(_zero(3, "nvme", 0.5), 1)
+    with_params = _zero(3, "cpu", 0.5)
+    with_params["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    with pytest.raises(ConfigError, match="offload_optimizer.ratio.*offload_param"):
+        load_config(with_params, 1)
     with pytest.warns(UserWarning, match="ratio 0.5 has no effect"):
         cfg = load_config(_zero(3, "none", 0.5), 1)
     assert not cfg.zero_optimization.offload_optimizer.partial

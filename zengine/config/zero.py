@@ -361,6 +361,13 @@ class ZeroConfig(_Section):
                 'on the device and steps the rest with CPU-Adam: it needs device "cpu"; with "nvme" '
                 "leave ratio at 1.0"
             ]
+        if offload.device == "cpu" and self.offload_param.enabled:
+            return [
+                f"offload_optimizer.ratio: partial offload ({offload.ratio:g}) with offload_param "
+                f"({self.offload_param.device!r}) is not implemented in zengine (the device share's "
+                "masters would follow the parameter shards to the host); keep the parameters on the "
+                "device (offload_param.device none) or leave ratio at 1.0"
+            ]
         if offload.device == "none":
             warnings.warn(
                 f"zero_optimization.offload_optimizer.ratio {offload.ratio:g} has no effect with "
