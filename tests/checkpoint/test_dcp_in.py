@@ -42,6 +42,7 @@ def zengine_continues(path: str, runs):
         steps = engine.global_steps
         losses = R.train_engine(engine, R.batches_all()[R.STOP :])
         out.append((stage, layout, with_optimizer, steps, losses, R.engine_params(engine)))
+        engine.destroy()
     return out
 
 
@@ -98,6 +99,7 @@ def load_each(paths: list[str]):
             out.append(None)
         except Exception as e:
             out.append((type(e).__name__, str(e)))
+        engine.destroy()
     return out
 
 

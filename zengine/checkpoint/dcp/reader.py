@@ -35,6 +35,8 @@ from .sections import Sections, find_sections
 from .storage import DcpFiles
 
 _STEP = "step"
+_COUNTERS = ("zengine.micro_steps", "zengine.global_samples")
+_CLIENT = "zengine.client_state"
 
 
 class DcpReader:
@@ -104,14 +106,16 @@ class DcpReader:
         steps = self._train_step()
         if steps is None:
             steps = max(self.steps().values(), default=0)
+        # what zengine's own DCP saves add (save.py)
+        counters = self.files.read({}, [k for k in _COUNTERS if k in self.files.values])
         return {
             "format": "dcp",
             "params": params,
             "buffers": buffers,
             "state_dict": keys,
             "global_steps": steps,
-            "micro_steps": steps * gas,
-            "global_samples": 0,
+            "micro_steps": int(counters.get("zengine.micro_steps", steps * gas)),
+            "global_samples": int(counters.get("zengine.global_samples", 0)),
         }
 
     def _train_step(self) -> Optional[int]:
@@ -196,7 +200,9 @@ class DcpReader:
             "lr_scheduler": _renamed(self.files.read({}, list(scheduler.values())), scheduler),
             "loss_scaler": {},
             "rng": [],
-            "client_state": {},
+            "client_state": self.files.read({}, [_CLIENT]).get(_CLIENT, {})
+            if _CLIENT in self.files.values
+            else {},
         }
 
     def _optimizer_groups(self) -> list[dict]:
