@@ -137,7 +137,7 @@ def _agree_on_directory(engine, load_dir: str, tag: Optional[str]) -> str:
     """The checkpoint directory every rank found; else on every rank the error they all met, or a
     CheckpointError listing what each rank found when they differ (never a CheckpointNotFoundError then)."""
     try:
-        mine, failure = find(load_dir, tag), None
+        mine, failure = find(load_dir, tag, engine.config.checkpoint.load_universal), None
     except Exception as e:  # compared below, so that no rank goes on alone into a collective
         mine, failure = None, e
     found = collectives.all_gather(
@@ -207,10 +207,11 @@ def _read(
 def _log_foreign(directory: str, meta: dict, engine) -> None:
     """Name the format of a checkpoint zengine did not write, once."""
     where = f"loading it into stage {engine.zero_optimization_stage()} on {engine.world_size}"
-    if meta.get("format") == "deepspeed":
+    if meta.get("format") in ("deepspeed", "deepspeed-universal"):
         logger.info(
             f"load_checkpoint: {directory} is a DeepSpeed {meta['ds_version']} ZeRO-{meta['zero_stage']} "
-            f"checkpoint of {meta['world_size']} ranks; {where}"
+            f"{'universal ' if meta['format'] != 'deepspeed' else ''}checkpoint of "
+            f"{meta['world_size']} ranks; {where}"
         )
     elif meta.get("format") == "dcp":
         logger.info(f"load_checkpoint: {directory} is a DCP checkpoint; {where}")
