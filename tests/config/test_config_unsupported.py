@@ -68,7 +68,6 @@ def test_ignorable_keys_are_accepted_and_named(path):
         ("bf16.bf16_master_weights_and_grads", True),
         ("zero_optimization.zero_quantized_nontrainable_weights", True),
         ("managed_gradient_accumulation", False),
-        ("checkpoint.load_universal", True),
         ("checkpoint.use_node_local_storage", True),
     ],
 )
@@ -93,7 +92,6 @@ def test_result_changing_keys_are_refused(path, value):
         ("data_types.buffer_dtype", None),
         ("bfloat16.bf16_master_weights_and_grads", False),
         ("managed_gradient_accumulation", True),
-        ("checkpoint.load_universal", False),
     ],
 )
 def test_result_changing_keys_accepted_when_inert(path, value):
