@@ -215,3 +215,86 @@ def test_safe_modules_choose_the_wire_dtypes():
     bad = cfg.torch_autocast.model_copy(update={"lower_precision_safe_modules": ["torch.nn.Nope"]})
     with pytest.raises(ValueError, match="cannot import 'torch.nn.Nope'"):
         forward_precision(bad, torch.device("cpu"), 2)
+
+
+# -- fp16 autocast: the loss scaled as torch's GradScaler scales it -----------------------------------
+FP16_STEPS = 8
+
+
+def _fp16_batches(world: int) -> list:
+    g = torch.Generator().manual_seed(2)
+    n = MICRO * world
+    # targets far from the outputs, gradients of several units: at GradScaler's 2**16 the fp16
+    # backward overflows, so the first steps are skipped and the scale halves until it fits
+    return [
+        (torch.randn(n, DIM, generator=g), 4 + torch.randn(n, DIM, generator=g))
+        for _ in range(FP16_STEPS)
+    ]
+
+
+def _train_fp16(stage: int) -> tuple:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shm.MIN_BYTES = 0
+    cfg = _config(stage, 1)
+    cfg["torch_autocast"] = {"enabled": True, "dtype": "fp16"}
+    engine, *_ = zengine.initialize(model=_model(), config=cfg)
+    for x, y in _fp16_batches(world):
+        rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        out = engine(x[rows])
+        assert out.dtype == torch.float16
+        engine.backward(_loss(out, y[rows]))
+        engine.step()
+    masters = [
+        zengine.utils.safe_get_full_fp32_param(p).tolist() for p in engine.module.parameters()
+    ]
+    result = masters, engine.skipped_steps, engine.loss_scale
+    engine.destroy()
+    return result
+
+
+def _train_fp16_all(stages: list) -> list:
+    return [_train_fp16(stage) for stage in stages]
+
+
+def _fp16_reference(world: int, stage: int) -> tuple:
+    """One process: each rank's micro-batch under torch.autocast(fp16) with its loss times the scale,
+    the Linear gradients summed in fp16 (stages 1-3), the rest in fp32; a non-finite sum skips the
+    step and halves the scale (GradScaler's policy: init 2**16, backoff 0.5), else AdamW on the
+    unscaled mean."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    lower = {id(p) for m in model.modules() if type(m) is nn.Linear for p in m.parameters()}
+    dtypes = [
+        torch.float16 if stage >= 1 and id(p) in lower else torch.float32
+        for p in model.parameters()
+    ]
+    scale, skipped = 2.0**16, 0
+    for x, y in _fp16_batches(world):
+        grads = []
+        for r in range(world):
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x[r * MICRO : (r + 1) * MICRO])
+            (_loss(out, y[r * MICRO : (r + 1) * MICRO]) * scale).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        totals = [_wire_sum([g[i] for g in grads], d) for i, d in enumerate(dtypes)]
+        if not all(torch.isfinite(t).all() for t in totals):
+            scale, skipped = scale / 2, skipped + 1
+            continue
+        for p, t in zip(model.parameters(), totals):
+            p.grad = t * (1.0 / (world * scale))
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], skipped, scale
+
+
+def test_fp16_autocast_scales_as_grad_scaler():
+    world, stages = 2, [0, 1, 2, 3]
+    results = spawn(_train_fp16_all, world, stages)[0]
+    for stage, (masters, skipped, scale) in zip(stages, results):
+        ref, ref_skipped, ref_scale = _fp16_reference(world, stage)
+        diff = _max_diff(masters, ref)
+        print(
+            f"fp16 W={world} stage={stage}: max|diff| {diff:.2g}, skipped {skipped}, scale {scale}"
+        )
+        assert 0 < skipped == ref_skipped < FP16_STEPS and scale == ref_scale, (stage, skipped)
+        assert diff < 1e-6, (stage, diff)
