@@ -215,6 +215,15 @@ def test_gather_units(bench, tmp_path):
     ]
 
 
+def test_device_memory(bench, tmp_path):
+    out = tmp_path / "device_memory.md"
+    bench("bench_device_memory").main(
+        ["--layers", "1", "--d_model", "64", "--contenders", "module,auto", "--out", str(out)]
+    )
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| module")]
+    assert len(rows) == 1 and float(rows[0].split("|")[2]) > 0, rows
+
+
 def test_zero(bench, tmp_path):
     bench("bench_zero").main(
         ["--smoke", "--world", "2", "--contenders", "zengine-2", "--out", str(tmp_path)]

@@ -36,6 +36,7 @@ from .zero.grad_dtypes import GradDtypes
 from .zero.bucket_buffers import BucketBuffers
 from .zero.grads import buckets_in_flight
 from .offload.partial import host_share
+from .zero.stage3.units import GatherUnits
 from .offload.state_swap import MAX_CHUNK
 from .zero.sub_groups import split_sub_groups
 
@@ -218,7 +219,9 @@ def estimate(
     # transients of a step
     largest = int(largest_param) if largest_param is not None else max(numels, default=0)
     est.transients["autograd gradient"] = half * largest
-    bucket = min(int(zero.reduce_bucket_size), psi)
+    # (stage 3 "auto": about a block's bucket, zero/stage3/units.py)
+    units = GatherUnits.from_config(zero)
+    bucket = min(units.reduce_bucket if stage == 3 else int(zero.reduce_bucket_size), psi)
     in_flight = buckets_in_flight(zero.overlap_comm)
     if stage < 2 and dtypes.reduce != dtypes.accumulate:
         # converted copies of the full buffer's buckets: those in flight and the one launching
@@ -238,9 +241,12 @@ def estimate(
         )
         # gathered or being gathered (prefetch included): stage3_max_live_parameters bounds what is kept and
         # prefetched; the module about to run is fetched on top of it when needed
-        est.transients["gathered parameters"] = half * min(
-            int(zero.stage3_max_live_parameters) + largest, psi
-        )
+        # ("auto" keeps a used parameter only within the prefetch window: at most the window behind,
+        # the window ahead and the module running)
+        live = int(zero.stage3_max_live_parameters)
+        if units.coalesce and int(zero.stage3_prefetch_bucket_size) > 0:
+            live = min(live, units.reuse_distance + int(zero.stage3_prefetch_bucket_size))
+        est.transients["gathered parameters"] = half * min(live + largest, psi)
         if _has_multi_parameter_modules(model, zero.stage3_param_persistence_threshold):
             # a module of several sharded parameters gathers through one staging buffer, then copies
             est.transients["prefetch staging"] = half * min(

@@ -201,7 +201,12 @@ class ZeroConfig(_Section):
             "recorded. 'auto': consecutive modules' parameters travel as one collective, in groups of "
             "up to stage3_prefetch_bucket_size elements (about a transformer block at the defaults, as "
             "FSDP2's per-block units); 'module': one collective per module (or leaf module), as "
-            "DeepSpeed. The values are exact either way; leaf modules are honoured in both."
+            "DeepSpeed. The values are exact either way; leaf modules are honoured in both. 'auto' also "
+            "keeps a used parameter gathered only within the prefetch window and reduces gradients "
+            "in buckets of at most that window (FSDP2's lifetimes; 'module' keeps DeepSpeed's "
+            "stage3_max_reuse_distance and reduce_bucket_size as given). With "
+            "zero_quantized_weights gathers stay one per unit (blockwise scales would mix "
+            "neighbours)."
         ),
     )
     stage3_gather_16bit_weights_on_model_save: Flag = Field(

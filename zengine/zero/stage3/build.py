@@ -32,6 +32,7 @@ from .leaf import mark_from_config
 from .group import ShardedParamGroup
 from .optimizer import ShardedModel, Stage3Optimizer
 from .param import ParamState, ShardedParam, lookup, register
+from .units import GatherUnits
 
 if TYPE_CHECKING:  # annotations only
     from ...config import ZengineConfig
@@ -142,7 +143,7 @@ def build_stage3_optimizer(
     masters = placement.master_store(groups, dtype, ranks.world, ranks.device)  # (Infinity: a sink)
     spec = Stage3GradSpec(
         groups=groups,
-        bucket_numel=zero_cfg.reduce_bucket_size,
+        bucket_numel=GatherUnits.from_config(zero_cfg).reduce_bucket,  # ("auto": about a block)
         world=ranks.world,
         rank=ranks.rank,
         placement=placement.optimizer,
