@@ -15,7 +15,7 @@ TOL = 1e-5
 SAVES = {
     1: [(1, "sync"), (3, "async")],
     2: [(2, "async"), (3, "convert")],
-    3: [(1, "async"), (2, "sync"), (3, "async")],
+    3: [(2, "sync"), (3, "async")],
 }
 LOADER = {1: 2, 2: 3, 3: 1}
 
