@@ -167,7 +167,7 @@ def _read(
     with open_reader(
         directory,
         trusted,
-        [holdings.group_names(g) for g in opt.groups],
+        holdings.param_group_names(opt),
         engine.gradient_accumulation_steps(),
         ours,
     ) as reader:
@@ -183,16 +183,17 @@ def _read(
             )
         state = reader.read_state(trusted)
         saved_groups = len(state["optimizer"] or [])  # 0: written by an engine without an optimizer
-        if with_optimizer and saved_groups != len(opt.groups):
+        if with_optimizer and saved_groups != opt.group_map.count:
             raise CheckpointMismatchError(
                 f"checkpoint {directory} has {saved_groups} optimizer param groups, the engine "
-                f"{len(opt.groups)}; load_checkpoint(..., load_optimizer_states=False) loads the "
+                f"{opt.group_map.count}; load_checkpoint(..., load_optimizer_states=False) loads the "
                 "model alone"
             )
         for gi, master in enumerate(holdings.masters(opt, engine.world_size, saving=False)):
             reader.fill(_present(master, lacking), ("master", "param"))
-            if with_optimizer:
-                _load_optimizer_group(reader, opt, gi, master, state["optimizer"][gi])
+            if with_optimizer:  # (a param group's record serves each of its sub-groups)
+                saved = state["optimizer"][opt.group_map.owner[gi]]
+                _load_optimizer_group(reader, opt, gi, master, saved)
         for held in holdings.untrained(
             module, opt, engine.global_rank, engine.world_size, saving=False
         ):
@@ -246,7 +247,7 @@ def _load_optimizer_group(
     pieces (zeros where the checkpoint has none), scalars (``step``) as saved; and the hyper-parameters."""
     # torch keeps ``step`` on the host unless the optimizer is capturable or fused: this engine's optimizer
     # decides, not the saving one's (a checkpoint saved on CPU loads into a fused GPU optimizer)
-    group = opt.optimizer.param_groups[gi]
+    group = opt.optimizer.param_groups[opt.group_map.owner[gi]]
     on_device = bool(group.get("capturable") or group.get("fused"))
     shard = opt.shard_params[gi]
     current = opt.optimizer.state.get(shard, {})
@@ -273,7 +274,7 @@ def _load_optimizer_group(
         opt.optimizer.state[shard] = state
     else:
         opt.optimizer.state.pop(shard, None)
-    opt.optimizer.param_groups[gi].update(saved["hyper"])
+    group.update(saved["hyper"])
     # Per-parameter step counts (zero/step_counts.py); a checkpoint from before them stepped every parameter
     # alike: its flat count ("step"; 1 for an optimizer without one that has states, as SGD's momentum)
     step = saved["scalars"].get("step")
@@ -282,9 +283,7 @@ def _load_optimizer_group(
     # the flat entries belong to the count their "step" says (an optimizer that steps runs itself, as CPUAdam,
     # keeps no flat count of its own)
     flat_count = int(step) if step is not None else saved.get("flat_count", fallback)
-    opt.run_stepper.load_state_dict(
-        opt.optimizer, gi, shard, saved.get("scalars_by_count"), flat_count
-    )
+    opt.run_stepper.load_state_dict(group, gi, shard, saved.get("scalars_by_count"), flat_count)
 
 
 def _write_back(opt) -> None:
