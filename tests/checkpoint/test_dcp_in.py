@@ -137,3 +137,38 @@ def test_damaged_dcp_folder_is_named(fsdp2_run, tmp_path):
             assert kind == CheckpointFileError.__name__, (kind, message)
             assert name in message, message
         assert empty[0] == CheckpointNotFoundError.__name__, empty
+
+
+def test_sections_found_under_any_prefix():
+    """The model, optimizer and train state are found from the keys alone, in each layout."""
+    from zengine.checkpoint.dcp.sections import find_sections
+
+    names, trained = ["a.weight", "a.bias", "b.weight", "scale"], ["a.weight", "a.bias", "b.weight"]
+    tutorial = find_sections(
+        ["app.model." + n for n in names]
+        + [f"app.optim.state.{n}.{k}" for n in trained for k in ("exp_avg", "step")],
+        ["app.optim.param_groups.0.lr", "app.optim.param_groups.0.params"],
+        names,
+        trained,
+    )
+    assert tutorial.model == {n: "app.model." + n for n in names}
+    assert tutorial.optimizer == "app.optim."
+    assert tutorial.state["b.weight"] == {
+        "exp_avg": "app.optim.state.b.weight.exp_avg",
+        "step": "app.optim.state.b.weight.step",
+    }
+    assert tutorial.group_lists() == ["app.optim.param_groups.0.params"]
+    assert tutorial.nested_hyper_keys(0) == {"lr": "app.optim.param_groups.0.lr"}
+    titan = find_sections(
+        names
+        + [f"optimizer.state.{n}.exp_avg" for n in trained]
+        + ["train_state.step", "lr_scheduler.x"],
+        [f"optimizer.param_groups.{n}.lr" for n in trained] + ["lr_scheduler.last_epoch"],
+        names,
+        trained,
+    )
+    assert titan.model == {n: n for n in names} and titan.optimizer == "optimizer."
+    assert titan.group_lists() == []
+    assert titan.hyper_keys(["a.bias"]) == {"lr": "optimizer.param_groups.a.bias.lr"}
+    assert titan.under("lr_scheduler.") == {"last_epoch": "lr_scheduler.last_epoch"}
+    assert find_sections(["x.y"], [], names, trained).model == {}

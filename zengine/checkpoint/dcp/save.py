@@ -142,15 +142,27 @@ def engine_entries(engine) -> list[DcpEntry]:
     return out
 
 
+def _torch_group(group: dict) -> dict:
+    """An Adam-like group with the keys torch's AdamW has (what ``dcp.load`` into an FSDP2 optimizer asks
+    for): zengine's CPU Adam and partial offload's keep fewer; those they lack take torch's defaults."""
+    if "betas" not in group:
+        return group
+    defaults = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
+    if "adamw_mode" in group:
+        defaults["decoupled_weight_decay"] = bool(group["adamw_mode"])
+    return {**defaults, **group}
+
+
 def engine_values(engine, client_state: Optional[dict]) -> dict[str, Any]:
     """Rank 0's plain values: hyper-parameters and names of each optimizer group, the counters, the LR
     scheduler's state, client_state."""
     opt = engine.optimizer
     values: dict[str, Any] = {}
+    names = holdings.param_group_names(opt)  # the user's param groups (sub-groups joined)
     for gi, group in enumerate(opt.optimizer.param_groups):
         base = f"{OPTIM}param_groups.{gi}."
-        values.update({base + k: v for k, v in group.items() if k != "params"})
-        values[base + "params"] = holdings.group_names(opt.groups[gi])
+        values.update({base + k: v for k, v in _torch_group(group).items() if k != "params"})
+        values[base + "params"] = names[gi]
     values["train_state.step"] = engine.global_steps
     values["zengine.micro_steps"] = engine.micro_steps
     values["zengine.global_samples"] = engine.global_samples
