@@ -178,15 +178,59 @@ def test_partial_offload_checkpoint_reshards_across_world_sizes_and_ratios():
     assert worst <= 1e-6
 
 
+def client_optimizer_and_schedule():
+    """The script's own torch AdamW and a per-group LambdaLR built on it: the sub-groups stay
+    behind the user's two param groups (the schedule sets each group's lr in both shares)."""
+    world = dist.get_world_size()
+    lambdas = [lambda s: 1.0 / (s + 1), lambda s: 0.5**s]  # one per param group
+
+    def adamw(groups):
+        return torch.optim.AdamW(groups, lr=PARITY_LR, betas=(0.9, 0.999), eps=1e-8)
+
+    torch.manual_seed(0)
+    model = EdgeNet()
+    init = copy.deepcopy(model)
+    client = adamw(edge_param_groups(model, PARITY_LR))
+    schedule = torch.optim.lr_scheduler.LambdaLR(client, lambdas)
+    cfg = _config("fp32", 0.5)
+    del cfg["optimizer"]
+    engine, *_ = zengine.initialize(
+        model=model, config=cfg, optimizer=client, lr_scheduler=schedule
+    )
+    assert type(engine.optimizer.optimizer).__name__ == "PartialAdam"
+    batches = make_batches(3, PARITY_MICRO * GAS * world)
+    for batch in batches:
+        train_global_batch(engine, batch, PARITY_MICRO, GAS)
+    ref_lrs = []
+
+    def ref_schedule(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
+
+    _, ref_params = reference_run(
+        init, batches, PARITY_LR, PARITY_CLIP, make_optimizer=adamw, make_scheduler=ref_schedule
+    )
+    ref_lrs = [PARITY_LR * lambdas[0](3), 2 * PARITY_LR * lambdas[1](3)]
+    assert engine.get_lr() == pytest.approx(ref_lrs)
+    worst, _, _ = _off(_params(engine), ref_params, init)
+    assert worst <= 1e-6, worst
+    engine.destroy()
+    return worst
+
+
 def partial_suite(folder):
-    return ratio_parity("fp32"), ratio_parity("bf16"), resume_across_ratios(folder)
+    return (
+        ratio_parity("fp32"),
+        ratio_parity("bf16"),
+        resume_across_ratios(folder),
+        client_optimizer_and_schedule(),
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_partial_offload_matches_torch_at_every_ratio_and_resumes_across_ratios(world):
     with tempfile.TemporaryDirectory() as folder:
         results = spawn(partial_suite, world, os.path.join(folder, "ckpt"))
-    fp32, bf16, resumed = results[0]
+    fp32, bf16, resumed, client = results[0]
     # the device share grows as the ratio falls: all of it at 0.0, none at 1.0
     shares = [d for _, d, _, _ in fp32]
     assert shares[0] > shares[1] >= shares[2] > shares[3] == 0
