@@ -217,12 +217,51 @@ def client_optimizer_and_schedule():
     return worst
 
 
+CHECKPOINTS = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoint"
+)
+DEEPSPEED_FIXTURE = os.path.join(
+    os.path.dirname(CHECKPOINTS), "fixtures", "deepspeed", "s3_fp32_w2"
+)
+
+
+def from_deepspeed():
+    """DeepSpeed 0.19.8's ZeRO-3 checkpoint (tests/fixtures/deepspeed) loads into a partial engine and
+    trains on as DeepSpeed did (its recorded losses and masters, within the migration suite's 1e-6)."""
+    import sys
+
+    sys.path.insert(0, CHECKPOINTS)
+    from deepspeed_runs import CONTINUED, SAVED_AT, TiedLM, batches, config, make_optimizer, train
+
+    torch.manual_seed(1)
+    model = TiedLM()
+    cfg = config(3, "fp32", dist.get_world_size())
+    cfg["zero_optimization"].update(
+        sub_group_size=100, offload_optimizer={"device": "cpu", "ratio": 0.5}
+    )
+    engine, *_ = zengine.initialize(model=model, optimizer=make_optimizer(model), config=cfg)
+    assert len(engine.optimizer.optimizer.on_device) > 0
+    engine.load_checkpoint(DEEPSPEED_FIXTURE)
+    losses = train(engine, batches(SAVED_AT + CONTINUED)[SAVED_AT:])
+    ref = torch.load(os.path.join(DEEPSPEED_FIXTURE, "reference.pt"), weights_only=True)
+    assert losses == pytest.approx(ref["losses_after"], rel=1e-6)
+    worst = 0.0
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            got = zengine.utils.safe_get_full_fp32_param(p).detach().cpu().reshape(-1)
+            worst = max(worst, (got - ref["after"][name].float().reshape(-1)).abs().max().item())
+    assert worst <= 1e-6, worst
+    engine.destroy()
+    return worst
+
+
 def partial_suite(folder):
     return (
         ratio_parity("fp32"),
         ratio_parity("bf16"),
         resume_across_ratios(folder),
         client_optimizer_and_schedule(),
+        from_deepspeed() if dist.get_world_size() == 2 else None,
     )
 
 
@@ -230,7 +269,7 @@ def partial_suite(folder):
 def test_partial_offload_matches_torch_at_every_ratio_and_resumes_across_ratios(world):
     with tempfile.TemporaryDirectory() as folder:
         results = spawn(partial_suite, world, os.path.join(folder, "ckpt"))
-    fp32, bf16, resumed, client = results[0]
+    fp32, bf16, resumed, client, deepspeed = results[0]
     # the device share grows as the ratio falls: all of it at 0.0, none at 1.0
     shares = [d for _, d, _, _ in fp32]
     assert shares[0] > shares[1] >= shares[2] > shares[3] == 0
