@@ -70,13 +70,17 @@ class PartialAdam(CPUAdam):
 
     def _step(self, closure, copy_out_by_id: Mapping[int, torch.Tensor]):
         loss = self._run_closure(closure)
-        for group, param, state, runs in self._due():
+        due = list(self._due())
+        for group, param, state, _ in due:
             if "exp_avg" not in state:
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        # the device share first: its kernels are queued and run while CPU-Adam steps the host share
+        for group, param, state, runs in due:
             if id(param) in self.on_device:
                 self._step_on_device(group, param, state, runs, copy_out_by_id.get(id(param)))
-            else:
+        for group, param, state, runs in due:
+            if id(param) not in self.on_device:
                 self._step_on_host(group, param, state, runs, copy_out_by_id.get(id(param)))
         return loss
 
