@@ -214,9 +214,10 @@ def expected_copies(stage: int, offload: str, step: int) -> dict:
             2  # CPUAdam's copy-out staging, one per param group (offload/copies.py)
         )
     if offload == "partial":
-        # CPU-Adam's copy-out staging of the 3 host sub-groups, uploaded whole after the step (the
-        # partial step is taken whole); the device share writes its parameters in place
-        counts["h2d_async"] += 3
+        # the step in pieces of sub_group_size (150): the host sub-groups' 472, 346 and 73 elements in
+        # 4 + 3 + 1 pieces, each sent up from CPU-Adam's staging as it is stepped; the device share
+        # (stepped first, on the device) writes its parameters in place
+        counts["h2d_async"] += 8
     if stage == 3 and offload == "nvme":
         counts["h2d_async"] += (
             2  # ZeRO-Infinity's write-back of each group's one chunk (infinity.py)

@@ -23,10 +23,9 @@ from .adam import CPUAdam, adam_step_
 
 class PartialAdam(CPUAdam):
     """CPU-Adam whose parameters in ``on_device`` are stepped by torch's Adam(W) instead (module
-    doc). It steps a whole step at once (``steps_in_pieces`` False): the device share has no
-    pieces to wait for."""
-
-    steps_in_pieces = False
+    doc). Like CPU-Adam it steps runs and pieces (``steps_in_pieces``): an offloaded step in pieces
+    takes the device share's first (they land at once), queued on the device while CPU-Adam steps the
+    host share's as they land."""
 
     def __init__(self, params, on_device: Iterable[torch.Tensor] = (), **defaults):
         super().__init__(params, **defaults)
@@ -123,5 +122,5 @@ class PartialAdam(CPUAdam):
                 eps=group["eps"],
                 maximize=False,
             )
-        if out is not None:  # the compute-dtype parameters, on the device beside the master
-            out.view(-1).copy_(param.view(-1))
+            if out is not None:  # the compute-dtype parameters, on the device beside the master
+                out.view(-1)[lo:hi].copy_(views[0])
