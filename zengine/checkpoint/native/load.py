@@ -28,8 +28,8 @@ from typing import Any, Optional
 import torch
 
 from ...log import logger
-from . import atomic, collectives, holdings, meta as meta_mod, rng
-from ..deepspeed.reader import open_reader
+from . import collectives, holdings, meta as meta_mod, rng
+from ..formats import find, open_reader
 from ..errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -114,17 +114,30 @@ def load_checkpoint(
             and engine.lr_scheduler is not None
             and state["lr_scheduler"] is not None
         ):
-            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            _load_scheduler(engine, directory, state["lr_scheduler"])
         if rank < len(state["rng"]):  # new ranks of a larger world keep their own generators
             rng.restore(state["rng"][rank])
     return directory, state["client_state"]
+
+
+def _load_scheduler(engine, directory: str, saved: dict) -> None:
+    """The saved scheduler state into the engine's scheduler; one of another kind (a DCP checkpoint's
+    torch scheduler beside zengine's WarmupLR) is refused by name with the way out."""
+    mine = engine.lr_scheduler.state_dict()
+    if isinstance(saved, dict) and isinstance(mine, dict) and set(saved) != set(mine):
+        raise CheckpointMismatchError(
+            f"load_checkpoint: the LR scheduler state in {directory} ({', '.join(sorted(saved))}) is "
+            f"not of the engine's scheduler ({', '.join(sorted(mine))}); build the same scheduler, "
+            "or load_checkpoint(..., load_lr_scheduler_states=False)"
+        )
+    engine.lr_scheduler.load_state_dict(saved)
 
 
 def _agree_on_directory(engine, load_dir: str, tag: Optional[str]) -> str:
     """The checkpoint directory every rank found; else on every rank the error they all met, or a
     CheckpointError listing what each rank found when they differ (never a CheckpointNotFoundError then)."""
     try:
-        mine, failure = atomic.find(load_dir, tag), None
+        mine, failure = find(load_dir, tag, engine.config.checkpoint.load_universal), None
     except Exception as e:  # compared below, so that no rank goes on alone into a collective
         mine, failure = None, e
     found = collectives.all_gather(
@@ -149,21 +162,18 @@ def _read(
     """Phase 1: check the checkpoint and read this rank's share of it in place; state.pt (weights-only unless
     ``trusted``) with the meta."""
     opt, module = engine.optimizer, engine.module
-    # zengine's own layout, or DeepSpeed's (deepspeed/reader.py): the same questions answered from either
+    ours = meta_mod.describe_model(module, holdings.trained_names(opt))
+    # zengine's own layout, DeepSpeed's or DCP's (formats.py): the same questions answered from each
     with open_reader(
         directory,
         trusted,
         holdings.param_group_names(opt),
         engine.gradient_accumulation_steps(),
+        ours,
     ) as reader:
         meta = reader.meta
-        if meta.get("format") == "deepspeed" and engine.global_rank == 0:
-            logger.info(
-                f"load_checkpoint: {directory} is a DeepSpeed {meta['ds_version']} ZeRO-{meta['zero_stage']} "
-                f"checkpoint of {meta['world_size']} ranks; loading it into stage "
-                f"{engine.zero_optimization_stage()} on {engine.world_size}"
-            )
-        ours = meta_mod.describe_model(module, holdings.trained_names(opt))
+        if engine.global_rank == 0:
+            _log_foreign(directory, meta, engine)
         lacking = meta_mod.check_same_model(meta, ours, directory, strict)
         if not strict and engine.global_rank == 0:
             _log_lenient(
@@ -193,6 +203,19 @@ def _read(
                 reader.buffer_into(name, b.data)
     state["meta"] = meta
     return state
+
+
+def _log_foreign(directory: str, meta: dict, engine) -> None:
+    """Name the format of a checkpoint zengine did not write, once."""
+    where = f"loading it into stage {engine.zero_optimization_stage()} on {engine.world_size}"
+    if meta.get("format") in ("deepspeed", "deepspeed-universal"):
+        logger.info(
+            f"load_checkpoint: {directory} is a DeepSpeed {meta['ds_version']} ZeRO-{meta['zero_stage']} "
+            f"{'universal ' if meta['format'] != 'deepspeed' else ''}checkpoint of "
+            f"{meta['world_size']} ranks; {where}"
+        )
+    elif meta.get("format") == "dcp":
+        logger.info(f"load_checkpoint: {directory} is a DCP checkpoint; {where}")
 
 
 def _present(held: Holding, lacking: set[str]) -> Holding:

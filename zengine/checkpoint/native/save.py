@@ -46,6 +46,18 @@ def save_checkpoint(
 ) -> bool:
     """Collective: write a checkpoint of ``engine`` to ``save_dir/tag``; see the module doc. ``async_save``:
     snapshot to host memory and write in the background (background.py)."""
+    tag, staging = begin(engine, save_dir, tag)
+    with engine.optimizer.states_resident():
+        if async_save:
+            _start_background(engine, staging, save_dir, tag, client_state, save_latest)
+        else:
+            _write(engine, staging, save_dir, tag, client_state, save_latest)
+    return True
+
+
+def begin(engine, save_dir: str, tag: Optional[str]) -> tuple[str, str]:
+    """Collective, the start of every save (any format): the previous asynchronous save finished, the
+    ranks agreed on the tag, rank 0 made the staging folder; returns (tag, staging folder)."""
     background.wait(engine)  # the previous asynchronous save first (its errors raise here)
     group = engine.optimizer.dp_group
     rank = engine.global_rank
@@ -70,13 +82,7 @@ def save_checkpoint(
     staging, error = collectives.broadcast((staging, error), group)
     if error:
         raise CheckpointSaveError(f"save_checkpoint: {error}")
-
-    with engine.optimizer.states_resident():
-        if async_save:
-            _start_background(engine, staging, save_dir, tag, client_state, save_latest)
-        else:
-            _write(engine, staging, save_dir, tag, client_state, save_latest)
-    return True
+    return tag, staging
 
 
 def _write(engine, staging: str, save_dir: str, tag: str, client_state, save_latest: bool) -> None:

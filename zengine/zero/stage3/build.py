@@ -94,9 +94,10 @@ def build_stage3_optimizer(
     rules: StepRules,
     ranks: ShardGroup,
     on_unbracketed_grad: Callable[[], None],
+    dtypes: GradDtypes,
 ) -> Stage3Optimizer:
     """The stage-3 optimizer over ``module`` for ``config`` (a ``ZengineConfig``); arguments as
-    ``stages.build_zero_optimizer``'s."""
+    ``stages.build_zero_optimizer``'s (``dtypes``: the gradients' ``GradDtypes``)."""
     zero_cfg, dtype = config.zero_optimization, config.compute_dtype
     all_sharded = shard_parameters(module, zero_cfg, dtype, ranks)
     mark_from_config(
@@ -146,7 +147,7 @@ def build_stage3_optimizer(
         rank=ranks.rank,
         placement=placement.optimizer,
         after_grad=lambda sp: fetcher.release([sp], force=True),
-        dtypes=GradDtypes.from_config(config),
+        dtypes=dtypes,
         comm_group=ranks.group,
         in_flight=buckets_in_flight(zero_cfg.overlap_comm),
         quantized_bits=zero_cfg.zero_quantized_gradients_bits
