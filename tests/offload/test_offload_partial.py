@@ -111,7 +111,13 @@ def resume_across_ratios(folder):
     """Save at one ratio, load at another, train on: equal to the reference of the whole run."""
     world = dist.get_world_size()
     out = []
-    for first, second in ((0.3, 0.7), (0.3, 1.0), (1.0, 0.5)):
+    # (zengine's format, and DCP's: torch.distributed.checkpoint, its param groups the user's)
+    for first, second, fmt in (
+        (0.3, 0.7, None),
+        (0.3, 1.0, None),
+        (1.0, 0.5, None),
+        (0.3, 1.0, "dcp"),
+    ):
         torch.manual_seed(0)
         model = EdgeNet()
         init = copy.deepcopy(model)
@@ -119,8 +125,8 @@ def resume_across_ratios(folder):
         engine = _engine(model, "fp32", first)
         for batch in batches[:2]:
             train_global_batch(engine, batch, PARITY_MICRO, GAS)
-        tag = f"r{first}-{second}"
-        engine.save_checkpoint(folder, tag=tag)
+        tag = f"r{first}-{second}-{fmt}"
+        engine.save_checkpoint(folder, tag=tag, **({"checkpoint_format": fmt} if fmt else {}))
         engine.destroy()
         torch.manual_seed(1)  # other initial values: the checkpoint must bring them all back
         engine = _engine(EdgeNet(), "fp32", second)

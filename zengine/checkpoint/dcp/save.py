@@ -147,10 +147,11 @@ def engine_values(engine, client_state: Optional[dict]) -> dict[str, Any]:
     scheduler's state, client_state."""
     opt = engine.optimizer
     values: dict[str, Any] = {}
+    names = holdings.param_group_names(opt)  # (partial offload: the sub-groups joined)
     for gi, group in enumerate(opt.optimizer.param_groups):
         base = f"{OPTIM}param_groups.{gi}."
         values.update({base + k: v for k, v in group.items() if k != "params"})
-        values[base + "params"] = holdings.group_names(opt.groups[gi])
+        values[base + "params"] = names[gi]
     values["train_state.step"] = engine.global_steps
     values["zengine.micro_steps"] = engine.micro_steps
     values["zengine.global_samples"] = engine.global_samples
