@@ -134,6 +134,7 @@ def _run_case(stage, precision, offload, init, sabotage):
             "devices": devices,
             "kinds": sorted({name for name, _ in collectives.calls}),
             "copies": steps,
+            "host_states": engine.memory_breakdown()["host_states"],
         }
     except Exception as e:  # reported to the parent, which asserts on it
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -213,9 +214,10 @@ def expected_copies(stage: int, offload: str, step: int) -> dict:
             2  # CPUAdam's copy-out staging, one per param group (offload/copies.py)
         )
     if offload == "partial":
-        # CPU-Adam's copy-out staging of the 3 host sub-groups, uploaded whole after the step (the
-        # partial step is taken whole); the device share writes its parameters in place
-        counts["h2d_async"] += 3
+        # the step in pieces of sub_group_size (150): the host sub-groups' 472, 346 and 73 elements in
+        # 4 + 3 + 1 pieces, each sent up from CPU-Adam's staging as it is stepped; the device share
+        # (stepped first, on the device) writes its parameters in place
+        counts["h2d_async"] += 8
     if stage == 3 and offload == "nvme":
         counts["h2d_async"] += (
             2  # ZeRO-Infinity's write-back of each group's one chunk (infinity.py)
@@ -272,6 +274,20 @@ def test_step_path_stays_on_the_device_with_one_host_read_per_step():
         for f in copy_failures(c, r)
     ]
     assert not failures, "\n".join(failures)
+
+
+# EdgeNet's trained shard elements at W = 2 by sub-group (sub_group_size 150): emb.weight 426, fc1.weight 472
+# on the device at ratio 0.5; fc2.weight 472, unused.weight + mix.weight 346, the vectors 73 on the host
+HOST_SHARE, ALL = 472 + 346 + 73, 426 + 472 + 472 + 346 + 73
+
+
+def test_memory_breakdown_counts_the_host_share_of_partial_offload():
+    cases = [(3, "bf16", "cpu", False, None), (3, "bf16", "partial", False, None)]
+    whole, partial = _run(cases)
+    assert whole["ok"] and partial["ok"], (whole, partial)
+    # fp32 gradient shard, master and Adam's two moments: 16 bytes per element in host memory
+    assert whole["host_states"] == 16 * ALL
+    assert partial["host_states"] == 16 * HOST_SHARE
 
 
 def test_guard_catches_a_host_norm_and_a_host_collective():

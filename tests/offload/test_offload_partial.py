@@ -111,7 +111,13 @@ def resume_across_ratios(folder):
     """Save at one ratio, load at another, train on: equal to the reference of the whole run."""
     world = dist.get_world_size()
     out = []
-    for first, second in ((0.3, 0.7), (0.3, 1.0), (1.0, 0.5)):
+    # (zengine's format, and DCP's: torch.distributed.checkpoint, its param groups the user's)
+    for first, second, fmt in (
+        (0.3, 0.7, None),
+        (0.3, 1.0, None),
+        (1.0, 0.5, None),
+        (0.3, 1.0, "dcp"),
+    ):
         torch.manual_seed(0)
         model = EdgeNet()
         init = copy.deepcopy(model)
@@ -119,8 +125,8 @@ def resume_across_ratios(folder):
         engine = _engine(model, "fp32", first)
         for batch in batches[:2]:
             train_global_batch(engine, batch, PARITY_MICRO, GAS)
-        tag = f"r{first}-{second}"
-        engine.save_checkpoint(folder, tag=tag)
+        tag = f"r{first}-{second}-{fmt}"
+        engine.save_checkpoint(folder, tag=tag, **({"checkpoint_format": fmt} if fmt else {}))
         engine.destroy()
         torch.manual_seed(1)  # other initial values: the checkpoint must bring them all back
         engine = _engine(EdgeNet(), "fp32", second)
@@ -178,15 +184,98 @@ def test_partial_offload_checkpoint_reshards_across_world_sizes_and_ratios():
     assert worst <= 1e-6
 
 
+def client_optimizer_and_schedule():
+    """The script's own torch AdamW and a per-group LambdaLR built on it: the sub-groups stay
+    behind the user's two param groups (the schedule sets each group's lr in both shares)."""
+    world = dist.get_world_size()
+    lambdas = [lambda s: 1.0 / (s + 1), lambda s: 0.5**s]  # one per param group
+
+    def adamw(groups):
+        return torch.optim.AdamW(groups, lr=PARITY_LR, betas=(0.9, 0.999), eps=1e-8)
+
+    torch.manual_seed(0)
+    model = EdgeNet()
+    init = copy.deepcopy(model)
+    client = adamw(edge_param_groups(model, PARITY_LR))
+    schedule = torch.optim.lr_scheduler.LambdaLR(client, lambdas)
+    cfg = _config("fp32", 0.5)
+    del cfg["optimizer"]
+    engine, *_ = zengine.initialize(
+        model=model, config=cfg, optimizer=client, lr_scheduler=schedule
+    )
+    assert type(engine.optimizer.optimizer).__name__ == "PartialAdam"
+    batches = make_batches(3, PARITY_MICRO * GAS * world)
+    for batch in batches:
+        train_global_batch(engine, batch, PARITY_MICRO, GAS)
+    ref_lrs = []
+
+    def ref_schedule(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
+
+    _, ref_params = reference_run(
+        init, batches, PARITY_LR, PARITY_CLIP, make_optimizer=adamw, make_scheduler=ref_schedule
+    )
+    ref_lrs = [PARITY_LR * lambdas[0](3), 2 * PARITY_LR * lambdas[1](3)]
+    assert engine.get_lr() == pytest.approx(ref_lrs)
+    worst, _, _ = _off(_params(engine), ref_params, init)
+    assert worst <= 1e-6, worst
+    engine.destroy()
+    return worst
+
+
+CHECKPOINTS = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoint"
+)
+DEEPSPEED_FIXTURE = os.path.join(
+    os.path.dirname(CHECKPOINTS), "fixtures", "deepspeed", "s3_fp32_w2"
+)
+
+
+def from_deepspeed():
+    """DeepSpeed 0.19.8's ZeRO-3 checkpoint (tests/fixtures/deepspeed) loads into a partial engine and
+    trains on as DeepSpeed did (its recorded losses and masters, within the migration suite's 1e-6)."""
+    import sys
+
+    sys.path.insert(0, CHECKPOINTS)
+    from deepspeed_runs import CONTINUED, SAVED_AT, TiedLM, batches, config, make_optimizer, train
+
+    torch.manual_seed(1)
+    model = TiedLM()
+    cfg = config(3, "fp32", dist.get_world_size())
+    cfg["zero_optimization"].update(
+        sub_group_size=100, offload_optimizer={"device": "cpu", "ratio": 0.5}
+    )
+    engine, *_ = zengine.initialize(model=model, optimizer=make_optimizer(model), config=cfg)
+    assert len(engine.optimizer.optimizer.on_device) > 0
+    engine.load_checkpoint(DEEPSPEED_FIXTURE)
+    losses = train(engine, batches(SAVED_AT + CONTINUED)[SAVED_AT:])
+    ref = torch.load(os.path.join(DEEPSPEED_FIXTURE, "reference.pt"), weights_only=True)
+    assert losses == pytest.approx(ref["losses_after"], rel=1e-6)
+    worst = 0.0
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            got = zengine.utils.safe_get_full_fp32_param(p).detach().cpu().reshape(-1)
+            worst = max(worst, (got - ref["after"][name].float().reshape(-1)).abs().max().item())
+    assert worst <= 1e-6, worst
+    engine.destroy()
+    return worst
+
+
 def partial_suite(folder):
-    return ratio_parity("fp32"), ratio_parity("bf16"), resume_across_ratios(folder)
+    return (
+        ratio_parity("fp32"),
+        ratio_parity("bf16"),
+        resume_across_ratios(folder),
+        client_optimizer_and_schedule(),
+        from_deepspeed() if dist.get_world_size() == 2 else None,
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_partial_offload_matches_torch_at_every_ratio_and_resumes_across_ratios(world):
     with tempfile.TemporaryDirectory() as folder:
         results = spawn(partial_suite, world, os.path.join(folder, "ckpt"))
-    fp32, bf16, resumed = results[0]
+    fp32, bf16, resumed, client, deepspeed = results[0]
     # the device share grows as the ratio falls: all of it at 0.0, none at 1.0
     shares = [d for _, d, _, _ in fp32]
     assert shares[0] > shares[1] >= shares[2] > shares[3] == 0

@@ -250,10 +250,10 @@ class MastersInMemory:
 
     def _landing_on_host(self, grads: "GradientReader") -> bool:
         """Every master gradient is fp32 on the host, where the shard is or copied down from the
-        device."""
+        device; or (partial offload's device share) fp32 beside its master on the device."""
         for gi, master in enumerate(self.masters):
             summed = grads.landing_grad(gi)
-            if master.device.type != "cpu":
+            if master.device.type != "cpu" and summed.device != master.device:
                 return False
             if summed.device == master.device and summed.dtype != torch.float32:
                 return False

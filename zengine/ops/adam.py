@@ -319,42 +319,46 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
     def _step(self, closure, copy_out_by_id: Mapping[int, torch.Tensor]):
         loss = self._run_closure(closure)
         for group, param, state, runs in self._due():
-            low = param.dtype == torch.bfloat16  # a bf16 master (bf16_master_weights_and_grads)
-            if "exp_avg" not in state:
-                states = self.bf16_states if low else param.dtype
-                state["exp_avg"] = torch.zeros_like(param, dtype=states)
-                state["exp_avg_sq"] = torch.zeros_like(param, dtype=states)
-            if low and self.rounding.buffers and "compensation" not in state:
-                state["compensation"] = torch.zeros_like(param)
-            out = copy_out_by_id.get(id(param))
-            for lo, hi, step in runs:
-                whole = lo == 0 and hi == param.numel()
-                names = ("exp_avg", "exp_avg_sq") + (
-                    ("compensation",) if "compensation" in state else ()
-                )
-                p, g, m, v, *comp = (
-                    t if whole else t.view(-1)[lo:hi]
-                    for t in (param, param.grad, *(state.get(k) for k in names))
-                )
-                target = out if out is None or whole else out.view(-1)[lo:hi]
-                if not low:
-                    adam_step_(p, g, m, v, step=step, copy_out=target, **self._hyper(group))
-                    continue
-                adam_step_bf16_(
-                    p,
-                    g,
-                    m,
-                    v,
-                    step=step,
-                    compensation=comp[0] if comp else None,
-                    rounding=self.rounding,
-                    key=self._key(param, step),
-                    first_index=lo,
-                    **self._hyper(group),
-                )
-                if target is not None:
-                    target.copy_(p.reshape(target.shape))
+            self._step_param(group, param, state, runs, copy_out_by_id.get(id(param)))
         return loss
+
+    def _step_param(self, group: dict, param: torch.Tensor, state: dict, runs, out) -> None:
+        """One parameter's runs ((lo, hi, step number) each), its updated values also into ``out``
+        (None: nowhere else); its moments made at its first step."""
+        low = param.dtype == torch.bfloat16  # a bf16 master (bf16_master_weights_and_grads)
+        if "exp_avg" not in state:
+            states = self.bf16_states if low else param.dtype
+            state["exp_avg"] = torch.zeros_like(param, dtype=states)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=states)
+        if low and self.rounding.buffers and "compensation" not in state:
+            state["compensation"] = torch.zeros_like(param)
+        for lo, hi, step in runs:
+            whole = lo == 0 and hi == param.numel()
+            names = ("exp_avg", "exp_avg_sq") + (
+                ("compensation",) if "compensation" in state else ()
+            )
+            p, g, m, v, *comp = (
+                t if whole else t.view(-1)[lo:hi]
+                for t in (param, param.grad, *(state.get(k) for k in names))
+            )
+            target = out if out is None or whole else out.view(-1)[lo:hi]
+            if not low:
+                adam_step_(p, g, m, v, step=step, copy_out=target, **self._hyper(group))
+                continue
+            adam_step_bf16_(
+                p,
+                g,
+                m,
+                v,
+                step=step,
+                compensation=comp[0] if comp else None,
+                rounding=self.rounding,
+                key=self._key(param, step),
+                first_index=lo,
+                **self._hyper(group),
+            )
+            if target is not None:
+                target.copy_(p.reshape(target.shape))
 
     def _key(self, param: torch.Tensor, step: int) -> int:
         """Stochastic rounding's key for ``param`` at ``step``: distinct per seed, step and

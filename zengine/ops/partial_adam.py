@@ -18,15 +18,14 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.optim.adam as torch_adam
 
-from .adam import CPUAdam, adam_step_
+from .adam import CPUAdam
 
 
 class PartialAdam(CPUAdam):
     """CPU-Adam whose parameters in ``on_device`` are stepped by torch's Adam(W) instead (module
-    doc). It steps a whole step at once (``steps_in_pieces`` False): the device share has no
-    pieces to wait for."""
-
-    steps_in_pieces = False
+    doc). Like CPU-Adam it steps runs and pieces (``steps_in_pieces``): an offloaded step in pieces
+    takes the device share's first (they land at once), queued on the device while CPU-Adam steps the
+    host share's as they land."""
 
     def __init__(self, params, on_device: Iterable[torch.Tensor] = (), **defaults):
         super().__init__(params, **defaults)
@@ -66,35 +65,33 @@ class PartialAdam(CPUAdam):
         keys = ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")
         first = optimizer.param_groups[0] if optimizer.param_groups else optimizer.defaults
         defaults = {k: first[k] for k in keys if k in first}
-        return cls(optimizer.param_groups, on_device=on_device, **defaults)
+        partial = cls(optimizer.param_groups, on_device=on_device, **defaults)
+        for name in ("bf16_states", "rounding", "seed"):  # CPU-Adam's own settings, kept
+            if hasattr(optimizer, name):
+                setattr(partial, name, getattr(optimizer, name))
+        return partial
 
     def _step(self, closure, copy_out_by_id: Mapping[int, torch.Tensor]):
         loss = self._run_closure(closure)
-        for group, param, state, runs in self._due():
-            if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            if id(param) in self.on_device:
-                self._step_on_device(group, param, state, runs, copy_out_by_id.get(id(param)))
-            else:
-                self._step_on_host(group, param, state, runs, copy_out_by_id.get(id(param)))
+        due = list(self._due())
+        # the device share first: its kernels are queued and run while CPU-Adam steps the host share
+        due.sort(key=lambda d: id(d[1]) not in self.on_device)
+        for group, param, state, runs in due:
+            self._step_param(group, param, state, runs, copy_out_by_id.get(id(param)))
         return loss
 
-    def _step_on_host(self, group, param, state, runs, out) -> None:
-        for lo, hi, step in runs:
-            whole = lo == 0 and hi == param.numel()
-            adam_step_(
-                *(
-                    t if whole else t.view(-1)[lo:hi]
-                    for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])
-                ),
-                step=step,
-                copy_out=out if out is None or whole else out.view(-1)[lo:hi],
-                **self._hyper(group),
+    def _step_param(self, group: dict, param: torch.Tensor, state: dict, runs, out) -> None:
+        if id(param) not in self.on_device:
+            super()._step_param(group, param, state, runs, out)
+            return
+        if param.dtype != torch.float32:
+            raise ValueError(
+                f"partial offload: the device share steps fp32 masters with torch's Adam, got "
+                f"{param.dtype}; keep fp32 masters, or offload every state (ratio 1.0)"
             )
-
-    @staticmethod
-    def _step_on_device(group, param, state, runs, out) -> None:
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         beta1, beta2 = group["betas"]
         for lo, hi, step in runs:
             views = [
@@ -119,5 +116,5 @@ class PartialAdam(CPUAdam):
                 eps=group["eps"],
                 maximize=False,
             )
-        if out is not None:  # the compute-dtype parameters, on the device beside the master
-            out.view(-1).copy_(param.view(-1))
+            if out is not None:  # the compute-dtype parameters, on the device beside the master
+                out.view(-1)[lo:hi].copy_(views[0])
