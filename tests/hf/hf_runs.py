@@ -135,9 +135,15 @@ def logged_losses(trainer) -> list:
 
 
 def saved_weights(path: str) -> dict:
+    """What ``save_model`` wrote to ``path``: the model, or a PEFT model's adapter."""
     from safetensors.torch import load_file
 
-    return {k: v.tolist() for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
+    name = (
+        "adapter_model.safetensors"
+        if os.path.exists(os.path.join(path, "adapter_config.json"))
+        else "model.safetensors"
+    )
+    return {k: v.tolist() for k, v in load_file(os.path.join(path, name)).items()}
 
 
 def fresh_accelerate_state():

@@ -4,7 +4,9 @@
 (their sources: tests/fixtures/hf/README.md). Both carry "auto" for what the Trainer decides, the
 config's own AdamW and DeepSpeed's WarmupLR schedule; ZeRO-3's model is loaded with
 ``from_pretrained`` after the arguments exist, so it is built inside ``zero.Init`` with the
-"auto" values still unfilled.
+"auto" values still unfilled; it trains whole, and with LoRA adapters (peft, when installed: the
+base model frozen and sharded, the adapters added outside ``zero.Init`` and taken over by the
+engine; ``save_model`` writes the adapter).
 
 On 2 gloo ranks each trains 4 steps (gradient accumulation 2) with a checkpoint at step 2, then a
 second trainer resumes from that checkpoint. The reference is the same Trainer in one process
@@ -20,6 +22,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness import spawn
 from hf_runs import (
@@ -44,8 +47,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
-# config file -> the model it trains (ZeRO-2: GPT-2, its head tied; ZeRO-3: Llama, untied)
-RUNS = {"ds_config_zero2.json": "gpt2", "ds_config_zero3.json": "llama"}
+HAVE_PEFT = importlib.util.find_spec("peft") is not None
+# run -> (config file, the model it trains): ZeRO-2 GPT-2 (its head tied); ZeRO-3 Llama (untied),
+# whole and with LoRA adapters (peft) on its attention, the base frozen and sharded
+RUNS = {
+    "zero2": ("ds_config_zero2.json", "gpt2"),
+    "zero3": ("ds_config_zero3.json", "llama"),
+    **({"zero3_lora": ("ds_config_zero3.json", "lora")} if HAVE_PEFT else {}),
+}
 
 
 def warmup_lr(step: int) -> float:
@@ -56,30 +65,51 @@ def warmup_lr(step: int) -> float:
     return 0.0 if step == 0 else min(1.0, math.log(step) / math.log(2))
 
 
+def _model(kind: str, out: str):
+    """GPT-2 built from its config; Llama loaded from the copy _reference saved (at ZeRO-3, after the
+    Trainer's arguments exist: transformers builds it inside zero.Init), with LoRA adapters for
+    "lora" (their random half drawn from one seed on every side)."""
+    import transformers
+
+    if kind == "gpt2":
+        return build_model(kind)
+    model = transformers.LlamaForCausalLM.from_pretrained(os.path.join(out, "llama_init"))
+    if kind == "lora":
+        import peft
+
+        torch.manual_seed(1)
+        lora = peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]
+        )
+        model = peft.get_peft_model(model, lora)
+    return model
+
+
 def _reference(out: str) -> dict:
     """Each model trained by the Trainer in this one process, without DeepSpeed, on the global
-    batch."""
+    batch: its losses and its weights (a PEFT model's: the adapter save_model writes)."""
     build_model("llama").save_pretrained(os.path.join(out, "llama_init"))
     refs = {}
-    for kind in set(RUNS.values()):
-        t = in_order_trainer(model=build_model(kind), train_dataset=Tokens(), lr_lambda=warmup_lr,
-                             args=training_args(os.path.join(out, "ref_" + kind), MICRO * 2))  # fmt: skip
+    for kind in {kind for _, kind in RUNS.values()}:
+        path = os.path.join(out, "ref_" + kind)
+        t = in_order_trainer(model=_model(kind, out), train_dataset=Tokens(), lr_lambda=warmup_lr,
+                             args=training_args(path, MICRO * 2))  # fmt: skip
         t.train()
+        t.save_model(os.path.join(path, "final"))
+        weights = {n: p.detach().tolist() for n, p in t.model.named_parameters()}
         refs[kind] = (
             logged_losses(t),
-            {n: p.detach().tolist() for n, p in t.model.named_parameters()},
+            saved_weights(os.path.join(path, "final")) if kind == "lora" else weights,
         )
     return refs
 
 
 def _zengine(out: str) -> dict:
     zengine_ranks()
-    import torch
-    import transformers
 
     res = {}
-    for name, kind in RUNS.items():
-        config = str(FIXTURES / name)  # the path, as --deepspeed ds_config_zero3.json passes it
+    for name, (file, kind) in RUNS.items():
+        config = str(FIXTURES / file)  # the path, as --deepspeed ds_config_zero3.json passes it
         for run, resume in (
             (name, None),
             (name + ":resumed", os.path.join(out, name, "checkpoint-2")),
@@ -87,13 +117,7 @@ def _zengine(out: str) -> dict:
             fresh_accelerate_state()
             args = training_args(os.path.join(out, run.replace(":", "_")), MICRO, config,
                                  save_strategy="steps", save_steps=2)  # fmt: skip
-            if kind == "llama":  # after the arguments: transformers builds it inside zero.Init
-                model = transformers.LlamaForCausalLM.from_pretrained(
-                    os.path.join(out, "llama_init")
-                )
-            else:
-                model = build_model(kind)
-            t = in_order_trainer(model=model, args=args, train_dataset=Tokens())
+            t = in_order_trainer(model=_model(kind, out), args=args, train_dataset=Tokens())
             t.train(resume_from_checkpoint=resume)
             path = os.path.join(out, run.replace(":", "_"), "final")
             t.save_model(path)
@@ -112,8 +136,8 @@ def _zengine(out: str) -> dict:
 def test_documented_configs_train_and_resume_like_one_process(tmp_path):
     refs = spawn(_reference, 1, str(tmp_path))[0]
     got, other = spawn(_zengine, 2, str(tmp_path))
-    for name, kind in RUNS.items():
-        documented = json.loads((FIXTURES / name).read_text())["zero_optimization"]
+    for name, (file, kind) in RUNS.items():
+        documented = json.loads((FIXTURES / file).read_text())["zero_optimization"]
         ref_losses, ref_params = refs[kind]
         full, resumed = got[name], got[name + ":resumed"]
         for run in (full, resumed):

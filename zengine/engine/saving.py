@@ -49,18 +49,20 @@ class CheckpointMembers:
         atomically, then record ``tag`` in ``save_dir/latest``. Every rank writes only what it holds.
         ``async_save`` (default: the config's ``checkpoint.writer.decoupled``): return after a copy to host
         memory, write in the background (see ``wait_for_checkpoint``). ``exclude_frozen_parameters``
-        (DeepSpeed's): only False; a checkpoint keeps the frozen parameters with the others."""
-        if exclude_frozen_parameters:
-            raise NotImplementedError(
-                "save_checkpoint(exclude_frozen_parameters=True): zengine checkpoints keep frozen "
-                "parameters with the others; pass False (Lightning: "
-                "DeepSpeedStrategy(exclude_frozen_parameters=False), its default)"
-            )
+        (DeepSpeed's; the Trainer passes True for a PEFT model): the parameters that do not require
+        grad are left out; ``load_checkpoint(load_module_strict=False)`` keeps the model's own values
+        of them (strict: they are named missing), and the fp32 exports leave them out."""
         if async_save is None:
             async_save = self.config.checkpoint.writer.decoupled
         with agreement.collective_call("save_checkpoint"):
             return checkpoint.save_checkpoint(
-                self, save_dir, tag, client_state, save_latest, async_save
+                self,
+                save_dir,
+                tag,
+                client_state,
+                save_latest,
+                async_save,
+                exclude_frozen_parameters,
             )
 
     def load_checkpoint(
