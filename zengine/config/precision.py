@@ -91,8 +91,8 @@ class BF16Config(_Section):
 
 
 class DataTypesConfig(_Section):
-    """DeepSpeed's ``data_types``: the dtype gradients are summed in across micro-steps (``param_dtype`` is
-    only checked against the compute dtype; ``buffer_dtype`` is in ``unsupported.py``)."""
+    """DeepSpeed's ``data_types``: the dtype gradients are summed in across micro-steps, the buffers'
+    dtype (``param_dtype`` is only checked against the compute dtype)."""
 
     grad_accum_dtype: Optional[DtypeName] = Field(
         None,
@@ -100,6 +100,14 @@ class DataTypesConfig(_Section):
             "The dtype of the gradient sum over micro-steps: the gradient shard at stages 2-3, the full gradient "
             "buffer at stages 0-1. Default (null): fp32 at stages 2-3, the compute dtype at stages 0-1. With "
             "optimizer offload the host shard is fp32 whatever this says, as in DeepSpeed."
+        ),
+    )
+    buffer_dtype: Optional[DtypeName] = Field(
+        None,
+        description=(
+            "The dtype the model's floating buffers are cast to. Default (null): the compute dtype "
+            "(DeepSpeed 0.19.8's null keeps the buffers' own dtype; give it here to keep fp32 "
+            "buffers, such as rotary inv_freq, under bf16/fp16)."
         ),
     )
     param_dtype: Optional[DtypeName] = Field(

@@ -6,14 +6,21 @@ dtype, rank 0's values, stage 3's cut) is ``zero/place.py``'s."""
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 from torch import nn
 
 from ..config import ZengineConfig
+from ..config.precision import DTYPES
 from ..distributed.process_group import ProcessRank
 from ..optim import build_optimizer, build_scheduler
+from ..precision.autocast import ForwardPrecision, forward_precision
 from ..precision.cpu_matmul import MatmulPolicy, choose_matmul_policy, log_choice
+from ..precision.grad_factor import GradFactor
+from ..precision.loss_scaler import LossScaler
+from ..zero.grad_dtypes import ReduceScaling
+from ..zero.optimizer import ShardGroup
 
 logger = logging.getLogger("zengine")
 
@@ -28,6 +35,29 @@ def route_matmuls(
     if process_rank.rank == 0:
         log_choice(policy, routed)
     return policy
+
+
+def buffer_dtype(config: ZengineConfig) -> Optional[torch.dtype]:
+    """``data_types.buffer_dtype`` as a dtype (None: the compute dtype)."""
+    name = config.data_types.buffer_dtype
+    return DTYPES[name] if name is not None else None
+
+
+def precision_parts(
+    config: ZengineConfig, ranks: ShardGroup
+) -> tuple[ForwardPrecision, LossScaler, GradFactor]:
+    """The forward's precision (on the parameters' dtype, or under torch.autocast), the loss scaler
+    and the gradient factor (grad_factor.py: what gradients are multiplied by on the way and
+    divided by at the step; its world is 1 where the reduction takes the mean:
+    ``gradient_predivide_factor``, ``prescale_gradients``)."""
+    stage = config.zero_optimization.stage
+    precision = forward_precision(config.torch_autocast, ranks.device, stage)
+    scaler = precision.loss_scaler(config.fp16)
+    world = ReduceScaling.from_config(config, ranks.dp_world).world_at_step(ranks.dp_world)
+    factor = GradFactor.for_precision(
+        scaler, config.fp16, config.gradient_accumulation_steps, world
+    )
+    return precision, scaler, factor
 
 
 def named_param_groups(

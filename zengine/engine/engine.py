@@ -38,8 +38,6 @@ from ..log import setup_logging
 from ..monitor import StepReport, build_monitor
 from ..monitor.timers import BACKWARD, FORWARD, STEP, Timers
 from ..precision.cast import cast_floating
-from ..precision.grad_factor import GradFactor
-from ..precision.loss_scaler import make_loss_scaler
 from ..zero import build_zero_optimizer
 from ..zero.optimizer import StepOutcome
 from ..zero.place import place_model
@@ -48,6 +46,8 @@ from .accumulation import Accumulation
 from .backward import BackwardTracker
 from .build import (
     Training,
+    buffer_dtype,
+    precision_parts,
     UntrainedParameters,
     make_dataloader,
     make_scheduler,
@@ -122,18 +122,16 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
             ranks.group
         )  # (another engine's transport may serve it: memory_breakdown)
         # stage 3 (MiCS: over shard groups): cut one parameter at a time
-        place_model(model, config.zero_optimization.stage, config.compute_dtype, ranks)
+        buffers = buffer_dtype(config)  # data_types.buffer_dtype (None: the compute dtype)
+        place_model(model, config.zero_optimization.stage, config.compute_dtype, ranks, buffers)
         self.matmul = route_matmuls(model, config, process_rank)  # bf16 on a CPU without it: fp32
         self.trains = Training.of(optimizer, config)  # without an optimizer: forward only
         named_groups = named_param_groups(model, model_parameters, optimizer, self.trains)
         self._untrained = UntrainedParameters(
             model, named_groups
         )  # named at the step if unfrozen later
-        self.scaler = make_loss_scaler(config.fp16)
-        # what gradients are multiplied by on the way and divided by at the step (grad_factor.py)
-        self.grad_factor = GradFactor.for_precision(
-            self.scaler, config.fp16, config.gradient_accumulation_steps, ranks.dp_world
-        )
+        # the forward's precision (torch_autocast or not), the loss scale, the gradient factor
+        self.forward_precision, self.scaler, self.grad_factor = precision_parts(config, ranks)
         # every backward is bracketed (backward.py): a plain one the outputs miss opens at its first parameter gradient
         self._backward = BackwardTracker(self._begin_backward, self._end_backward, self.grad_factor)
         self.optimizer = build_zero_optimizer(
@@ -144,6 +142,7 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
             self.grad_factor,
             ranks,
             self._backward.on_param_grad,
+            self.forward_precision.wire_dtypes(model),
         )
         self.lr_scheduler = make_scheduler(lr_scheduler, config, self.optimizer, self.trains)
         self.training_dataloader = (
@@ -178,7 +177,11 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
     def forward(self, *args, **kwargs):
         self._check_alive("forward")
         dtype = self.config.compute_dtype
-        with self.timers(FORWARD), self.optimizer.forward_context():
+        with (
+            self.timers(FORWARD),
+            self.optimizer.forward_context(),
+            self.forward_precision.context(),
+        ):
             out = self.module(*cast_floating(args, dtype), **cast_floating(kwargs, dtype))
         if torch.is_grad_enabled():
             self._backward.hook_outputs(out)  # so that a plain loss.backward() is bracketed

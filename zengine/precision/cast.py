@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -37,16 +37,22 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     return obj
 
 
-def cast_module(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Move the module to ``device`` with floating parameters and buffers in ``dtype``.
+def cast_module(
+    module: nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    buffer_dtype: Optional[torch.dtype] = None,
+) -> None:
+    """Move the module to ``device`` with floating parameters in ``dtype`` and floating buffers in
+    ``buffer_dtype`` (None: ``dtype``; ``data_types.buffer_dtype``).
 
     Parameters keep their identity (their ``.data`` moves), so param groups built from them stay
     valid; unlike ``module.to`` this also works on tensor subclasses such as the fake CUDA tensors
     of the CPU guard tests.
     """
 
-    def moved(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+    def moved(t: torch.Tensor, to: torch.dtype = dtype) -> torch.Tensor:
+        return t.to(device=device, dtype=to if t.is_floating_point() else None)
 
     with torch.no_grad():
         for m in module.modules():
@@ -57,4 +63,4 @@ def cast_module(module: nn.Module, dtype: torch.dtype, device: torch.device) -> 
                     p.data = moved(p.data)
             for name, b in m._buffers.items():
                 if b is not None:
-                    m._buffers[name] = moved(b)
+                    m._buffers[name] = moved(b, buffer_dtype or dtype)

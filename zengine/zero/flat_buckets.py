@@ -20,15 +20,24 @@ from .bucket_order import BucketQueue
 from .flat_group import FlatParamGroup
 from .grad_dtypes import GradDtypes
 from .layout import Bucket, intersect
-from .reducer import Reduction, ShardReducer
+from .reducer import Reduction, ShardReducer, wire_codec
 
 
 class FlatRanges:
     """Stage 2's ``BucketLayout``: each bucket a contiguous range of its group's flat buffer."""
 
-    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int):
+    def __init__(
+        self,
+        groups: list[FlatParamGroup],
+        bucket_numel: int,
+        wires: Optional[Sequence[Sequence[torch.dtype]]] = None,
+    ):
         self.groups = groups
-        self.queues = [BucketQueue(g, bucket_numel) for g in groups]
+        # (wires: per group, each parameter's wire dtype, which a bucket does not mix)
+        self.queues = [
+            BucketQueue(g, bucket_numel, wires[gi] if wires else None)
+            for gi, g in enumerate(groups)
+        ]
         for g in groups:
             for p in g.params:
                 p.grad = None
@@ -121,8 +130,10 @@ def sharded_gradients(
     ``placement`` (the optimizer's) keeps master gradients."""
     dtype = dtypes.shard_dtype(placement.cpu_optimizer)
     shards = [placement.empty(g.layout.shard_numel, dtype, g.flat.device) for g in groups]
-    layout = FlatRanges(groups, bucket_numel)
+    wires = [dtypes.wires(g.params) for g in groups]
+    layout = FlatRanges(groups, bucket_numel, wires)
     codec = ReduceToOwners(groups, comm_group) if to_owners else AllReduce(comm_group)
+    codec = wire_codec(codec, wires, dtypes)
     regions = [layout.regions(gi) for gi in range(len(groups))]
     landing = ShardsInMemory(shards, regions, placement.copies)
     buffers = BucketBuffers(dtypes.reduce, placement.copies)

@@ -62,6 +62,36 @@ class ReduceCodec(Protocol):
         ...
 
 
+class WireCodec:
+    """``ReduceCodec`` around another: each bucket crosses the ranks in its own wire dtype (a
+    converted copy where the buffer's differs: under ``torch_autocast``) and is multiplied, in that
+    dtype, before and after the reduction (``prescale_gradients``, ``gradient_predivide_factor``).
+    ``wires[gi][pi]``: the wire dtype of parameter pi of group gi (a bucket holds one only)."""
+
+    def __init__(self, inner: ReduceCodec, wires: Sequence[Sequence[torch.dtype]], scaling):
+        self.inner = inner
+        self.wires = wires
+        self.scaling = scaling  # a grad_dtypes.ReduceScaling
+
+    def launch(self, gi: int, bucket: Bucket, buf: torch.Tensor) -> Reduction:
+        dtype = self.wires[gi][bucket.params[0]] if bucket.params else buf.dtype
+        wire = buf if buf.dtype == dtype else buf.to(dtype)  # [bucket shape] wire dtype
+        self.scaling.scale(wire, self.scaling.before)
+        reduction = self.inner.launch(gi, bucket, wire)
+        after = self.scaling.after
+        if after == 1.0:
+            return reduction
+        return Reduction(reduction.works, lambda: self.scaling.scale(reduction.result(), after))
+
+
+def wire_codec(codec: ReduceCodec, wires: Sequence[Sequence[torch.dtype]], dtypes) -> ReduceCodec:
+    """``codec``, wrapped in a ``WireCodec`` where a bucket needs converting or scaling (``dtypes``:
+    the engine's ``GradDtypes``)."""
+    if not dtypes.own and not dtypes.scaling.in_reduce:
+        return codec
+    return WireCodec(codec, wires, dtypes.scaling)
+
+
 class BucketLayout(Protocol):
     """Which gradients make a bucket, where each goes in the bucket's buffer, and what of the
     reduced bucket is this rank's. Positions in a buffer run along its last dimension."""
