@@ -96,6 +96,11 @@ def untrained(module: nn.Module, optimizer, rank: int, world: int, saving: bool)
     return [Holding(p.detach().view(-1), [Piece(n, 0, p.numel(), 0)]) for n, p in params]
 
 
+def frozen_names(module: nn.Module) -> frozenset[str]:
+    """The parameters that do not require grad (what ``exclude_frozen_parameters`` leaves out)."""
+    return frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
+
+
 def buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     """The persistent buffers (those ``state_dict`` keeps), by name."""
     out = {}

@@ -43,15 +43,20 @@ def save_checkpoint(
     client_state: Optional[dict] = None,
     save_latest: bool = True,
     async_save: bool = False,
+    exclude_frozen: bool = False,
 ) -> bool:
     """Collective: write a checkpoint of ``engine`` to ``save_dir/tag``; see the module doc. ``async_save``:
-    snapshot to host memory and write in the background (background.py)."""
+    snapshot to host memory and write in the background (background.py). ``exclude_frozen``
+    (DeepSpeed's ``exclude_frozen_parameters``): the parameters that do not require grad are left
+    out; a load keeps the model's own values of them (``load_module_strict=False``, as a PEFT
+    run's resume loads) or names them missing."""
     tag, staging = begin(engine, save_dir, tag)
+    excluded = holdings.frozen_names(engine.module) if exclude_frozen else frozenset()
     with engine.optimizer.states_resident():
         if async_save:
-            _start_background(engine, staging, save_dir, tag, client_state, save_latest)
+            _start_background(engine, staging, save_dir, tag, client_state, save_latest, excluded)
         else:
-            _write(engine, staging, save_dir, tag, client_state, save_latest)
+            _write(engine, staging, save_dir, tag, client_state, save_latest, excluded)
     return True
 
 
@@ -85,12 +90,14 @@ def begin(engine, save_dir: str, tag: Optional[str]) -> tuple[str, str]:
     return tag, staging
 
 
-def _write(engine, staging: str, save_dir: str, tag: str, client_state, save_latest: bool) -> None:
+def _write(
+    engine, staging: str, save_dir: str, tag: str, client_state, save_latest: bool, excluded
+) -> None:
     """The rank files, then (rank 0) the shared files and the publishing rename; errors on any rank raise on all."""
     group, rank = engine.optimizer.dp_group, engine.global_rank
     path = os.path.join(staging, meta_mod.rank_file(rank))
     try:
-        entries, mine = _rank_part(engine)
+        entries, mine = _rank_part(engine, excluded)
         info = write_tensor_file(path, entries, {"rank": rank, "pieces": mine["pieces"]})
         mine.update(size=info.size, crc=info.header_crc)
     except Exception as e:  # a full disk, a permission: reported on every rank below
@@ -105,7 +112,7 @@ def _write(engine, staging: str, save_dir: str, tag: str, client_state, save_lat
                     staging,
                     save_dir,
                     tag,
-                    *_shared_part(engine, client_state, everyone),
+                    *_shared_part(engine, client_state, everyone, excluded),
                     everyone,
                     save_latest,
                 )
@@ -122,14 +129,14 @@ def _write(engine, staging: str, save_dir: str, tag: str, client_state, save_lat
 
 
 def _start_background(
-    engine, staging: str, save_dir: str, tag: str, client_state, save_latest: bool
+    engine, staging: str, save_dir: str, tag: str, client_state, save_latest: bool, excluded
 ) -> None:
     """Snapshot this rank's part to host memory, agree that every rank has, and leave the writing to a thread
     (background.py); rank 0 also captures the shared part now, before training changes it."""
     group, rank = engine.optimizer.dp_group, engine.global_rank
     path = os.path.join(staging, meta_mod.rank_file(rank))
     try:
-        entries, mine = _rank_part(engine)
+        entries, mine = _rank_part(engine, excluded)
         snapshot, ready = background.host_snapshot(entries)
     except Exception as e:  # out of host memory: reported on every rank below
         mine = {
@@ -140,7 +147,7 @@ def _start_background(
     shared = None
     if rank == 0 and not errors:
         try:
-            shared = _shared_part(engine, client_state, everyone)
+            shared = _shared_part(engine, client_state, everyone, excluded)
         except Exception as e:
             errors = [f"rank 0: {type(e).__name__}: {e}"]
     errors = collectives.broadcast(errors, group)
@@ -175,9 +182,9 @@ def _start_background(
     )
 
 
-def _rank_part(engine) -> tuple[list, dict]:
+def _rank_part(engine, excluded: frozenset) -> tuple[list, dict]:
     """This rank's file entries, and what it tells rank 0 about them (pieces, state keys, RNG, step scalars)."""
-    entries, pieces, state_keys = _rank_entries(engine)
+    entries, pieces, state_keys = _rank_entries(engine, excluded)
     return entries, {
         "pieces": pieces,
         "keys": state_keys,
@@ -186,9 +193,9 @@ def _rank_part(engine) -> tuple[list, dict]:
     }
 
 
-def _rank_entries(engine) -> tuple[list, dict, list]:
+def _rank_entries(engine, excluded: frozenset) -> tuple[list, dict, list]:
     """(key, tensor view) pairs this rank writes, the pieces index {name: [start, end]}, and the per-element
-    optimizer state keys."""
+    optimizer state keys (the untrained parameters named in ``excluded`` left out)."""
     opt, rank, world = engine.optimizer, engine.global_rank, engine.world_size
     entries, pieces, state_keys = [], {}, []
     for gi, master in enumerate(holdings.masters(opt, world, saving=True)):
@@ -202,6 +209,8 @@ def _rank_entries(engine) -> tuple[list, dict, list]:
             ]
     for held in holdings.untrained(engine.module, opt, rank, world, saving=True):
         for p in held.pieces:
+            if p.name in excluded:
+                continue
             pieces[p.name] = [p.start, p.end]
             entries.append((f"param/{p.name}", held.view(p)))
     if rank == 0:
@@ -277,7 +286,7 @@ def _merged(opt, pg: int, records: list[dict]) -> dict[str, Any]:
     return merged
 
 
-def _shared_part(engine, client_state, everyone: list) -> tuple[bytes, dict]:
+def _shared_part(engine, client_state, everyone: list, excluded: frozenset) -> tuple[bytes, dict]:
     """Rank 0: state.pt's bytes and meta.json's engine fields, read from the engine now."""
     buf = io.BytesIO()
     torch.save(_engine_state(engine, client_state, everyone), buf)
@@ -288,7 +297,9 @@ def _shared_part(engine, client_state, everyone: list) -> tuple[bytes, dict]:
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,
         "global_samples": engine.global_samples,
-        **meta_mod.describe_model(engine.module, holdings.trained_names(engine.optimizer)),
+        **meta_mod.describe_model(
+            engine.module, holdings.trained_names(engine.optimizer), excluded
+        ),
     }
     return buf.getvalue(), meta
 

@@ -11,10 +11,16 @@ A leaf module (``leaf.py``) is one unit with its whole subtree: its hooks gather
 it, and its descendants get none.
 
 Parameters used outside their module (``F.linear(x, self.emb.weight)``) are
-caught by a torch-function mode that is active during the engine's forward:
-an op that receives a sharded parameter gathers it first, the running
-module releases it when it finishes, and the op's outputs are hooked to
-gather it again for backward.
+caught by a torch-function mode that is active during the engine's forward
+(and, entered by the root module's own hooks, during a call of the model
+outside the engine: TRL generating through the hooks): an op that receives a
+sharded parameter gathers it first, the running module releases it when it
+finishes, and the op's outputs are hooked to gather it again for backward. A
+parameter registered as external to a module (``external.py``) is gathered
+with that module's own instead.
+
+The hooks can be taken off and put back (``remove``, ``reinstall``): DeepSpeed's
+callers do it through ``optimizer.parameter_offload`` (``parameter_offload.py``).
 
 A gradient reaches a trainable parameter's accumulator only whole: autograd checks it against the
 parameter's shape there. One that arrives while the parameter is sharded gathers it first
