@@ -15,12 +15,14 @@ from .api import initialize
 from .distributed import init_distributed
 from .distributed.agreement import CollectiveCallError
 from .distributed.diagnose import CollectiveTimeoutError, RanksOutOfStepError
+from .distributed.identity import CollectiveMismatchError
 from .engine import DeepSpeedEngine, Engine
 from .engine.build import UnfrozenParameterError
 from .engine.module_guard import EngineModuleError
 from . import zero
 from .launcher.args import add_config_arguments
 from .zero.nonfinite import NonFiniteGradientError
+from .zero.param_writes import ParameterWriteError
 from .zero.user_clipping import ShardedGradientError
 from .zero.stage3.fetcher import FetchOrderError
 from .zero.stage3.grads import ExternalUseError
@@ -36,11 +38,13 @@ __all__ = [
     "__version__",
     # what a training step may raise (docs/API.md, "Errors and environment")
     "CollectiveCallError",
+    "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "EngineModuleError",
     "ExternalUseError",
     "FetchOrderError",
     "NonFiniteGradientError",
+    "ParameterWriteError",
     "ShardedGradientError",
     "RanksOutOfStepError",
     "UnfrozenParameterError",

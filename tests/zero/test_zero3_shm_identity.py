@@ -1,7 +1,9 @@
 """Stage 3: ranks whose modules differ in shape (a branch that runs on some ranks only) fail by name
-through the shared-memory segment as through gloo (issue 41 case 8). Each shared-memory sync carries
-the collective's identity (kind, dtype, sizes); before, the ranks' syncs paired up across different
-collectives and gloo aborted the process (SIGABRT) at a later one."""
+on every rank, through the shared-memory segment and through plain gloo alike (issue 41 case 8):
+every collective carries the same identity check (distributed/identity.py: kind, dtype, sizes),
+which the shared-memory sync is and which precedes every collective through the backend. Before,
+the ranks' syncs paired up across different collectives, and through gloo the payloads of other
+sizes aborted the process inside gloo (SIGABRT, ``op.preamble.length <= op.nbytes``)."""
 
 from __future__ import annotations
 
@@ -56,9 +58,13 @@ def diverging_run(shared: bool) -> tuple[str, bool]:
     return message, unchanged
 
 
-@pytest.mark.parametrize("shared", [True], ids=["shared-memory"])
-def test_ranks_with_modules_of_other_shapes_fail_by_name(shared):
-    for rank, (message, unchanged) in enumerate(spawn(diverging_run, 2, shared, timeout=120)):
-        assert "narrow" in message if rank == 0 else "wide" in message, (rank, message)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-memory", "gloo"])
+def test_ranks_with_modules_of_other_shapes_fail_by_name(shared, world):
+    for rank, (message, unchanged) in enumerate(spawn(diverging_run, world, shared, timeout=120)):
+        assert message != "no error", rank
+        # this rank's gather, and every rank's collective beside it
+        assert ("narrow" if rank == 0 else "wide") in message, (rank, message)
+        assert "narrow.weight" in message and "wide.weight" in message, (rank, message)
         assert "set_z3_leaf_modules" in message, message  # the way out
         assert unchanged, rank

@@ -145,10 +145,20 @@ def _raise_missing(
         if timed_out
         else "a rank that never called it failed or left"
     )
-    error = CollectiveCallError(
+    uneven = diagnose.uneven_forwards(records)
+    error: RuntimeError = CollectiveCallError(
         f"zengine: rank {me} called {label}, which every rank must call together, and "
         f"{why}:\n" + "\n".join(lines) + "\n" + _ADVICE
     )
+    if uneven:  # the cause: a rank still gathers for forwards its peers did not run
+        error = diagnose.RanksOutOfStepError(
+            f"zengine: rank {me} called {label}, but {uneven}\n"
+            + "\n".join(lines)
+            + "\n"
+            + diagnose.UNEVEN_FORWARDS_ADVICE
+            + " If instead the call was made on some ranks only: "
+            + _ADVICE
+        )
     diagnose.set_reported(error)
     raise error
 
@@ -216,8 +226,18 @@ def stranded_error(what: str, elsewhere: str) -> BaseException:
         + (records[r].describe() if r in records else "no report")
         for r in range(world)
     )
-    error = CollectiveCallError(
-        f"zengine: rank {rank} was waiting in {what}, but {elsewhere}\n{table}\n{_ADVICE}"
+    uneven = diagnose.uneven_forwards(records)
+    error: RuntimeError = (
+        diagnose.RanksOutOfStepError(
+            f"zengine: rank {rank} was waiting in {what}, but {uneven}\n{table}\n"
+            + diagnose.UNEVEN_FORWARDS_ADVICE
+            + " If instead a peer made a collective call on its own: "
+            + _ADVICE
+        )
+        if uneven
+        else CollectiveCallError(
+            f"zengine: rank {rank} was waiting in {what}, but {elsewhere}\n{table}\n{_ADVICE}"
+        )
     )
     diagnose.set_reported(error)
     return error

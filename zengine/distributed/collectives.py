@@ -15,7 +15,9 @@ wrong device fails here, naming the collective, rather than deep inside the
 backend or, worse, on a GPU cluster only. A collective the backend fails
 (a timeout, a peer gone) is turned into an error that names it and says
 where every rank was (``diagnose.py``); asynchronous collectives return a
-``Pending`` whose ``wait()`` does the same.
+``Pending`` whose ``wait()`` does the same. Every collective that goes through the backend is
+preceded by its identity check (``identity.py``: ranks that make different collectives are named
+on every rank before the payload moves); through shared memory the piece's sync carries it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import agreement, diagnose, shm, traffic, waiting
+from . import agreement, diagnose, identity, shm, traffic, waiting
 from .process_group import backend_device_types
 
 
@@ -150,8 +152,43 @@ def check_devices(what: str, group, *tensors: torch.Tensor) -> None:
 
 
 def run_blocking(name: str, tensor: torch.Tensor, call, *args, group=None) -> None:
-    """``call(*args)``, a collective of ``tensor`` on ``group``, waited for (failures diagnosed as any)."""
+    """``call(*args)``, a collective of ``tensor`` on ``group``, waited for (failures diagnosed as any).
+    No identity check of its own: for the shared-memory sync, which is one."""
     _run(name, tensor, call, *args, group=group)
+
+
+def _all_reduce_max(tensor: torch.Tensor, **kwargs):
+    return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, **kwargs)
+
+
+def check_identity(kind: str, tensor: torch.Tensor, group=None, shape=None) -> None:
+    """The identity check before ``tensor``'s collective ``kind`` through the backend
+    (``identity.py``): one MAX all-reduce of ``[identity, -identity]`` on ``tensor``'s device. A
+    CPU check is read at once and a mismatch raised on every rank; a device one is counted on
+    the device (``identity.pending``), with no host read."""
+    if dist.get_world_size(group) == 1:
+        return
+    ident = identity.identity(kind, tensor.dtype, tensor.shape if shape is None else shape)
+    flag = identity.flag(ident, tensor.device)
+    # described as the payload's collective: a rank that never comes is waited for here
+    _run(kind, tensor, _all_reduce_max, flag, group=group)
+    if flag.device.type != "cpu":
+        identity.count_on_device(flag)
+    elif not identity.agreed(flag):
+        raise identity.mismatch(kind, ident, group, lambda row: exchange_rows(row, group))
+
+
+def exchange_rows(row: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every rank's ``row`` (a CPU tensor), by rank, with no identity check: for the check's own
+    failure path, which every rank reaches together."""
+    device = message_device(group)
+    mine = row.to(device)
+    out = torch.empty((dist.get_world_size(group), *row.shape), dtype=row.dtype, device=device)
+    if is_gloo(group):
+        _run("all_gather", out, dist.all_gather, list(out.unbind(0)), mine, group=group)
+    else:
+        _run("all_gather", out, _all_gather_flat, out.view(-1), mine.view(-1), group=group)
+    return list(out.cpu().unbind(0))
 
 
 def all_reduce_sum(tensor: torch.Tensor, group=None, async_op: bool = False) -> Work:
@@ -163,6 +200,7 @@ def all_reduce_sum(tensor: torch.Tensor, group=None, async_op: bool = False) -> 
     if transport is not None:
         transport.all_reduce_sum(tensor)
         return None
+    check_identity("all_reduce", tensor, group)
     return _run(
         "all_reduce",
         tensor,
@@ -178,6 +216,7 @@ def reduce_sum_to(tensor: torch.Tensor, dst: int, group=None, async_op: bool = F
     """Sum ``tensor`` over the group into rank ``dst`` (others keep garbage)."""
     check_devices("reduce_sum_to", group, tensor)
     traffic.record("reduce", tensor.numel() * tensor.element_size(), group)
+    check_identity(f"reduce to {dst}", tensor, group)
     return _run(
         "reduce",
         tensor,
@@ -194,6 +233,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     """Copy ``tensor`` from rank ``src`` to every rank of the group."""
     check_devices("broadcast", group, tensor)
     traffic.record("broadcast", tensor.numel() * tensor.element_size(), group)
+    check_identity(f"broadcast from {src}", tensor, group)
     return _run(
         "broadcast", tensor, dist.broadcast, tensor, src=src, group=group, async_op=async_op
     )
@@ -216,6 +256,7 @@ def all_gather_rows(rows: torch.Tensor, rank: int, group=None, async_op: bool = 
     ):  # shared memory (shm.py): done before this returns
         transport.all_gather_rows(rows)
         return []
+    check_identity("all_gather", rows, group)
     if is_gloo(group):
         works = [
             _run(
@@ -328,6 +369,7 @@ def reduce_scatter(
     """Sum ``full`` ([world * n]) over the group; this rank keeps its n-element part in ``out``."""
     check_devices("reduce_scatter", group, out, full)
     traffic.record("reduce_scatter", full.numel() * full.element_size(), group)
+    check_identity("reduce_scatter", full, group)
     return _run(
         "reduce_scatter",
         full,
@@ -344,6 +386,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool 
     """Row r of ``inp`` ([world, n]) goes to rank r; row s of ``out`` comes from rank s."""
     check_devices("all_to_all", group, out, inp)
     traffic.record("all_to_all", inp.numel() * inp.element_size(), group)
+    check_identity("all_to_all", inp, group)
     return _run("all_to_all", inp, dist.all_to_all_single, out, inp, group=group, async_op=async_op)
 
 
@@ -370,6 +413,7 @@ def all_gather_small(tensor: torch.Tensor, group=None) -> torch.Tensor:
     world = dist.get_world_size(group)
     out = torch.empty((world, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
     traffic.record("all_gather", out.numel() * out.element_size(), group)
+    check_identity("all_gather", out, group)
     if is_gloo(group):
         _run(
             "all_gather",

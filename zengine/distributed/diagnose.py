@@ -30,7 +30,7 @@ import contextlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
 import torch.distributed as dist
@@ -80,21 +80,41 @@ class Progress:
     global_steps: int = 0
     micro_steps: int = 0
     where: str = ""
+    # stage 3: forwards run so far, [with gradients, without] (empty: not counted)
+    forwards: list = field(default_factory=list)
 
     def describe(self) -> str:
         if self.state == "exited":
             return (
                 f"finished and left the job after {self.global_steps} optimizer step(s) "
-                f"({self.micro_steps} micro-step(s))"
+                f"({self.micro_steps} micro-step(s)){self._forwards()}"
             )
         return (
             f"failed in {self.where}, in micro-step {self.micro_steps + 1} "
-            f"(after {self.global_steps} optimizer step(s))"
+            f"(after {self.global_steps} optimizer step(s)){self._forwards()}"
         )
+
+    def _forwards(self) -> str:
+        if not self.forwards:
+            return ""
+        grad, no_grad = self.forwards
+        return f"; {grad + no_grad} forward(s) so far, {no_grad} of them without gradients"
 
 
 # The engine registers how to read its counters; without an engine the counters read 0.
 _progress: dict[str, Callable[[], tuple[int, int]]] = {}
+# Stage 3 registers how to read its forward counts ([with gradients, without]): each forward
+# gathers with collectives, so ranks that ran different numbers of them fall out of step.
+_forwards: dict[str, Callable[[], list]] = {}
+UNEVEN_FORWARDS_ADVICE = (
+    "At stage 3 every forward gathers the parameters with collectives every rank must make, so "
+    "every rank must run the same number of forwards. A generation loop in which each rank stops "
+    "at its own end-of-sequence (as RLHF loops do) breaks this. The way out: gather the "
+    "parameters once around the whole generation (`with engine.summon_full_params():` or "
+    "`with zengine.zero.GatheredParameters(list(engine.module.parameters())):`; no gathers run "
+    "inside), or keep every rank forwarding until the longest sequence is done (pad the finished "
+    "ones: Hugging Face's generate(..., synced_gpus=True) does this)."
+)
 # What the rank is doing, read only when a collective fails: the public calls that run collectives
 # (save_checkpoint, summon_full_params, GatheredParameters...) push their name, and stage 3 registers
 # where its gathers are. A timeout then names, for each rank, the call it was in: a collective call
@@ -148,11 +168,42 @@ def track_progress(counters: Callable[[], tuple[int, int]]) -> None:
     _progress["engine"] = counters
 
 
+def track_forwards(counts: Callable[[], list]) -> None:
+    """``counts()`` returns [forwards with gradients, forwards without] of the stage-3 model in
+    this process (see ``uneven_forwards``)."""
+    _forwards["stage 3"] = counts
+
+
 def current(state: str, where: str = "") -> Progress:
     counters = _progress.get("engine")
     steps, micro = counters() if counters is not None else (0, 0)
     context = _context_if(state)
-    return Progress(state, steps, micro, f"{where} ({context})" if context else where)
+    forwards = _forwards.get("stage 3")
+    return Progress(
+        state,
+        steps,
+        micro,
+        f"{where} ({context})" if context else where,
+        list(forwards()) if forwards is not None else [],
+    )
+
+
+def uneven_forwards(records: dict[int, Progress]) -> str:
+    """When the ranks' records show different numbers of stage-3 forwards without gradients (a
+    generation loop each rank ends at its own end-of-sequence): the sentence that says so (the
+    cause of the failure being diagnosed), else "". Training forwards are not compared: a rank
+    inside its next one while a peer makes a call on its own differs by that one, which is the
+    peer's call's fault (agreement.py names it)."""
+    counted = {r: tuple(p.forwards) for r, p in records.items() if p.forwards}
+    if len({c[1] for c in counted.values()}) <= 1:
+        return ""
+    each = ", ".join(
+        f"rank {r}: {sum(c)} ({c[1]} without gradients)" for r, c in sorted(counted.items())
+    )
+    return (
+        f"the ranks ran different numbers of forwards at stage 3 ({each}), so their parameter "
+        f"gathers no longer pair up: a rank is still gathering for a forward its peers did not run."
+    )
 
 
 def _context_if(state: str) -> str:
@@ -206,9 +257,16 @@ def collective_failed(what: str, err: BaseException) -> BaseException:
         )
     table = "\n".join(lines)
     exited = [r for r, p in records.items() if p.state == "exited"]
-    if exited:
-        _linger[0] = True
+    uneven = uneven_forwards(records)
+    if uneven:  # the cause, whoever left first: a rank gathers for forwards its peers did not run
         error: BaseException = RanksOutOfStepError(
+            f"zengine: rank {rank} was waiting in {what}: {uneven}\n{table}\n"
+            f"{UNEVEN_FORWARDS_ADVICE} (backend: {first_line})"
+        )
+        _linger[0] = bool(exited)
+    elif exited:
+        _linger[0] = True
+        error = RanksOutOfStepError(
             f"zengine: rank {rank} was waiting in {what} for rank(s) {exited}, which had already finished: the "
             f"ranks ran different numbers of steps.\n{table}\nEvery rank must run the same number of "
             f"forward/backward/step calls; a rank that skips a batch trains on other data than its peers until "

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
+from . import identity
+
 if TYPE_CHECKING:  # annotations only
     from ..config.shared_memory import SharedMemoryConfig  # config is a layer above
 
@@ -53,25 +55,9 @@ AUTO_ROOM_SHARE = 0.25
 _DIR = "/dev/shm"
 
 
-class CollectiveMismatchError(RuntimeError):
-    """The ranks made different collectives (kind, dtype or size) through the shared segment."""
-
-
-def _all_reduce_max(tensor: torch.Tensor, **kwargs):
-    return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, **kwargs)
-
-
-# identity -> its description, for the error (a few distinct collectives per model)
-_describe_identity: dict[int, str] = {}
-
-
-def _identity(kind: str, dtype: torch.dtype, shape) -> int:
-    """A 31-bit identity of a collective: its kind, dtype and sizes, the same on every rank that
-    makes the same collective."""
-    text = f"{kind} of {dtype} {list(shape)}"
-    identity = zlib.crc32(text.encode()) & 0x7FFFFFFF
-    _describe_identity.setdefault(identity, text)
-    return identity
+# the check's names, where this module's callers knew them (identity.py is the check)
+CollectiveMismatchError = identity.CollectiveMismatchError
+_identity = identity.identity
 
 
 class SharedMemoryTransport:
@@ -84,8 +70,7 @@ class SharedMemoryTransport:
         )  # whole elements of any dtype, aligned slots
         self.users = 0  # engines using it (install/uninstall)
         self._slot = 0  # the slot the next piece uses
-        # the sync's [identity, -identity]: a max over the ranks that equals its own negation's
-        # only when every rank made the same collective (shm's identity check, module doc)
+        # the sync's [identity, -identity] (identity.py)
         self._flag = torch.zeros(2, dtype=torch.int64)
         self.segment = self._map(
             2 * world * self.piece_bytes
@@ -124,26 +109,28 @@ class SharedMemoryTransport:
             raise OSError(f"{int(failed.item())} rank(s) could not map the shared-memory segment")
         return segment
 
-    def _sync(self, what: str, identity: int) -> None:
+    def _sync(self, what: str, ident: int) -> None:
         """Return once every rank of the group has come here (what each wrote before is visible to all).
         An all-reduce, not a barrier: gloo's barrier would first wait for every collective in flight.
-        It carries ``identity`` (the collective's kind, dtype and shape): when the ranks' differ they
-        made different collectives (their sizes would disagree, which gloo names and shared memory
-        could not see), and every rank raises ``CollectiveMismatchError`` at this same sync."""
+        It is the collectives' identity check (``identity.py``: the MAX all-reduce of
+        ``[identity, -identity]``): when the ranks made different collectives (sizes that would
+        disagree, which gloo names and shared memory could not see) every rank raises here, at
+        this same sync; the check before a collective through gloo is the same all-reduce, so the
+        two pair up."""
         from . import collectives
 
-        self._flag[0], self._flag[1] = identity, -identity
+        self._flag[0], self._flag[1] = ident, -ident
+        what = f"{what} through shared memory"
         collectives.run_blocking(
-            f"{what} through shared memory (its sync)",
+            f"{what} (its sync)",
             self._flag,
-            _all_reduce_max,
+            collectives._all_reduce_max,
             self._flag,
             group=self.group,
         )
-        if self._flag[0] != -self._flag[1]:  # max(identity) != min(identity)
-            raise CollectiveMismatchError(
-                f"{what} through shared memory: the ranks of the group made different collectives "
-                f"at this point (this rank: {_describe_identity[identity]}); their programs diverged"
+        if not identity.agreed(self._flag):
+            raise identity.mismatch(
+                what, ident, self.group, lambda row: collectives.exchange_rows(row, self.group)
             )
 
     def _piece(self, dtype: torch.dtype, width: int) -> torch.Tensor:
@@ -175,7 +162,7 @@ class SharedMemoryTransport:
         rank r's source i ([width_i]), the targets' columns taken end to end a piece at a time.
         ``own_in_place``: each source already is this rank's row of its target (not copied back)."""
         widths = [t.shape[1] for t in targets]
-        identity = _identity("all_gather", dtype, widths)
+        ident = _identity("all_gather", dtype, widths)
         per = max(1, self.piece_bytes // torch.empty(0, dtype=dtype).element_size())
         i, offset = 0, 0  # the target the next piece starts in, and how far into its columns
         while i < len(targets):
@@ -189,7 +176,7 @@ class SharedMemoryTransport:
             piece = self._piece(dtype, width)  # [world, width]
             for t, start, take, col in spans:
                 piece[self.rank, col : col + take].copy_(sources[t][start : start + take])
-            self._sync("all_gather", identity)
+            self._sync("all_gather", ident)
             for t, start, take, col in spans:
                 if own_in_place:
                     for r in range(self.world):
@@ -202,7 +189,7 @@ class SharedMemoryTransport:
         """Row ``rank`` of ``rows`` ([world, n], contiguous) summed over the group, in rank order, into that row
         (returned); the other rows are left as they were. Each rank reads only its own row of every part."""
         n = rows.shape[1]
-        identity = _identity("reduce_scatter", rows.dtype, rows.shape)
+        ident = _identity("reduce_scatter", rows.dtype, rows.shape)
         per = max(
             1, self.piece_bytes // (self.world * rows.element_size())
         )  # a piece: [world, per] of each rank
@@ -212,7 +199,7 @@ class SharedMemoryTransport:
                 self.world, self.world, hi - lo
             )
             piece[self.rank].copy_(rows[:, lo:hi])  # [writer, row, hi - lo]
-            self._sync("reduce_scatter", identity)
+            self._sync("reduce_scatter", ident)
             _rank_order_sum(list(piece[:, self.rank]), rows[self.rank, lo:hi])
         return rows[self.rank]
 
@@ -220,7 +207,7 @@ class SharedMemoryTransport:
         """``flat`` (1-d, contiguous) summed over the group, in rank order, within the ``[lo, hi)`` ranges this
         rank owns (``owned``, each rank its own, disjoint); the rest of ``flat`` is left as it was. Each rank
         writes only what the others own and reads only what it owns (stage 2: each rank keeps its shard)."""
-        identity = _identity("reduce", flat.dtype, flat.shape)
+        ident = _identity("reduce", flat.dtype, flat.shape)
         per = max(1, self.piece_bytes // flat.element_size())
         for lo in range(0, flat.numel(), per):
             hi = min(flat.numel(), lo + per)
@@ -233,7 +220,7 @@ class SharedMemoryTransport:
                 if at < a:
                     piece[self.rank, at - lo : a - lo].copy_(flat[at:a])
                 at = max(at, b)
-            self._sync("reduce", identity)
+            self._sync("reduce", ident)
             for a, b in mine:
                 out = flat[a:b]
                 _rank_order_sum(
@@ -247,13 +234,13 @@ class SharedMemoryTransport:
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` (contiguous) in place over the group, in rank order."""
         flat = tensor.view(-1)
-        identity = _identity("all_reduce", tensor.dtype, flat.shape)
+        ident = _identity("all_reduce", tensor.dtype, flat.shape)
         per = max(1, self.piece_bytes // tensor.element_size())
         for lo in range(0, flat.numel(), per):
             hi = min(flat.numel(), lo + per)
             piece = self._piece(tensor.dtype, hi - lo)  # [world, hi - lo]
             piece[self.rank].copy_(flat[lo:hi])
-            self._sync("all_reduce", identity)
+            self._sync("all_reduce", ident)
             _rank_order_sum(list(piece), flat[lo:hi])
 
 

@@ -215,8 +215,10 @@ class UntrainedParameters:
 
     def __init__(self, model: nn.Module, named_groups: list):
         trained = {id(p) for named, _ in named_groups for _, p in named}
+        self.model = model
         self.params = [(n, p) for n, p in model.named_parameters() if id(p) not in trained]
         self.frozen = {id(p) for _, p in self.params if not p.requires_grad}  # at initialize
+        self.known = {id(p) for p in model.parameters()}  # every parameter at initialize
         self.named: set[str] = set()
 
     def check(self) -> None:
@@ -230,6 +232,21 @@ class UntrainedParameters:
                 "train them. Unfreeze before initialize (a zero learning rate in their param group keeps "
                 "them still until then), or save_checkpoint, build a new engine over the unfrozen model "
                 "and load_checkpoint(..., load_optimizer_states=False)"
+            )
+        added = [
+            n
+            for n, p in self.model.named_parameters()
+            if id(p) not in self.known and p.requires_grad
+        ]
+        if added:  # add_module / register_parameter / an assigned nn.Parameter after initialize
+            raise UnfrozenParameterError(
+                f"zengine: parameter(s) {', '.join(added[:8])}{' ...' if len(added) > 8 else ''} "
+                "were added to engine.module after zengine.initialize and require grad; the engine "
+                "holds no gradient, master or optimizer state for them and would not train them "
+                "(torch's optimizer would not either, unless given them). Nothing was updated. Add "
+                "them before initialize (requires_grad=False or a zero learning rate keeps them "
+                "still until their time), or save_checkpoint, build a new engine over the grown "
+                "model and load_checkpoint(..., load_module_strict=False)"
             )
         late = [n for n, p in self.params if p.requires_grad and n not in self.named]
         if late:

@@ -249,6 +249,7 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
             )
         self._backward.check_step()
         self._untrained.check()  # a parameter unfrozen since initialize: stop by name, before any update
+        self.optimizer.check_param_writes()  # p.data = t, or a stage-3 write outside a gather
         boundary = self.is_gradient_accumulation_boundary()
         if not boundary and not self.accumulation.backward_since_step:
             self._step_applied = False

@@ -34,6 +34,10 @@ class ParamGroup(Protocol):
     in_memory: bool  # the parameters are tensors here (stage 3's may live in a swap file)
     replicated: bool  # every rank's master covers the whole group (stage 0)
 
+    def lost_writes(self) -> list[tuple[str, str]]:
+        """(name, why) of each parameter a script wrote in a way the step would lose."""
+        ...
+
     @property
     def owned(self) -> tuple[int, int]:
         """The flat range this rank's master covers."""
@@ -102,6 +106,16 @@ class FlatParamGroup:
     def owned(self) -> tuple[int, int]:
         """The flat range this rank's master covers."""
         return self.layout.shard_range(self.rank if self.layout.num_shards > 1 else 0)
+
+    def lost_writes(self) -> list[tuple[str, str]]:
+        """(name, why) of each parameter whose ``.data`` is no longer its view of ``flat`` (a script's
+        ``p.data = tensor``: the step would not reach it; param_writes.py)."""
+        base, size = self.flat.data_ptr(), self.flat.element_size()
+        return [
+            (name, ".data was replaced by another tensor")
+            for name, p, span in zip(self.names, self.params, self.layout.spans)
+            if p.data_ptr() != base + span.offset * size or p.dtype != self.flat.dtype
+        ]
 
     def params_version(self) -> int:
         """The sum of the parameters' version counters: every in-place write through a parameter bumps its own

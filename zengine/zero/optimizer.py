@@ -52,6 +52,7 @@ import torch
 from ..offload.placement import Placement
 from ..precision.grad_factor import GradFactor
 from . import full_state, user_clipping
+from .param_writes import check_writes
 from .base_optimizer import ZeROOptimizer  # DeepSpeed's base: its state_dict, isinstance
 from .flat_group import ParamGroup, whole_params
 from .grad_hooks import GradHooks
@@ -272,6 +273,11 @@ class ZeroOptimizer(ZeROOptimizer):
         self.grad_hooks.remove()
 
     # -- the boundary step: agree, decide, apply --------------------------------------------------
+    def check_param_writes(self) -> None:
+        """Raise ``ParameterWriteError`` for a script's write to a trained parameter that the step
+        would lose (``param_writes.py``), before anything is updated."""
+        check_writes(self.groups)
+
     def step(self, micro_step: int = 0) -> StepOutcome:
         """Run the boundary step. ``micro_step`` is the engine's count, compared across ranks."""
         stats, master_grads = self._agree(micro_step)

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ...distributed import collectives, diagnose
+from ...distributed import collectives, diagnose, identity
 from .param import ShardedParam
 
 _LABEL_BYTES = 1024
@@ -100,6 +100,9 @@ class FetchCheck:
         self.issued_count = 0
         if self.bad is not None:
             self.bad.zero_()
+        unread = identity.pending(self.device)  # the identity checks' count on a device
+        if unread is not None:
+            unread.zero_()
 
 
 # -- the failure path of the gather check: one exchange, then the error ----------------------------

@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ...distributed import diagnose
+from ...distributed import diagnose, identity
 from ...offload.copies import device_streams
 from . import shm_gather
 from .fetch_check import FetchCheck, FetchOrderError, raise_fetches_diverged
@@ -260,7 +260,12 @@ class Fetcher:
         """For the boundary step's all-reduce: the digest's two halves and the device count of bad
         tags."""
         d1, d2 = self.check.halves()
-        return d1, d2, self.check.bad
+        # on a device the collectives' identity checks are counted there, unread (identity.py)
+        unread = identity.pending(self.device)
+        if unread is None:
+            return d1, d2, self.check.bad
+        bad = unread.to(torch.float64)
+        return d1, d2, bad if self.check.bad is None else bad + self.check.bad
 
     def end_forward(self, training: bool) -> None:
         """After a forward outside training: raise if a staged gather came back mixed (one host

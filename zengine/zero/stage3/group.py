@@ -66,6 +66,11 @@ class ShardedParamGroup:
         self.used = [False] * len(self.params)
         self._refresh = refresh
 
+    def lost_writes(self) -> list[tuple[str, str]]:
+        """(name, why) of each parameter a script wrote in a way the engine loses (``.data``
+        replaced, or written in place while partitioned; zero/param_writes.py)."""
+        return [(sp.name, why) for sp in self.sharded if (why := sp.user_write()) is not None]
+
     @property
     def in_memory(self) -> bool:
         """False when the shards live in an NVMe swap file (``shard_flat`` then has no storage)."""

@@ -34,6 +34,7 @@ gradient hook releases ours once its gradient is reduced.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -41,6 +42,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ...distributed import diagnose
 from . import external
 from .fetcher import Fetcher
 from .leaf import z3_leaf_module
@@ -87,12 +89,18 @@ class ModuleHooks:
         self._trainable: list[ShardedParam] = []
         self.modes_active = 0  # external-use modes entered (the engine's forward enters one)
         self._outside: list[Optional[ExternalParamMode]] = []  # entered by the root's own hooks
+        # forwards of the whole model, [with gradients, without]: a failed collective compares
+        # them across ranks (diagnose.uneven_forwards: a rank that stopped generating early)
+        self.forwards = [0, 0]
+        me = weakref.ref(self)  # the registry must not keep an old engine alive
+        diagnose.track_forwards(lambda: me().forwards if me() is not None else [])
         self.install_forward()
 
     def install_forward(self) -> None:
         """Find the units (each module's own parameters, a leaf's whole subtree, and the parameters
         registered as external to it: ``external.py``) and hook each one's forward."""
         self.units, self.names = {}, {}
+        self.forward_handles.append(self.module.register_forward_pre_hook(self._count_forward))
         inside_leaf: list[str] = []  # the leaves met so far: their descendants get no hooks
         for name, m in self.module.named_modules():
             if any(name.startswith(leaf + ".") for leaf in inside_leaf):
@@ -136,6 +144,9 @@ class ModuleHooks:
         self.remove()
         self.install_forward()
         self.gather_before_gradient(self._trainable)
+
+    def _count_forward(self, m: nn.Module, args) -> None:
+        self.forwards[0 if torch.is_grad_enabled() else 1] += 1
 
     def _pre_forward(self, m: nn.Module, args) -> None:
         if not self.enabled:

@@ -146,6 +146,8 @@ class ShardedParam:
         self.freed_version = (
             None  # the parameter's version counter when last released (see written_while_released)
         )
+        # a script's write the engine would lose, noted when the engine swaps the storage
+        self.lost_write: Optional[str] = None
         self.index = next(_next_index)
         if (
             type(param) is nn.Parameter
@@ -222,17 +224,36 @@ class ShardedParam:
         """Re-allocate the full storage (contents undefined) and return the [world, chunk] view to fill."""
         storage = self.full.untyped_storage()
         if storage.nbytes() != self.full_nbytes:
+            self._note_user_writes()
             storage.resize_(self.full_nbytes)
             self.param.data = self._view()
         return self.full.view(self.world, self.chunk)
 
     def free(self) -> None:
         """Drop the full storage; the parameter shows an empty tensor (as under DeepSpeed) until fetched."""
+        self._note_user_writes()
         self.param.data = self._empty
         self.full.untyped_storage().resize_(0)
         self.state = ParamState.SHARDED
         self.holders = 0
         self.freed_version = self.param._version
+
+    def _note_user_writes(self) -> None:
+        """Before the engine swaps the parameter's storage: note a script's write it would lose
+        (``lost_write``, raised at the next step by zero/param_writes.py)."""
+        param = self.param
+        if param is None or self.lost_write is not None:
+            return
+        mine = {self._empty.untyped_storage()._cdata, self.full.untyped_storage()._cdata}
+        if param.untyped_storage()._cdata not in mine:
+            self.lost_write = ".data was replaced by another tensor outside a gather"
+        elif self.written_while_released:
+            self.lost_write = "written in place while partitioned (it shows an empty tensor)"
+
+    def user_write(self) -> Optional[str]:
+        """Why a script's write to this parameter is lost (``lost_write``), or None."""
+        self._note_user_writes()
+        return self.lost_write
 
     @property
     def written_while_released(self) -> bool:
