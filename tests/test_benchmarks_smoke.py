@@ -279,3 +279,14 @@ def test_gpu(bench, tmp_path):
         ]
     )
     assert_rows(report(tmp_path), ["torch", "zengine-2"])
+
+
+def test_gpu_partial_offload_rows_on_cpu(bench, tmp_path):
+    # bench_gpu's CPU smoke run (gloo) of partial offload's rows, so that the next GPU run measures them
+    rows = ["zengine-3-offload-r1.0", "zengine-3-offload-r0.5", "zengine-3-offload-r0.0"]
+    tiny = ["--layers", "1", "--d_model", "64", "--heads", "2", "--seq", "16", "--vocab", "256"]
+    bench("bench_gpu").main(
+        ["--device", "cpu", *tiny, "--micro_batch", "2", "--warmup", "0", "--steps", "1"]
+        + ["--contenders", ",".join(rows), "--out", str(tmp_path)]
+    )
+    assert_rows(report(tmp_path), rows)

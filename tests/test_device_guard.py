@@ -15,6 +15,9 @@ from configs import SHARD_ALL, SMALL_BUCKETS, cpu, ds_config, nvme, swap_dir
 
 WORLD, GAS, STEPS = 2, 2, 3
 SYNC_KINDS = ("d2h_sync", "h2d_blocking", "h2d_pageable")  # device_guard.SYNC_KINDS: the host waits
+PARTIAL_SUB_GROUP = (
+    150  # partial offload: EdgeNet's two param groups cut into 7 sub-groups at W = 2
+)
 GATHERS = "zengine/zero/stage3/gather.py"  # where host-resident shards are copied into the gathers
 
 
@@ -23,6 +26,8 @@ def _config(stage, precision, offload):
     optimizer = param = None
     if offload in ("cpu", "param", "param-nvme"):
         optimizer = cpu(pin_memory=True)
+    if offload == "partial":  # half the sub-groups on the device (offload/partial.py)
+        optimizer = cpu(pin_memory=True, ratio=0.5)
     if offload in ("nvme", "infinity"):
         optimizer = nvme(swap, pin_memory=True)
     if offload == "param":
@@ -40,6 +45,7 @@ def _config(stage, precision, offload):
             **SHARD_ALL,
             "stage3_prefetch_bucket_size": 1500,
             "stage3_max_live_parameters": 4000,
+            **({"sub_group_size": PARTIAL_SUB_GROUP} if offload == "partial" else {}),
         },
         offload_optimizer=optimizer,
         offload_param=param,
@@ -150,6 +156,7 @@ CASES = (
     [(s, p, "none", False, None) for s in (0, 1, 2, 3) for p in ("fp32", "bf16", "fp16")]
     + [(s, "bf16", o, False, None) for s in (1, 2, 3) for o in ("cpu", "nvme")]
     + [(3, "bf16", "param", False, None), (3, "fp32", "none", True, None)]
+    + [(3, p, "partial", False, None) for p in ("bf16", "fp32")]
     + [
         (3, p, o, i, None)
         for p, o, i in (
@@ -186,6 +193,11 @@ def expected_copies(stage: int, offload: str, step: int) -> dict:
         counts["d2h_async"] = (
             6 * GAS
         )  # 6 buckets (of 150 shard elements), each with a row for this rank
+    if stage == 3 and offload == "partial":
+        # ratio 0.5 over 5 sub-groups of 150 shard elements: emb.weight and fc1.weight stay on the
+        # device (int(0.5 x 5) = 2), fc2.weight, unused.weight + mix.weight and the vectors go to the
+        # host; only their buckets' rows cross, 4 a micro-step (the device share's add in place)
+        counts["d2h_async"] = 4 * GAS
     if stage == 3 and offload in ("nvme", "param-nvme", "infinity"):
         # each parameter's shard aligned to a 4 KiB O_DIRECT block: every one of the 11 is its own bucket
         # (optimizer on NVMe, ZeRO-Infinity: the bucket's row goes to the gradient swap, offload/state_swap.py)
@@ -200,6 +212,10 @@ def expected_copies(stage: int, offload: str, step: int) -> dict:
         counts["h2d_async"] += (
             2  # CPUAdam's copy-out staging, one per param group (offload/copies.py)
         )
+    if offload == "partial":
+        # CPU-Adam's copy-out staging of the 3 host sub-groups, uploaded whole after the step (the
+        # partial step is taken whole); the device share writes its parameters in place
+        counts["h2d_async"] += 3
     if stage == 3 and offload == "nvme":
         counts["h2d_async"] += (
             2  # ZeRO-Infinity's write-back of each group's one chunk (infinity.py)

@@ -64,6 +64,34 @@ def test_offload_moves_states_to_the_host():
     )
 
 
+def test_partial_offload_splits_the_states_by_deepspeeds_sub_groups():
+    world, sub = 4, 300_000  # a shard of 2M elements: 7 sub-groups (6 of 300k and one of 200k)
+    shard = PSI // world
+
+    def partial(ratio, model=PSI):
+        section = {"device": "cpu", "ratio": ratio}
+        return estimate(model, _cfg(3, offload_optimizer=section, sub_group_size=sub), world)
+
+    whole = estimate(PSI, _cfg(3, offload_optimizer={"device": "cpu"}), world)
+    assert partial(1.0).host == whole.host and partial(1.0).device == whole.device
+    # ratio 0.5: the first int(0.5 x 7) = 3 sub-groups stay on the device (fp32: master = parameters)
+    half = partial(0.5)
+    on_device = 3 * sub
+    assert half.device["optimizer states"] == 8 * on_device
+    assert half.device["gradients"] == 4 * on_device
+    assert half.host["optimizer states"] == 8 * (shard - on_device)
+    assert half.host["copy staging"] == 4 * (shard - on_device)
+    # ratio 0: nothing on the host, the device holds what it holds without offload
+    none = partial(0.0)
+    assert none.host_states == 0 and not any(none.host.values())
+    assert none.device_states == estimate(PSI, _cfg(3), world).device_states
+    # with the parameters' sizes, whole parameters make the sub-groups (zero/sub_groups.py)
+    # (shards of 300k and 100k: [p0] [p1] [p2] [p3] [p4-p6] [p7-p9] [p10 p11], the first 3 on the device)
+    by_param = partial(0.5, [1_200_000] * 4 + [400_000] * 8)
+    assert by_param.device["optimizer states"] == 8 * 3 * 300_000
+    assert by_param.device["optimizer states"] + by_param.host["optimizer states"] == 8 * shard
+
+
 def test_transients_are_bounded_by_their_keys():
     model = nn.Sequential(
         nn.Linear(1000, 1000, bias=False), nn.Linear(1000, 10, bias=False), nn.LayerNorm(10)

@@ -35,7 +35,9 @@ from .config import ZengineConfig, load_config
 from .zero.grad_dtypes import GradDtypes
 from .zero.bucket_buffers import BucketBuffers
 from .zero.grads import buckets_in_flight
+from .offload.partial import host_share
 from .offload.state_swap import MAX_CHUNK
+from .zero.sub_groups import split_sub_groups
 
 GiB = 1 << 30
 
@@ -147,6 +149,11 @@ def estimate(
         f"{', parameters on ' + offload_par if offload_par != 'none' else ''}",
     )
     sharded_opt = share if stage >= 1 else psi  # elements of masters and moments this rank keeps
+    # of which in host memory: all when offloaded, DeepSpeed's host sub-groups with ratio below 1
+    host_opt = sharded_opt if states_on_host else 0
+    if states_on_host and zero.offload_optimizer.partial:
+        host_opt = _partial_host_elements(numels, w, zero)
+    device_opt = sharded_opt - host_opt  # partial offload: the device share
     # parameters
     if stage < 3:
         est.device["parameters"] = half * psi
@@ -167,7 +174,9 @@ def estimate(
     if infinity:
         pass  # in the swap file; the transients below hold the buckets written behind
     elif states_on_host and stage >= 2:
-        est.host["gradients"] = 4 * share  # fp32 shard where the optimizer steps
+        est.host["gradients"] = 4 * host_opt  # fp32 shard where the optimizer steps
+        if device_opt:  # partial offload: the device share's shard is fp32 too (DeepSpeed's)
+            est.device["gradients"] = 4 * device_opt
     else:
         est.device["gradients"] = accum * grad_elems
         if states_on_host:
@@ -176,7 +185,9 @@ def estimate(
     if infinity:
         pass  # in the swap file, with the moments
     elif states_on_host:
-        est.host["master weights"] = 4 * sharded_opt
+        est.host["master weights"] = 4 * host_opt
+        if device_opt and half != 4:
+            est.device["master weights"] = 4 * device_opt
     elif half != 4:
         est.device["master weights"] = 4 * sharded_opt
     # Adam moments
@@ -196,11 +207,14 @@ def estimate(
             writes = 4 * 4 * min(chunk, int(zero.reduce_bucket_size), share)
             (est.transients if cpu_training else est.host)["gradient writes"] = writes
     elif offload_opt == "cpu":
-        est.host["optimizer states"] = 8 * sharded_opt
+        est.host["optimizer states"] = 8 * host_opt
+        if device_opt:
+            est.device["optimizer states"] = 8 * device_opt
     else:
         est.device["optimizer states"] = 8 * sharded_opt
     if not cpu_training:
-        _pinned(est, zero, half, sharded_opt, offload_opt, offload_par, infinity)
+        offloaded = host_opt if offload_opt == "cpu" else sharded_opt  # (partial: the host share)
+        _pinned(est, zero, half, offloaded, offload_opt, offload_par, infinity)
     # transients of a step
     largest = int(largest_param) if largest_param is not None else max(numels, default=0)
     est.transients["autograd gradient"] = half * largest
@@ -212,7 +226,7 @@ def estimate(
     if stage == 2:
         # those in flight and the one launching
         est.transients["gradient buckets"] = wire * bucket * (in_flight + 1)
-    if stage >= 2 and offload_opt == "cpu" and not cpu_training:
+    if stage >= 2 and offload_opt == "cpu" and not cpu_training and host_opt:
         # on a GPU, reduced buckets whose copies to the host still run are kept until then (a backlog bounded by
         # BucketBuffers.DOWNLOAD_BACKLOG_BYTES, and by the whole gradient): the price of not waiting for them
         est.transients["gradient downloads"] = min(BucketBuffers.DOWNLOAD_BACKLOG_BYTES, wire * psi)
@@ -233,6 +247,20 @@ def estimate(
                 int(zero.stage3_prefetch_bucket_size), psi
             )
     return est
+
+
+def _partial_host_elements(numels: list[int], world: int, zero) -> int:
+    """Shard elements of the host sub-groups under partial offload (``offload_optimizer.ratio``), the
+    parameters taken as one param group, cut as stage 3 cuts them (``zero/sub_groups.py``,
+    ``offload/partial.py``). A bare parameter count is taken as parameters finer than
+    ``sub_group_size``: sub-groups of that size."""
+    chunks = [math.ceil(n / world) for n in numels]
+    if len(chunks) == 1:
+        size = max(1, int(zero.sub_group_size))
+        chunks = [size] * (chunks[0] // size) + ([chunks[0] % size] if chunks[0] % size else [])
+    runs = split_sub_groups(chunks, int(zero.sub_group_size))
+    on_host = host_share(len(runs), float(zero.offload_optimizer.ratio))
+    return sum(chunks[i] for run, host in zip(runs, on_host) if host for i in run)
 
 
 def _pinned(

@@ -129,13 +129,8 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _ignorable("eigenvalue", "eigenvalue monitor"),
     _ignorable("vocabulary_size", "vocabulary size hint"),
     # Mechanisms whose absence does not change the numbers.
-    # The checkpoint section: tag_validation is config/checkpoint.py's; the rest is not implemented.
-    _flag(
-        "checkpoint.load_universal",
-        "universal checkpoint loading (zengine loads its own checkpoints at any "
-        "world size and stage, and DeepSpeed's ZeRO checkpoints directly, with load_checkpoint)",
-        False,
-    ),
+    # The checkpoint section: tag_validation, load_universal, checkpoint_format and writer are
+    # config/checkpoint.py's; the rest is not implemented.
     _flag(
         "checkpoint.use_node_local_storage",
         "node-local checkpoint storage (zengine's checkpoints need one "
@@ -225,11 +220,6 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     ),
     _ignorable(
         "zero_optimization.offload_optimizer.pipeline_write", "pipelined NVMe optimizer writes"
-    ),
-    _flag(
-        "zero_optimization.offload_optimizer.ratio",
-        "partial optimizer offload (zengine offloads every optimizer state or none)",
-        1.0,
     ),
     _ignorable("zero_optimization.offload_optimizer.super_offload", "Superchip offload"),
     _ignorable(

@@ -28,6 +28,17 @@ if TYPE_CHECKING:
 _logger = setup_logging()
 
 
+def _save_dcp(*args) -> bool:
+    # torch.distributed.checkpoint is imported only when a DCP checkpoint is written
+    from ..checkpoint.dcp.save import save_dcp_checkpoint
+
+    return save_dcp_checkpoint(*args)
+
+
+# the writer of each checkpoint format (the config's checkpoint.checkpoint_format)
+SAVERS = {"zengine": checkpoint.save_checkpoint, "dcp": _save_dcp}
+
+
 class CheckpointMembers:
     """Members of DeepSpeed's engine that save and load (docs/API.md lists them). A mix-in of
     ``Engine``: it reads only these of the engine's members."""
@@ -44,12 +55,16 @@ class CheckpointMembers:
         save_latest: bool = True,
         async_save: Optional[bool] = None,
         exclude_frozen_parameters: bool = False,
+        checkpoint_format: Optional[str] = None,
     ) -> bool:
         """Collective: write a sharded checkpoint to ``save_dir/tag`` (default tag ``global_step<N>``)
         atomically, then record ``tag`` in ``save_dir/latest``. Every rank writes only what it holds.
         ``async_save`` (default: the config's ``checkpoint.writer.decoupled``): return after a copy to host
         memory, write in the background (see ``wait_for_checkpoint``). ``exclude_frozen_parameters``
-        (DeepSpeed's): only False; a checkpoint keeps the frozen parameters with the others."""
+        (DeepSpeed's): only False; a checkpoint keeps the frozen parameters with the others.
+        ``checkpoint_format`` (default: the config's ``checkpoint.checkpoint_format``): ``"zengine"``, or
+        ``"dcp"``, torch.distributed.checkpoint's files in ``get_state_dict``'s layout, which FSDP2 loads
+        with ``dcp.load`` + ``set_state_dict`` (checkpoint/dcp/save.py)."""
         if exclude_frozen_parameters:
             raise NotImplementedError(
                 "save_checkpoint(exclude_frozen_parameters=True): zengine checkpoints keep frozen "
@@ -58,10 +73,13 @@ class CheckpointMembers:
             )
         if async_save is None:
             async_save = self.config.checkpoint.writer.decoupled
-        with agreement.collective_call("save_checkpoint"):
-            return checkpoint.save_checkpoint(
-                self, save_dir, tag, client_state, save_latest, async_save
+        fmt = checkpoint_format or self.config.checkpoint.checkpoint_format
+        if fmt not in SAVERS:
+            raise ValueError(
+                f"save_checkpoint(checkpoint_format={fmt!r}): one of {', '.join(sorted(SAVERS))}"
             )
+        with agreement.collective_call("save_checkpoint"):
+            return SAVERS[fmt](self, save_dir, tag, client_state, save_latest, async_save)
 
     def load_checkpoint(
         self,

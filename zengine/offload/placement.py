@@ -24,7 +24,7 @@ The stage optimizers never ask which placement they have: they call its methods,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 import torch
 
@@ -59,7 +59,11 @@ class OptimizerHome(Protocol):
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer: ...
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, shard_params: Sequence[torch.Tensor] = ()
+    ) -> torch.optim.Optimizer: ...
+
+    def group_home(self, gi: int) -> "OptimizerHome": ...
 
     def make_master(self, owned: torch.Tensor) -> torch.Tensor: ...
 
@@ -119,9 +123,17 @@ class DevicePlacement:
         """A zeroed buffer for master-side state (masters, master gradients)."""
         return torch.zeros(numel, dtype=dtype, device=self.master_device(device))
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The optimizer that steps the master shards (NVMe offload swaps its states)."""
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, shard_params: Sequence[torch.Tensor] = ()
+    ) -> torch.optim.Optimizer:
+        """The optimizer that steps the master shards (``shard_params``, one per group: NVMe offload
+        swaps its states, partial offload steps each share where it lives)."""
         return optimizer
+
+    def group_home(self, gi: int) -> "OptimizerHome":
+        """The home of group ``gi``'s master, gradient shard and states: this one for every group
+        (partial offload answers per group: ``partial.PartialPlacement``)."""
+        return self
 
     def make_master(self, owned: torch.Tensor) -> torch.Tensor:
         """The fp32 master of a rank's owned parameter slice; fp32 parameters on the same device are shared."""
@@ -203,7 +215,9 @@ class NVMePlacement(CPUPlacement):
             align,
         )
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, shard_params: Sequence[torch.Tensor] = ()
+    ) -> torch.optim.Optimizer:
         numels = [p.numel() for g in optimizer.param_groups for p in g["params"]]
         return SwappedAdam.replacing(optimizer, self.swapper(numels))
 
@@ -355,11 +369,16 @@ def make_aio(aio_cfg: Optional[AioConfig]) -> AsyncIO:
 
 
 def optimizer_placement(
-    zero_cfg: ZeroConfig, device: torch.device, aio_cfg: Optional[AioConfig] = None
+    zero_cfg: ZeroConfig, device: torch.device, aio_cfg: Optional[AioConfig] = None, groups: int = 0
 ) -> OptimizerHome:
-    """Where ``zero_cfg.offload_optimizer`` puts the masters and optimizer states."""
+    """Where ``zero_cfg.offload_optimizer`` puts the masters and optimizer states (``groups``: how
+    many groups the optimizer steps, which partial offload splits between device and host)."""
     offload_cfg = zero_cfg.offload_optimizer
     target = getattr(offload_cfg, "device", "none") if offload_cfg is not None else "none"
+    if target == "cpu" and offload_cfg.partial:  # (stage 3: the config refuses it below)
+        from .partial import PartialPlacement  # (it builds on this module)
+
+        return PartialPlacement(offload_cfg, device, zero_cfg.sub_group_size, groups)
     if target == "cpu":
         return CPUPlacement(offload_cfg, device, zero_cfg.sub_group_size)
     if target == "nvme":
@@ -379,7 +398,7 @@ def make_placement(
     """The placement the config's offload sections ask for, for parameters computed on ``device`` in
     ``dtype``. ``chunks``: at stage 3, each param group's shard sizes (elements per parameter), which
     size the parameter swap file."""
-    optimizer = optimizer_placement(zero_cfg, device, aio_cfg)
+    optimizer = optimizer_placement(zero_cfg, device, aio_cfg, len(chunks))
     offload_param = zero_cfg.offload_param if zero_cfg.stage == 3 else None
     if offload_param is not None and offload_param.device == "nvme":
         align = align_elems(dtype)  # as the groups lay their shards out

@@ -61,6 +61,7 @@ from .nonfinite import NonFinitePolicy
 from .shard_step import ShardStepper
 from .step_counts import StepCounts, used_by_group
 from .step_stats import RankValues, StepStats, first_nonfinite, gather_stats
+from .sub_groups import GroupMap
 
 
 @dataclass(frozen=True)
@@ -171,8 +172,11 @@ class ZeroOptimizer(ZeROOptimizer):
         ranks: ShardGroup,
         on_unbracketed_grad: Callable[[], None] = lambda: None,
         participant: StepParticipant = NoParticipant(),
+        group_map: Optional[GroupMap] = None,
     ):
         self.groups = groups
+        # which of the wrapped optimizer's param groups each group's shard sits in (sub_groups.py)
+        self.group_map = group_map or GroupMap.identity(len(groups))
         self.device = (
             ranks.device
         )  # the compute device: the step's control values are reduced there
@@ -200,7 +204,7 @@ class ZeroOptimizer(ZeROOptimizer):
         self.shard_params = masters.shard_params  # one flat fp32 parameter per group, its master
         self.optimizer = masters.wrap_optimizer(
             make_optimizer(
-                [{**g.hyper, "params": [sp]} for g, sp in zip(groups, self.shard_params)]
+                self.group_map.optimizer_groups([g.hyper for g in groups], self.shard_params)
             )
         )
         self.step_counts = StepCounts(

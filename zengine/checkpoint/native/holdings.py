@@ -45,6 +45,16 @@ def group_names(group) -> list[str]:
     return list(group.names) if hasattr(group, "names") else [sp.name for sp in group.sharded]
 
 
+def param_group_names(optimizer) -> list[list[str]]:
+    """The parameter names of each param group of the wrapped optimizer (partial offload's
+    sub-groups joined: ``zero/sub_groups.py``)."""
+    groups = optimizer.groups
+    return [
+        [n for gi in optimizer.group_map.members(pg) for n in group_names(groups[gi])]
+        for pg in range(optimizer.group_map.count)
+    ]
+
+
 def trained_names(optimizer) -> set[str]:
     return {n for g in optimizer.groups for n in group_names(g)}
 

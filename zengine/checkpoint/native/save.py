@@ -46,6 +46,18 @@ def save_checkpoint(
 ) -> bool:
     """Collective: write a checkpoint of ``engine`` to ``save_dir/tag``; see the module doc. ``async_save``:
     snapshot to host memory and write in the background (background.py)."""
+    tag, staging = begin(engine, save_dir, tag)
+    with engine.optimizer.states_resident():
+        if async_save:
+            _start_background(engine, staging, save_dir, tag, client_state, save_latest)
+        else:
+            _write(engine, staging, save_dir, tag, client_state, save_latest)
+    return True
+
+
+def begin(engine, save_dir: str, tag: Optional[str]) -> tuple[str, str]:
+    """Collective, the start of every save (any format): the previous asynchronous save finished, the
+    ranks agreed on the tag, rank 0 made the staging folder; returns (tag, staging folder)."""
     background.wait(engine)  # the previous asynchronous save first (its errors raise here)
     group = engine.optimizer.dp_group
     rank = engine.global_rank
@@ -70,13 +82,7 @@ def save_checkpoint(
     staging, error = collectives.broadcast((staging, error), group)
     if error:
         raise CheckpointSaveError(f"save_checkpoint: {error}")
-
-    with engine.optimizer.states_resident():
-        if async_save:
-            _start_background(engine, staging, save_dir, tag, client_state, save_latest)
-        else:
-            _write(engine, staging, save_dir, tag, client_state, save_latest)
-    return True
+    return tag, staging
 
 
 def _write(engine, staging: str, save_dir: str, tag: str, client_state, save_latest: bool) -> None:
@@ -217,28 +223,13 @@ def _scalars_by_count(opt) -> list[dict]:
 
 def _engine_state(engine, client_state, everyone) -> dict[str, Any]:
     opt = engine.optimizer
-    groups = []
-    for gi, shard in enumerate(opt.shard_params):
-        state = opt.optimizer.state.get(shard, {})
-        elementwise = holdings.elementwise_state(opt, gi)
-        groups.append(
-            {
-                "hyper": {k: v for k, v in opt.optimizer.param_groups[gi].items() if k != "params"},
-                "keys": list(state),  # in the optimizer's order
-                "scalars": {
-                    k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
-                    for k, v in state.items()
-                    if k not in elementwise
-                },
-                # per parameter, as torch counts steps (a parameter without a gradient is not stepped), and the
-                # scalars of every count any rank's pieces have: a rank of another world size finds its own
-                "step_counts": opt.step_counts.state_dict(gi),
-                "flat_count": opt.run_stepper.flat_count[gi],
-                "scalars_by_count": {
-                    c: s for r in everyone for c, s in r["scalars_by_count"][gi].items()
-                },
-            }
-        )
+    records = [_group_record(opt, gi, everyone) for gi in range(len(opt.shard_params))]
+    # one record per param group of the wrapped optimizer: partial offload's sub-groups merged, so
+    # that the checkpoint is the same whatever the split (zero/sub_groups.py)
+    groups = [
+        _merged(opt, pg, [records[gi] for gi in opt.group_map.members(pg)])
+        for pg in range(opt.group_map.count)
+    ]
     return {
         "optimizer": groups,
         "lr_scheduler": engine.lr_scheduler.state_dict()
@@ -248,6 +239,42 @@ def _engine_state(engine, client_state, everyone) -> dict[str, Any]:
         "rng": [r["rng"] for r in everyone],
         "client_state": client_state if client_state is not None else {},
     }
+
+
+def _group_record(opt, gi: int, everyone) -> dict[str, Any]:
+    """Group ``gi``'s state.pt record, its hyper-parameters left to its param group."""
+    state = opt.optimizer.state.get(opt.shard_params[gi], {})
+    elementwise = holdings.elementwise_state(opt, gi)
+    return {
+        "keys": list(state),  # in the optimizer's order
+        "scalars": {
+            k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
+            for k, v in state.items()
+            if k not in elementwise
+        },
+        # per parameter, as torch counts steps (a parameter without a gradient is not stepped), and the
+        # scalars of every count any rank's pieces have: a rank of another world size finds its own
+        "step_counts": opt.step_counts.state_dict(gi),
+        "flat_count": opt.run_stepper.flat_count[gi],
+        "scalars_by_count": {c: s for r in everyone for c, s in r["scalars_by_count"][gi].items()},
+    }
+
+
+def _merged(opt, pg: int, records: list[dict]) -> dict[str, Any]:
+    """Param group ``pg``'s record from its groups' (one, unless partial offload cut sub-groups, whose
+    optimizer steps by runs and keeps no scalars but CPU-Adam's ``step``, the largest of which stands)."""
+    first = records[0]
+    merged = {"hyper": {k: v for k, v in opt.optimizer.param_groups[pg].items() if k != "params"}}
+    merged.update(first)
+    for other in records[1:]:
+        merged["keys"] = merged["keys"] + [k for k in other["keys"] if k not in merged["keys"]]
+        scalars = dict(merged["scalars"])
+        for k, v in other["scalars"].items():
+            scalars[k] = v if k not in scalars or float(v) > float(scalars[k]) else scalars[k]
+        merged["scalars"] = scalars
+        merged["step_counts"] = {**merged["step_counts"], **other["step_counts"]}
+        merged["flat_count"] = max(merged["flat_count"], other["flat_count"])
+    return merged
 
 
 def _shared_part(engine, client_state, everyone: list) -> tuple[bytes, dict]:

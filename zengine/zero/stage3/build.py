@@ -23,6 +23,7 @@ from ..grads import buckets_in_flight
 from ..init import warn_lost_writes
 from ..mics import MicsConfigError
 from ..optimizer import ShardGroup, StepRules
+from ..sub_groups import GroupMap, split_sub_groups
 from .fetcher import Fetcher, compute_codec
 from .hierarchical import secondary_partition
 from .trace import read_ahead_for
@@ -67,6 +68,23 @@ def shard_parameters(
     return out
 
 
+def optimizer_units(
+    members: list[list[ShardedParam]], hypers: list[dict], zero_cfg: ZeroConfig
+) -> tuple[list[list[ShardedParam]], list[dict], GroupMap]:
+    """The groups the optimizer steps and their param groups: the param groups themselves, or with
+    partial offload (``offload_optimizer.ratio`` below 1) DeepSpeed's sub-groups of each
+    (``sub_groups.py``), which the placement splits between device and host."""
+    if not zero_cfg.offload_optimizer.partial:
+        return members, hypers, GroupMap.identity(len(members))
+    units, unit_hypers, owner = [], [], []
+    for pg, (sps, hyper) in enumerate(zip(members, hypers)):
+        for run in split_sub_groups([sp.chunk for sp in sps], int(zero_cfg.sub_group_size)):
+            units.append([sps[i] for i in run])
+            unit_hypers.append(hyper)
+            owner.append(pg)
+    return units, unit_hypers, GroupMap(tuple(owner))
+
+
 def build_stage3_optimizer(
     module: nn.Module,
     config: ZengineConfig,
@@ -86,6 +104,9 @@ def build_stage3_optimizer(
         module, zero_cfg.leaf_module
     )  # (ModuleHooks, made by the optimizer, reads the marks)
     members = [[lookup(p) for _, p in named] for named, _ in named_groups]
+    members, hypers, group_map = optimizer_units(
+        members, [hyper for _, hyper in named_groups], zero_cfg
+    )
     placement = make_placement(
         zero_cfg, ranks.device, dtype, config.aio, [[sp.chunk for sp in sps] for sps in members]
     )
@@ -111,7 +132,7 @@ def build_stage3_optimizer(
     )
     groups = [
         ShardedParamGroup(sps, hyper, swap=home.swap, align=align, **on_home)
-        for sps, (_, hyper) in zip(members, named_groups)
+        for sps, hyper in zip(members, hypers)
     ]
     in_groups = {id(sp) for g in groups for sp in g.sharded}
     frozen = ShardedParamGroup([sp for sp in all_sharded if id(sp) not in in_groups], {}, **on_home)
@@ -150,4 +171,5 @@ def build_stage3_optimizer(
         rules,
         ranks,
         on_unbracketed_grad,
+        group_map=group_map,
     )

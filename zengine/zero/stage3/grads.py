@@ -237,7 +237,10 @@ def stage3_gradients(spec: Stage3GradSpec) -> ShardReducer:
     placement keeps master gradients."""
     layout = RankMajor(spec.groups, spec.bucket_numel, spec.world, spec.after_grad, spec.dtypes)
     dtype = spec.dtypes.shard_dtype(spec.placement.cpu_optimizer)
-    shards = [spec.placement.empty(g.shard_numel, dtype, g.shard_flat.device) for g in spec.groups]
+    shards = [
+        spec.placement.group_home(gi).empty(g.shard_numel, dtype, g.shard_flat.device)
+        for gi, g in enumerate(spec.groups)
+    ]
     regions = [layout.regions(gi) for gi in range(len(spec.groups))]
     return _reducer(spec, layout, ShardsInMemory(shards, regions, spec.placement.copies))
 

@@ -28,13 +28,14 @@ gradient hook releases ours once its gradient is reduced.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from . import external
 from .fetcher import Fetcher
 from .leaf import z3_leaf_module
 from .param import ParamState, ShardedParam, lookup
@@ -60,45 +61,75 @@ class ModuleHooks:
     """Fetch/release hooks on every module that owns parameters, plus the external-use mode."""
 
     def __init__(self, module: nn.Module, fetcher: Fetcher):
+        self.module = module
         self.fetcher = fetcher
         self.units: dict[nn.Module, list[ShardedParam]] = {}
         self.names: dict[nn.Module, str] = {}
-        self.frames: list[
-            list[ShardedParam]
-        ] = []  # externals fetched while each running module runs
+        # externals fetched while each running module runs
+        self.frames: list[list[ShardedParam]] = []
         self.running: list[set[int]] = []  # ids of the parameters of each running module
         self.enabled = True
-        self.wrap: Callable[[Callable], Callable] = lambda fn: (
-            fn
-        )  # compiled autograd: torch.compiler.disable
+        # compiled autograd: torch.compiler.disable
+        self.wrap: Callable[[Callable], Callable] = lambda fn: fn
         self.internal = False  # our own tensor work inside hooks is not an external use
         self.backward_count = (
             0  # backwards finished so far (end_backward); a retained graph runs again
         )
-        self.handles = []
-        inside_leaf: list[
-            str
-        ] = []  # module paths of the leaves met so far: their descendants get no hooks
-        for name, m in module.named_modules():
+        # what DeepSpeed calls the forward and backward hooks (parameter_offload.py hands them out)
+        self.forward_handles: list = []  # each unit's pre- and post-forward hooks
+        self.backward_handles: list = []  # the trainable parameters' gradient hooks
+        self._trainable: list[ShardedParam] = []
+        self.modes_active = 0  # external-use modes entered (the engine's forward enters one)
+        self._outside: list[Optional[ExternalParamMode]] = []  # entered by the root's own hooks
+        self.install_forward()
+
+    def install_forward(self) -> None:
+        """Find the units (each module's own parameters, a leaf's whole subtree, and the parameters
+        registered as external to it: ``external.py``) and hook each one's forward."""
+        self.units, self.names = {}, {}
+        inside_leaf: list[str] = []  # the leaves met so far: their descendants get no hooks
+        for name, m in self.module.named_modules():
             if any(name.startswith(leaf + ".") for leaf in inside_leaf):
                 continue
             if z3_leaf_module(m):  # the whole subtree is one unit (leaf.py)
                 inside_leaf.append(name)
-                unit = list(
-                    dict.fromkeys(sp for p in m.parameters() if (sp := lookup(p)) is not None)
-                )
+                owned = list(m.parameters())
             else:
-                unit = [
-                    sp
-                    for p in m._parameters.values()
-                    if p is not None and (sp := lookup(p)) is not None
-                ]
+                owned = [p for p in m._parameters.values() if p is not None]
+            params = dict.fromkeys(owned + external.registered(m))
+            unit = [sp for p in params if (sp := lookup(p)) is not None]
             if not unit:
                 continue
             self.units[m] = unit
             self.names[m] = name or "<root>"
-            self.handles.append(m.register_forward_pre_hook(self._pre_forward))
-            self.handles.append(m.register_forward_hook(self._post_forward))
+            self.forward_handles.append(m.register_forward_pre_hook(self._pre_forward))
+            self.forward_handles.append(m.register_forward_hook(self._post_forward))
+        # the model called directly (engine.module(x), generate): the external-use mode as well
+        root = self.module
+        self.forward_handles.append(root.register_forward_pre_hook(self._enter_outside))
+        self.forward_handles.append(
+            root.register_forward_hook(self._leave_outside, always_call=True)
+        )
+
+    def _enter_outside(self, m: nn.Module, args) -> None:
+        """The root's forward outside the engine's: gather parameters read outside their module,
+        as the engine's forward does (one mode; inside the engine's forward nothing to add)."""
+        mode = ExternalParamMode(self) if self.enabled and self.modes_active == 0 else None
+        if mode is not None:
+            mode.__enter__()
+        self._outside.append(mode)
+
+    def _leave_outside(self, m: nn.Module, args, out) -> None:
+        mode = self._outside.pop() if self._outside else None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+    def reinstall(self) -> None:
+        """Hook the model again (after ``remove``, or to pick up new external registrations), once:
+        the hooks still in place are replaced, not doubled."""
+        self.remove()
+        self.install_forward()
+        self.gather_before_gradient(self._trainable)
 
     def _pre_forward(self, m: nn.Module, args) -> None:
         if not self.enabled:
@@ -170,9 +201,11 @@ class ModuleHooks:
     def gather_before_gradient(self, params: list[ShardedParam]) -> None:
         """Hook each of ``params`` (the trainable ones) so that its gradient finds it whole (see the
         module's docstring); a no-op check when the module hooks gathered it, as they usually do."""
+        self._trainable = list(params)
         for sp in params:
             if sp.param.requires_grad:
-                self.handles.append(sp.param.register_hook(self._whole_before_gradient(sp)))
+                hook = sp.param.register_hook(self._whole_before_gradient(sp))
+                self.backward_handles.append(hook)
 
     def _whole_before_gradient(self, sp: ShardedParam) -> Callable:
         def gather(sp: ShardedParam) -> None:
@@ -190,9 +223,10 @@ class ModuleHooks:
         self.backward_count += 1
 
     def remove(self) -> None:
-        for h in self.handles:
+        """Take every hook off (the model then runs as plain torch: on whole parameters only)."""
+        for h in self.forward_handles + self.backward_handles:
             h.remove()
-        self.handles = []
+        self.forward_handles, self.backward_handles = [], []
 
 
 def _param_args(args, kwargs):
@@ -213,6 +247,14 @@ class ExternalParamMode(TorchFunctionMode):
     def __init__(self, hooks: ModuleHooks):
         super().__init__()
         self.hooks = hooks
+
+    def __enter__(self):
+        self.hooks.modes_active += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.hooks.modes_active -= 1
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
