@@ -336,3 +336,24 @@ def test_autocast_with_cpu_offload():
         )
         # measured 1.2e-7 (the kernel's Adam arithmetic against torch's), fp32 sums 2.7e-4 away
         assert diff < fp32_sum / 5, (stage, diff, fp32_sum)
+
+
+def _outer_autocast() -> list:
+    """engine(...) called inside the script's own torch.autocast(bf16): the output dtypes."""
+    x = torch.randn(MICRO, DIM)
+    dtypes = []
+    for section in (None, {"enabled": True, "dtype": "fp16"}):
+        cfg = ds_config(0, micro_batch=MICRO, optimizer=adamw(LR), steps_per_print=10**6)
+        if section:
+            cfg["torch_autocast"] = section
+        engine, *_ = zengine.initialize(model=_model(), config=cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            dtypes.append(str(engine(x).dtype))
+        engine.destroy()
+    return dtypes
+
+
+def test_the_config_decides_over_an_outer_autocast():
+    """DeepSpeed's rule: an autocast around the engine is off inside it when torch_autocast is
+    off, and replaced by the section's when on."""
+    assert spawn(_outer_autocast, 1)[0] == ["torch.float32", "torch.float16"]
