@@ -298,3 +298,62 @@ def test_fp16_autocast_scales_as_grad_scaler():
         )
         assert 0 < skipped == ref_skipped < FP16_STEPS and scale == ref_scale, (stage, skipped)
         assert diff < 1e-6, (stage, diff)
+
+
+def _train_offloaded(stage: int) -> list:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shm.MIN_BYTES = 0
+    cfg = _config(stage, 2)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, *_ = zengine.initialize(model=_model(), config=cfg)
+    for x, y in _batches(world, 2):
+        for m in range(2):
+            rows = slice((m * world + rank) * MICRO, (m * world + rank + 1) * MICRO)
+            engine.backward(_loss(engine(x[rows]), y[rows]))
+            engine.step()
+    masters = [
+        zengine.utils.safe_get_full_fp32_param(p).tolist() for p in engine.module.parameters()
+    ]
+    engine.destroy()
+    return masters
+
+
+def _train_offloaded_all(stages: list) -> list:
+    return [_train_offloaded(stage) for stage in stages]
+
+
+def test_autocast_with_cpu_offload():
+    """The bf16 pieces land in the fp32 host shards the CPU Adam kernel steps on."""
+    stages = [2, 3]
+    for stage, masters in zip(stages, spawn(_train_offloaded_all, 2, stages)[0]):
+        ref = _reference(2, 2, stage)
+        diff, fp32_sum = (
+            _max_diff(masters, ref),
+            _max_diff(ref, _reference(2, 2, stage, wire=False)),
+        )
+        print(
+            f"offload W=2 stage={stage} gas=2: max|diff| {diff:.2g} (vs fp32 sums {fp32_sum:.2g})"
+        )
+        # measured 1.2e-7 (the kernel's Adam arithmetic against torch's), fp32 sums 2.7e-4 away
+        assert diff < fp32_sum / 5, (stage, diff, fp32_sum)
+
+
+def _outer_autocast() -> list:
+    """engine(...) called inside the script's own torch.autocast(bf16): the output dtypes."""
+    x = torch.randn(MICRO, DIM)
+    dtypes = []
+    for section in (None, {"enabled": True, "dtype": "fp16"}):
+        cfg = ds_config(0, micro_batch=MICRO, optimizer=adamw(LR), steps_per_print=10**6)
+        if section:
+            cfg["torch_autocast"] = section
+        engine, *_ = zengine.initialize(model=_model(), config=cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            dtypes.append(str(engine(x).dtype))
+        engine.destroy()
+    return dtypes
+
+
+def test_the_config_decides_over_an_outer_autocast():
+    """DeepSpeed's rule: an autocast around the engine is off inside it when torch_autocast is
+    off, and replaced by the section's when on."""
+    assert spawn(_outer_autocast, 1)[0] == ["torch.float32", "torch.float16"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 from typing import ContextManager, Iterable, Optional
 
 import torch
@@ -21,6 +22,8 @@ from torch import nn
 
 from ..config.precision import DTYPES
 from .loss_scaler import DynamicLossScaler, LossScaler, make_loss_scaler
+
+logger = logging.getLogger("zengine")
 
 # torch.amp.GradScaler's defaults: init_scale 2**16, growth_interval 2000, backoff 0.5 at once.
 _GRAD_SCALER_POWER, _GRAD_SCALER_WINDOW = 16, 2000
@@ -49,7 +52,26 @@ class ForwardPrecision:
 
 
 class PlainForward(ForwardPrecision):
-    """The forward on the parameters' own dtype (fp32, or the fp16/bf16 sections')."""
+    """The forward on the parameters' own dtype (fp32, or the fp16/bf16 sections'). An autocast
+    the script opened around ``engine(...)`` is turned off inside it, as DeepSpeed does: the
+    config's precision sections decide (``torch_autocast`` is the way to compute under autocast)."""
+
+    _warned = False  # (once per process)
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+
+    def context(self) -> ContextManager:
+        if not torch.is_autocast_enabled(self.device_type):
+            return contextlib.nullcontext()
+        if not PlainForward._warned:
+            PlainForward._warned = True
+            logger.warning(
+                "zengine: torch.autocast is on around engine(...) but the config's torch_autocast "
+                "is off: the engine's forward runs without it, as DeepSpeed's does (enable the "
+                "torch_autocast section to compute under autocast)"
+            )
+        return torch.autocast(device_type=self.device_type, enabled=False)
 
 
 class AutocastForward(ForwardPrecision):
@@ -118,7 +140,7 @@ def forward_precision(autocast_cfg, device: torch.device, stage: int) -> Forward
     """The forward precision for the ``torch_autocast`` section (a ``TorchAutocastConfig``) on
     ``device`` at ZeRO ``stage``."""
     if not autocast_cfg.enabled:
-        return PlainForward()
+        return PlainForward(torch.device(device).type)
     device_type = torch.device(device).type
     dtype = (
         DTYPES[autocast_cfg.dtype]

@@ -20,7 +20,7 @@ from .bucket_order import BucketQueue
 from .flat_group import FlatParamGroup
 from .grad_dtypes import GradDtypes
 from .layout import Bucket, intersect
-from .reducer import Reduction, ShardReducer, wire_codec
+from .reducer import Reduction, ShardReducer, scaled_codec
 
 
 class FlatRanges:
@@ -33,6 +33,7 @@ class FlatRanges:
         wires: Optional[Sequence[Sequence[torch.dtype]]] = None,
     ):
         self.groups = groups
+        self.wires = wires
         # (wires: per group, each parameter's wire dtype, which a bucket does not mix)
         self.queues = [
             BucketQueue(g, bucket_numel, wires[gi] if wires else None)
@@ -52,8 +53,9 @@ class FlatRanges:
         """Nothing but the gradient to let go."""
 
     def buffer(self, gi: int, bucket: Bucket, buffers: BucketBuffers) -> torch.Tensor:
-        # [bucket] reduce dtype
-        return buffers.get((gi, bucket.index), (bucket.numel,), self.groups[gi].flat.device)
+        # [bucket] in its wire dtype (the reduce dtype, or under torch_autocast its parameters')
+        wire = self.wires[gi][bucket.params[0]] if self.wires and bucket.params else None
+        return buffers.get((gi, bucket.index), (bucket.numel,), self.groups[gi].flat.device, wire)
 
     def copy_in(self, gi: int, pi: int, buffers: BucketBuffers) -> None:
         q = self.queues[gi]
@@ -133,7 +135,7 @@ def sharded_gradients(
     wires = [dtypes.wires(g.params) for g in groups]
     layout = FlatRanges(groups, bucket_numel, wires)
     codec = ReduceToOwners(groups, comm_group) if to_owners else AllReduce(comm_group)
-    codec = wire_codec(codec, wires, dtypes)
+    codec = scaled_codec(codec, dtypes.scaling)
     regions = [layout.regions(gi) for gi in range(len(groups))]
     landing = ShardsInMemory(shards, regions, placement.copies)
     buffers = BucketBuffers(dtypes.reduce, placement.copies)

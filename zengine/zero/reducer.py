@@ -20,7 +20,8 @@ The reducer is composed of three parts, one per role, chosen by the stage's buil
   (through the offload copies) or in ZeRO-Infinity's swap records.
 
 Buckets launch in one sequence over every group, the same on every rank (``bucket_order.py``), and
-their buffers come from a pool (``bucket_buffers.py``), in the reduce dtype (``grad_dtypes.py``). A
+their buffers come from a pool (``bucket_buffers.py``), in the reduce dtype (``grad_dtypes.py``; under
+``torch_autocast`` each bucket in its parameters' wire dtype, which a bucket does not mix). A
 bucket buffer is not zeroed: every gradient is copied into its place, and only what no gradient
 wrote (padding, parameters without a gradient) is zeroed when the bucket launches. (Letting autograd
 accumulate into a zeroed bucket through ``.grad`` views costs a fill and an add where a copy does:
@@ -62,34 +63,27 @@ class ReduceCodec(Protocol):
         ...
 
 
-class WireCodec:
-    """``ReduceCodec`` around another: each bucket crosses the ranks in its own wire dtype (a
-    converted copy where the buffer's differs: under ``torch_autocast``) and is multiplied, in that
-    dtype, before and after the reduction (``prescale_gradients``, ``gradient_predivide_factor``).
-    ``wires[gi][pi]``: the wire dtype of parameter pi of group gi (a bucket holds one only)."""
+class ScaledCodec:
+    """``ReduceCodec`` around another: each bucket is multiplied, in its own dtype, before and after
+    the reduction (``prescale_gradients``, ``gradient_predivide_factor``: ``scaling``, a
+    ``grad_dtypes.ReduceScaling``)."""
 
-    def __init__(self, inner: ReduceCodec, wires: Sequence[Sequence[torch.dtype]], scaling):
+    def __init__(self, inner: ReduceCodec, scaling):
         self.inner = inner
-        self.wires = wires
-        self.scaling = scaling  # a grad_dtypes.ReduceScaling
+        self.scaling = scaling
 
     def launch(self, gi: int, bucket: Bucket, buf: torch.Tensor) -> Reduction:
-        dtype = self.wires[gi][bucket.params[0]] if bucket.params else buf.dtype
-        wire = buf if buf.dtype == dtype else buf.to(dtype)  # [bucket shape] wire dtype
-        self.scaling.scale(wire, self.scaling.before)
-        reduction = self.inner.launch(gi, bucket, wire)
+        self.scaling.scale(buf, self.scaling.before)
+        reduction = self.inner.launch(gi, bucket, buf)
         after = self.scaling.after
         if after == 1.0:
             return reduction
         return Reduction(reduction.works, lambda: self.scaling.scale(reduction.result(), after))
 
 
-def wire_codec(codec: ReduceCodec, wires: Sequence[Sequence[torch.dtype]], dtypes) -> ReduceCodec:
-    """``codec``, wrapped in a ``WireCodec`` where a bucket needs converting or scaling (``dtypes``:
-    the engine's ``GradDtypes``)."""
-    if not dtypes.own and not dtypes.scaling.in_reduce:
-        return codec
-    return WireCodec(codec, wires, dtypes.scaling)
+def scaled_codec(codec: ReduceCodec, scaling) -> ReduceCodec:
+    """``codec``, wrapped in a ``ScaledCodec`` where the reduction takes the mean (``scaling``)."""
+    return ScaledCodec(codec, scaling) if scaling.in_reduce else codec
 
 
 class BucketLayout(Protocol):

@@ -40,7 +40,7 @@ from ..bucket_order import BucketQueue
 from ..grad_dtypes import GradDtypes
 from ..layout import Bucket, FlatLayout
 from ..mics import Replicated, Replication
-from ..reducer import ReduceCodec, Reduction, ShardReducer, wire_codec
+from ..reducer import ReduceCodec, Reduction, ShardReducer, scaled_codec
 from .group import ShardedParamGroup
 from .param import ShardedParam
 from .quantized import quantized_reduce_scatter
@@ -80,7 +80,6 @@ class RankMajor:
     ):
         self.groups, self.world = groups, world
         self.after_grad = after_grad
-        self.reduce_dtype = dtypes.reduce
         # Buckets count chunk elements; a bucket of c chunk elements moves world * c elements.
         # each parameter's wire dtype, which a bucket does not mix (torch_autocast)
         self.wires = [dtypes.wires([sp.param for sp in g.sharded]) for g in groups]
@@ -109,9 +108,10 @@ class RankMajor:
         self.after_grad(self.groups[gi].sharded[pi])
 
     def buffer(self, gi: int, bucket: Bucket, buffers: BucketBuffers) -> torch.Tensor:
-        # [world, chunks] on the compute device, like the gathered parameters, in the reduce dtype
+        # [world, chunks] on the compute device, like the gathered parameters, in the wire dtype
         device = self.groups[gi].sharded[0].full.device
-        return buffers.get((gi, bucket.index), (self.world, bucket.numel), device)
+        shape, wire = (self.world, bucket.numel), self.wires[gi][bucket.params[0]]
+        return buffers.get((gi, bucket.index), shape, device, wire)
 
     def copy_in(self, gi: int, pi: int, buffers: BucketBuffers) -> None:
         sp = self.groups[gi].sharded[pi]
@@ -139,7 +139,7 @@ class RankMajor:
             or sp.numel != self.world * sp.chunk
             or bucket.numel != sp.chunk
             or key in buffers.live
-            or grad.dtype != self.reduce_dtype
+            or grad.dtype != self.wires[gi][bucket.params[0]]
             or not grad.is_contiguous()
         ):
             return False
@@ -228,7 +228,7 @@ def _codec(spec: Stage3GradSpec) -> ReduceCodec:
 
 def _reducer(spec: Stage3GradSpec, layout: RankMajor, landing: GradLanding) -> ShardReducer:
     buffers = BucketBuffers(spec.dtypes.reduce, spec.placement.copies)
-    codec = wire_codec(_codec(spec), layout.wires, spec.dtypes)
+    codec = scaled_codec(_codec(spec), spec.dtypes.scaling)
     return ShardReducer(layout, codec, landing, buffers, spec.in_flight, spec.positions)
 
 
