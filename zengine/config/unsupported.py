@@ -107,8 +107,6 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _flag("dataloader_drop_last", "dropping the last incomplete batch", False),
     # Precision sub-keys.
     _flag("fp16.fp16_master_weights_and_grads", "fp16 master weights", False),
-    _flag("bf16.bf16_master_weights_and_grads", "bf16 master weights", False),
-    _flag("bf16.bf16_optimizer_states", "bf16 optimizer states", False),
     # ZeRO sub-keys that change the numbers (quantized frozen weights, LoCo, ZenFlow).
     _flag(
         "zero_optimization.zero_quantized_nontrainable_weights",

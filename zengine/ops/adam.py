@@ -26,6 +26,7 @@ from .builder import load_op
 
 __all__ = ["CPUAdam", "DeepSpeedCPUAdam", "FusedAdam", "adam_step_", "simd_paths", "simd_path"]
 
+COMPENSATION = "compensation"  # the state key of Kahan's bf16 compensation (bf16 masters)
 # Codes of the kernel's CopyOut enum (csrc/adam/cpu_adam.h).
 _COPY_OUT_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 # Codes of the kernel's SimdPath enum (csrc/includes/dispatch.h).
@@ -324,8 +325,8 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
                 states = self.bf16_states if low else param.dtype
                 state["exp_avg"] = torch.zeros_like(param, dtype=states)
                 state["exp_avg_sq"] = torch.zeros_like(param, dtype=states)
-            if low and self.rounding.buffers and "compensation" not in state:
-                state["compensation"] = torch.zeros_like(param)
+            if low and self.rounding.buffers and COMPENSATION not in state:
+                state[COMPENSATION] = torch.zeros_like(param)
             out = copy_out_by_id.get(id(param))
             for lo, hi, step in runs:
                 whole = lo == 0 and hi == param.numel()
