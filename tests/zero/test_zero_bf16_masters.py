@@ -87,6 +87,8 @@ def check(cases):
         reference = case[5] if len(case) > 5 else "torch"
         off, moved, loss_err, kinds = movement_error(*case)
         move_tol, loss_tol = BOUNDS[reference]
+        if len(case) > 3 and case[3] == "stochastic":
+            move_tol *= 2  # the reference draws other bits (one shard, not W): measured 0.12 at W=3
         assert moved > 0.5, f"{case}: the reference moved only {moved:.3g}: the test could not fail"
         assert off <= move_tol, f"{case}: off by {off:.3g} of the movement"
         assert loss_err <= loss_tol, f"{case}: loss off by {loss_err:.3g}"
@@ -103,9 +105,11 @@ def check(cases):
 # the reference's bf16 norm and the bf16 gradient sums differ), within 6% (0.015-0.062 at W=3).
 BOUNDS = {"torch": (0.25, 0.03), "same": (0.1, 0.015)}
 
-CASES = [(s, g) for s in (1, 2, 3) for g in (1, 2)] + [
-    (s, g, False, "nearest", True, "same") for s, g in ((1, 1), (2, 2), (3, 1))
-]
+CASES = (
+    [(s, g) for s in (1, 2, 3) for g in (1, 2)]
+    + [(s, g, False, "nearest", True, "same") for s, g in ((1, 1), (2, 2), (3, 1))]
+    + [(2, 1, False, "kahan", True, "same"), (3, 2, False, "stochastic", True, "same")]
+)
 
 
 @pytest.mark.parametrize("world", [2, 3])
