@@ -357,6 +357,16 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
                     target.copy_(p.reshape(target.shape))
         return loss
 
+    def state_dtype(self, param: torch.Tensor, key: str) -> torch.dtype | None:
+        """ShardOptimizer: moments of bf16 parameters in ``bf16_states``; Kahan's compensation only
+        with Kahan rounding (``COMPENSATION``), in the parameter's dtype."""
+        low = param.dtype == torch.bfloat16
+        if key == COMPENSATION:
+            return param.dtype if low and self.rounding.buffers else None
+        if key in ("exp_avg", "exp_avg_sq"):
+            return self.bf16_states if low else param.dtype
+        return param.dtype
+
     def _key(self, param: torch.Tensor, step: int) -> int:
         """Stochastic rounding's key for ``param`` at ``step``: distinct per seed, step and
         parameter (its position in the groups), so no two draw the same bits."""
