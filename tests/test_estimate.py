@@ -170,3 +170,39 @@ def test_every_choice_and_the_command_line(capsys):
         text=True,
     )
     assert done.returncode == 0 and "ZeRO stage 3, 8 rank(s)" in done.stdout, done.stderr
+
+
+@pytest.mark.parametrize(
+    "bf16,per_param",
+    [
+        ({}, 16),  # 2 parameter + 2 gradient + 4 master + 8 moments (stage 1, one rank)
+        ({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}, 8),
+        (
+            {
+                "bf16_master_weights_and_grads": True,
+                "bf16_optimizer_states": True,
+                "master_rounding": "kahan",
+            },
+            10,
+        ),
+        ({"bf16_master_weights_and_grads": True}, 12),  # fp32 moments over bf16 masters
+    ],
+)
+def test_bf16_masters_bytes_per_parameter(bf16, per_param):
+    """bf16 masters are the bf16 parameters themselves; bf16 moments halve the states; Kahan's
+    compensation adds 2 bytes. With CPU offload the masters are copies on the host."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": True, **bf16},
+        "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    psi = 10**6
+    assert estimate(psi, cfg, 1).device_states == per_param * psi
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    est = estimate(psi, cfg, 1)
+    low = bool(bf16)
+    assert est.host["master weights"] == (2 if low else 4) * psi * (
+        2 if "master_rounding" in bf16 else 1
+    )
+    assert est.host["gradients"] == (2 if low else 4) * psi

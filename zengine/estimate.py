@@ -9,7 +9,9 @@
 Model states follow the ZeRO formulas for each stage, precision and offload (per element: parameters
 in the compute dtype, gradients in the accumulate dtype (``zero/grad_dtypes.py``: by default fp32 at
 stages 2-3, the compute dtype at 0-1) or fp32 where offloaded, fp32 masters unless the fp32 parameters
-serve as their own, 8 bytes of Adam moments), sharded over ``world_size`` ranks as the stage says. On
+serve as their own, 8 bytes of Adam moments; with ``bf16.bf16_master_weights_and_grads`` bf16
+masters and gradients, the bf16 parameters their own masters, and with ``bf16_optimizer_states`` 4
+bytes of moments: 8 bytes per parameter in all), sharded over ``world_size`` ranks as the stage says. On
 top come the transients this engine has during a step, each bounded by a config key
 (``reduce_bucket_size`` and the buckets in flight, in the reduce dtype of ``communication_data_type``;
 ``stage3_max_live_parameters``, ``stage3_prefetch_bucket_size``) or by the largest parameter
@@ -39,6 +41,7 @@ from .offload.partial import host_share
 from .zero.stage3.units import GatherUnits
 from .offload.state_swap import MAX_CHUNK
 from .zero.sub_groups import split_sub_groups
+from .precision.masters import MasterPrecision
 
 GiB = 1 << 30
 
@@ -129,6 +132,7 @@ def estimate(
     share = math.ceil(psi / w)  # this rank's shard of a flat buffer (padding aside)
     half = 2 if cfg.compute_dtype.itemsize == 2 else 4
     dtypes = GradDtypes.from_config(cfg)
+    masters = MasterPrecision.from_config(cfg.bf16)  # fp32, or bf16 masters/grads (and moments)
     accum, wire = dtypes.accumulate.itemsize, dtypes.reduce.itemsize  # bytes per gradient element
     offload_opt = zero.offload_optimizer.device if zero.offload_optimizer.enabled else "none"
     offload_par = zero.offload_param.device if zero.offload_param.enabled else "none"
@@ -146,6 +150,7 @@ def estimate(
         w,
         stage,
         label=f"{'bf16/fp16' if half == 2 else 'fp32'}"
+        f"{', ' + masters.describe() if masters.low else ''}"
         f"{', optimizer on ' + offload_opt if offload_opt != 'none' else ''}"
         f"{', parameters on ' + offload_par if offload_par != 'none' else ''}",
     )
@@ -175,22 +180,27 @@ def estimate(
     if infinity:
         pass  # in the swap file; the transients below hold the buckets written behind
     elif states_on_host and stage >= 2:
-        est.host["gradients"] = 4 * host_opt  # fp32 shard where the optimizer steps
-        if device_opt:  # partial offload: the device share's shard is fp32 too (DeepSpeed's)
-            est.device["gradients"] = 4 * device_opt
+        # the shard where the optimizer steps: fp32, or bf16 with bf16 masters; partial offload:
+        # the device share's shard is fp32 too (DeepSpeed's)
+        est.host["gradients"] = masters.grad_bytes * host_opt
+        if device_opt:
+            est.device["gradients"] = masters.grad_bytes * device_opt
     else:
         est.device["gradients"] = accum * grad_elems
         if states_on_host:
-            est.host["gradients"] = 4 * share
-    # fp32 masters: the fp32 parameters serve as their own unless the optimizer moved away
+            est.host["gradients"] = masters.grad_bytes * share
+    # masters: parameters of the masters' dtype serve as their own unless the optimizer moved
+    # away (fp32 parameters; bf16 ones with bf16 masters), Kahan's compensation beside them
     if infinity:
         pass  # in the swap file, with the moments
     elif states_on_host:
-        est.host["master weights"] = 4 * host_opt
-        if device_opt and half != 4:
-            est.device["master weights"] = 4 * device_opt
-    elif half != 4:
-        est.device["master weights"] = 4 * sharded_opt
+        est.host["master weights"] = masters.master_bytes * host_opt
+        if device_opt and half != masters.dtype.itemsize:
+            est.device["master weights"] = masters.master_bytes * device_opt
+    elif half != masters.dtype.itemsize:
+        est.device["master weights"] = masters.master_bytes * sharded_opt
+    elif masters.rounding.buffers:
+        est.device["master weights"] = (masters.master_bytes - half) * sharded_opt
     # Adam moments
     if offload_opt == "nvme":
         chunk = min(int(zero.sub_group_size), MAX_CHUNK, max(1, sharded_opt))
@@ -208,11 +218,11 @@ def estimate(
             writes = 4 * 4 * min(chunk, int(zero.reduce_bucket_size), share)
             (est.transients if cpu_training else est.host)["gradient writes"] = writes
     elif offload_opt == "cpu":
-        est.host["optimizer states"] = 8 * host_opt
+        est.host["optimizer states"] = masters.adam_state_bytes * host_opt
         if device_opt:
-            est.device["optimizer states"] = 8 * device_opt
+            est.device["optimizer states"] = masters.adam_state_bytes * device_opt
     else:
-        est.device["optimizer states"] = 8 * sharded_opt
+        est.device["optimizer states"] = masters.adam_state_bytes * sharded_opt
     if not cpu_training:
         offloaded = host_opt if offload_opt == "cpu" else sharded_opt  # (partial: the host share)
         _pinned(est, zero, half, offloaded, offload_opt, offload_par, infinity)

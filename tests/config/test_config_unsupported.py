@@ -61,7 +61,6 @@ def test_ignorable_keys_are_accepted_and_named(path):
         ("sparse_gradients", True),
         ("tensor_parallel", {"autotp_size": 2}),
         ("fp16.fp16_master_weights_and_grads", True),
-        ("bf16.bf16_master_weights_and_grads", True),
         ("zero_optimization.zero_quantized_nontrainable_weights", True),
         ("managed_gradient_accumulation", False),
         ("checkpoint.use_node_local_storage", True),
@@ -82,7 +81,6 @@ def test_result_changing_keys_are_refused(path, value):
         ("amp", {"enabled": False, "opt_level": "O1"}),
         ("curriculum_learning", {}),
         ("sparse_gradients", False),
-        ("bfloat16.bf16_master_weights_and_grads", False),
         ("managed_gradient_accumulation", True),
     ],
 )

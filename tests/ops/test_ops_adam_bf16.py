@@ -208,3 +208,74 @@ def test_cpu_adam_steps_bf16_parameters_as_the_step_function(rounding, fp32_stat
     assert state["exp_avg"].dtype == want and state["exp_avg_sq"].dtype == want
     assert ("compensation" in state) == (rounding is Rounding.KAHAN)
     assert torch.equal(params[0], params[1]) and not torch.equal(params[0], start)
+
+
+def _lowbias32(x: int) -> int:
+    """Wellons' lowbias32 on a Python int: the definition the kernel's hash follows."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _reference_step(p, c, m, v, g, t, rounding, key, lr=1e-2, b1=0.9, b2=0.99, eps=1e-8, wd=0.1):
+    """One AdamW step of a bf16 master written from the modes' definitions, element by element
+    in numpy-free Python floats rounded to fp32 after each operation (torch scalars)."""
+    import math
+
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731 - one rounding to fp32
+    bc1, bc2 = 1 - b1**t, 1 - b2**t
+    out_p, out_c, out_m, out_v = [], [], [], []
+    for i in range(p.numel()):
+        x = f32(float(p[i])) + (f32(float(c[i])) if rounding is Rounding.KAHAN else 0)
+        gi = f32(float(g[i]))
+        mi = f32(float(m[i])) + f32(1 - b1) * (gi - f32(float(m[i])))
+        vi = f32(b2) * f32(float(v[i])) + f32(1 - b2) * (gi * gi)
+        d = f32(math.sqrt(float(vi))) * f32(1 / math.sqrt(bc2)) + f32(eps)
+        x = x * f32(1 - lr * wd)
+        x = x + f32(-lr / bc1) * (mi / d)
+        if rounding is Rounding.STOCHASTIC:
+            bits = int(x.view(torch.int32)) & 0xFFFFFFFF
+            bits = (bits + (_lowbias32(key ^ i) & 0xFFFF)) >> 16
+            kept = torch.tensor(bits, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        else:
+            kept = x.to(torch.bfloat16)
+        out_p.append(kept)
+        out_c.append((x - kept.float()).to(torch.bfloat16))
+        out_m.append(mi.to(torch.bfloat16))
+        out_v.append(vi.to(torch.bfloat16))
+    return [torch.stack(t) for t in (out_p, out_c, out_m, out_v)]
+
+
+@pytest.mark.parametrize("rounding", list(Rounding))
+def test_each_rounding_is_exact_against_its_definition(rounding):
+    """Five steps of adam_step_bf16_ (the kernel where built, else the fallback) against the
+    element-by-element reference written from the mode's definition: every bit equal."""
+    n = 67
+    gen = torch.Generator().manual_seed(4)
+    p = torch.randn(n, generator=gen).to(torch.bfloat16)
+    ref = [p.clone(), torch.zeros(n, dtype=torch.bfloat16)] + [
+        torch.zeros(n, dtype=torch.bfloat16) for _ in range(2)
+    ]
+    ours = [t.clone() for t in ref]
+    for t in range(1, 6):
+        g = (torch.randn(n, generator=gen) * 10.0 ** (-t)).to(torch.bfloat16)
+        adam_step_bf16_(
+            ours[0],
+            g,
+            ours[2],
+            ours[3],
+            compensation=ours[1],
+            step=t,
+            rounding=rounding,
+            key=77 + t,
+            lr=1e-2,
+            betas=(0.9, 0.99),
+            eps=1e-8,
+            weight_decay=0.1,
+        )
+        p_new, c_new, m_new, v_new = _reference_step(*ref[:2], *ref[2:], g, t, rounding, 77 + t)
+        ref = [p_new, c_new if rounding is Rounding.KAHAN else ref[1], m_new, v_new]
+    for name, a, b in zip(("param", "compensation", "exp_avg", "exp_avg_sq"), ours, ref):
+        assert torch.equal(a, b), name

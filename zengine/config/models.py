@@ -25,7 +25,15 @@ from .elastic import ElasticityConfig
 from .monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from .optimizer import NonFiniteGradientsConfig, OptimizerConfig, SchedulerConfig
 from .shared_memory import SharedMemoryConfig
-from .precision import DTYPES, BF16Config, DataTypesConfig, DtypeName, FP16Config, precision_problem
+from .precision import (
+    DTYPES,
+    BF16Config,
+    DataTypesConfig,
+    DtypeName,
+    FP16Config,
+    master_precision_problem,
+    precision_problem,
+)
 from .zero import AioConfig, ZeroConfig
 
 
@@ -212,7 +220,9 @@ class ZengineConfig(_Section):
 
     @model_validator(mode="after")
     def _one_precision(self) -> "ZengineConfig":
-        problem = precision_problem(self.fp16, self.bf16)
+        problem = precision_problem(self.fp16, self.bf16) or master_precision_problem(
+            self.bf16, self.zero_optimization.stage
+        )
         if problem:
             raise ValueError(problem)
         problems = autocast_problems(self) + averaging_problems(self)

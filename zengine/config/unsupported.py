@@ -108,8 +108,6 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
         "masters under fp16, which train at least as close to fp32)",
         False,
     ),
-    _flag("bf16.bf16_master_weights_and_grads", "bf16 master weights", False),
-    _flag("bf16.bf16_optimizer_states", "bf16 optimizer states", False),
     # ZeRO sub-keys that change the numbers (quantized frozen weights, LoCo, ZenFlow).
     _flag(
         "zero_optimization.zero_quantized_nontrainable_weights",

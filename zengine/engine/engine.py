@@ -138,7 +138,7 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
             model,
             config,
             named_groups,
-            optimizer_factory(optimizer, config),
+            optimizer_factory(optimizer, config, seed=process_rank.rank),
             self.grad_factor,
             ranks,
             self._backward.on_param_grad,

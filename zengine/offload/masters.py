@@ -213,10 +213,10 @@ class MastersInMemory:
         out, landings = [], []
         for gi, master in enumerate(self.masters):
             summed = grads.owned_grad(gi)
-            if summed.dtype == torch.float32 and summed.device == master.device:
-                out.append(summed)  # [owned] fp32, a view: no copy
+            if summed.dtype == master.dtype and summed.device == master.device:
+                out.append(summed)  # [owned] in the master's dtype, a view: no copy
                 continue
-            # fp32 from the compute dtype, on the device: a transient
+            # the master's dtype from another, on the device: a transient
             if summed.device == master.device:
                 out.append(torch.empty_like(master).copy_(summed))
                 continue
@@ -244,7 +244,7 @@ class MastersInMemory:
         master = self.masters[gi]
         grad = self._grad_buffers.get(gi)
         if grad is None or grad.numel() != master.numel():
-            grad = self.home.group_home(gi).empty(master.numel(), torch.float32, self.device)
+            grad = self.home.group_home(gi).empty(master.numel(), master.dtype, self.device)
             self._grad_buffers[gi] = grad
         return grad
 
@@ -255,7 +255,7 @@ class MastersInMemory:
             summed = grads.landing_grad(gi)
             if master.device.type != "cpu" and summed.device != master.device:
                 return False
-            if summed.device == master.device and summed.dtype != torch.float32:
+            if summed.device == master.device and summed.dtype != master.dtype:
                 return False
         return True
 

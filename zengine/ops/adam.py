@@ -26,6 +26,7 @@ from .builder import load_op
 
 __all__ = ["CPUAdam", "DeepSpeedCPUAdam", "FusedAdam", "adam_step_", "simd_paths", "simd_path"]
 
+COMPENSATION = "compensation"  # the state key of Kahan's bf16 compensation (bf16 masters)
 # Codes of the kernel's CopyOut enum (csrc/adam/cpu_adam.h).
 _COPY_OUT_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 # Codes of the kernel's SimdPath enum (csrc/includes/dispatch.h).
@@ -330,8 +331,8 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
             states = self.bf16_states if low else param.dtype
             state["exp_avg"] = torch.zeros_like(param, dtype=states)
             state["exp_avg_sq"] = torch.zeros_like(param, dtype=states)
-        if low and self.rounding.buffers and "compensation" not in state:
-            state["compensation"] = torch.zeros_like(param)
+        if low and self.rounding.buffers and COMPENSATION not in state:
+            state[COMPENSATION] = torch.zeros_like(param)
         for lo, hi, step in runs:
             whole = lo == 0 and hi == param.numel()
             names = ("exp_avg", "exp_avg_sq") + (
@@ -359,6 +360,16 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
             )
             if target is not None:
                 target.copy_(p.reshape(target.shape))
+
+    def state_dtype(self, param: torch.Tensor, key: str) -> torch.dtype | None:
+        """ShardOptimizer: moments of bf16 parameters in ``bf16_states``; Kahan's compensation only
+        with Kahan rounding (``COMPENSATION``), in the parameter's dtype."""
+        low = param.dtype == torch.bfloat16
+        if key == COMPENSATION:
+            return param.dtype if low and self.rounding.buffers else None
+        if key in ("exp_avg", "exp_avg_sq"):
+            return self.bf16_states if low else param.dtype
+        return param.dtype
 
     def _key(self, param: torch.Tensor, step: int) -> int:
         """Stochastic rounding's key for ``param`` at ``step``: distinct per seed, step and

@@ -14,7 +14,8 @@ Defaults, and why:
   gradients overflows at 65504 though each one fits (zengine divides by W at the step):
   ``"communication_data_type": "fp32"`` trades the bucket bytes for one rounding at the end
   (``tests/zero/test_zero_reduce_dtype.py`` measures both).
-- ``accumulate``: fp32 at stages 2-3, as FSDP2 does (each reduced shard is cast to the fp32 sharded
+- ``accumulate``: the master gradient's dtype at stages 2-3 (fp32; bf16 with DeepSpeed's
+  ``bf16_master_weights_and_grads``, whose gradients are bf16), fp32 as FSDP2 does (each reduced shard is cast to the fp32 sharded
   parameter's dtype and added into its ``.grad``). It costs 2 bytes per element of the shard during
   backward and saves 2 at the step: the fp32 shard is itself the master gradient the step reads, where a
   16-bit shard needs an fp32 copy made there (``masters.MastersInMemory.grads``). At stages 0-1 the
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import torch
 
 from ..config.precision import DTYPES
+from ..precision.masters import MasterPrecision
 
 if TYPE_CHECKING:  # annotations only
     from ..config import ZengineConfig
@@ -89,6 +91,8 @@ class GradDtypes:
         """``wire`` of each parameter: a bucket holds parameters of one wire dtype only."""
         return [self.wire(p) for p in params]
 
+    master: torch.dtype = torch.float32  # the master gradient's (bf16_master_weights_and_grads)
+
     @classmethod
     def from_config(
         cls,
@@ -102,12 +106,13 @@ class GradDtypes:
         named = config.communication_data_type or ("fp32" if config.fp32_allreduce else None)
         reduce = DTYPES[named] if named else compute
         chosen = config.data_types.grad_accum_dtype
+        masters = MasterPrecision.from_config(config.bf16).dtype
         if chosen is not None:
             accumulate = DTYPES[chosen]
         else:
-            accumulate = torch.float32 if config.zero_optimization.stage >= 2 else compute
+            accumulate = masters if config.zero_optimization.stage >= 2 else compute
         scaling = ReduceScaling.from_config(config, world)
-        return cls(compute, reduce, accumulate, dict(own), scaling)
+        return cls(compute, reduce, accumulate, dict(own), scaling, masters)
 
     @property
     def grad_lands_in_bucket(self) -> bool:
@@ -116,5 +121,6 @@ class GradDtypes:
         return self.reduce == self.compute
 
     def shard_dtype(self, cpu_optimizer: bool) -> torch.dtype:
-        """The dtype of the gradient shard (stages 2-3): fp32 where the CPU optimizer steps on it."""
-        return torch.float32 if cpu_optimizer else self.accumulate
+        """The dtype of the gradient shard (stages 2-3): the master gradient's (fp32, or bf16 with
+        bf16 masters) where the CPU optimizer steps on it."""
+        return self.master if cpu_optimizer else self.accumulate

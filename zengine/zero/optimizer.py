@@ -49,6 +49,8 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
+from ..ops.adam import COMPENSATION
+
 from ..offload.placement import Placement
 from ..precision.grad_factor import GradFactor
 from . import full_state, user_clipping
@@ -431,12 +433,11 @@ class ZeroOptimizer(ZeROOptimizer):
             for g, m in zip(self.groups, self.masters)
             if m.data_ptr() != g.owned_params().data_ptr()
         ]
-        states = [
-            t
-            for sp in self.shard_params
-            for t in self.optimizer.state.get(sp, {}).values()
-            if torch.is_tensor(t) and t.numel() > 1
+        held = [
+            (k, t) for sp in self.shard_params for k, t in self.optimizer.state.get(sp, {}).items()
         ]
+        states = [t for k, t in held if torch.is_tensor(t) and t.numel() > 1 and k != COMPENSATION]
+        masters += [t for k, t in held if k == COMPENSATION]  # Kahan's: a part of the bf16 master
         states += self.abilities.host_buffers()  # the NVMe swap buffers
         grads = self.grads.tensors() + self.master_store.grad_buffers()  # (stages 0-1 offload)
         return {

@@ -14,6 +14,7 @@ from torch import nn
 from ..distributed.process_group import ProcessRank
 from ..offload.placement import make_placement
 from ..precision.grad_factor import GradFactor
+from ..precision.masters import MasterPrecision
 from .bucket_order import registration_positions
 from .flat_group import FlatParamGroup
 from .grad_dtypes import GradDtypes
@@ -83,7 +84,8 @@ def build_zero_optimizer(
             dtypes,
         )
     num_shards = 1 if zero_cfg.stage == 0 else ranks.world
-    placement = make_placement(zero_cfg, ranks.device, dtype, config.aio)
+    masters_dtype = MasterPrecision.from_config(config.bf16).dtype
+    placement = make_placement(zero_cfg, ranks.device, dtype, config.aio, (), masters_dtype)
     groups = [
         FlatParamGroup(named, hyper, num_shards, ranks.rank, dtype, ranks.device)
         for named, hyper in named_groups

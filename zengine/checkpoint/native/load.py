@@ -37,6 +37,7 @@ from ..errors import (
     CheckpointUntrustedError,
 )
 from .holdings import Holding
+from .pieces import overlaps
 from .reader import CheckpointReader
 
 
@@ -191,6 +192,8 @@ def _read(
             )
         for gi, master in enumerate(holdings.masters(opt, engine.world_size, saving=False)):
             reader.fill(_present(master, lacking), ("master", "param"))
+            if gi == 0:
+                _log_master_cast(directory, reader, master)
             if with_optimizer:  # (a param group's record serves each of its sub-groups)
                 saved = state["optimizer"][opt.group_map.owner[gi]]
                 _load_optimizer_group(reader, opt, gi, master, saved)
@@ -216,6 +219,24 @@ def _log_foreign(directory: str, meta: dict, engine) -> None:
         )
     elif meta.get("format") == "dcp":
         logger.info(f"load_checkpoint: {directory} is a DCP checkpoint; {where}")
+
+
+def _log_master_cast(directory: str, reader: CheckpointReader, master: Holding) -> None:
+    """One log line when the checkpoint's masters have another dtype than this engine's (fp32
+    masters into bf16_master_weights_and_grads, or back): they were cast as they were read."""
+    if not isinstance(reader, CheckpointReader):
+        return  # DeepSpeed's layout: its reader casts as it reads, its dtypes are its files'
+    for piece in master.pieces:
+        for rank, *_ in overlaps(piece, reader.meta["pieces"].get(piece.name, [])):
+            entries = reader.file(rank).entries
+            saved = entries.get(f"master/{piece.name}", (None,))[0]
+            if saved is not None and saved != master.buffer.dtype:
+                logger.warning(
+                    f"load_checkpoint from {directory}: masters saved in {saved} are cast to "
+                    f"{master.buffer.dtype} (bf16.bf16_master_weights_and_grads differs from the run "
+                    "that saved them), optimizer states to the dtypes this run keeps"
+                )
+            return
 
 
 def _present(held: Holding, lacking: set[str]) -> Holding:
@@ -259,14 +280,19 @@ def _load_optimizer_group(
                 value = value.to(master.buffer.device) if on_device else value.clone()
             state[key] = value
         else:  # read in place into the tensor the optimizer has, else into a new one
+            # in the dtype this optimizer keeps it in (bf16 masters: bf16 or fp32 moments), cast
+            # from the checkpoint's; a key it does not keep (Kahan's compensation) is dropped
+            dtype = opt.abilities.state_dtype(shard, key)
+            if dtype is None:
+                continue
             tensor = current.get(key)
             if not (
                 torch.is_tensor(tensor)
                 and tensor.shape == master.buffer.shape
-                and tensor.dtype == master.buffer.dtype
+                and tensor.dtype == dtype
                 and tensor.device == master.buffer.device
             ):
-                tensor = torch.empty_like(master.buffer)
+                tensor = torch.empty_like(master.buffer, dtype=dtype)
             holdings.zero_gaps(tensor, master.pieces)
             reader.fill(Holding(tensor, master.pieces), (f"state.{key}",), required=False)
             state[key] = tensor

@@ -17,6 +17,7 @@ from torch import nn
 
 from ...offload.placement import make_placement
 from ...precision.grad_factor import GradFactor
+from ...precision.masters import MasterPrecision
 from ..bucket_order import registration_positions
 from ..grad_dtypes import GradDtypes
 from ..grads import buckets_in_flight
@@ -108,9 +109,9 @@ def build_stage3_optimizer(
     members, hypers, group_map = optimizer_units(
         members, [hyper for _, hyper in named_groups], zero_cfg
     )
-    placement = make_placement(
-        zero_cfg, ranks.device, dtype, config.aio, [[sp.chunk for sp in sps] for sps in members]
-    )
+    chunks = [[sp.chunk for sp in sps] for sps in members]
+    masters_dtype = MasterPrecision.from_config(config.bf16).dtype
+    placement = make_placement(zero_cfg, ranks.device, dtype, config.aio, chunks, masters_dtype)
     home = placement.params
     fetcher = Fetcher(
         zero_cfg,
