@@ -62,7 +62,9 @@ class PlainForward(ForwardPrecision):
         self.device_type = device_type
 
     def context(self) -> ContextManager:
-        if not torch.is_autocast_enabled(self.device_type):
+        # (a device autocast has no rules for, as the guard tests' meta, cannot be under one)
+        available = torch.amp.is_autocast_available(self.device_type)
+        if not available or not torch.is_autocast_enabled(self.device_type):
             return contextlib.nullcontext()
         if not PlainForward._warned:
             PlainForward._warned = True
