@@ -108,7 +108,9 @@ setup(
             # the formatter tests/test_format.py checks the tree with; pinned, as another release may
             # lay the same code out differently
             "ruff==0.17.6",
-        ]
+        ],
+        # benchmarks/bench_bf16_masters.py draws its loss curves with it (the rest need nothing more)
+        "benchmarks": ["matplotlib"],
     },
     entry_points={
         "console_scripts": [

@@ -299,3 +299,12 @@ def test_gpu_partial_offload_rows_on_cpu(bench, tmp_path):
         + ["--contenders", ",".join(rows), "--out", str(tmp_path)]
     )
     assert_rows(report(tmp_path), rows)
+
+
+def test_bf16_masters(bench, tmp_path):
+    bench("bench_bf16_masters").main(
+        ["--steps", "2", "--micro", "2", "--parallel", "--out", str(tmp_path)]
+    )
+    rows = table_rows(report(tmp_path))
+    for mode in ("fp32", "nearest", "kahan", "stochastic"):
+        assert mode in rows and "did not run" not in rows[mode], rows

@@ -122,6 +122,7 @@ OFFLOAD_CASES = [
     (2, 2, True, "nearest", True, "same"),
     (3, 1, True, "nearest", True, "same"),
     (3, 2, "param", "nearest", True, "same"),
+    (3, 1, "param-nvme", "nearest", True, "same"),  # parameter shards in a swap file
     (
         2,
         1,
