@@ -90,9 +90,11 @@ setup(
         # initialize NumPy", once per process: three times in the quick start)
         "numpy",
     ],
-    # transformers, accelerate, TRL: the drop-in tests drive zengine through Hugging Face's Trainer,
-    # accelerate's DeepSpeedPlugin and TRL's SFTTrainer on models built from a config (nothing downloaded);
-    # none of them requires torch, so the pin above still decides which torch is installed.
+    # transformers, accelerate, TRL, peft: the drop-in tests drive zengine through Hugging Face's
+    # Trainer (LoRA adapters from peft), accelerate's DeepSpeedPlugin and TRL's SFT, DPO and GRPO
+    # trainers on models built from a config (nothing downloaded);
+    # none of them pins torch (peft asks torch>=1.13), so the pin above still decides which torch is
+    # installed.
     # pytorch-lightning (with lightning_fabric): tests/lightning drive its Trainer and Fabric
     # DeepSpeedStrategy (it asks torch>=2.1, which the pin above meets).
     extras_require={
@@ -101,11 +103,14 @@ setup(
             "transformers>=4.40",
             "accelerate>=1.0",
             "trl>=0.20",
+            "peft>=0.13",
             "pytorch-lightning>=2.4",
             # the formatter tests/test_format.py checks the tree with; pinned, as another release may
             # lay the same code out differently
             "ruff==0.17.6",
-        ]
+        ],
+        # benchmarks/bench_bf16_masters.py draws its loss curves with it (the rest need nothing more)
+        "benchmarks": ["matplotlib"],
     },
     entry_points={
         "console_scripts": [

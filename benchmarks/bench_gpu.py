@@ -25,7 +25,11 @@ NCCL on a GPU, gloo with ``--device cpu``):
   (``model.compile()`` for torch, ``engine.compile()`` for zengine), compiled during the warm-up steps (give
   ``--warmup 3``: stage 3 compiles its units at the second step); not in the default list;
 - ``zengine-2-offload``: ZeRO-2 with the optimizer on the CPU (CPU-Adam); ``zengine-3-offload``: ZeRO-3 with
-  parameters and optimizer on the CPU; ``zengine-infinity``: both on NVMe (``--nvme_path``).
+  parameters and optimizer on the CPU; ``zengine-infinity``: both on NVMe (``--nvme_path``);
+  ``zengine-3-offload-r<ratio>`` (``-r1.0`` and ``-r0.5`` in the default list; any ratio in [0, 1], and
+  ``deepspeed-3-offload-r<ratio>`` where DeepSpeed imports): ZeRO-3 with the parameters on the device and
+  ``offload_optimizer.ratio`` of the optimizer's sub-groups (``sub_group_size`` 1e8: 13 of the 1.3B GPT) on
+  the CPU, the rest stepped on the device (partial offload; r1.0 is the whole optimizer on the CPU).
 
 Per contender: median s/step over the timed steps (the device synchronised around each step), tokens/s,
 MFU (model FLOPs: 6 x matmul parameters + attention, per token, over the device's dense bf16 peak),
@@ -71,12 +75,16 @@ CONTENDERS = [
     "zengine-2-offload",
     "deepspeed-2-offload",
     "zengine-3-offload",
+    "zengine-3-offload-r1.0",
+    "zengine-3-offload-r0.5",
     "zengine-infinity",
 ]
 # "<contender>-compiled" runs the contender under torch.compile (inductor): torch.compile of the model for torch,
 # engine.compile() for zengine (#26's GPU rows; not in the default list: the compiles take minutes)
 COMPILABLE = ["torch", "zengine-0", "zengine-1", "zengine-2", "zengine-3", "zengine-3-blocks"]
 KNOWN = CONTENDERS + [f"{c}-compiled" for c in COMPILABLE]
+PARTIAL = ("zengine-3-offload-r", "deepspeed-3-offload-r")  # + a ratio: partial offload's rows
+PARTIAL_SUB_GROUP = 100_000_000  # sub_group_size of the partial rows: the 1.3B GPT in 13 sub-groups
 # dense bf16 tensor-core peaks (TFLOP/s), by device name
 PEAKS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
 
@@ -107,9 +115,14 @@ def batch(args, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Te
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
-def zengine_config(args, stage: int, offload: str | None) -> dict:
+def zengine_config(args, stage: int, offload: str | None, ratio: float | None = None) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000}
-    if offload == "cpu":
+    if (
+        ratio is not None
+    ):  # partial offload: parameters on the device, the optimizer's sub-groups split
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "ratio": ratio}
+        zero["sub_group_size"] = PARTIAL_SUB_GROUP
+    elif offload == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
@@ -187,8 +200,16 @@ def build_fsdp2(args, model, device):
     return clipped_steps(model, torch_adamw(model.parameters(), device))
 
 
-def build_engine(initialize, args, model, stage: int, offload: str | None, client_optimizer: bool):
-    config = zengine_config(args, stage, offload)
+def build_engine(
+    initialize,
+    args,
+    model,
+    stage: int,
+    offload: str | None,
+    client_optimizer: bool,
+    ratio: float | None = None,
+):
+    config = zengine_config(args, stage, offload, ratio)
     if client_optimizer:  # DeepSpeed without offload: the same fused torch AdamW as the others
         config.pop("optimizer")
         engine, *_ = initialize(
@@ -229,6 +250,7 @@ def build(name: str, args, model, device):
 
         set_z3_leaf_modules(model, [Block])
     offload = {"offload": "cpu", "infinity": "nvme"}.get(parts[-1])
+    ratio = float(name.rsplit("-r", 1)[1]) if name.startswith(PARTIAL) else None
     if parts[0] == "zengine":
         import zengine
 
@@ -237,11 +259,11 @@ def build(name: str, args, model, device):
                 kwargs["config"]["zero_optimization"]["stage3_gather_units"] = "module"
             return zengine.initialize(**kwargs)
 
-        return build_engine(initialize, args, model, stage, offload, client_optimizer=False)
+        return build_engine(initialize, args, model, stage, offload, False, ratio)
     import deepspeed  # noqa: F401 (ImportError: reported as skipped)
 
     return build_engine(
-        deepspeed.initialize, args, model, stage, offload, client_optimizer=offload is None
+        deepspeed.initialize, args, model, stage, offload, offload is None and ratio is None, ratio
     )
 
 
@@ -438,6 +460,16 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+def _partial_row(name: str) -> bool:
+    """A partial-offload row with a ratio in [0, 1] (``zengine-3-offload-r0.25``)."""
+    if not name.startswith(PARTIAL):
+        return False
+    try:
+        return 0.0 <= float(name.rsplit("-r", 1)[1]) <= 1.0
+    except ValueError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.worker:
@@ -451,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.result, "w") as f:
             json.dump(result, f)
         return
-    unknown = [c for c in args.contenders.split(",") if c not in KNOWN]
+    unknown = [c for c in args.contenders.split(",") if c not in KNOWN and not _partial_row(c)]
     if unknown:
         raise SystemExit(f"bench_gpu: unknown contenders {unknown}; known: {KNOWN}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():

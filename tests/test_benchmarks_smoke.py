@@ -215,6 +215,15 @@ def test_gather_units(bench, tmp_path):
     ]
 
 
+def test_device_memory(bench, tmp_path):
+    out = tmp_path / "device_memory.md"
+    bench("bench_device_memory").main(
+        ["--layers", "1", "--d_model", "64", "--contenders", "module,auto", "--out", str(out)]
+    )
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| module")]
+    assert len(rows) == 1 and float(rows[0].split("|")[2]) > 0, rows
+
+
 def test_zero(bench, tmp_path):
     bench("bench_zero").main(
         ["--smoke", "--world", "2", "--contenders", "zengine-2", "--out", str(tmp_path)]
@@ -279,3 +288,23 @@ def test_gpu(bench, tmp_path):
         ]
     )
     assert_rows(report(tmp_path), ["torch", "zengine-2"])
+
+
+def test_gpu_partial_offload_rows_on_cpu(bench, tmp_path):
+    # bench_gpu's CPU smoke run (gloo) of partial offload's rows, so that the next GPU run measures them
+    rows = ["zengine-3-offload-r1.0", "zengine-3-offload-r0.5", "zengine-3-offload-r0.0"]
+    tiny = ["--layers", "1", "--d_model", "64", "--heads", "2", "--seq", "16", "--vocab", "256"]
+    bench("bench_gpu").main(
+        ["--device", "cpu", *tiny, "--micro_batch", "2", "--warmup", "0", "--steps", "1"]
+        + ["--contenders", ",".join(rows), "--out", str(tmp_path)]
+    )
+    assert_rows(report(tmp_path), rows)
+
+
+def test_bf16_masters(bench, tmp_path):
+    bench("bench_bf16_masters").main(
+        ["--steps", "2", "--micro", "2", "--parallel", "--out", str(tmp_path)]
+    )
+    rows = table_rows(report(tmp_path))
+    for mode in ("fp32", "nearest", "kahan", "stochastic"):
+        assert mode in rows and "did not run" not in rows[mode], rows

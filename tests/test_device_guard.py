@@ -15,6 +15,9 @@ from configs import SHARD_ALL, SMALL_BUCKETS, cpu, ds_config, nvme, swap_dir
 
 WORLD, GAS, STEPS = 2, 2, 3
 SYNC_KINDS = ("d2h_sync", "h2d_blocking", "h2d_pageable")  # device_guard.SYNC_KINDS: the host waits
+PARTIAL_SUB_GROUP = (
+    150  # partial offload: EdgeNet's two param groups cut into 7 sub-groups at W = 2
+)
 GATHERS = "zengine/zero/stage3/gather.py"  # where host-resident shards are copied into the gathers
 
 
@@ -23,6 +26,8 @@ def _config(stage, precision, offload):
     optimizer = param = None
     if offload in ("cpu", "param", "param-nvme"):
         optimizer = cpu(pin_memory=True)
+    if offload == "partial":  # half the sub-groups on the device (offload/partial.py)
+        optimizer = cpu(pin_memory=True, ratio=0.5)
     if offload in ("nvme", "infinity"):
         optimizer = nvme(swap, pin_memory=True)
     if offload == "param":
@@ -40,6 +45,7 @@ def _config(stage, precision, offload):
             **SHARD_ALL,
             "stage3_prefetch_bucket_size": 1500,
             "stage3_max_live_parameters": 4000,
+            **({"sub_group_size": PARTIAL_SUB_GROUP} if offload == "partial" else {}),
         },
         offload_optimizer=optimizer,
         offload_param=param,
@@ -128,6 +134,7 @@ def _run_case(stage, precision, offload, init, sabotage):
             "devices": devices,
             "kinds": sorted({name for name, _ in collectives.calls}),
             "copies": steps,
+            "host_states": engine.memory_breakdown()["host_states"],
         }
     except Exception as e:  # reported to the parent, which asserts on it
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -150,6 +157,7 @@ CASES = (
     [(s, p, "none", False, None) for s in (0, 1, 2, 3) for p in ("fp32", "bf16", "fp16")]
     + [(s, "bf16", o, False, None) for s in (1, 2, 3) for o in ("cpu", "nvme")]
     + [(3, "bf16", "param", False, None), (3, "fp32", "none", True, None)]
+    + [(3, p, "partial", False, None) for p in ("bf16", "fp32")]
     + [
         (3, p, o, i, None)
         for p, o, i in (
@@ -186,6 +194,11 @@ def expected_copies(stage: int, offload: str, step: int) -> dict:
         counts["d2h_async"] = (
             6 * GAS
         )  # 6 buckets (of 150 shard elements), each with a row for this rank
+    if stage == 3 and offload == "partial":
+        # ratio 0.5 over 5 sub-groups of 150 shard elements: emb.weight and fc1.weight stay on the
+        # device (int(0.5 x 5) = 2), fc2.weight, unused.weight + mix.weight and the vectors go to the
+        # host; only their buckets' rows cross, 4 a micro-step (the device share's add in place)
+        counts["d2h_async"] = 4 * GAS
     if stage == 3 and offload in ("nvme", "param-nvme", "infinity"):
         # each parameter's shard aligned to a 4 KiB O_DIRECT block: every one of the 11 is its own bucket
         # (optimizer on NVMe, ZeRO-Infinity: the bucket's row goes to the gradient swap, offload/state_swap.py)
@@ -200,6 +213,11 @@ def expected_copies(stage: int, offload: str, step: int) -> dict:
         counts["h2d_async"] += (
             2  # CPUAdam's copy-out staging, one per param group (offload/copies.py)
         )
+    if offload == "partial":
+        # the step in pieces of sub_group_size (150): the host sub-groups' 472, 346 and 73 elements in
+        # 4 + 3 + 1 pieces, each sent up from CPU-Adam's staging as it is stepped; the device share
+        # (stepped first, on the device) writes its parameters in place
+        counts["h2d_async"] += 8
     if stage == 3 and offload == "nvme":
         counts["h2d_async"] += (
             2  # ZeRO-Infinity's write-back of each group's one chunk (infinity.py)
@@ -256,6 +274,20 @@ def test_step_path_stays_on_the_device_with_one_host_read_per_step():
         for f in copy_failures(c, r)
     ]
     assert not failures, "\n".join(failures)
+
+
+# EdgeNet's trained shard elements at W = 2 by sub-group (sub_group_size 150): emb.weight 426, fc1.weight 472
+# on the device at ratio 0.5; fc2.weight 472, unused.weight + mix.weight 346, the vectors 73 on the host
+HOST_SHARE, ALL = 472 + 346 + 73, 426 + 472 + 472 + 346 + 73
+
+
+def test_memory_breakdown_counts_the_host_share_of_partial_offload():
+    cases = [(3, "bf16", "cpu", False, None), (3, "bf16", "partial", False, None)]
+    whole, partial = _run(cases)
+    assert whole["ok"] and partial["ok"], (whole, partial)
+    # fp32 gradient shard, master and Adam's two moments: 16 bytes per element in host memory
+    assert whole["host_states"] == 16 * ALL
+    assert partial["host_states"] == 16 * HOST_SHARE
 
 
 def test_guard_catches_a_host_norm_and_a_host_collective():

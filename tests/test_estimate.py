@@ -64,6 +64,34 @@ def test_offload_moves_states_to_the_host():
     )
 
 
+def test_partial_offload_splits_the_states_by_deepspeeds_sub_groups():
+    world, sub = 4, 300_000  # a shard of 2M elements: 7 sub-groups (6 of 300k and one of 200k)
+    shard = PSI // world
+
+    def partial(ratio, model=PSI):
+        section = {"device": "cpu", "ratio": ratio}
+        return estimate(model, _cfg(3, offload_optimizer=section, sub_group_size=sub), world)
+
+    whole = estimate(PSI, _cfg(3, offload_optimizer={"device": "cpu"}), world)
+    assert partial(1.0).host == whole.host and partial(1.0).device == whole.device
+    # ratio 0.5: the first int(0.5 x 7) = 3 sub-groups stay on the device (fp32: master = parameters)
+    half = partial(0.5)
+    on_device = 3 * sub
+    assert half.device["optimizer states"] == 8 * on_device
+    assert half.device["gradients"] == 4 * on_device
+    assert half.host["optimizer states"] == 8 * (shard - on_device)
+    assert half.host["copy staging"] == 4 * (shard - on_device)
+    # ratio 0: nothing on the host, the device holds what it holds without offload
+    none = partial(0.0)
+    assert none.host_states == 0 and not any(none.host.values())
+    assert none.device_states == estimate(PSI, _cfg(3), world).device_states
+    # with the parameters' sizes, whole parameters make the sub-groups (zero/sub_groups.py)
+    # (shards of 300k and 100k: [p0] [p1] [p2] [p3] [p4-p6] [p7-p9] [p10 p11], the first 3 on the device)
+    by_param = partial(0.5, [1_200_000] * 4 + [400_000] * 8)
+    assert by_param.device["optimizer states"] == 8 * 3 * 300_000
+    assert by_param.device["optimizer states"] + by_param.host["optimizer states"] == 8 * shard
+
+
 def test_transients_are_bounded_by_their_keys():
     model = nn.Sequential(
         nn.Linear(1000, 1000, bias=False), nn.Linear(1000, 10, bias=False), nn.LayerNorm(10)
@@ -142,3 +170,39 @@ def test_every_choice_and_the_command_line(capsys):
         text=True,
     )
     assert done.returncode == 0 and "ZeRO stage 3, 8 rank(s)" in done.stdout, done.stderr
+
+
+@pytest.mark.parametrize(
+    "bf16,per_param",
+    [
+        ({}, 16),  # 2 parameter + 2 gradient + 4 master + 8 moments (stage 1, one rank)
+        ({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}, 8),
+        (
+            {
+                "bf16_master_weights_and_grads": True,
+                "bf16_optimizer_states": True,
+                "master_rounding": "kahan",
+            },
+            10,
+        ),
+        ({"bf16_master_weights_and_grads": True}, 12),  # fp32 moments over bf16 masters
+    ],
+)
+def test_bf16_masters_bytes_per_parameter(bf16, per_param):
+    """bf16 masters are the bf16 parameters themselves; bf16 moments halve the states; Kahan's
+    compensation adds 2 bytes. With CPU offload the masters are copies on the host."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": True, **bf16},
+        "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    psi = 10**6
+    assert estimate(psi, cfg, 1).device_states == per_param * psi
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    est = estimate(psi, cfg, 1)
+    low = bool(bf16)
+    assert est.host["master weights"] == (2 if low else 4) * psi * (
+        2 if "master_rounding" in bf16 else 1
+    )
+    assert est.host["gradients"] == (2 if low else 4) * psi

@@ -9,7 +9,9 @@
 Model states follow the ZeRO formulas for each stage, precision and offload (per element: parameters
 in the compute dtype, gradients in the accumulate dtype (``zero/grad_dtypes.py``: by default fp32 at
 stages 2-3, the compute dtype at 0-1) or fp32 where offloaded, fp32 masters unless the fp32 parameters
-serve as their own, 8 bytes of Adam moments), sharded over ``world_size`` ranks as the stage says. On
+serve as their own, 8 bytes of Adam moments; with ``bf16.bf16_master_weights_and_grads`` bf16
+masters and gradients, the bf16 parameters their own masters, and with ``bf16_optimizer_states`` 4
+bytes of moments: 8 bytes per parameter in all), sharded over ``world_size`` ranks as the stage says. On
 top come the transients this engine has during a step, each bounded by a config key
 (``reduce_bucket_size`` and the buckets in flight, in the reduce dtype of ``communication_data_type``;
 ``stage3_max_live_parameters``, ``stage3_prefetch_bucket_size``) or by the largest parameter
@@ -35,7 +37,11 @@ from .config import ZengineConfig, load_config
 from .zero.grad_dtypes import GradDtypes
 from .zero.bucket_buffers import BucketBuffers
 from .zero.grads import buckets_in_flight
+from .offload.partial import host_share
+from .zero.stage3.units import GatherUnits
 from .offload.state_swap import MAX_CHUNK
+from .zero.sub_groups import split_sub_groups
+from .precision.masters import MasterPrecision
 
 GiB = 1 << 30
 
@@ -126,6 +132,7 @@ def estimate(
     share = math.ceil(psi / w)  # this rank's shard of a flat buffer (padding aside)
     half = 2 if cfg.compute_dtype.itemsize == 2 else 4
     dtypes = GradDtypes.from_config(cfg)
+    masters = MasterPrecision.from_config(cfg.bf16)  # fp32, or bf16 masters/grads (and moments)
     accum, wire = dtypes.accumulate.itemsize, dtypes.reduce.itemsize  # bytes per gradient element
     offload_opt = zero.offload_optimizer.device if zero.offload_optimizer.enabled else "none"
     offload_par = zero.offload_param.device if zero.offload_param.enabled else "none"
@@ -143,10 +150,16 @@ def estimate(
         w,
         stage,
         label=f"{'bf16/fp16' if half == 2 else 'fp32'}"
+        f"{', ' + masters.describe() if masters.low else ''}"
         f"{', optimizer on ' + offload_opt if offload_opt != 'none' else ''}"
         f"{', parameters on ' + offload_par if offload_par != 'none' else ''}",
     )
     sharded_opt = share if stage >= 1 else psi  # elements of masters and moments this rank keeps
+    # of which in host memory: all when offloaded, DeepSpeed's host sub-groups with ratio below 1
+    host_opt = sharded_opt if states_on_host else 0
+    if states_on_host and zero.offload_optimizer.partial:
+        host_opt = _partial_host_elements(numels, w, zero)
+    device_opt = sharded_opt - host_opt  # partial offload: the device share
     # parameters
     if stage < 3:
         est.device["parameters"] = half * psi
@@ -167,18 +180,27 @@ def estimate(
     if infinity:
         pass  # in the swap file; the transients below hold the buckets written behind
     elif states_on_host and stage >= 2:
-        est.host["gradients"] = 4 * share  # fp32 shard where the optimizer steps
+        # the shard where the optimizer steps: fp32, or bf16 with bf16 masters; partial offload:
+        # the device share's shard is fp32 too (DeepSpeed's)
+        est.host["gradients"] = masters.grad_bytes * host_opt
+        if device_opt:
+            est.device["gradients"] = masters.grad_bytes * device_opt
     else:
         est.device["gradients"] = accum * grad_elems
         if states_on_host:
-            est.host["gradients"] = 4 * share
-    # fp32 masters: the fp32 parameters serve as their own unless the optimizer moved away
+            est.host["gradients"] = masters.grad_bytes * share
+    # masters: parameters of the masters' dtype serve as their own unless the optimizer moved
+    # away (fp32 parameters; bf16 ones with bf16 masters), Kahan's compensation beside them
     if infinity:
         pass  # in the swap file, with the moments
     elif states_on_host:
-        est.host["master weights"] = 4 * sharded_opt
-    elif half != 4:
-        est.device["master weights"] = 4 * sharded_opt
+        est.host["master weights"] = masters.master_bytes * host_opt
+        if device_opt and half != masters.dtype.itemsize:
+            est.device["master weights"] = masters.master_bytes * device_opt
+    elif half != masters.dtype.itemsize:
+        est.device["master weights"] = masters.master_bytes * sharded_opt
+    elif masters.rounding.buffers:
+        est.device["master weights"] = (masters.master_bytes - half) * sharded_opt
     # Adam moments
     if offload_opt == "nvme":
         chunk = min(int(zero.sub_group_size), MAX_CHUNK, max(1, sharded_opt))
@@ -196,15 +218,20 @@ def estimate(
             writes = 4 * 4 * min(chunk, int(zero.reduce_bucket_size), share)
             (est.transients if cpu_training else est.host)["gradient writes"] = writes
     elif offload_opt == "cpu":
-        est.host["optimizer states"] = 8 * sharded_opt
+        est.host["optimizer states"] = masters.adam_state_bytes * host_opt
+        if device_opt:
+            est.device["optimizer states"] = masters.adam_state_bytes * device_opt
     else:
-        est.device["optimizer states"] = 8 * sharded_opt
+        est.device["optimizer states"] = masters.adam_state_bytes * sharded_opt
     if not cpu_training:
-        _pinned(est, zero, half, sharded_opt, offload_opt, offload_par, infinity)
+        offloaded = host_opt if offload_opt == "cpu" else sharded_opt  # (partial: the host share)
+        _pinned(est, zero, half, offloaded, offload_opt, offload_par, infinity)
     # transients of a step
     largest = int(largest_param) if largest_param is not None else max(numels, default=0)
     est.transients["autograd gradient"] = half * largest
-    bucket = min(int(zero.reduce_bucket_size), psi)
+    # (stage 3 "auto": about a block's bucket, zero/stage3/units.py)
+    units = GatherUnits.from_config(zero)
+    bucket = min(units.reduce_bucket if stage == 3 else int(zero.reduce_bucket_size), psi)
     in_flight = buckets_in_flight(zero.overlap_comm)
     if stage < 2 and dtypes.reduce != dtypes.accumulate:
         # converted copies of the full buffer's buckets: those in flight and the one launching
@@ -212,7 +239,7 @@ def estimate(
     if stage == 2:
         # those in flight and the one launching
         est.transients["gradient buckets"] = wire * bucket * (in_flight + 1)
-    if stage >= 2 and offload_opt == "cpu" and not cpu_training:
+    if stage >= 2 and offload_opt == "cpu" and not cpu_training and host_opt:
         # on a GPU, reduced buckets whose copies to the host still run are kept until then (a backlog bounded by
         # BucketBuffers.DOWNLOAD_BACKLOG_BYTES, and by the whole gradient): the price of not waiting for them
         est.transients["gradient downloads"] = min(BucketBuffers.DOWNLOAD_BACKLOG_BYTES, wire * psi)
@@ -224,15 +251,32 @@ def estimate(
         )
         # gathered or being gathered (prefetch included): stage3_max_live_parameters bounds what is kept and
         # prefetched; the module about to run is fetched on top of it when needed
-        est.transients["gathered parameters"] = half * min(
-            int(zero.stage3_max_live_parameters) + largest, psi
-        )
+        # ("auto" keeps a used parameter only within the prefetch window: at most the window behind,
+        # the window ahead and the module running)
+        live = int(zero.stage3_max_live_parameters)
+        if units.coalesce and int(zero.stage3_prefetch_bucket_size) > 0:
+            live = min(live, units.reuse_distance + int(zero.stage3_prefetch_bucket_size))
+        est.transients["gathered parameters"] = half * min(live + largest, psi)
         if _has_multi_parameter_modules(model, zero.stage3_param_persistence_threshold):
             # a module of several sharded parameters gathers through one staging buffer, then copies
             est.transients["prefetch staging"] = half * min(
                 int(zero.stage3_prefetch_bucket_size), psi
             )
     return est
+
+
+def _partial_host_elements(numels: list[int], world: int, zero) -> int:
+    """Shard elements of the host sub-groups under partial offload (``offload_optimizer.ratio``), the
+    parameters taken as one param group, cut as stage 3 cuts them (``zero/sub_groups.py``,
+    ``offload/partial.py``). A bare parameter count is taken as parameters finer than
+    ``sub_group_size``: sub-groups of that size."""
+    chunks = [math.ceil(n / world) for n in numels]
+    if len(chunks) == 1:
+        size = max(1, int(zero.sub_group_size))
+        chunks = [size] * (chunks[0] // size) + ([chunks[0] % size] if chunks[0] % size else [])
+    runs = split_sub_groups(chunks, int(zero.sub_group_size))
+    on_host = host_share(len(runs), float(zero.offload_optimizer.ratio))
+    return sum(chunks[i] for run, host in zip(runs, on_host) if host for i in run)
 
 
 def _pinned(

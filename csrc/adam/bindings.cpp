@@ -50,6 +50,52 @@ PyObject* py_adam_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+// adam_step_bf16(param, grad, exp_avg, exp_avg_sq, compensation, n, lr, beta1, beta2, eps,
+//                weight_decay, step, bias_correction, adamw_mode, states_bf16, rounding, key,
+//                first_index, num_threads, simd_path)
+// Pointers are ints (data_ptr()); compensation 0 unless rounding is 1 (Kahan).
+PyObject* py_adam_step_bf16(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  namespace py = zengine::py;
+  if (!py::expect_args("adam_step_bf16", nargs, 20)) return nullptr;
+  zengine::AdamBf16Shard s{};
+  zengine::AdamHyper h{};
+  void* param;
+  void* grad;
+  void* comp;
+  int64_t rounding, key, first, threads, path;
+  if (!py::to_ptr(args[0], &param) || !py::to_ptr(args[1], &grad) ||
+      !py::to_ptr(args[2], &s.exp_avg) || !py::to_ptr(args[3], &s.exp_avg_sq) ||
+      !py::to_ptr(args[4], &comp) || !py::to_i64(args[5], &s.n) ||
+      !py::to_f64(args[6], &h.lr) || !py::to_f64(args[7], &h.beta1) ||
+      !py::to_f64(args[8], &h.beta2) || !py::to_f64(args[9], &h.eps) ||
+      !py::to_f64(args[10], &h.weight_decay) || !py::to_i64(args[11], &h.step) ||
+      !py::to_bool(args[12], &h.bias_correction) || !py::to_bool(args[13], &h.adamw_mode) ||
+      !py::to_bool(args[14], &s.states_bf16) || !py::to_i64(args[15], &rounding) ||
+      !py::to_i64(args[16], &key) || !py::to_i64(args[17], &first) ||
+      !py::to_i64(args[18], &threads) || !py::to_i64(args[19], &path)) {
+    return nullptr;
+  }
+  if (rounding < 0 || rounding > 2 || path < -1 || path > 2 || s.n < 0) {
+    PyErr_SetString(PyExc_ValueError, "adam_step_bf16: rounding, simd_path or n out of range");
+    return nullptr;
+  }
+  s.param = static_cast<uint16_t*>(param);
+  s.grad = static_cast<const uint16_t*>(grad);
+  s.compensation = static_cast<uint16_t*>(comp);
+  s.rounding = static_cast<zengine::Rounding>(rounding);
+  s.key = static_cast<uint32_t>(key);
+  s.first_index = static_cast<uint32_t>(first);
+  const char* err;
+  Py_BEGIN_ALLOW_THREADS;
+  err = zengine::adam_step_bf16(s, h, static_cast<int>(threads), static_cast<SimdPath>(path));
+  Py_END_ALLOW_THREADS;
+  if (err != nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, err);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 // simd_paths() -> list of the paths this CPU can run, widest first.
 PyObject* py_simd_paths(PyObject*, PyObject*) {
   PyObject* out = PyList_New(0);
@@ -79,6 +125,9 @@ PyObject* py_simd_path(PyObject*, PyObject*) {
 PyMethodDef kMethods[] = {
     {"adam_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_adam_step)),
      METH_FASTCALL, "One Adam/AdamW step over a flat fp32 shard, in place."},
+    {"adam_step_bf16",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_adam_step_bf16)),
+     METH_FASTCALL, "One Adam/AdamW step over a flat bf16 master shard, in place."},
     {"simd_paths", py_simd_paths, METH_NOARGS, "SIMD paths this CPU supports, widest first."},
     {"simd_path", py_simd_path, METH_NOARGS, "The SIMD path used when none is named."},
     {nullptr, nullptr, 0, nullptr}};

@@ -14,20 +14,15 @@
 
 #include <cmath>
 
+#include "adam_math.h"
 #include "simd.h"
 
 namespace zengine {
 namespace {
 
-// The per-step constants, rounded to fp32 once.
-struct AdamCoeffs {
-  float one_minus_beta1, beta2, one_minus_beta2, inv_sqrt_bc2, eps;
-  float l2_decay;      // weight_decay; used in L2 mode only
-  float param_scale;   // 1 - lr * weight_decay; used in decoupled mode only
-  float neg_step_size;
-  bool use_l2, use_decoupled;
-  bool stream_copy_out;  // write copy_out with streaming (cache-bypassing) stores
-};
+using adam_detail::AdamCoeffs;
+using adam_detail::Lanes;
+using adam_detail::make_coeffs;
 
 // Outputs at least this long are streamed: they would only evict the shard from the cache,
 // and streaming skips the read-for-ownership of every output line (2 of 30 bytes per element
@@ -36,41 +31,6 @@ constexpr int64_t kStreamMinElems = int64_t{1} << 22;
 
 constexpr int kLineElems = 16;            // floats per 64-byte cache line
 constexpr int64_t kPrefetchElems = 192;   // 12 lines ahead: best measured on Zen3 (128-256)
-
-AdamCoeffs make_coeffs(const AdamHyper& h) {
-  const double t = static_cast<double>(h.step);
-  const double bc1 = h.bias_correction ? 1.0 - std::pow(h.beta1, t) : 1.0;
-  const double bc2 = h.bias_correction ? 1.0 - std::pow(h.beta2, t) : 1.0;
-  AdamCoeffs c;
-  c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
-  c.beta2 = static_cast<float>(h.beta2);
-  c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
-  c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
-  c.eps = static_cast<float>(h.eps);
-  c.use_l2 = !h.adamw_mode && h.weight_decay != 0.0;
-  c.use_decoupled = h.adamw_mode && h.weight_decay != 0.0;
-  c.l2_decay = static_cast<float>(h.weight_decay);
-  c.param_scale = static_cast<float>(1.0 - h.lr * h.weight_decay);
-  c.neg_step_size = static_cast<float>(-(h.lr / bc1));
-  c.stream_copy_out = false;
-  return c;
-}
-
-// The constants broadcast to one vector of V.
-template <class V>
-struct Lanes {
-  typename V::F one_minus_beta1, beta2, one_minus_beta2, inv_sqrt_bc2, eps, l2_decay, param_scale,
-      neg_step_size;
-  explicit Lanes(const AdamCoeffs& c)
-      : one_minus_beta1(V::set1(c.one_minus_beta1)),
-        beta2(V::set1(c.beta2)),
-        one_minus_beta2(V::set1(c.one_minus_beta2)),
-        inv_sqrt_bc2(V::set1(c.inv_sqrt_bc2)),
-        eps(V::set1(c.eps)),
-        l2_decay(V::set1(c.l2_decay)),
-        param_scale(V::set1(c.param_scale)),
-        neg_step_size(V::set1(c.neg_step_size)) {}
-};
 
 // Updates V::kWidth elements starting at i.
 template <class V, CopyOut kOut, bool kStream>

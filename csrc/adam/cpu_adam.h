@@ -31,4 +31,29 @@ struct AdamHyper {
 const char* adam_step(const AdamShard& shard, const AdamHyper& hyper, int num_threads,
                       SimdPath path);
 
+// How a bf16 master takes its updated fp32 value (cpu_adam_bf16.cpp).
+enum class Rounding : int {
+  kNearest = 0,     // round to nearest even
+  kKahan = 1,       // the master is the pair (param + compensation), both bf16
+  kStochastic = 2,  // up with probability (dropped bits) / 2^16, from a counter-based hash
+};
+
+// Adam / AdamW over one bf16 master shard (bf16_master_weights_and_grads): bf16 gradient,
+// moments in bf16 (bf16_optimizer_states) or fp32, the arithmetic in fp32.
+struct AdamBf16Shard {
+  uint16_t* param;          // [n] bf16, updated in place
+  const uint16_t* grad;     // [n] bf16
+  void* exp_avg;            // [n] bf16 or fp32 (states_bf16)
+  void* exp_avg_sq;         // [n] bf16 or fp32
+  uint16_t* compensation;   // [n] bf16 (kKahan), else nullptr
+  int64_t n;
+  bool states_bf16;
+  Rounding rounding;
+  uint32_t key;             // kStochastic: this step's key (mixed with each element's index)
+  uint32_t first_index;     // kStochastic: the index of element 0 in the hashed sequence
+};
+
+const char* adam_step_bf16(const AdamBf16Shard& shard, const AdamHyper& hyper, int num_threads,
+                           SimdPath path);
+
 }  // namespace zengine

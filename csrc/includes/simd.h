@@ -43,6 +43,36 @@ inline uint16_t float_to_bf16(float x) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// bf16 bits -> fp32 (exact).
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+// The random bits of stochastic rounding: a 32-bit integer hash (Wellons' lowbias32) of the
+// element's index mixed with a key. Counter-based, so every path and thread count draws the
+// same bits for the same element, and zengine/ops/adam_bf16.py repeats it with torch ops.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// fp32 -> bf16, rounded stochastically: up with probability (dropped bits) / 2^16, by adding
+// 16 random bits below the kept ones and truncating; NaN becomes the quiet NaN 0x7FC0.
+inline uint16_t float_to_bf16_stochastic(float x, uint32_t random) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  if ((bits & 0x7FFFFFFFu) == 0x7F800000u) return static_cast<uint16_t>(bits >> 16);
+  return static_cast<uint16_t>((bits + (random & 0xFFFFu)) >> 16);
+}
+
 // fp32 -> IEEE fp16, round to nearest even, overflow to infinity, subnormals kept; a NaN
 // keeps its sign and top payload bits and is made quiet, as the F16C instruction does.
 inline uint16_t float_to_fp16(float x) {
@@ -99,6 +129,11 @@ struct Scalar {
   using H = uint16_t;
   static inline H to_bf16(F v) { return float_to_bf16(v); }
   static inline H to_fp16(F v) { return float_to_fp16(v); }
+  static inline F load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
+  // Stochastic rounding of lane j with the bits mix32(key ^ (first + j)).
+  static inline H to_bf16_stochastic(F v, uint32_t key, uint32_t first) {
+    return float_to_bf16_stochastic(v, mix32(key ^ first));
+  }
   static inline void store_half(uint16_t* p, H h) { *p = h; }
   static inline void stream_half(uint16_t* p, H h) { *p = h; }
   static inline void stream(float* p, F v) { *p = v; }
@@ -148,6 +183,31 @@ struct Avx2 {
   }
   ZE_TARGET_AVX2 static inline H to_fp16(F v) {
     return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+  }
+  ZE_TARGET_AVX2 static inline F load_bf16(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  ZE_TARGET_AVX2 static inline __m256i mix32(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846CA68Bu)));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  }
+  ZE_TARGET_AVX2 static inline H to_bf16_stochastic(F v, uint32_t key, uint32_t first) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first)), lanes);
+    const __m256i random = mix32(_mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(key)), index));
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+    // infinities keep their bits (mag == 0x7F800000); NaNs become 0x7FC0 below
+    const __m256i finite = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), mag);
+    const __m256i low = _mm256_and_si256(_mm256_and_si256(random, _mm256_set1_epi32(0xFFFF)), finite);
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, low), 16);
+    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), is_nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
   }
   ZE_TARGET_AVX2 static inline void store_half(uint16_t* p, H h) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
@@ -202,6 +262,32 @@ struct Avx512 {
   }
   ZE_TARGET_AVX512 static inline H to_fp16(F v) {
     return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+  }
+  ZE_TARGET_AVX512 static inline F load_bf16(const uint16_t* p) {
+    const __m512i wide =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  ZE_TARGET_AVX512 static inline __m512i mix32(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846CA68Bu)));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  }
+  ZE_TARGET_AVX512 static inline H to_bf16_stochastic(F v, uint32_t key, uint32_t first) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)), lanes);
+    const __m512i random = mix32(_mm512_xor_si512(_mm512_set1_epi32(static_cast<int>(key)), index));
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+    // infinities keep their bits; NaNs become 0x7FC0 below
+    const __mmask16 finite = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(0x7F800000), mag);
+    const __m512i low = _mm512_maskz_and_epi32(finite, random, _mm512_set1_epi32(0xFFFF));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, low), 16);
+    const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_blend_epi32(is_nan, rounded, _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(rounded);
   }
   ZE_TARGET_AVX512 static inline void store_half(uint16_t* p, H h) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);

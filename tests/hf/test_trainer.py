@@ -24,6 +24,23 @@ import torch
 
 from configs import SHARD_ALL, ds_config
 from harness import spawn
+from hf_runs import (
+    HAVE_TRL,
+    MICRO,
+    PARAM_TOL,
+    STEPS,
+    VOCAB,
+    Tokens,
+    build_model,
+    fresh_accelerate_state,
+    in_order_trainer,
+    logged_losses,
+    max_diff,
+    saved_weights,
+    steps_run,
+    training_args,
+    zengine_ranks,
+)
 
 # found, not imported: accelerate decides at import whether DeepSpeed is there, so the ranks import it only
 # after zengine.compat.install()
@@ -31,118 +48,6 @@ pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("transformers", "accelerate")),
     reason="the test extra installs transformers and accelerate",
 )
-
-VOCAB, SEQ, MICRO, GAS, STEPS, LR = 64, 16, 2, 2, 4, 1e-2
-HAVE_TRL = importlib.util.find_spec("trl") is not None
-# Both sides sum the same gradients in a different order (bucketed all-reduce of two ranks vs one process);
-# Adam turns that into ~1e-5 on parameters that moved ~4e-2 (measured: 1.5e-5)
-PARAM_TOL = 5e-5
-
-
-class Tokens(torch.utils.data.Dataset):
-    """Sequences a causal LM can learn a little of in 4 steps; the same on every rank."""
-
-    def __len__(self):
-        return 64
-
-    def __getitem__(self, i):
-        x = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": x, "labels": x}
-
-
-def _model(kind: str):
-    import transformers
-
-    torch.manual_seed(0)
-    if kind == "llama":
-        return transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(
-                vocab_size=VOCAB,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=SEQ,
-                bos_token_id=0,
-                eos_token_id=1,
-            )
-        )
-    return transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(  # lm_head tied to the token embedding
-            vocab_size=VOCAB,
-            n_embd=32,
-            n_layer=2,
-            n_head=2,
-            n_positions=SEQ,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=1,
-        )
-    )
-
-
-def _trainer(cls_name: str = "Trainer", **kw):
-    """The library's trainer reading the data in order (the reference and the ranks then see the same global
-    batches: accelerate hands rank r every W-th micro-batch), counting the optimizer steps it runs itself."""
-    import transformers
-
-    if cls_name == "SFTTrainer":
-        import trl
-
-        base = trl.SFTTrainer
-    else:
-        base = transformers.Trainer
-
-    class InOrder(base):
-        def _get_train_sampler(self, *args, **kwargs):
-            return torch.utils.data.SequentialSampler(self.train_dataset)
-
-    class CountSteps(transformers.TrainerCallback):
-        run = 0
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.run += 1
-
-    return InOrder(callbacks=[CountSteps()], **kw)
-
-
-def _steps_run(trainer) -> int:
-    """Optimizer steps this trainer itself ran (a resumed one: only those after its checkpoint)."""
-    return next(
-        c.run for c in trainer.callback_handler.callbacks if type(c).__name__ == "CountSteps"
-    )
-
-
-def _args(out: str, batch: int, ds: dict = None, sft: bool = False, **kw):
-    import transformers
-
-    fields = dict(
-        output_dir=out,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=GAS,
-        max_steps=STEPS,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        learning_rate=LR,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        seed=0,
-        disable_tqdm=True,
-    )
-    if ds is not None:
-        fields.update(deepspeed=ds, accelerator_config={"use_configured_state": True})
-    fields.update(kw)
-    if sft:
-        import trl
-
-        # TRL asks for bf16 by default; fp32 here, as the other trainers (bf16 is checked against torch elsewhere)
-        return trl.SFTConfig(**fields, bf16=False, dataset_kwargs={"skip_prepare_dataset": True})
-    return transformers.TrainingArguments(**fields)
 
 
 def _ds_config(stage: int, optimizer: bool) -> dict:
@@ -184,58 +89,42 @@ def _tokenizer():
     )
 
 
-def _losses(trainer) -> list:
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
-
-
-def _saved(path: str) -> dict:
-    from safetensors.torch import load_file
-
-    return {k: v.tolist() for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
-
-
 def _reference(out: str) -> dict:
     """Each scenario's trainer in this one process, without DeepSpeed, on the global batch."""
     refs = {}
     llama_init = os.path.join(out, "llama_init")
-    _model("llama").save_pretrained(llama_init)
+    build_model("llama").save_pretrained(llama_init)
     for name, kind in (("gpt2", "gpt2"), ("llama", "llama")):
-        t = _trainer(
-            model=_model(kind),
-            args=_args(os.path.join(out, name), MICRO * 2),
+        t = in_order_trainer(
+            model=build_model(kind),
+            args=training_args(os.path.join(out, name), MICRO * 2),
             train_dataset=Tokens(),
         )
         t.train()
-        refs[name] = (_losses(t), {n: p.detach().tolist() for n, p in t.model.named_parameters()})
+        refs[name] = (
+            logged_losses(t),
+            {n: p.detach().tolist() for n, p in t.model.named_parameters()},
+        )
     if HAVE_TRL:
-        t = _trainer(
+        t = in_order_trainer(
             "SFTTrainer",
-            model=_model("gpt2"),
-            args=_args(os.path.join(out, "sft"), MICRO * 2, sft=True),
+            model=build_model("gpt2"),
+            args=training_args(os.path.join(out, "sft"), MICRO * 2, sft=True),
             train_dataset=_sft_data(),
             processing_class=_tokenizer(),
         )
         t.train()
-        refs["sft"] = (_losses(t), {n: p.detach().tolist() for n, p in t.model.named_parameters()})
+        refs["sft"] = (
+            logged_losses(t),
+            {n: p.detach().tolist() for n, p in t.model.named_parameters()},
+        )
     return refs
 
 
-def _fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=False)
-    GradientState._reset_state()
-
-
 def _zengine(out: str) -> dict:
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    import zengine.compat
-
-    zengine.compat.install()  # before transformers and accelerate look for deepspeed
-    from accelerate import PartialState
+    zengine_ranks()  # before transformers and accelerate look for deepspeed
     import transformers
 
-    PartialState(backend="gloo")
     rank0 = torch.distributed.get_rank() == 0
     res = {}
 
@@ -243,36 +132,36 @@ def _zengine(out: str) -> dict:
         path = os.path.join(out, name, "final")
         t.save_model(path)
         res[name] = {
-            "losses": _losses(t),
-            "steps_run": _steps_run(t),
-            "saved": _saved(path) if rank0 else None,
+            "losses": logged_losses(t),
+            "steps_run": steps_run(t),
+            "saved": saved_weights(path) if rank0 else None,
             "stage": t.model_wrapped.config["zero_optimization"]["stage"],
             "engine": type(t.model_wrapped).__name__,
         }
 
     # GPT-2, stage 2, the optimizer from the config; a checkpoint at step 2, then resumed from it
     gpt2 = os.path.join(out, "gpt2")
-    t = _trainer(
-        model=_model("gpt2"),
+    t = in_order_trainer(
+        model=build_model("gpt2"),
         train_dataset=Tokens(),
-        args=_args(gpt2, MICRO, _ds_config(2, True), save_strategy="steps", save_steps=2),
+        args=training_args(gpt2, MICRO, _ds_config(2, True), save_strategy="steps", save_steps=2),
     )
     t.train()
     finish("gpt2", t)
-    _fresh_accelerate_state()
-    t = _trainer(
-        model=_model("gpt2"),
+    fresh_accelerate_state()
+    t = in_order_trainer(
+        model=build_model("gpt2"),
         train_dataset=Tokens(),
-        args=_args(gpt2 + "_resumed", MICRO, _ds_config(2, True)),
+        args=training_args(gpt2 + "_resumed", MICRO, _ds_config(2, True)),
     )
     t.train(resume_from_checkpoint=os.path.join(gpt2, "checkpoint-2"))
     finish("gpt2_resumed", t)
     # GPT-2, stage 3, the Trainer's own optimizer
-    _fresh_accelerate_state()
-    t = _trainer(
-        model=_model("gpt2"),
+    fresh_accelerate_state()
+    t = in_order_trainer(
+        model=build_model("gpt2"),
         train_dataset=Tokens(),
-        args=_args(os.path.join(out, "gpt2_z3"), MICRO, _ds_config(3, False)),
+        args=training_args(os.path.join(out, "gpt2_z3"), MICRO, _ds_config(3, False)),
     )
     t.train()
     finish("gpt2_z3", t)
@@ -281,36 +170,29 @@ def _zengine(out: str) -> dict:
         ("llama", None),
         ("llama_resumed", os.path.join(out, "llama", "checkpoint-2")),
     ):
-        _fresh_accelerate_state()
-        args = _args(
+        fresh_accelerate_state()
+        args = training_args(
             os.path.join(out, name), MICRO, _ds_config(3, True), save_strategy="steps", save_steps=2
         )
         model = transformers.LlamaForCausalLM.from_pretrained(os.path.join(out, "llama_init"))
         if resume is None:
             weight = model.model.layers[0].mlp.up_proj.weight
             res["partitioned"] = (weight.numel(), getattr(weight, "ds_numel", None))
-        t = _trainer(model=model, args=args, train_dataset=Tokens())
+        t = in_order_trainer(model=model, args=args, train_dataset=Tokens())
         t.train(resume_from_checkpoint=resume)
         finish(name, t)
     if HAVE_TRL:
-        _fresh_accelerate_state()
-        t = _trainer(
+        fresh_accelerate_state()
+        t = in_order_trainer(
             "SFTTrainer",
-            model=_model("gpt2"),
+            model=build_model("gpt2"),
             train_dataset=_sft_data(),
             processing_class=_tokenizer(),
-            args=_args(os.path.join(out, "sft"), MICRO, _ds_config(3, True), sft=True),
+            args=training_args(os.path.join(out, "sft"), MICRO, _ds_config(3, True), sft=True),
         )
         t.train()
         finish("sft", t)
     return res
-
-
-def _max_diff(saved: dict, reference: dict) -> float:
-    assert set(saved) <= set(reference), sorted(set(saved) - set(reference))
-    return max(
-        (torch.tensor(saved[n]) - torch.tensor(reference[n])).abs().max().item() for n in saved
-    )
 
 
 def test_trainer_and_sft_trainer_train_like_one_process(tmp_path):
@@ -349,10 +231,10 @@ def test_trainer_and_sft_trainer_train_like_one_process(tmp_path):
         if "lm_head.weight" not in ref_params and "lm_head.weight" in saved:
             assert saved.pop("lm_head.weight") == saved["transformer.wte.weight"], name
         assert set(saved) == set(ref_params), (name, sorted(set(saved) ^ set(ref_params)))
-        assert _max_diff(saved, ref_params) < PARAM_TOL, name
+        assert max_diff(saved, ref_params) < PARAM_TOL, name
     assert (
         got["partitioned"][0] == 0 and got["partitioned"][1] == 64 * 32
     )  # arrived sharded, full size known
     # resuming reproduces the uninterrupted run
-    assert _max_diff(got["gpt2_resumed"]["saved"], got["gpt2"]["saved"]) < 1e-7
-    assert _max_diff(got["llama_resumed"]["saved"], got["llama"]["saved"]) < 1e-7
+    assert max_diff(got["gpt2_resumed"]["saved"], got["gpt2"]["saved"]) < 1e-7
+    assert max_diff(got["llama_resumed"]["saved"], got["llama"]["saved"]) < 1e-7

@@ -6,7 +6,8 @@
   (Fabric's ``load`` restores the optimizer state only then) with a ``state_dict`` of this rank's
   shard (Lightning's save asks for it): the optimizer's own tensors, copies where NVMe offload
   swaps them out between steps; ``load_state_dict`` refused by name;
-- ``save_checkpoint(exclude_frozen_parameters=...)``: False saves, True is refused by name;
+- ``save_checkpoint(exclude_frozen_parameters=...)``: both save (what True leaves out:
+  tests/checkpoint/test_exclude_frozen.py);
 - ``deepspeed.utils.zero_to_fp32.get_optim_files`` / ``get_model_state_file`` (Lightning's
   converter) on zengine checkpoints (stand-in files with the stage, world size and client_state)
   and on DeepSpeed-written ones (tests/fixtures/deepspeed: DeepSpeed's file names, in rank order).
@@ -77,8 +78,7 @@ def surface_cases(root: str) -> dict:
         shared = len(mine) == len(live) and all(t is l for t, l in zip(mine, live))
         with pytest.raises(NotImplementedError, match="engine.load_checkpoint"):
             optimizer.load_state_dict(state)
-        with pytest.raises(NotImplementedError, match="exclude_frozen_parameters"):
-            engine.save_checkpoint(root, tag=f"s{stage}_frozen", exclude_frozen_parameters=True)
+        engine.save_checkpoint(root, tag=f"s{stage}_frozen", exclude_frozen_parameters=True)
         folder = os.path.join(root, f"s{stage}")
         engine.save_checkpoint(
             folder,

@@ -98,6 +98,8 @@ def _train(units: str, reuse: int, leaf: bool) -> dict:
         stage3_param_persistence_threshold=64,  # the matrices are sharded, norms and biases whole
         stage3_max_reuse_distance=reuse,  # 0: the backward gathers again
         stage3_prefetch_bucket_size=BLOCK,  # a block's worth ahead, as FSDP2 prefetches one unit
+        # the bucket "auto" reduces in (units.py), for 'module' too: the same sums in the same order
+        reduce_bucket_size=BLOCK,
         stage3_gather_units=units,
     )
     config.update(
@@ -158,5 +160,12 @@ def test_leaf_modules_are_honoured_inside_groups():
         assert leaf[r]["diff"] < 1e-5
         for n, w in plain[r]["weights"].items():
             assert (leaf[r]["weights"][n] == w).all(), n
-    # reuse within the step: the backward gathers nothing; the forward one group per block
-    assert leaf[0]["gathers"][1:] == plain[0]["gathers"][1:] == [1 + CFG.n_layer] * (STEPS - 1)
+    # DeepSpeed's reuse distance 1e9: with 'module' units the backward gathers nothing again (the
+    # forward: one gather per module); 'auto' keeps a used parameter only within the prefetch window
+    # (units.py), as FSDP2 reshards after forward: the backward gathers the earlier blocks again,
+    # one group each, fewer than with reuse distance 0 (2 * (n_layer + 2), above)
+    module = spawn(_train, 2, "module", 10**9, False)
+    assert leaf[0]["gathers"][1:] == plain[0]["gathers"][1:] == [9] * (STEPS - 1)
+    # (the forward's: the embeddings, the four matrices of each block, the tied head)
+    assert module[0]["gathers"][1:] == [4 * CFG.n_layer + 2] * (STEPS - 1)
+    assert not any((module[0]["weights"][n] != w).any() for n, w in plain[0]["weights"].items())

@@ -54,6 +54,7 @@ def expected(stage, precision, world):
             "optimizer_states": 8 * owned,
             "buffers": 0,
             "pinned_host": 0,
+            "host_states": 0,
             "shared_segment": 0,
         }  # (nothing pinned on the CPU; a small model)
     shards = 1 if stage == 0 else world
@@ -69,6 +70,7 @@ def expected(stage, precision, world):
         "optimizer_states": 8 * owned,  # Adam: exp_avg and exp_avg_sq
         "buffers": 0,
         "pinned_host": 0,  # nothing is pinned on the CPU
+        "host_states": 0,  # offload moves nothing on a CPU run
         "shared_segment": 0,  # a model this small gets no shared-memory segment for its collectives
     }
 

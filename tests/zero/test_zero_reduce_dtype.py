@@ -200,8 +200,8 @@ def test_defaults_follow_deepspeed_and_fsdp2():
             "data_types.param_dtype: 'fp16' differs from the compute dtype 'bf16'",
         ),
         (
-            {"data_types": {"buffer_dtype": "fp32"}},
-            "data_types.buffer_dtype: zengine does not implement",
+            {"data_types": {"buffer_dtype": "int8"}},
+            "data_types.buffer_dtype: Input should be 'fp32', 'fp16'",
         ),
     ],
 )

@@ -1,4 +1,4 @@
-"""Checkpoints: sharded, layout-free, crash-safe; DeepSpeed's layout both ways; files for others.
+"""Checkpoints: sharded, layout-free, crash-safe; DeepSpeed's and DCP's layouts both ways; files for others.
 
 - ``native/``: zengine's own checkpoint format. ``save.py`` / ``load.py`` are
   ``engine.save_checkpoint`` / ``engine.load_checkpoint``; a checkpoint records pieces of parameters
@@ -15,6 +15,15 @@
   layout; ``layout.py``: one object per DeepSpeed writer (stages 1, 2, its bf16 optimizer, stage 3:
   file names, keys, partitions), chosen once; ``partition.py``: where DeepSpeed puts each element
   (pure arithmetic); ``files.py``: its files read and written without DeepSpeed.
+  ``universal.py``: DeepSpeed's universal checkpoints (ds_to_universal's ``zero/<param>/*.pt``), read with
+  ``checkpoint.load_universal``; ``universal_export.py`` (``zengine-convert to-universal``) writes them.
+- ``dcp/``: torch.distributed.checkpoint, FSDP2's and torchtitan's format, both ways. ``reader.py``: a DCP
+  folder read by ``load_checkpoint`` (each rank the rows covering its pieces, through DCP's reader and
+  planner: ``storage.py``); ``sections.py`` finds the model, optimizer and train state among the keys;
+  ``boxes.py``: flat ranges and N-d chunks (pure arithmetic); ``save.py``:
+  ``save_checkpoint(..., checkpoint_format="dcp")``, synchronous or in the background; ``writer.py``: DCP's
+  files from boxes through DCP's writer and planner helpers; ``export.py``: ``zengine-convert to-dcp``.
+- ``formats.py``: which reader reads a folder (zengine's, DeepSpeed's ZeRO or universal, DCP).
 - ``export/``: files for other tools. ``fp32.py`` and ``to_fp32.py`` (``zengine-to-fp32``): the
   full fp32 state_dict in one process, streamed tensor by tensor, reading meta.json and the rank
   files only (nothing unpickled); ``hf.py``: one fp32 safetensors file, tied weights once;

@@ -17,6 +17,7 @@ import torch
 from pydantic import Field, PrivateAttr, model_validator
 
 from .activation_checkpointing import ActivationCheckpointingConfig
+from .autocast import TorchAutocastConfig, autocast_problems, averaging_problems
 from .base import BatchSize, Flag, Interval, Number, _Section
 from .checkpoint import CheckpointConfig
 from .compile import CompileConfig
@@ -24,7 +25,15 @@ from .elastic import ElasticityConfig
 from .monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from .optimizer import NonFiniteGradientsConfig, OptimizerConfig, SchedulerConfig
 from .shared_memory import SharedMemoryConfig
-from .precision import DTYPES, BF16Config, DataTypesConfig, DtypeName, FP16Config, precision_problem
+from .precision import (
+    DTYPES,
+    BF16Config,
+    DataTypesConfig,
+    DtypeName,
+    FP16Config,
+    master_precision_problem,
+    precision_problem,
+)
 from .zero import AioConfig, ZeroConfig
 
 
@@ -35,6 +44,7 @@ class ZengineConfig(_Section):
     SECTIONS: ClassVar[Tuple[str, ...]] = (
         "fp16",
         "bf16",
+        "torch_autocast",
         "data_types",
         "zero_optimization",
         "aio",
@@ -67,12 +77,38 @@ class ZengineConfig(_Section):
     )
     fp16: FP16Config = Field(default_factory=FP16Config, description="float16 mixed precision.")
     bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 mixed precision.")
+    torch_autocast: TorchAutocastConfig = Field(
+        default_factory=TorchAutocastConfig,
+        description="fp32 parameters and masters, the forward under torch.autocast.",
+    )
     communication_data_type: Optional[DtypeName] = Field(
         None,
         description=(
             "The dtype gradients are summed in across ranks (all-reduce, reduce-scatter): fp32, fp16 or bf16. "
             "Default (null): the compute dtype, as DeepSpeed and FSDP2 do. fp32 with bf16/fp16 compute rounds "
             "once instead of at each rank's addition and cannot overflow fp16, at twice the bucket bytes."
+        ),
+    )
+    fp32_allreduce: Flag = Field(
+        False,
+        description=(
+            "DeepSpeed's older spelling of communication_data_type fp32 (half-precision gradients "
+            "reduced in fp32); true with communication_data_type unset means fp32."
+        ),
+    )
+    prescale_gradients: Flag = Field(
+        False,
+        description=(
+            "Divide each gradient by the data-parallel world size before the reduction, not after "
+            "(the sum cannot overflow fp16; it rounds differently)."
+        ),
+    )
+    gradient_predivide_factor: Number = Field(
+        1.0,
+        gt=0,
+        description=(
+            "Divide each gradient by this before the reduction and by world size / factor after "
+            "(DeepSpeed's split of the mean, keeping fp16 sums in range)."
         ),
     )
     data_types: DataTypesConfig = Field(
@@ -184,9 +220,20 @@ class ZengineConfig(_Section):
 
     @model_validator(mode="after")
     def _one_precision(self) -> "ZengineConfig":
-        problem = precision_problem(self.fp16, self.bf16)
+        problem = precision_problem(self.fp16, self.bf16) or master_precision_problem(
+            self.bf16, self.zero_optimization.stage
+        )
         if problem:
             raise ValueError(problem)
+        problems = autocast_problems(self) + averaging_problems(self)
+        if problems:
+            raise ValueError("\n".join(problems))
+        if self.fp32_allreduce:
+            if self.communication_data_type not in (None, "fp32"):
+                raise ValueError(
+                    f"fp32_allreduce: true asks for fp32 reductions, communication_data_type says "
+                    f"{self.communication_data_type!r}: give one of them"
+                )
         wanted = self.data_types.param_dtype
         if wanted is not None and DTYPES[wanted] != self.compute_dtype:
             compute = next(name for name, dtype in DTYPES.items() if dtype == self.compute_dtype)

@@ -88,11 +88,41 @@ class BF16Config(_Section):
             "at 1/4 to 1/100 of its fp32 rate. zengine-report shows the rates measured on this CPU."
         ),
     )
+    bf16_master_weights_and_grads: Flag = Field(
+        False,
+        description=(
+            "DeepSpeed's key: keep the master weights and their gradients in bf16 instead of fp32 (ZeRO "
+            "stages 1-3). The masters are the bf16 parameter shards themselves where they live with the "
+            "optimizer; the Adam arithmetic stays fp32 per element."
+        ),
+    )
+    bf16_optimizer_states: Flag = Field(
+        False,
+        description=(
+            "DeepSpeed's key: keep the optimizer states (Adam's moments) in bf16; needs "
+            "bf16_master_weights_and_grads. Both together: 8 bytes of model state per parameter "
+            "(2 parameter + 2 gradient + 2 + 2 moments) instead of 16, sharded by the stage."
+        ),
+    )
+    master_rounding: MasterRounding = Field(
+        "nearest",
+        description=(
+            "zengine's key: how a bf16 master stores its fp32 update. \"nearest\" (DeepSpeed's): round to "
+            "nearest, updates under half a bf16 ulp are lost; \"kahan\": a bf16 compensation buffer keeps "
+            "what rounding dropped (2 bytes more per parameter); \"stochastic\": round up with probability "
+            "equal to the dropped fraction (unbiased). Needs bf16_master_weights_and_grads and an Adam "
+            "optimizer from the config."
+        ),
+    )
+
+
+MasterRounding = Literal["nearest", "kahan", "stochastic"]
+"""How bf16 master weights take each update: ``bf16.master_rounding``'s values."""
 
 
 class DataTypesConfig(_Section):
-    """DeepSpeed's ``data_types``: the dtype gradients are summed in across micro-steps (``param_dtype`` is
-    only checked against the compute dtype; ``buffer_dtype`` is in ``unsupported.py``)."""
+    """DeepSpeed's ``data_types``: the dtype gradients are summed in across micro-steps, the buffers'
+    dtype (``param_dtype`` is only checked against the compute dtype)."""
 
     grad_accum_dtype: Optional[DtypeName] = Field(
         None,
@@ -102,6 +132,14 @@ class DataTypesConfig(_Section):
             "optimizer offload the host shard is fp32 whatever this says, as in DeepSpeed."
         ),
     )
+    buffer_dtype: Optional[DtypeName] = Field(
+        None,
+        description=(
+            "The dtype the model's floating buffers are cast to. Default (null): the compute dtype "
+            "(DeepSpeed 0.19.8's null keeps the buffers' own dtype; give it here to keep fp32 "
+            "buffers, such as rotary inv_freq, under bf16/fp16)."
+        ),
+    )
     param_dtype: Optional[DtypeName] = Field(
         None,
         description=(
@@ -109,6 +147,31 @@ class DataTypesConfig(_Section):
             "same), as the fp16/bf16 sections choose it."
         ),
     )
+
+
+def master_precision_problem(bf16: BF16Config, stage: int) -> Optional[str]:
+    """The message for bf16 master-weight keys that cannot apply (DeepSpeed's rules), else None."""
+    if bf16.bf16_optimizer_states and not bf16.bf16_master_weights_and_grads:
+        return (
+            "bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads: bf16 moments over "
+            "fp32 masters are not a DeepSpeed mode; enable both"
+        )
+    if bf16.master_rounding != "nearest" and not bf16.bf16_master_weights_and_grads:
+        return (
+            f"bf16.master_rounding: {bf16.master_rounding!r} rounds bf16 masters, and the masters are "
+            "fp32; enable bf16.bf16_master_weights_and_grads or leave it \"nearest\""
+        )
+    if bf16.bf16_master_weights_and_grads and not bf16.enabled:
+        return (
+            "bf16.bf16_master_weights_and_grads: bf16 masters need bf16 compute; set "
+            "bf16.enabled true"
+        )
+    if bf16.bf16_master_weights_and_grads and stage == 0:
+        return (
+            "bf16.bf16_master_weights_and_grads is a ZeRO optimizer mode (stages 1-3, as in "
+            "DeepSpeed); set zero_optimization.stage to 1, 2 or 3"
+        )
+    return None
 
 
 def precision_problem(fp16: FP16Config, bf16: BF16Config) -> Optional[str]:

@@ -82,7 +82,6 @@ def _ignorable(path: str, feature: str) -> UnsupportedKey:
 UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     # Top-level features that change what is trained or how numbers are computed.
     _section("amp", "NVIDIA Apex AMP"),
-    _section("torch_autocast", "torch.autocast mixed precision"),
     _section("sparse_attention", "sparse attention kernels"),
     _section("pipeline", "pipeline parallelism"),
     _section("curriculum_learning", "curriculum learning"),
@@ -98,17 +97,17 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
         lambda v: v is None or (isinstance(v, dict) and v.get("autotp_size", 1) in (0, 1)),
         'set "autotp_size": 1',
     ),
-    _flag("data_types.buffer_dtype", "buffer dtype cast", None),
-    _flag("prescale_gradients", "gradient prescaling", False),
-    _flag("gradient_predivide_factor", "a gradient predivide factor", 1.0),
     _flag("sparse_gradients", "sparse (CSR) gradients", False),
-    _flag("fp32_allreduce", "fp32 all-reduce of half-precision gradients", False),
     _flag("disable_allgather", "broadcast in place of all-gather", False),
     _flag("dataloader_drop_last", "dropping the last incomplete batch", False),
     # Precision sub-keys.
-    _flag("fp16.fp16_master_weights_and_grads", "fp16 master weights", False),
-    _flag("bf16.bf16_master_weights_and_grads", "bf16 master weights", False),
-    _flag("bf16.bf16_optimizer_states", "bf16 optimizer states", False),
+    _flag(
+        "fp16.fp16_master_weights_and_grads",
+        "fp16 master weights (DeepSpeed runs them only with CPU offload at stages 2-3, its CPU "
+        "Adam stepping fp16 masters whose updates below an fp16 ulp are lost; zengine keeps fp32 "
+        "masters under fp16, which train at least as close to fp32)",
+        False,
+    ),
     # ZeRO sub-keys that change the numbers (quantized frozen weights, LoCo, ZenFlow).
     _flag(
         "zero_optimization.zero_quantized_nontrainable_weights",
@@ -128,13 +127,8 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _ignorable("eigenvalue", "eigenvalue monitor"),
     _ignorable("vocabulary_size", "vocabulary size hint"),
     # Mechanisms whose absence does not change the numbers.
-    # The checkpoint section: tag_validation is config/checkpoint.py's; the rest is not implemented.
-    _flag(
-        "checkpoint.load_universal",
-        "universal checkpoint loading (zengine loads its own checkpoints at any "
-        "world size and stage, and DeepSpeed's ZeRO checkpoints directly, with load_checkpoint)",
-        False,
-    ),
+    # The checkpoint section: tag_validation, load_universal, checkpoint_format and writer are
+    # config/checkpoint.py's; the rest is not implemented.
     _flag(
         "checkpoint.use_node_local_storage",
         "node-local checkpoint storage (zengine's checkpoints need one "
@@ -224,11 +218,6 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     ),
     _ignorable(
         "zero_optimization.offload_optimizer.pipeline_write", "pipelined NVMe optimizer writes"
-    ),
-    _flag(
-        "zero_optimization.offload_optimizer.ratio",
-        "partial optimizer offload (zengine offloads every optimizer state or none)",
-        1.0,
     ),
     _ignorable("zero_optimization.offload_optimizer.super_offload", "Superchip offload"),
     _ignorable(

@@ -11,7 +11,7 @@ from typing import Annotated, Any, ClassVar, Dict, List, Literal, Optional, Tupl
 
 from pydantic import BeforeValidator, Field, model_validator
 
-from .base import Count, Flag, Integer, PositiveSize, Size, _Section
+from .base import Count, Flag, Integer, Number, PositiveSize, Size, _Section
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
@@ -41,6 +41,20 @@ class OffloadOptimizerConfig(_Section):
         "tensors per parameter the optimizer keeps.",
     )
     fast_init: Flag = Field(False, description="Skip writing initial optimizer states to NVMe.")
+    ratio: Number = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="Partial offload (stage 3, device cpu): the share of the optimizer's sub-groups "
+        "(sub_group_size) kept on the host and stepped by CPU-Adam; the first int((1 - ratio) x n) "
+        "stay on the device, stepped by torch's Adam(W) (DeepSpeed's rule).",
+    )
+
+    @property
+    def partial(self) -> bool:
+        """True when part of the offloaded optimizer states stay on the device (``ratio`` below 1
+        with device cpu; stage 3, which the section's owner checks)."""
+        return self.device == "cpu" and self.ratio < 1.0
 
     @property
     def enabled(self) -> bool:
@@ -187,7 +201,12 @@ class ZeroConfig(_Section):
             "recorded. 'auto': consecutive modules' parameters travel as one collective, in groups of "
             "up to stage3_prefetch_bucket_size elements (about a transformer block at the defaults, as "
             "FSDP2's per-block units); 'module': one collective per module (or leaf module), as "
-            "DeepSpeed. The values are exact either way; leaf modules are honoured in both."
+            "DeepSpeed. The values are exact either way; leaf modules are honoured in both. 'auto' also "
+            "keeps a used parameter gathered only within the prefetch window and reduces gradients "
+            "in buckets of at most that window (FSDP2's lifetimes; 'module' keeps DeepSpeed's "
+            "stage3_max_reuse_distance and reduce_bucket_size as given). With "
+            "zero_quantized_weights gathers stay one per unit (blockwise scales would mix "
+            "neighbours)."
         ),
     )
     stage3_gather_16bit_weights_on_model_save: Flag = Field(
@@ -318,6 +337,7 @@ class ZeroConfig(_Section):
                 f"offload_optimizer.device: optimizer offload ({self.offload_optimizer.device!r}) "
                 f"needs stage 1, 2 or 3; stage is 0"
             )
+        problems += self._ratio_problems()
         for name in ("offload_optimizer", "offload_param"):
             if getattr(self, name).device == "nvme" and getattr(self, name).nvme_path is None:
                 problems.append(
@@ -326,6 +346,41 @@ class ZeroConfig(_Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _ratio_problems(self) -> List[str]:
+        """``offload_optimizer.ratio`` below 1 against the stage and device. DeepSpeed 0.19.8 asserts
+        stage 3 for it (ZeroConfig.offload_ratio_check) and ignores it when nothing is offloaded; zengine
+        refuses the stage by name, warns for device none and refuses nvme, whose swapped sub-groups
+        DeepSpeed does not split either."""
+        offload = self.offload_optimizer
+        if offload.ratio >= 1.0:
+            return []
+        if self.stage != 3:
+            return [
+                f"offload_optimizer.ratio: partial offload ({offload.ratio:g}) needs stage 3, as in "
+                f"DeepSpeed; stage is {self.stage}. Leave ratio at 1.0 (every state offloaded)"
+            ]
+        if offload.device == "nvme":
+            return [
+                f"offload_optimizer.ratio: partial offload ({offload.ratio:g}) keeps part of the states "
+                'on the device and steps the rest with CPU-Adam: it needs device "cpu"; with "nvme" '
+                "leave ratio at 1.0"
+            ]
+        if offload.device == "cpu" and self.offload_param.enabled:
+            return [
+                f"offload_optimizer.ratio: partial offload ({offload.ratio:g}) with offload_param "
+                f"({self.offload_param.device!r}) is not implemented in zengine (the device share's "
+                "masters would follow the parameter shards to the host); keep the parameters on the "
+                "device (offload_param.device none) or leave ratio at 1.0"
+            ]
+        if offload.device == "none":
+            warnings.warn(
+                f"zero_optimization.offload_optimizer.ratio {offload.ratio:g} has no effect with "
+                'offload_optimizer.device "none": every optimizer state stays on the device (as in '
+                "DeepSpeed)",
+                stacklevel=2,
+            )
+        return []
 
     def _mics_problems(self) -> List[str]:
         """MiCS's keys against the stage and the other features (sizes against the world: zero/mics.py)."""

@@ -6,14 +6,23 @@ dtype, rank 0's values, stage 3's cut) is ``zero/place.py``'s."""
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 from torch import nn
 
 from ..config import ZengineConfig
+from ..config.precision import DTYPES
 from ..distributed.process_group import ProcessRank
 from ..optim import build_optimizer, build_scheduler
+from ..precision.autocast import ForwardPrecision, forward_precision
+from ..optim.builder import Bf16Masters
+from ..precision.masters import MasterPrecision
 from ..precision.cpu_matmul import MatmulPolicy, choose_matmul_policy, log_choice
+from ..precision.grad_factor import GradFactor
+from ..precision.loss_scaler import LossScaler
+from ..zero.grad_dtypes import ReduceScaling
+from ..zero.optimizer import ShardGroup
 
 logger = logging.getLogger("zengine")
 
@@ -28,6 +37,29 @@ def route_matmuls(
     if process_rank.rank == 0:
         log_choice(policy, routed)
     return policy
+
+
+def buffer_dtype(config: ZengineConfig) -> Optional[torch.dtype]:
+    """``data_types.buffer_dtype`` as a dtype (None: the compute dtype)."""
+    name = config.data_types.buffer_dtype
+    return DTYPES[name] if name is not None else None
+
+
+def precision_parts(
+    config: ZengineConfig, ranks: ShardGroup
+) -> tuple[ForwardPrecision, LossScaler, GradFactor]:
+    """The forward's precision (on the parameters' dtype, or under torch.autocast), the loss scaler
+    and the gradient factor (grad_factor.py: what gradients are multiplied by on the way and
+    divided by at the step; its world is 1 where the reduction takes the mean:
+    ``gradient_predivide_factor``, ``prescale_gradients``)."""
+    stage = config.zero_optimization.stage
+    precision = forward_precision(config.torch_autocast, ranks.device, stage)
+    scaler = precision.loss_scaler(config.fp16)
+    world = ReduceScaling.from_config(config, ranks.dp_world).world_at_step(ranks.dp_world)
+    factor = GradFactor.for_precision(
+        scaler, config.fp16, config.gradient_accumulation_steps, world
+    )
+    return precision, scaler, factor
 
 
 def named_param_groups(
@@ -113,8 +145,31 @@ class NoOptimizer(torch.optim.Optimizer):
         Training(False).require("step")
 
 
-def optimizer_factory(client_optimizer, config: ZengineConfig):
-    """A function (flat shard param groups, cpu_offload) -> the wrapped torch optimizer."""
+def bf16_masters(config: ZengineConfig, seed: int) -> Bf16Masters | None:
+    """How the optimizer steps bf16 masters (``bf16.bf16_master_weights_and_grads``), or None
+    for fp32 masters; ``seed``: stochastic rounding's, one per rank."""
+    precision = MasterPrecision.from_config(config.bf16)
+    if not precision.low:
+        return None
+    fp32_states = precision.states == torch.float32
+    return Bf16Masters(fp32_states, precision.rounding.value, seed)
+
+
+def optimizer_factory(client_optimizer, config: ZengineConfig, seed: int = 0):
+    """A function (flat shard param groups, cpu_offload) -> the wrapped torch optimizer.
+    ``seed``: stochastic rounding's (bf16 masters), distinct per rank."""
+    masters = bf16_masters(config, seed)
+    if client_optimizer is not None and masters is not None:
+        from ..ops import CPUAdam  # a script's CPUAdam honours fp32 moments over bf16 masters
+
+        states_ok = isinstance(client_optimizer, CPUAdam)
+        problem = (
+            None
+            if states_ok and masters.rounding == "nearest"
+            else masters.refusal("the script's optimizer")
+        )
+        if problem:
+            raise ValueError(problem)
     if isinstance(client_optimizer, torch.optim.Optimizer):
 
         def rebind(groups, cpu_offload=False):
@@ -134,7 +189,11 @@ def optimizer_factory(client_optimizer, config: ZengineConfig):
     if config.optimizer is None:  # an engine for forward only (Trainings.NONE)
         return lambda groups, cpu_offload=False: NoOptimizer()
     return lambda groups, cpu_offload=False: build_optimizer(
-        config.optimizer.type, config.optimizer.params, groups, cpu_offload=cpu_offload
+        config.optimizer.type,
+        config.optimizer.params,
+        groups,
+        cpu_offload=cpu_offload,
+        bf16_masters=masters,
     )
 
 

@@ -37,9 +37,7 @@ from ..distributed.process_group import ProcessRank
 from ..log import setup_logging
 from ..monitor import StepReport, build_monitor
 from ..monitor.timers import BACKWARD, FORWARD, STEP, Timers
-from ..precision.cast import cast_inputs, write_back
-from ..precision.grad_factor import GradFactor
-from ..precision.loss_scaler import make_loss_scaler
+from ..precision.cast import cast_inputs
 from ..zero import build_zero_optimizer
 from ..zero.optimizer import StepOutcome
 from ..zero.place import place_model
@@ -48,6 +46,8 @@ from .accumulation import Accumulation
 from .backward import BackwardTracker
 from .build import (
     Training,
+    buffer_dtype,
+    precision_parts,
     UntrainedParameters,
     make_dataloader,
     make_scheduler,
@@ -122,28 +122,27 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
             ranks.group
         )  # (another engine's transport may serve it: memory_breakdown)
         # stage 3 (MiCS: over shard groups): cut one parameter at a time
-        place_model(model, config.zero_optimization.stage, config.compute_dtype, ranks)
+        buffers = buffer_dtype(config)  # data_types.buffer_dtype (None: the compute dtype)
+        place_model(model, config.zero_optimization.stage, config.compute_dtype, ranks, buffers)
         self.matmul = route_matmuls(model, config, process_rank)  # bf16 on a CPU without it: fp32
         self.trains = Training.of(optimizer, config)  # without an optimizer: forward only
         named_groups = named_param_groups(model, model_parameters, optimizer, self.trains)
         self._untrained = UntrainedParameters(
             model, named_groups
         )  # named at the step if unfrozen later
-        self.scaler = make_loss_scaler(config.fp16)
-        # what gradients are multiplied by on the way and divided by at the step (grad_factor.py)
-        self.grad_factor = GradFactor.for_precision(
-            self.scaler, config.fp16, config.gradient_accumulation_steps, ranks.dp_world
-        )
+        # the forward's precision (torch_autocast or not), the loss scale, the gradient factor
+        self.forward_precision, self.scaler, self.grad_factor = precision_parts(config, ranks)
         # every backward is bracketed (backward.py): a plain one the outputs miss opens at its first parameter gradient
         self._backward = BackwardTracker(self._begin_backward, self._end_backward, self.grad_factor)
         self.optimizer = build_zero_optimizer(
             model,
             config,
             named_groups,
-            optimizer_factory(optimizer, config),
+            optimizer_factory(optimizer, config, seed=process_rank.rank),
             self.grad_factor,
             ranks,
             self._backward.on_param_grad,
+            self.forward_precision.wire_dtypes(model),
         )
         self.lr_scheduler = make_scheduler(lr_scheduler, config, self.optimizer, self.trains)
         self.training_dataloader = (
@@ -178,10 +177,13 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
     def forward(self, *args, **kwargs):
         self._check_alive("forward")
         dtype = self.config.compute_dtype
-        args, kwargs, casts = cast_inputs(args, kwargs, dtype)
-        with self.timers(FORWARD), self.optimizer.forward_context():
+        with (
+            self.timers(FORWARD),
+            self.optimizer.forward_context(),
+            self.forward_precision.context(),
+            cast_inputs(args, kwargs, dtype) as (args, kwargs),  # buffers filled: the caller's
+        ):
             out = self.module(*args, **kwargs)
-        write_back(casts)  # a buffer the model filled is the caller's, as without the cast
         if torch.is_grad_enabled():
             self._backward.hook_outputs(out)  # so that a plain loss.backward() is bracketed
         return out
@@ -248,7 +250,6 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
             )
         self._backward.check_step()
         self._untrained.check()  # a parameter unfrozen since initialize: stop by name, before any update
-        self.optimizer.check_param_writes()  # p.data = t, or a stage-3 write outside a gather
         boundary = self.is_gradient_accumulation_boundary()
         if not boundary and not self.accumulation.backward_since_step:
             self._step_applied = False

@@ -7,11 +7,13 @@ from torch import nn
 from ..offload import pinned
 
 PINNED_HOST = "pinned_host"  # memory_breakdown()'s entry that is a place, not a kind
+HOST_STATES = "host_states"  # another place: optimizer-side states in host memory (offload)
 WORKSPACE = "workspace"  # memory_breakdown()'s entry for storage kept for reuse: not model state
 SHARED_SEGMENT = (
     "shared_segment"  # the collectives' shared-memory segment (distributed/shm.py): one per host
 )
 KINDS = ("parameters", "gradients", "master_weights", "optimizer_states", "buffers")
+OPTIMIZER_SIDE = ("gradients", "master_weights", "optimizer_states")  # what offload_optimizer moves
 
 
 def memory_breakdown(module: nn.Module, optimizer, transport=None) -> dict[str, int]:
@@ -24,6 +26,11 @@ def memory_breakdown(module: nn.Module, optimizer, transport=None) -> dict[str, 
     process (offloaded shards, copy staging, swap buffers, an asynchronous checkpoint's snapshot;
     ``offload/pinned.py``, by kind in ``zengine.offload.pinned.held()``), each pinned at its exact size. It
     overlaps the kinds: leave it out of a sum (``model_state_bytes``).
+
+    ``host_states`` is another place: the bytes of ``gradients``, ``master_weights`` and
+    ``optimizer_states`` in host memory while the compute device is another (``offload_optimizer``;
+    with ``ratio`` below 1 the host share of the sub-groups, the rest being on the device). 0 on a
+    CPU run. It overlaps the kinds too.
 
     ``workspace`` is memory held for reuse that holds no model state (on the host: released gradient bucket
     buffers, kept for the next backward because the host's allocator would hand them back to the system and
@@ -52,12 +59,31 @@ def memory_breakdown(module: nn.Module, optimizer, transport=None) -> dict[str, 
         for t in kinds.get(WORKSPACE, ())
         if t.untyped_storage().data_ptr() not in seen
     )
+    out[HOST_STATES] = _host_bytes(kinds, optimizer)
     out[PINNED_HOST] = pinned.held_bytes()
     out[SHARED_SEGMENT] = transport.segment.numel() if transport is not None else 0
     return out
 
 
+def _host_bytes(kinds: dict, optimizer) -> int:
+    """Bytes of the optimizer-side kinds stored in host memory, when the compute device is not the host."""
+    device = getattr(optimizer, "device", None)
+    if device is None or device.type == "cpu":
+        return 0
+    seen: set[int] = set()
+    total = 0
+    for kind in OPTIMIZER_SIDE:
+        for t in kinds[kind]:
+            storage = t.untyped_storage()
+            if t.device.type != "cpu" or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
 def model_state_bytes(breakdown: dict[str, int]) -> int:
-    """The model-state bytes of a ``memory_breakdown()``: its kinds summed, ``pinned_host`` (an overlay) and
-    ``workspace`` and ``shared_segment`` (not model state) left out."""
-    return sum(v for k, v in breakdown.items() if k not in (PINNED_HOST, WORKSPACE, SHARED_SEGMENT))
+    """The model-state bytes of a ``memory_breakdown()``: its kinds summed, ``pinned_host`` and
+    ``host_states`` (overlays) and ``workspace`` and ``shared_segment`` (not model state) left out."""
+    overlays = (PINNED_HOST, HOST_STATES, WORKSPACE, SHARED_SEGMENT)
+    return sum(v for k, v in breakdown.items() if k not in overlays)

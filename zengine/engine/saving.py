@@ -28,6 +28,23 @@ if TYPE_CHECKING:
 _logger = setup_logging()
 
 
+def _save_dcp(*args, exclude_frozen: bool = False) -> bool:
+    if exclude_frozen:  # (raised on every rank: each passes the same arguments)
+        raise NotImplementedError(
+            "save_checkpoint(exclude_frozen_parameters=True, checkpoint_format='dcp'): a DCP "
+            "checkpoint holds every parameter (get_state_dict's layout); save in zengine's format "
+            "to leave the frozen ones out"
+        )
+    # torch.distributed.checkpoint is imported only when a DCP checkpoint is written
+    from ..checkpoint.dcp.save import save_dcp_checkpoint
+
+    return save_dcp_checkpoint(*args)
+
+
+# the writer of each checkpoint format (the config's checkpoint.checkpoint_format)
+SAVERS = {"zengine": checkpoint.save_checkpoint, "dcp": _save_dcp}
+
+
 class CheckpointMembers:
     """Members of DeepSpeed's engine that save and load (docs/API.md lists them). A mix-in of
     ``Engine``: it reads only these of the engine's members."""
@@ -44,23 +61,35 @@ class CheckpointMembers:
         save_latest: bool = True,
         async_save: Optional[bool] = None,
         exclude_frozen_parameters: bool = False,
+        checkpoint_format: Optional[str] = None,
     ) -> bool:
         """Collective: write a sharded checkpoint to ``save_dir/tag`` (default tag ``global_step<N>``)
         atomically, then record ``tag`` in ``save_dir/latest``. Every rank writes only what it holds.
         ``async_save`` (default: the config's ``checkpoint.writer.decoupled``): return after a copy to host
         memory, write in the background (see ``wait_for_checkpoint``). ``exclude_frozen_parameters``
-        (DeepSpeed's): only False; a checkpoint keeps the frozen parameters with the others."""
-        if exclude_frozen_parameters:
-            raise NotImplementedError(
-                "save_checkpoint(exclude_frozen_parameters=True): zengine checkpoints keep frozen "
-                "parameters with the others; pass False (Lightning: "
-                "DeepSpeedStrategy(exclude_frozen_parameters=False), its default)"
-            )
+        (DeepSpeed's; the Trainer passes True for a PEFT model): the parameters that do not require
+        grad are left out; ``load_checkpoint(load_module_strict=False)`` keeps the model's own values
+        of them (strict: they are named missing), and the fp32 exports leave them out (zengine's
+        format; with "dcp" it is refused by name).
+        ``checkpoint_format`` (default: the config's ``checkpoint.checkpoint_format``): ``"zengine"``, or
+        ``"dcp"``, torch.distributed.checkpoint's files in ``get_state_dict``'s layout, which FSDP2 loads
+        with ``dcp.load`` + ``set_state_dict`` (checkpoint/dcp/save.py)."""
         if async_save is None:
             async_save = self.config.checkpoint.writer.decoupled
+        fmt = checkpoint_format or self.config.checkpoint.checkpoint_format
+        if fmt not in SAVERS:
+            raise ValueError(
+                f"save_checkpoint(checkpoint_format={fmt!r}): one of {', '.join(sorted(SAVERS))}"
+            )
         with agreement.collective_call("save_checkpoint"):
-            return checkpoint.save_checkpoint(
-                self, save_dir, tag, client_state, save_latest, async_save
+            return SAVERS[fmt](
+                self,
+                save_dir,
+                tag,
+                client_state,
+                save_latest,
+                async_save,
+                exclude_frozen=exclude_frozen_parameters,
             )
 
     def load_checkpoint(

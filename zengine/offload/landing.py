@@ -128,6 +128,8 @@ class ShardsInMemory:
 
     def landing_squares(self, gi: int, lo: int, hi: int) -> tuple[list[torch.Tensor], float]:
         shard = self.shards[gi]
+        if shard.device.type != "cpu":  # a shard on the device (partial offload): summed there
+            return [sum_of_squares(shard[lo:hi])], 0.0
         if self.squares is None or (lo, hi) != (0, shard.numel()):
             self.copies.settle_range(shard[lo:hi])
             return [], float(sum_of_squares(shard[lo:hi]))

@@ -47,7 +47,13 @@ def norm_squares(
             parts.append(sum_of_squares(grad[lo:hi]))
     if not parts:
         return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack([p.to(parts[0].device) for p in parts]).sum()
+    on_host = [p for p in parts if p.device.type == "cpu"]
+    on_device = [p for p in parts if p.device.type != "cpu"]
+    if not (on_host and on_device):
+        return torch.stack(parts).sum()
+    # partial offload: each share summed where it is; the host's 0-dim sum joins the device's as a
+    # scalar operand (read by the host, no copy to wait for)
+    return torch.stack(on_device).sum() + torch.stack(on_host).sum()
 
 
 class WholeMasterGrads:
@@ -169,7 +175,8 @@ class MastersInMemory:
     ):
         self.groups, self.home, self.params = groups, home, params
         self.world, self.device = world, device  # the ranks sharded over; the compute device
-        self.masters = [params.master(g, home) for g in groups]  # [owned numel] fp32 each
+        # [owned numel] fp32 each, where its group's home keeps it (partial offload: device or host)
+        self.masters = [params.master(g, home.group_home(gi)) for gi, g in enumerate(groups)]
         self.shard_params = [nn.Parameter(m, requires_grad=True) for m in self.masters]  # stepped
         # gi -> [owned] fp32 in host memory (pinned on a GPU machine), made at the first step and
         # kept: the master gradient when the summed one is on the device and the master on the host
@@ -181,7 +188,7 @@ class MastersInMemory:
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer that steps ``shard_params`` (NVMe offload swaps its states)."""
-        return self.home.wrap_optimizer(optimizer)
+        return self.home.wrap_optimizer(optimizer, self.shard_params)
 
     def gradient_store(self, in_memory: Callable[[], G], into_sink: Callable[..., G]) -> G:
         """The gradient store for these masters: gradients are summed into tensors
@@ -206,10 +213,10 @@ class MastersInMemory:
         out, landings = [], []
         for gi, master in enumerate(self.masters):
             summed = grads.owned_grad(gi)
-            if summed.dtype == torch.float32 and summed.device == master.device:
-                out.append(summed)  # [owned] fp32, a view: no copy
+            if summed.dtype == master.dtype and summed.device == master.device:
+                out.append(summed)  # [owned] in the master's dtype, a view: no copy
                 continue
-            # fp32 from the compute dtype, on the device: a transient
+            # the master's dtype from another, on the device: a transient
             if summed.device == master.device:
                 out.append(torch.empty_like(master).copy_(summed))
                 continue
@@ -237,18 +244,18 @@ class MastersInMemory:
         master = self.masters[gi]
         grad = self._grad_buffers.get(gi)
         if grad is None or grad.numel() != master.numel():
-            grad = self.home.empty(master.numel(), torch.float32, self.device)
+            grad = self.home.group_home(gi).empty(master.numel(), master.dtype, self.device)
             self._grad_buffers[gi] = grad
         return grad
 
     def _landing_on_host(self, grads: "GradientReader") -> bool:
         """Every master gradient is fp32 on the host, where the shard is or copied down from the
-        device."""
+        device; or (partial offload's device share) fp32 beside its master on the device."""
         for gi, master in enumerate(self.masters):
             summed = grads.landing_grad(gi)
-            if master.device.type != "cpu":
+            if master.device.type != "cpu" and summed.device != master.device:
                 return False
-            if summed.device == master.device and summed.dtype != torch.float32:
+            if summed.device == master.device and summed.dtype != master.dtype:
                 return False
         return True
 

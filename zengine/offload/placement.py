@@ -24,7 +24,7 @@ The stage optimizers never ask which placement they have: they call its methods,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 import torch
 
@@ -51,6 +51,7 @@ class OptimizerHome(Protocol):
     the copies to and from the compute device and the master store."""
 
     cpu_optimizer: bool  # the optimizer built for the shards is the CPU one (CPUAdam)
+    master_dtype: torch.dtype  # fp32, or bf16 (bf16_master_weights_and_grads)
     piece: int  # elements per piece of an offloaded step taken in pieces (step_pipeline.py)
     copies: HostCopies
     copies_out: bool  # the step may write the compute-dtype parameters as it updates the masters
@@ -59,7 +60,11 @@ class OptimizerHome(Protocol):
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer: ...
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, shard_params: Sequence[torch.Tensor] = ()
+    ) -> torch.optim.Optimizer: ...
+
+    def group_home(self, gi: int) -> "OptimizerHome": ...
 
     def make_master(self, owned: torch.Tensor) -> torch.Tensor: ...
 
@@ -109,8 +114,9 @@ class DevicePlacement:
     )  # elements per piece of an offloaded step taken in pieces (step_pipeline.py)
     copies_out = True  # the step may write the parameters as it updates the masters in memory
 
-    def __init__(self):
+    def __init__(self, master_dtype: torch.dtype = torch.float32):
         self.copies = HostCopies()  # shards live with the parameters: nothing crosses
+        self.master_dtype = master_dtype  # bf16 with bf16_master_weights_and_grads
 
     def master_device(self, device: torch.device) -> torch.device:
         return device
@@ -119,15 +125,25 @@ class DevicePlacement:
         """A zeroed buffer for master-side state (masters, master gradients)."""
         return torch.zeros(numel, dtype=dtype, device=self.master_device(device))
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The optimizer that steps the master shards (NVMe offload swaps its states)."""
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, shard_params: Sequence[torch.Tensor] = ()
+    ) -> torch.optim.Optimizer:
+        """The optimizer that steps the master shards (``shard_params``, one per group: NVMe offload
+        swaps its states, partial offload steps each share where it lives)."""
         return optimizer
 
+    def group_home(self, gi: int) -> "OptimizerHome":
+        """The home of group ``gi``'s master, gradient shard and states: this one for every group
+        (partial offload answers per group: ``partial.PartialPlacement``)."""
+        return self
+
     def make_master(self, owned: torch.Tensor) -> torch.Tensor:
-        """The fp32 master of a rank's owned parameter slice; fp32 parameters on the same device are shared."""
-        if owned.dtype == torch.float32 and owned.device == self.master_device(owned.device):
+        """The master of a rank's owned parameter slice, in ``master_dtype``: parameters of that
+        dtype on the master's device are shared (fp32 parameters; bf16 ones with bf16 masters),
+        so the master costs no memory of its own."""
+        if owned.dtype == self.master_dtype and owned.device == self.master_device(owned.device):
             return owned
-        master = self.empty(owned.numel(), torch.float32, owned.device)
+        master = self.empty(owned.numel(), self.master_dtype, owned.device)
         master.copy_(owned)
         return master
 
@@ -161,7 +177,9 @@ class CPUPlacement(DevicePlacement):
         offload_cfg: OffloadOptimizerConfig,
         device: torch.device,
         sub_group_size: int = 1_000_000_000,
+        master_dtype: torch.dtype = torch.float32,
     ):
+        self.master_dtype = master_dtype
         self.pin = bool(offload_cfg.pin_memory) and host_pinning(
             device
         )  # pinned only to copy to a GPU
@@ -203,7 +221,9 @@ class NVMePlacement(CPUPlacement):
             align,
         )
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, shard_params: Sequence[torch.Tensor] = ()
+    ) -> torch.optim.Optimizer:
         numels = [p.numel() for g in optimizer.param_groups for p in g["params"]]
         return SwappedAdam.replacing(optimizer, self.swapper(numels))
 
@@ -299,7 +319,7 @@ class ParamsOnNVMe(ParamsInMemory):
         return align_elems(dtype)
 
     def master(self, group, optimizer: OptimizerHome) -> torch.Tensor:
-        master = optimizer.empty(group.shard_numel, torch.float32, self.device)
+        master = optimizer.empty(group.shard_numel, optimizer.master_dtype, self.device)
         group.read_into(master, WRITE_CHUNK)
         return master
 
@@ -355,18 +375,41 @@ def make_aio(aio_cfg: Optional[AioConfig]) -> AsyncIO:
 
 
 def optimizer_placement(
-    zero_cfg: ZeroConfig, device: torch.device, aio_cfg: Optional[AioConfig] = None
+    zero_cfg: ZeroConfig,
+    device: torch.device,
+    aio_cfg: Optional[AioConfig] = None,
+    groups: int = 0,
+    master_dtype: torch.dtype = torch.float32,
 ) -> OptimizerHome:
-    """Where ``zero_cfg.offload_optimizer`` puts the masters and optimizer states."""
+    """Where ``zero_cfg.offload_optimizer`` puts the masters (of ``master_dtype``) and optimizer
+    states (``groups``: how many groups the optimizer steps, which partial offload splits between
+    device and host)."""
     offload_cfg = zero_cfg.offload_optimizer
     target = getattr(offload_cfg, "device", "none") if offload_cfg is not None else "none"
+    if target == "cpu" and offload_cfg.partial:  # (stage 3: the config refuses it below)
+        if master_dtype != torch.float32:
+            raise ValueError(
+                "zero_optimization.offload_optimizer.ratio with "
+                "bf16.bf16_master_weights_and_grads: partial offload steps fp32 masters only; "
+                "offload every optimizer state (ratio 1.0) or keep fp32 masters"
+            )
+        from .partial import PartialPlacement  # (it builds on this module)
+
+        return PartialPlacement(offload_cfg, device, zero_cfg.sub_group_size, groups)
     if target == "cpu":
-        return CPUPlacement(offload_cfg, device, zero_cfg.sub_group_size)
+        return CPUPlacement(offload_cfg, device, zero_cfg.sub_group_size, master_dtype)
     if target == "nvme":
+        if master_dtype != torch.float32:
+            raise ValueError(
+                "zero_optimization.offload_optimizer.device: 'nvme' with "
+                "bf16.bf16_master_weights_and_grads: zengine's swapped optimizer (SwappedAdam, "
+                "ZeRO-Infinity's swapped masters) keeps fp32 records only; offload the optimizer "
+                "to 'cpu' (bf16 states in memory: 8 bytes/param) or keep fp32 masters"
+            )
         return (InfinityPlacement if zero_cfg.stage == 3 else NVMePlacement)(
             zero_cfg, device, aio_cfg
         )
-    return DevicePlacement()
+    return DevicePlacement(master_dtype)
 
 
 def make_placement(
@@ -375,11 +418,12 @@ def make_placement(
     dtype: torch.dtype,
     aio_cfg: Optional[AioConfig] = None,
     chunks: list[list[int]] = (),
+    master_dtype: torch.dtype = torch.float32,
 ) -> Placement:
     """The placement the config's offload sections ask for, for parameters computed on ``device`` in
     ``dtype``. ``chunks``: at stage 3, each param group's shard sizes (elements per parameter), which
-    size the parameter swap file."""
-    optimizer = optimizer_placement(zero_cfg, device, aio_cfg)
+    size the parameter swap file. ``master_dtype``: fp32, or bf16 with bf16 masters."""
+    optimizer = optimizer_placement(zero_cfg, device, aio_cfg, len(chunks), master_dtype)
     offload_param = zero_cfg.offload_param if zero_cfg.stage == 3 else None
     if offload_param is not None and offload_param.device == "nvme":
         align = align_elems(dtype)  # as the groups lay their shards out

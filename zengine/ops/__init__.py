@@ -1,7 +1,9 @@
 """Compiled CPU kernels and their Python front ends.
 
 - ``CPUAdam`` (alias ``DeepSpeedCPUAdam``) and ``adam_step_``: SIMD Adam/AdamW over fp32
-  shards, optionally writing bf16/fp16 copies of the updated parameters in the same pass.
+  shards, optionally writing bf16/fp16 copies of the updated parameters in the same pass; over
+  bf16 master shards with bf16 or fp32 moments (``adam_step_bf16_``, rounded as ``Rounding``
+  says: nearest, Kahan-compensated or stochastic).
 - ``flatten`` / ``unflatten_into``: threaded copies between tensor lists and flat buffers.
 - ``unscale_and_norm_``: gradient unscale + sum of squares + non-finite check in one pass.
 - ``quantize_blocks`` / ``dequantize_blocks`` / ``dequantize_sum``: ZeRO++'s blockwise int8/int4 codec.
@@ -12,6 +14,7 @@ one warning, where they cannot be built. Importing this package builds nothing.
 ``zengine-report`` shows what is built.
 """
 
+from .adam_bf16 import Rounding, adam_step_bf16_
 from .adam import CPUAdam, DeepSpeedCPUAdam, FusedAdam, adam_step_, simd_path, simd_paths
 from .builder import build_all, get_builder, load_op
 from .flatten import flatten, unflatten_into
@@ -24,6 +27,8 @@ __all__ = [
     "DeepSpeedCPUAdam",
     "FusedAdam",
     "adam_step_",
+    "adam_step_bf16_",
+    "Rounding",
     "simd_path",
     "simd_paths",
     "flatten",

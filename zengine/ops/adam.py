@@ -20,11 +20,13 @@ from typing import Any, Callable
 
 import torch
 
+from .adam_bf16 import Rounding, adam_step_bf16_
 from .shard_optimizer import ShardOptimizer
 from .builder import load_op
 
 __all__ = ["CPUAdam", "DeepSpeedCPUAdam", "FusedAdam", "adam_step_", "simd_paths", "simd_path"]
 
+COMPENSATION = "compensation"  # the state key of Kahan's bf16 compensation (bf16 masters)
 # Codes of the kernel's CopyOut enum (csrc/adam/cpu_adam.h).
 _COPY_OUT_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 # Codes of the kernel's SimdPath enum (csrc/includes/dispatch.h).
@@ -235,6 +237,9 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
         weight_decay: float = 0.0,
         adamw_mode: bool = True,
         bias_correction: bool = True,
+        fp32_optimizer_states: bool = True,
+        rounding: Rounding | str = Rounding.NEAREST,
+        seed: int = 0,
     ):
         if not 0.0 <= float(lr):
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -254,6 +259,11 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
         )
         super().__init__(params, defaults)
         self._runs: dict[int, list[tuple[int, int, int]]] = {}  # set for one step by step_runs
+        # bf16 parameters (bf16 masters): their moments' dtype, the master rounding, and the seed
+        # of stochastic rounding's per-step keys (fp32 parameters use none of these)
+        self.bf16_states = torch.float32 if fp32_optimizer_states else torch.bfloat16
+        self.rounding = Rounding(rounding)
+        self.seed = int(seed)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A state dict saved by torch's Adam/AdamW loads too: its groups lack our two options.
@@ -310,22 +320,64 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
     def _step(self, closure, copy_out_by_id: Mapping[int, torch.Tensor]):
         loss = self._run_closure(closure)
         for group, param, state, runs in self._due():
-            if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            out = copy_out_by_id.get(id(param))
-            for lo, hi, step in runs:
-                whole = lo == 0 and hi == param.numel()
-                adam_step_(
-                    *(
-                        t if whole else t.view(-1)[lo:hi]
-                        for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])
-                    ),
-                    step=step,
-                    copy_out=out if out is None or whole else out.view(-1)[lo:hi],
-                    **self._hyper(group),
-                )
+            self._step_param(group, param, state, runs, copy_out_by_id.get(id(param)))
         return loss
+
+    def _step_param(self, group: dict, param: torch.Tensor, state: dict, runs, out) -> None:
+        """One parameter's runs ((lo, hi, step number) each), its updated values also into ``out``
+        (None: nowhere else); its moments made at its first step."""
+        low = param.dtype == torch.bfloat16  # a bf16 master (bf16_master_weights_and_grads)
+        if "exp_avg" not in state:
+            states = self.bf16_states if low else param.dtype
+            state["exp_avg"] = torch.zeros_like(param, dtype=states)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=states)
+        if low and self.rounding.buffers and COMPENSATION not in state:
+            state[COMPENSATION] = torch.zeros_like(param)
+        for lo, hi, step in runs:
+            whole = lo == 0 and hi == param.numel()
+            names = ("exp_avg", "exp_avg_sq") + (
+                ("compensation",) if "compensation" in state else ()
+            )
+            p, g, m, v, *comp = (
+                t if whole else t.view(-1)[lo:hi]
+                for t in (param, param.grad, *(state.get(k) for k in names))
+            )
+            target = out if out is None or whole else out.view(-1)[lo:hi]
+            if not low:
+                adam_step_(p, g, m, v, step=step, copy_out=target, **self._hyper(group))
+                continue
+            adam_step_bf16_(
+                p,
+                g,
+                m,
+                v,
+                step=step,
+                compensation=comp[0] if comp else None,
+                rounding=self.rounding,
+                key=self._key(param, step),
+                first_index=lo,
+                **self._hyper(group),
+            )
+            if target is not None:
+                target.copy_(p.reshape(target.shape))
+
+    def state_dtype(self, param: torch.Tensor, key: str) -> torch.dtype | None:
+        """ShardOptimizer: moments of bf16 parameters in ``bf16_states``; Kahan's compensation only
+        with Kahan rounding (``COMPENSATION``), in the parameter's dtype."""
+        low = param.dtype == torch.bfloat16
+        if key == COMPENSATION:
+            return param.dtype if low and self.rounding.buffers else None
+        if key in ("exp_avg", "exp_avg_sq"):
+            return self.bf16_states if low else param.dtype
+        return param.dtype
+
+    def _key(self, param: torch.Tensor, step: int) -> int:
+        """Stochastic rounding's key for ``param`` at ``step``: distinct per seed, step and
+        parameter (its position in the groups), so no two draw the same bits."""
+        position = next(
+            i for i, p in enumerate(p for g in self.param_groups for p in g["params"]) if p is param
+        )
+        return (self.seed * 0x9E3779B1 + step * 0x85EBCA77 + position * 0xC2B2AE3D) & 0xFFFFFFFF
 
     @staticmethod
     def _run_closure(closure):
@@ -378,7 +430,8 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
 class DeepSpeedCPUAdam(CPUAdam):
     """``CPUAdam`` with DeepSpeed's ``DeepSpeedCPUAdam`` parameters in DeepSpeed's order
     (``model_params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw_mode,
-    fp32_optimizer_states``). AMSGrad and 16-bit optimizer states are refused by name."""
+    fp32_optimizer_states``). AMSGrad is refused by name. ``fp32_optimizer_states=False`` keeps
+    the moments of bf16 parameters in bf16, as DeepSpeed does (fp32 parameters: fp32 moments)."""
 
     def __init__(
         self,
@@ -397,11 +450,6 @@ class DeepSpeedCPUAdam(CPUAdam):
                 "DeepSpeedCPUAdam(amsgrad=True): AMSGrad is not implemented (DeepSpeed refuses it too); "
                 "use amsgrad=False, or torch.optim.AdamW(amsgrad=True)"
             )
-        if not fp32_optimizer_states:
-            raise ValueError(
-                "DeepSpeedCPUAdam(fp32_optimizer_states=False): zengine keeps Adam's moments in fp32; "
-                "leave it True"
-            )
         super().__init__(
             model_params,
             lr=lr,
@@ -410,6 +458,7 @@ class DeepSpeedCPUAdam(CPUAdam):
             weight_decay=weight_decay,
             adamw_mode=adamw_mode,
             bias_correction=bias_correction,
+            fp32_optimizer_states=fp32_optimizer_states,
         )
 
 

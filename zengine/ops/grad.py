@@ -18,8 +18,12 @@ from .builder import load_op
 
 __all__ = ["GradStats", "sum_of_squares", "unscale_and_norm_"]
 
-# Elements per chunk of the torch fallback: bounds its float64 temporary.
+# Elements per chunk of the torch fallback on a device: bounds its float64 temporary.
 _FALLBACK_CHUNK = 1 << 22
+# On the CPU (the bf16 gradient shards of bf16 masters come this way), 2 MiB of float64 a chunk:
+# 4M-element chunks were the largest transient of a bf16-master step (1.8 bytes per parameter at
+# W=2), and a CPU pays little per chunk.
+_CPU_FALLBACK_CHUNK = 1 << 18
 
 
 class GradStats(NamedTuple):
@@ -39,8 +43,9 @@ def _torch_sum_sq_(grad: torch.Tensor, inv_scale: float) -> float:
         grad.mul_(inv_scale)
         flat = grad.view(-1) if grad.is_contiguous() else grad.reshape(-1)
     total = 0.0
-    for start in range(0, flat.numel(), _FALLBACK_CHUNK):
-        chunk = flat[start : start + _FALLBACK_CHUNK].to(torch.float64)
+    step = _CPU_FALLBACK_CHUNK if flat.device.type == "cpu" else _FALLBACK_CHUNK
+    for start in range(0, flat.numel(), step):
+        chunk = flat[start : start + step].to(torch.float64)
         total += float(torch.dot(chunk, chunk))
     return total
 

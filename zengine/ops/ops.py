@@ -60,8 +60,11 @@ class OpSpec:
 
 CPU_ADAM = OpSpec(
     name="cpu_adam",
-    sources=("adam/cpu_adam.cpp", "adam/bindings.cpp"),
-    description="Adam/AdamW step over a flat fp32 shard, with bf16/fp16 copy-out (SIMD, OpenMP)",
+    sources=("adam/cpu_adam.cpp", "adam/cpu_adam_bf16.cpp", "adam/bindings.cpp"),
+    description=(
+        "Adam/AdamW step over a flat fp32 shard, with bf16/fp16 copy-out; over a bf16 master "
+        "shard with bf16 or fp32 moments, rounded to nearest, Kahan or stochastically (SIMD, OpenMP)"
+    ),
     include_dirs=("includes", "adam"),
 )
 

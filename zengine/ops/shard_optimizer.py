@@ -48,6 +48,11 @@ class ShardOptimizer:
         bookkeeping one ``step_runs(runs, ...)`` call would leave (the step numbers its state shows)."""
         raise NotImplementedError(f"{type(self).__name__} cannot step in pieces")
 
+    def state_dtype(self, param: torch.Tensor, key: str) -> torch.dtype | None:
+        """The dtype ``state[param][key]`` is kept in (a checkpoint's values are cast to it), or
+        None for a key this optimizer does not keep (a checkpoint's is dropped)."""
+        return param.dtype
+
     def states_in_memory(self) -> ContextManager:
         """A context inside which every state tensor is in ``optimizer.state`` (for checkpoints)."""
         return contextlib.nullcontext()

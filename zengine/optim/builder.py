@@ -23,13 +23,14 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from zengine.optim.params import ANY, FLAG, NUMBER, NUMBERS, Rule, param_problems
 
-__all__ = ["build_optimizer", "optimizer_param_problems", "OPTIMIZER_NAMES"]
+__all__ = ["Bf16Masters", "build_optimizer", "optimizer_param_problems", "OPTIMIZER_NAMES"]
 
 # Adam spellings handled here rather than by name lookup in torch.optim.
 _ADAM = "adam"
@@ -111,12 +112,39 @@ OPTIMIZER_NAMES: tuple[str, ...] = ("Adam", "AdamW", "CPUAdam", "DeepSpeedCPUAda
 """The ``optimizer.type`` values build_optimizer accepts (matched case-insensitively)."""
 
 
+@dataclass(frozen=True)
+class Bf16Masters:
+    """The optimizer steps bf16 masters (``bf16.bf16_master_weights_and_grads``): how."""
+
+    fp32_states: bool  # Adam's moments in fp32 (bf16_optimizer_states false)
+    rounding: str  # "nearest", "kahan" or "stochastic" (bf16.master_rounding)
+    seed: int = 0  # stochastic rounding's keys (one per rank)
+
+    def refusal(self, optimizer: str) -> str | None:
+        """Why ``optimizer`` (not zengine's Adam on the bf16 kernel) cannot honour this, or None:
+        it keeps its states in the parameters' dtype and rounds to nearest."""
+        if self.fp32_states:
+            return (
+                f"bf16.bf16_master_weights_and_grads without bf16_optimizer_states: {optimizer} keeps "
+                "its states in the parameters' dtype (bf16); fp32 moments over bf16 masters need "
+                "optimizer type Adam/AdamW/CPUAdam from the config, or set bf16_optimizer_states"
+            )
+        if self.rounding != "nearest":
+            return (
+                f"bf16.master_rounding: {self.rounding!r} needs optimizer type Adam/AdamW/CPUAdam "
+                f"from the config (zengine's bf16 Adam kernel); {optimizer} rounds its own updates "
+                "to nearest; leave master_rounding \"nearest\""
+            )
+        return None
+
+
 def build_optimizer(
     type_name: str,
     params: dict | None,
     param_groups: Iterable[dict] | Iterable[torch.Tensor],
     *,
     cpu_offload: bool = False,
+    bf16_masters: Bf16Masters | None = None,
 ) -> torch.optim.Optimizer:
     """Build the optimizer the config names, over ``param_groups``.
 
@@ -127,6 +155,8 @@ def build_optimizer(
             The dicts are copied, not modified; their own hyper-parameters win over ``params``.
         cpu_offload: the optimizer steps CPU master shards (``offload_optimizer.device: cpu``);
             as in DeepSpeed, Adam and AdamW then use the CPUAdam kernel when it is available.
+        bf16_masters: the shards are bf16 masters; Adam and AdamW then step on zengine's bf16
+            kernel (CPUAdam, on any device), other types keep their states in bf16.
 
     Raises:
         ValueError: an unknown type, or an unknown, mistyped or out-of-range parameter; the
@@ -140,6 +170,11 @@ def build_optimizer(
         raise ValueError("\n".join(f"optimizer.params.{key} {text}" for key, text in problems))
     kwargs = {key: rules[key].parse(value) for key, value in params.items()}
     groups = _copy_groups(param_groups)
+    if bf16_masters is not None and _is_adam(name) and not kwargs.get("torch_adam", False):
+        return _build_bf16_adam(name, kwargs, groups, bf16_masters)
+    problem = bf16_masters.refusal(f"optimizer type {type_name}") if bf16_masters else None
+    if problem:
+        raise ValueError(problem)
     if _is_adam(name):
         return _build_adam(name, kwargs, groups, cpu_offload, given=params)
     return _construct(_TORCH_CLASSES[name], groups, kwargs)
@@ -278,6 +313,22 @@ def _build_adam(
         if not kwargs.pop("fused", False) or "fused" in given:
             raise
         return _construct(cls, groups, kwargs)
+
+
+def _build_bf16_adam(name: str, kwargs: dict, groups: list[dict], masters: Bf16Masters):
+    """Adam/AdamW over bf16 masters: CPUAdam on the bf16 kernel (its torch fallback off the
+    CPU), the arithmetic fp32 per element, as DeepSpeed's fused and CPU Adam do."""
+    from zengine.ops import CPUAdam  # (ops/ builds nothing on import)
+
+    decoupled = _adam_w_mode(kwargs) or name == _ADAMW
+    bias_correction = kwargs.pop("bias_correction", True)
+    for key in ("torch_adam", "set_grad_none", "fp32_optimizer_states"):
+        kwargs.pop(key, None)
+    extra = dict(
+        fp32_optimizer_states=masters.fp32_states, rounding=masters.rounding, seed=masters.seed
+    )
+    kwargs.update(extra)
+    return _build_cpu_adam(CPUAdam, groups, kwargs, decoupled, bias_correction)
 
 
 def _adam_w_mode(kwargs: dict) -> bool:

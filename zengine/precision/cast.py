@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -43,10 +44,15 @@ def cast_floating(obj: Any, dtype: torch.dtype, casts: Optional[list] = None) ->
     return obj
 
 
-def cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict, list]:
-    """A forward's arguments cast (``cast_floating``), and the casts made, for ``write_back``."""
+@contextlib.contextmanager
+def cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype):
+    """Inside: a forward's arguments cast (``cast_floating``), as ``(args, kwargs)``; on the way
+    out the model's in-place writes to cast inputs reach the caller's tensors (``write_back``)."""
     casts: list = []
-    return cast_floating(args, dtype, casts), cast_floating(kwargs, dtype, casts), casts
+    try:
+        yield cast_floating(args, dtype, casts), cast_floating(kwargs, dtype, casts)
+    finally:
+        write_back(casts)
 
 
 def write_back(casts: list) -> None:
@@ -59,16 +65,22 @@ def write_back(casts: list) -> None:
                 original.copy_(cast)
 
 
-def cast_module(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Move the module to ``device`` with floating parameters and buffers in ``dtype``.
+def cast_module(
+    module: nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    buffer_dtype: Optional[torch.dtype] = None,
+) -> None:
+    """Move the module to ``device`` with floating parameters in ``dtype`` and floating buffers in
+    ``buffer_dtype`` (None: ``dtype``; ``data_types.buffer_dtype``).
 
     Parameters keep their identity (their ``.data`` moves), so param groups built from them stay
     valid; unlike ``module.to`` this also works on tensor subclasses such as the fake CUDA tensors
     of the CPU guard tests.
     """
 
-    def moved(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+    def moved(t: torch.Tensor, to: torch.dtype = dtype) -> torch.Tensor:
+        return t.to(device=device, dtype=to if t.is_floating_point() else None)
 
     with torch.no_grad():
         for m in module.modules():
@@ -79,4 +91,4 @@ def cast_module(module: nn.Module, dtype: torch.dtype, device: torch.device) -> 
                     p.data = moved(p.data)
             for name, b in m._buffers.items():
                 if b is not None:
-                    m._buffers[name] = moved(b)
+                    m._buffers[name] = moved(b, buffer_dtype or dtype)

@@ -43,11 +43,13 @@ class BucketBuffers:
         # buffers that are autograd's gradients themselves: never pooled
         self._adopted: set[Key] = set()
 
-    def get(self, key: Key, shape: tuple, device: torch.device) -> torch.Tensor:
-        """Bucket ``key``'s buffer, made the first time (``shape`` on ``device``, contents
-        undefined)."""
+    def get(
+        self, key: Key, shape: tuple, device: torch.device, dtype: Optional[torch.dtype] = None
+    ) -> torch.Tensor:
+        """Bucket ``key``'s buffer, made the first time (``shape`` on ``device``, in ``dtype``:
+        None, the pool's; contents undefined)."""
         if key not in self.live:
-            self.live[key] = self._new_buffer(shape, device)
+            self.live[key] = self._new_buffer(shape, device, dtype or self.dtype)
         return self.live[key]
 
     def adopt(self, key: Key, tensor: torch.Tensor) -> None:
@@ -59,27 +61,27 @@ class BucketBuffers:
         """Bucket ``key``'s buffer is an adopted gradient (whole: nothing in it is unwritten)."""
         return key in self._adopted
 
-    def _new_buffer(self, shape: tuple, device: torch.device) -> torch.Tensor:
+    def _new_buffer(self, shape: tuple, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         numel = 1
         for n in shape:
             numel *= n
-        i = self._reusable(numel, device)
+        i = self._reusable(numel, device, dtype)
         if i is None:
-            return torch.empty(shape, dtype=self.dtype, device=device)
+            return torch.empty(shape, dtype=dtype, device=device)
         store, read = self._free.pop(i)
         if read is not None and not read.query():
             # its download still reads it: the device waits, not the host
             self.copies.before_reuse(read)
         return store[:numel].view(shape)
 
-    def _reusable(self, numel: int, device: torch.device) -> Optional[int]:
+    def _reusable(self, numel: int, device: torch.device, dtype: torch.dtype) -> Optional[int]:
         """The released buffer to carve a bucket from: the first big enough that no download reads
         any more, else, once those still read hold ``DOWNLOAD_BACKLOG_BYTES``, the oldest big
         enough; None: a new one."""
         fits = [
             i
             for i, (store, _) in enumerate(self._free)
-            if store.numel() >= numel and store.dtype == self.dtype and store.device == device
+            if store.numel() >= numel and store.dtype == dtype and store.device == device
         ]
         for i in fits:
             read = self._free[i][1]

@@ -32,8 +32,9 @@ class BucketQueue:
     """Readiness of one group's buckets; ``order`` is the group's part of the launch sequence (the
     stage-2 store arms buckets ahead along it)."""
 
-    def __init__(self, group: FlatParamGroup, bucket_numel: int):
-        self.buckets = gradient_buckets(group.layout, bucket_numel)
+    def __init__(self, group: FlatParamGroup, bucket_numel: int, kinds: Optional[Sequence] = None):
+        # kinds: per parameter, what a bucket may not mix (the dtype its gradient is reduced in)
+        self.buckets = gradient_buckets(group.layout, bucket_numel, kinds)
         self.bucket_of = {}
         for b in self.buckets:
             for i in b.params:

@@ -20,15 +20,25 @@ from .bucket_order import BucketQueue
 from .flat_group import FlatParamGroup
 from .grad_dtypes import GradDtypes
 from .layout import Bucket, intersect
-from .reducer import Reduction, ShardReducer
+from .reducer import Reduction, ShardReducer, scaled_codec
 
 
 class FlatRanges:
     """Stage 2's ``BucketLayout``: each bucket a contiguous range of its group's flat buffer."""
 
-    def __init__(self, groups: list[FlatParamGroup], bucket_numel: int):
+    def __init__(
+        self,
+        groups: list[FlatParamGroup],
+        bucket_numel: int,
+        wires: Optional[Sequence[Sequence[torch.dtype]]] = None,
+    ):
         self.groups = groups
-        self.queues = [BucketQueue(g, bucket_numel) for g in groups]
+        self.wires = wires
+        # (wires: per group, each parameter's wire dtype, which a bucket does not mix)
+        self.queues = [
+            BucketQueue(g, bucket_numel, wires[gi] if wires else None)
+            for gi, g in enumerate(groups)
+        ]
         for g in groups:
             for p in g.params:
                 p.grad = None
@@ -43,8 +53,9 @@ class FlatRanges:
         """Nothing but the gradient to let go."""
 
     def buffer(self, gi: int, bucket: Bucket, buffers: BucketBuffers) -> torch.Tensor:
-        # [bucket] reduce dtype
-        return buffers.get((gi, bucket.index), (bucket.numel,), self.groups[gi].flat.device)
+        # [bucket] in its wire dtype (the reduce dtype, or under torch_autocast its parameters')
+        wire = self.wires[gi][bucket.params[0]] if self.wires and bucket.params else None
+        return buffers.get((gi, bucket.index), (bucket.numel,), self.groups[gi].flat.device, wire)
 
     def copy_in(self, gi: int, pi: int, buffers: BucketBuffers) -> None:
         q = self.queues[gi]
@@ -121,8 +132,10 @@ def sharded_gradients(
     ``placement`` (the optimizer's) keeps master gradients."""
     dtype = dtypes.shard_dtype(placement.cpu_optimizer)
     shards = [placement.empty(g.layout.shard_numel, dtype, g.flat.device) for g in groups]
-    layout = FlatRanges(groups, bucket_numel)
+    wires = [dtypes.wires(g.params) for g in groups]
+    layout = FlatRanges(groups, bucket_numel, wires)
     codec = ReduceToOwners(groups, comm_group) if to_owners else AllReduce(comm_group)
+    codec = scaled_codec(codec, dtypes.scaling)
     regions = [layout.regions(gi) for gi in range(len(groups))]
     landing = ShardsInMemory(shards, regions, placement.copies)
     buffers = BucketBuffers(dtypes.reduce, placement.copies)

@@ -157,14 +157,16 @@ class FullGradients(GradientStore):
         # the parameters' .grad can be views into the buffers
         self.views = dtypes.accumulate == dtypes.compute
         self.holds_param_grads = self.views
-        self.reduce_dtype = dtypes.reduce
-        self.converts = dtypes.reduce != dtypes.accumulate  # buckets are summed as converted copies
+        # each parameter's wire dtype (a bucket holds one): where it is not the accumulate dtype the
+        # bucket is summed as a converted copy
+        self.wires = [dtypes.wires(g.params) for g in groups]
+        self.scaling = dtypes.scaling  # where the mean over ranks is taken
         # converted copies left in flight when a launch returns
         self.in_flight_limit = max(0, int(in_flight))
         self.flat_grads = [
             torch.zeros(g.flat.shape, dtype=dtypes.accumulate, device=g.flat.device) for g in groups
         ]  # [padded] accumulate dtype per group
-        self.queues = [BucketQueue(g, bucket_numel) for g in groups]
+        self.queues = [BucketQueue(g, bucket_numel, w) for g, w in zip(groups, self.wires)]
         # (not recording: the full buffers exist anyway, a better launch order would save no memory
         # here)
         self.sequence = LaunchSequence(self.queues, positions, recording=False)
@@ -188,9 +190,11 @@ class FullGradients(GradientStore):
         if self.reduced and (self.world > 1 or self.divided != 1.0):
             # Local gradients are about to be added to a sum over ranks, to be reduced again later:
             # keep the old sum as this rank's 1/W share so that the next reduction counts it once
-            # (module doc). Divided already by `divided` for .grad: by world / divided more.
+            # (module doc). Divided already by `divided` for .grad: by world / divided more (by
+            # 1 / divided where the reduction itself takes the mean: ReduceScaling).
+            share = 1 if self.scaling.in_reduce else self.world
             for buf in self.flat_grads:
-                buf.mul_(self.divided / self.world)
+                buf.mul_(self.divided / share)
             self.divided = 1.0
         self.reduced = False
         self.unreduced = not self.sync and self.world > 1  # one rank: the local sum is the sum
@@ -215,20 +219,23 @@ class FullGradients(GradientStore):
 
     def _launch(self, gi: int, bucket: Bucket) -> None:
         piece = self.flat_grads[gi][bucket.start : bucket.end]
-        if not self.converts:  # summed in place: the full buffers exist anyway, no limit needed
+        dtype = self.wires[gi][bucket.params[0]] if bucket.params else piece.dtype
+        if dtype == piece.dtype:  # summed in place: the full buffers exist anyway, no limit needed
+            self.scaling.scale(piece, self.scaling.before)
             work = collectives.all_reduce_sum(piece, self.comm_group, async_op=True)
             self.works.append((work, piece, None))
             return
-        wire = piece.to(self.reduce_dtype)  # [bucket] reduce dtype, on the buffer's device
+        wire = piece.to(dtype)  # [bucket] wire dtype, on the buffer's device
+        self.scaling.scale(wire, self.scaling.before)
         work = collectives.all_reduce_sum(wire, self.comm_group, async_op=True)
         self.works.append((work, piece, wire))
         while len(self.works) > self.in_flight_limit:
             self._complete(*self.works.popleft())
 
-    @staticmethod
-    def _complete(work, piece: torch.Tensor, wire: Optional[torch.Tensor]) -> None:
+    def _complete(self, work, piece: torch.Tensor, wire: Optional[torch.Tensor]) -> None:
         if work is not None:  # (None: done when launched, through shared memory)
             work.wait()
+        self.scaling.scale(piece if wire is None else wire, self.scaling.after)
         if wire is not None:
             piece.copy_(wire)
 

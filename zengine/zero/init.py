@@ -218,6 +218,7 @@ def _standalone_fetcher(sp: ShardedParam) -> Fetcher:
         stage3_max_live_parameters=10**18,
         stage3_max_reuse_distance=0,
         stage3_debug_fetch_order=False,
+        reduce_bucket_size=0,  # (no gradients go through it)
     )
     group = None if sp.world == dist.get_world_size() else mics_groups(sp.world)[0]
     return Fetcher(cfg, sp.world, sp.rank, sp.full.device, group)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -124,13 +124,17 @@ class Bucket:
         return self.end - self.start
 
 
-def gradient_buckets(layout: FlatLayout, bucket_numel: int) -> list[Bucket]:
+def gradient_buckets(
+    layout: FlatLayout, bucket_numel: int, kinds: Optional[Sequence[Hashable]] = None
+) -> list[Bucket]:
     """Group parameters into buckets of about ``bucket_numel`` elements.
 
     Gradients arrive roughly in reverse registration order during backward, so
     buckets are filled from the last parameter backwards; each bucket is a
     contiguous flat range. A parameter larger than the bucket size gets a
     bucket of its own. The last bucket (lowest offsets) absorbs the padding.
+    ``kinds`` (one per span): a bucket holds parameters of one kind only (the
+    dtype their gradients cross the ranks in).
     """
     bucket_numel = max(1, int(bucket_numel))
     buckets: list[Bucket] = []
@@ -138,7 +142,8 @@ def gradient_buckets(layout: FlatLayout, bucket_numel: int) -> list[Bucket]:
     size = 0
     for i in reversed(range(len(layout.spans))):
         numel = layout.spans[i].numel
-        if current and size + numel > bucket_numel:
+        new_kind = kinds is not None and current and kinds[i] != kinds[current[-1]]
+        if current and (size + numel > bucket_numel or new_kind):
             buckets.append(_make_bucket(layout, len(buckets), current))
             current, size = [], 0
         current.append(i)

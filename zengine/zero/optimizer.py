@@ -49,6 +49,8 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
+from ..ops.adam import COMPENSATION
+
 from ..offload.placement import Placement
 from ..precision.grad_factor import GradFactor
 from . import full_state, user_clipping
@@ -62,6 +64,7 @@ from .nonfinite import NonFinitePolicy
 from .shard_step import ShardStepper
 from .step_counts import StepCounts, used_by_group
 from .step_stats import RankValues, StepStats, first_nonfinite, gather_stats
+from .sub_groups import GroupMap
 
 
 @dataclass(frozen=True)
@@ -172,8 +175,11 @@ class ZeroOptimizer(ZeROOptimizer):
         ranks: ShardGroup,
         on_unbracketed_grad: Callable[[], None] = lambda: None,
         participant: StepParticipant = NoParticipant(),
+        group_map: Optional[GroupMap] = None,
     ):
         self.groups = groups
+        # which of the wrapped optimizer's param groups each group's shard sits in (sub_groups.py)
+        self.group_map = group_map or GroupMap.identity(len(groups))
         self.device = (
             ranks.device
         )  # the compute device: the step's control values are reduced there
@@ -201,7 +207,7 @@ class ZeroOptimizer(ZeROOptimizer):
         self.shard_params = masters.shard_params  # one flat fp32 parameter per group, its master
         self.optimizer = masters.wrap_optimizer(
             make_optimizer(
-                [{**g.hyper, "params": [sp]} for g, sp in zip(groups, self.shard_params)]
+                self.group_map.optimizer_groups([g.hyper for g in groups], self.shard_params)
             )
         )
         self.step_counts = StepCounts(
@@ -276,6 +282,7 @@ class ZeroOptimizer(ZeROOptimizer):
 
     def step(self, micro_step: int = 0) -> StepOutcome:
         """Run the boundary step. ``micro_step`` is the engine's count, compared across ranks."""
+        self.check_param_writes()  # p.data = t, or a stage-3 write outside a gather: nothing updated
         stats, master_grads = self._agree(micro_step)
         self._had_backward = False
         decision = self._decide(stats, master_grads)
@@ -427,12 +434,11 @@ class ZeroOptimizer(ZeROOptimizer):
             for g, m in zip(self.groups, self.masters)
             if m.data_ptr() != g.owned_params().data_ptr()
         ]
-        states = [
-            t
-            for sp in self.shard_params
-            for t in self.optimizer.state.get(sp, {}).values()
-            if torch.is_tensor(t) and t.numel() > 1
+        held = [
+            (k, t) for sp in self.shard_params for k, t in self.optimizer.state.get(sp, {}).items()
         ]
+        states = [t for k, t in held if torch.is_tensor(t) and t.numel() > 1 and k != COMPENSATION]
+        masters += [t for k, t in held if k == COMPENSATION]  # Kahan's: a part of the bf16 master
         states += self.abilities.host_buffers()  # the NVMe swap buffers
         grads = self.grads.tensors() + self.master_store.grad_buffers()  # (stages 0-1 offload)
         return {

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from .init import GatheredParameters, Init
+from .stage3.external import register_external_parameter, unregister_external_parameter
 from .stage3.param import ZeroParameter, ZeroParamStatus
 
 _orig_torch_arange = (
@@ -51,5 +52,7 @@ __all__ = [
     "ZeroParamStatus",
     "ZeroParameter",
     "get_accelerator",
+    "register_external_parameter",
+    "unregister_external_parameter",
     "zero_wrapper_for_fp_tensor_constructor",
 ]

@@ -4,6 +4,8 @@ once, before the stage's parts are built on the placed parameters."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -12,9 +14,15 @@ from ..precision.cast import cast_module
 from .optimizer import ShardGroup
 
 
-def place_model(model: nn.Module, stage: int, dtype: torch.dtype, ranks: ShardGroup) -> None:
-    """Put the model on the compute device in the compute dtype, every replica starting from rank
-    0's values.
+def place_model(
+    model: nn.Module,
+    stage: int,
+    dtype: torch.dtype,
+    ranks: ShardGroup,
+    buffer_dtype: Optional[torch.dtype] = None,
+) -> None:
+    """Put the model on the compute device in the compute dtype (floating buffers in
+    ``buffer_dtype``, None: the compute dtype), every replica starting from rank 0's values.
 
     At stage 3 the parameters are cut as they move, one at a time (``partition_model``, what
     ``zero.Init`` does as modules are built): the device holds this rank's shards and at most one
@@ -26,7 +34,9 @@ def place_model(model: nn.Module, stage: int, dtype: torch.dtype, ranks: ShardGr
         from .stage3.partition import partition_model  # stage 3's parts load only when used
 
         partition_model(model, dtype, ranks)
-    cast_module(model, dtype, ranks.device)  # buffers, and parameters stages 0-2 keep whole
+    cast_module(
+        model, dtype, ranks.device, buffer_dtype
+    )  # buffers, and parameters stages 0-2 keep whole
     broadcast_from_rank0(model, ranks.dp_world)
 
 

@@ -20,7 +20,8 @@ The reducer is composed of three parts, one per role, chosen by the stage's buil
   (through the offload copies) or in ZeRO-Infinity's swap records.
 
 Buckets launch in one sequence over every group, the same on every rank (``bucket_order.py``), and
-their buffers come from a pool (``bucket_buffers.py``), in the reduce dtype (``grad_dtypes.py``). A
+their buffers come from a pool (``bucket_buffers.py``), in the reduce dtype (``grad_dtypes.py``; under
+``torch_autocast`` each bucket in its parameters' wire dtype, which a bucket does not mix). A
 bucket buffer is not zeroed: every gradient is copied into its place, and only what no gradient
 wrote (padding, parameters without a gradient) is zeroed when the bucket launches. (Letting autograd
 accumulate into a zeroed bucket through ``.grad`` views costs a fill and an add where a copy does:
@@ -60,6 +61,29 @@ class ReduceCodec(Protocol):
         """Start reducing ``buf``, bucket ``bucket`` of group ``gi``; the result is what the bucket
         layout's ``mine`` reads this rank's part from."""
         ...
+
+
+class ScaledCodec:
+    """``ReduceCodec`` around another: each bucket is multiplied, in its own dtype, before and after
+    the reduction (``prescale_gradients``, ``gradient_predivide_factor``: ``scaling``, a
+    ``grad_dtypes.ReduceScaling``)."""
+
+    def __init__(self, inner: ReduceCodec, scaling):
+        self.inner = inner
+        self.scaling = scaling
+
+    def launch(self, gi: int, bucket: Bucket, buf: torch.Tensor) -> Reduction:
+        self.scaling.scale(buf, self.scaling.before)
+        reduction = self.inner.launch(gi, bucket, buf)
+        after = self.scaling.after
+        if after == 1.0:
+            return reduction
+        return Reduction(reduction.works, lambda: self.scaling.scale(reduction.result(), after))
+
+
+def scaled_codec(codec: ReduceCodec, scaling) -> ReduceCodec:
+    """``codec``, wrapped in a ``ScaledCodec`` where the reduction takes the mean (``scaling``)."""
+    return ScaledCodec(codec, scaling) if scaling.in_reduce else codec
 
 
 class BucketLayout(Protocol):

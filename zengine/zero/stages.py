@@ -6,13 +6,15 @@ here too, once (``offload/placement.make_placement``), and handed to the parts t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
+import torch
 from torch import nn
 
 from ..distributed.process_group import ProcessRank
 from ..offload.placement import make_placement
 from ..precision.grad_factor import GradFactor
+from ..precision.masters import MasterPrecision
 from .bucket_order import registration_positions
 from .flat_group import FlatParamGroup
 from .grad_dtypes import GradDtypes
@@ -44,6 +46,7 @@ def build_zero_optimizer(
     grad_factor: GradFactor,
     ranks: ShardGroup,
     on_unbracketed_grad: Callable[[], None] = lambda: None,
+    wire_dtypes: Mapping[int, torch.dtype] = {},
 ) -> ZeroOptimizer:
     """Flatten each group's trainable parameters and assemble the optimizer for the config's stage.
 
@@ -53,7 +56,8 @@ def build_zero_optimizer(
     optimizer param group, its (name, parameter) pairs and its hyper-parameters.
     ``make_optimizer(groups, cpu_offload)`` builds the wrapped optimizer over the flat master shards.
     ``grad_factor``: what the step multiplies the summed gradients by (precision/grad_factor.py).
-    ``on_unbracketed_grad``: see ``ZeroOptimizer``.
+    ``on_unbracketed_grad``: see ``ZeroOptimizer``. ``wire_dtypes``: ``id(parameter) -> dtype``
+    its gradient is reduced in, where not the reduce dtype (``ForwardPrecision.wire_dtypes``).
     """
     zero_cfg, dtype = config.zero_optimization, config.compute_dtype
     nonfinite = config.nonfinite_gradients
@@ -64,6 +68,7 @@ def build_zero_optimizer(
         ),
         zero_cfg.allgather_bucket_size,
     )
+    dtypes = GradDtypes.from_config(config, wire_dtypes, ranks.dp_world)
     if zero_cfg.stage == 3:
         from .stage3.build import build_stage3_optimizer  # stage 3's parts load only when used
 
@@ -76,14 +81,16 @@ def build_zero_optimizer(
             rules,
             ranks,
             on_unbracketed_grad,
+            dtypes,
         )
     num_shards = 1 if zero_cfg.stage == 0 else ranks.world
-    placement = make_placement(zero_cfg, ranks.device, dtype, config.aio)
+    masters_dtype = MasterPrecision.from_config(config.bf16).dtype
+    placement = make_placement(zero_cfg, ranks.device, dtype, config.aio, (), masters_dtype)
     groups = [
         FlatParamGroup(named, hyper, num_shards, ranks.rank, dtype, ranks.device)
         for named, hyper in named_groups
     ]
-    dtypes, in_flight = GradDtypes.from_config(config), buckets_in_flight(zero_cfg.overlap_comm)
+    in_flight = buckets_in_flight(zero_cfg.overlap_comm)
     positions = registration_positions(module, groups)  # the buckets' launch order over the groups
     if zero_cfg.stage == 2:
         grads = sharded_gradients(

@@ -253,11 +253,11 @@ class RunStepper:
         return out
 
     def load_state_dict(
-        self, optimizer, gi: int, shard, saved: Optional[dict], flat_count: int
+        self, group: dict, gi: int, shard, saved: Optional[dict], flat_count: int
     ) -> None:
-        """After a checkpoint filled the flat state (its non-element entries being ``flat_count``'s)."""
+        """After a checkpoint filled the flat state (its non-element entries being ``flat_count``'s);
+        ``group``: the param group of group ``gi``'s shard."""
         self.flat_count[gi] = flat_count
-        group = optimizer.param_groups[gi]
         self.scalars[gi] = {int(c): _placed(group, shard, s) for c, s in (saved or {}).items()}
 
 

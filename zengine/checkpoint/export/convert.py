@@ -2,11 +2,16 @@
 
     zengine-convert to-deepspeed CHECKPOINT_DIR OUTPUT_DIR --world-size N --config ds_config.json [--tag T]
     zengine-convert to-safetensors CHECKPOINT_DIR OUTPUT_FILE [--tag T] [--trust]
+    zengine-convert to-dcp CHECKPOINT_DIR OUTPUT_DIR [--tag T] [--trust]
+    zengine-convert to-universal CHECKPOINT_DIR OUTPUT_DIR --config ds_config.json [--tag T]
 
 ``to-deepspeed`` writes DeepSpeed 0.19's ZeRO layout for N ranks running that DeepSpeed config
 (deepspeed/export.py); DeepSpeed continues with ``engine.load_checkpoint(OUTPUT_DIR)``. ``to-safetensors`` writes
 the fp32 model with tied weights once (hf.py), from a zengine checkpoint or from a DeepSpeed one
-(without DeepSpeed installed). The other way needs no command: zengine's
+(without DeepSpeed installed). ``to-dcp`` writes torch.distributed.checkpoint's folder in
+``get_state_dict``'s layout, which FSDP2 loads with ``dcp.load`` + ``set_state_dict`` (dcp/export.py).
+``to-universal`` writes DeepSpeed's universal checkpoint (ds_to_universal's layout), which DeepSpeed loads at any
+world size with ``checkpoint.load_universal`` (deepspeed/universal_export.py). The other way needs no command: zengine's
 ``engine.load_checkpoint(deepspeed_save_dir, tag)`` reads DeepSpeed's checkpoints directly.
 Also runs as ``python -m zengine.checkpoint.export.convert``.
 """
@@ -20,6 +25,7 @@ from typing import Optional, Sequence
 import hjson
 
 from ..deepspeed.export import DeepSpeedExportError, export_deepspeed_checkpoint
+from ..deepspeed.universal_export import export_universal_checkpoint
 from ..errors import CheckpointError
 from .hf import export_safetensors
 
@@ -70,6 +76,40 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a DeepSpeed client_state may hold objects of your own classes",
     )
+    dc = sub.add_parser(
+        "to-dcp", help="torch.distributed.checkpoint (FSDP2's: dcp.load + set_state_dict)"
+    )
+    dc.add_argument(
+        "checkpoint_dir", help="the save_dir of engine.save_checkpoint, or one checkpoint's folder"
+    )
+    dc.add_argument("output_dir", help="the DCP folder to write (new or empty)")
+    dc.add_argument("--tag", default=None, help="the checkpoint tag (default: the one in 'latest')")
+    dc.add_argument(
+        "--trust", action="store_true", help="state.pt may hold objects of your own classes"
+    )
+    un = sub.add_parser(
+        "to-universal",
+        help="DeepSpeed's universal checkpoint (<tag>_universal/ and latest_universal)",
+    )
+    un.add_argument(
+        "checkpoint_dir", help="the save_dir of engine.save_checkpoint, or one checkpoint's folder"
+    )
+    un.add_argument("output_dir", help="the DeepSpeed save_dir to write")
+    un.add_argument(
+        "--config",
+        required=True,
+        help="the DeepSpeed config JSON DeepSpeed will run (its ZeRO stage and precision decide "
+        "the model-states file)",
+    )
+    un.add_argument(
+        "--tag", default=None, help="the zengine checkpoint tag (default: the one in 'latest')"
+    )
+    un.add_argument(
+        "--out-tag", default=None, help="the folder's name (default: global_step<N>_universal)"
+    )
+    un.add_argument(
+        "--trust", action="store_true", help="state.pt may hold objects of your own classes"
+    )
     return parser
 
 
@@ -92,6 +132,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 args.tag,
                 args.out_tag,
                 args.trust,
+            )
+        elif args.command == "to-universal":
+            with open(args.config) as f:
+                config = hjson.load(f)
+            written = export_universal_checkpoint(
+                args.checkpoint_dir, args.output_dir, config, args.tag, args.out_tag, args.trust
+            )
+        elif args.command == "to-dcp":
+            from ..dcp.export import export_dcp_checkpoint  # imports torch.distributed.checkpoint
+
+            written = export_dcp_checkpoint(
+                args.checkpoint_dir, args.output_dir, args.tag, args.trust
             )
         else:
             tied = export_safetensors(args.checkpoint_dir, args.output_file, args.tag, args.trust)

@@ -45,6 +45,16 @@ def group_names(group) -> list[str]:
     return list(group.names) if hasattr(group, "names") else [sp.name for sp in group.sharded]
 
 
+def param_group_names(optimizer) -> list[list[str]]:
+    """The parameter names of each param group of the wrapped optimizer (partial offload's
+    sub-groups joined: ``zero/sub_groups.py``)."""
+    groups = optimizer.groups
+    return [
+        [n for gi in optimizer.group_map.members(pg) for n in group_names(groups[gi])]
+        for pg in range(optimizer.group_map.count)
+    ]
+
+
 def trained_names(optimizer) -> set[str]:
     return {n for g in optimizer.groups for n in group_names(g)}
 
@@ -84,6 +94,11 @@ def untrained(module: nn.Module, optimizer, rank: int, world: int, saving: bool)
         )
         return [Holding(p.detach().view(-1), [s for s in share if s.name == n]) for n, p in params]
     return [Holding(p.detach().view(-1), [Piece(n, 0, p.numel(), 0)]) for n, p in params]
+
+
+def frozen_names(module: nn.Module) -> frozenset[str]:
+    """The parameters that do not require grad (what ``exclude_frozen_parameters`` leaves out)."""
+    return frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
 
 
 def buffers(module: nn.Module) -> dict[str, torch.Tensor]:

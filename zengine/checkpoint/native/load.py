@@ -28,8 +28,8 @@ from typing import Any, Optional
 import torch
 
 from ...log import logger
-from . import atomic, collectives, holdings, meta as meta_mod, rng
-from ..deepspeed.reader import open_reader
+from . import collectives, holdings, meta as meta_mod, rng
+from ..formats import find, open_reader
 from ..errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -37,6 +37,7 @@ from ..errors import (
     CheckpointUntrustedError,
 )
 from .holdings import Holding
+from .pieces import overlaps
 from .reader import CheckpointReader
 
 
@@ -114,17 +115,30 @@ def load_checkpoint(
             and engine.lr_scheduler is not None
             and state["lr_scheduler"] is not None
         ):
-            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            _load_scheduler(engine, directory, state["lr_scheduler"])
         if rank < len(state["rng"]):  # new ranks of a larger world keep their own generators
             rng.restore(state["rng"][rank])
     return directory, state["client_state"]
+
+
+def _load_scheduler(engine, directory: str, saved: dict) -> None:
+    """The saved scheduler state into the engine's scheduler; one of another kind (a DCP checkpoint's
+    torch scheduler beside zengine's WarmupLR) is refused by name with the way out."""
+    mine = engine.lr_scheduler.state_dict()
+    if isinstance(saved, dict) and isinstance(mine, dict) and set(saved) != set(mine):
+        raise CheckpointMismatchError(
+            f"load_checkpoint: the LR scheduler state in {directory} ({', '.join(sorted(saved))}) is "
+            f"not of the engine's scheduler ({', '.join(sorted(mine))}); build the same scheduler, "
+            "or load_checkpoint(..., load_lr_scheduler_states=False)"
+        )
+    engine.lr_scheduler.load_state_dict(saved)
 
 
 def _agree_on_directory(engine, load_dir: str, tag: Optional[str]) -> str:
     """The checkpoint directory every rank found; else on every rank the error they all met, or a
     CheckpointError listing what each rank found when they differ (never a CheckpointNotFoundError then)."""
     try:
-        mine, failure = atomic.find(load_dir, tag), None
+        mine, failure = find(load_dir, tag, engine.config.checkpoint.load_universal), None
     except Exception as e:  # compared below, so that no rank goes on alone into a collective
         mine, failure = None, e
     found = collectives.all_gather(
@@ -149,21 +163,18 @@ def _read(
     """Phase 1: check the checkpoint and read this rank's share of it in place; state.pt (weights-only unless
     ``trusted``) with the meta."""
     opt, module = engine.optimizer, engine.module
-    # zengine's own layout, or DeepSpeed's (deepspeed/reader.py): the same questions answered from either
+    ours = meta_mod.describe_model(module, holdings.trained_names(opt))
+    # zengine's own layout, DeepSpeed's or DCP's (formats.py): the same questions answered from each
     with open_reader(
         directory,
         trusted,
-        [holdings.group_names(g) for g in opt.groups],
+        holdings.param_group_names(opt),
         engine.gradient_accumulation_steps(),
+        ours,
     ) as reader:
         meta = reader.meta
-        if meta.get("format") == "deepspeed" and engine.global_rank == 0:
-            logger.info(
-                f"load_checkpoint: {directory} is a DeepSpeed {meta['ds_version']} ZeRO-{meta['zero_stage']} "
-                f"checkpoint of {meta['world_size']} ranks; loading it into stage "
-                f"{engine.zero_optimization_stage()} on {engine.world_size}"
-            )
-        ours = meta_mod.describe_model(module, holdings.trained_names(opt))
+        if engine.global_rank == 0:
+            _log_foreign(directory, meta, engine)
         lacking = meta_mod.check_same_model(meta, ours, directory, strict)
         if not strict and engine.global_rank == 0:
             _log_lenient(
@@ -173,16 +184,19 @@ def _read(
             )
         state = reader.read_state(trusted)
         saved_groups = len(state["optimizer"] or [])  # 0: written by an engine without an optimizer
-        if with_optimizer and saved_groups != len(opt.groups):
+        if with_optimizer and saved_groups != opt.group_map.count:
             raise CheckpointMismatchError(
                 f"checkpoint {directory} has {saved_groups} optimizer param groups, the engine "
-                f"{len(opt.groups)}; load_checkpoint(..., load_optimizer_states=False) loads the "
+                f"{opt.group_map.count}; load_checkpoint(..., load_optimizer_states=False) loads the "
                 "model alone"
             )
         for gi, master in enumerate(holdings.masters(opt, engine.world_size, saving=False)):
             reader.fill(_present(master, lacking), ("master", "param"))
-            if with_optimizer:
-                _load_optimizer_group(reader, opt, gi, master, state["optimizer"][gi])
+            if gi == 0:
+                _log_master_cast(directory, reader, master)
+            if with_optimizer:  # (a param group's record serves each of its sub-groups)
+                saved = state["optimizer"][opt.group_map.owner[gi]]
+                _load_optimizer_group(reader, opt, gi, master, saved)
         for held in holdings.untrained(
             module, opt, engine.global_rank, engine.world_size, saving=False
         ):
@@ -192,6 +206,37 @@ def _read(
                 reader.buffer_into(name, b.data)
     state["meta"] = meta
     return state
+
+
+def _log_foreign(directory: str, meta: dict, engine) -> None:
+    """Name the format of a checkpoint zengine did not write, once."""
+    where = f"loading it into stage {engine.zero_optimization_stage()} on {engine.world_size}"
+    if meta.get("format") in ("deepspeed", "deepspeed-universal"):
+        logger.info(
+            f"load_checkpoint: {directory} is a DeepSpeed {meta['ds_version']} ZeRO-{meta['zero_stage']} "
+            f"{'universal ' if meta['format'] != 'deepspeed' else ''}checkpoint of "
+            f"{meta['world_size']} ranks; {where}"
+        )
+    elif meta.get("format") == "dcp":
+        logger.info(f"load_checkpoint: {directory} is a DCP checkpoint; {where}")
+
+
+def _log_master_cast(directory: str, reader: CheckpointReader, master: Holding) -> None:
+    """One log line when the checkpoint's masters have another dtype than this engine's (fp32
+    masters into bf16_master_weights_and_grads, or back): they were cast as they were read."""
+    if not isinstance(reader, CheckpointReader):
+        return  # DeepSpeed's layout: its reader casts as it reads, its dtypes are its files'
+    for piece in master.pieces:
+        for rank, *_ in overlaps(piece, reader.meta["pieces"].get(piece.name, [])):
+            entries = reader.file(rank).entries
+            saved = entries.get(f"master/{piece.name}", (None,))[0]
+            if saved is not None and saved != master.buffer.dtype:
+                logger.warning(
+                    f"load_checkpoint from {directory}: masters saved in {saved} are cast to "
+                    f"{master.buffer.dtype} (bf16.bf16_master_weights_and_grads differs from the run "
+                    "that saved them), optimizer states to the dtypes this run keeps"
+                )
+            return
 
 
 def _present(held: Holding, lacking: set[str]) -> Holding:
@@ -223,7 +268,7 @@ def _load_optimizer_group(
     pieces (zeros where the checkpoint has none), scalars (``step``) as saved; and the hyper-parameters."""
     # torch keeps ``step`` on the host unless the optimizer is capturable or fused: this engine's optimizer
     # decides, not the saving one's (a checkpoint saved on CPU loads into a fused GPU optimizer)
-    group = opt.optimizer.param_groups[gi]
+    group = opt.optimizer.param_groups[opt.group_map.owner[gi]]
     on_device = bool(group.get("capturable") or group.get("fused"))
     shard = opt.shard_params[gi]
     current = opt.optimizer.state.get(shard, {})
@@ -235,14 +280,19 @@ def _load_optimizer_group(
                 value = value.to(master.buffer.device) if on_device else value.clone()
             state[key] = value
         else:  # read in place into the tensor the optimizer has, else into a new one
+            # in the dtype this optimizer keeps it in (bf16 masters: bf16 or fp32 moments), cast
+            # from the checkpoint's; a key it does not keep (Kahan's compensation) is dropped
+            dtype = opt.abilities.state_dtype(shard, key)
+            if dtype is None:
+                continue
             tensor = current.get(key)
             if not (
                 torch.is_tensor(tensor)
                 and tensor.shape == master.buffer.shape
-                and tensor.dtype == master.buffer.dtype
+                and tensor.dtype == dtype
                 and tensor.device == master.buffer.device
             ):
-                tensor = torch.empty_like(master.buffer)
+                tensor = torch.empty_like(master.buffer, dtype=dtype)
             holdings.zero_gaps(tensor, master.pieces)
             reader.fill(Holding(tensor, master.pieces), (f"state.{key}",), required=False)
             state[key] = tensor
@@ -250,7 +300,7 @@ def _load_optimizer_group(
         opt.optimizer.state[shard] = state
     else:
         opt.optimizer.state.pop(shard, None)
-    opt.optimizer.param_groups[gi].update(saved["hyper"])
+    group.update(saved["hyper"])
     # Per-parameter step counts (zero/step_counts.py); a checkpoint from before them stepped every parameter
     # alike: its flat count ("step"; 1 for an optimizer without one that has states, as SGD's momentum)
     step = saved["scalars"].get("step")
@@ -259,9 +309,7 @@ def _load_optimizer_group(
     # the flat entries belong to the count their "step" says (an optimizer that steps runs itself, as CPUAdam,
     # keeps no flat count of its own)
     flat_count = int(step) if step is not None else saved.get("flat_count", fallback)
-    opt.run_stepper.load_state_dict(
-        opt.optimizer, gi, shard, saved.get("scalars_by_count"), flat_count
-    )
+    opt.run_stepper.load_state_dict(group, gi, shard, saved.get("scalars_by_count"), flat_count)
 
 
 def _write_back(opt) -> None:

@@ -48,13 +48,18 @@ def dtype_of(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def describe_model(module: nn.Module, trained_names: set[str]) -> dict[str, Any]:
-    """Parameters (name -> shape, dtype, trained), persistent buffers, and the state_dict keys in order.
+def describe_model(
+    module: nn.Module, trained_names: set[str], excluded: frozenset = frozenset()
+) -> dict[str, Any]:
+    """Parameters (name -> shape, dtype, trained), persistent buffers, and the state_dict keys in order;
+    the parameters named in ``excluded`` (left out of the checkpoint) are not described.
 
     Stage-3 parameters show an empty tensor when released: their shape and dtype come from their ShardedParam.
     """
     params = {}
     for name, p in module.named_parameters():
+        if name in excluded:
+            continue
         sp = lookup(p)
         shape, dtype = (sp.shape, sp.full.dtype) if sp is not None else (tuple(p.shape), p.dtype)
         params[name] = {
@@ -68,7 +73,7 @@ def describe_model(module: nn.Module, trained_names: set[str]) -> dict[str, Any]
     for prefix, m in module.named_modules(remove_duplicate=False):
         pre = f"{prefix}." if prefix else ""
         for n, p in m._parameters.items():
-            if p is not None:
+            if p is not None and param_names[id(p)] not in excluded:
                 keys.append([pre + n, "param", param_names[id(p)]])
         for n, b in m._buffers.items():
             if b is not None and n not in m._non_persistent_buffers_set:

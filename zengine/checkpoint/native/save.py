@@ -43,9 +43,26 @@ def save_checkpoint(
     client_state: Optional[dict] = None,
     save_latest: bool = True,
     async_save: bool = False,
+    exclude_frozen: bool = False,
 ) -> bool:
     """Collective: write a checkpoint of ``engine`` to ``save_dir/tag``; see the module doc. ``async_save``:
-    snapshot to host memory and write in the background (background.py)."""
+    snapshot to host memory and write in the background (background.py). ``exclude_frozen``
+    (DeepSpeed's ``exclude_frozen_parameters``): the parameters that do not require grad are left
+    out; a load keeps the model's own values of them (``load_module_strict=False``, as a PEFT
+    run's resume loads) or names them missing."""
+    tag, staging = begin(engine, save_dir, tag)
+    excluded = holdings.frozen_names(engine.module) if exclude_frozen else frozenset()
+    with engine.optimizer.states_resident():
+        if async_save:
+            _start_background(engine, staging, save_dir, tag, client_state, save_latest, excluded)
+        else:
+            _write(engine, staging, save_dir, tag, client_state, save_latest, excluded)
+    return True
+
+
+def begin(engine, save_dir: str, tag: Optional[str]) -> tuple[str, str]:
+    """Collective, the start of every save (any format): the previous asynchronous save finished, the
+    ranks agreed on the tag, rank 0 made the staging folder; returns (tag, staging folder)."""
     background.wait(engine)  # the previous asynchronous save first (its errors raise here)
     group = engine.optimizer.dp_group
     rank = engine.global_rank
@@ -70,21 +87,17 @@ def save_checkpoint(
     staging, error = collectives.broadcast((staging, error), group)
     if error:
         raise CheckpointSaveError(f"save_checkpoint: {error}")
-
-    with engine.optimizer.states_resident():
-        if async_save:
-            _start_background(engine, staging, save_dir, tag, client_state, save_latest)
-        else:
-            _write(engine, staging, save_dir, tag, client_state, save_latest)
-    return True
+    return tag, staging
 
 
-def _write(engine, staging: str, save_dir: str, tag: str, client_state, save_latest: bool) -> None:
+def _write(
+    engine, staging: str, save_dir: str, tag: str, client_state, save_latest: bool, excluded
+) -> None:
     """The rank files, then (rank 0) the shared files and the publishing rename; errors on any rank raise on all."""
     group, rank = engine.optimizer.dp_group, engine.global_rank
     path = os.path.join(staging, meta_mod.rank_file(rank))
     try:
-        entries, mine = _rank_part(engine)
+        entries, mine = _rank_part(engine, excluded)
         info = write_tensor_file(path, entries, {"rank": rank, "pieces": mine["pieces"]})
         mine.update(size=info.size, crc=info.header_crc)
     except Exception as e:  # a full disk, a permission: reported on every rank below
@@ -99,7 +112,7 @@ def _write(engine, staging: str, save_dir: str, tag: str, client_state, save_lat
                     staging,
                     save_dir,
                     tag,
-                    *_shared_part(engine, client_state, everyone),
+                    *_shared_part(engine, client_state, everyone, excluded),
                     everyone,
                     save_latest,
                 )
@@ -116,14 +129,14 @@ def _write(engine, staging: str, save_dir: str, tag: str, client_state, save_lat
 
 
 def _start_background(
-    engine, staging: str, save_dir: str, tag: str, client_state, save_latest: bool
+    engine, staging: str, save_dir: str, tag: str, client_state, save_latest: bool, excluded
 ) -> None:
     """Snapshot this rank's part to host memory, agree that every rank has, and leave the writing to a thread
     (background.py); rank 0 also captures the shared part now, before training changes it."""
     group, rank = engine.optimizer.dp_group, engine.global_rank
     path = os.path.join(staging, meta_mod.rank_file(rank))
     try:
-        entries, mine = _rank_part(engine)
+        entries, mine = _rank_part(engine, excluded)
         snapshot, ready = background.host_snapshot(entries)
     except Exception as e:  # out of host memory: reported on every rank below
         mine = {
@@ -134,7 +147,7 @@ def _start_background(
     shared = None
     if rank == 0 and not errors:
         try:
-            shared = _shared_part(engine, client_state, everyone)
+            shared = _shared_part(engine, client_state, everyone, excluded)
         except Exception as e:
             errors = [f"rank 0: {type(e).__name__}: {e}"]
     errors = collectives.broadcast(errors, group)
@@ -169,9 +182,9 @@ def _start_background(
     )
 
 
-def _rank_part(engine) -> tuple[list, dict]:
+def _rank_part(engine, excluded: frozenset) -> tuple[list, dict]:
     """This rank's file entries, and what it tells rank 0 about them (pieces, state keys, RNG, step scalars)."""
-    entries, pieces, state_keys = _rank_entries(engine)
+    entries, pieces, state_keys = _rank_entries(engine, excluded)
     return entries, {
         "pieces": pieces,
         "keys": state_keys,
@@ -180,9 +193,9 @@ def _rank_part(engine) -> tuple[list, dict]:
     }
 
 
-def _rank_entries(engine) -> tuple[list, dict, list]:
+def _rank_entries(engine, excluded: frozenset) -> tuple[list, dict, list]:
     """(key, tensor view) pairs this rank writes, the pieces index {name: [start, end]}, and the per-element
-    optimizer state keys."""
+    optimizer state keys (the untrained parameters named in ``excluded`` left out)."""
     opt, rank, world = engine.optimizer, engine.global_rank, engine.world_size
     entries, pieces, state_keys = [], {}, []
     for gi, master in enumerate(holdings.masters(opt, world, saving=True)):
@@ -196,6 +209,8 @@ def _rank_entries(engine) -> tuple[list, dict, list]:
             ]
     for held in holdings.untrained(engine.module, opt, rank, world, saving=True):
         for p in held.pieces:
+            if p.name in excluded:
+                continue
             pieces[p.name] = [p.start, p.end]
             entries.append((f"param/{p.name}", held.view(p)))
     if rank == 0:
@@ -217,28 +232,13 @@ def _scalars_by_count(opt) -> list[dict]:
 
 def _engine_state(engine, client_state, everyone) -> dict[str, Any]:
     opt = engine.optimizer
-    groups = []
-    for gi, shard in enumerate(opt.shard_params):
-        state = opt.optimizer.state.get(shard, {})
-        elementwise = holdings.elementwise_state(opt, gi)
-        groups.append(
-            {
-                "hyper": {k: v for k, v in opt.optimizer.param_groups[gi].items() if k != "params"},
-                "keys": list(state),  # in the optimizer's order
-                "scalars": {
-                    k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
-                    for k, v in state.items()
-                    if k not in elementwise
-                },
-                # per parameter, as torch counts steps (a parameter without a gradient is not stepped), and the
-                # scalars of every count any rank's pieces have: a rank of another world size finds its own
-                "step_counts": opt.step_counts.state_dict(gi),
-                "flat_count": opt.run_stepper.flat_count[gi],
-                "scalars_by_count": {
-                    c: s for r in everyone for c, s in r["scalars_by_count"][gi].items()
-                },
-            }
-        )
+    records = [_group_record(opt, gi, everyone) for gi in range(len(opt.shard_params))]
+    # one record per param group of the wrapped optimizer: partial offload's sub-groups merged, so
+    # that the checkpoint is the same whatever the split (zero/sub_groups.py)
+    groups = [
+        _merged(opt, pg, [records[gi] for gi in opt.group_map.members(pg)])
+        for pg in range(opt.group_map.count)
+    ]
     return {
         "optimizer": groups,
         "lr_scheduler": engine.lr_scheduler.state_dict()
@@ -250,7 +250,43 @@ def _engine_state(engine, client_state, everyone) -> dict[str, Any]:
     }
 
 
-def _shared_part(engine, client_state, everyone: list) -> tuple[bytes, dict]:
+def _group_record(opt, gi: int, everyone) -> dict[str, Any]:
+    """Group ``gi``'s state.pt record, its hyper-parameters left to its param group."""
+    state = opt.optimizer.state.get(opt.shard_params[gi], {})
+    elementwise = holdings.elementwise_state(opt, gi)
+    return {
+        "keys": list(state),  # in the optimizer's order
+        "scalars": {
+            k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
+            for k, v in state.items()
+            if k not in elementwise
+        },
+        # per parameter, as torch counts steps (a parameter without a gradient is not stepped), and the
+        # scalars of every count any rank's pieces have: a rank of another world size finds its own
+        "step_counts": opt.step_counts.state_dict(gi),
+        "flat_count": opt.run_stepper.flat_count[gi],
+        "scalars_by_count": {c: s for r in everyone for c, s in r["scalars_by_count"][gi].items()},
+    }
+
+
+def _merged(opt, pg: int, records: list[dict]) -> dict[str, Any]:
+    """Param group ``pg``'s record from its groups' (one, unless partial offload cut sub-groups, whose
+    optimizer steps by runs and keeps no scalars but CPU-Adam's ``step``, the largest of which stands)."""
+    first = records[0]
+    merged = {"hyper": {k: v for k, v in opt.optimizer.param_groups[pg].items() if k != "params"}}
+    merged.update(first)
+    for other in records[1:]:
+        merged["keys"] = merged["keys"] + [k for k in other["keys"] if k not in merged["keys"]]
+        scalars = dict(merged["scalars"])
+        for k, v in other["scalars"].items():
+            scalars[k] = v if k not in scalars or float(v) > float(scalars[k]) else scalars[k]
+        merged["scalars"] = scalars
+        merged["step_counts"] = {**merged["step_counts"], **other["step_counts"]}
+        merged["flat_count"] = max(merged["flat_count"], other["flat_count"])
+    return merged
+
+
+def _shared_part(engine, client_state, everyone: list, excluded: frozenset) -> tuple[bytes, dict]:
     """Rank 0: state.pt's bytes and meta.json's engine fields, read from the engine now."""
     buf = io.BytesIO()
     torch.save(_engine_state(engine, client_state, everyone), buf)
@@ -261,7 +297,9 @@ def _shared_part(engine, client_state, everyone: list) -> tuple[bytes, dict]:
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,
         "global_samples": engine.global_samples,
-        **meta_mod.describe_model(engine.module, holdings.trained_names(engine.optimizer)),
+        **meta_mod.describe_model(
+            engine.module, holdings.trained_names(engine.optimizer), excluded
+        ),
     }
     return buf.getvalue(), meta
 

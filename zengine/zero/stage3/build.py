@@ -17,12 +17,14 @@ from torch import nn
 
 from ...offload.placement import make_placement
 from ...precision.grad_factor import GradFactor
+from ...precision.masters import MasterPrecision
 from ..bucket_order import registration_positions
 from ..grad_dtypes import GradDtypes
 from ..grads import buckets_in_flight
 from ..init import warn_lost_writes
 from ..mics import MicsConfigError
 from ..optimizer import ShardGroup, StepRules
+from ..sub_groups import GroupMap, split_sub_groups
 from .fetcher import Fetcher, compute_codec
 from .hierarchical import secondary_partition
 from .trace import read_ahead_for
@@ -31,6 +33,7 @@ from .leaf import mark_from_config
 from .group import ShardedParamGroup
 from .optimizer import ShardedModel, Stage3Optimizer
 from .param import ParamState, ShardedParam, lookup, register
+from .units import GatherUnits
 
 if TYPE_CHECKING:  # annotations only
     from ...config import ZengineConfig
@@ -67,6 +70,23 @@ def shard_parameters(
     return out
 
 
+def optimizer_units(
+    members: list[list[ShardedParam]], hypers: list[dict], zero_cfg: ZeroConfig
+) -> tuple[list[list[ShardedParam]], list[dict], GroupMap]:
+    """The groups the optimizer steps and their param groups: the param groups themselves, or with
+    partial offload (``offload_optimizer.ratio`` below 1) DeepSpeed's sub-groups of each
+    (``sub_groups.py``), which the placement splits between device and host."""
+    if not zero_cfg.offload_optimizer.partial:
+        return members, hypers, GroupMap.identity(len(members))
+    units, unit_hypers, owner = [], [], []
+    for pg, (sps, hyper) in enumerate(zip(members, hypers)):
+        for run in split_sub_groups([sp.chunk for sp in sps], int(zero_cfg.sub_group_size)):
+            units.append([sps[i] for i in run])
+            unit_hypers.append(hyper)
+            owner.append(pg)
+    return units, unit_hypers, GroupMap(tuple(owner))
+
+
 def build_stage3_optimizer(
     module: nn.Module,
     config: ZengineConfig,
@@ -76,18 +96,22 @@ def build_stage3_optimizer(
     rules: StepRules,
     ranks: ShardGroup,
     on_unbracketed_grad: Callable[[], None],
+    dtypes: GradDtypes,
 ) -> Stage3Optimizer:
     """The stage-3 optimizer over ``module`` for ``config`` (a ``ZengineConfig``); arguments as
-    ``stages.build_zero_optimizer``'s."""
+    ``stages.build_zero_optimizer``'s (``dtypes``: the gradients' ``GradDtypes``)."""
     zero_cfg, dtype = config.zero_optimization, config.compute_dtype
     all_sharded = shard_parameters(module, zero_cfg, dtype, ranks)
     mark_from_config(
         module, zero_cfg.leaf_module
     )  # (ModuleHooks, made by the optimizer, reads the marks)
     members = [[lookup(p) for _, p in named] for named, _ in named_groups]
-    placement = make_placement(
-        zero_cfg, ranks.device, dtype, config.aio, [[sp.chunk for sp in sps] for sps in members]
+    members, hypers, group_map = optimizer_units(
+        members, [hyper for _, hyper in named_groups], zero_cfg
     )
+    chunks = [[sp.chunk for sp in sps] for sps in members]
+    masters_dtype = MasterPrecision.from_config(config.bf16).dtype
+    placement = make_placement(zero_cfg, ranks.device, dtype, config.aio, chunks, masters_dtype)
     home = placement.params
     fetcher = Fetcher(
         zero_cfg,
@@ -110,7 +134,7 @@ def build_stage3_optimizer(
     )
     groups = [
         ShardedParamGroup(sps, hyper, swap=home.swap, align=align, **on_home)
-        for sps, (_, hyper) in zip(members, named_groups)
+        for sps, hyper in zip(members, hypers)
     ]
     in_groups = {id(sp) for g in groups for sp in g.sharded}
     frozen = ShardedParamGroup([sp for sp in all_sharded if id(sp) not in in_groups], {}, **on_home)
@@ -120,12 +144,12 @@ def build_stage3_optimizer(
     masters = placement.master_store(groups, dtype, ranks.world, ranks.device)  # (Infinity: a sink)
     spec = Stage3GradSpec(
         groups=groups,
-        bucket_numel=zero_cfg.reduce_bucket_size,
+        bucket_numel=GatherUnits.from_config(zero_cfg).reduce_bucket,  # ("auto": about a block)
         world=ranks.world,
         rank=ranks.rank,
         placement=placement.optimizer,
         after_grad=lambda sp: fetcher.release([sp], force=True),
-        dtypes=GradDtypes.from_config(config),
+        dtypes=dtypes,
         comm_group=ranks.group,
         in_flight=buckets_in_flight(zero_cfg.overlap_comm),
         quantized_bits=zero_cfg.zero_quantized_gradients_bits
@@ -149,4 +173,5 @@ def build_stage3_optimizer(
         rules,
         ranks,
         on_unbracketed_grad,
+        group_map=group_map,
     )

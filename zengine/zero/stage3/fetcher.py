@@ -38,6 +38,7 @@ from .holds import Holds
 from .param import ParamState, ShardedParam
 from .quantized import gather_codec
 from .trace import NoReadAhead, ReadAhead, Trace, order_check
+from .units import GatherUnits
 from .two_hop import gather_codec_for
 
 __all__ = ["Fetcher", "FetchOrderError", "compute_codec"]
@@ -88,11 +89,12 @@ class Fetcher:
         self.ranks = GatherGroup(comm_group, world, rank)
         self.device = device  # the compute device: the checks' messages travel there
         self.max_live = int(zero_cfg.stage3_max_live_parameters)
+        units = GatherUnits.from_config(zero_cfg)  # (the "auto" units' lifetimes: units.py)
         self.trace = Trace(
             int(zero_cfg.stage3_prefetch_bucket_size),
-            int(zero_cfg.stage3_max_reuse_distance),
+            units.reuse_distance,
             rank,
-            coalesce=getattr(zero_cfg, "stage3_gather_units", "auto") == "auto",
+            coalesce=units.coalesce and not codec.values_depend_on_row,
         )
         self.order_check = order_check(zero_cfg, device, comm_group, rank, world)
         self.holds = Holds()

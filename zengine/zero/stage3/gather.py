@@ -32,6 +32,9 @@ class GatherCodec(Protocol):
     ``quantized.Int8Gather`` (ZeRO++'s int8 weights), ``two_hop.TwoHopGather`` (MiCS's two hops)."""
 
     finishes: bool  # True when the rows need work once the collective lands (``finish``)
+    # True when a row's values depend on what else travels in it (blockwise scales): then gathers
+    # are not coalesced into groups (trace.py), so a parameter gathers to the same values every time
+    values_depend_on_row: bool
 
     def start(self, staging: torch.Tensor, ncols: int, rank: int, group: Any) -> tuple[list, Any]:
         """Launch the gather of ``staging``'s rows (this rank's filled); the works and the codec's
@@ -47,6 +50,7 @@ class ExactGather:
     """All-gather the staging rows as they are."""
 
     finishes = False  # nothing to do after the gather lands
+    values_depend_on_row = False
 
     def start(self, staging: torch.Tensor, ncols: int, rank: int, group: Any) -> tuple[list, Any]:
         """All-gather ``staging``'s rows asynchronously; no state to finish with."""

@@ -40,7 +40,7 @@ from ..bucket_order import BucketQueue
 from ..grad_dtypes import GradDtypes
 from ..layout import Bucket, FlatLayout
 from ..mics import Replicated, Replication
-from ..reducer import ReduceCodec, Reduction, ShardReducer
+from ..reducer import ReduceCodec, Reduction, ShardReducer, scaled_codec
 from .group import ShardedParamGroup
 from .param import ShardedParam
 from .quantized import quantized_reduce_scatter
@@ -80,9 +80,13 @@ class RankMajor:
     ):
         self.groups, self.world = groups, world
         self.after_grad = after_grad
-        self.reduce_dtype = dtypes.reduce
         # Buckets count chunk elements; a bucket of c chunk elements moves world * c elements.
-        self.queues = [BucketQueue(_ChunkView(g), max(1, bucket_numel // world)) for g in groups]
+        # each parameter's wire dtype, which a bucket does not mix (torch_autocast)
+        self.wires = [dtypes.wires([sp.param for sp in g.sharded]) for g in groups]
+        self.queues = [
+            BucketQueue(_ChunkView(g), max(1, bucket_numel // world), wires)
+            for g, wires in zip(groups, self.wires)
+        ]
 
     def grad(self, gi: int, pi: int) -> Optional[torch.Tensor]:
         return self.groups[gi].sharded[pi].param.grad
@@ -104,9 +108,10 @@ class RankMajor:
         self.after_grad(self.groups[gi].sharded[pi])
 
     def buffer(self, gi: int, bucket: Bucket, buffers: BucketBuffers) -> torch.Tensor:
-        # [world, chunks] on the compute device, like the gathered parameters, in the reduce dtype
+        # [world, chunks] on the compute device, like the gathered parameters, in the wire dtype
         device = self.groups[gi].sharded[0].full.device
-        return buffers.get((gi, bucket.index), (self.world, bucket.numel), device)
+        shape, wire = (self.world, bucket.numel), self.wires[gi][bucket.params[0]]
+        return buffers.get((gi, bucket.index), shape, device, wire)
 
     def copy_in(self, gi: int, pi: int, buffers: BucketBuffers) -> None:
         sp = self.groups[gi].sharded[pi]
@@ -134,7 +139,7 @@ class RankMajor:
             or sp.numel != self.world * sp.chunk
             or bucket.numel != sp.chunk
             or key in buffers.live
-            or grad.dtype != self.reduce_dtype
+            or grad.dtype != self.wires[gi][bucket.params[0]]
             or not grad.is_contiguous()
         ):
             return False
@@ -223,7 +228,8 @@ def _codec(spec: Stage3GradSpec) -> ReduceCodec:
 
 def _reducer(spec: Stage3GradSpec, layout: RankMajor, landing: GradLanding) -> ShardReducer:
     buffers = BucketBuffers(spec.dtypes.reduce, spec.placement.copies)
-    return ShardReducer(layout, _codec(spec), landing, buffers, spec.in_flight, spec.positions)
+    codec = scaled_codec(_codec(spec), spec.dtypes.scaling)
+    return ShardReducer(layout, codec, landing, buffers, spec.in_flight, spec.positions)
 
 
 def stage3_gradients(spec: Stage3GradSpec) -> ShardReducer:
@@ -231,7 +237,10 @@ def stage3_gradients(spec: Stage3GradSpec) -> ShardReducer:
     placement keeps master gradients."""
     layout = RankMajor(spec.groups, spec.bucket_numel, spec.world, spec.after_grad, spec.dtypes)
     dtype = spec.dtypes.shard_dtype(spec.placement.cpu_optimizer)
-    shards = [spec.placement.empty(g.shard_numel, dtype, g.shard_flat.device) for g in spec.groups]
+    shards = [
+        spec.placement.group_home(gi).empty(g.shard_numel, dtype, g.shard_flat.device)
+        for gi, g in enumerate(spec.groups)
+    ]
     regions = [layout.regions(gi) for gi in range(len(spec.groups))]
     return _reducer(spec, layout, ShardsInMemory(shards, regions, spec.placement.copies))
 

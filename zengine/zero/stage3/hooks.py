@@ -11,10 +11,16 @@ A leaf module (``leaf.py``) is one unit with its whole subtree: its hooks gather
 it, and its descendants get none.
 
 Parameters used outside their module (``F.linear(x, self.emb.weight)``) are
-caught by a torch-function mode that is active during the engine's forward:
-an op that receives a sharded parameter gathers it first, the running
-module releases it when it finishes, and the op's outputs are hooked to
-gather it again for backward.
+caught by a torch-function mode that is active during the engine's forward
+(and, entered by the root module's own hooks, during a call of the model
+outside the engine: TRL generating through the hooks): an op that receives a
+sharded parameter gathers it first, the running module releases it when it
+finishes, and the op's outputs are hooked to gather it again for backward. A
+parameter registered as external to a module (``external.py``) is gathered
+with that module's own instead.
+
+The hooks can be taken off and put back (``remove``, ``reinstall``): DeepSpeed's
+callers do it through ``optimizer.parameter_offload`` (``parameter_offload.py``).
 
 A gradient reaches a trainable parameter's accumulator only whole: autograd checks it against the
 parameter's shape there. One that arrives while the parameter is sharded gathers it first
@@ -29,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -37,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ...distributed import diagnose
+from . import external
 from .fetcher import Fetcher
 from .leaf import z3_leaf_module
 from .param import ParamState, ShardedParam, lookup
@@ -62,51 +69,81 @@ class ModuleHooks:
     """Fetch/release hooks on every module that owns parameters, plus the external-use mode."""
 
     def __init__(self, module: nn.Module, fetcher: Fetcher):
+        self.module = module
         self.fetcher = fetcher
         self.units: dict[nn.Module, list[ShardedParam]] = {}
         self.names: dict[nn.Module, str] = {}
-        self.frames: list[
-            list[ShardedParam]
-        ] = []  # externals fetched while each running module runs
+        # externals fetched while each running module runs
+        self.frames: list[list[ShardedParam]] = []
         self.running: list[set[int]] = []  # ids of the parameters of each running module
         self.enabled = True
-        self.wrap: Callable[[Callable], Callable] = lambda fn: (
-            fn
-        )  # compiled autograd: torch.compiler.disable
+        # compiled autograd: torch.compiler.disable
+        self.wrap: Callable[[Callable], Callable] = lambda fn: fn
         self.internal = False  # our own tensor work inside hooks is not an external use
         self.backward_count = (
             0  # backwards finished so far (end_backward); a retained graph runs again
         )
-        self.handles = []
+        # what DeepSpeed calls the forward and backward hooks (parameter_offload.py hands them out)
+        self.forward_handles: list = []  # each unit's pre- and post-forward hooks
+        self.backward_handles: list = []  # the trainable parameters' gradient hooks
+        self._trainable: list[ShardedParam] = []
+        self.modes_active = 0  # external-use modes entered (the engine's forward enters one)
+        self._outside: list[Optional[ExternalParamMode]] = []  # entered by the root's own hooks
         # forwards of the whole model, [with gradients, without]: a failed collective compares
         # them across ranks (diagnose.uneven_forwards: a rank that stopped generating early)
         self.forwards = [0, 0]
-        self.handles.append(module.register_forward_pre_hook(self._count_forward))
         me = weakref.ref(self)  # the registry must not keep an old engine alive
         diagnose.track_forwards(lambda: me().forwards if me() is not None else [])
-        inside_leaf: list[
-            str
-        ] = []  # module paths of the leaves met so far: their descendants get no hooks
-        for name, m in module.named_modules():
+        self.install_forward()
+
+    def install_forward(self) -> None:
+        """Find the units (each module's own parameters, a leaf's whole subtree, and the parameters
+        registered as external to it: ``external.py``) and hook each one's forward."""
+        self.units, self.names = {}, {}
+        self.forward_handles.append(self.module.register_forward_pre_hook(self._count_forward))
+        inside_leaf: list[str] = []  # the leaves met so far: their descendants get no hooks
+        for name, m in self.module.named_modules():
             if any(name.startswith(leaf + ".") for leaf in inside_leaf):
                 continue
             if z3_leaf_module(m):  # the whole subtree is one unit (leaf.py)
                 inside_leaf.append(name)
-                unit = list(
-                    dict.fromkeys(sp for p in m.parameters() if (sp := lookup(p)) is not None)
-                )
+                owned = list(m.parameters())
             else:
-                unit = [
-                    sp
-                    for p in m._parameters.values()
-                    if p is not None and (sp := lookup(p)) is not None
-                ]
+                owned = [p for p in m._parameters.values() if p is not None]
+            params = dict.fromkeys(owned + external.registered(m))
+            unit = [sp for p in params if (sp := lookup(p)) is not None]
             if not unit:
                 continue
             self.units[m] = unit
             self.names[m] = name or "<root>"
-            self.handles.append(m.register_forward_pre_hook(self._pre_forward))
-            self.handles.append(m.register_forward_hook(self._post_forward))
+            self.forward_handles.append(m.register_forward_pre_hook(self._pre_forward))
+            self.forward_handles.append(m.register_forward_hook(self._post_forward))
+        # the model called directly (engine.module(x), generate): the external-use mode as well
+        root = self.module
+        self.forward_handles.append(root.register_forward_pre_hook(self._enter_outside))
+        self.forward_handles.append(
+            root.register_forward_hook(self._leave_outside, always_call=True)
+        )
+
+    def _enter_outside(self, m: nn.Module, args) -> None:
+        """The root's forward outside the engine's: gather parameters read outside their module,
+        as the engine's forward does (one mode; inside the engine's forward nothing to add)."""
+        mode = ExternalParamMode(self) if self.enabled and self.modes_active == 0 else None
+        if mode is not None:
+            mode.__enter__()
+        self._outside.append(mode)
+
+    def _leave_outside(self, m: nn.Module, args, out) -> None:
+        mode = self._outside.pop() if self._outside else None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+    def reinstall(self) -> None:
+        """Hook the model again (after ``remove``, or to pick up new external registrations), once:
+        the hooks still in place are replaced, not doubled."""
+        self.remove()
+        self.install_forward()
+        self.gather_before_gradient(self._trainable)
 
     def _count_forward(self, m: nn.Module, args) -> None:
         self.forwards[0 if torch.is_grad_enabled() else 1] += 1
@@ -181,9 +218,11 @@ class ModuleHooks:
     def gather_before_gradient(self, params: list[ShardedParam]) -> None:
         """Hook each of ``params`` (the trainable ones) so that its gradient finds it whole (see the
         module's docstring); a no-op check when the module hooks gathered it, as they usually do."""
+        self._trainable = list(params)
         for sp in params:
             if sp.param.requires_grad:
-                self.handles.append(sp.param.register_hook(self._whole_before_gradient(sp)))
+                hook = sp.param.register_hook(self._whole_before_gradient(sp))
+                self.backward_handles.append(hook)
 
     def _whole_before_gradient(self, sp: ShardedParam) -> Callable:
         def gather(sp: ShardedParam) -> None:
@@ -201,9 +240,10 @@ class ModuleHooks:
         self.backward_count += 1
 
     def remove(self) -> None:
-        for h in self.handles:
+        """Take every hook off (the model then runs as plain torch: on whole parameters only)."""
+        for h in self.forward_handles + self.backward_handles:
             h.remove()
-        self.handles = []
+        self.forward_handles, self.backward_handles = [], []
 
 
 def _param_args(args, kwargs):
@@ -224,6 +264,14 @@ class ExternalParamMode(TorchFunctionMode):
     def __init__(self, hooks: ModuleHooks):
         super().__init__()
         self.hooks = hooks
+
+    def __enter__(self):
+        self.hooks.modes_active += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.hooks.modes_active -= 1
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -29,6 +29,7 @@ from .grads import ExternalUseError
 from .group import ShardedParamGroup
 from .hooks import ModuleHooks
 from .param import ParamState, ShardedParam
+from .parameter_offload import ParameterOffload
 
 # autograd's check of a gradient against the shape its op saw: "... got [0] but expected shape compatible with [a, b]"
 _EMPTY_GRADIENT = re.compile(
@@ -97,6 +98,8 @@ class Stage3Optimizer(ZeroOptimizer):
         # stage3_gather_units "auto": a gather group never spans two of the model's blocks
         self.fetcher.trace.block_of = BlockOf(block_names(self.module))
         self.module_hooks.gather_before_gradient([sp for g in groups for sp in g.sharded])
+        # DeepSpeed's DeepSpeedZeRoOffload members (TRL's generation takes the hooks off and back)
+        self.parameter_offload = ParameterOffload(self.module, self.module_hooks, self.fetcher)
         # (torch marks the hook object itself, which a bound method cannot take: a plain function)
         self._state_dict_hook = self.module.register_state_dict_post_hook(
             lambda module, state_dict, prefix, local_metadata: self._on_state_dict(

@@ -79,9 +79,33 @@ class ZeroParameter(nn.Parameter):
         return self._sharded().shard
 
     @property
+    def ds_active_sub_modules(self) -> "ActiveSubModules":
+        """The forward holds on it (DeepSpeed: the modules using it now); ``clear()`` drops them,
+        so the next release frees it (TRL clears them before taking the hooks off)."""
+        return ActiveSubModules(self._sharded())
+
+    @property
     def ds_persist(self) -> bool:
         """Whether it stays gathered (below stage3_param_persistence_threshold)."""
         return self._sharded().persistent
+
+
+class ActiveSubModules:
+    """A stage-3 parameter's forward holds, shown as DeepSpeed's set of the modules using it: zengine
+    counts holds rather than naming modules, so this is sized and cleared, not listed."""
+
+    def __init__(self, sp: "ShardedParam"):
+        self._sp = sp
+
+    def __len__(self) -> int:
+        return self._sp.holders
+
+    def __bool__(self) -> bool:
+        return self._sp.holders > 0
+
+    def clear(self) -> None:
+        """Drop every forward hold (the parameter is freed at its next release, unless pinned)."""
+        self._sp.holders = 0
 
 
 _next_index = itertools.count()  # ds_id: a number per sharded parameter, in creation order

@@ -47,6 +47,9 @@ class Int8Gather:
     ``gather.GatherCodec``."""
 
     finishes = True  # dequantize the received rows (``finish``) once the gather lands
+    # a block's scale is its largest magnitude: coalesced with its neighbours a parameter would
+    # quantize otherwise (and differently in forward and backward, whose groups differ)
+    values_depend_on_row = True
 
     def start(self, staging: torch.Tensor, ncols: int, rank: int, group) -> tuple[list, object]:
         """Quantize this rank's row and launch the gathers of the codes and of the scales (and tag)."""

@@ -55,6 +55,7 @@ class Trace:
         self._record = False
         self.pos = 0  # the next unit of ``units`` the step should fetch
         self.following = False  # a training step that has matched the trace so far
+        self.invalid = False  # dropped by invalidate(): the next training step records anew
         self._warned_dynamic = False
 
     def begin_step(self, training: bool) -> None:
@@ -64,6 +65,7 @@ class Trace:
         self._recording = []
         self._record = training and self.units is None
         self.following = training and self.units is not None
+        self.invalid = self.invalid and not self._record
 
     def end_step(self) -> None:
         """Backward is over: keep the first step's sequence as the trace."""
@@ -73,6 +75,13 @@ class Trace:
             self.group_end = gather_groups(self.units, cap, self.block_of)
         self._recording = []
         self._record = self.following = False
+
+    def invalidate(self) -> None:
+        """Forget the recorded order (the model's hooks were replaced: the order may have changed);
+        the rest of this step fetches on demand and the next training step records again."""
+        self.units, self.group_end = None, []
+        self._recording, self._record, self.following = [], False, False
+        self.invalid = True
 
     def note(self, params: Sequence[ShardedParam], tag: str) -> None:
         """A fetch: record it, or check it against the trace (a departure ends following)."""

@@ -1,0 +1,145 @@
+"""Checkpoints across master precisions (issue 42 item 5): fp32 masters saved, loaded into a run
+with bf16 masters and states at another world size and stage, and the other way; the masters and
+moments are cast as they are read (with one log line), and DeepSpeed's layout carries them too."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zengine
+from configs import PARITY_LR, PARITY_MICRO, parity_config
+from harness import spawn
+from models import EdgeNet, edge_param_groups, make_batches, train_global_batch
+from zengine.checkpoint import export_deepspeed_checkpoint
+from zengine.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+MASTERS = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+
+
+def _config(stage: int, low: bool, rounding: str = "nearest") -> dict:
+    cfg = parity_config(stage, "bf16", 1, dist.get_world_size())
+    if low:
+        cfg["bf16"].update(MASTERS, master_rounding=rounding)
+    return cfg
+
+
+def _engine(stage: int, low: bool, rounding: str = "nearest"):
+    torch.manual_seed(0)
+    model = EdgeNet()
+    engine, *_ = zengine.initialize(
+        model=model,
+        config=_config(stage, low, rounding),
+        model_parameters=edge_param_groups(model, PARITY_LR),
+    )
+    return engine
+
+
+def _train(engine, steps: int, seed: int) -> list[float]:
+    world = dist.get_world_size()
+    batches = make_batches(steps, PARITY_MICRO * world, seed=seed)
+    return [train_global_batch(engine, b, PARITY_MICRO, 1) for b in batches]
+
+
+def _values(engine) -> dict:
+    """Every trained parameter (compute dtype), its master and its moments, whole, as lists of
+    floats (tensors would leave the rank through file descriptors that close with it)."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad or name in ("unused.weight", "unused.bias"):
+            continue
+        out[f"master/{name}"] = safe_get_full_fp32_param(p).float()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).float()
+    with engine.summon_full_params(writeback=False):
+        for name, p in engine.module.named_parameters():
+            out[f"param/{name}"] = p.detach().float().clone()
+    return {k: v.reshape(-1).tolist() for k, v in out.items()}
+
+
+def _save(stage: int, low: bool, folder: str, rounding: str = "nearest") -> dict:
+    engine = _engine(stage, low, rounding)
+    _train(engine, 3, seed=1)
+    engine.save_checkpoint(folder, tag="t")
+    return _values(engine)
+
+
+def _load(stage: int, low: bool, folder: str, tag="t") -> tuple[dict, list[str], list[float], dict]:
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("zengine").addHandler(handler)
+    engine = _engine(stage, low)
+    engine.load_checkpoint(folder, tag=tag)
+    values = _values(engine)
+    opt = engine.optimizer.optimizer
+    dtypes = {str(t.dtype) for s in opt.state.values() for t in s.values() if t.dim()}
+    losses = _train(engine, 2, seed=2)
+    logging.getLogger("zengine").removeHandler(handler)
+    masters = {str(m.dtype) for m in engine.optimizer.masters}
+    return values, messages, losses, {"states": sorted(dtypes), "masters": sorted(masters)}
+
+
+def _check(saved: dict, loaded: dict, low: bool) -> None:
+    """Loaded values equal the saved ones cast to the loading run's dtypes: bf16 masters and moments
+    are the saved fp32 ones rounded; fp32 ones are the saved bf16 ones exactly; the compute-dtype
+    parameters are the same bits either way."""
+    assert set(saved) == set(loaded)
+    for key in saved:
+        want, got = torch.tensor(saved[key]), torch.tensor(loaded[key])
+        if key.startswith("param/") or not low:
+            assert torch.equal(got, want), key
+        else:
+            assert torch.equal(got, want.to(torch.bfloat16).float()), key
+
+
+CASES = [
+    # (saving world, stage, bf16 masters) -> (loading world, stage, bf16 masters)
+    ((2, 2, False), (3, 3, True)),
+    ((3, 3, True), (2, 1, False)),
+    ((2, 1, True), (3, 2, True)),
+]
+
+
+@pytest.mark.parametrize("saving,loading", CASES)
+def test_checkpoint_across_master_precisions(tmp_path, saving, loading):
+    folder = str(tmp_path / "ckpt")
+    saved = spawn(_save, saving[0], saving[1], saving[2], folder)[0]
+    for values, messages, losses, kinds in spawn(_load, loading[0], loading[1], loading[2], folder):
+        _check(saved, values, loading[2])
+        want = "torch.bfloat16" if loading[2] else "torch.float32"
+        assert kinds == {"states": [want], "masters": [want]}, kinds
+        # training goes on from there (the saving run's next losses: 12.7, 10.9)
+        assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+        cast = [m for m in messages if "are cast to" in m]
+        assert bool(cast) == (saving[2] != loading[2]), messages
+
+
+def test_kahan_compensation_is_dropped_by_a_run_without_it(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    saved = spawn(_save, 2, 2, True, folder, "kahan")[0]
+    for values, _, losses, kinds in spawn(_load, 2, 3, True, folder):
+        _check(saved, values, True)
+        assert kinds["states"] == ["torch.bfloat16"]
+
+
+def _export(folder: str, out: str, world: int, stage: int) -> str:
+    cfg = parity_config(stage, "bf16", 1, world)
+    return export_deepspeed_checkpoint(folder, out, world, cfg)
+
+
+@pytest.mark.parametrize("low_save,low_load", [(True, False), (False, True), (True, True)])
+def test_deepspeed_layout_both_ways(tmp_path, low_save, low_load):
+    """A checkpoint of either precision exported in DeepSpeed's layout (W=2, stage 2) loads into a
+    run of either precision at W=3 stage 3: the same values, cast."""
+    folder, out = str(tmp_path / "ckpt"), str(tmp_path / "ds")
+    saved = spawn(_save, 2, 1, low_save, folder)[0]
+    exported = _export(os.path.join(folder, "t"), out, 2, 2)
+    tag = os.path.basename(os.path.normpath(exported))
+    for values, _, losses, _ in spawn(_load, 3, 3, low_load, os.path.dirname(exported), tag):
+        _check(saved, values, low_load)
+        assert all(torch.isfinite(torch.tensor(losses))), losses

@@ -1,0 +1,112 @@
+"""Device memory on the stand-in device: live and peak bytes of ``meta`` storages, by the line that made them.
+
+``torch.cuda.max_memory_allocated`` is what a GPU run reports; CI has no GPU, so this counts the same
+thing on ``meta`` (``device_guard.py``'s stand-in): every storage a dispatched op creates on the device
+is recorded with the innermost zengine line that made it (or the test's, outside zengine) and counted
+while it lives. Sizes are read from the storages themselves, so a storage stage 3 frees by resizing it
+to zero (``untyped_storage().resize_(0)``) and grows again at the next gather counts as it is. At each
+new peak the live bytes are kept by site, so ``peak_sites()`` says what made up the worst moment.
+
+    with DeviceMemory() as memory:   # inside device_guard's other stand-ins
+        ... train ...
+    memory.peak, memory.live(), memory.peak_sites()
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from collections import Counter
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def _site() -> str:
+    """file:line of the innermost zengine frame making the storage, else of the innermost test frame."""
+    frame, fallback = sys._getframe(3), None
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if (
+            f"{os.sep}zengine{os.sep}" in name
+            and f"{os.sep}tests{os.sep}" not in name
+            and frame.f_code.co_name != "__torch_function__"  # a mode's pass-through
+        ):
+            return f"{name[name.rindex(os.sep + 'zengine' + os.sep) + 1 :]}:{frame.f_lineno}"
+        if fallback is None and f"{os.sep}tests{os.sep}" in name and "device_" not in name:
+            fallback = f"{os.path.basename(name)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return fallback or "<torch>"
+
+
+class DeviceMemory(TorchDispatchMode):
+    """Counts the bytes of live storages on ``device`` (the stand-in ``meta``) and their peak.
+
+    ``phase(name)`` starts a named phase: ``peaks`` then holds each phase's own peak (as resetting
+    ``torch.cuda.reset_peak_memory_stats`` between phases would)."""
+
+    def __init__(self, device: str = "meta"):
+        super().__init__()
+        self.device = device
+        self._live: dict[int, tuple[weakref.ref, str]] = {}
+        self.peak = 0
+        self._peak_sites: Counter = Counter()
+        self.peaks: dict[str, int] = {}
+        self._phase: Optional[str] = None
+        self._counts = True  # the current phase counts toward ``peak``
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        fresh = False
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == self.device:
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self._live:
+                    self._live[key] = (weakref.ref(storage), _site())
+                    weakref.finalize(storage, self._live.pop, key, None)
+                    fresh = True
+        if fresh or func is torch.ops.aten.copy_.default:  # (a regrown stage-3 buffer is written)
+            self._note()
+        return out
+
+    def live(self) -> int:
+        """Bytes of the device storages alive now."""
+        return sum(s.nbytes() for s in self._storages())
+
+    def _storages(self):
+        for ref, _ in list(self._live.values()):
+            storage = ref()
+            if storage is not None:
+                yield storage
+
+    def _note(self) -> None:
+        now = self.live()
+        if self._phase is not None and now > self.peaks.get(self._phase, 0):
+            self.peaks[self._phase] = now
+        if now > self.peak and self._counts:
+            self.peak = now
+            self._peak_sites = self.by_site()
+
+    def by_site(self) -> Counter:
+        """Live bytes now, by the line that made each storage."""
+        sites: Counter = Counter()
+        for ref, site in list(self._live.values()):
+            storage = ref()
+            if storage is not None and storage.nbytes():
+                sites[site] += storage.nbytes()
+        return sites
+
+    def peak_sites(self) -> dict[str, int]:
+        """Live bytes at the peak, by the line that made each storage, largest first."""
+        return dict(self._peak_sites.most_common())
+
+    def phase(self, name: str, counts: bool = True) -> None:
+        """Start phase ``name``: its peak counts from the bytes live now. A phase that does not
+        ``count`` keeps its own peak out of ``peak`` (a step on the stand-in runs torch's foreach
+        Adam, whose temporaries a GPU's fused Adam does not make)."""
+        self._phase, self._counts = name, counts
+        self.peaks[name] = max(self.peaks.get(name, 0), self.live())
