@@ -308,8 +308,8 @@ class OpBuilder:
             return None
         # As torch's loader does: imported from its path, not registered in sys.modules.
         spec = importlib.util.spec_from_file_location(library.name.split(".")[0], library)
-        module = importlib.util.module_from_spec(spec)
-        try:
+        try:  # (a library another source tree's build is rewriting fails here: build ours)
+            module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         except ImportError as err:
             log.warning(

@@ -94,13 +94,14 @@ class ModuleHooks:
         self.forwards = [0, 0]
         me = weakref.ref(self)  # the registry must not keep an old engine alive
         diagnose.track_forwards(lambda: me().forwards if me() is not None else [])
+        # (not one of DeepSpeed's forward hooks: it stays while TRL takes those off to generate)
+        self._count_handle = self.module.register_forward_pre_hook(self._count_forward)
         self.install_forward()
 
     def install_forward(self) -> None:
         """Find the units (each module's own parameters, a leaf's whole subtree, and the parameters
         registered as external to it: ``external.py``) and hook each one's forward."""
         self.units, self.names = {}, {}
-        self.forward_handles.append(self.module.register_forward_pre_hook(self._count_forward))
         inside_leaf: list[str] = []  # the leaves met so far: their descendants get no hooks
         for name, m in self.module.named_modules():
             if any(name.startswith(leaf + ".") for leaf in inside_leaf):
@@ -244,6 +245,11 @@ class ModuleHooks:
         for h in self.forward_handles + self.backward_handles:
             h.remove()
         self.forward_handles, self.backward_handles = [], []
+
+    def close(self) -> None:
+        """The engine is done with the model: every hook off, the forward count's too."""
+        self.remove()
+        self._count_handle.remove()
 
 
 def _param_args(args, kwargs):

@@ -143,7 +143,7 @@ class Stage3Optimizer(ZeroOptimizer):
     def close(self) -> None:
         self.fetcher.drain()  # reads ahead finish before the placement closes the parameter swap file
         super().close()
-        self.module_hooks.remove()
+        self.module_hooks.close()
         self._state_dict_hook.remove()
 
     def _on_state_dict(self, state_dict: dict, prefix: str) -> None:
