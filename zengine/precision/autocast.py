@@ -60,11 +60,11 @@ class PlainForward(ForwardPrecision):
 
     def __init__(self, device_type: str):
         self.device_type = device_type
+        # (a device autocast does not know, such as "meta", cannot have one open)
+        self.autocast_known = torch.amp.is_autocast_available(device_type)
 
     def context(self) -> ContextManager:
-        # (a device autocast has no rules for, as the guard tests' meta, cannot be under one)
-        available = torch.amp.is_autocast_available(self.device_type)
-        if not available or not torch.is_autocast_enabled(self.device_type):
+        if not self.autocast_known or not torch.is_autocast_enabled(self.device_type):
             return contextlib.nullcontext()
         if not PlainForward._warned:
             PlainForward._warned = True
