@@ -49,6 +49,11 @@ CONTENDERS = {
 }
 
 
+def block_elements(d_model: int) -> int:
+    """Elements of one of the GPT's blocks: 12 d^2 in its matrices, a few vectors of d."""
+    return 12 * d_model**2 + 16 * d_model
+
+
 def measure(world: int, layers: int, d_model: int, window: int, zero: dict) -> dict:
     """One run on the stand-in device (in a fresh process: the guard patches module state)."""
     import torch
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from device_guard import run_on_meta
 
-    block = 12 * args.d_model**2 + 16 * args.d_model
+    block = block_elements(args.d_model)
     window = block if args.window == "block" else int(float(args.window))
     rows = []
     for name in args.contenders.split(","):

@@ -1,7 +1,7 @@
 """What the Hugging Face tests share: the data, the tiny models (built from a config, nothing
 downloaded), the trainer reading the data in order, its arguments (the CPU recipe: accelerate's
 configured gloo state on each rank), and what a run leaves to compare (logged losses, saved
-weights). Used by test_trainer.py and test_trainer_documented.py."""
+weights). Used by test_trainer.py, test_trainer_documented.py and the TRL tests (``word_tokenizer``)."""
 
 import importlib.util
 import os
@@ -171,3 +171,18 @@ def zengine_ranks() -> None:
     from accelerate import PartialState
 
     PartialState(backend="gloo")
+
+
+def word_tokenizer(vocab: int):
+    """A tokenizer of the words ``t0`` ... ``t<vocab-1>`` (one id each; t1 pads and ends, t2 is
+    unknown), made here: nothing downloaded."""
+    import tokenizers
+    import transformers
+
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t2")
+    )
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="t1", eos_token="t1"
+    )

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from harness import spawn
+from hf_runs import word_tokenizer
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("transformers", "accelerate", "trl")),
@@ -66,19 +67,6 @@ def _model():
     )
 
 
-def _tokenizer():
-    import tokenizers
-    import transformers
-
-    tok = tokenizers.Tokenizer(
-        tokenizers.models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t2")
-    )
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="t1", eos_token="t1"
-    )
-
-
 def _preferences():
     import datasets
 
@@ -109,7 +97,7 @@ def _dpo(out: str, batch: int, ds: dict = None):
     if ds is not None:
         fields.update(deepspeed=ds, accelerator_config={"use_configured_state": True})
     return InOrder(model=_model(), ref_model=_model(), args=trl.DPOConfig(**fields),
-                   train_dataset=_preferences(), processing_class=_tokenizer())  # fmt: skip
+                   train_dataset=_preferences(), processing_class=word_tokenizer(VOCAB))  # fmt: skip
 
 
 def _losses(trainer) -> list:

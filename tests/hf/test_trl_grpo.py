@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from harness import spawn
+from hf_runs import word_tokenizer
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("transformers", "accelerate", "trl")),
@@ -66,19 +67,6 @@ def _save_model(path: str) -> None:
     ).save_pretrained(path)
 
 
-def _tokenizer():
-    import tokenizers
-    import transformers
-
-    tok = tokenizers.Tokenizer(
-        tokenizers.models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t2")
-    )
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="t1", eos_token="t1"
-    )
-
-
 def _prompts():
     import datasets
 
@@ -105,7 +93,7 @@ def _grpo(model_path: str, out: str, ds: dict = None, gather: bool = True):
     if ds is not None:
         fields.update(deepspeed=ds, accelerator_config={"use_configured_state": True})
     return trl.GRPOTrainer(model=model_path, reward_funcs=even_tokens, args=trl.GRPOConfig(**fields),
-                           train_dataset=_prompts(), processing_class=_tokenizer())  # fmt: skip
+                           train_dataset=_prompts(), processing_class=word_tokenizer(VOCAB))  # fmt: skip
 
 
 def _log(trainer, key: str) -> list:
