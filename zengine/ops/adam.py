@@ -65,6 +65,24 @@ def _coefficients(lr, beta1, beta2, weight_decay, step, bias_correction) -> dict
     )
 
 
+def adam_arithmetic_(
+    param, grad, exp_avg, exp_avg_sq, c: dict, beta2, eps, weight_decay, adamw_mode
+) -> None:
+    """One Adam step in place on tensors of one dtype, with the scalars ``c`` of ``_coefficients``:
+    the kernel's operations in its order (``_torch_adam_step_`` says why each is written so).
+    The bf16-master fallback (adam_bf16.py) runs it on fp32 copies."""
+    if weight_decay != 0.0 and not adamw_mode:
+        grad = grad + param * weight_decay
+    exp_avg.add_((grad - exp_avg).mul_(c["one_minus_beta1"]))
+    exp_avg_sq.mul_(beta2).add_((grad * grad).mul_(c["one_minus_beta2"]))
+    denom = (
+        torch.sqrt(exp_avg_sq.to(torch.float64)).to(param.dtype).mul_(c["inv_sqrt_bc2"]).add_(eps)
+    )
+    if weight_decay != 0.0 and adamw_mode:
+        param.mul_(c["param_scale"])
+    param.add_(exp_avg.div(denom).mul_(c["neg_step_size"]))
+
+
 @torch.no_grad()
 def _torch_adam_step_(
     param,
@@ -91,17 +109,8 @@ def _torch_adam_step_(
     kernel's correctly rounded fp32 square root in all but vanishingly rare cases.
     """
     c = _coefficients(lr, beta1, beta2, weight_decay, step, bias_correction)
-    grad = grad.to(param.dtype)
-    if weight_decay != 0.0 and not adamw_mode:
-        grad = grad + param * weight_decay
-    exp_avg.add_((grad - exp_avg).mul_(c["one_minus_beta1"]))
-    exp_avg_sq.mul_(beta2).add_((grad * grad).mul_(c["one_minus_beta2"]))
-    denom = (
-        torch.sqrt(exp_avg_sq.to(torch.float64)).to(param.dtype).mul_(c["inv_sqrt_bc2"]).add_(eps)
-    )
-    if weight_decay != 0.0 and adamw_mode:
-        param.mul_(c["param_scale"])
-    param.add_(exp_avg.div(denom).mul_(c["neg_step_size"]))
+    adam_arithmetic_(param, grad.to(param.dtype), exp_avg, exp_avg_sq, c, beta2, eps,
+                     weight_decay, adamw_mode)  # fmt: skip
     if copy_out is not None:
         copy_out.copy_(param.reshape(copy_out.shape))
 

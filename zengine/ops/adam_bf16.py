@@ -101,22 +101,15 @@ def _torch_adam_step_bf16_(
 ) -> None:
     """The kernel's arithmetic as torch ops, element for element (``adam._torch_adam_step_``
     explains the single roundings and the float64 square root)."""
-    from .adam import _coefficients  # adam.py builds on this module: imported when used
+    from .adam import _coefficients, adam_arithmetic_  # (adam.py builds on this module)
 
     c = _coefficients(lr, beta1, beta2, weight_decay, step, bias_correction)
-    p = param.float()
+    p = param.float()  # fp32 copies of the bf16 master (a state already fp32 steps in place)
     if rounding is Rounding.KAHAN:
         p = p + compensation.float()
     g = grad.to(torch.bfloat16).float()
-    if weight_decay != 0.0 and not adamw_mode:
-        g = g + p * weight_decay
     m, v = exp_avg.float(), exp_avg_sq.float()
-    m = m + (g - m).mul_(c["one_minus_beta1"])
-    v = v.mul_(beta2).add_((g * g).mul_(c["one_minus_beta2"]))
-    denom = torch.sqrt(v.to(torch.float64)).float().mul_(c["inv_sqrt_bc2"]).add_(eps)
-    if weight_decay != 0.0 and adamw_mode:
-        p = p.mul_(c["param_scale"])
-    p = p + m.div(denom).mul_(c["neg_step_size"])
+    adam_arithmetic_(p, g, m, v, c, beta2, eps, weight_decay, adamw_mode)
     exp_avg.copy_(m)  # to nearest where the moments are bf16
     exp_avg_sq.copy_(v)
     if rounding is Rounding.STOCHASTIC:
