@@ -4,7 +4,9 @@ configured gloo state on each rank), and what a run leaves to compare (logged lo
 weights). Used by test_trainer.py, test_trainer_documented.py and the TRL tests (``word_tokenizer``)."""
 
 import importlib.util
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -185,4 +187,37 @@ def word_tokenizer(vocab: int):
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="t1", eos_token="t1"
+    )
+
+
+def documented_zero3_without_optimizer() -> dict:
+    """transformers' docs' ds_config_zero3.json (tests/fixtures/hf), less its optimizer and
+    scheduler sections: the reference is the trainer's own AdamW and schedule."""
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "ds_config_zero3.json"
+    return {
+        k: v
+        for k, v in json.loads(fixture.read_text()).items()
+        if k not in ("optimizer", "scheduler")
+    }
+
+
+def untied_llama(vocab: int):
+    """A tiny Llama whose lm_head is its own parameter (TRL's losses read it directly), seeded."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+            tie_word_embeddings=False,
+        )
     )

@@ -13,15 +13,13 @@ CPU recipe as in test_trainer.py.
 """
 
 import importlib.util
-import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from harness import spawn
-from hf_runs import word_tokenizer
+from hf_runs import documented_zero3_without_optimizer, untied_llama, word_tokenizer
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("transformers", "accelerate", "trl")),
@@ -33,38 +31,11 @@ VOCAB, MICRO, GAS, STEPS, LR = 64, 2, 2, 3, 1e-2
 # Adam turns that into a few 1e-6 on parameters that moved ~1e-2 (measured 3.7e-6)
 PARAM_TOL = 5e-5
 LOSS_TOL = 2e-6
-# transformers' docs' ds_config_zero3.json (tests/fixtures/hf), without its optimizer and scheduler
-# sections: the reference is the Trainer's own AdamW and schedule
-ZERO3_DOCUMENTED = {
-    k: v
-    for k, v in json.loads(
-        (
-            Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "ds_config_zero3.json"
-        ).read_text()
-    ).items()
-    if k not in ("optimizer", "scheduler")
-}
+ZERO3_DOCUMENTED = documented_zero3_without_optimizer()
 
 
 def _model():
-    import transformers
-
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-            bos_token_id=0,
-            eos_token_id=1,
-            pad_token_id=1,
-            tie_word_embeddings=False,
-        )
-    )
+    return untied_llama(VOCAB)
 
 
 def _preferences():

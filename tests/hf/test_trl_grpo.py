@@ -15,15 +15,13 @@ and weights must come out the same.
 """
 
 import importlib.util
-import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from harness import spawn
-from hf_runs import word_tokenizer
+from hf_runs import documented_zero3_without_optimizer, untied_llama, word_tokenizer
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("transformers", "accelerate", "trl")),
@@ -35,36 +33,11 @@ VOCAB, STEPS, LR = 64, 3, 1e-2
 # turns that into a few 1e-6 on parameters that moved ~1e-2
 PARAM_TOL = 5e-5
 LOSS_TOL = 2e-6
-ZERO3_DOCUMENTED = {
-    k: v
-    for k, v in json.loads(
-        (
-            Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "ds_config_zero3.json"
-        ).read_text()
-    ).items()
-    if k not in ("optimizer", "scheduler")
-}
+ZERO3_DOCUMENTED = documented_zero3_without_optimizer()
 
 
 def _save_model(path: str) -> None:
-    import transformers
-
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-            bos_token_id=0,
-            eos_token_id=1,
-            pad_token_id=1,
-            tie_word_embeddings=False,
-        )
-    ).save_pretrained(path)
+    untied_llama(VOCAB).save_pretrained(path)
 
 
 def _prompts():
