@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 import zengine
-from zengine.models import GPT, ByteWindows, tiny
+from zengine.models import GPT, ByteWindows, bench20m, tiny
 from zengine.models.gpt import Block
 
 MB = 1024 * 1024
+MODELS = {"tiny": tiny, "bench20m": bench20m}
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,6 +45,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--seed", type=int, default=1234, help="seed of the model's initial weights"
+    )
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="tiny",
+        help="the GPT's size: tiny (0.8M parameters, the default) or bench20m (21M, the benchmarks')",
     )
     parser.add_argument(
         "--save_dir",
@@ -131,7 +138,7 @@ def format_memory(memory: list[dict]) -> str:
 def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)  # every rank builds the same initial weights
-    model_cfg = tiny()
+    model_cfg = MODELS[args.model]()
     model = GPT(model_cfg)
     n_params = sum(
         p.numel() for p in model.parameters()

@@ -19,6 +19,7 @@ from pydantic import Field, PrivateAttr, model_validator
 from .activation_checkpointing import ActivationCheckpointingConfig
 from .autocast import TorchAutocastConfig, autocast_problems, averaging_problems
 from .base import BatchSize, Flag, Interval, Number, _Section
+from .autotuning import AutotuningConfig
 from .checkpoint import CheckpointConfig
 from .compile import CompileConfig
 from .elastic import ElasticityConfig
@@ -56,6 +57,7 @@ class ZengineConfig(_Section):
         "compile",
         "checkpoint",
         "shared_memory",
+        "autotuning",
     )
 
     train_batch_size: BatchSize = Field(
@@ -192,6 +194,12 @@ class ZengineConfig(_Section):
         default_factory=CheckpointConfig,
         description=(
             "DeepSpeed's checkpoint options: tag_validation (ranks with different tags always fail)."
+        ),
+    )
+    autotuning: AutotuningConfig = Field(
+        default_factory=AutotuningConfig,
+        description=(
+            "DeepSpeed's autotuner keys (zengine --autotuning tune|run); in a trial, the profile steps."
         ),
     )
 

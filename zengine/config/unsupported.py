@@ -151,7 +151,6 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
         True,
     ),
     _ignorable("nebula", "Nebula checkpoint service"),
-    _ignorable("autotuning", "autotuner"),
     # DeepCompile (compile.deepcompile) is refused; its other keys act only with it (config/compile.py).
     _flag(
         "compile.deepcompile",

@@ -36,6 +36,7 @@ from ..distributed import diagnose, shm, shutdown
 from ..distributed.process_group import ProcessRank
 from ..log import setup_logging
 from ..monitor import StepReport, build_monitor
+from .trial_probe import AutotuningProbe
 from ..monitor.timers import BACKWARD, FORWARD, STEP, Timers
 from ..precision.cast import cast_inputs
 from ..zero import build_zero_optimizer
@@ -82,18 +83,18 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
         super().__init__()
         self.config = config
         self.process_rank = process_rank
-        model, user_compiler = take_user_compile(
-            model
-        )  # torch.compile(model): train the model inside (compile.py)
+        # torch.compile(model): train the model inside (compile.py)
+        model, user_compiler = take_user_compile(model)
         self.module = model
+        # in an autotuner's trial: measure the profile steps, then end the process
+        self._probe = AutotuningProbe.for_config(config.autotuning, model)
         self.global_steps = 0
         self.micro_steps = 0
         self.global_samples = 0
         self._no_sync = False
         self._step_applied = True
-        self.skipped_steps = (
-            0  # boundary steps skipped for a non-finite gradient (DeepSpeed's name)
-        )
+        # boundary steps skipped for a non-finite gradient (DeepSpeed's name)
+        self.skipped_steps = 0
         self.accumulation = Accumulation()  # where the engine is in a global batch
         self.held_states: list = []  # (device storage, host copy) pairs offload_states moved; reload_states refills
         self.pinned_spares: list = []  # pinned host copies reload_states gave back, for the next offload_states
@@ -118,9 +119,8 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
         self._shared_memory = shm.install_for(
             ranks.group, config.shared_memory, shm.model_bytes(model)
         )
-        self._shared_memory_group = (
-            ranks.group
-        )  # (another engine's transport may serve it: memory_breakdown)
+        # (another engine's transport may serve it: memory_breakdown)
+        self._shared_memory_group = ranks.group
         # stage 3 (MiCS: over shard groups): cut one parameter at a time
         buffers = buffer_dtype(config)  # data_types.buffer_dtype (None: the compute dtype)
         place_model(model, config.zero_optimization.stage, config.compute_dtype, ranks, buffers)
@@ -276,6 +276,7 @@ class Engine(DeepSpeedMembers, CheckpointMembers, CompileMembers, nn.Module):
             self._step_report.record_step(self)  # monitors write loss, lr and scale per step
             if self.global_steps % self.config.steps_per_print == 0:
                 self._report()
+            self._probe.after_step(self)
         self.accumulation.in_progress = not boundary
         self.micro_steps += 1
 

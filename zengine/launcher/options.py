@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="With --bind_cores_to_rank: the cores to share, e.g. '0-15,32-47' (default: every "
         "physical core).",
     )
+    p.add_argument(
+        "--autotuning",
+        choices=("tune", "run"),
+        default=None,
+        help="Find the fastest config that fits (the config's 'autotuning' section; results in its "
+        "results_dir): 'tune' writes it, 'run' then trains with it (zengine/autotuning/).",
+    )
     p.add_argument("--ssh_port", type=int, default=None, help="Port for ssh to remote hosts.")
     p.add_argument(
         "--launcher",

@@ -189,6 +189,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (LaunchError, HostfileError, NodeCountError) as err:
         parser.error(str(err))
 
+    if args.autotuning:  # trials of this same launch, then the results (zengine/autotuning/cli.py)
+        from zengine.autotuning.cli import main as autotune
+
+        world = (
+            sum(n.nproc for n in plan.nodes)
+            if plan.remote
+            else plan.nodes[0].nproc * plan.num_nodes
+        )
+        argv = list(sys.argv[1:] if argv is None else argv)
+        return autotune(args, argv, world, plan.nodes[0].nproc, cpu=gpu_count == 0)
     if plan.remote:
         return run_remote(commands)
     return run_local(plan, args, visible)

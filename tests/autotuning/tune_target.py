@@ -1,0 +1,54 @@
+"""A user's training script for the autotuner tests: a stack of wide layers over token ids, trained with
+the DeepSpeed loop (``engine(x)``, ``engine.backward``, ``engine.step``) for ``--steps`` optimizer steps.
+
+``--fail_micro_batch N`` makes every rank raise ``MemoryError`` at the first forward when the micro batch
+is N: a trial that fails mid-search. Rank 0 prints ``TRAINED stage=S micro_batch=M steps=N`` at the end.
+"""
+
+import argparse
+
+import hjson
+import torch
+from torch import nn
+
+import zengine
+
+WIDTH, LAYERS, SEQ = 1536, 12, 16
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(256, WIDTH)
+        self.layers = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+
+    def forward(self, tokens):
+        return self.layers(self.emb(tokens)).float().pow(2).mean()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--fail_micro_batch", type=int, default=0)
+    zengine.add_config_arguments(parser)
+    args = parser.parse_args()
+    with open(args.deepspeed_config) as f:
+        config = dict(hjson.load(f))
+    torch.manual_seed(0)
+    engine, *_ = zengine.initialize(model=Net(), config=config)
+    mb = engine.train_micro_batch_size_per_gpu()
+    generator = torch.Generator().manual_seed(engine.global_rank)
+    while engine.global_steps < args.steps:
+        if mb == args.fail_micro_batch:
+            raise MemoryError(f"simulated: out of memory at micro batch {mb}")
+        engine.backward(engine(torch.randint(0, 256, (mb, SEQ), generator=generator)))
+        engine.step()
+    if engine.global_rank == 0:
+        print(
+            f"TRAINED stage={engine.zero_optimization_stage()} micro_batch={mb} steps={engine.global_steps}"
+        )
+
+
+if __name__ == "__main__":
+    main()
