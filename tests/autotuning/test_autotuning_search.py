@@ -6,7 +6,14 @@ import pytest
 
 from zengine.autotuning.model import MemoryModel, features
 from zengine.autotuning.space import Candidate, Space
-from zengine.autotuning.trials import Trial, config_argument, with_config, with_mapped_args
+from zengine.autotuning.trials import (
+    HF_MAPPINGS,
+    Trial,
+    config_argument,
+    default_mappings,
+    with_config,
+    with_mapped_args,
+)
 from zengine.autotuning.tuner import Autotuner, TuningError
 from zengine.config.autotuning import AutotuningConfig
 from zengine.config import load_config
@@ -197,3 +204,20 @@ def test_slow_mode_tries_the_knobs_around_the_best():
     assert "zero_optimization.overlap_comm" in keys
     # the machine's time does not depend on them: nothing within the noise is kept
     assert outcome.best.candidate.knobs == ()
+
+
+def test_hugging_face_scripts_get_their_batch_arguments_mapped():
+    hf = ["--deepspeed", "ds.json", "--per_device_train_batch_size=4"]
+    assert default_mappings(hf, None) == HF_MAPPINGS
+    assert default_mappings(hf, {}) == {}  # the user's own say, even empty
+    assert default_mappings(["--deepspeed_config", "ds.json"], None) is None
+    args = with_mapped_args(
+        hf, HF_MAPPINGS, {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1}
+    )
+    assert args == [
+        "--deepspeed",
+        "ds.json",
+        "--per_device_train_batch_size=16",
+        "--gradient_accumulation_steps",
+        "1",
+    ]

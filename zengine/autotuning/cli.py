@@ -25,7 +25,13 @@ from pydantic import ValidationError
 from ..config.autotuning import AutotuningConfig
 from .report import OPTIMAL_CONFIG, write_results
 from .space import Space
-from .trials import ScriptArgsError, TrialRunner, config_argument, with_config
+from .trials import (
+    ScriptArgsError,
+    TrialRunner,
+    config_argument,
+    default_mappings,
+    with_config,
+)
 from .tuner import Autotuner, TuningError
 
 
@@ -82,7 +88,7 @@ def main(
         list(args.user_args),
         os.path.abspath(settings.exps_dir),
         settings.trial_timeout,
-        settings.arg_mappings,
+        default_mappings(args.user_args, settings.arg_mappings),
     )
     tuner = Autotuner(user_config, settings, runner, world_size, budget, cpu)
     try:

@@ -79,6 +79,23 @@ def with_mapped_args(user_args: Sequence[str], mappings: Optional[dict], cfg: di
     return out
 
 
+HF_MAPPINGS = {  # Hugging Face's TrainingArguments for the batch keys (its Trainer refuses a config
+    # whose batch sizes differ from its arguments)
+    "train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+    "gradient_accumulation_steps": "--gradient_accumulation_steps",
+}
+
+
+def default_mappings(user_args: Sequence[str], given: Optional[dict]) -> Optional[dict]:
+    """``arg_mappings`` as given, else Hugging Face's when the script takes
+    ``--per_device_train_batch_size`` (a Trainer script: its arguments must agree with the config)."""
+    if given is not None:
+        return given
+    if any(a.split("=", 1)[0] == HF_MAPPINGS["train_micro_batch_size_per_gpu"] for a in user_args):
+        return dict(HF_MAPPINGS)
+    return None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
