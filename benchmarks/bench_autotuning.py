@@ -3,8 +3,9 @@
     python benchmarks/bench_autotuning.py [--model bench20m] [--max_mb 16] [--out DIR]
 
 1. The profile (the tuner's first two trials) fits the memory model; the per-rank budget is then put
-   half-way between the largest prediction of stages 2-3 at the two smallest micro batches and the
-   smallest of stages 0-1 at micro batch 1: a budget that rules out stages 0 and 1.
+   half-way between the largest prediction of stage 2 at the two smallest micro batches and the
+   smallest of stages 0-1 at micro batch 1: a budget that rules out stages 0 and 1 (stage 3 fits or
+   not by its own prediction).
 2. ``zengine --autotuning tune`` runs from scratch under that budget (timed, as a user runs it).
 3. Every candidate of the same space (stages 0-3 x micro batches) runs by hand, one trial each, with
    the same profile steps: the grid's best that fits the budget (measured peak) is the reference.
@@ -57,9 +58,7 @@ def budget_ruling_out_stages_0_1(cfg: dict, runner: TrialRunner) -> tuple[int, f
     space = Space.from_config(cfg, settings, True)
     tuner._profile(space, space.candidates(WORLD))
     sizes = sorted(mb for mb, _ in space.batch_splits(WORLD))[:2]
-    inside = max(
-        tuner.memory.bound(Candidate(s, "none", "none", mb, 1)) for s in (2, 3) for mb in sizes
-    )
+    inside = max(tuner.memory.bound(Candidate(2, "none", "none", mb, 1)) for mb in sizes)
     outside = min(tuner.memory.bound(Candidate(s, "none", "none", sizes[0], 1)) for s in (0, 1))
     if outside <= inside:
         raise SystemExit(

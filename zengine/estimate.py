@@ -111,12 +111,15 @@ def estimate(
     world_size: int = 1,
     largest_param: Optional[int] = None,
     cpu_training: bool = False,
+    multi_parameter_modules: Optional[bool] = None,
 ) -> MemoryEstimate:
     """Per-rank memory for training ``model`` (a module, a parameter count, or the parameters' sizes)
     with ``config`` (a path, a dict or a ``ZengineConfig``; default: zengine's defaults, stage 0, fp32)
     on ``world_size`` ranks. ``largest_param`` (elements) defaults to the largest parameter given.
     ``cpu_training``: the compute device is the CPU, so CPU offload moves nothing (fp32 parameters
-    stay their own masters and the gradient shard is the one the optimizer steps on)."""
+    stay their own masters and the gradient shard is the one the optimizer steps on).
+    ``multi_parameter_modules``: whether some module owns several parameters stage 3 shards (read from
+    ``model`` when it is a module; say it when giving sizes only)."""
     cfg = (
         config
         if isinstance(config, ZengineConfig)
@@ -257,8 +260,15 @@ def estimate(
         if units.coalesce and int(zero.stage3_prefetch_bucket_size) > 0:
             live = min(live, units.reuse_distance + int(zero.stage3_prefetch_bucket_size))
         est.transients["gathered parameters"] = half * min(live + largest, psi)
-        if _has_multi_parameter_modules(model, zero.stage3_param_persistence_threshold):
-            # a module of several sharded parameters gathers through one staging buffer, then copies
+        threshold = zero.stage3_param_persistence_threshold
+        sharded = sum(1 for n in numels if n >= threshold)
+        if (units.coalesce and sharded > 1) or (
+            multi_parameter_modules
+            if multi_parameter_modules is not None
+            else _has_multi_parameter_modules(model, threshold)
+        ):
+            # a unit of several sharded parameters ("auto" units coalesce consecutive modules', a module
+            # may own several) gathers through one staging buffer, then copies out
             est.transients["prefetch staging"] = half * min(
                 int(zero.stage3_prefetch_bucket_size), psi
             )

@@ -1,19 +1,21 @@
 """A user's training script for the autotuner tests: a stack of wide layers over token ids, trained with
 the DeepSpeed loop (``engine(x)``, ``engine.backward``, ``engine.step``) for ``--steps`` optimizer steps.
 
-``--fail_micro_batch N`` makes every rank raise ``MemoryError`` at the first forward when the micro batch
-is N: a trial that fails mid-search. Rank 0 prints ``TRAINED stage=S micro_batch=M steps=N`` at the end.
+``--fail_once_at_stage S --marker PATH``: the first run at stage S (no file at PATH yet; it leaves one)
+raises ``MemoryError`` on every rank before its first forward: a trial that fails mid-search. Rank 0 prints ``TRAINED stage=S micro_batch=M steps=N`` at the end.
 """
 
 import argparse
+import os
 
 import hjson
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import zengine
 
-WIDTH, LAYERS, SEQ = 1536, 12, 16
+WIDTH, LAYERS, SEQ = 2048, 19, 16
 
 
 class Net(nn.Module):
@@ -30,7 +32,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--fail_micro_batch", type=int, default=0)
+    parser.add_argument("--fail_once_at_stage", type=int, default=-1)
+    parser.add_argument("--marker", default="")
     zengine.add_config_arguments(parser)
     args = parser.parse_args()
     with open(args.deepspeed_config) as f:
@@ -38,10 +41,15 @@ def main():
     torch.manual_seed(0)
     engine, *_ = zengine.initialize(model=Net(), config=config)
     mb = engine.train_micro_batch_size_per_gpu()
+    if engine.zero_optimization_stage() == args.fail_once_at_stage and not os.path.exists(
+        args.marker
+    ):
+        dist.barrier()  # every rank has looked before rank 0 leaves the marker
+        if engine.global_rank == 0:
+            open(args.marker, "w").close()
+        raise MemoryError(f"simulated: out of memory at micro batch {mb}")
     generator = torch.Generator().manual_seed(engine.global_rank)
     while engine.global_steps < args.steps:
-        if mb == args.fail_micro_batch:
-            raise MemoryError(f"simulated: out of memory at micro batch {mb}")
         engine.backward(engine(torch.randint(0, 256, (mb, SEQ), generator=generator)))
         engine.step()
     if engine.global_rank == 0:

@@ -4,8 +4,8 @@
    device memory) runs at the smallest micro batch and at one about four times larger: the model's size
    and both memory terms the estimator does not know (the process, activations per sample) are then
    measured (``model.py``).
-2. **Fast search.** Every candidate (``space.py``) whose predicted peak, plus the largest error seen so
-   far, exceeds the per-rank budget less the margin is ruled out before it runs. Of the rest (of each
+2. **Fast search.** Every candidate (``space.py``) whose predicted peak exceeds the per-rank budget
+   less the margin is ruled out before it runs. Of the rest (of each
    family, the ``num_tuning_micro_batch_sizes`` largest micro batches), the one predicted fastest runs next; each result refits both models, which may rule candidates in or out.
    The search stops when the best measured result beats every remaining prediction even raised by the
    speed model's largest under-prediction of its last three trials (at least 3%, a short trial's
@@ -87,7 +87,7 @@ class Autotuner:
                 c,
                 predicted_peak=self.memory.bound(c),
                 status="ruled out",
-                reason=f"predicted peak {_mib(self.memory.bound(c))} MiB > {_mib(self.usable)} MiB usable",
+                reason=_ruled_out_reason(self.memory.bound(c), self.usable),
             )
             for c in candidates
             if not self._tried(c) and self.memory.bound(c) > self.usable
@@ -108,13 +108,19 @@ class Autotuner:
         sizes = sorted({c.micro_batch for c in candidates if c.family == lean})
         first = next(c for c in candidates if c.family == lean and c.micro_batch == sizes[0])
         trial = self._run(first, "profile")
-        if not trial.ok:
+        if trial.metrics is None:  # (over the budget, it still measured the model)
             raise TuningError(
                 f"autotuning: the leanest configuration ({first.name}) did not run: {trial.status}, "
                 f"{trial.reason}. See {trial.folder}/stdout.log; nothing leaner can be tried."
             )
         m = trial.metrics
-        self.memory = MemoryModel(self.user_config, m["param_numels"], self.world_size, self.cpu)
+        self.memory = MemoryModel(
+            self.user_config,
+            m["param_numels"],
+            self.world_size,
+            self.cpu,
+            m.get("module_param_numels", []),
+        )
         wire = 2 if _half_precision(self.user_config) else 4
         self.speed = SpeedModel(m["num_params"], self.world_size, wire, self.cpu)
         self._learn(trial)
@@ -183,6 +189,8 @@ class Autotuner:
     def _learn(self, trial: Trial) -> bool:
         """Refit the models on ``trial``; True when it is the best so far."""
         if trial.metrics is None:
+            if trial.status == "out of memory":
+                self.memory.did_not_fit(trial.candidate)
             return False
         previous = self._best(excluding=trial)
         self.memory.observe(trial.candidate, trial.metrics["peak_memory"])
@@ -256,6 +264,12 @@ def _leanest(families: list[tuple[int, str, str]]) -> tuple[int, str, str]:
 
 def _half_precision(cfg: dict) -> bool:
     return any((cfg.get(k) or {}).get("enabled") is True for k in ("bf16", "fp16", "bfloat16"))
+
+
+def _ruled_out_reason(bound: float, usable: float) -> str:
+    if bound == float("inf"):
+        return "its family ran out of memory at this micro batch or a smaller one"
+    return f"predicted peak {_mib(bound)} MiB > {_mib(usable)} MiB usable"
 
 
 def _mib(value: Optional[float]) -> str:

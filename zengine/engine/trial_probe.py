@@ -46,6 +46,21 @@ def full_numels(module: torch.nn.Module) -> list[int]:
     return [int(getattr(p, "ds_numel", p.numel())) for p in module.parameters() if p.requires_grad]
 
 
+def module_numels(module: torch.nn.Module) -> list[list[int]]:
+    """The whole sizes of each module's own trained parameters, for modules with several (stage 3
+    gathers those through a staging buffer: the estimator counts it)."""
+    out = []
+    for m in module.modules():
+        mine = [
+            int(getattr(p, "ds_numel", p.numel()))
+            for p in m.parameters(recurse=False)
+            if p.requires_grad
+        ]
+        if len(mine) > 1:
+            out.append(mine)
+    return out
+
+
 class NoProbe:
     """What the engine holds outside a trial: nothing to measure."""
 
@@ -146,6 +161,7 @@ class AutotuningProbe:
             "num_params": sum(numels),
             "largest_param": max(numels, default=0),
             "param_numels": numels,
+            "module_param_numels": module_numels(engine.module),
             "profiled_steps": self.settings.end_profile_step - self.settings.start_profile_step,
         }
 
