@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 import zengine
-from zengine.models import GPT, ByteWindows, bench20m, tiny
+from zengine.models import GPT, ByteWindows, bench20m, bench100m, tiny
 from zengine.models.gpt import Block
 
 MB = 1024 * 1024
-MODELS = {"tiny": tiny, "bench20m": bench20m}
+MODELS = {"tiny": tiny, "bench20m": bench20m, "bench100m": bench100m}
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,7 +50,8 @@ def parse_args() -> argparse.Namespace:
         "--model",
         choices=sorted(MODELS),
         default="tiny",
-        help="the GPT's size: tiny (0.8M parameters, the default) or bench20m (21M, the benchmarks')",
+        help="the GPT's size: tiny (0.8M parameters, the default), bench20m (21M, the benchmarks') or "
+        "bench100m (98M, the autotuning benchmark's)",
     )
     parser.add_argument(
         "--save_dir",

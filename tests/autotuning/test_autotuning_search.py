@@ -221,3 +221,16 @@ def test_hugging_face_scripts_get_their_batch_arguments_mapped():
         "--gradient_accumulation_steps",
         "1",
     ]
+
+
+def test_the_shipped_tuning_config_leaves_stage_and_micro_batch_open():
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "autotuning" / "gpt.json"
+    user = json.loads(path.read_text())
+    settings = AutotuningConfig.model_validate(user["autotuning"])
+    space = Space.from_config(user, settings, cpu_training=True)
+    assert space.stages == (0, 1, 2, 3) and space.micro_batches is None
+    loaded = load_config(Candidate(2, "none", "none", 8, 1).config(user, 2), world_size=2)
+    assert loaded.zero_optimization.stage == 2 and loaded.train_batch_size == 16

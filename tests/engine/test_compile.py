@@ -164,12 +164,13 @@ CASES = [
 ]
 
 
-# compiled autograd (the 6th field): every stage, bf16, accumulation, activation checkpointing, offload
+# compiled autograd (the 6th field): stages 1-3, bf16 and fp32, accumulation, activation checkpointing,
+# offload, three cases (each compiles its own graphs: the slowest test of the suite with five; stage 0
+# reduces as stage 1 does at the boundary, and stage 3 offload runs under compiled autograd in
+# test_compiled_matches_eager_with_collectives_through_shared_memory's second case)
 AUTOGRAD_CASES = [
-    (0, "fp32", 1, False, False, True),
     (1, "bf16", 2, False, True, True),
     (2, "fp32", 2, True, False, True),
-    (3, "fp32", 1, False, True, True),
     (3, "bf16", 1, True, False, True),
 ]
 # (stage 3 with accumulation under no_sync is refused with compiled autograd: test_models_compiled_before_...)

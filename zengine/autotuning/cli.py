@@ -52,7 +52,7 @@ def launcher_argv(argv: Sequence[str], args: argparse.Namespace) -> list[str]:
 
 def memory_budget(settings: AutotuningConfig, cpu: bool, ranks_here: int) -> int:
     """Bytes one rank may use at its peak (see the module doc)."""
-    if settings.memory_per_rank is not None:
+    if settings.memory_per_rank:
         return int(settings.memory_per_rank)
     if (
         not cpu

@@ -91,15 +91,15 @@ class AutotuningConfig(_Section):
         description="Accepted for DeepSpeed configs ({num_params, hidden_size, ...}); measured instead.",
     )
     model_info_path: Optional[str] = Field(None, description="Accepted for DeepSpeed configs.")
-    memory_per_rank: Optional[Size] = Field(
-        None,
-        description="zengine only: the bytes one rank may use at its peak. Default: the device's memory on "
-        "a GPU; on a CPU host, the memory available when tuning starts divided by the ranks on it.",
+    memory_per_rank: Size = Field(
+        0,
+        description="zengine only: the bytes one rank may use at its peak. 0 (the default): the device's "
+        "memory on a GPU; on a CPU host, the memory available when tuning starts divided by the ranks on it.",
     )
     memory_margin: Number = Field(
         0.05,
         ge=0.0,
-        lt=1.0,
+        le=1.0,
         description="zengine only: the share of memory_per_rank kept free against the prediction's error.",
     )
     trial_timeout: Number = Field(

@@ -32,8 +32,9 @@ from .unsupported import screen, unsupported_keys_under
 ConfigSource = Union[str, "os.PathLike[str]", Mapping]
 
 _AUTO_HINT = (
-    '; "auto" values are filled in by the Hugging Face Trainer integration, not by zengine '
-    "(nor by DeepSpeed itself), so write the value here"
+    '; "auto" values are filled in by the Hugging Face Trainer integration or by the autotuner '
+    "(`zengine --autotuning tune|run`), not by zengine.initialize (nor by DeepSpeed's), so write the "
+    "value here or tune the config first"
 )
 _UNQUOTED_HINT = (
     "; a value written without quotes runs to the end of its line in a config file (hjson), "

@@ -73,6 +73,13 @@ def bench20m() -> GPTConfig:
     return GPTConfig(vocab_size=16384, seq_len=128, n_layer=4, n_head=8, d_model=512)
 
 
+def bench100m() -> GPTConfig:
+    """About 98M parameters (12 layers, d_model 768, seq 128; GPT-2 small's blocks over a 16384-token
+    vocabulary): big enough that the ZeRO stages' memory differs by hundreds of MB on two ranks (the
+    autotuning benchmark's model)."""
+    return GPTConfig(vocab_size=16384, seq_len=128, n_layer=12, n_head=12, d_model=768)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention in which each position sees only itself and earlier positions."""
 
