@@ -7,6 +7,8 @@
 2. **Fast search.** Every candidate (``space.py``) whose predicted peak exceeds the per-rank budget
    less the margin is ruled out before it runs. Of the rest (of each
    family, the ``num_tuning_micro_batch_sizes`` largest micro batches), the one predicted fastest runs next; each result refits both models, which may rule candidates in or out.
+   While nothing has run within the budget, the leanest candidate predicted at most 10% over it runs
+   too (a prediction is a few percent off, and at the edge of the budget it is all there is).
    The search stops when the best measured result beats every remaining prediction even raised by the
    speed model's largest under-prediction of its last three trials (at least 3%, a short trial's
    noise): nothing left can win; or after
@@ -30,6 +32,9 @@ from .space import Candidate, Space, knob_choices
 from .trials import Trial, TrialRunner
 
 NOISE = 0.02  # a knob's value is kept only when it beats the best by more than this
+NEAR = (
+    0.10  # while nothing fits, candidates predicted this far over the usable memory are still tried
+)
 MIN_OPTIMISM = (
     0.03  # remaining predictions are raised by at least this (the noise of a short trial)
 )
@@ -137,7 +142,11 @@ class Autotuner:
                 return f"tuner_num_trials ({self.settings.tuner_num_trials}) reached"
             left = [c for c in self._eligible(candidates) if not self._tried(c)]
             if not left:
-                return "every candidate that fits has run"
+                near = self._near_the_budget(candidates)
+                if near is None:
+                    return "every candidate that fits has run"
+                self._learn(self._run(near, "near the budget"))
+                continue
             nxt = max(left, key=self._predicted_score)
             best = self._best()
             if best is not None:
@@ -200,6 +209,19 @@ class Autotuner:
             previous is None
             or trial.score(self.settings.metric) > previous.score(self.settings.metric)
         )
+
+    def _near_the_budget(self, candidates: list[Candidate]) -> Optional[Candidate]:
+        """While nothing has run within the budget: the leanest candidate not tried whose predicted peak
+        is within ``NEAR`` of the usable memory (a prediction is a few percent off; at the edge of the
+        budget, measuring beats ruling out the only configurations that might fit)."""
+        if self._best() is not None:
+            return None
+        near = [
+            c
+            for c in candidates
+            if not self._tried(c) and self.memory.bound(c) <= self.usable * (1 + NEAR)
+        ]
+        return min(near, key=self.memory.bound, default=None)
 
     def _eligible(self, candidates: list[Candidate]) -> list[Candidate]:
         """Those predicted to fit, and of each family only the ``num_tuning_micro_batch_sizes`` largest
