@@ -15,7 +15,7 @@ from torch import nn
 
 import zengine
 
-WIDTH, LAYERS, SEQ = 2048, 19, 16
+WIDTH, LAYERS, SEQ = 2048, 12, 16
 
 
 class Net(nn.Module):
@@ -31,7 +31,7 @@ class Net(nn.Module):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--fail_once_at_stage", type=int, default=-1)
     parser.add_argument("--marker", default="")
     zengine.add_config_arguments(parser)

@@ -199,9 +199,9 @@ def test_compiled_autograd_matches_eager_at_every_stage():
 
 def test_compiled_matches_eager_with_collectives_through_shared_memory():
     # stage 3 gathers straight into the parameters there (zero/stage3/shm_gather.py), also under compiled autograd
-    for r in spawn(
-        parity_cases, 2, [(3, "fp32", 2, False, True), (3, "fp32", 1, True, False, True)], True
-    )[0]:
+    # (under compiled autograd, with offload: the plain compiled case through shared memory cost 20 s of a
+    # suite near its time limit, and gathers the same way)
+    for r in spawn(parity_cases, 2, [(3, "fp32", 1, True, False, True)], True)[0]:
         _check_parity(r)
         assert r["loss"] == 0.0 and r["param"] == 0.0, r  # aot_eager: the same arithmetic
 
