@@ -74,9 +74,9 @@ def _launch(cwd, script, config, save_dir, *extra):
 
 # (stage 1 restarts through the same sharded-state checkpoint path as stage 2, and stage 0 through the simplest
 # one (every rank whole; its resume is exact in tests/checkpoint): left out to keep the suite short)
-# stage 2, and stage 3 with parameters on the CPU and Adam on NVMe (which restores more than plain stage 3:
-# a third case of plain stage 3 cost 20 s of a suite near its time limit)
-@pytest.mark.parametrize("config", ["zero2.json", "zero3_offload_nvme.json"])
+# stage 3 with parameters on the CPU and Adam on NVMe: it restores the most (the restart itself does not
+# depend on the stage; stage 2 and plain stage 3 cost 40 s of a suite near its time limit)
+@pytest.mark.parametrize("config", ["zero3_offload_nvme.json"])
 def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path, config):
     config = os.path.join(REPO, "configs", config)
     plain = _launch(
