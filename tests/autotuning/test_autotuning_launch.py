@@ -45,8 +45,8 @@ def test_tune_then_run_within_a_budget_that_rules_out_stage_0(tmp_path):
     script_args = [
         "--deepspeed_config",
         str(path),
-        "--fail_once_at_stage",
-        "2",
+        "--fail_once_below_stage",  # the first trial after the profile (stage 3) fails
+        "3",
         "--marker",
         str(tmp_path / "failed-once"),
     ]
@@ -117,7 +117,7 @@ def test_tune_then_run_within_a_budget_that_rules_out_stage_0(tmp_path):
     trained = f"TRAINED stage={loaded.zero_optimization.stage} micro_batch={loaded.train_micro_batch_size_per_gpu} steps=4"
     assert trained in run.stdout, run.stdout[-2000:]
     command = (tmp_path / "results" / "cmd_optimal.txt").read_text()
-    assert "ds_config_optimal.json" in command and "--fail_once_at_stage" in command
+    assert "ds_config_optimal.json" in command and "--fail_once_below_stage" in command
 
     # 4. the pruning against the peaks measured apart: stage 0 at micro batch 1, ruled out, needs more
     # than the budget allows; stage 2 at micro batch 1, which needs less, was not ruled out

@@ -1,7 +1,7 @@
 """A user's training script for the autotuner tests: a stack of wide layers over token ids, trained with
 the DeepSpeed loop (``engine(x)``, ``engine.backward``, ``engine.step``) for ``--steps`` optimizer steps.
 
-``--fail_once_at_stage S --marker PATH``: the first run at stage S (no file at PATH yet; it leaves one)
+``--fail_once_below_stage S --marker PATH``: the first run below stage S (no file at PATH yet; it leaves one)
 raises ``MemoryError`` on every rank before its first forward: a trial that fails mid-search. Rank 0 prints ``TRAINED stage=S micro_batch=M steps=N`` at the end.
 """
 
@@ -32,7 +32,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--fail_once_at_stage", type=int, default=-1)
+    parser.add_argument("--fail_once_below_stage", type=int, default=-1)
     parser.add_argument("--marker", default="")
     zengine.add_config_arguments(parser)
     args = parser.parse_args()
@@ -41,7 +41,7 @@ def main():
     torch.manual_seed(0)
     engine, *_ = zengine.initialize(model=Net(), config=config)
     mb = engine.train_micro_batch_size_per_gpu()
-    if engine.zero_optimization_stage() == args.fail_once_at_stage and not os.path.exists(
+    if engine.zero_optimization_stage() < args.fail_once_below_stage and not os.path.exists(
         args.marker
     ):
         dist.barrier()  # every rank has looked before rank 0 leaves the marker

@@ -17,7 +17,7 @@ import shlex
 from typing import Optional, Sequence
 
 from .trials import Trial
-from .tuner import Outcome
+from .tuner import Outcome, _mib
 
 OPTIMAL_CONFIG = "ds_config_optimal.json"
 OPTIMAL_COMMAND = "cmd_optimal.txt"
@@ -69,10 +69,6 @@ def write_results(
     with open(os.path.join(results_dir, "memory_vs_throughput.svg"), "w") as f:
         f.write(plot(outcome))
     return path
-
-
-def _mib(value) -> str:
-    return "-" if value is None else f"{value / 2**20:,.0f}"
 
 
 def summary(outcome: Outcome) -> str:

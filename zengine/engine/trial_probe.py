@@ -25,20 +25,15 @@ import torch
 import torch.distributed as dist
 
 from ..config.autotuning import AutotuningConfig
+from ..device.host import resident_bytes
 
 METRICS_VERSION = 1
 
 
 def own_peak_bytes() -> int:
     """This process's resident high-water mark less its file-backed and shared pages (0 without /proc)."""
-    try:
-        with open("/proc/self/status") as f:
-            status = {
-                k: int(v.split()[0]) << 10 for k, v in (ln.split(":", 1) for ln in f) if "kB" in v
-            }
-    except OSError:
-        return 0
-    return max(0, status["VmHWM"] - status.get("RssFile", 0) - status.get("RssShmem", 0))
+    peak = resident_bytes("VmHWM") - resident_bytes("RssFile") - resident_bytes("RssShmem")
+    return max(0, peak)
 
 
 def full_numels(module: torch.nn.Module) -> list[int]:
