@@ -87,10 +87,11 @@ def test_tune_then_run_within_a_budget_that_rules_out_stage_0(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads((tmp_path / "results" / "trials.json").read_text())
     trials, ruled_out = results["trials"], results["ruled_out"]
-    stages = {t["delta"]["zero_optimization.stage"] for t in trials}
-    assert 0 not in stages, [t["name"] for t in trials]
-    # stage 0 never ran: ruled out by its predicted peak (or, at a micro batch predicted low from
-    # stage 3's noisy profile, never the fastest candidate left)
+    # stage 0 does not fit: never chosen; ruled out by its predicted peak, or, before a trial of it has
+    # been measured (its prediction leans on the profile's stage 3), run once and found over the budget
+    for t in trials:
+        if t["delta"]["zero_optimization.stage"] == 0:
+            assert t["status"] == "over budget" and t["measured_peak"] > budget, t
     assert any(t["name"].startswith("z0_") for t in ruled_out), ruled_out
     failed = [i for i, t in enumerate(trials) if t["status"] == "out of memory"]
     assert failed and "simulated: out of memory" in trials[failed[0]]["reason"]
