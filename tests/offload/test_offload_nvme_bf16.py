@@ -17,6 +17,7 @@ from models import EdgeNet, edge_param_groups, make_batches, reference_run, trai
 
 import zengine
 from configs import PARITY_CLIP, PARITY_LR, PARITY_MICRO, parity_config
+from zengine.estimate import estimate
 from zengine.offload.state_swap import StateSwapper
 from zengine.ops.aio import AsyncIO
 from zengine.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -73,6 +74,9 @@ def _run(stage: int, offload, rounding: str, clip: bool = True) -> dict:
         out["record"] = [str(d) for d in swapper.dtypes]
         out["file"] = swapper.file.size
         out["padded"] = sum(c.padded for cs in swapper.chunks for c in cs)
+        params = getattr(engine.optimizer, "param_swap", None)
+        out["params_file"] = params.file.size if params is not None else 0
+        out["swap_files"] = engine.memory_breakdown()["swap_files"]
     engine.destroy()
     return out
 
@@ -140,6 +144,7 @@ def test_nvme_steps_the_same_bits_as_cpu_offload(world):
             parts = 2 if stage == 2 else (5 if rounding == "kahan" else 4)
             assert a["record"] == ["torch.bfloat16"] * parts, a["record"]
             assert a["file"] == 2 * parts * a["padded"], case  # bytes of the bf16 records
+            assert a["swap_files"] == a["file"] + a["params_file"] > 0, case  # memory_breakdown
 
 
 @pytest.mark.parametrize("world,stage,offload", [(2, 2, "nvme"), (3, 3, "infinity")])
@@ -164,6 +169,37 @@ def test_bf16_records_take_half_the_bytes_of_fp32(tmp_path):
     assert files[(torch.bfloat16, 2)] == (4 * sum(sizes), 4)  # bf16 moments
     assert files[(torch.float32, 4)] == (16 * sum(sizes), 16)  # ZeRO-Infinity's fp32 record
     assert files[(torch.bfloat16, 4)] == (8 * sum(sizes), 8)  # [m | v | master | grad] in bf16
+
+
+def test_the_estimate_counts_bf16_records():
+    psi, world, chunk = 8_000_000, 4, 250_000
+    nvme = {"device": "nvme", "nvme_path": "/tmp", "buffer_count": 4}
+    share = psi // world
+    for stage, param, low, kahan, record in [
+        (2, None, False, False, 8),  # fp32 moments
+        (2, None, True, False, 4),  # bf16 moments
+        (3, None, False, False, 16),  # ZeRO-Infinity's fp32 [m | v | master | grad]
+        (3, nvme, True, False, 8),  # in bf16; the parameters' 2 bytes in their own file
+        (3, None, True, True, 10),  # Kahan's compensation in the record
+    ]:
+        zero = {"stage": stage, "sub_group_size": chunk, "offload_optimizer": nvme}
+        if param:
+            zero["offload_param"] = param
+        bf16 = {"enabled": True}
+        if low:
+            bf16.update(MASTERS, master_rounding="kahan" if kahan else "nearest")
+        cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": bf16, "zero_optimization": zero}
+        est = estimate(psi, cfg, world)
+        case = (stage, bool(param), low, kahan)
+        assert est.disk["optimizer swap file"] == record * share, case
+        assert est.host["optimizer swap buffers"] == 4 * record * chunk, case
+        assert est.disk.get("parameter swap file", 0) == (2 * share if param else 0), case
+        assert "disk" in est.format(), case
+        if stage == 3:  # masters and gradients in the file, none in memory
+            assert "master weights" not in est.host and "gradients" not in est.host, case
+        else:  # bf16 masters and gradients in host memory: 2 + 2 bytes (fp32: 4 + 4)
+            per = 2 if low else 4
+            assert est.host["master weights"] == est.host["gradients"] == per * share, case
 
 
 def _values(engine) -> dict:

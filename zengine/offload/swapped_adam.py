@@ -164,6 +164,10 @@ class SwappedAdam(CPUAdam):
         """Release the swap file and its I/O threads; the optimizer cannot step after this."""
         self.swapper.close()
 
+    def swap_bytes(self) -> int:
+        """Bytes of the swap file: its records (``StateSwapper.bytes_per_element`` per element, padded)."""
+        return self.swapper.file.size
+
     def host_buffers(self) -> list[torch.Tensor]:
         """The host memory the moments take: the swap buffers."""
         return list(self.swapper.buffers)
