@@ -92,7 +92,8 @@ def _run(stage: int, offload, rounding: str, clip: bool = True) -> dict:
 # (which rounds in bf16 where W is not a power of two): the clip coefficient may differ in its last
 # bits at W=3, so its pairs step unclipped; clipped, it is held to the torch reference below.
 PAIRS = [
-    (2, "nvme", True, "stochastic", True, (2, 3)),  # SwappedAdam: bf16 moments in the file
+    (2, "nvme", True, "stochastic", True, (2,)),  # SwappedAdam: bf16 moments in the file
+    (2, "nvme", True, "kahan", True, (3,)),  # Kahan's compensation in memory with the master
     (3, "nvme", True, "kahan", True, (2,)),  # ZeRO-Infinity, parameters in memory; Kahan's part
     (3, "infinity", "param-nvme", "stochastic", False, (2, 3)),  # parameters in their file too
     (3, "infinity", "param-nvme", "kahan", False, (3,)),
@@ -213,16 +214,16 @@ def _values(engine) -> dict:
     return {k: v.reshape(-1).tolist() for k, v in out.items()} | _params(engine)
 
 
-def _resume(folder: str, stage: int, saving, loading: list) -> list:
+def _resume(folder: str, stage: int, rounding: str, saving, loading: list) -> list:
     """Save after 2 steps with ``saving`` (offload, low); load into each of ``loading``: the values
     after the load, and the losses and parameters of 2 more steps."""
-    engine = _engine(stage, saving[0], low=saving[1])
+    engine = _engine(stage, saving[0], rounding, low=saving[1])
     _train(engine, 2, seed=1)
     engine.save_checkpoint(folder, tag="t")
     out = [_values(engine)]
     engine.destroy()
     for offload, low in loading:
-        engine = _engine(stage, offload, low=low)
+        engine = _engine(stage, offload, rounding, low=low)
         engine.load_checkpoint(folder, tag="t")
         values = _values(engine)
         losses = _train(engine, 2, seed=2)
@@ -232,15 +233,16 @@ def _resume(folder: str, stage: int, saving, loading: list) -> list:
 
 
 def test_resume_across_nvme_and_memory(tmp_path):
-    # stage 3: ZeRO-Infinity bf16 -> CPU-offload bf16, ZeRO-Infinity bf16, CPU-offload fp32 masters;
+    # stage 3, Kahan: ZeRO-Infinity bf16 -> CPU-offload bf16, ZeRO-Infinity bf16 (the compensation
+    # read back into its record part: else the two would part), CPU-offload fp32 masters;
     # stage 2: CPU-offload bf16 -> NVMe bf16
     runs = [
-        (3, ("infinity", True), [("param-nvme", True), ("infinity", True), (True, False)]),
-        (2, (True, True), [("nvme", True)]),
+        (3, "kahan", ("infinity", True), [("param-nvme", True), ("infinity", True), (True, False)]),
+        (2, "nearest", (True, True), [("nvme", True)]),
     ]
-    for k, (stage, saving, loading) in enumerate(runs):
+    for k, (stage, rounding, saving, loading) in enumerate(runs):
         folder = str(tmp_path / f"ckpt{k}")
-        for saved, *loaded in spawn(_resume, 2, folder, stage, saving, loading):
+        for saved, *loaded in spawn(_resume, 2, folder, stage, rounding, saving, loading):
             for (offload, low), (values, losses, params) in zip(loading, loaded):
                 assert values == saved, (stage, offload, low)  # bf16 widens to fp32 exactly
             same = [r for (o, low), r in zip(loading, loaded) if low]
