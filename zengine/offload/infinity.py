@@ -1,8 +1,8 @@
 """ZeRO-Infinity's optimizer side at stage 3: its optimizer, master store, gradient sink and the
 chunk I/O the NVMe-swapped step needs from the groups.
 
-With ``offload_optimizer.device = "nvme"`` at stage 3 (``placement.InfinityPlacement``) the fp32
-masters and the gradient shards are swapped with Adam's moments, so host memory for the optimizer
+With ``offload_optimizer.device = "nvme"`` at stage 3 (``placement.InfinityPlacement``) the
+masters (fp32, or bf16 with ``bf16_master_weights_and_grads``) and the gradient shards are swapped with Adam's moments, so host memory for the optimizer
 is the swap buffers. The placement builds the parts that go with it, all here:
 
 - ``InfinityAdam``, the optimizer: ``swapped_adam.SwappedAdam`` over a record ``[exp_avg |
@@ -186,7 +186,7 @@ class InfinityAdam(SwappedAdam):
 
     @contextlib.contextmanager
     def states_in_memory(self):
-        """As SwappedAdam's; the parameters (the fp32 masters) get their storage and values for the
+        """As SwappedAdam's; the parameters (the masters) get their storage and values for the
         duration too. Re-entrant (a checkpoint calling safe_get_full_* inside)."""
         if self._resident:
             yield

@@ -1,9 +1,10 @@
 """The swap file of NVMe-offloaded optimizer states and the host buffers they stream through
 (``swapped_adam.SwappedAdam`` is the optimizer that steps them).
 
-``offload_optimizer: {device: nvme, nvme_path: DIR}`` keeps the fp32 master shard and its
+``offload_optimizer: {device: nvme, nvme_path: DIR}`` keeps the master shard and its
 gradient in host memory (as with ``cpu``) and moves ``exp_avg`` and ``exp_avg_sq`` — two
-thirds of the 12 bytes per parameter of optimizer state — to a file under ``DIR``. The step
+thirds of the 12 bytes per parameter of optimizer state, or 4 of 8 with bf16 masters and states —
+to a file under ``DIR``. The step
 walks the shard in chunks of ``sub_group_size`` elements (at most ``MAX_CHUNK``), through
 ``buffer_count`` host buffers (pinned with ``pin_memory`` on a GPU machine):
 

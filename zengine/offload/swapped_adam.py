@@ -1,5 +1,5 @@
 """``SwappedAdam``: CPU Adam whose moments live in a ``StateSwapper``'s file and stream through its
-host buffers while the step runs (ZeRO-Infinity's ``infinity.InfinityAdam`` swaps the fp32 masters
+host buffers while the step runs (ZeRO-Infinity's ``infinity.InfinityAdam`` swaps the masters
 and their gradients with them).
 
 With ``offload_optimizer.device = "nvme"`` the placement (``placement.py``) replaces the wrapped
