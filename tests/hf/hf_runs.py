@@ -28,38 +28,48 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": x, "labels": x}
 
 
-def build_model(kind: str):
+def tiny_causal_lm(kind: str, vocab: int, positions: int, heads: int = 2, **extra):
+    """A two-layer, 32-wide causal LM from a config (nothing downloaded): "llama" (lm_head its own
+    parameter, grouped-query attention) or "gpt2" (lm_head tied to the token embedding, no dropout).
+    ``heads``: GPT-2's attention heads; ``extra``: more config fields. Not seeded: the caller seeds."""
     import transformers
 
-    torch.manual_seed(0)
     if kind == "llama":
         return transformers.LlamaForCausalLM(
             transformers.LlamaConfig(
-                vocab_size=VOCAB,
+                vocab_size=vocab,
                 hidden_size=32,
                 intermediate_size=64,
                 num_hidden_layers=2,
                 num_attention_heads=4,
                 num_key_value_heads=2,
-                max_position_embeddings=SEQ,
+                max_position_embeddings=positions,
                 bos_token_id=0,
                 eos_token_id=1,
+                **extra,
             )
         )
     return transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(  # lm_head tied to the token embedding
-            vocab_size=VOCAB,
+        transformers.GPT2Config(
+            vocab_size=vocab,
             n_embd=32,
             n_layer=2,
-            n_head=2,
-            n_positions=SEQ,
+            n_head=heads,
+            n_positions=positions,
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
             bos_token_id=0,
             eos_token_id=1,
+            **extra,
         )
     )
+
+
+def build_model(kind: str):
+    """The Trainer tests' model ("llama" or "gpt2"), seeded."""
+    torch.manual_seed(0)
+    return tiny_causal_lm(kind, VOCAB, SEQ)
 
 
 def in_order_trainer(cls_name: str = "Trainer", lr_lambda=None, **kw):
@@ -203,21 +213,5 @@ def documented_zero3_without_optimizer() -> dict:
 
 def untied_llama(vocab: int):
     """A tiny Llama whose lm_head is its own parameter (TRL's losses read it directly), seeded."""
-    import transformers
-
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-            bos_token_id=0,
-            eos_token_id=1,
-            pad_token_id=1,
-            tie_word_embeddings=False,
-        )
-    )
+    return tiny_causal_lm("llama", vocab, 32, pad_token_id=1, tie_word_embeddings=False)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from harness import spawn
+from hf_runs import tiny_causal_lm
 
 # found, not imported: accelerate decides at import whether DeepSpeed is there (after zengine.compat.install())
 pytestmark = pytest.mark.skipif(
@@ -30,21 +31,8 @@ PARAM_TOL = (
 
 
 def _model():
-    import transformers
-
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=32,
-            n_layer=2,
-            n_head=2,
-            n_positions=SEQ,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-    )
+    return tiny_causal_lm("gpt2", VOCAB, SEQ)
 
 
 def _data() -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import zengine
 from configs import SHARD_ALL, adamw, ds_config
 from harness import spawn
+from hf_runs import tiny_causal_lm
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
 
@@ -22,32 +23,7 @@ STEPS, MICRO, SEQ, VOCAB, LR, CLIP = 3, 2, 8, 64, 1e-2, 1.0
 
 def build(kind: str):
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-            bos_token_id=0,
-            eos_token_id=1,
-        )
-        return transformers.LlamaForCausalLM(cfg)
-    cfg = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    return transformers.GPT2LMHeadModel(cfg)  # lm_head tied to the token embedding
+    return tiny_causal_lm(kind, VOCAB, 32, heads=4)
 
 
 def _config(stage):
