@@ -311,7 +311,8 @@ def test_unmeasured_families_and_noisy_peaks_run_nothing_over_the_budget():
     # (3 trials) measures over the budget but at most one near-budget probe per search; the best of the
     # grid within the budget is found (throughput within 1%) in all but one (640 MiB, the last error
     # set, seed 1: the profile's noisy slope, 22 MB per sample against 6, hides stage 1, whose estimate
-    # is 25% high); fewer trials than before the bounds (303 in all, with 15 trials over the budget)
+    # is 25% high); fewer trials than before the bounds (303 in all, 14 of them over the budget
+    # after the profile)
     total, missed = 0, []
     for budget_mib in (640, 800, 1000, 2000):
         for k, errors in enumerate(FAMILY_ERRORS):
