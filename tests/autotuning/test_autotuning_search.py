@@ -151,10 +151,13 @@ def test_budget_rules_out_stages_0_and_1():
     assert {t.candidate.stage for t in outcome.ruled_out} >= {0, 1}
 
 
-def test_a_trial_that_fails_is_recorded_and_the_search_goes_on():
+@pytest.mark.parametrize("index", [2, 3])
+def test_a_trial_that_fails_is_recorded_and_the_search_goes_on(index):
+    # 2: the profile's trial of a second family (only the first trial failing ends the search);
+    # 3: the first trial after the profile
     cfg = user_config()
     clean = tuner_for(cfg, Machine(cfg), 2000 << 20).tune()
-    crash = clean.trials[2].candidate.name  # the first trial after the profile
+    crash = clean.trials[index].candidate.name
     machine = Machine(cfg, crash=[crash])
     outcome = tuner_for(cfg, machine, 2000 << 20).tune()
     failed = [t for t in outcome.trials if t.candidate.name == crash]
