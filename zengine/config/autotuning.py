@@ -106,7 +106,9 @@ class AutotuningConfig(_Section):
         0.05,
         ge=0.0,
         le=1.0,
-        description="zengine only: the share of memory_per_rank kept free against the prediction's error.",
+        description="zengine only: the share of memory_per_rank (and host_memory_per_rank) kept free "
+        "against a run's own variation of its peak (the predictions already bound the measured ones' noise "
+        "and, for a stage/offload family not measured yet, the estimator's error).",
     )
     trial_timeout: Number = Field(
         600.0,
