@@ -2,12 +2,14 @@
 
     OMP_NUM_THREADS=2 python benchmarks/bench_infinity.py [--layers 32 --d-model 2560] [--steps 4]
                                                           [--dir /var/tmp/zengine-infinity]
-                                                          [--variants bf16 | fp32,bf16-native,bf16-fp32mm]
+                                                          [--variants bf16 | fp32,bf16-native,bf16-fp32mm,
+                                                                      bf16-states,bf16-states-sr]
 
 One process (W=1), stage 3, bf16, AdamW; the model is built under ``zero.Init`` straight into the
 parameter swap file, so it is never whole in memory. Every state of size N lives on disk: the bf16
 parameters (2 bytes each) and, per optimizer chunk, ``[exp_avg | exp_avg_sq | fp32 master | fp32 grad]``
-(16 bytes each). The run trains the same short batch for ``--steps`` optimizer steps (the loss must
+(16 bytes each; with ``bf16-states``, bf16 masters, gradients and moments, 8 bytes: 10 per parameter
+on disk instead of 18). The run trains the same short batch for ``--steps`` optimizer steps (the loss must
 fall and stay finite) and reports:
 
 - parameters, bytes on disk, peak RSS (the process high-water mark) against the machine's memory;
@@ -19,10 +21,15 @@ fall and stay finite) and reports:
 
 ``--variants`` runs the same model and batch once per precision, one after the other in this process:
 ``bf16`` (bf16.cpu_matmul "auto", the default), ``bf16-native`` (torch's bf16 GEMM), ``bf16-fp32mm``
-(nn.Linear's products in fp32, bf16 in and out) and ``fp32``; with more than one the report adds their
+(nn.Linear's products in fp32, bf16 in and out), ``fp32``, ``bf16-states`` (DeepSpeed's
+``bf16_master_weights_and_grads`` + ``bf16_optimizer_states``, round to nearest) and ``bf16-states-sr``
+(the same with stochastic rounding of the masters); with more than one the report adds their
 seconds per step side by side. The report names the CPU: forward+backward is compute-bound on it.
 
-It checks the free space under ``--dir`` first and refuses with what it needs. Not part of the test
+It checks the free space under ``--dir`` first and refuses with what it needs: for the largest
+variant, its swap files as ``zengine.estimate`` counts them (parameters + optimizer records per
+parameter: fp32 4 + 16, bf16 2 + 16, bf16-states 2 + 8) plus zero.Init's copy of the parameters and
+the drive test. Not part of the test
 suite (it takes minutes); results go to stdout and ``benchmarks/results/infinity_<date>.md``.
 """
 
@@ -43,6 +50,7 @@ from common import REPO, cpu_line, isa_caps, publish, result_path, today
 sys.path.insert(0, str(REPO))
 
 import zengine  # noqa: E402
+from zengine.estimate import estimate  # noqa: E402
 from zengine.models.gpt import GPT, GPTConfig  # noqa: E402
 from zengine.ops.aio import AsyncIO, SwapFile, aligned_empty  # noqa: E402
 
@@ -53,7 +61,29 @@ VARIANTS = {
     "bf16-native": {"bf16": {"enabled": True, "cpu_matmul": "native"}},
     "bf16-fp32mm": {"bf16": {"enabled": True, "cpu_matmul": "fp32"}},
     "fp32": {},
+    "bf16-states": {
+        "bf16": {
+            "enabled": True,
+            "bf16_master_weights_and_grads": True,
+            "bf16_optimizer_states": True,
+        }
+    },
+    "bf16-states-sr": {
+        "bf16": {
+            "enabled": True,
+            "bf16_master_weights_and_grads": True,
+            "bf16_optimizer_states": True,
+            "master_rounding": "stochastic",
+        }
+    },
 }
+
+
+def _disk_bytes(config: dict, n_params: int) -> int:
+    """Bytes a variant puts on disk: its swap files as ``zengine.estimate`` counts them (parameters in
+    the compute dtype, the optimizer's records), and zero.Init's copy of the parameters."""
+    files = estimate(n_params, config, 1, cpu_training=True).disk
+    return sum(files.values()) + files["parameter swap file"]
 
 
 def _parameters(layers: int, d: int, vocab: int, seq: int) -> int:
@@ -208,20 +238,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--variants {args.variants!r}: choose from {', '.join(VARIANTS)}")
     vocab = 256
     n_params = _parameters(args.layers, args.d_model, vocab, args.seq)
-    param_bytes = 4 if "fp32" in variants else 2
     drive_bytes = args.drive_mib << 20
-    need = (
-        n_params * (param_bytes + 16 + param_bytes) + drive_bytes
-    )  # params, optimizer records, zero.Init's copy,
-    # drive test
     os.makedirs(args.dir, exist_ok=True)
-    free = shutil.disk_usage(args.dir).free
-    if free < need:
-        sys.exit(
-            f"bench_infinity: {n_params / 1e9:.2f}B parameters need about {need / GiB:.1f} GiB free under "
-            f"{args.dir}; there are {free / GiB:.1f} GiB. Free space there, pass --dir on a larger drive, or "
-            f"use fewer --layers / a smaller --d-model"
-        )
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     aio = {"block_size": 8 << 20, "queue_depth": 8, "thread_count": 2}
     largest = 4 * args.d_model * args.d_model
@@ -248,6 +266,17 @@ def main(argv: list[str] | None = None) -> None:
             "offload_optimizer": {"device": "nvme", "nvme_path": args.dir, "buffer_count": 4},
         },
     }
+    # the variants run one after the other, each freeing its files: the largest one's swap files
+    # (zengine.estimate's disk bytes), zero.Init's copy of the parameters, and the drive test
+    disk = {v: _disk_bytes({**base, **VARIANTS[v]}, n_params) for v in variants}
+    need = max(disk.values()) + drive_bytes
+    free = shutil.disk_usage(args.dir).free
+    if free < need:
+        sys.exit(
+            f"bench_infinity: {n_params / 1e9:.2f}B parameters need about {need / GiB:.1f} GiB free under "
+            f"{args.dir}; there are {free / GiB:.1f} GiB. Free space there, pass --dir on a larger drive, or "
+            f"use fewer --layers / a smaller --d-model"
+        )
     print(f"drive alone ({args.dir}, 64 MiB O_DIRECT requests, 4 in flight) ...", flush=True)
     drive_w, drive_r = _drive_alone(args.dir, aio, drive_bytes, min(64 << 20, drive_bytes // 4))
     print(f"  write {drive_w:.2f} GB/s, read {drive_r:.2f} GB/s", flush=True)
@@ -268,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     command = (
         " ".join(isa_caps() + [f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}"])
         + " python benchmarks/bench_infinity.py "
-        f"--layers {args.layers} --d-model {args.d_model} --steps {args.steps} --variants {','.join(variants)}"
+        f"--layers {args.layers} --d-model {args.d_model} --heads {args.heads} --steps {args.steps} --variants {','.join(variants)}"
     )
     lines = [
         f"# ZeRO-Infinity, {today()}: {n_params / 1e9:.2f}B-parameter GPT on one process",
@@ -293,7 +322,9 @@ def main(argv: list[str] | None = None) -> None:
             "",
             f"## {v}",
             "",
-            f"- {policy}; on disk {on_disk / 1e9:.1f} GB; built under zero.Init in {built:.0f} s",
+            f"- {policy}; on disk {on_disk / 1e9:.1f} GB ({on_disk / n_params:.1f} bytes per parameter: "
+            f"parameters + optimizer records, padding included; {disk[v] / n_params:.0f} with "
+            f"zero.Init's copy); built under zero.Init in {built:.0f} s",
             f"- loss {' -> '.join(f'{val:.4f}' for val in losses)}: {'falling and finite' if ok else 'NOT falling'}",
             "",
             "| step | loss | fwd+bwd s | fwd+bwd CPU s | waited on reads s | waited on grad writes s | optimizer s | "

@@ -67,6 +67,12 @@ ALIASES = {
     "deepspeed.runtime.lr_schedules": "zengine.runtime.lr_schedules",
     "deepspeed.checkpoint": "zengine.checkpoint",
     "deepspeed.checkpoint.utils": "zengine.checkpoint.utils",
+    "deepspeed.checkpoint.constants": "zengine.checkpoint.constants",
+    # the classes DeepSpeed's checkpoint files pickle (its zero_to_fp32.py unpickles them)
+    "deepspeed.runtime.fp16": "zengine.runtime.pickled",
+    "deepspeed.runtime.fp16.loss_scaler": "zengine.runtime.pickled",
+    "deepspeed.runtime.zero.config": "zengine.runtime.pickled",
+    "deepspeed.utils.tensor_fragment": "zengine.runtime.pickled",
     "deepspeed.moe": "zengine.moe",  # the import surface; building an MoE layer is refused (zengine/moe)
     "deepspeed.moe.utils": "zengine.moe.utils",
     "deepspeed.moe.layer": "zengine.moe.layer",

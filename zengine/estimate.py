@@ -34,14 +34,15 @@ from typing import Any, Optional, Sequence, Union
 from torch import nn
 
 from .config import ZengineConfig, load_config
-from .zero.grad_dtypes import GradDtypes
-from .zero.bucket_buffers import BucketBuffers
-from .zero.grads import buckets_in_flight
+from .offload.infinity import record_dtypes
 from .offload.partial import host_share
-from .zero.stage3.units import GatherUnits
 from .offload.state_swap import MAX_CHUNK
-from .zero.sub_groups import split_sub_groups
 from .precision.masters import MasterPrecision
+from .zero.bucket_buffers import BucketBuffers
+from .zero.grad_dtypes import GradDtypes
+from .zero.grads import buckets_in_flight
+from .zero.stage3.units import GatherUnits
+from .zero.sub_groups import split_sub_groups
 
 GiB = 1 << 30
 
@@ -56,6 +57,7 @@ class MemoryEstimate:
     host: dict[str, int] = field(default_factory=dict)
     transients: dict[str, int] = field(default_factory=dict)  # on the compute device
     pinned: dict[str, int] = field(default_factory=dict)  # entries of ``host`` that are page-locked
+    disk: dict[str, int] = field(default_factory=dict)  # NVMe offload's swap files, padding aside
     label: str = ""
 
     @property
@@ -65,6 +67,11 @@ class MemoryEstimate:
     @property
     def host_states(self) -> int:
         return sum(self.host.values())
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of this rank's swap files (NVMe offload)."""
+        return sum(self.disk.values())
 
     @property
     def pinned_host(self) -> int:
@@ -85,6 +92,7 @@ class MemoryEstimate:
             ("device", self.device),
             ("host", self.host),
             ("transient", self.transients),
+            ("disk", self.disk),
         ):
             shown = ", ".join(f"{k} {v / GiB:.2f}" for k, v in kinds.items() if v)
             if shown:
@@ -93,6 +101,7 @@ class MemoryEstimate:
             f"  per rank: device {self.device_states / GiB:.2f} GiB of states, peak "
             f"{self.peak_device / GiB:.2f} GiB with transients; host {self.host_states / GiB:.2f} GiB"
             + (f", {self.pinned_host / GiB:.2f} GiB of it pinned" if self.pinned_host else "")
+            + (f"; disk {self.disk_bytes / GiB:.2f} GiB" if self.disk_bytes else "")
         )
         return "\n".join(lines)
 
@@ -175,6 +184,7 @@ def estimate(
                 half * max(2, int(par.buffer_count)) * min(int(par.buffer_size), largest_chunk)
             )
             est.host["parameters kept in memory"] = half * min(int(par.max_in_cpu), share)
+            est.disk["parameter swap file"] = half * share
         else:
             (est.host if offload_par == "cpu" else est.device)["parameters"] = half * share
         est.device["persistent parameters"] = whole
@@ -210,15 +220,21 @@ def estimate(
         count = min(
             int(zero.offload_optimizer.buffer_count), max(2, math.ceil(sharded_opt / chunk))
         )  # as offload/state_swap.py
+        # bytes per element of a record: [exp_avg | exp_avg_sq] in the states' dtype or, ZeRO-Infinity,
+        # [... | master | (Kahan's) | grad] in the masters' (fp32: 8 or 16; bf16: 4 or 8, Kahan 10)
         parts = (
-            4 if infinity else 2
-        )  # [exp_avg | exp_avg_sq] or, ZeRO-Infinity, [... | master | grad] fp32
-        est.host["optimizer swap buffers"] = count * parts * 4 * chunk
+            record_dtypes(masters.dtype, masters.states, bool(masters.rounding.buffers))
+            if infinity
+            else (masters.states,) * 2
+        )
+        record = sum(d.itemsize for d in parts)
+        est.host["optimizer swap buffers"] = count * record * chunk
+        est.disk["optimizer swap file"] = record * sharded_opt
         if (
             infinity
         ):  # gradient pieces written behind (swap.GradSwap.IN_FLIGHT): on a GPU machine pinned
             # and kept from step to step (registered once), so host memory for good
-            writes = 4 * 4 * min(chunk, int(zero.reduce_bucket_size), share)
+            writes = 4 * masters.grad_bytes * min(chunk, int(zero.reduce_bucket_size), share)
             (est.transients if cpu_training else est.host)["gradient writes"] = writes
     elif offload_opt == "cpu":
         est.host["optimizer states"] = masters.adam_state_bytes * host_opt

@@ -298,3 +298,67 @@ def test_scripts_beside_checkpoints_run_with_plain_python(zengine_saved, tmp_pat
     halves = torch.load(tmp_path / "ds_bf16.pt")
     for key, value in _expected("s3_bf16_w3").items():
         assert torch.equal(halves[key], value.bfloat16()), key
+
+
+def _deepspeed_scripts() -> str:
+    """The folder of DeepSpeed's own zero_to_fp32.py and zero_to_torch.py (the ones it copies into
+    every checkpoint folder), from a Python with DeepSpeed (ZENGINE_DEEPSPEED_PYTHON, else /tmp/dsv's);
+    skips the test without one (their code is DeepSpeed's: read from its install, not committed)."""
+    python = os.environ.get("ZENGINE_DEEPSPEED_PYTHON", "/tmp/dsv/bin/python")
+    probe = None
+    if os.path.isfile(python):
+        probe = subprocess.run(
+            [python, "-c", "import deepspeed.utils.zero_to_fp32 as m; print(m.__file__)"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        )
+    if probe is None or probe.returncode != 0:
+        pytest.skip(f"no Python with DeepSpeed at {python} (set ZENGINE_DEEPSPEED_PYTHON)")
+    return os.path.dirname(probe.stdout.strip().splitlines()[-1])
+
+
+def test_deepspeeds_own_scripts_run_on_zengine_under_compat(tmp_path):
+    # A DeepSpeed checkpoint folder holds DeepSpeed's zero_to_fp32.py / zero_to_torch.py, which import
+    # deepspeed.checkpoint.constants and unpickle DeepSpeed's classes; with ZENGINE_DEEPSPEED_COMPAT=1
+    # and only zengine installed they run and give what DeepSpeed 0.19.8 gave (one fixture per stage).
+    scripts = _deepspeed_scripts()
+    env = {**_plain_env(), "ZENGINE_DEEPSPEED_COMPAT": "1"}
+    for name in ("s1_fp32_w2", "s2_bf16_w2", "s3_bf16_w3"):
+        folder = tmp_path / name
+        shutil.copytree(os.path.join(FIXTURES, name), folder)
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+            shutil.copy(os.path.join(scripts, script), folder / script)
+        argv = [str(folder / "zero_to_fp32.py"), str(folder), str(tmp_path / f"{name}_out")]
+        out = subprocess.run(
+            [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        got = torch.load(tmp_path / f"{name}_out" / "pytorch_model.bin")
+        want = dict(EXPECTED[name]["full"]["items"])
+        assert set(got) == set(want), set(got) ^ set(want)
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+    # zero_to_torch.py (it imports the zero_to_fp32.py beside it) in bf16, at stage 3
+    argv = [
+        str(folder / "zero_to_torch.py"),
+        str(folder),
+        str(tmp_path / "bf16"),
+        "--dtype",
+        "bf16",
+    ]
+    out = subprocess.run(
+        [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    halves = torch.load(tmp_path / "bf16" / "pytorch_model.bin")
+    want = dict(EXPECTED["s3_bf16_w3"]["full"]["items"])
+    assert all(torch.equal(halves[k], v.bfloat16()) for k, v in want.items())
+    # without the switch the script stops at its first import, as it would with nothing installed
+    out = subprocess.run(
+        [sys.executable, str(folder / "zero_to_fp32.py"), str(folder), str(tmp_path / "x")],
+        env=_plain_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0 and "deepspeed" in out.stderr

@@ -148,7 +148,10 @@ def _grad_swap_run(directory: str, copies) -> tuple[list[float], list[torch.Tens
     """Two accumulation windows over a [3000] gradient in chunks of 2048: whole, then a part again (added to
     what the file holds), then the next window replacing it. (The sums of squares, the gradient read back.)"""
     swap = GradSwap(
-        StateSwapper([3000, 1024], directory, 2048, 2, AsyncIO(1 << 14, 2), parts=4), copies
+        StateSwapper(
+            [3000, 1024], directory, 2048, 2, AsyncIO(1 << 14, 2), dtypes=(torch.float32,) * 4
+        ),
+        copies,
     )
     torch.manual_seed(0)
     pieces = [torch.randn(3000, dtype=torch.bfloat16) for _ in range(3)]

@@ -57,7 +57,7 @@ def test_swapped_adam_equals_cpu_adam_bit_for_bit(tmp_path, buffer_count):
         torch.equal(o, p.to(torch.bfloat16)) for o, p in zip(outs, mine)
     )  # written in the same pass
     # host memory: the buffers only, not the 2 x 4 bytes per element of the moments
-    held = sum(b.numel() * 4 for b in swapped.host_buffers())
+    held = sum(b.numel() * b.element_size() for b in swapped.host_buffers())
     assert held == buffer_count * 2 * 1024 * 4 < 2 * 4 * sum(SIZES)
     assert all(set(swapped.state[p]) == {"step"} for p in mine)
     with swapped.states_in_memory():

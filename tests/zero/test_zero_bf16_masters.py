@@ -185,12 +185,6 @@ REFUSALS = [
     ({"master_rounding": "kahan"}, None, None, "enable bf16.bf16_master_weights_and_grads"),
     ({**MASTERS}, {"stage": 0}, None, "stages 1-3"),
     (
-        {**MASTERS},
-        {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}},
-        None,
-        "keeps fp32 records only",
-    ),
-    (
         {"bf16_master_weights_and_grads": True},
         None,
         {"type": "SGD", "params": {"lr": 0.1}},

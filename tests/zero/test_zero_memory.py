@@ -56,6 +56,7 @@ def expected(stage, precision, world):
             "pinned_host": 0,
             "host_states": 0,
             "shared_segment": 0,
+            "swap_files": 0,
         }  # (nothing pinned on the CPU; a small model)
     shards = 1 if stage == 0 else world
     n = padded_size(PSI, shards)
@@ -72,6 +73,7 @@ def expected(stage, precision, world):
         "pinned_host": 0,  # nothing is pinned on the CPU
         "host_states": 0,  # offload moves nothing on a CPU run
         "shared_segment": 0,  # a model this small gets no shared-memory segment for its collectives
+        "swap_files": 0,  # no NVMe offload
     }
 
 

@@ -12,6 +12,7 @@ WORKSPACE = "workspace"  # memory_breakdown()'s entry for storage kept for reuse
 SHARED_SEGMENT = (
     "shared_segment"  # the collectives' shared-memory segment (distributed/shm.py): one per host
 )
+SWAP_FILES = "swap_files"  # bytes on disk (NVMe offload's swap files): a place, not memory
 KINDS = ("parameters", "gradients", "master_weights", "optimizer_states", "buffers")
 OPTIMIZER_SIDE = ("gradients", "master_weights", "optimizer_states")  # what offload_optimizer moves
 
@@ -39,7 +40,13 @@ def memory_breakdown(module: nn.Module, optimizer, transport=None) -> dict[str, 
 
     ``shared_segment`` is the bytes of the shared-memory segment the collectives go through (``transport``,
     ``distributed/shm.py``), mapped by every rank on the host: one segment a host, not a rank. Not model
-    state: ``model_state_bytes`` leaves it out."""
+    state: ``model_state_bytes`` leaves it out.
+
+    ``swap_files`` is the bytes of this rank's swap files on disk (``offload_optimizer`` and
+    ``offload_param`` on NVMe): the records of the swapped states (fp32: 8 bytes per element of the
+    shard for the moments, 16 for ZeRO-Infinity's ``[exp_avg | exp_avg_sq | master | grad]``; bf16
+    masters and states: 4 and 8, Kahan 10) and the parameter shards, padded to 4096-byte blocks. Not
+    memory: ``model_state_bytes`` leaves it out."""
     kinds = optimizer.memory_tensors()
     kinds["parameters"] = kinds["parameters"] + list(module.parameters())
     kinds["buffers"] = list(module.buffers())
@@ -62,7 +69,14 @@ def memory_breakdown(module: nn.Module, optimizer, transport=None) -> dict[str, 
     out[HOST_STATES] = _host_bytes(kinds, optimizer)
     out[PINNED_HOST] = pinned.held_bytes()
     out[SHARED_SEGMENT] = transport.segment.numel() if transport is not None else 0
+    out[SWAP_FILES] = _swap_bytes(optimizer)
     return out
+
+
+def _swap_bytes(optimizer) -> int:
+    """Bytes of the optimizer's swap file and the parameters' (``offload_param.device: nvme``)."""
+    params = optimizer.placement.params.swap
+    return optimizer.abilities.swap_bytes() + (params.file.size if params is not None else 0)
 
 
 def _host_bytes(kinds: dict, optimizer) -> int:
@@ -85,5 +99,5 @@ def _host_bytes(kinds: dict, optimizer) -> int:
 def model_state_bytes(breakdown: dict[str, int]) -> int:
     """The model-state bytes of a ``memory_breakdown()``: its kinds summed, ``pinned_host`` and
     ``host_states`` (overlays) and ``workspace`` and ``shared_segment`` (not model state) left out."""
-    overlays = (PINNED_HOST, HOST_STATES, WORKSPACE, SHARED_SEGMENT)
+    overlays = (PINNED_HOST, HOST_STATES, WORKSPACE, SHARED_SEGMENT, SWAP_FILES)
     return sum(v for k, v in breakdown.items() if k not in overlays)

@@ -1,12 +1,14 @@
 """ZeRO-Infinity's optimizer side at stage 3: its optimizer, master store, gradient sink and the
 chunk I/O the NVMe-swapped step needs from the groups.
 
-With ``offload_optimizer.device = "nvme"`` at stage 3 (``placement.InfinityPlacement``) the fp32
-masters and the gradient shards are swapped with Adam's moments, so host memory for the optimizer
+With ``offload_optimizer.device = "nvme"`` at stage 3 (``placement.InfinityPlacement``) the
+masters (fp32, or bf16 with ``bf16_master_weights_and_grads``) and the gradient shards are swapped with Adam's moments, so host memory for the optimizer
 is the swap buffers. The placement builds the parts that go with it, all here:
 
 - ``InfinityAdam``, the optimizer: ``swapped_adam.SwappedAdam`` over a record ``[exp_avg |
-  exp_avg_sq | master | grad]`` per chunk;
+  exp_avg_sq | master | grad]`` per chunk (``record_dtypes``: fp32 parts, or with bf16 masters
+  the master and gradient in bf16 and the moments in the states' dtype, Kahan's compensation a
+  part of its own before the gradient: 8 bytes per parameter with bf16 states, 10 with Kahan);
 - ``SwappedMasters``, the master store (``zero/masters.MasterStore``): the masters have values only
   inside ``resident()``; the gradient store writes each reduced bucket into the file during backward
   through its sink (``state_swap.GradSwap``) and keeps the sums of squares it wrote, which give the
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Optional, TypeVar
 import torch
 from torch import nn
 
-from ..ops.adam import adam_step_
+from ..ops.adam import COMPENSATION
 from .copies import HostCopies
 from .param_swap import align_elems, on_disk
 from .state_swap import Chunk, GradSwap, StateSwapper, check_intact
@@ -40,6 +42,14 @@ if TYPE_CHECKING:  # offload/ never imports zero/ at run time (zero/ builds on o
     from .placement import NVMePlacement
 
 G = TypeVar("G")
+
+
+def record_dtypes(master: torch.dtype, states: torch.dtype, kahan: bool) -> tuple:
+    """The parts of a ZeRO-Infinity record: ``[exp_avg | exp_avg_sq | master | grad]``, with Kahan's
+    compensation (``kahan``) before the gradient, which stays last (``GradSwap``). The master in the
+    record even where the parameters are bf16 too: it is read and written with the moments, while
+    the parameters live where ``offload_param`` puts them (device, host or their own file)."""
+    return (states, states, master) + ((master,) if kahan else ()) + (master,)
 
 
 class MasterIO:
@@ -62,7 +72,8 @@ class MasterIO:
         self._landings: list = []  # init_master copies from the device not yet waited for
 
     def init_master(self, index: int, lo: int, hi: int, out: torch.Tensor) -> None:
-        """``out`` ([hi - lo] fp32) from group ``index``'s parameters; read it after ``ready()``."""
+        """``out`` ([hi - lo], the masters' dtype) from group ``index``'s parameters; read it after
+        ``ready()``."""
         g = self.groups[index]
         if g.in_memory:  # (queued while the chunks before it step: the swap reads this chunk ahead)
             self._landings.append(self.copies.download(out, g.shard_flat[lo:hi]))
@@ -76,8 +87,8 @@ class MasterIO:
         self._landings = []
 
     def params_out(self, index: int, lo: int, hi: int, master: torch.Tensor) -> None:
-        """Group ``index``'s parameters [lo, hi) from the updated fp32 ``master`` chunk (which may
-        be rewritten as soon as this returns)."""
+        """Group ``index``'s parameters [lo, hi) from the updated ``master`` chunk (which may be
+        rewritten as soon as this returns)."""
         g = self.groups[index]
         if g.in_memory:
             self.copies.upload(g.shard_flat[lo:hi], master)
@@ -91,16 +102,20 @@ class MasterIO:
 
 
 class InfinityAdam(SwappedAdam):
-    """ZeRO-Infinity's optimizer: ``SwappedAdam`` whose records hold the fp32 masters and their
-    gradients too, ``[exp_avg | exp_avg_sq | master | grad]`` per chunk (a swapper of 4 parts).
+    """ZeRO-Infinity's optimizer: ``SwappedAdam`` whose records hold the masters and their
+    gradients too, ``[exp_avg | exp_avg_sq | master | grad]`` per chunk (``record_dtypes``).
 
     The parameters it steps (the flat master shards) have no storage except inside
     ``states_in_memory``; ``masters_io`` (``infinity.MasterIO``) reads a never-stepped chunk's
     master from the compute-dtype parameters and writes each updated chunk back to them. The
     gradients arrive in the file through ``grads`` (a ``GradSwap`` on the same swapper) during
-    backward; the step multiplies them by ``grad_scale`` (the gradient factor's unscale, times the
-    clip coefficient), set through the master store (``SwappedMasters``) before it runs.
+    backward; the step multiplies them by ``grad_scale`` (the gradient factor's unscale), then by
+    ``clip_coef`` when the norm is clipped, in that order as the in-memory master gradients are
+    (each multiplication rounds in the gradients' dtype), set through the master store
+    (``SwappedMasters``) before it runs.
     """
+
+    compensation_in_memory = False  # Kahan's compensation is a part of the record
 
     def __init__(
         self, param_groups, defaults: dict, swapper: StateSwapper, masters_io, grads: GradSwap
@@ -109,7 +124,10 @@ class InfinityAdam(SwappedAdam):
         self.masters_io = masters_io
         self.grads = grads
         self.grad_scale = 1.0
+        self.clip_coef: Optional[float] = None
         self._resident = False  # inside states_in_memory
+        self._kahan = swapper.parts == 5  # Kahan's compensation is part 3 (record_dtypes)
+        self._last = swapper.parts - 1  # the gradient's part, and how many parts precede it
 
     def _stream_step(self, due: dict, jobs: list[Chunk]) -> None:
         """Per chunk: read the whole record (the gradient only, the master from the parameters, for
@@ -117,21 +135,34 @@ class InfinityAdam(SwappedAdam):
         master] back."""
         self.grads.flush()
         check_intact(self.swapper.file)
-        scale, part = self.grad_scale, self.swapper.part
+        scale, coef, part, last = self.grad_scale, self.clip_coef, self.swapper.part, self._last
 
         def compute(c: Chunk, slot: int) -> None:
-            hyper, runs, _, _ = due[c.index]
+            hyper, runs, param, _ = due[c.index]
             # a chunk never stepped: its master has come from the parameters
             self.masters_io.ready()
-            exp_avg, exp_avg_sq, master, grad = (part(slot, c, k) for k in range(4))
+            exp_avg, exp_avg_sq, master = (part(slot, c, k) for k in range(3))
+            comp, grad = part(slot, c, 3) if self._kahan else None, part(slot, c, last)
             for a, b in self.grads.gaps(c):  # never written this window: no gradient
                 grad[a - c.lo : b - c.lo].zero_()
             if scale != 1.0:
                 grad.mul_(scale)
+            if coef is not None:
+                grad.mul_(coef)
             for lo, hi, step in run_overlaps(runs, c.lo, c.hi):
                 a, b = lo - c.lo, hi - c.lo
-                adam_step_(
-                    master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step=step, **hyper
+                k = comp[a:b] if comp is not None else None
+                self.adam_range(
+                    param,
+                    lo,
+                    step,
+                    hyper,
+                    master[a:b],
+                    grad[a:b],
+                    exp_avg[a:b],
+                    exp_avg_sq[a:b],
+                    k,
+                    None,
                 )
             self.masters_io.params_out(c.index, c.lo, c.hi, master)
 
@@ -140,10 +171,10 @@ class InfinityAdam(SwappedAdam):
                 jobs,
                 lambda c: c.index not in self._on_disk,
                 compute,
-                parts_in=4,
-                fresh_in=3,
+                parts_in=last + 1,
+                fresh_in=last,
                 fresh_fill=self._fill_master,
-                parts_out=3,
+                parts_out=last,
                 with_slot=True,
             )
         finally:
@@ -155,7 +186,7 @@ class InfinityAdam(SwappedAdam):
 
     @contextlib.contextmanager
     def states_in_memory(self):
-        """As SwappedAdam's; the parameters (the fp32 masters) get their storage and values for the
+        """As SwappedAdam's; the parameters (the masters) get their storage and values for the
         duration too. Re-entrant (a checkpoint calling safe_get_full_* inside)."""
         if self._resident:
             yield
@@ -169,39 +200,50 @@ class InfinityAdam(SwappedAdam):
 
     @contextlib.contextmanager
     def _records_in_memory(self):
+        states, master, last = self.swapper.dtypes[0], self.swapper.dtypes[2], self._last
         for i, p in enumerate(self._params):
-            p.data = torch.empty(self.masters_io.numels[i], dtype=torch.float32, device="cpu")
+            p.data = torch.empty(self.masters_io.numels[i], dtype=master, device="cpu")
             stepped = i in self._on_disk
-            m, v = (torch.empty_like(p.data), torch.empty_like(p.data)) if stepped else (None, None)
+            m, v, comp = (None, None, None)
+            if stepped:
+                m, v = (
+                    torch.empty_like(p.data, dtype=states),
+                    torch.empty_like(p.data, dtype=states),
+                )
+                comp = torch.empty_like(p.data) if self._kahan else None
 
-            def take(c, slot, p=p, m=m, v=v):
+            def take(c, slot, p=p, m=m, v=v, comp=comp):
                 self.masters_io.ready()
                 p.data[c.lo : c.hi].copy_(self.swapper.part(slot, c, 2))
-                if m is not None:
-                    m[c.lo : c.hi].copy_(self.swapper.part(slot, c, 0))
-                    v[c.lo : c.hi].copy_(self.swapper.part(slot, c, 1))
+                for k, t in ((0, m), (1, v), (3, comp)):
+                    if t is not None:
+                        t[c.lo : c.hi].copy_(self.swapper.part(slot, c, k))
 
             self.swapper.stream(
                 self.swapper.chunks[i],
                 lambda c: not stepped,
                 take,
                 write=False,
-                parts_in=3,
-                fresh_in=3,
+                parts_in=last,
+                fresh_in=last,
                 fresh_fill=self._fill_master,
                 with_slot=True,
             )
             if m is not None:
                 self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"] = m, v
+            if comp is not None:
+                self.state[p][COMPENSATION] = comp
         try:
             yield
         finally:
             for i, p in enumerate(self._params):
                 state = self.state.get(p, {})
                 m, v = state.pop("exp_avg", None), state.pop("exp_avg_sq", None)
+                comp = state.pop(COMPENSATION, None)
+                parts = (m, v, p.data) + ((comp,) if self._kahan else ())
 
-                def put(c, slot, p=p, m=m, v=v):
-                    for k, t in enumerate((m, v, p.data)):
+                def put(c, slot, p=p, parts=parts):
+                    for k, t in enumerate(parts):
                         if t is None:
                             self.swapper.part(slot, c, k).zero_()
                         else:
@@ -215,13 +257,13 @@ class InfinityAdam(SwappedAdam):
                         put,
                         parts_in=0,
                         fresh_in=0,
-                        parts_out=3,
+                        parts_out=last,
                         with_slot=True,
                     )
                 finally:
                     self.masters_io.flush()
                 self._on_disk.add(i)
-                p.data = torch.empty(0, dtype=torch.float32, device="cpu")
+                p.data = torch.empty(0, dtype=master, device="cpu")
 
     def close(self) -> None:
         self.grads.flush()
@@ -240,15 +282,17 @@ class SwappedMasterGrads:
         count: int,
         copies: HostCopies,
     ):
-        self.tensors = [on_disk() for _ in range(count)]  # what the step's .grad shows
+        # what the step's .grad shows, in the masters' dtype
+        self.tensors = [on_disk(sink.dtype) for _ in range(count)]
+        adam.clip_coef = None  # a new step: no clip yet
         self._adam, self._sink, self._grads, self._copies = adam, sink, grads, copies
 
     def sq_norm(self) -> torch.Tensor:
         self._sink.flush()  # every piece copied down and summed
-        return self._grads.swapped_sq() * self._adam.grad_scale**2
+        return self._grads.swapped_sq() * self._adam.grad_scale**2  # (before any clip)
 
     def clip(self, coef: float) -> None:
-        self._adam.grad_scale *= coef
+        self._adam.clip_coef = coef
 
     def nonfinite_search(self) -> list[torch.Tensor]:
         """The gradient shards as the gradient store reads them back from the file."""
@@ -270,11 +314,12 @@ class SwappedMasters:
         self.io = MasterIO(groups, dtype, home.copies)
         self.copies = home.copies
         # records [exp_avg | exp_avg_sq | master | grad] per chunk, aligned as the parameter shards
-        self.swapper = home.swapper(self.io.numels, 4, self.io.align)
+        self.swapper = home.swapper(self.io.numels, home.record_dtypes(), self.io.align)
         # where the gradient store writes reduced buckets
         self.sink = GradSwap(self.swapper, home.copies)
         # in the swap file; values only inside resident()
-        self.masters = [on_disk() for _ in groups]
+        self.dtype = home.master_dtype  # fp32, or bf16 with bf16 masters
+        self.masters = [on_disk(self.dtype) for _ in groups]
         self.shard_params = [nn.Parameter(m, requires_grad=True) for m in self.masters]
         self.adam: Optional[InfinityAdam] = None  # made by wrap_optimizer
         self._depth = 0  # resident() is re-entrant
@@ -315,7 +360,7 @@ class SwappedMasters:
                 yield
             finally:
                 if self._depth == 1:
-                    self.masters = [on_disk() for _ in self.shard_params]
+                    self.masters = [on_disk(self.dtype) for _ in self.shard_params]
         finally:
             self._depth -= 1
 

@@ -29,12 +29,13 @@ from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 import torch
 
 from ..ops.aio import AsyncIO
+from ..precision.masters import MasterPrecision
 from . import pinned
 from .copies import HostCopies, host_pinning, make_copies
-from .infinity import SwappedMasters
+from .infinity import SwappedMasters, record_dtypes
 from .masters import MastersInMemory
 from .param_swap import ParamSwap, align_elems, round_up
-from .state_swap import StateSwapper
+from .state_swap import FP32_PARTS, StateSwapper
 from .step_pipeline import piece_elements
 from .swapped_adam import SwappedAdam
 
@@ -44,6 +45,7 @@ if TYPE_CHECKING:  # annotations only; offload/ never imports zero/ at run time
     from ..zero.masters import MasterStore
 
 WRITE_CHUNK = 1 << 24  # elements per write when NVMe shards are refreshed from masters in memory
+FP32_MASTERS = MasterPrecision()  # the default: fp32 masters and moments
 
 
 class OptimizerHome(Protocol):
@@ -196,20 +198,33 @@ class CPUPlacement(DevicePlacement):
 
 
 class NVMePlacement(CPUPlacement):
-    """As ``CPUPlacement``, with Adam's moments swapped to a file under ``nvme_path`` (``swapped_adam.py``)."""
+    """As ``CPUPlacement``, with Adam's moments swapped to a file under ``nvme_path`` (``swapped_adam.py``),
+    in ``precision.states`` (fp32, or bf16 with ``bf16_optimizer_states``)."""
 
     def __init__(
-        self, zero_cfg: ZeroConfig, device: torch.device, aio_cfg: Optional[AioConfig] = None
+        self,
+        zero_cfg: ZeroConfig,
+        device: torch.device,
+        aio_cfg: Optional[AioConfig] = None,
+        precision: MasterPrecision = FP32_MASTERS,
     ):
         offload_cfg = zero_cfg.offload_optimizer
-        super().__init__(offload_cfg, device, zero_cfg.sub_group_size)
+        super().__init__(offload_cfg, device, zero_cfg.sub_group_size, precision.dtype)
+        self.precision = precision
         self.directory = str(offload_cfg.nvme_path)
         self.chunk = int(zero_cfg.sub_group_size)
         self.buffer_count = int(offload_cfg.buffer_count)
         self.aio_cfg = aio_cfg
 
-    def swapper(self, numels: list[int], parts: int = 2, align: int = 1024) -> StateSwapper:
-        """A swap file with ``parts`` fp32 runs per chunk of each of ``numels``, and its host buffers."""
+    def record_dtypes(self) -> tuple:
+        """The parts of each chunk's record in the swap file: the moments (ZeRO-Infinity adds more)."""
+        return (self.precision.states,) * 2
+
+    def swapper(
+        self, numels: list[int], dtypes: Sequence[torch.dtype] = FP32_PARTS, align: int = 1
+    ) -> StateSwapper:
+        """A swap file with a run per entry of ``dtypes`` per chunk of each of ``numels``, and its host
+        buffers."""
         return StateSwapper(
             numels,
             self.directory,
@@ -217,7 +232,7 @@ class NVMePlacement(CPUPlacement):
             self.buffer_count,
             make_aio(self.aio_cfg),
             self.pin,
-            parts,
+            dtypes,
             align,
         )
 
@@ -225,7 +240,7 @@ class NVMePlacement(CPUPlacement):
         self, optimizer: torch.optim.Optimizer, shard_params: Sequence[torch.Tensor] = ()
     ) -> torch.optim.Optimizer:
         numels = [p.numel() for g in optimizer.param_groups for p in g["params"]]
-        return SwappedAdam.replacing(optimizer, self.swapper(numels))
+        return SwappedAdam.replacing(optimizer, self.swapper(numels, self.record_dtypes()))
 
 
 class InfinityPlacement(NVMePlacement):
@@ -235,6 +250,11 @@ class InfinityPlacement(NVMePlacement):
     ``GradSwap``."""
 
     copies_out = False  # the swapped step writes each updated chunk into the parameters itself
+
+    def record_dtypes(self) -> tuple:
+        """``[exp_avg | exp_avg_sq | master | (Kahan's compensation) | grad]`` (``infinity.py``)."""
+        p = self.precision
+        return record_dtypes(p.dtype, p.states, bool(p.rounding.buffers))
 
     def shard_alignment(self, dtype: torch.dtype) -> int:
         return align_elems(dtype)  # the masters' records are read by chunks aligned as the shards
@@ -379,11 +399,12 @@ def optimizer_placement(
     device: torch.device,
     aio_cfg: Optional[AioConfig] = None,
     groups: int = 0,
-    master_dtype: torch.dtype = torch.float32,
+    precision: MasterPrecision = FP32_MASTERS,
 ) -> OptimizerHome:
-    """Where ``zero_cfg.offload_optimizer`` puts the masters (of ``master_dtype``) and optimizer
-    states (``groups``: how many groups the optimizer steps, which partial offload splits between
-    device and host)."""
+    """Where ``zero_cfg.offload_optimizer`` puts the masters and optimizer states (of ``precision``:
+    fp32, or bf16 masters and states) (``groups``: how many groups the optimizer steps, which partial
+    offload splits between device and host)."""
+    master_dtype = precision.dtype
     offload_cfg = zero_cfg.offload_optimizer
     target = getattr(offload_cfg, "device", "none") if offload_cfg is not None else "none"
     if target == "cpu" and offload_cfg.partial:  # (stage 3: the config refuses it below)
@@ -399,15 +420,8 @@ def optimizer_placement(
     if target == "cpu":
         return CPUPlacement(offload_cfg, device, zero_cfg.sub_group_size, master_dtype)
     if target == "nvme":
-        if master_dtype != torch.float32:
-            raise ValueError(
-                "zero_optimization.offload_optimizer.device: 'nvme' with "
-                "bf16.bf16_master_weights_and_grads: zengine's swapped optimizer (SwappedAdam, "
-                "ZeRO-Infinity's swapped masters) keeps fp32 records only; offload the optimizer "
-                "to 'cpu' (bf16 states in memory: 8 bytes/param) or keep fp32 masters"
-            )
         return (InfinityPlacement if zero_cfg.stage == 3 else NVMePlacement)(
-            zero_cfg, device, aio_cfg
+            zero_cfg, device, aio_cfg, precision
         )
     return DevicePlacement(master_dtype)
 
@@ -418,12 +432,12 @@ def make_placement(
     dtype: torch.dtype,
     aio_cfg: Optional[AioConfig] = None,
     chunks: list[list[int]] = (),
-    master_dtype: torch.dtype = torch.float32,
+    precision: MasterPrecision = FP32_MASTERS,
 ) -> Placement:
     """The placement the config's offload sections ask for, for parameters computed on ``device`` in
     ``dtype``. ``chunks``: at stage 3, each param group's shard sizes (elements per parameter), which
-    size the parameter swap file. ``master_dtype``: fp32, or bf16 with bf16 masters."""
-    optimizer = optimizer_placement(zero_cfg, device, aio_cfg, len(chunks), master_dtype)
+    size the parameter swap file. ``precision``: fp32 masters, or bf16 masters and states."""
+    optimizer = optimizer_placement(zero_cfg, device, aio_cfg, len(chunks), precision)
     offload_param = zero_cfg.offload_param if zero_cfg.stage == 3 else None
     if offload_param is not None and offload_param.device == "nvme":
         align = align_elems(dtype)  # as the groups lay their shards out

@@ -1,9 +1,10 @@
 """The swap file of NVMe-offloaded optimizer states and the host buffers they stream through
 (``swapped_adam.SwappedAdam`` is the optimizer that steps them).
 
-``offload_optimizer: {device: nvme, nvme_path: DIR}`` keeps the fp32 master shard and its
+``offload_optimizer: {device: nvme, nvme_path: DIR}`` keeps the master shard and its
 gradient in host memory (as with ``cpu``) and moves ``exp_avg`` and ``exp_avg_sq`` — two
-thirds of the 12 bytes per parameter of optimizer state — to a file under ``DIR``. The step
+thirds of the 12 bytes per parameter of optimizer state, or 4 of 8 with bf16 masters and states —
+to a file under ``DIR``. The step
 walks the shard in chunks of ``sub_group_size`` elements (at most ``MAX_CHUNK``), through
 ``buffer_count`` host buffers (pinned with ``pin_memory`` on a GPU machine):
 
@@ -14,8 +15,11 @@ chunks of moments instead of the whole shard's. The file lives in a file per ran
 when opened, so nothing is left behind however the process ends.
 
 Layout: for each parameter (a flat master shard), its chunks back to back; a chunk of ``n``
-elements takes ``2 * pad(n)`` fp32 in the file and in a buffer, ``[exp_avg | exp_avg_sq]``,
-``pad`` rounding up to whole ``ALIGN`` blocks so that ``O_DIRECT`` I/O is aligned.
+elements takes a record of ``pad(n)`` elements per part, ``[exp_avg | exp_avg_sq]``, each part
+in its own dtype (``dtypes``: fp32, or bf16 with ``bf16_optimizer_states``), ``pad`` rounding up
+so that every part starts and ends on a whole ``ALIGN`` block (``O_DIRECT`` I/O is aligned in
+bytes: 1024 fp32 or 2048 bf16 elements). The host buffers are bytes; ``part`` views a part in
+its dtype.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -33,8 +37,8 @@ from ..ops.aio import ALIGN, AsyncIO, IORequest, SwapFile, aligned_empty
 from . import pinned
 from .copies import HostCopies
 
-MAX_CHUNK = 1 << 24  # elements; 4 buffers of this size hold 512 MiB of moments
-_ALIGN_ELEMS = ALIGN // 4  # fp32 elements per aligned block
+MAX_CHUNK = 1 << 24  # elements; 4 buffers of this size hold 512 MiB of fp32 moments
+FP32_PARTS = (torch.float32, torch.float32)  # [exp_avg | exp_avg_sq] of fp32 moments
 
 
 def host_buffer(
@@ -62,29 +66,31 @@ def check_intact(file: SwapFile) -> None:
         )
 
 
-def _pad(n: int) -> int:
-    return -(-n // _ALIGN_ELEMS) * _ALIGN_ELEMS
+def block_elems(dtypes) -> int:
+    """Elements per aligned block of the narrowest of ``dtypes``: a run of a multiple of it is whole
+    ``ALIGN`` blocks in every one of them."""
+    return ALIGN // min(d.itemsize for d in dtypes)
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """Elements [lo, hi) of parameter ``index``; its moments at byte ``offset`` of the swap file."""
+    """Elements [lo, hi) of parameter ``index``; its record at byte ``offset`` of the swap file,
+    ``padded`` elements per part."""
 
     index: int
     lo: int
     hi: int
     offset: int
-
-    @property
-    def padded(self) -> int:
-        return _pad(self.hi - self.lo)
+    padded: int
 
 
 class StateSwapper:
-    """The swap file and host buffers for the per-element states of a list of flat fp32 parameters.
+    """The swap file and host buffers for the per-element states of a list of flat parameters.
 
-    Each chunk's record holds ``parts`` padded fp32 runs: ``[exp_avg | exp_avg_sq]``, and with
-    ZeRO-Infinity (``parts=4``) ``[exp_avg | exp_avg_sq | master | grad]``.
+    Each chunk's record holds one padded run per entry of ``dtypes``, in that dtype: ``[exp_avg |
+    exp_avg_sq]``, and with ZeRO-Infinity ``[exp_avg | exp_avg_sq | master | grad]`` (Kahan's
+    compensation before the gradient with ``master_rounding: kahan``). The gradient, when there is
+    one, is the last part (``GradSwap``).
     """
 
     def __init__(
@@ -95,32 +101,47 @@ class StateSwapper:
         buffer_count: int,
         io: AsyncIO,
         pin: bool = False,
-        parts: int = 2,
-        align: int = _ALIGN_ELEMS,
+        dtypes: Sequence[torch.dtype] = FP32_PARTS,
+        align: int = 1,
     ):
         if buffer_count < 2:
             raise ValueError(
                 "offload_optimizer.buffer_count: NVMe swapping needs at least 2 buffers"
             )
-        self.parts = parts
-        self.align = max(_ALIGN_ELEMS, int(align))
+        self.dtypes = tuple(dtypes)
+        self.parts = len(self.dtypes)
+        self.align = max(block_elems(self.dtypes), int(align))
         self.chunk = -(-max(1, min(int(chunk), MAX_CHUNK)) // self.align) * self.align
         self.io = io
+        # bytes before part k per element of a record: part k of a chunk starts padded * _starts[k] in
+        self._starts = [sum(d.itemsize for d in self.dtypes[:k]) for k in range(self.parts + 1)]
         self.chunks: list[list[Chunk]] = []
         offset = 0
         for index, n in enumerate(numels):
             mine = []
             for lo in range(0, n, self.chunk):
-                c = Chunk(index, lo, min(n, lo + self.chunk), offset)
+                hi = min(n, lo + self.chunk)
+                c = Chunk(index, lo, hi, offset, -(-(hi - lo) // self.align) * self.align)
                 mine.append(c)
-                offset += parts * c.padded * 4
+                offset += self.record_bytes(c)
             self.chunks.append(mine)
         self.file = SwapFile(directory, max(offset, ALIGN))
-        biggest = max((c.padded for cs in self.chunks for c in cs), default=_ALIGN_ELEMS)
+        biggest = max((c.padded for cs in self.chunks for c in cs), default=self.align)
         count = min(buffer_count, max(2, sum(len(cs) for cs in self.chunks)))
-        # [parts * biggest chunk] fp32 each: the record of the chunk in hand
-        self.buffers = [host_buffer(parts * biggest, torch.float32, pin) for _ in range(count)]
+        # [record of the biggest chunk] bytes each: the record of the chunk in hand
+        self.buffers = [
+            host_buffer(biggest * self._starts[-1], torch.uint8, pin) for _ in range(count)
+        ]
         self.wait_s = 0.0  # seconds spent waiting for this file's I/O (benchmarks read it)
+
+    @property
+    def bytes_per_element(self) -> int:
+        """Bytes of the file per element stepped, padding aside (8 for fp32 moments)."""
+        return self._starts[-1]
+
+    def record_bytes(self, c: Chunk, parts: Optional[int] = None) -> int:
+        """Bytes of chunk ``c``'s first ``parts`` parts (all of them: its record)."""
+        return c.padded * self._starts[self.parts if parts is None else parts]
 
     def wait(self, request: Optional[IORequest]) -> None:
         """Wait for ``request`` (None: nothing), counting the time in ``wait_s``."""
@@ -130,23 +151,25 @@ class StateSwapper:
             self.wait_s += time.perf_counter() - began
 
     def part(self, slot: int, c: Chunk, k: int) -> torch.Tensor:
-        """Part ``k`` of chunk ``c``'s record in buffer ``slot``: a [hi - lo] fp32 view."""
-        return self.buffers[slot][k * c.padded : k * c.padded + c.hi - c.lo]
+        """Part ``k`` of chunk ``c``'s record in buffer ``slot``: a [hi - lo] view in its dtype."""
+        start = self.record_bytes(c, k)
+        size = (c.hi - c.lo) * self.dtypes[k].itemsize
+        return self.buffers[slot][start : start + size].view(self.dtypes[k])
 
     def chunk_at(self, index: int, element: int) -> Chunk:
         """The chunk of parameter ``index`` that holds ``element``."""
         return self.chunks[index][element // self.chunk]
 
     def read(self, buf: torch.Tensor, offset: int) -> IORequest:
-        """Fill the fp32 ``buf`` from byte ``offset`` of the swap file, in the background."""
+        """Fill ``buf`` from byte ``offset`` of the swap file, in the background."""
         return self.io.read(buf, self.file, offset)
 
     def write(self, buf: torch.Tensor, offset: int) -> IORequest:
-        """Write the fp32 ``buf`` at byte ``offset`` of the swap file, in the background."""
+        """Write ``buf`` at byte ``offset`` of the swap file, in the background."""
         return self.io.write(buf, self.file, offset)
 
     def moments(self, slot: int, c: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-        """(exp_avg, exp_avg_sq) of chunk ``c`` in buffer ``slot``: [hi - lo] fp32 views."""
+        """(exp_avg, exp_avg_sq) of chunk ``c`` in buffer ``slot``: [hi - lo] views."""
         return self.part(slot, c, 0), self.part(slot, c, 1)
 
     def stream(
@@ -181,20 +204,16 @@ class StateSwapper:
             slot, c = k % count, chunks[k]
             self.wait(writes.pop(slot, None))
             buf = self.buffers[slot]
+            start, end = self.record_bytes(c, fresh_in), self.record_bytes(c, parts_in)
             if fresh(c):
-                buf[: fresh_in * c.padded].zero_()
+                buf[:start].zero_()
                 if fresh_fill is not None:
                     fresh_fill(c, slot)
                 reads[k] = (
-                    self.read(
-                        buf[fresh_in * c.padded : parts_in * c.padded],
-                        c.offset + fresh_in * c.padded * 4,
-                    )
-                    if parts_in > fresh_in
-                    else None
+                    self.read(buf[start:end], c.offset + start) if parts_in > fresh_in else None
                 )
             else:
-                reads[k] = self.read(buf[: parts_in * c.padded], c.offset)
+                reads[k] = self.read(buf[:end], c.offset)
 
         try:
             for k, c in enumerate(chunks):
@@ -208,7 +227,8 @@ class StateSwapper:
                 else:
                     compute(c, *self.moments(slot, c))
                 if write:
-                    writes[slot] = self.write(self.buffers[slot][: parts_out * c.padded], c.offset)
+                    end = self.record_bytes(c, parts_out)
+                    writes[slot] = self.write(self.buffers[slot][:end], c.offset)
         finally:  # also after an error: no request may outlive the buffers it uses
             for request in list(reads.values()) + list(writes.values()):
                 self.wait(request)
@@ -247,8 +267,16 @@ class GradSwap:
             True  # the file's size is checked before a window's first write (they would extend it)
         )
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The gradients' dtype in the file: the masters' (fp32, or bf16 with bf16 masters)."""
+        return self.swapper.dtypes[-1]
+
     def _grad_offset(self, c: Chunk, element: int) -> int:
-        return c.offset + 3 * c.padded * 4 + (element - c.lo) * 4
+        last = self.swapper.parts - 1  # the gradient is the record's last part
+        return (
+            c.offset + self.swapper.record_bytes(c, last) + (element - c.lo) * self.dtype.itemsize
+        )
 
     def accumulate(self, index: int, lo: int, hi: int, piece: torch.Tensor) -> torch.Tensor:
         """Add ``piece`` (elements [lo, hi) of parameter ``index``'s gradient, any device) into the file;
@@ -261,7 +289,8 @@ class GradSwap:
         while k < hi:
             c = self.swapper.chunk_at(index, k)
             a, b = k, min(hi, c.hi)
-            assert (a - c.lo) % _ALIGN_ELEMS == 0 and ((b - a) % _ALIGN_ELEMS == 0 or b == c.hi), (
+            block = ALIGN // self.dtype.itemsize  # O_DIRECT: whole blocks of the file
+            assert (a - c.lo) % block == 0 and ((b - a) % block == 0 or b == c.hi), (
                 "unaligned bucket"
             )
             n = (
@@ -288,7 +317,7 @@ class GradSwap:
             landing.synchronize()
             if again:
                 self._wait_writes()
-                before = host_buffer(buf.numel(), torch.float32)
+                before = host_buffer(buf.numel(), self.dtype)
                 self.swapper.read(before, self._grad_offset(c, a)).wait()
                 buf[: b - a].add_(before[: b - a])
             total += sum_of_squares(buf[: b - a]).to(torch.float64).cpu()
@@ -323,7 +352,7 @@ class GradSwap:
             self._bases.pop(buf.data_ptr(), None)
         self._spare = []
         self._largest = max(self._largest, n)
-        buf = host_buffer(self._largest, torch.float32, self.copies.pins, pinned.STAGING)
+        buf = host_buffer(self._largest, self.dtype, self.copies.pins, pinned.STAGING)
         self._bases[buf.data_ptr()] = buf
         return buf[:n]
 
@@ -357,12 +386,13 @@ class GradSwap:
         return out
 
     def read(self, index: int) -> torch.Tensor:
-        """Parameter ``index``'s accumulated gradient, read whole ([numel] fp32; zeros where none was written)."""
+        """Parameter ``index``'s accumulated gradient, read whole ([numel] in ``dtype``; zeros where none
+        was written)."""
         self.flush()
         chunks = self.swapper.chunks[index]
-        out = torch.zeros(chunks[-1].hi if chunks else 0, dtype=torch.float32, device="cpu")
+        out = torch.zeros(chunks[-1].hi if chunks else 0, dtype=self.dtype, device="cpu")
         for c in chunks:
-            buf = host_buffer(c.padded, torch.float32)
+            buf = host_buffer(c.padded, self.dtype)
             self.swapper.read(buf, self._grad_offset(c, c.lo)).wait()
             out[c.lo : c.hi].copy_(buf[: c.hi - c.lo])
             for a, b in self.gaps(c):

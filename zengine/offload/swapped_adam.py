@@ -1,10 +1,16 @@
 """``SwappedAdam``: CPU Adam whose moments live in a ``StateSwapper``'s file and stream through its
-host buffers while the step runs (ZeRO-Infinity's ``infinity.InfinityAdam`` swaps the fp32 masters
+host buffers while the step runs (ZeRO-Infinity's ``infinity.InfinityAdam`` swaps the masters
 and their gradients with them).
 
 With ``offload_optimizer.device = "nvme"`` the placement (``placement.py``) replaces the wrapped
 CPUAdam by this one. Per chunk of ``sub_group_size`` elements the step reads the record ahead,
 runs the compiled Adam kernel on it and writes it back behind (``StateSwapper.stream``).
+
+bf16 masters (``bf16.bf16_master_weights_and_grads``) step on ``adam_step_bf16_`` with the rounding,
+key and element index ``CPUAdam`` gives them in memory, over moments of the swapper's dtype (bf16 with
+``bf16_optimizer_states``): the same bits as the in-memory and CPU-offload steps. Kahan's
+compensation stays in memory beside the master here (``state[p]["compensation"]``); ZeRO-Infinity
+keeps it in the record.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import contextlib
 from collections.abc import Mapping
 import torch
 
-from ..ops.adam import CPUAdam, adam_step_
+from ..ops.adam import COMPENSATION, CPUAdam, adam_step_
+from ..ops.adam_bf16 import adam_step_bf16_
 from .state_swap import Chunk, StateSwapper, check_intact
 
 
@@ -24,6 +31,9 @@ class SwappedAdam(CPUAdam):
     into ``state[p]`` as ordinary tensors (for checkpoints) and puts them back on exit.
     """
 
+    compensation_in_memory = (
+        True  # Kahan's, beside the master in memory (InfinityAdam: in the record)
+    )
     steps_in_pieces = (
         False  # its step streams the moments chunk by chunk from the file: one call per step
     )
@@ -44,13 +54,19 @@ class SwappedAdam(CPUAdam):
                 f"Adam, AdamW or CPUAdam in the config, or a zengine.ops.CPUAdam passed as the client "
                 f"optimizer; got {type(optimizer).__name__}"
             )
-        return cls(optimizer.param_groups, optimizer.defaults, *args)
+        swapped = cls(optimizer.param_groups, optimizer.defaults, *args)
+        # bf16 masters: the moments' dtype, the rounding and its seed (not among the defaults)
+        swapped.bf16_states, swapped.rounding = optimizer.bf16_states, optimizer.rounding
+        swapped.seed = optimizer.seed
+        return swapped
 
     def _step(self, closure, copy_out_by_id: Mapping[int, torch.Tensor]):
         check_intact(self.swapper.file)
         loss = self._run_closure(closure)
         due, jobs = {}, []
-        for group, param, _, runs in self._due():
+        for group, param, state, runs in self._due():
+            if self._compensated(param):
+                state.setdefault(COMPENSATION, torch.zeros_like(param))
             i = self._index[id(param)]
             due[i] = (self._hyper(group), runs, param, copy_out_by_id.get(id(param)))
             jobs += self.swapper.chunks[i]
@@ -64,19 +80,50 @@ class SwappedAdam(CPUAdam):
 
         def compute(c: Chunk, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
             hyper, runs, param, out = due[c.index]
+            comp = self.state[param].get(COMPENSATION)
             for lo, hi, step in run_overlaps(runs, c.lo, c.hi):
                 a, b = lo - c.lo, hi - c.lo
-                adam_step_(
+                self.adam_range(
+                    param,
+                    lo,
+                    step,
+                    hyper,
                     param.data[lo:hi],
                     param.grad[lo:hi],
                     exp_avg[a:b],
                     exp_avg_sq[a:b],
-                    step=step,
-                    copy_out=out.view(-1)[lo:hi] if out is not None else None,
-                    **hyper,
+                    comp[lo:hi] if comp is not None else None,
+                    out.view(-1)[lo:hi] if out is not None else None,
                 )
 
         self.swapper.stream(jobs, lambda c: c.index not in self._on_disk, compute)
+
+    def _compensated(self, param: torch.Tensor) -> bool:
+        """``param`` keeps Kahan's compensation in ``state`` (a bf16 master, Kahan rounding)."""
+        low = param.dtype == torch.bfloat16
+        return self.compensation_in_memory and low and bool(self.rounding.buffers)
+
+    def adam_range(self, param, lo: int, step: int, hyper: dict, p, g, m, v, comp, out) -> None:
+        """Adam on elements [lo, lo + len(p)) of ``param`` (``p``: the master's values there, fp32 or
+        bf16; ``comp``: Kahan's compensation or None; ``out``: where the updated values also go, or
+        None), with the arithmetic and rounding ``CPUAdam`` steps that parameter with in memory."""
+        if p.dtype != torch.bfloat16:
+            adam_step_(p, g, m, v, step=step, copy_out=out, **hyper)
+            return
+        adam_step_bf16_(
+            p,
+            g,
+            m,
+            v,
+            step=step,
+            compensation=comp,
+            rounding=self.rounding,
+            key=self._key(param, step),
+            first_index=lo,
+            **hyper,
+        )
+        if out is not None:
+            out.copy_(p.reshape(out.shape))
 
     @contextlib.contextmanager
     def states_in_memory(self):
@@ -84,7 +131,8 @@ class SwappedAdam(CPUAdam):
         on exit whatever they hold then is written back and dropped from memory."""
         for i in sorted(self._on_disk):
             p = self._params[i]
-            m, v = torch.empty_like(p.data), torch.empty_like(p.data)
+            states = self.swapper.dtypes[0]
+            m, v = torch.empty_like(p.data, dtype=states), torch.empty_like(p.data, dtype=states)
 
             def take(c, exp_avg, exp_avg_sq, m=m, v=v):
                 m[c.lo : c.hi].copy_(exp_avg)
@@ -101,6 +149,8 @@ class SwappedAdam(CPUAdam):
                 if not state or "exp_avg" not in state:
                     continue
                 m, v = state.pop("exp_avg"), state.pop("exp_avg_sq")
+                if self._compensated(p):
+                    state.setdefault(COMPENSATION, torch.zeros_like(p))
 
                 def put(c, exp_avg, exp_avg_sq, m=m, v=v):
                     exp_avg.copy_(m[c.lo : c.hi])
@@ -113,6 +163,10 @@ class SwappedAdam(CPUAdam):
     def close(self) -> None:
         """Release the swap file and its I/O threads; the optimizer cannot step after this."""
         self.swapper.close()
+
+    def swap_bytes(self) -> int:
+        """Bytes of the swap file: its records (``StateSwapper.bytes_per_element`` per element, padded)."""
+        return self.swapper.file.size
 
     def host_buffers(self) -> list[torch.Tensor]:
         """The host memory the moments take: the swap buffers."""

@@ -61,6 +61,10 @@ class ShardOptimizer:
         """Host memory held besides ``optimizer.state`` (for the memory breakdown)."""
         return []
 
+    def swap_bytes(self) -> int:
+        """Bytes of the swap file its states live in (NVMe offload), 0 without one."""
+        return 0
+
     def close(self) -> None:
         """Release files and threads (the engine's ``destroy``)."""
 

@@ -84,8 +84,8 @@ def build_zero_optimizer(
             dtypes,
         )
     num_shards = 1 if zero_cfg.stage == 0 else ranks.world
-    masters_dtype = MasterPrecision.from_config(config.bf16).dtype
-    placement = make_placement(zero_cfg, ranks.device, dtype, config.aio, (), masters_dtype)
+    precision = MasterPrecision.from_config(config.bf16)
+    placement = make_placement(zero_cfg, ranks.device, dtype, config.aio, (), precision)
     groups = [
         FlatParamGroup(named, hyper, num_shards, ranks.rank, dtype, ranks.device)
         for named, hyper in named_groups

@@ -110,8 +110,8 @@ def build_stage3_optimizer(
         members, [hyper for _, hyper in named_groups], zero_cfg
     )
     chunks = [[sp.chunk for sp in sps] for sps in members]
-    masters_dtype = MasterPrecision.from_config(config.bf16).dtype
-    placement = make_placement(zero_cfg, ranks.device, dtype, config.aio, chunks, masters_dtype)
+    precision = MasterPrecision.from_config(config.bf16)
+    placement = make_placement(zero_cfg, ranks.device, dtype, config.aio, chunks, precision)
     home = placement.params
     fetcher = Fetcher(
         zero_cfg,

@@ -1,0 +1,20 @@
+"""The key names of DeepSpeed's checkpoint files (``deepspeed.checkpoint.constants``), which DeepSpeed's
+own ``zero_to_fp32.py`` imports; under the compatibility mode that module is this one."""
+
+DS_VERSION = "ds_version"
+OPTIMIZER_STATE_DICT = "optimizer_state_dict"
+BASE_OPTIMIZER_STATE = "base_optimizer_state"
+SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"
+FP32_FLAT_GROUPS = "fp32_flat_groups"
+ZERO_STAGE = "zero_stage"
+PARTITION_COUNT = "partition_count"
+PARAM_SHAPES = "param_shapes"
+BUFFER_NAMES = "buffer_names"
+FROZEN_PARAM_SHAPES = "frozen_param_shapes"
+FROZEN_PARAM_FRAGMENTS = "frozen_param_fragments"
+PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"
+# expert-parallel (AutoEP) keys: zengine writes no experts; the names are here for the script's import
+AUTOEP_LAYERS_KEY = "ds_autoep_layers"
+AUTOEP_LAYERS_KEY_LEGACY = "autoep_layers"
+AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY = "checkpoint_format"
+AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT = "zero3_partitioned"
