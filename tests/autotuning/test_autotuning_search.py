@@ -373,3 +373,28 @@ def test_host_memory_is_budgeted_where_offload_puts_states(tmp_path):
     assert cli.host_budget(AutotuningConfig(host_memory_per_rank="1e9"), False, 2) == 10**9
     assert 0 < cli.host_budget(AutotuningConfig(), False, 2) <= psutil.virtual_memory().total // 2
     assert cli.host_budget(AutotuningConfig(host_memory_per_rank=10**9), True, 2) is None
+
+
+def test_the_peak_bound_holds_within_the_noise_and_the_estimate_error():
+    # readings at the two ends of their 5% noise: the slope's band holds the true 6 MB per sample,
+    # every bound is at or above the clean peak at its worst, a family not measured carries the
+    # estimator's error (its bound covers +25% of its estimate), and central lies below the bound
+    cfg = user_config()
+    truth = Machine(cfg, errors={3: -0.25, 0: 0.25})
+    model = MemoryModel(cfg, NUMELS, WORLD, cpu=True)
+    low3, high3 = Candidate(3, "none", "none", 1, 1), Candidate(3, "none", "none", 4, 1)
+    model.observe(low3, int(truth.clean(low3) * 1.05))
+    model.observe(high3, int(truth.clean(high3) * 0.95))
+    low, fit, high = model.slope()
+    assert low <= PER_SAMPLE <= high + 1 and low <= fit <= high  # (+1: the peaks are whole bytes)
+    for c in Space.from_config(
+        cfg, AutotuningConfig.model_validate(cfg["autotuning"]), True
+    ).candidates(WORLD):
+        assert model.bound(c) >= truth.clean(c) - 2, c.name  # (tight: both errors at their worst)
+        assert model.central(c) <= model.bound(c), c.name
+    z0 = Candidate(0, "none", "none", 1, 1)
+    assert model.bound(z0) - model.central(z0) > 0.25 * model.states(
+        z0
+    )  # not measured: the error counted
+    model.did_not_fit(Candidate(0, "none", "none", 8, 1))
+    assert model.bound(Candidate(0, "none", "none", 16, 1)) == float("inf")

@@ -5,11 +5,11 @@ remainder it does not count: the process itself, the script's data, the activati
 batch, and the estimator's own error, which differs by family (stage and offload; on the tuning
 test model stage 3's remainder was 150-300 MB of 1.3 GB below the others'). Each trial measures one
 remainder (``peak - states``); a measured peak varies from run to run (the engine's init transients:
-up to ~100 MB of 1.5 GB here), by at most ``noise`` of the peak, so a reading says the clean
-remainder lies within ``rest +- noise x peak``. The bound on a candidate is the smallest of what the
+up to ~100 MB of 1.5 GB here), by at most ``noise`` of its clean value, so a reading says the clean
+remainder lies within about ``rest +- noise x peak``. The bound on a candidate is the smallest of what the
 readings allow:
 
-- **a family that has run**: from each of its readings, ``rest + noise x peak`` moved to the
+- **a family that has run**: from each of its readings, the remainder at its highest moved to the
   candidate's micro batch by the per-sample slope's upper bound (its lower bound, at least 0, going
   down: memory grows with the micro batch);
 - **a family that has not**: from each reading of another family, the same, plus ``error`` of the
@@ -94,8 +94,13 @@ class Reading:
     rest: float  # peak - states
 
     def upper(self, noise: float) -> float:
-        """The clean remainder at its highest (the reading at the low end of its noise)."""
-        return self.rest + noise * self.peak
+        """The clean remainder at its highest (the reading at the low end of its noise: a clean peak
+        of ``peak / (1 - noise)``)."""
+        return self.rest + self.peak * noise / (1.0 - noise)
+
+    def lower(self, noise: float) -> float:
+        """The clean remainder at its lowest (the reading at the high end of its noise)."""
+        return self.rest - self.peak * noise / (1.0 + noise)
 
 
 @dataclass
@@ -132,9 +137,9 @@ class MemoryModel:
         """(lower bound, least-squares fit, upper bound) of the bytes per sample of micro batch."""
         low, high = 0.0, float("inf")
         for a, b in self._pairs():
-            span = b.micro_batch - a.micro_batch
-            rise, spread = b.rest - a.rest, self.noise * (a.peak + b.peak)
-            low, high = max(low, (rise - spread) / span), min(high, (rise + spread) / span)
+            span, noise = b.micro_batch - a.micro_batch, self.noise
+            low = max(low, (b.lower(noise) - a.upper(noise)) / span)
+            high = min(high, (b.upper(noise) - a.lower(noise)) / span)
         if high == float("inf"):  # no pair: the whole remainder, at most, is activations
             high = min((r.upper(self.noise) / r.micro_batch for r in self.readings), default=0.0)
         high = max(low, high)
