@@ -1,8 +1,9 @@
 """A user's training script for the autotuner tests: a stack of wide layers over token ids, trained with
 the DeepSpeed loop (``engine(x)``, ``engine.backward``, ``engine.step``) for ``--steps`` optimizer steps.
 
-``--fail_once_below_stage S --marker PATH``: the first run below stage S (no file at PATH yet; it leaves one)
-raises ``MemoryError`` on every rank before its first forward: a trial that fails mid-search. Rank 0 prints ``TRAINED stage=S micro_batch=M steps=N`` at the end.
+``--fail_once_below_stage S --marker PATH [--fail_at N]``: the N-th run below stage S (default the
+first; PATH counts them) raises ``MemoryError`` on every rank before its first forward: a trial that
+fails mid-search. Rank 0 prints ``TRAINED stage=S micro_batch=M steps=N`` at the end.
 """
 
 import argparse
@@ -34,6 +35,7 @@ def main():
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--fail_once_below_stage", type=int, default=-1)
     parser.add_argument("--marker", default="")
+    parser.add_argument("--fail_at", type=int, default=1)
     zengine.add_config_arguments(parser)
     args = parser.parse_args()
     with open(args.deepspeed_config) as f:
@@ -41,13 +43,17 @@ def main():
     torch.manual_seed(0)
     engine, *_ = zengine.initialize(model=Net(), config=config)
     mb = engine.train_micro_batch_size_per_gpu()
-    if engine.zero_optimization_stage() < args.fail_once_below_stage and not os.path.exists(
-        args.marker
-    ):
-        dist.barrier()  # every rank has looked before rank 0 leaves the marker
+    if engine.zero_optimization_stage() < args.fail_once_below_stage:
+        seen = 0
+        if os.path.exists(args.marker):
+            with open(args.marker) as f:
+                seen = int(f.read() or 0)
+        dist.barrier()  # every rank has read the count before rank 0 writes it
         if engine.global_rank == 0:
-            open(args.marker, "w").close()
-        raise MemoryError(f"simulated: out of memory at micro batch {mb}")
+            with open(args.marker, "w") as f:
+                f.write(str(seen + 1))
+        if seen + 1 == args.fail_at:
+            raise MemoryError(f"simulated: out of memory at micro batch {mb}")
     generator = torch.Generator().manual_seed(engine.global_rank)
     while engine.global_steps < args.steps:
         engine.backward(engine(torch.randint(0, 256, (mb, SEQ), generator=generator)))

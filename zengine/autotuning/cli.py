@@ -7,7 +7,9 @@ with that one without tuning again). Trials run one at a time, each a launch of 
 same launcher options on a free port.
 
 The per-rank memory budget is ``autotuning.memory_per_rank`` when set; else the device's memory on a
-GPU machine, or on a CPU machine the memory available now divided by the ranks this machine runs.
+GPU machine, or on a CPU machine the memory available now divided by the ranks this machine runs. On
+a GPU machine the host is budgeted too, for what offload puts there: ``autotuning.host_memory_per_rank``
+when set, else the host memory available now divided by the ranks this machine runs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import Optional, Sequence
 
 import hjson
 import psutil
@@ -61,6 +63,16 @@ def memory_budget(settings: AutotuningConfig, cpu: bool, ranks_here: int) -> int
     return int(psutil.virtual_memory().available // max(1, ranks_here))
 
 
+def host_budget(settings: AutotuningConfig, cpu: bool, ranks_here: int) -> Optional[int]:
+    """Host bytes one rank may use at its peak on a GPU machine (see the module doc); None on a CPU
+    machine, whose host the device budget is already."""
+    if cpu:
+        return None
+    if settings.host_memory_per_rank:
+        return int(settings.host_memory_per_rank)
+    return int(psutil.virtual_memory().available // max(1, ranks_here))
+
+
 def main(
     args: argparse.Namespace, argv: Sequence[str], world_size: int, ranks_here: int, cpu: bool
 ) -> int:
@@ -90,11 +102,14 @@ def main(
         settings.trial_timeout,
         default_mappings(args.user_args, settings.arg_mappings),
     )
-    tuner = Autotuner(user_config, settings, runner, world_size, budget, cpu)
+    host = host_budget(settings, cpu, ranks_here)
+    tuner = Autotuner(user_config, settings, runner, world_size, budget, cpu, host)
     try:
         space = Space.from_config(user_config, settings, cpu)
         print(
-            f"[autotuning] {world_size} ranks, budget {budget / 2**20:,.0f} MiB per rank; stages "
+            f"[autotuning] {world_size} ranks, budget {budget / 2**20:,.0f} MiB per rank"
+            + (f" (host {host / 2**20:,.0f} MiB)" if host is not None else "")
+            + "; stages "
             f"{list(space.stages)}, optimizer offload {list(space.optimizer_offloads)}, parameter offload "
             f"{list(space.param_offloads)}, micro-batch sizes {[mb for mb, _ in space.batch_splits(world_size)]}",
             file=sys.stderr,

@@ -1,15 +1,6 @@
-"""The tuner's predictions: a candidate's peak memory per rank and its step time, refined by each trial.
+"""The tuner's step-time model (its memory model is ``memory.py``).
 
-**Memory.** The model states and step transients come from the estimator (``zengine/estimate.py``, the
-ZeRO formulas checked against measured peaks); what it does not count (the process itself, the
-script's data, activations) is fitted from the trials as ``base + per_sample x micro_batch``: the
-tuner's first two trials (the profile) run the leanest family at two micro-batch sizes, which gives
-``per_sample``; ``base`` is each family's own once one of its trials has run (the estimator is more
-exact for some families than others), before that the smallest of those run; a trial that ran out of
-memory rules out its family at its micro batch and above. A candidate is tried only if this prediction stays within the
-budget less the margin; a trial measured over the budget is recorded and never chosen.
-
-**Time.** A step is the sum of costs that scale with what the candidate moves (``features``): a fixed
+A step is the sum of costs that scale with what the candidate moves (``features``): a fixed
 cost per micro-step, compute per sample, bytes collected between ranks (ZeRO's volumes per stage:
 stage 3 gathers the parameters twice per micro-step, stage 2 reduces gradients every micro-step),
 optimizer elements stepped on this rank, bytes copied to and from offloaded memory, bytes through NVMe.
@@ -20,12 +11,9 @@ squares on relative errors, pulled toward the priors where the trials say little
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
-from ..config import load_config
-from ..estimate import estimate
 from .space import Candidate
 
 FEATURES = (
@@ -42,104 +30,6 @@ PRIORS = {
     "cpu": (2e-3, 1e-3, 1 / 1.5e9, 1 / 4e8, 1 / 5e9, 1 / 1e9),
     "cuda": (1e-3, 1e-4, 1 / 5e10, 1 / 2e10, 1 / 1.2e10, 1 / 3e9),
 }
-
-
-def memory_estimate(
-    candidate: Candidate,
-    base: dict,
-    numels: Sequence[int],
-    world: int,
-    cpu: bool,
-    modules: Sequence[Sequence[int]] = (),
-):
-    """The estimator's figures for ``candidate`` (a ``MemoryEstimate``); ``modules``: the sizes of the
-    parameters of each module that owns several (the probe's ``module_param_numels``)."""
-    cfg = load_config(_estimator_config(candidate.config(base, world)), world)
-    threshold = cfg.zero_optimization.stage3_param_persistence_threshold
-    multi = any(sum(1 for n in m if n >= threshold) > 1 for m in modules)
-    return estimate(list(numels), cfg, world, cpu_training=cpu, multi_parameter_modules=multi)
-
-
-def _estimator_config(cfg: dict) -> dict:
-    """The keys the estimator reads, less what a script fills in at run time ("auto" optimizer values)."""
-    keep = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
-    out = {k: cfg[k] for k in keep if k in cfg}
-    for k in ("zero_optimization", "bf16", "fp16", "communication_data_type", "data_types"):
-        if k in cfg:
-            out[k] = cfg[k]
-    for section in ("bf16", "fp16"):
-        if isinstance(out.get(section), dict) and out[section].get("enabled") == "auto":
-            out[section] = {**out[section], "enabled": False}
-    return out
-
-
-def model_state_bytes(est, cpu: bool) -> int:
-    """What the estimate puts in the budget's memory: on a CPU the device and the host are one."""
-    return est.peak_device + (est.host_states if cpu else 0)
-
-
-@dataclass
-class MemoryModel:
-    """Peak bytes per rank of a candidate (see the module doc)."""
-
-    base_config: dict
-    numels: Sequence[int]
-    world: int
-    cpu: bool
-    per_sample: float = 0.0
-    modules: Sequence[Sequence[int]] = ()  # the probe's module_param_numels
-    bases: dict = field(default_factory=dict)  # family -> fitted bytes beyond the estimate
-    ceilings: dict = field(default_factory=dict)  # family -> smallest micro batch out of memory
-    observed: list = field(default_factory=list)  # (family, micro batch, measured - estimated)
-
-    def states(self, candidate: Candidate) -> int:
-        est = memory_estimate(
-            candidate, self.base_config, self.numels, self.world, self.cpu, self.modules
-        )
-        return model_state_bytes(est, self.cpu)
-
-    def base(self, candidate: Candidate) -> float:
-        """The family's own fitted term; for a family not measured yet, the smallest of those measured:
-        the estimator's errors differ by family (by 150-300 MB of 1.3 GB on a test model, stage 3
-        worse), so a family is given the benefit of the doubt until one of its trials measures it."""
-        if candidate.family in self.bases:
-            return self.bases[candidate.family]
-        return min(self.bases.values(), default=0.0)
-
-    def bound(self, candidate: Candidate) -> float:
-        """The predicted peak: the estimate, the family's term, the activations of the micro batch;
-        infinite at or above a micro batch of the family that ran out of memory."""
-        if candidate.micro_batch >= self.ceilings.get(candidate.family, float("inf")):
-            return float("inf")
-        return (
-            self.states(candidate) + self.base(candidate) + self.per_sample * candidate.micro_batch
-        )
-
-    def observe(self, candidate: Candidate, peak: int) -> None:
-        """A measured trial: refit. The per-sample slope comes from micro batches of one family (the
-        profile's), each family's term is the largest of its trials' remainders, so every trial run is
-        predicted at or above what it measured."""
-        self.observed.append(
-            (candidate.family, candidate.micro_batch, peak - self.states(candidate))
-        )
-        num = den = 0.0
-        for family in {f for f, _, _ in self.observed}:
-            mine = [(mb, rest) for f, mb, rest in self.observed if f == family]
-            mean_mb = sum(mb for mb, _ in mine) / len(mine)
-            mean_rest = sum(rest for _, rest in mine) / len(mine)
-            num += sum((mb - mean_mb) * (rest - mean_rest) for mb, rest in mine)
-            den += sum((mb - mean_mb) ** 2 for mb, _ in mine)
-        self.per_sample = max(0.0, num / den) if den else 0.0
-        self.bases = {}
-        for family, mb, rest in self.observed:
-            term = rest - self.per_sample * mb
-            self.bases[family] = max(self.bases.get(family, term), term)
-
-    def did_not_fit(self, candidate: Candidate) -> None:
-        """``candidate`` ran out of memory: from now on its family is ruled out at this micro batch and
-        above (memory grows with the micro batch), whatever the fit says."""
-        family, mb = candidate.family, candidate.micro_batch
-        self.ceilings[family] = min(self.ceilings.get(family, mb), mb)
 
 
 def features(

@@ -3,8 +3,8 @@
 - ``ds_config_optimal.json``: the user's config with the best trial's choices (``autotuning`` as the
   user wrote it), which ``zengine.initialize`` reads as any config;
 - ``cmd_optimal.txt``: the launch command with that config in place of the user's;
-- ``summary.md``: every trial (config delta, predicted and measured peak, step time, samples/s,
-  tokens/s, how it ended), the candidates ruled out before running and why the search stopped;
+- ``summary.md``: every trial (why it ran, config delta, predicted peak bound and measured peak, step
+  time, samples/s, tokens/s, how it ended), the candidates ruled out before running and why the search stopped;
 - ``trials.json``: the same, for programs;
 - ``memory_vs_throughput.svg``: each trial's measured peak against its throughput, the budget as a line.
 """
@@ -79,9 +79,9 @@ def summary(outcome: Outcome) -> str:
         f"Budget {_mib(outcome.budget)} MiB per rank, {outcome.world_size} ranks, metric {outcome.metric}. "
         f"Best: **{outcome.best.candidate.name if outcome.best else 'none'}**. Stopped: {outcome.stopped}.",
         "",
-        "| # | trial | config delta | predicted peak MiB | measured peak MiB | step ms | samples/s | tokens/s "
-        "| wall s | outcome |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| # | trial | ran as | config delta | predicted peak MiB | measured peak MiB | step ms | samples/s "
+        "| tokens/s | wall s | outcome |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, t in enumerate(outcome.trials, 1):
         r = t.row()
@@ -90,7 +90,7 @@ def summary(outcome: Outcome) -> str:
         )
         best = " (best)" if t is outcome.best else ""
         lines.append(
-            f"| {i} | {t.candidate.name}{best} | {delta} | {_mib(r['predicted_peak'])} | {_mib(r['measured_peak'])} "
+            f"| {i} | {t.candidate.name}{best} | {t.phase} | {delta} | {_mib(r['predicted_peak'])} | {_mib(r['measured_peak'])} "
             f"| {_num(r['step_seconds'], 1e3)} | {_num(r['samples_per_second'])} | {_num(r['tokens_per_second'])} "
             f"| {t.wall_seconds:.0f} | {t.status}{': ' + t.reason if t.reason else ''} |"
         )

@@ -112,6 +112,7 @@ class Trial:
     metrics: Optional[dict] = None
     status: str = "pending"  # ok, over budget, out of memory, crashed, timeout, no metrics
     reason: str = ""
+    phase: str = ""  # why the tuner ran it: profile, search, measures its family, near the budget
     wall_seconds: float = 0.0
     folder: str = ""
     config: dict = field(default_factory=dict)
@@ -128,12 +129,32 @@ class Trial:
             self.metrics["throughput"] if metric == "throughput" else 1.0 / self.metrics["latency"]
         )
 
+    def progress_line(self, number: int, best: bool) -> str:
+        """The tuner's line for this trial, the ``number``-th run (``best``: the best so far)."""
+        head = f"[autotuning] trial {number} ({self.phase}) {self.candidate.name}: "
+        if self.metrics:
+            m = self.metrics
+            tokens = (
+                f", {m['tokens_per_second']:,.0f} tokens/s" if m.get("tokens_per_second") else ""
+            )
+            pred = f" (predicted {_mib(self.predicted_peak)})" if self.predicted_peak else ""
+            text = (
+                f"{m['throughput']:.2f} samples/s{tokens}, {m['step_seconds'] * 1e3:.0f} ms/step, "
+                f"peak {_mib(m['peak_memory'])} MiB{pred}"
+            )
+            if not self.ok:
+                text += f" - {self.status}"
+        else:
+            text = f"{self.status}: {self.reason}"
+        return head + text + f" [{self.wall_seconds:.0f} s]" + (" - best so far" if best else "")
+
     def row(self) -> dict[str, Any]:
         m = self.metrics or {}
         return {
             "name": self.candidate.name,
             "status": self.status,
             "reason": self.reason,
+            "phase": self.phase,
             "predicted_peak": self.predicted_peak,
             "measured_peak": m.get("peak_memory"),
             "predicted_step_seconds": self.predicted_seconds,
@@ -228,6 +249,10 @@ class TrialRunner:
         else:
             trial.status, trial.reason = "crashed", f"exit {code}: {_last_error(log)}"
         return trial
+
+
+def _mib(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value / 2**20:,.0f}"
 
 
 def _without_port(args: Sequence[str]) -> list[str]:

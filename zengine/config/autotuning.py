@@ -5,7 +5,7 @@ each such trial has this section ``enabled`` with a ``metric_path``, and the eng
 steps from ``start_profile_step`` to ``end_profile_step``, writes the metrics there and ends the process
 (``engine/trial_probe.py``), as DeepSpeed's engine does. Without ``metric_path`` the section changes
 nothing in a training run. The keys keep DeepSpeed's names and meanings; ``memory_per_rank`` and
-``trial_timeout`` are zengine's own.
+``trial_timeout`` (and the memory keys) are zengine's own.
 """
 
 from __future__ import annotations
@@ -96,11 +96,19 @@ class AutotuningConfig(_Section):
         description="zengine only: the bytes one rank may use at its peak. 0 (the default): the device's "
         "memory on a GPU; on a CPU host, the memory available when tuning starts divided by the ranks on it.",
     )
+    host_memory_per_rank: Size = Field(
+        0,
+        description="zengine only, GPU machines: the host bytes one rank may use at its peak, for the "
+        "states offload to CPU or NVMe puts there. 0 (the default): the host memory available when tuning "
+        "starts divided by the ranks on it. On a CPU host memory_per_rank is the host's budget already.",
+    )
     memory_margin: Number = Field(
         0.05,
         ge=0.0,
         le=1.0,
-        description="zengine only: the share of memory_per_rank kept free against the prediction's error.",
+        description="zengine only: the share of memory_per_rank (and host_memory_per_rank) kept free "
+        "against a run's own variation of its peak (the predictions already bound the measured ones' noise "
+        "and, for a stage/offload family not measured yet, the estimator's error).",
     )
     trial_timeout: Number = Field(
         600.0,
