@@ -1,13 +1,16 @@
 """Train the autotuning benchmark's GPT with DeepSpeed's own engine, for DeepSpeed's autotuner.
 
-    DS_ACCELERATOR=cpu deepspeed --autotuning tune --num_gpus 2 \\
+    pip install tabulate   # DeepSpeed's autotuner needs it (the deepspeed[autotuning] extra)
+    LOCAL_SIZE=2 DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --autotuning tune --num_gpus 2 \\
         benchmarks/deepspeed_autotune_gpt.py --deepspeed_config configs/autotuning/deepspeed_gpt.json
 
 Only the model and the data are zengine's (``zengine.models``); the training loop is DeepSpeed's:
 ``deepspeed.initialize`` with the config path the autotuner passes to each experiment, then
 forward/backward/step on the DeepSpeed engine, which times the profile steps and exits by itself
 when the config's ``autotuning`` section is on (as in the scripts of DeepSpeed's autotuning docs).
-Run with the DeepSpeed venv's python (/tmp/dsv here), not zengine's.
+Run with the DeepSpeed venv's python (/tmp/dsv here), not zengine's. ``LOCAL_SIZE=2``: DeepSpeed's CPU
+accelerator counts NUMA nodes as devices (one here) unless told, and the autotuner then refuses two ranks.
+Results: benchmarks/results/autotuning_2026-11-29.md, "DeepSpeed's autotuner on the same job".
 """
 
 import argparse
