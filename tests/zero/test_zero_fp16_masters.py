@@ -123,3 +123,76 @@ CASES = [(1, 2), (2, 2, True), (3, 1, True), (3, 2)]
 @pytest.mark.parametrize("world", [2, 3])
 def test_fp16_masters_match_the_fp16_master_reference(world):
     spawn(check, world, CASES)
+
+
+def _overflow_run(stage: int, offload):
+    """Steps 0-3 with fp16 masters; at step 2 rank 0's loss is made infinite. Returns each step's
+    (applied, parameters unchanged), the skipped count and the final loss scale."""
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = EdgeNet()
+    engine, *_ = zengine.initialize(
+        model=model,
+        config=fp16_config(stage, 1, world, offload),
+        model_parameters=edge_param_groups(model, LR),
+    )
+    out = []
+    for i, (x, y) in enumerate(make_batches(4, PARITY_MICRO * world)):
+        with engine.summon_full_params(writeback=False):
+            before = [p.detach().clone() for p in engine.module.parameters()]
+        mine = slice(dist.get_rank() * PARITY_MICRO, (dist.get_rank() + 1) * PARITY_MICRO)
+        loss = engine(x[mine], y[mine])
+        if i == 2 and dist.get_rank() == 0:
+            loss = loss * float("inf")  # an fp16 overflow on one rank only
+        engine.backward(loss)
+        engine.step()
+        with engine.summon_full_params(writeback=False):
+            same = all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+            finite = all(torch.isfinite(p).all() for p in engine.module.parameters())
+        out.append((engine.was_step_applied(), same, finite))
+    masters_finite = all(torch.isfinite(m).all().item() for m in engine.optimizer.masters)
+    return out, engine.skipped_steps, masters_finite
+
+
+@pytest.mark.parametrize("stage,offload", [(2, True), (3, False)])
+def test_overflow_skips_the_step_on_every_rank(stage, offload):
+    for steps, skipped, masters_finite in spawn(_overflow_run, 2, stage, offload):
+        assert [applied for applied, *_ in steps] == [True, True, False, True], steps
+        assert [same for _, same, _ in steps] == [False, False, True, False], steps
+        assert all(finite for *_, finite in steps) and masters_finite, steps
+        assert skipped == 1
+
+
+def _refused(fp16: dict, zero=None, optimizer=None, client=False):
+    world = dist.get_world_size()
+    cfg = parity_config(2, "fp16", 1, world)
+    cfg["fp16"].update(fp16)
+    cfg["zero_optimization"].update(zero or {})
+    if optimizer:
+        cfg["optimizer"] = optimizer
+    model = EdgeNet()
+    extra = {}
+    if client:
+        cfg.pop("optimizer")
+        extra["optimizer"] = torch.optim.AdamW(model.parameters(), lr=LR)
+    try:
+        zengine.initialize(model=model, config=cfg, model_parameters=model.parameters(), **extra)
+    except (ValueError, zengine.config.ConfigError) as err:
+        return str(err)
+    return None
+
+
+MASTERS = {"fp16_master_weights_and_grads": True}
+REFUSALS = [
+    ({**MASTERS, "enabled": False}, None, None, False, "fp16 masters need fp16 compute"),
+    (MASTERS, {"stage": 0}, None, False, "stages 1-3"),
+    (MASTERS, None, {"type": "SGD", "params": {"lr": 0.1}}, False, "fp32 moments"),
+    (MASTERS, None, None, True, "the script's optimizer keeps its states"),
+]
+
+
+@pytest.mark.parametrize("fp16,zero,optimizer,client,message", REFUSALS)
+def test_refused_by_name_on_every_rank(fp16, zero, optimizer, client, message):
+    for text in spawn(_refused, 2, fp16, zero, optimizer, client):
+        assert text is not None and message in text, text
+        assert "fp16" in text, text
