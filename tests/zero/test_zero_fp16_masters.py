@@ -196,3 +196,80 @@ def test_refused_by_name_on_every_rank(fp16, zero, optimizer, client, message):
     for text in spawn(_refused, 2, fp16, zero, optimizer, client):
         assert text is not None and message in text, text
         assert "fp16" in text, text
+
+
+def _ckpt_engine(stage: int, masters: bool):
+    torch.manual_seed(0)
+    model = EdgeNet()
+    engine, *_ = zengine.initialize(
+        model=model,
+        config=fp16_config(stage, 1, dist.get_world_size(), masters=masters),
+        model_parameters=edge_param_groups(model, LR),
+    )
+    return engine
+
+
+def _ckpt_values(engine) -> dict:
+    """Each trained parameter's master, moments and fp16 value, whole, as lists of floats."""
+    from zengine.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad or name.startswith("unused."):
+            continue
+        out[f"master/{name}"] = safe_get_full_fp32_param(p).float()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).float()
+    with engine.summon_full_params(writeback=False):
+        for name, p in engine.module.named_parameters():
+            out[f"param/{name}"] = p.detach().float().clone()
+    return {k: v.reshape(-1).tolist() for k, v in out.items()}
+
+
+def _ckpt_save(stage: int, masters: bool, folder: str) -> dict:
+    engine = _ckpt_engine(stage, masters)
+    for b in make_batches(3, PARITY_MICRO * dist.get_world_size(), seed=1):
+        train_global_batch(engine, b, PARITY_MICRO, 1)
+    engine.save_checkpoint(folder, tag="t")
+    return _ckpt_values(engine), engine.loss_scale, _ckpt_continue(engine)
+
+
+def _ckpt_continue(engine) -> list[float]:
+    """Two more steps on a global batch of 6 that W=2 and W=3 split evenly."""
+    world = dist.get_world_size()
+    return [train_global_batch(engine, b, 6 // world, 1) for b in make_batches(2, 6, seed=2)]
+
+
+def _ckpt_load(stage: int, masters: bool, folder: str):
+    engine = _ckpt_engine(stage, masters)
+    engine.load_checkpoint(folder, tag="t")
+    values = _ckpt_values(engine)
+    losses = _ckpt_continue(engine)
+    dtypes = sorted({str(m.dtype) for m in engine.optimizer.masters})
+    return values, engine.loss_scale, losses, dtypes
+
+
+CKPT_CASES = [
+    # (saving world, stage, fp16 masters) -> (loading world, stage, fp16 masters)
+    ((2, 2, False), (3, 3, True)),
+    ((3, 3, True), (2, 1, False)),
+]
+
+
+@pytest.mark.parametrize("saving,loading", CKPT_CASES)
+def test_checkpoint_across_master_precisions(tmp_path, saving, loading):
+    """fp32 masters load into fp16 masters rounded to nearest, fp16 ones into fp32 exactly; the
+    fp32 moments, the fp16 parameters and the loss scale are the saved ones."""
+    folder = str(tmp_path / "ckpt")
+    saved, scale, going_on = spawn(_ckpt_save, *saving, folder)[0]
+    for values, loaded_scale, losses, dtypes in spawn(_ckpt_load, *loading, folder):
+        assert set(values) == set(saved) and loaded_scale == scale
+        for key in saved:
+            want, got = torch.tensor(saved[key]), torch.tensor(values[key])
+            if key.startswith("master/") and loading[2]:
+                want = want.half().float()
+            assert torch.equal(got, want), key
+        assert dtypes == (["torch.float16"] if loading[2] else ["torch.float32"])
+        # training goes on as the saving run did (the masters' precision aside: measured within
+        # 7e-4 of its losses, the first step within 1e-7)
+        assert losses == pytest.approx(going_on, rel=1e-3), (losses, going_on)
