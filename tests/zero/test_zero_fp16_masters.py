@@ -273,3 +273,34 @@ def test_checkpoint_across_master_precisions(tmp_path, saving, loading):
         # training goes on as the saving run did (the masters' precision aside: measured within
         # 7e-4 of its losses, the first step within 1e-7)
         assert losses == pytest.approx(going_on, rel=1e-3), (losses, going_on)
+
+
+def _memory(stage: int, masters: bool):
+    """memory_breakdown after one step with fp16 or fp32 masters, the elements this rank owns,
+    and whether the fp16 masters are the parameter shards' own storage."""
+    world = dist.get_world_size()
+    model = EdgeNet()
+    engine, *_ = zengine.initialize(
+        model=model,
+        config=fp16_config(stage, 1, world, masters=masters),
+        model_parameters=edge_param_groups(model, LR),
+    )
+    train_global_batch(engine, make_batches(1, PARITY_MICRO * world)[0], PARITY_MICRO, 1)
+    opt = engine.optimizer
+    owned = sum(m.numel() for m in opt.masters)
+    shared = [m.data_ptr() == g.owned_params().data_ptr() for m, g in zip(opt.masters, opt.groups)]
+    return engine.memory_breakdown(), owned, all(shared)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_memory_breakdown_counts_two_byte_masters(stage):
+    """fp16 masters cost no bytes beside the parameters (the shard is the master) and fp32
+    moments 8 bytes per owned element; fp32 masters 4 more bytes per owned element."""
+    for (low, owned, shared), (high, _, _) in zip(
+        spawn(_memory, 2, stage, True), spawn(_memory, 2, stage, False)
+    ):
+        assert shared and low["master_weights"] == 0, low
+        assert low["optimizer_states"] >= 8 * owned and high["master_weights"] >= 4 * owned
+        assert low["optimizer_states"] == high["optimizer_states"]
+        if stage >= 2:  # the gradient shard: in the master's dtype, 2 bytes against 4
+            assert low["gradients"] < high["gradients"], (low, high)
