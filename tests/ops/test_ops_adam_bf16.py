@@ -317,3 +317,37 @@ def test_fp16_master_refuses_fp16_moments_and_other_roundings():
     m = torch.zeros(4)
     with pytest.raises(ValueError, match="fp32 moments and rounds to nearest"):
         adam_step_bf16_(p, gr, m, m.clone(), step=1, rounding=Rounding.STOCHASTIC)
+
+
+def _fp16_run(n, step_fn, adamw_mode):
+    """STEPS over an fp16 master (fp32 moments) whose values span normals, subnormals and a zero,
+    with fp16 gradients: the kernel's F16C loads/stores against torch's conversions."""
+    gen = torch.Generator().manual_seed(2)
+    scales = torch.tensor([1.0, 1e-3, 1e-6, 0.0]).repeat(n // 4 + 1)[:n]
+    s = dict(
+        param=(torch.randn(n, generator=gen) * scales).half(),
+        exp_avg=torch.zeros(n),
+        exp_avg_sq=torch.zeros(n),
+        compensation=None,
+    )
+    for t in range(1, STEPS + 1):
+        grad = (torch.randn(n, generator=gen) * scales.flip(0)).half()
+        kw = dict(rounding=Rounding.NEAREST, key=0, first_index=0, adamw_mode=adamw_mode)
+        step_fn(s, grad, t, dict(kw, weight_decay=0.1))
+    return s
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("adamw_mode", [True, False])
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
+def test_fp16_kernel_matches_fallback_bitwise(kernel, n, adamw_mode, path):
+    if path not in simd_paths():
+        pytest.skip(f"this CPU has no {path}")
+    if not hasattr(kernel, "adam_step_fp16"):
+        pytest.fail("the cpu_adam kernel lacks adam_step_fp16")
+    ours = _fp16_run(n, _kernel_step(path), adamw_mode)
+    ref = _fp16_run(n, _fallback_step, adamw_mode)
+    for name in ("param", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(ours[name].view(-1), ref[name].view(-1)), name
+    assert ours["param"].dtype == torch.float16
+    assert not torch.equal(ours["param"], _fp16_run(n, lambda *a: None, adamw_mode)["param"])

@@ -17,8 +17,8 @@ How the updated master is stored is the ``Rounding`` (``bf16.bf16_master_roundin
   paths, any thread count and the torch fallback all draw the same bits.
 
 DeepSpeed's ``fp16.fp16_master_weights_and_grads`` is the fp16 counterpart: fp16 masters and
-gradients, fp32 moments, the same fp32 arithmetic, each master rounded to nearest. An fp16 master
-steps on the torch path (vectorised ops; the compiled kernel has a bf16 path only).
+gradients, fp32 moments, the same fp32 arithmetic, each master rounded to nearest (the kernel's
+``adam_step_fp16``: the same lanes with F16C loads and stores).
 
 The compiled ``cpu_adam`` op (csrc/adam/cpu_adam_bf16.cpp) runs it on contiguous CPU tensors;
 elsewhere (a GPU, no compiler) ``_torch_adam_step_bf16_`` does the same arithmetic with torch
@@ -139,7 +139,7 @@ def _kernel_can_step(*tensors: torch.Tensor | None) -> bool:
         t is None
         or (
             t.device.type == "cpu"
-            and t.dtype in (torch.bfloat16, torch.float32)
+            and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and t.is_contiguous()
         )
         for t in tensors
@@ -207,10 +207,10 @@ def adam_step_bf16_(
     beta1, beta2 = betas
     comp = compensation if rounding is Rounding.KAHAN else None
     kernel = None
-    bf16 = param.dtype == torch.bfloat16  # the compiled kernel has a bf16 path only
-    if bf16 and _kernel_can_step(param, exp_avg, exp_avg_sq, comp) and grad.device.type == "cpu":
+    entry = "adam_step_fp16" if param.dtype == torch.float16 else "adam_step_bf16"
+    if _kernel_can_step(param, exp_avg, exp_avg_sq, comp) and grad.device.type == "cpu":
         kernel = load_op("cpu_adam")
-    if kernel is None or not hasattr(kernel, "adam_step_bf16"):
+    if kernel is None or not hasattr(kernel, entry):
         _torch_adam_step_bf16_(
             param,
             grad,
@@ -230,9 +230,9 @@ def adam_step_bf16_(
             first_index=first_index,
         )
         return
-    if grad.dtype != torch.bfloat16 or not grad.is_contiguous():
-        grad = grad.to(torch.bfloat16).contiguous()
-    kernel.adam_step_bf16(
+    if grad.dtype != param.dtype or not grad.is_contiguous():
+        grad = grad.to(param.dtype).contiguous()
+    getattr(kernel, entry)(
         param.data_ptr(),
         grad.data_ptr(),
         exp_avg.data_ptr(),
