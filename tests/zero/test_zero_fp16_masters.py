@@ -123,7 +123,15 @@ def check(cases):
     return out
 
 
-CASES = [(1, 2), (2, 2, True), (3, 1, True), (3, 2), (2, 1, "nvme"), (3, 1, "infinity")]
+CASES = [
+    (1, 2),
+    (1, 1, True),
+    (2, 2, True),
+    (3, 1, True),
+    (3, 2),
+    (2, 1, "nvme"),
+    (3, 1, "infinity"),
+]
 
 
 @pytest.mark.parametrize("world", [2, 3])
