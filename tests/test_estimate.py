@@ -229,3 +229,20 @@ def test_fp16_masters_bytes_per_parameter(stage, offload):
         assert est.host["optimizer states"] == 8 * psi
     else:
         assert est.device_states == 12 * psi
+
+
+@pytest.mark.parametrize("stage,per_param", [(2, 8), (3, 12)])
+def test_fp16_masters_swap_records(stage, per_param):
+    """NVMe optimizer offload with fp16 masters: stage 2 swaps the fp32 moments (8 bytes per
+    parameter), ZeRO-Infinity the record [exp_avg | exp_avg_sq | master | grad] = 4 + 4 + 2 + 2."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
+        "zero_optimization": {
+            "stage": stage,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"},
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    psi = 10**6
+    assert estimate(psi, cfg, 1).disk["optimizer swap file"] == per_param * psi
