@@ -31,6 +31,10 @@ NCCL on a GPU, gloo with ``--device cpu``):
   ``offload_optimizer.ratio`` of the optimizer's sub-groups (``sub_group_size`` 1e8: 13 of the 1.3B GPT) on
   the CPU, the rest stepped on the device (partial offload; r1.0 is the whole optimizer on the CPU).
 
+Offload rows (``*-offload``, ``*-offload-r<ratio>``) are also set against their bound
+(``offload_bound.py``): the largest of the device's forward+backward (the same stage without offload),
+CPU-Adam over the offloaded share and the link's least traffic, measured on the machine in the same run.
+
 Per contender: median s/step over the timed steps (the device synchronised around each step), tokens/s,
 MFU (model FLOPs: 6 x matmul parameters + attention, per token, over the device's dense bf16 peak),
 peak device memory (``torch.cuda.max_memory_allocated``), host RSS high-water mark, first and last loss.
@@ -410,6 +414,7 @@ def report(results: list[dict], args) -> str:
             f"{fmt(ratio['fsdp2'], '.2f')} | {fmt(r['mfu'], '.3f')} | {fmt(r['peak_device_gib'], '.2f')} | "
             f"{r['rss_gib']:.2f} | {r['first_loss']:.4f} | {r['last_loss']:.4f} | {r['build_s']:.1f} |"
         )
+    lines += _bound_lines(results, by, args)
     lines += [
         "",
         "Targets (issue 28): zengine stages 0-2 >= 0.95x torch tokens/s; stage 3 >= 0.95x FSDP2 and "
@@ -417,6 +422,53 @@ def report(results: list[dict], args) -> str:
         f"Reproduce: `python benchmarks/bench_gpu.py {' '.join(sys.argv[1:])}`",
     ]
     return "\n".join(lines)
+
+
+def _bound_lines(results: list[dict], by: dict, args) -> list[str]:
+    """The offload rows against the step's bound (``offload_bound.py``): device work, host Adam over the
+    offloaded share and the link's least traffic, measured on this machine after the contenders ran."""
+    from offload_bound import (
+        device_row,
+        host_adam_seconds_per_element,
+        link_bytes_per_second,
+        offload_bound,
+        offload_share,
+    )
+
+    rows = [r for r in results if "error" not in r and offload_share(r["name"]) is not None]
+    if not rows:
+        return []
+    adam = host_adam_seconds_per_element()
+    device = torch.device(args.device if args.device != "cuda" else "cuda:0")
+    link = link_bytes_per_second(device)
+    compute_bytes = 4 if args.dtype == "fp32" else 2
+    lines = [
+        "",
+        "Offload rows against their bound: the step can be no faster than the largest of the device's "
+        "forward+backward (the same stage without offload), CPU-Adam over the offloaded share "
+        f"({adam * 1e9:.2f} ns/element measured here) and the link's least traffic "
+        + (
+            f"(pinned up {link['up'] / 1e9:.1f} GB/s, down {link['down'] / 1e9:.1f} GB/s measured here)"
+            if link
+            else "(no device link: CPU run)"
+        )
+        + "; `of bound` = bound / s/step. Device s is the forward+backward of the row without offload with "
+        "`--split`, else its whole step (its own optimizer included: then the bound is looser).",
+        "",
+        "| contender | s/step | device s | host Adam s | link s | bound s | of bound |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base = by.get(device_row(r["name"]))
+        device_s = (base.get("fwd_bwd_s") or base["s_step"]) if base else None
+        b = offload_bound(r, device_s, adam, link, compute_bytes)
+        r["bound"] = b  # into the JSON too
+        lines.append(
+            f"| {r['name']} | {r['s_step']:.4f} | {fmt(b['device_s'], '.4f')} | "
+            f"{b['host_adam_s']:.4f} | {fmt(b['link_s'], '.4f')} | {b['bound_s']:.4f} | "
+            f"{b['of_bound']:.2f} |"
+        )
+    return lines
 
 
 def device_name(args) -> str:

@@ -9,6 +9,7 @@ there, and none says "failed", is. Ranks start from a forkserver that imported t
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -299,6 +300,13 @@ def test_gpu_partial_offload_rows_on_cpu(bench, tmp_path):
         + ["--contenders", ",".join(rows), "--out", str(tmp_path)]
     )
     assert_rows(report(tmp_path), rows)
+    # each offload row set against its bound (offload_bound.py), in the report and the JSON
+    bounds = report(tmp_path).read_text().split("Offload rows against their bound", 1)[1]
+    assert all(f"| {row} |" in bounds for row in rows), bounds
+    results = json.loads(next(tmp_path.glob("gpu_cpu_*.json")).read_text())
+    host = {r["name"]: r["bound"]["host_adam_s"] for r in results}
+    assert host["zengine-3-offload-r0.0"] == 0.0 < host["zengine-3-offload-r0.5"]
+    assert host["zengine-3-offload-r1.0"] == pytest.approx(2 * host["zengine-3-offload-r0.5"])
 
 
 def test_bf16_masters(bench, tmp_path):
