@@ -206,3 +206,43 @@ def test_bf16_masters_bytes_per_parameter(bf16, per_param):
         2 if "master_rounding" in bf16 else 1
     )
     assert est.host["gradients"] == (2 if low else 4) * psi
+
+
+@pytest.mark.parametrize("stage,offload", [(1, False), (2, False), (2, True), (3, True)])
+def test_fp16_masters_bytes_per_parameter(stage, offload):
+    """fp16 masters (fp16.fp16_master_weights_and_grads) are the fp16 parameters themselves, with
+    fp32 moments: 2 + 2 + 8 = 12 bytes per parameter on one rank against fp32 masters' 16; with
+    CPU offload the masters and their gradients are 2-byte copies on the host."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    psi = 10**6
+    est = estimate(psi, cfg, 1)
+    assert "fp16 masters and gradients, fp32 moments" in est.label
+    if offload:
+        assert est.host["master weights"] == 2 * psi and est.host["gradients"] == 2 * psi
+        assert est.host["optimizer states"] == 8 * psi
+    else:
+        assert est.device_states == 12 * psi
+
+
+@pytest.mark.parametrize("stage,per_param", [(2, 8), (3, 12)])
+def test_fp16_masters_swap_records(stage, per_param):
+    """NVMe optimizer offload with fp16 masters: stage 2 swaps the fp32 moments (8 bytes per
+    parameter), ZeRO-Infinity the record [exp_avg | exp_avg_sq | master | grad] = 4 + 4 + 2 + 2."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
+        "zero_optimization": {
+            "stage": stage,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"},
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    psi = 10**6
+    assert estimate(psi, cfg, 1).disk["optimizer swap file"] == per_param * psi

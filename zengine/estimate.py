@@ -144,7 +144,7 @@ def estimate(
     share = math.ceil(psi / w)  # this rank's shard of a flat buffer (padding aside)
     half = 2 if cfg.compute_dtype.itemsize == 2 else 4
     dtypes = GradDtypes.from_config(cfg)
-    masters = MasterPrecision.from_config(cfg.bf16)  # fp32, or bf16 masters/grads (and moments)
+    masters = MasterPrecision.from_config(cfg)  # fp32, or bf16 masters/grads (and moments)
     accum, wire = dtypes.accumulate.itemsize, dtypes.reduce.itemsize  # bytes per gradient element
     offload_opt = zero.offload_optimizer.device if zero.offload_optimizer.enabled else "none"
     offload_par = zero.offload_param.device if zero.offload_param.enabled else "none"

@@ -54,10 +54,13 @@ PyObject* py_adam_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 //                weight_decay, step, bias_correction, adamw_mode, states_bf16, rounding, key,
 //                first_index, num_threads, simd_path)
 // Pointers are ints (data_ptr()); compensation 0 unless rounding is 1 (Kahan).
-PyObject* py_adam_step_bf16(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// adam_step_fp16(...): the same arguments over an fp16 master and gradient (states fp32,
+// rounding 0).
+PyObject* adam_step_low(PyObject* const* args, Py_ssize_t nargs, const char* name, bool fp16) {
   namespace py = zengine::py;
-  if (!py::expect_args("adam_step_bf16", nargs, 20)) return nullptr;
+  if (!py::expect_args(name, nargs, 20)) return nullptr;
   zengine::AdamBf16Shard s{};
+  s.master_fp16 = fp16;
   zengine::AdamHyper h{};
   void* param;
   void* grad;
@@ -76,7 +79,7 @@ PyObject* py_adam_step_bf16(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
     return nullptr;
   }
   if (rounding < 0 || rounding > 2 || path < -1 || path > 2 || s.n < 0) {
-    PyErr_SetString(PyExc_ValueError, "adam_step_bf16: rounding, simd_path or n out of range");
+    PyErr_SetString(PyExc_ValueError, "adam_step: rounding, simd_path or n out of range");
     return nullptr;
   }
   s.param = static_cast<uint16_t*>(param);
@@ -94,6 +97,14 @@ PyObject* py_adam_step_bf16(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
     return nullptr;
   }
   Py_RETURN_NONE;
+}
+
+PyObject* py_adam_step_bf16(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return adam_step_low(args, nargs, "adam_step_bf16", false);
+}
+
+PyObject* py_adam_step_fp16(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return adam_step_low(args, nargs, "adam_step_fp16", true);
 }
 
 // simd_paths() -> list of the paths this CPU can run, widest first.
@@ -128,6 +139,9 @@ PyMethodDef kMethods[] = {
     {"adam_step_bf16",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_adam_step_bf16)),
      METH_FASTCALL, "One Adam/AdamW step over a flat bf16 master shard, in place."},
+    {"adam_step_fp16",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_adam_step_fp16)),
+     METH_FASTCALL, "One Adam/AdamW step over a flat fp16 master shard (fp32 moments), in place."},
     {"simd_paths", py_simd_paths, METH_NOARGS, "SIMD paths this CPU supports, widest first."},
     {"simd_path", py_simd_path, METH_NOARGS, "The SIMD path used when none is named."},
     {nullptr, nullptr, 0, nullptr}};

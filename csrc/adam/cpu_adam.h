@@ -51,6 +51,8 @@ struct AdamBf16Shard {
   Rounding rounding;
   uint32_t key;             // kStochastic: this step's key (mixed with each element's index)
   uint32_t first_index;     // kStochastic: the index of element 0 in the hashed sequence
+  bool master_fp16;         // param and grad are fp16 (fp16_master_weights_and_grads): fp32
+                            // moments, kNearest only
 };
 
 const char* adam_step_bf16(const AdamBf16Shard& shard, const AdamHyper& hyper, int num_threads,

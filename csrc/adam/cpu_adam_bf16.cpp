@@ -1,5 +1,6 @@
 // Adam / AdamW over a bf16 master shard: DeepSpeed's bf16_master_weights_and_grads (with
-// bf16_optimizer_states: bf16 moments), written once over the simd.h helpers.
+// bf16_optimizer_states: bf16 moments), written once over the simd.h helpers; an fp16 master
+// (fp16_master_weights_and_grads: fp32 moments, nearest) is the same lanes with fp16 loads/stores.
 //
 // Per element: load the master (kKahan: param + compensation, in fp32), the bf16 gradient and
 // the moments as fp32; then cpu_adam.cpp's update, the same fp32 operations in the same order;
@@ -37,13 +38,20 @@ inline void store_state(void* base, int64_t i, typename V::F x) {
   }
 }
 
+// A master or gradient element: bf16, or fp16 (kFp16: fp16_master_weights_and_grads).
+template <class V, bool kFp16>
+inline typename V::F load_master(const uint16_t* p) {
+  if constexpr (kFp16) return V::load_fp16(p);
+  return V::load_bf16(p);
+}
+
 // Updates V::kWidth elements starting at i.
-template <class V, bool kStatesBf16, Rounding kRound>
+template <class V, bool kStatesBf16, Rounding kRound, bool kFp16 = false>
 inline void adam_bf16_lanes(const AdamBf16Shard& s, const AdamCoeffs& c, const Lanes<V>& k,
                             int64_t i) {
-  auto p = V::load_bf16(s.param + i);
+  auto p = load_master<V, kFp16>(s.param + i);
   if constexpr (kRound == Rounding::kKahan) p = V::add(p, V::load_bf16(s.compensation + i));
-  auto g = V::load_bf16(s.grad + i);
+  auto g = load_master<V, kFp16>(s.grad + i);
   if (c.use_l2) g = V::add(g, V::mul(k.l2_decay, p));
   auto m = load_state<V, kStatesBf16>(s.exp_avg, i);
   auto v = load_state<V, kStatesBf16>(s.exp_avg_sq, i);
@@ -57,6 +65,8 @@ inline void adam_bf16_lanes(const AdamBf16Shard& s, const AdamCoeffs& c, const L
   if constexpr (kRound == Rounding::kStochastic) {
     const auto first = static_cast<uint32_t>(static_cast<int64_t>(s.first_index) + i);
     V::store_half(s.param + i, V::to_bf16_stochastic(p, s.key, first));
+  } else if constexpr (kFp16) {
+    V::store_half(s.param + i, V::to_fp16(p));  // round to nearest even
   } else {
     const auto kept = V::to_bf16(p);
     V::store_half(s.param + i, kept);
@@ -68,14 +78,16 @@ inline void adam_bf16_lanes(const AdamBf16Shard& s, const AdamCoeffs& c, const L
   }
 }
 
-template <class V, bool kStatesBf16, Rounding kRound>
+template <class V, bool kStatesBf16, Rounding kRound, bool kFp16 = false>
 inline void adam_bf16_range_as(const AdamBf16Shard& s, const AdamCoeffs& c, int64_t begin,
                                int64_t end) {
   const Lanes<V> vec(c);
   const Lanes<simd::Scalar> one(c);
   int64_t i = begin;
-  for (; i + V::kWidth <= end; i += V::kWidth) adam_bf16_lanes<V, kStatesBf16, kRound>(s, c, vec, i);
-  for (; i < end; ++i) adam_bf16_lanes<simd::Scalar, kStatesBf16, kRound>(s, c, one, i);
+  for (; i + V::kWidth <= end; i += V::kWidth) {
+    adam_bf16_lanes<V, kStatesBf16, kRound, kFp16>(s, c, vec, i);
+  }
+  for (; i < end; ++i) adam_bf16_lanes<simd::Scalar, kStatesBf16, kRound, kFp16>(s, c, one, i);
 }
 
 template <class V, bool kStatesBf16>
@@ -94,6 +106,9 @@ inline void adam_bf16_range_states(const AdamBf16Shard& s, const AdamCoeffs& c, 
 template <class V>
 inline void adam_bf16_range(const AdamBf16Shard& s, const AdamCoeffs& c, int64_t begin,
                             int64_t end) {
+  if (s.master_fp16) {
+    return adam_bf16_range_as<V, false, Rounding::kNearest, true>(s, c, begin, end);
+  }
   if (s.states_bf16) return adam_bf16_range_states<V, true>(s, c, begin, end);
   adam_bf16_range_states<V, false>(s, c, begin, end);
 }
@@ -134,6 +149,9 @@ const char* adam_step_bf16(const AdamBf16Shard& shard, const AdamHyper& hyper, i
                            SimdPath path) {
   SimdPath resolved;
   if (const char* err = resolve_simd_path(path, &resolved)) return err;
+  if (shard.master_fp16 && (shard.states_bf16 || shard.rounding != Rounding::kNearest)) {
+    return "an fp16 master keeps fp32 moments and rounds to nearest";
+  }
   if (shard.rounding == Rounding::kKahan && shard.compensation == nullptr) {
     return "Kahan rounding needs a compensation buffer";
   }

@@ -44,6 +44,25 @@ inline uint16_t float_to_bf16(float x) {
 }
 
 // bf16 bits -> fp32 (exact).
+// IEEE fp16 -> fp32, exact (every fp16 value, subnormals included, is an fp32 value).
+inline float fp16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+  uint32_t bits;
+  if (exp == 0x1Fu) {
+    bits = sign | 0x7F800000u | (mant << 13) | (mant ? 0x00400000u : 0u);  // inf; NaN made quiet
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);  // rebias 15 -> 127
+  } else {
+    const float x = static_cast<float>(mant) * 5.9604644775390625e-8f;  // mant * 2^-24, exact
+    std::memcpy(&bits, &x, sizeof(bits));
+    bits |= sign;
+  }
+  float x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
 inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float x;
@@ -130,6 +149,7 @@ struct Scalar {
   static inline H to_bf16(F v) { return float_to_bf16(v); }
   static inline H to_fp16(F v) { return float_to_fp16(v); }
   static inline F load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
+  static inline F load_fp16(const uint16_t* p) { return fp16_to_float(*p); }
   // Stochastic rounding of lane j with the bits mix32(key ^ (first + j)).
   static inline H to_bf16_stochastic(F v, uint32_t key, uint32_t first) {
     return float_to_bf16_stochastic(v, mix32(key ^ first));
@@ -183,6 +203,9 @@ struct Avx2 {
   }
   ZE_TARGET_AVX2 static inline H to_fp16(F v) {
     return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+  }
+  ZE_TARGET_AVX2 static inline F load_fp16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   ZE_TARGET_AVX2 static inline F load_bf16(const uint16_t* p) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -262,6 +285,9 @@ struct Avx512 {
   }
   ZE_TARGET_AVX512 static inline H to_fp16(F v) {
     return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+  }
+  ZE_TARGET_AVX512 static inline F load_fp16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   ZE_TARGET_AVX512 static inline F load_bf16(const uint16_t* p) {
     const __m512i wide =

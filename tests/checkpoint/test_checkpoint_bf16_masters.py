@@ -1,6 +1,7 @@
 """Checkpoints across master precisions (issue 42 item 5): fp32 masters saved, loaded into a run
 with bf16 masters and states at another world size and stage, and the other way; the masters and
-moments are cast as they are read (with one log line), and DeepSpeed's layout carries them too."""
+moments are cast as they are read (with one log line), and DeepSpeed's layout carries them too;
+fp16 masters (fp16.fp16_master_weights_and_grads) through DeepSpeed's layout both ways."""
 
 from __future__ import annotations
 
@@ -142,4 +143,54 @@ def test_deepspeed_layout_both_ways(tmp_path, low_save, low_load):
     tag = os.path.basename(os.path.normpath(exported))
     for values, _, losses, _ in spawn(_load, 3, 3, low_load, os.path.dirname(exported), tag):
         _check(saved, values, low_load)
+        assert all(torch.isfinite(torch.tensor(losses))), losses
+
+
+def _fp16_engine(stage: int, low: bool):
+    cfg = parity_config(stage, "fp16", 1, dist.get_world_size())
+    cfg["fp16"]["fp16_master_weights_and_grads"] = low
+    torch.manual_seed(0)
+    model = EdgeNet()
+    engine, *_ = zengine.initialize(
+        model=model, config=cfg, model_parameters=edge_param_groups(model, PARITY_LR)
+    )
+    return engine
+
+
+def _fp16_save(stage: int, low: bool, folder: str) -> dict:
+    engine = _fp16_engine(stage, low)
+    _train(engine, 3, seed=1)
+    engine.save_checkpoint(folder, tag="t")
+    return _values(engine)
+
+
+def _fp16_load(stage: int, low: bool, folder: str, tag: str) -> tuple[dict, list[float], list]:
+    engine = _fp16_engine(stage, low)
+    engine.load_checkpoint(folder, tag=tag)
+    values = _values(engine)
+    masters = sorted({str(m.dtype) for m in engine.optimizer.masters})
+    return values, _train(engine, 2, seed=2), masters
+
+
+@pytest.mark.parametrize("low_save,low_load", [(True, False), (False, True)])
+def test_fp16_masters_through_the_deepspeed_layout(tmp_path, low_save, low_load):
+    """fp16 masters (fp16.fp16_master_weights_and_grads) exported in DeepSpeed's layout (fp32
+    flat partitions, W=2 stage 2) load into a run with the other master precision at W=3 stage 3:
+    fp16 masters exactly into fp32, fp32 ones rounded to nearest into fp16; fp32 moments and fp16
+    parameters as saved."""
+    folder, out = str(tmp_path / "ckpt"), str(tmp_path / "ds")
+    saved = spawn(_fp16_save, 2, 1, low_save, folder)[0]
+    cfg = parity_config(2, "fp16", 1, 2)
+    exported = export_deepspeed_checkpoint(os.path.join(folder, "t"), out, 2, cfg)
+    tag = os.path.basename(os.path.normpath(exported))
+    for values, losses, masters in spawn(
+        _fp16_load, 3, 3, low_load, os.path.dirname(exported), tag
+    ):
+        assert set(values) == set(saved)
+        for key in saved:
+            want, got = torch.tensor(saved[key]), torch.tensor(values[key])
+            if key.startswith("master/") and low_load:
+                want = want.half().float()
+            assert torch.equal(got, want), key
+        assert masters == (["torch.float16"] if low_load else ["torch.float32"])
         assert all(torch.isfinite(torch.tensor(losses))), losses

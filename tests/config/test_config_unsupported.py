@@ -60,7 +60,6 @@ def test_ignorable_keys_are_accepted_and_named(path):
         ("compression_training", {"weight_quantization": {}}),
         ("sparse_gradients", True),
         ("tensor_parallel", {"autotp_size": 2}),
-        ("fp16.fp16_master_weights_and_grads", True),
         ("zero_optimization.zero_quantized_nontrainable_weights", True),
         ("managed_gradient_accumulation", False),
         ("checkpoint.use_node_local_storage", True),

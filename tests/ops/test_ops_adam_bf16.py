@@ -279,3 +279,75 @@ def test_each_rounding_is_exact_against_its_definition(rounding):
         ref = [p_new, c_new if rounding is Rounding.KAHAN else ref[1], m_new, v_new]
     for name, a, b in zip(("param", "compensation", "exp_avg", "exp_avg_sq"), ours, ref):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_fp16_master_is_fp32_adam_rounded_once(adamw_mode):
+    """An fp16 master (fp16_master_weights_and_grads) steps with fp32 moments: after each step the
+    moments are torch's fp32 AdamW/Adam ones on the fp16 values, the master its result rounded to
+    nearest fp16 (within one fp16 ulp: torch orders the operations otherwise)."""
+    g = torch.Generator().manual_seed(3)
+    n = 4099
+    param = (torch.randn(n, generator=g) * 0.1).half()
+    m, v = torch.zeros(n), torch.zeros(n)
+    hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    for step in range(1, 4):
+        grad = (torch.randn(n, generator=g) * 1e-2).half()
+        ref = param.float().clone().requires_grad_(True)
+        ref.grad = grad.float()
+        cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+        opt = cls([ref], **hyper)
+        opt.state[ref] = {"step": torch.tensor(float(step - 1)), "exp_avg": m.clone()}
+        opt.state[ref]["exp_avg_sq"] = v.clone()
+        opt.step()
+        adam_step_bf16_(param, grad, m, v, step=step, adamw_mode=adamw_mode, **hyper)
+        assert param.dtype == torch.float16 and m.dtype == torch.float32
+        torch.testing.assert_close(m, opt.state[ref]["exp_avg"], rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(v, opt.state[ref]["exp_avg_sq"], rtol=1e-6, atol=1e-12)
+        ulp = torch.finfo(torch.float16).eps * ref.detach().abs().clamp_min(2.0**-14)
+        assert ((param.float() - ref.detach()).abs() <= ulp).all()
+        moved = (param.float() - ref.detach().half().float()).abs().max()
+        assert moved <= ulp.max(), moved  # (nearest: at most one ulp from torch's rounding)
+
+
+def test_fp16_master_refuses_fp16_moments_and_other_roundings():
+    p, gr = torch.zeros(4, dtype=torch.float16), torch.zeros(4, dtype=torch.float16)
+    with pytest.raises(ValueError, match="fp32 moments and rounds to nearest"):
+        adam_step_bf16_(p, gr, torch.zeros_like(p), torch.zeros_like(p), step=1)
+    m = torch.zeros(4)
+    with pytest.raises(ValueError, match="fp32 moments and rounds to nearest"):
+        adam_step_bf16_(p, gr, m, m.clone(), step=1, rounding=Rounding.STOCHASTIC)
+
+
+def _fp16_run(n, step_fn, adamw_mode):
+    """STEPS over an fp16 master (fp32 moments) whose values span normals, subnormals and a zero,
+    with fp16 gradients: the kernel's F16C loads/stores against torch's conversions."""
+    gen = torch.Generator().manual_seed(2)
+    scales = torch.tensor([1.0, 1e-3, 1e-6, 0.0]).repeat(n // 4 + 1)[:n]
+    s = dict(
+        param=(torch.randn(n, generator=gen) * scales).half(),
+        exp_avg=torch.zeros(n),
+        exp_avg_sq=torch.zeros(n),
+        compensation=None,
+    )
+    for t in range(1, STEPS + 1):
+        grad = (torch.randn(n, generator=gen) * scales.flip(0)).half()
+        kw = dict(rounding=Rounding.NEAREST, key=0, first_index=0, adamw_mode=adamw_mode)
+        step_fn(s, grad, t, dict(kw, weight_decay=0.1))
+    return s
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("adamw_mode", [True, False])
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
+def test_fp16_kernel_matches_fallback_bitwise(kernel, n, adamw_mode, path):
+    if path not in simd_paths():
+        pytest.skip(f"this CPU has no {path}")
+    if not hasattr(kernel, "adam_step_fp16"):
+        pytest.fail("the cpu_adam kernel lacks adam_step_fp16")
+    ours = _fp16_run(n, _kernel_step(path), adamw_mode)
+    ref = _fp16_run(n, _fallback_step, adamw_mode)
+    for name in ("param", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(ours[name].view(-1), ref[name].view(-1)), name
+    assert ours["param"].dtype == torch.float16
+    assert not torch.equal(ours["param"], _fp16_run(n, lambda *a: None, adamw_mode)["param"])

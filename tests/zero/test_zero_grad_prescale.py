@@ -224,7 +224,7 @@ def test_config_keys():
         ({"fp32_allreduce": True, "communication_data_type": "bf16"}, "fp32_allreduce: true asks"),
         ({"prescale_gradients": True, "gradient_predivide_factor": 2.0}, "ignores the factor"),
         ({"gradient_predivide_factor": 0}, "gradient_predivide_factor"),
-        ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16 master weights"),
+        ({"fp16": {"fp16_master_weights_and_grads": True}}, "fp16 masters need fp16 compute"),
     ]:
         with pytest.raises(ConfigError, match=words):
             load(**keys)

@@ -229,7 +229,7 @@ class ZengineConfig(_Section):
     @model_validator(mode="after")
     def _one_precision(self) -> "ZengineConfig":
         problem = precision_problem(self.fp16, self.bf16) or master_precision_problem(
-            self.bf16, self.zero_optimization.stage
+            self.fp16, self.bf16, self.zero_optimization.stage
         )
         if problem:
             raise ValueError(problem)

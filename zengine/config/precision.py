@@ -58,6 +58,17 @@ class FP16Config(_Section):
     min_loss_scale: Number = Field(
         1.0, gt=0, description="The dynamic scale never drops below this value."
     )
+    fp16_master_weights_and_grads: Flag = Field(
+        False,
+        description=(
+            "DeepSpeed's key: keep the master weights and their gradients in fp16 instead of fp32 "
+            "(ZeRO stages 1-3, Adam/AdamW/CPUAdam); Adam's moments stay fp32 and its arithmetic "
+            "fp32 per element, each master rounded to nearest. The loss scale applies as with fp32 "
+            "masters: the gradients are unscaled in the step, an overflow skips it. 12 bytes of model "
+            "state per parameter (2 parameter + 2 gradient + 8 moments; the fp16 parameter shard is "
+            "the master) instead of 16."
+        ),
+    )
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -149,8 +160,19 @@ class DataTypesConfig(_Section):
     )
 
 
-def master_precision_problem(bf16: BF16Config, stage: int) -> Optional[str]:
-    """The message for bf16 master-weight keys that cannot apply (DeepSpeed's rules), else None."""
+def master_precision_problem(fp16: FP16Config, bf16: BF16Config, stage: int) -> Optional[str]:
+    """The message for fp16/bf16 master-weight keys that cannot apply (DeepSpeed's rules), else
+    None."""
+    if fp16.fp16_master_weights_and_grads and not fp16.enabled:
+        return (
+            "fp16.fp16_master_weights_and_grads: fp16 masters need fp16 compute; set "
+            "fp16.enabled true"
+        )
+    if fp16.fp16_master_weights_and_grads and stage == 0:
+        return (
+            "fp16.fp16_master_weights_and_grads is a ZeRO optimizer mode (stages 1-3, as in "
+            "DeepSpeed); set zero_optimization.stage to 1, 2 or 3"
+        )
     if bf16.bf16_optimizer_states and not bf16.bf16_master_weights_and_grads:
         return (
             "bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads: bf16 moments over "

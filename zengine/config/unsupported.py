@@ -100,14 +100,6 @@ UNSUPPORTED_KEYS: Tuple[UnsupportedKey, ...] = (
     _flag("sparse_gradients", "sparse (CSR) gradients", False),
     _flag("disable_allgather", "broadcast in place of all-gather", False),
     _flag("dataloader_drop_last", "dropping the last incomplete batch", False),
-    # Precision sub-keys.
-    _flag(
-        "fp16.fp16_master_weights_and_grads",
-        "fp16 master weights (DeepSpeed runs them only with CPU offload at stages 2-3, its CPU "
-        "Adam stepping fp16 masters whose updates below an fp16 ulp are lost; zengine keeps fp32 "
-        "masters under fp16, which train at least as close to fp32)",
-        False,
-    ),
     # ZeRO sub-keys that change the numbers (quantized frozen weights, LoCo, ZenFlow).
     _flag(
         "zero_optimization.zero_quantized_nontrainable_weights",

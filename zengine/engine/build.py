@@ -146,13 +146,13 @@ class NoOptimizer(torch.optim.Optimizer):
 
 
 def bf16_masters(config: ZengineConfig, seed: int) -> Bf16Masters | None:
-    """How the optimizer steps bf16 masters (``bf16.bf16_master_weights_and_grads``), or None
+    """How the optimizer steps bf16 or fp16 masters (``*.*_master_weights_and_grads``), or None
     for fp32 masters; ``seed``: stochastic rounding's, one per rank."""
-    precision = MasterPrecision.from_config(config.bf16)
+    precision = MasterPrecision.from_config(config)
     if not precision.low:
         return None
     fp32_states = precision.states == torch.float32
-    return Bf16Masters(fp32_states, precision.rounding.value, seed)
+    return Bf16Masters(fp32_states, precision.rounding.value, seed, precision.dtype)
 
 
 def optimizer_factory(client_optimizer, config: ZengineConfig, seed: int = 0):

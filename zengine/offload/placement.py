@@ -411,7 +411,8 @@ def optimizer_placement(
         if master_dtype != torch.float32:
             raise ValueError(
                 "zero_optimization.offload_optimizer.ratio with "
-                "bf16.bf16_master_weights_and_grads: partial offload steps fp32 masters only; "
+                f"{precision.section}.{precision.section}_master_weights_and_grads: partial "
+                "offload steps fp32 masters only; "
                 "offload every optimizer state (ratio 1.0) or keep fp32 masters"
             )
         from .partial import PartialPlacement  # (it builds on this module)

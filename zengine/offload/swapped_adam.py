@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 
 from ..ops.adam import COMPENSATION, CPUAdam, adam_step_
-from ..ops.adam_bf16 import adam_step_bf16_
+from ..ops.adam_bf16 import LOW_MASTER_DTYPES, adam_step_bf16_
 from .state_swap import Chunk, StateSwapper, check_intact
 
 
@@ -100,14 +100,14 @@ class SwappedAdam(CPUAdam):
 
     def _compensated(self, param: torch.Tensor) -> bool:
         """``param`` keeps Kahan's compensation in ``state`` (a bf16 master, Kahan rounding)."""
-        low = param.dtype == torch.bfloat16
+        low = param.dtype == torch.bfloat16  # (fp16 masters round to nearest: no compensation)
         return self.compensation_in_memory and low and bool(self.rounding.buffers)
 
     def adam_range(self, param, lo: int, step: int, hyper: dict, p, g, m, v, comp, out) -> None:
         """Adam on elements [lo, lo + len(p)) of ``param`` (``p``: the master's values there, fp32 or
         bf16; ``comp``: Kahan's compensation or None; ``out``: where the updated values also go, or
         None), with the arithmetic and rounding ``CPUAdam`` steps that parameter with in memory."""
-        if p.dtype != torch.bfloat16:
+        if p.dtype not in LOW_MASTER_DTYPES:
             adam_step_(p, g, m, v, step=step, copy_out=out, **hyper)
             return
         adam_step_bf16_(

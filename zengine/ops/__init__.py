@@ -3,7 +3,8 @@
 - ``CPUAdam`` (alias ``DeepSpeedCPUAdam``) and ``adam_step_``: SIMD Adam/AdamW over fp32
   shards, optionally writing bf16/fp16 copies of the updated parameters in the same pass; over
   bf16 master shards with bf16 or fp32 moments (``adam_step_bf16_``, rounded as ``Rounding``
-  says: nearest, Kahan-compensated or stochastic).
+  says: nearest, Kahan-compensated or stochastic), and over fp16 master shards with fp32 moments
+  (fp16_master_weights_and_grads, nearest).
 - ``flatten`` / ``unflatten_into``: threaded copies between tensor lists and flat buffers.
 - ``unscale_and_norm_``: gradient unscale + sum of squares + non-finite check in one pass.
 - ``quantize_blocks`` / ``dequantize_blocks`` / ``dequantize_sum``: ZeRO++'s blockwise int8/int4 codec.

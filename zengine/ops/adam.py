@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from .adam_bf16 import Rounding, adam_step_bf16_
+from .adam_bf16 import LOW_MASTER_DTYPES, Rounding, adam_step_bf16_
 from .shard_optimizer import ShardOptimizer
 from .builder import load_op
 
@@ -335,9 +335,9 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
     def _step_param(self, group: dict, param: torch.Tensor, state: dict, runs, out) -> None:
         """One parameter's runs ((lo, hi, step number) each), its updated values also into ``out``
         (None: nowhere else); its moments made at its first step."""
-        low = param.dtype == torch.bfloat16  # a bf16 master (bf16_master_weights_and_grads)
+        low = param.dtype in LOW_MASTER_DTYPES  # a bf16/fp16 master (*_master_weights_and_grads)
         if "exp_avg" not in state:
-            states = self.bf16_states if low else param.dtype
+            states = self._moments_dtype(param)
             state["exp_avg"] = torch.zeros_like(param, dtype=states)
             state["exp_avg_sq"] = torch.zeros_like(param, dtype=states)
         if low and self.rounding.buffers and COMPENSATION not in state:
@@ -373,12 +373,19 @@ class CPUAdam(torch.optim.Optimizer, ShardOptimizer):
     def state_dtype(self, param: torch.Tensor, key: str) -> torch.dtype | None:
         """ShardOptimizer: moments of bf16 parameters in ``bf16_states``; Kahan's compensation only
         with Kahan rounding (``COMPENSATION``), in the parameter's dtype."""
-        low = param.dtype == torch.bfloat16
+        low = param.dtype in LOW_MASTER_DTYPES
         if key == COMPENSATION:
             return param.dtype if low and self.rounding.buffers else None
         if key in ("exp_avg", "exp_avg_sq"):
-            return self.bf16_states if low else param.dtype
+            return self._moments_dtype(param)
         return param.dtype
+
+    def _moments_dtype(self, param: torch.Tensor) -> torch.dtype:
+        """Adam's moments of ``param``: ``bf16_states`` for a bf16 master, fp32 for an fp16 one
+        (DeepSpeed's CPU Adam under fp16 masters), the parameter's own dtype otherwise."""
+        if param.dtype == torch.bfloat16:
+            return self.bf16_states
+        return torch.float32 if param.dtype == torch.float16 else param.dtype
 
     def _key(self, param: torch.Tensor, step: int) -> int:
         """Stochastic rounding's key for ``param`` at ``step``: distinct per seed, step and

@@ -1,4 +1,4 @@
-"""Adam / AdamW over a bf16 master shard: ``adam_step_bf16_`` and the rounding modes.
+"""Adam / AdamW over a bf16 or fp16 master shard: ``adam_step_bf16_`` and the rounding modes.
 
 DeepSpeed's ``bf16.bf16_master_weights_and_grads`` keeps the master weights and their gradients
 in bf16; with ``bf16.bf16_optimizer_states`` Adam's moments are bf16 too: 8 bytes of model state
@@ -16,6 +16,10 @@ How the updated master is stored is the ``Rounding`` (``bf16.bf16_master_roundin
   ``mix32(key ^ (first_index + i))``: a counter-based hash, so the compiled kernel, its SIMD
   paths, any thread count and the torch fallback all draw the same bits.
 
+DeepSpeed's ``fp16.fp16_master_weights_and_grads`` is the fp16 counterpart: fp16 masters and
+gradients, fp32 moments, the same fp32 arithmetic, each master rounded to nearest (the kernel's
+``adam_step_fp16``: the same lanes with F16C loads and stores).
+
 The compiled ``cpu_adam`` op (csrc/adam/cpu_adam_bf16.cpp) runs it on contiguous CPU tensors;
 elsewhere (a GPU, no compiler) ``_torch_adam_step_bf16_`` does the same arithmetic with torch
 ops, bit for bit (the tests compare them).
@@ -29,9 +33,18 @@ import torch
 
 from .builder import load_op
 
-__all__ = ["Rounding", "adam_step_bf16_", "stochastic_bits", "round_stochastic"]
+__all__ = [
+    "LOW_MASTER_DTYPES",
+    "Rounding",
+    "adam_step_bf16_",
+    "stochastic_bits",
+    "round_stochastic",
+]
 
 _MASK32 = 0xFFFFFFFF
+
+LOW_MASTER_DTYPES = (torch.bfloat16, torch.float16)
+"""The dtypes of low-precision masters (``*_master_weights_and_grads``) ``adam_step_bf16_`` steps."""
 
 
 class Rounding(enum.Enum):
@@ -107,7 +120,7 @@ def _torch_adam_step_bf16_(
     p = param.float()  # fp32 copies of the bf16 master (a state already fp32 steps in place)
     if rounding is Rounding.KAHAN:
         p = p + compensation.float()
-    g = grad.to(torch.bfloat16).float()
+    g = grad.to(param.dtype).float()  # the mode's gradients are in the master's dtype
     m, v = exp_avg.float(), exp_avg_sq.float()
     adam_arithmetic_(p, g, m, v, c, beta2, eps, weight_decay, adamw_mode)
     exp_avg.copy_(m)  # to nearest where the moments are bf16
@@ -126,7 +139,7 @@ def _kernel_can_step(*tensors: torch.Tensor | None) -> bool:
         t is None
         or (
             t.device.type == "cpu"
-            and t.dtype in (torch.bfloat16, torch.float32)
+            and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and t.is_contiguous()
         )
         for t in tensors
@@ -154,13 +167,15 @@ def adam_step_bf16_(
     simd: str | None = None,
     num_threads: int | None = None,
 ) -> None:
-    """One Adam (``adamw_mode=False``: L2) or AdamW step over one bf16 master shard, in place.
+    """One Adam (``adamw_mode=False``: L2) or AdamW step over one bf16 or fp16 master shard, in
+    place.
 
     Args:
-        param: [n] bf16, the master (and, at stages 1-2 without offload, the parameters).
-        grad: [n] its gradient; a non-bf16 one is rounded to bf16 first (the mode's gradients
-            are bf16), on both paths.
-        exp_avg, exp_avg_sq: [n] bf16 (``bf16_optimizer_states``) or fp32, the same dtype.
+        param: [n] bf16 or fp16, the master (and, at stages 1-2 without offload, the parameters).
+        grad: [n] its gradient; one of another dtype is rounded to the master's first (the mode's
+            gradients are in the master's dtype), on both paths.
+        exp_avg, exp_avg_sq: [n] bf16 (``bf16_optimizer_states``) or fp32, the same dtype; fp32
+            for an fp16 master (as DeepSpeed's CPU Adam keeps them).
         compensation: [n] bf16, Kahan's; required for ``Rounding.KAHAN``, else unused.
         rounding, key, first_index: how the master is stored (module doc); ``key`` and
             ``first_index`` seed stochastic rounding (give each step its own key).
@@ -169,8 +184,15 @@ def adam_step_bf16_(
     from .adam import _SIMD_CODES  # adam.py builds on this module: imported when used
 
     n = param.numel()
-    if param.dtype != torch.bfloat16:
-        raise ValueError(f"adam_step_bf16_: param must be bf16, got {param.dtype}")
+    if param.dtype not in LOW_MASTER_DTYPES:
+        raise ValueError(f"adam_step_bf16_: param must be bf16 or fp16, got {param.dtype}")
+    if param.dtype == torch.float16 and (
+        exp_avg.dtype != torch.float32 or rounding is not Rounding.NEAREST
+    ):
+        raise ValueError(
+            "adam_step_bf16_: an fp16 master keeps fp32 moments and rounds to nearest "
+            f"(got {exp_avg.dtype} moments, {rounding.value} rounding)"
+        )
     if exp_avg.dtype != exp_avg_sq.dtype or exp_avg.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError("adam_step_bf16_: exp_avg and exp_avg_sq must both be bf16 or both fp32")
     if rounding is Rounding.KAHAN and (
@@ -185,9 +207,10 @@ def adam_step_bf16_(
     beta1, beta2 = betas
     comp = compensation if rounding is Rounding.KAHAN else None
     kernel = None
+    entry = "adam_step_fp16" if param.dtype == torch.float16 else "adam_step_bf16"
     if _kernel_can_step(param, exp_avg, exp_avg_sq, comp) and grad.device.type == "cpu":
         kernel = load_op("cpu_adam")
-    if kernel is None or not hasattr(kernel, "adam_step_bf16"):
+    if kernel is None or not hasattr(kernel, entry):
         _torch_adam_step_bf16_(
             param,
             grad,
@@ -207,9 +230,9 @@ def adam_step_bf16_(
             first_index=first_index,
         )
         return
-    if grad.dtype != torch.bfloat16 or not grad.is_contiguous():
-        grad = grad.to(torch.bfloat16).contiguous()
-    kernel.adam_step_bf16(
+    if grad.dtype != param.dtype or not grad.is_contiguous():
+        grad = grad.to(param.dtype).contiguous()
+    getattr(kernel, entry)(
         param.data_ptr(),
         grad.data_ptr(),
         exp_avg.data_ptr(),

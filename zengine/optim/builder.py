@@ -114,15 +114,24 @@ OPTIMIZER_NAMES: tuple[str, ...] = ("Adam", "AdamW", "CPUAdam", "DeepSpeedCPUAda
 
 @dataclass(frozen=True)
 class Bf16Masters:
-    """The optimizer steps bf16 masters (``bf16.bf16_master_weights_and_grads``): how."""
+    """The optimizer steps low-precision masters (``bf16.bf16_master_weights_and_grads`` or
+    ``fp16.fp16_master_weights_and_grads``, by ``dtype``): how."""
 
-    fp32_states: bool  # Adam's moments in fp32 (bf16_optimizer_states false)
+    fp32_states: bool  # Adam's moments in fp32 (bf16_optimizer_states false; always under fp16)
     rounding: str  # "nearest", "kahan" or "stochastic" (bf16.master_rounding)
     seed: int = 0  # stochastic rounding's keys (one per rank)
+    dtype: torch.dtype = torch.bfloat16  # the masters'
 
     def refusal(self, optimizer: str) -> str | None:
         """Why ``optimizer`` (not zengine's Adam on the bf16 kernel) cannot honour this, or None:
         it keeps its states in the parameters' dtype and rounds to nearest."""
+        if self.dtype == torch.float16:
+            return (
+                f"fp16.fp16_master_weights_and_grads: {optimizer} keeps its states in the "
+                "parameters' dtype (fp16); fp16 masters step with fp32 moments, as DeepSpeed's CPU "
+                "Adam does: use optimizer type Adam/AdamW/CPUAdam from the config (or "
+                "zengine.ops.CPUAdam), or remove the key"
+            )
         if self.fp32_states:
             return (
                 f"bf16.bf16_master_weights_and_grads without bf16_optimizer_states: {optimizer} keeps "

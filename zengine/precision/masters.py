@@ -2,6 +2,8 @@
 
 fp32 (the default): fp32 master weights, fp32 master gradients, fp32 Adam moments: 4 + 4 + 8
 bytes per parameter beside the compute-dtype parameter and gradient. DeepSpeed's
+``fp16.fp16_master_weights_and_grads`` makes the masters and their gradients fp16 (fp32 moments,
+rounded to nearest: 2 + 2 + 8 = 12 bytes); its
 ``bf16.bf16_master_weights_and_grads`` makes the masters and their gradients bf16 (where the
 masters live with the parameters, the bf16 parameter shard *is* the master: no copy at all), and
 ``bf16.bf16_optimizer_states`` the moments: 2 + 2 + 2 + 2 = 8 bytes per parameter, sharded as
@@ -19,7 +21,7 @@ import torch
 from ..ops.adam_bf16 import Rounding
 
 if TYPE_CHECKING:  # annotations only
-    from ..config.precision import BF16Config
+    from ..config.models import ZengineConfig
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,12 @@ class MasterPrecision:
     rounding: Rounding = Rounding.NEAREST
 
     @classmethod
-    def from_config(cls, bf16: "BF16Config") -> "MasterPrecision":
-        """The precision the ``bf16`` section asks for (validated by ``load_config``)."""
+    def from_config(cls, config: "ZengineConfig") -> "MasterPrecision":
+        """The precision the ``fp16`` and ``bf16`` sections ask for (validated by ``load_config``):
+        fp16 masters keep fp32 moments and round to nearest, as DeepSpeed's CPU Adam does."""
+        fp16, bf16 = config.fp16, config.bf16
+        if fp16.enabled and fp16.fp16_master_weights_and_grads:
+            return cls(torch.float16)
         if not (bf16.enabled and bf16.bf16_master_weights_and_grads):
             return cls()
         states = torch.bfloat16 if bf16.bf16_optimizer_states else torch.float32
@@ -40,8 +46,13 @@ class MasterPrecision:
 
     @property
     def low(self) -> bool:
-        """The masters are bf16 (DeepSpeed's bf16_master_weights_and_grads)."""
+        """The masters are fp16 or bf16 (DeepSpeed's *_master_weights_and_grads)."""
         return self.dtype != torch.float32
+
+    @property
+    def section(self) -> str:
+        """The config section whose key chose these masters: "fp16" or "bf16" ("" for fp32)."""
+        return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(self.dtype, "")
 
     @property
     def master_bytes(self) -> int:
@@ -63,4 +74,7 @@ class MasterPrecision:
         if not self.low:
             return "fp32 masters and moments"
         states = "bf16" if self.states == torch.bfloat16 else "fp32"
-        return f"bf16 masters and gradients, {states} moments, {self.rounding.value} rounding"
+        return (
+            f"{self.section} masters and gradients, {states} moments, "
+            f"{self.rounding.value} rounding"
+        )

@@ -106,7 +106,7 @@ class GradDtypes:
         named = config.communication_data_type or ("fp32" if config.fp32_allreduce else None)
         reduce = DTYPES[named] if named else compute
         chosen = config.data_types.grad_accum_dtype
-        masters = MasterPrecision.from_config(config.bf16).dtype
+        masters = MasterPrecision.from_config(config).dtype
         if chosen is not None:
             accumulate = DTYPES[chosen]
         else:

@@ -84,7 +84,7 @@ def build_zero_optimizer(
             dtypes,
         )
     num_shards = 1 if zero_cfg.stage == 0 else ranks.world
-    precision = MasterPrecision.from_config(config.bf16)
+    precision = MasterPrecision.from_config(config)
     placement = make_placement(zero_cfg, ranks.device, dtype, config.aio, (), precision)
     groups = [
         FlatParamGroup(named, hyper, num_shards, ranks.rank, dtype, ranks.device)

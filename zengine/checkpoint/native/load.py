@@ -233,7 +233,7 @@ def _log_master_cast(directory: str, reader: CheckpointReader, master: Holding) 
             if saved is not None and saved != master.buffer.dtype:
                 logger.warning(
                     f"load_checkpoint from {directory}: masters saved in {saved} are cast to "
-                    f"{master.buffer.dtype} (bf16.bf16_master_weights_and_grads differs from the run "
+                    f"{master.buffer.dtype} (bf16/fp16 *_master_weights_and_grads differs from the run "
                     "that saved them), optimizer states to the dtypes this run keeps"
                 )
             return

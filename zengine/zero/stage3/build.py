@@ -110,7 +110,7 @@ def build_stage3_optimizer(
         members, [hyper for _, hyper in named_groups], zero_cfg
     )
     chunks = [[sp.chunk for sp in sps] for sps in members]
-    precision = MasterPrecision.from_config(config.bf16)
+    precision = MasterPrecision.from_config(config)
     placement = make_placement(zero_cfg, ranks.device, dtype, config.aio, chunks, precision)
     home = placement.params
     fetcher = Fetcher(
