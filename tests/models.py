@@ -140,3 +140,23 @@ def train_beside_reference(
     return {
         n: (got[n].float() - p.detach()).abs().max().item() for n, p in reference.named_parameters()
     }
+
+
+def whole_states(engine) -> dict[str, list[float]]:
+    """Every trained parameter of an engine over ``EdgeNet``: its master (``master/<name>``), Adam moments
+    (``exp_avg/<name>``, ``exp_avg_sq/<name>``) and compute-dtype value (``param/<name>``), whole, as
+    lists of floats (tensors would leave a rank through file descriptors that close with it). The unused
+    layer has no optimizer state: its parameters count as values only."""
+    from zengine.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad or name.startswith("unused."):
+            continue
+        out[f"master/{name}"] = safe_get_full_fp32_param(p).float()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).float()
+    with engine.summon_full_params(writeback=False):
+        for name, p in engine.module.named_parameters():
+            out[f"param/{name}"] = p.detach().float().clone()
+    return {k: v.reshape(-1).tolist() for k, v in out.items()}

@@ -15,9 +15,8 @@ import torch.distributed as dist
 import zengine
 from configs import PARITY_LR, PARITY_MICRO, parity_config
 from harness import spawn
-from models import EdgeNet, edge_param_groups, make_batches, train_global_batch
+from models import EdgeNet, edge_param_groups, make_batches, train_global_batch, whole_states
 from zengine.checkpoint import export_deepspeed_checkpoint
-from zengine.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 MASTERS = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 
@@ -46,27 +45,11 @@ def _train(engine, steps: int, seed: int) -> list[float]:
     return [train_global_batch(engine, b, PARITY_MICRO, 1) for b in batches]
 
 
-def _values(engine) -> dict:
-    """Every trained parameter (compute dtype), its master and its moments, whole, as lists of
-    floats (tensors would leave the rank through file descriptors that close with it)."""
-    out = {}
-    for name, p in engine.module.named_parameters():
-        if not p.requires_grad or name in ("unused.weight", "unused.bias"):
-            continue
-        out[f"master/{name}"] = safe_get_full_fp32_param(p).float()
-        for key in ("exp_avg", "exp_avg_sq"):
-            out[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).float()
-    with engine.summon_full_params(writeback=False):
-        for name, p in engine.module.named_parameters():
-            out[f"param/{name}"] = p.detach().float().clone()
-    return {k: v.reshape(-1).tolist() for k, v in out.items()}
-
-
 def _save(stage: int, low: bool, folder: str, rounding: str = "nearest") -> dict:
     engine = _engine(stage, low, rounding)
     _train(engine, 3, seed=1)
     engine.save_checkpoint(folder, tag="t")
-    return _values(engine)
+    return whole_states(engine)
 
 
 def _load(stage: int, low: bool, folder: str, tag="t") -> tuple[dict, list[str], list[float], dict]:
@@ -76,7 +59,7 @@ def _load(stage: int, low: bool, folder: str, tag="t") -> tuple[dict, list[str],
     logging.getLogger("zengine").addHandler(handler)
     engine = _engine(stage, low)
     engine.load_checkpoint(folder, tag=tag)
-    values = _values(engine)
+    values = whole_states(engine)
     opt = engine.optimizer.optimizer
     dtypes = {str(t.dtype) for s in opt.state.values() for t in s.values() if t.dim()}
     losses = _train(engine, 2, seed=2)
@@ -161,13 +144,13 @@ def _fp16_save(stage: int, low: bool, folder: str) -> dict:
     engine = _fp16_engine(stage, low)
     _train(engine, 3, seed=1)
     engine.save_checkpoint(folder, tag="t")
-    return _values(engine)
+    return whole_states(engine)
 
 
 def _fp16_load(stage: int, low: bool, folder: str, tag: str) -> tuple[dict, list[float], list]:
     engine = _fp16_engine(stage, low)
     engine.load_checkpoint(folder, tag=tag)
-    values = _values(engine)
+    values = whole_states(engine)
     masters = sorted({str(m.dtype) for m in engine.optimizer.masters})
     return values, _train(engine, 2, seed=2), masters
 

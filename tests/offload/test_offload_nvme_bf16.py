@@ -13,14 +13,20 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import spawn
-from models import EdgeNet, edge_param_groups, make_batches, reference_run, train_global_batch
+from models import (
+    EdgeNet,
+    edge_param_groups,
+    make_batches,
+    reference_run,
+    train_global_batch,
+    whole_states,
+)
 
 import zengine
 from configs import PARITY_CLIP, PARITY_LR, PARITY_MICRO, parity_config
 from zengine.estimate import estimate
 from zengine.offload.state_swap import StateSwapper
 from zengine.ops.aio import AsyncIO
-from zengine.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 MASTERS = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 STEPS, GAS = 4, 2
@@ -212,29 +218,18 @@ def test_the_estimate_counts_bf16_records():
             assert est.host["master weights"] == est.host["gradients"] == per * share, case
 
 
-def _values(engine) -> dict:
-    out = {}
-    for name, p in engine.module.named_parameters():
-        if not p.requires_grad or name in ("unused.weight", "unused.bias"):
-            continue
-        out[f"master/{name}"] = safe_get_full_fp32_param(p).float()
-        for key in ("exp_avg", "exp_avg_sq"):
-            out[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).float()
-    return {k: v.reshape(-1).tolist() for k, v in out.items()} | _params(engine)
-
-
 def _resume(folder: str, stage: int, rounding: str, saving, loading: list) -> list:
     """Save after 2 steps with ``saving`` (offload, low); load into each of ``loading``: the values
     after the load, and the losses and parameters of 2 more steps."""
     engine = _engine(stage, saving[0], rounding, low=saving[1])
     _train(engine, 2, seed=1)
     engine.save_checkpoint(folder, tag="t")
-    out = [_values(engine)]
+    out = [whole_states(engine)]
     engine.destroy()
     for offload, low in loading:
         engine = _engine(stage, offload, rounding, low=low)
         engine.load_checkpoint(folder, tag="t")
-        values = _values(engine)
+        values = whole_states(engine)
         losses = _train(engine, 2, seed=2)
         out.append((values, losses, _params(engine)))
         engine.destroy()

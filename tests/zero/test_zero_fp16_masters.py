@@ -16,7 +16,7 @@ import torch.distributed as dist
 import zengine
 from configs import PARITY_CLIP, PARITY_MICRO, parity_config
 from harness import spawn
-from models import EdgeNet, edge_param_groups, make_batches, train_global_batch
+from models import EdgeNet, edge_param_groups, make_batches, train_global_batch, whole_states
 
 STEPS = 5
 SCALE = 2.0**8  # parity_config's initial_scale_power under fp16
@@ -248,29 +248,12 @@ def _ckpt_engine(stage: int, masters: bool):
     return engine
 
 
-def _ckpt_values(engine) -> dict:
-    """Each trained parameter's master, moments and fp16 value, whole, as lists of floats."""
-    from zengine.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    out = {}
-    for name, p in engine.module.named_parameters():
-        if not p.requires_grad or name.startswith("unused."):
-            continue
-        out[f"master/{name}"] = safe_get_full_fp32_param(p).float()
-        for key in ("exp_avg", "exp_avg_sq"):
-            out[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).float()
-    with engine.summon_full_params(writeback=False):
-        for name, p in engine.module.named_parameters():
-            out[f"param/{name}"] = p.detach().float().clone()
-    return {k: v.reshape(-1).tolist() for k, v in out.items()}
-
-
 def _ckpt_save(stage: int, masters: bool, folder: str) -> dict:
     engine = _ckpt_engine(stage, masters)
     for b in make_batches(3, PARITY_MICRO * dist.get_world_size(), seed=1):
         train_global_batch(engine, b, PARITY_MICRO, 1)
     engine.save_checkpoint(folder, tag="t")
-    return _ckpt_values(engine), engine.loss_scale, _ckpt_continue(engine)
+    return whole_states(engine), engine.loss_scale, _ckpt_continue(engine)
 
 
 def _ckpt_continue(engine) -> list[float]:
@@ -282,7 +265,7 @@ def _ckpt_continue(engine) -> list[float]:
 def _ckpt_load(stage: int, masters: bool, folder: str):
     engine = _ckpt_engine(stage, masters)
     engine.load_checkpoint(folder, tag="t")
-    values = _ckpt_values(engine)
+    values = whole_states(engine)
     losses = _ckpt_continue(engine)
     dtypes = sorted({str(m.dtype) for m in engine.optimizer.masters})
     return values, engine.loss_scale, losses, dtypes
