@@ -160,3 +160,35 @@ def whole_states(engine) -> dict[str, list[float]]:
         for name, p in engine.module.named_parameters():
             out[f"param/{name}"] = p.detach().float().clone()
     return {k: v.reshape(-1).tolist() for k, v in out.items()}
+
+
+def train_edge_engine(config: dict, steps: int, gas: int, lr: float):
+    """``EdgeNet`` (seed 0) trained by an engine of ``config`` over ``steps`` global batches, ``gas``
+    micro-steps each: (losses, whole parameters in fp32, the initial model, the batches, what the
+    optimizer keeps: the dtypes of its states and masters, its class, the skipped steps)."""
+    import zengine
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = EdgeNet()
+    init = copy.deepcopy(model)
+    batches = make_batches(steps, config["train_micro_batch_size_per_gpu"] * gas * world)
+    engine, *_ = zengine.initialize(
+        model=model, config=config, model_parameters=edge_param_groups(model, lr)
+    )
+    losses = [
+        train_global_batch(engine, b, config["train_micro_batch_size_per_gpu"], gas)
+        for b in batches
+    ]
+    opt = engine.optimizer
+    kinds = {
+        "states": sorted(
+            {str(t.dtype) for s in opt.optimizer.state.values() for t in s.values() if t.dim()}
+        ),
+        "masters": sorted({str(m.dtype) for m in opt.masters}),
+        "class": type(opt.optimizer).__name__,
+        "skipped": engine.skipped_steps,
+    }
+    with engine.summon_full_params(writeback=False):
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    return losses, params, init, batches, kinds

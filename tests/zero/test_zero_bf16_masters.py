@@ -13,7 +13,14 @@ import torch.distributed as dist
 import zengine
 from configs import NO_PREFETCH, PARITY_CLIP, PARITY_LR, PARITY_MICRO, ds_config, parity_config
 from harness import spawn
-from models import EdgeNet, edge_param_groups, make_batches, reference_run, train_global_batch
+from models import (
+    EdgeNet,
+    edge_param_groups,
+    make_batches,
+    reference_run,
+    train_edge_engine,
+    train_global_batch,
+)
 
 STEPS = 6
 MASTERS = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
@@ -30,27 +37,8 @@ def bf16_config(stage, gas, world, offload=False, rounding="nearest", states=Tru
 
 def train(stage, gas, offload=False, rounding="nearest", states=True):
     world = dist.get_world_size()
-    torch.manual_seed(0)
-    model = EdgeNet()
-    init = copy.deepcopy(model)
-    batches = make_batches(STEPS, PARITY_MICRO * gas * world)
-    engine, *_ = zengine.initialize(
-        model=model,
-        config=bf16_config(stage, gas, world, offload, rounding, states),
-        model_parameters=edge_param_groups(model, PARITY_LR),
-    )
-    losses = [train_global_batch(engine, b, PARITY_MICRO, gas) for b in batches]
-    opt = engine.optimizer
-    kinds = {
-        "states": sorted(
-            {str(t.dtype) for s in opt.optimizer.state.values() for t in s.values() if t.dim()}
-        ),
-        "masters": sorted({str(m.dtype) for m in opt.masters}),
-        "class": type(opt.optimizer).__name__,
-    }
-    with engine.summon_full_params(writeback=False):
-        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    return losses, params, init, batches, kinds
+    config = bf16_config(stage, gas, world, offload, rounding, states)
+    return train_edge_engine(config, STEPS, gas, PARITY_LR)
 
 
 def same_math(rounding="nearest", states=True):

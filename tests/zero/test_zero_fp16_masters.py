@@ -16,7 +16,14 @@ import torch.distributed as dist
 import zengine
 from configs import PARITY_CLIP, PARITY_MICRO, parity_config
 from harness import spawn
-from models import EdgeNet, edge_param_groups, make_batches, train_global_batch, whole_states
+from models import (
+    EdgeNet,
+    edge_param_groups,
+    make_batches,
+    train_edge_engine,
+    train_global_batch,
+    whole_states,
+)
 
 STEPS = 5
 SCALE = 2.0**8  # parity_config's initial_scale_power under fp16
@@ -34,28 +41,7 @@ def fp16_config(stage, gas, world, offload=False, masters=True):
 
 def train(stage, gas, offload=False, masters=True):
     world = dist.get_world_size()
-    torch.manual_seed(0)
-    model = EdgeNet()
-    init = copy.deepcopy(model)
-    batches = make_batches(STEPS, PARITY_MICRO * gas * world)
-    engine, *_ = zengine.initialize(
-        model=model,
-        config=fp16_config(stage, gas, world, offload, masters),
-        model_parameters=edge_param_groups(model, LR),
-    )
-    losses = [train_global_batch(engine, b, PARITY_MICRO, gas) for b in batches]
-    opt = engine.optimizer
-    kinds = {
-        "states": sorted(
-            {str(t.dtype) for s in opt.optimizer.state.values() for t in s.values() if t.dim()}
-        ),
-        "masters": sorted({str(m.dtype) for m in opt.masters}),
-        "class": type(opt.optimizer).__name__,
-        "skipped": engine.skipped_steps,
-    }
-    with engine.summon_full_params(writeback=False):
-        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    return losses, params, init, batches, kinds
+    return train_edge_engine(fp16_config(stage, gas, world, offload, masters), STEPS, gas, LR)
 
 
 def fp16_master_reference(init, batches):
