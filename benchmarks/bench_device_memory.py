@@ -108,7 +108,15 @@ def measure(world: int, layers: int, d_model: int, window: int, zero: dict) -> d
     counted = {k: v for k, v in memory.peaks.items() if not k.startswith("step")}
     worst = max(counted, key=counted.get)
     steps = max(v for k, v in memory.peaks.items() if k.startswith("step"))
-    return {"numel": numel, "peak": memory.peak, "groups": groups, "at": worst, "step": steps}
+    sites = memory.peak_sites()
+    return {
+        "numel": numel,
+        "peak": memory.peak,
+        "groups": groups,
+        "at": worst,
+        "step": steps,
+        "sites": sites,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,6 +42,22 @@ def _site() -> str:
     return fallback or "<torch>"
 
 
+def _plain_tensors(leaves):
+    """The plain tensors among ``leaves``, a tensor subclass (FSDP2's ``DTensor``) replaced by the
+    tensors it wraps: a wrapper's own storage holds no bytes of its own and is not the same object
+    twice, so counting it would count the whole (unsharded) size again at each call."""
+    for t in leaves:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+            yield t
+        elif hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            yield from _plain_tensors(getattr(t, n) for n in names)
+        else:
+            yield t
+
+
 class DeviceMemory(TorchDispatchMode):
     """Counts the bytes of live storages on ``device`` (the stand-in ``meta``) and their peak.
 
@@ -61,8 +77,8 @@ class DeviceMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         fresh = False
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type == self.device:
+        for t in _plain_tensors(tree_leaves(out)):
+            if t.device.type == self.device:
                 storage = t.untyped_storage()
                 key = id(storage)
                 if key not in self._live:

@@ -172,6 +172,9 @@ def estimate(
     if states_on_host and zero.offload_optimizer.partial:
         host_opt = _partial_host_elements(numels, w, zero)
     device_opt = sharded_opt - host_opt  # partial offload: the device share
+    # stage 3 with shards and masters on the device: one tensor is both, in the masters' dtype (the
+    # gathers cast to the compute dtype; offload/placement.py shard_dtype)
+    shard_is_master = stage == 3 and offload_par == "none" and offload_opt == "none"
     # parameters
     if stage < 3:
         est.device["parameters"] = half * psi
@@ -185,6 +188,8 @@ def estimate(
             )
             est.host["parameters kept in memory"] = half * min(int(par.max_in_cpu), share)
             est.disk["parameter swap file"] = half * share
+        elif shard_is_master:
+            est.device["parameters"] = masters.dtype.itemsize * share
         else:
             (est.host if offload_par == "cpu" else est.device)["parameters"] = half * share
         est.device["persistent parameters"] = whole
@@ -210,6 +215,11 @@ def estimate(
         est.host["master weights"] = masters.master_bytes * host_opt
         if device_opt and half != masters.dtype.itemsize:
             est.device["master weights"] = masters.master_bytes * device_opt
+    elif shard_is_master:  # the parameters above; Kahan's compensation beside them
+        if masters.master_bytes > masters.dtype.itemsize:
+            est.device["master weights"] = (
+                masters.master_bytes - masters.dtype.itemsize
+            ) * sharded_opt
     elif half != masters.dtype.itemsize:
         est.device["master weights"] = masters.master_bytes * sharded_opt
     elif masters.rounding.buffers:

@@ -310,7 +310,12 @@ def test_memory_breakdown_counts_two_byte_masters():
     for lows, highs in zip(spawn(_memories, 2, True), spawn(_memories, 2, False)):
         for stage, (low, owned, shared), (high, _, _) in zip((1, 2, 3), lows, highs):
             assert shared and low["master_weights"] == 0, low
-            assert low["optimizer_states"] >= 8 * owned and high["master_weights"] >= 4 * owned
+            assert low["optimizer_states"] >= 8 * owned
+            # fp32 masters: 4 more bytes per owned element beside the fp16 parameters at stages
+            # 1-2; at stage 3 the shard itself is kept in fp32 (it is the master, the gathers
+            # cast): 2 more than the fp16 shard that is the fp16 master
+            extra = high["master_weights"] + high["parameters"] - low["parameters"]
+            assert extra >= (2 if stage == 3 else 4) * owned, (stage, low, high)
             assert low["optimizer_states"] == high["optimizer_states"]
             if stage >= 2:  # the gradient shard: in the master's dtype, 2 bytes against 4
                 assert low["gradients"] < high["gradients"], (stage, low, high)

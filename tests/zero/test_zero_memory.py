@@ -46,11 +46,13 @@ def expected(stage, precision, world):
         stage == 3
     ):  # every parameter split in world chunks: 16 bytes per element of this rank's chunks
         owned = sum(-(-a * b // world) for a, b in SHAPES)
-        # (the gradient shard accumulates in fp32 at stages 2-3: zero/grad_dtypes.py)
+        # (the gradient shard accumulates in fp32 at stages 2-3: zero/grad_dtypes.py); the shard
+        # is kept in fp32 and is the master, the gathers cast it to bf16 (offload/placement.py
+        # shard_dtype): 16 bytes, as FSDP2's fp32 sharded parameters
         return {
-            "parameters": half * owned,
+            "parameters": 4 * owned,
             "gradients": 4 * owned,
-            "master_weights": 4 * owned if precision == "bf16" else 0,
+            "master_weights": 0,
             "optimizer_states": 8 * owned,
             "buffers": 0,
             "pinned_host": 0,

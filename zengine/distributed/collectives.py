@@ -329,8 +329,11 @@ def reduce_scatter_rows(rows: torch.Tensor, rank: int, group=None) -> tuple[list
     Returns ``(works, mine)``: once the works are waited for, ``mine`` holds this rank's sum. Through shared
     memory (``shm.py``, CPU ranks on one host): done before this returns, in place (``mine`` is ``rows[rank]``).
     On other gloo groups: an all-reduce of the whole buffer, whose row ``rank`` is kept (measured faster than
-    gloo's reduce-scatter). Otherwise (NCCL): a reduce-scatter into a new ``[n]`` tensor.
+    gloo's reduce-scatter). Otherwise (NCCL): a reduce-scatter into a new ``[n]`` tensor. One rank:
+    its row is already the sum (no collective, and no ``[n]`` copy beside the bucket).
     """
+    if rows.shape[0] == 1:
+        return [], rows[0]
     transport = _shared_memory(group, rows)
     if transport is not None:
         check_devices("reduce_scatter_rows", group, rows)

@@ -126,18 +126,21 @@ def build_stage3_optimizer(
     align = placement.alignment(dtype)
     # MiCS: only copy 0 counts in the norm and writes checkpoints
     on_home = dict(
-        dtype=dtype,
         device=home.shard_device,
         refresh=fetcher.gather_now,
         pin=home.pin,
         primary=ranks.replication.primary,
     )
+    # a trained group's shard is its fp32 master where both live on the device (the gathers cast)
     groups = [
-        ShardedParamGroup(sps, hyper, swap=home.swap, align=align, **on_home)
-        for sps, hyper in zip(members, hypers)
+        ShardedParamGroup(
+            sps, hyper, placement.shard_dtype(gi, dtype), swap=home.swap, align=align, **on_home
+        )
+        for gi, (sps, hyper) in enumerate(zip(members, hypers))
     ]
     in_groups = {id(sp) for g in groups for sp in g.sharded}
-    frozen = ShardedParamGroup([sp for sp in all_sharded if id(sp) not in in_groups], {}, **on_home)
+    frozen_sps = [sp for sp in all_sharded if id(sp) not in in_groups]
+    frozen = ShardedParamGroup(frozen_sps, {}, dtype, **on_home)  # no master: the compute dtype
     for sp in all_sharded:
         if not sp.persistent and sp.state is ParamState.GATHERED:
             sp.free()

@@ -29,7 +29,7 @@ from .gather import (
     GatherCodec,
     GatherGroup,
     InFlightGather,
-    StagingPool,
+    staging_pool,
     foreach_all_gather,
     foreach_all_gather_copy_out,
 )
@@ -98,7 +98,7 @@ class Fetcher:
         )
         self.order_check = order_check(zero_cfg, device, comm_group, rank, world)
         self.holds = Holds()
-        self.pool = StagingPool()
+        self.pool = staging_pool(device)  # (kept on the host, freed on a device)
         self.check = FetchCheck(device)
         self.host_reads = HostReads()
         # offload_param nvme: the shards the gathers need next are read from the swap file ahead
