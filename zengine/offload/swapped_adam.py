@@ -6,6 +6,13 @@ With ``offload_optimizer.device = "nvme"`` the placement (``placement.py``) repl
 CPUAdam by this one. Per chunk of ``sub_group_size`` elements the step reads the record ahead,
 runs the compiled Adam kernel on it and writes it back behind (``StateSwapper.stream``).
 
+Its chunks are its pieces (``piece_bounds``): on a device with side streams the step goes in pieces
+(``step_pipeline.py``), ``step_pieces`` taking the chunks in the order their gradients land, in one
+stream (the reads ahead go on from piece to piece): per chunk the pipeline's ``begin`` waits for that
+chunk's gradient, scales and clips it and gives the staging the kernel writes the compute-dtype
+parameters into, and its ``end`` sends them up while the next chunk is stepped. A step taken whole is
+the same loop in parameter order, ``begin`` giving the copy-out target.
+
 bf16 masters (``bf16.bf16_master_weights_and_grads``) step on ``adam_step_bf16_`` with the rounding,
 key and element index ``CPUAdam`` gives them in memory, over moments of the swapper's dtype (bf16 with
 ``bf16_optimizer_states``): the same bits as the in-memory and CPU-offload steps. Kahan's
