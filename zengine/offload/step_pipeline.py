@@ -87,7 +87,7 @@ class StepPipeline:
         owned: Mapping[int, torch.Tensor],
     ) -> None:
         """``optimizer``'s step over ``runs`` in pieces of ``params`` (group gi's flat shard parameter at
-        ``params[gi]``, its host gradient ``grads[gi]``, [numel] fp32).
+        ``params[gi]``, its host gradient ``grads[gi]``, [numel] in the master's dtype).
 
         ``prepare(piece)`` runs once the piece's gradient has landed, before it is stepped; the
         optimizer writes the compute-dtype parameters into the copy-out target of the groups in
