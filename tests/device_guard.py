@@ -418,7 +418,9 @@ class StreamLog:
 
 @contextlib.contextmanager
 def adam_logged(log: StreamLog):
-    """Each call of ``zengine.ops.adam.adam_step_`` (CPU-Adam over one range) goes into ``log`` first."""
+    """Each call of ``adam_step_`` (CPU-Adam over one range, in memory or on swapped moments) goes into
+    ``log`` first."""
+    import zengine.offload.swapped_adam as swapped
     import zengine.ops.adam as adam
 
     original = adam.adam_step_
@@ -427,11 +429,11 @@ def adam_logged(log: StreamLog):
         log.add("adam", _byte_range(grad), _byte_range(kwargs.get("copy_out")))
         return original(param, grad, exp_avg, exp_avg_sq, **kwargs)
 
-    adam.adam_step_ = logged
+    adam.adam_step_ = swapped.adam_step_ = logged
     try:
         yield
     finally:
-        adam.adam_step_ = original
+        adam.adam_step_ = swapped.adam_step_ = original
 
 
 def _host_copy_of_meta(func, args, kwargs):

@@ -18,6 +18,9 @@ SYNC_KINDS = ("d2h_sync", "h2d_blocking", "h2d_pageable")  # device_guard.SYNC_K
 PARTIAL_SUB_GROUP = (
     150  # partial offload: EdgeNet's two param groups cut into 7 sub-groups at W = 2
 )
+# NVMe offload at stages 1-2: chunks of 1024 fp32 moments (one O_DIRECT block), the step's pieces: the decay
+# group's shard (1,714 elements at W = 2) in 2, the vectors' (70) in 1
+NVME_SUB_GROUP = 1024
 GATHERS = "zengine/zero/stage3/gather.py"  # where host-resident shards are copied into the gathers
 
 
@@ -46,6 +49,7 @@ def _config(stage, precision, offload):
             "stage3_prefetch_bucket_size": 1500,
             "stage3_max_live_parameters": 4000,
             **({"sub_group_size": PARTIAL_SUB_GROUP} if offload == "partial" else {}),
+            **({"sub_group_size": NVME_SUB_GROUP} if offload == "nvme" and stage < 3 else {}),
         },
         offload_optimizer=optimizer,
         offload_param=param,
@@ -185,9 +189,9 @@ def expected_copies(stage: int, offload: str, step: int) -> dict:
     # EdgeNet at W = 2, reduce_bucket_size 300: the buckets holding part of this rank's shard, once per
     # micro-step (GAS = 2) as each is reduced.
     if stage == 1 and offload != "none":
-        counts["d2h_async"] = (
-            2  # the summed gradient's owned slice of each param group, at the step
-        )
+        # the summed gradient's owned slice of each param group, at the step, in pieces of sub_group_size:
+        # one a group, or with NVME_SUB_GROUP the decay group's 1,714 elements in 2 (masters.py)
+        counts["d2h_async"] = 3 if offload == "nvme" else 2
     if stage == 2 and offload != "none":
         counts["d2h_async"] = 3 * GAS  # 3 buckets intersect this rank's shard
     if stage == 3 and offload in ("cpu", "param"):
@@ -209,10 +213,14 @@ def expected_copies(stage: int, offload: str, step: int) -> dict:
             )
             #                           master comes from the parameters on the device (offload/infinity.py)
     # -- up: the updated compute-dtype parameters, from pinned staging on a side stream ---------------
-    if offload in ("cpu", "nvme") and not (stage == 3 and offload == "nvme"):
+    if offload == "cpu":
         counts["h2d_async"] += (
-            2  # CPUAdam's copy-out staging, one per param group (offload/copies.py)
+            2  # CPUAdam's copy-out staging in pieces of sub_group_size: one per param group (copies.py)
         )
+    if offload == "nvme" and stage < 3:
+        # the step in the swap file's chunks (NVME_SUB_GROUP), each sent up from SwappedAdam's staging as it
+        # is stepped (offload/step_pipeline.py): the decay group's 2 and the vectors' 1
+        counts["h2d_async"] += 3
     if offload == "partial":
         # the step in pieces of sub_group_size (150): the host sub-groups' 472, 346 and 73 elements in
         # 4 + 3 + 1 pieces, each sent up from CPU-Adam's staging as it is stepped; the device share

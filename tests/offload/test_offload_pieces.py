@@ -8,6 +8,10 @@ later one, or after a few polls), so the CPU run takes the pieces path with real
 gradient accumulation summing late pieces in launch order. Without gradient clipping the parameters, the
 optimizer states and their step counts equal the whole step's exactly; with clipping the norm is summed by
 region (on a GPU, on the device) in another order, so they agree to rounding.
+
+With the moments on NVMe (``SwappedAdam``) the pieces are the swap file's chunks, stepped in landing order in
+one swap stream a step: the moments (read inside ``states_in_memory``), Kahan's compensation of bf16
+masters and the masters equal the whole step's alike.
 """
 
 import torch
@@ -15,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zengine
+from configs import nvme, swap_dir
 from harness import spawn
 from models import EdgeNet, edge_param_groups, make_batches, micro_batch
 from zengine.offload.arrivals import Arrivals
@@ -86,8 +91,9 @@ class _Loss(nn.Module):
 
 
 def _train(model_name: str, stage: int, gas: int, clip: float, offload: str, late):
-    """(parameters, optimizer states, norms) after STEPS steps; ``late``: polls of the deferred copies, None:
-    the host's own copies (the step taken whole)."""
+    """(parameters, optimizer states, masters, norms) after STEPS steps; ``late``: polls of the deferred
+    copies, None: the host's own copies (the step taken whole). ``offload``: "cpu", "param", "partial",
+    "nvme" (the moments swapped, fp32 masters) or "nvme-bf16" (bf16 masters and moments, Kahan)."""
     import zengine.offload.placement as placement
 
     world = dist.get_world_size()
@@ -105,6 +111,8 @@ def _train(model_name: str, stage: int, gas: int, clip: float, offload: str, lat
         zero["offload_param"] = {"device": "cpu"}
     if offload == "partial":  # half the sub-groups (of 100 elements) stepped by torch's Adam
         zero["offload_optimizer"]["ratio"] = 0.5
+    if offload.startswith("nvme"):  # chunks of 1024 (fp32) or 2048 (bf16) elements: several a group
+        zero["offload_optimizer"] = nvme(swap_dir("zpieces"), buffer_count=4)
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,
@@ -114,6 +122,14 @@ def _train(model_name: str, stage: int, gas: int, clip: float, offload: str, lat
         "steps_per_print": 10**6,
         "zero_optimization": zero,
     }
+    if stage == 1 and offload == "nvme":
+        # the summed gradient in the fp32 masters' dtype: the host's own takes the pieces path (on a GPU
+        # the pieces of the device's bf16 sum are converted as they are copied down)
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    if offload == "nvme-bf16":
+        cfg["bf16"].update(
+            bf16_master_weights_and_grads=True, bf16_optimizer_states=True, master_rounding="kahan"
+        )
     original = placement.make_copies
     if late is not None:
         placement.make_copies = lambda device: LateCopies(late)
@@ -124,6 +140,8 @@ def _train(model_name: str, stage: int, gas: int, clip: float, offload: str, lat
     copies = engine.optimizer.placement.optimizer.copies
     copies = getattr(copies, "host", copies)  # partial offload: the host share's (PartialCopies)
     assert copies.defers == (late is not None)
+    opt = engine.optimizer
+    streams = _count_streams(opt.optimizer)
     norms = []
     for batch in make_batches(STEPS, MICRO * gas * world):
         for m in range(gas):
@@ -131,20 +149,42 @@ def _train(model_name: str, stage: int, gas: int, clip: float, offload: str, lat
             engine.backward(engine(x, y))
             engine.step()
         norms.append(engine.get_global_grad_norm())
-    opt = engine.optimizer
+    if offload.startswith("nvme"):  # one swap stream a step, whole or in pieces
+        assert streams == [STEPS], streams
     with engine.summon_full_params(writeback=False):
         params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    states = [
-        {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.optimizer.state[sp].items()}
-        for sp in opt.shard_params
-    ]
+    with opt.optimizer.states_in_memory():  # (NVMe: the moments read from the swap file)
+        states = [
+            {
+                k: (v.clone() if torch.is_tensor(v) else v)
+                for k, v in opt.optimizer.state[sp].items()
+            }
+            for sp in opt.shard_params
+        ]
     masters = [m.clone() for m in opt.masters]
-    if late is not None:  # several pieces per step, every copy landed and added
-        assert (
-            copies.ranges_settled >= 3 * STEPS and not copies.queue and not copies.arrivals.pending
-        )
+    # the optimizer's pieces: 100 elements, or the swap file's chunks
+    pieces = sum(len(opt.optimizer.piece_bounds(sp, 100)) for sp in opt.shard_params)
+    assert pieces >= 3, pieces
+    if late is not None:  # a range settled per piece per step, every copy landed and added
+        assert copies.ranges_settled >= pieces * STEPS, (copies.ranges_settled, pieces)
+        assert not copies.queue and not copies.arrivals.pending
     engine.destroy()
     return params, states, masters, norms
+
+
+def _count_streams(optimizer) -> list[int]:
+    """[how many swap streams ``optimizer`` (NVMe) runs from now on], counted as they run."""
+    count = [0]
+    swapper = getattr(optimizer, "swapper", None)
+    if swapper is not None:
+        stream = swapper.stream
+
+        def counted(*args, **kwargs):
+            count[0] += 1
+            return stream(*args, **kwargs)
+
+        swapper.stream = counted
+    return count
 
 
 # (model, stage, accumulation steps, gradient clipping, offload): the edge model has unused parameters (the
@@ -157,6 +197,14 @@ CASES = [
     ("mlp", 2, 3, 0.5, "cpu"),
     ("edge", 3, 3, 0.0, "partial"),
     ("mlp", 3, 1, 0.5, "partial"),
+    # NVMe (SwappedAdam): the pieces are its chunks, 4 + 1 (fp32) or 2 + 1 (bf16) a step
+    ("mlp", 1, 1, 0.0, "nvme"),
+    ("edge", 1, 3, 0.5, "nvme"),
+    ("mlp", 2, 3, 0.0, "nvme"),
+    ("edge", 2, 1, 0.5, "nvme"),
+    ("mlp", 2, 1, 0.0, "nvme-bf16"),
+    ("mlp", 1, 3, 0.5, "nvme-bf16"),
+    ("edge", 2, 3, 0.0, "nvme-bf16"),
 ]
 
 
@@ -191,8 +239,10 @@ def _compare(cases) -> list[str]:
                         out.append(f"{case} polls {polls}: optimizer state {key} differs")
             if exact and not all(torch.equal(a, b) for a, b in zip(whole[2], pieces[2])):
                 out.append(f"{case} polls {polls}: masters differ")
-            # the norm is summed by region, unscaled then times the factor squared: equal to rounding
-            if max(abs(a - b) / a for a, b in zip(whole[3], pieces[3])) > 1e-6:
+            # the norm is summed by region, unscaled then times the factor squared: equal to rounding (of
+            # bf16 gradients, with accumulation: the whole step's are scaled by 1/gas, rounded, then summed)
+            bound = 1e-3 if case[4] == "nvme-bf16" else 1e-6
+            if max(abs(a - b) / a for a, b in zip(whole[3], pieces[3])) > bound:
                 out.append(f"{case} polls {polls}: norms {whole[3]} vs {pieces[3]}")
     return out
 

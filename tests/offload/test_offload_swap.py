@@ -14,6 +14,7 @@ from harness import spawn
 from models import EdgeNet
 from zengine.ops import CPUAdam
 from zengine.ops.aio import AsyncIO
+from zengine.ops.shard_optimizer import ShardPiece
 from zengine.offload.state_swap import StateSwapper
 from zengine.offload.swapped_adam import SwappedAdam
 
@@ -131,6 +132,50 @@ def test_kept_ranges_keep_their_moments(tmp_path):
         assert not torch.equal(
             swapped.state[mine[3]]["exp_avg"][1000:2100], before[3][0][1000:2100]
         )
+
+
+def test_a_step_in_pieces_in_any_order_equals_the_step_taken_whole(tmp_path):
+    """``step_pieces`` over the chunks in a shuffled order, in one swap stream, each between ``begin`` (which
+    gives the copy-out target) and ``end``: the bits of CPU-Adam's whole step, runs and all."""
+    ref, mine, plain, swapped = _pair(tmp_path, 3)
+    outs = [torch.zeros(n, dtype=torch.bfloat16) for n in SIZES]
+    ref_outs = [torch.zeros(n, dtype=torch.bfloat16) for n in SIZES]
+    streams = []
+    stream = swapped.swapper.stream
+    swapped.swapper.stream = lambda *a, **k: (streams.append(1), stream(*a, **k))[1]
+    target = dict(zip(mine, outs))
+    for step in range(1, 4):
+        _grads(ref, mine, step)
+        n = SIZES[3]  # elements [1000, 2100) of the last parameter left out of step 2
+        kept = [(0, 1000, step), (2100, n, step)] if step == 2 else [(0, n, step)]
+        runs = [[(0, s, step)] for s in SIZES[:3]] + [kept]
+        plain.step_runs(dict(zip(ref, runs)), dict(zip(ref, ref_outs)))
+        pieces = [ShardPiece(p, lo, hi) for p in mine for lo, hi in swapped.piece_bounds(p, 1)]
+        order = torch.randperm(len(pieces), generator=torch.Generator().manual_seed(step))
+        pieces = [pieces[i] for i in order]
+        log = []
+
+        def begin(piece, log=log):
+            log.append(("begin", piece))
+            return target[piece.param]
+
+        def end(piece, log=log):
+            assert log[-1] == ("begin", piece)  # (nothing between a piece's begin and its end)
+            log.append(("end", piece))
+
+        swapped.step_pieces(pieces, dict(zip(mine, runs)), begin, end)
+        assert [e[1] for e in log[::2]] == pieces and [e[0] for e in log] == ["begin", "end"] * len(
+            pieces
+        )
+    assert len(pieces) == 5 + 1 + 3 + 12  # its chunks of 1024
+    assert len(streams) == 3  # one swap stream a step
+    assert all(torch.equal(a, b) for a, b in zip(ref, mine))
+    assert all(torch.equal(a, b) for a, b in zip(ref_outs, outs))
+    with swapped.states_in_memory():
+        for a, b in zip(ref, mine):
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(plain.state[a][key], swapped.state[b][key])
+            assert int(plain.state[a]["step"]) == int(swapped.state[b]["step"]) == 3
 
 
 def test_nvme_needs_adam():

@@ -23,15 +23,16 @@ engine each way, so gradients going down and parameters going up move at the sam
   stream waits for it (``accumulate_async``): the compute stream waits (on the device) only before it
   rewrites the bucket's buffer (``reuse_marker`` / ``before_reuse``), and the host only when the step
   reads that part of the shard (``settle_range``, ``arrivals.py``). ``defers`` tells the readers so.
-- up: the step (``step_pipeline.py``) runs CPUAdam piece by piece; each piece's parameters, written
-  into pinned staging, go up on the up stream as soon as CPUAdam is done with the piece
-  (``writable`` / ``send_piece``), while CPUAdam works on the next; the compute stream waits on the
-  last upload's event (on the device) before anything reads the parameters (``pieces_sent``). A
-  staging range is rewritten a step later, after the upload that read it (its event).
+- up: the step (``step_pipeline.py``) runs CPUAdam piece by piece (NVMe: swap chunk by chunk); each
+  piece's parameters, written into pinned staging, go up on the up stream as soon as CPUAdam is done
+  with the piece (``writable`` / ``send_piece``), while CPUAdam works on the next; the compute stream
+  waits on the last upload's event (on the device) before anything reads the parameters
+  (``pieces_sent``). A staging range is rewritten a step later, after the upload that read it (its
+  event).
 
 ``download`` and ``upload`` are the same two moves for one tensor (ZeRO-Infinity's gradient swap and
 parameter write-back); ``before_step`` / ``after_step`` upload whole groups after a step taken whole
-(NVMe offload's swapped step).
+(an optimizer that cannot step in pieces; NVMe offload's ``SwappedAdam`` steps its chunks as pieces).
 
 ``device_streams`` is the one place that says which devices have side streams and pinned host
 memory; the offload code asks it (``host_pinning``) instead of testing for CUDA, so the CPU guard

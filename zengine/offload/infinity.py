@@ -29,10 +29,11 @@ import torch
 from torch import nn
 
 from ..ops.adam import COMPENSATION
+from ..ops.shard_optimizer import clip_runs
 from .copies import HostCopies
 from .param_swap import align_elems, on_disk
 from .state_swap import Chunk, GradSwap, StateSwapper, check_intact
-from .swapped_adam import SwappedAdam, run_overlaps
+from .swapped_adam import SwappedAdam
 
 if TYPE_CHECKING:  # offload/ never imports zero/ at run time (zero/ builds on offload/)
     from ..zero.masters import GradientReader
@@ -116,6 +117,9 @@ class InfinityAdam(SwappedAdam):
     """
 
     compensation_in_memory = False  # Kahan's compensation is a part of the record
+    # its gradients are in the records, whose sums of squares (the norm) need every piece written:
+    # the step starts after they all landed (SwappedMasterGrads.sq_norm), and is taken whole
+    steps_in_pieces = False
 
     def __init__(
         self, param_groups, defaults: dict, swapper: StateSwapper, masters_io, grads: GradSwap
@@ -129,16 +133,19 @@ class InfinityAdam(SwappedAdam):
         self._kahan = swapper.parts == 5  # Kahan's compensation is part 3 (record_dtypes)
         self._last = swapper.parts - 1  # the gradient's part, and how many parts precede it
 
-    def _stream_step(self, due: dict, jobs: list[Chunk]) -> None:
-        """Per chunk: read the whole record (the gradient only, the master from the parameters, for
-        a chunk never stepped), Adam, write the compute-dtype parameters and [exp_avg | exp_avg_sq |
-        master] back."""
+    def _stream_step(self, due: dict, jobs: list, begin, end) -> None:
+        """Per chunk (``jobs``: (chunk, its piece) each): read the whole record (the gradient only, the
+        master from the parameters, for a chunk never stepped), Adam, write the compute-dtype
+        parameters (``masters_io``: no copy-out target, ``begin`` gives None) and [exp_avg |
+        exp_avg_sq | master] back."""
+        piece_of = dict(jobs)
         self.grads.flush()
         check_intact(self.swapper.file)
         scale, coef, part, last = self.grad_scale, self.clip_coef, self.swapper.part, self._last
 
         def compute(c: Chunk, slot: int) -> None:
-            hyper, runs, param, _ = due[c.index]
+            hyper, runs, param = due[c.index]
+            begin(piece_of[c])
             # a chunk never stepped: its master has come from the parameters
             self.masters_io.ready()
             exp_avg, exp_avg_sq, master = (part(slot, c, k) for k in range(3))
@@ -149,7 +156,7 @@ class InfinityAdam(SwappedAdam):
                 grad.mul_(scale)
             if coef is not None:
                 grad.mul_(coef)
-            for lo, hi, step in run_overlaps(runs, c.lo, c.hi):
+            for lo, hi, step in clip_runs(runs, c.lo, c.hi):
                 a, b = lo - c.lo, hi - c.lo
                 k = comp[a:b] if comp is not None else None
                 self.adam_range(
@@ -165,10 +172,11 @@ class InfinityAdam(SwappedAdam):
                     None,
                 )
             self.masters_io.params_out(c.index, c.lo, c.hi, master)
+            end(piece_of[c])
 
         try:
             self.swapper.stream(
-                jobs,
+                [c for c, _ in jobs],
                 lambda c: c.index not in self._on_disk,
                 compute,
                 parts_in=last + 1,

@@ -7,11 +7,12 @@ each step it hands the step a master-gradient object (``zero/masters.MasterGrads
 - ``WholeMasterGrads``: each group's master gradient built from the summed gradient, scaled in one
   pass; the norm is taken over it, it is clipped in place and the wrapped optimizer steps on it;
 - ``MasterGradsInPieces`` (the optimizer on the host of a device with side streams,
-  ``copies.StreamCopies``, and an optimizer that steps pieces): the master gradients are the host
-  shards while their pieces are still landing; the norm is summed on the device where it can be (a
-  region written by one reduced piece) so it need not wait for the copies; scaling and clipping
-  become factors applied to each piece once it has landed, right before CPU-Adam steps it
-  (``step_pipeline.py``): the same per-element operations as a step taken whole.
+  ``copies.StreamCopies``, and an optimizer that steps pieces: CPU-Adam, NVMe's ``SwappedAdam``):
+  the master gradients are the host shards while their pieces are still landing; the norm is summed
+  on the device where it can be (a region written by one reduced piece) so it need not wait for the
+  copies; scaling and clipping become factors applied to each piece once it has landed, right before
+  the optimizer steps it (``step_pipeline.py``): the same per-element operations as a step taken
+  whole.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from ..ops.grad import sum_of_squares
-from .step_pipeline import StepPipeline, clip_runs, split
+from .step_pipeline import StepPipeline, split
 
 if TYPE_CHECKING:  # offload/ never imports zero/ at run time (zero/ builds on offload/)
     from ..zero.flat_group import ParamGroup
@@ -136,10 +137,9 @@ class MasterGradsInPieces:
     def step(
         self, stepper: "ShardStepper", plans: list["Plan"], owned: Mapping[int, torch.Tensor]
     ) -> None:
-        """The step in pieces, overlapped with the copies (``step_pipeline.py``); ``owned``: gi ->
-        the compute-dtype parameter shard CPU-Adam writes for the groups it writes (the rest are
-        written after the step)."""
-        runs = stepper.runs(plans)
+        """The step in the optimizer's pieces, overlapped with the copies (``step_pipeline.py``);
+        ``owned``: gi -> the compute-dtype parameter shard the optimizer writes for the groups it
+        writes (the rest are written after the step)."""
         factor, coef, grads = self._unscale, self._coef, self.tensors
 
         def prepare(piece) -> None:
@@ -150,15 +150,9 @@ class MasterGradsInPieces:
             if coef is not None:
                 grad.mul_(coef)
 
-        def step(piece, target) -> None:
-            sp = stepper.shard_params[piece.gi]
-            piece_runs = {
-                p: (clip_runs(r, piece.lo, piece.hi) if p is sp else []) for p, r in runs.items()
-            }
-            stepper.abilities.step_runs(piece_runs, {sp: target} if target is not None else {})
-
-        StepPipeline(self._copies, self._piece).run(grads, prepare, step, owned)
-        stepper.abilities.record_steps(runs)
+        StepPipeline(self._copies, self._piece).run(
+            stepper.abilities, stepper.shard_params, grads, stepper.runs(plans), prepare, owned
+        )
 
 
 class MastersInMemory:

@@ -35,7 +35,7 @@ from .copies import HostCopies, host_pinning, make_copies
 from .infinity import SwappedMasters, record_dtypes
 from .masters import MastersInMemory
 from .param_swap import ParamSwap, align_elems, round_up
-from .state_swap import FP32_PARTS, StateSwapper
+from .state_swap import FP32_PARTS, StateSwapper, block_elems, chunk_elements
 from .step_pipeline import piece_elements
 from .swapped_adam import SwappedAdam
 
@@ -231,6 +231,8 @@ class NVMePlacement(CPUPlacement):
         self.chunk = int(zero_cfg.sub_group_size)
         self.buffer_count = int(offload_cfg.buffer_count)
         self.aio_cfg = aio_cfg
+        # the step's pieces are SwappedAdam's chunks: stage 1 copies its gradient down in those too
+        self.piece = chunk_elements(self.chunk, block_elems(self.record_dtypes()))
 
     def record_dtypes(self) -> tuple:
         """The parts of each chunk's record in the swap file: the moments (ZeRO-Infinity adds more)."""

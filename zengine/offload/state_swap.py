@@ -72,6 +72,12 @@ def block_elems(dtypes) -> int:
     return ALIGN // min(d.itemsize for d in dtypes)
 
 
+def chunk_elements(sub_group_size: int, align: int) -> int:
+    """Elements per chunk: ``sub_group_size``, at most ``MAX_CHUNK``, rounded up to whole blocks of
+    ``align`` elements."""
+    return -(-max(1, min(int(sub_group_size), MAX_CHUNK)) // align) * align
+
+
 @dataclass(frozen=True)
 class Chunk:
     """Elements [lo, hi) of parameter ``index``; its record at byte ``offset`` of the swap file,
@@ -111,7 +117,7 @@ class StateSwapper:
         self.dtypes = tuple(dtypes)
         self.parts = len(self.dtypes)
         self.align = max(block_elems(self.dtypes), int(align))
-        self.chunk = -(-max(1, min(int(chunk), MAX_CHUNK)) // self.align) * self.align
+        self.chunk = chunk_elements(chunk, self.align)
         self.io = io
         # bytes before part k per element of a record: part k of a chunk starts padded * _starts[k] in
         self._starts = [sum(d.itemsize for d in self.dtypes[:k]) for k in range(self.parts + 1)]

@@ -2,22 +2,26 @@
 
 With the optimizer on the host and a device with side streams (``copies.StreamCopies``), a step that
 took the shard whole would wait for every gradient piece to land before CPU-Adam starts, and start the
-uploads only after CPU-Adam finished. ``StepPipeline`` splits each group's shard into pieces of
-``piece_elements(sub_group_size)`` and, taking them in the order their gradients land:
+uploads only after CPU-Adam finished. ``StepPipeline`` lets the optimizer take the step in its pieces
+(``ShardOptimizer.step_pieces`` over its ``piece_bounds``: pieces of ``piece_elements(sub_group_size)``
+for CPU-Adam, the swap file's chunks for NVMe offload's ``SwappedAdam``), hands them to it in the order
+their gradients land, and around each piece:
 
-1. waits on the event of the newest download into that piece only (``copies.settle_range``): the
-   pieces whose gradients landed first are stepped while the others are still on their way;
-2. lets the caller prepare the gradient piece (scale, clip) and step it (CPU-Adam over the runs that
-   fall in it, writing the compute-dtype parameters into pinned staging, ``copies.writable``);
-3. sends that piece up on the up stream (``copies.send_piece``) and goes on with the next piece while
-   it travels;
+1. ``begin``: waits on the event of the newest download into that piece only (``copies.settle_range``):
+   the pieces whose gradients landed first are stepped while the others are still on their way; then
+   the caller prepares the gradient piece (scale, clip) and the piece of the copy-out target (pinned
+   staging, ``copies.writable``) is handed to the optimizer, which steps the runs that fall in the piece
+   and writes the compute-dtype parameters there;
+2. ``end``: sends that piece up on the up stream (``copies.send_piece``); the optimizer goes on with
+   the next piece while it travels (``SwappedAdam``: its moments read ahead from the file meanwhile, one
+   swap stream for the whole step);
 
 and at the end makes the compute stream wait (on the device) for the last upload (``pieces_sent``).
 The host waits only in 1 and, in ``writable``, for the upload a step ago that read the same staging
 range (long done).
 
-Which elements an optimizer updates, and how, does not depend on the pieces: CPU-Adam's arithmetic is
-per element, so a step taken in pieces gives the same bits as one taken whole.
+Which elements an optimizer updates, and how, does not depend on the pieces: Adam's arithmetic is per
+element, so a step taken in pieces gives the same bits as one taken whole.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Callable, Mapping, NamedTuple, Optional
 
 import torch
 
+from ..ops.shard_optimizer import Runs, ShardOptimizer, ShardPiece
 from .copies import HostCopies
 from .state_swap import MAX_CHUNK
 
@@ -52,53 +57,59 @@ def split(numels: list[int], size: int) -> list[Piece]:
     ]
 
 
-def clip_runs(runs: list[tuple[int, int, int]], lo: int, hi: int) -> list[tuple[int, int, int]]:
-    """The parts of ``runs`` ((lo, hi, step number) each) inside [lo, hi)."""
-    out = []
-    for a, b, step in runs:
-        a, b = max(a, lo), min(b, hi)
-        if a < b:
-            out.append((a, b, step))
-    return out
-
-
 class StepPipeline:
-    """One step over host gradient shards in pieces, in landing order (module doc)."""
+    """One step over host gradient shards in the optimizer's pieces, in landing order (module doc)."""
 
     def __init__(self, copies: HostCopies, size: int):
         self.copies = copies
-        self.size = size
+        self.size = size  # elements per piece, for an optimizer without pieces of its own
 
-    def order(self, grads: list[torch.Tensor]) -> list[Piece]:
-        """Every piece, those whose gradients land first first (stable: otherwise group and offset order)."""
-        pieces = split([g.numel() for g in grads], self.size)
-        return sorted(pieces, key=lambda p: self.copies.arrival(grads[p.gi][p.lo : p.hi]))
+    def order(
+        self, optimizer: ShardOptimizer, params: list[torch.Tensor], grads: list[torch.Tensor]
+    ) -> list[ShardPiece]:
+        """Every piece of ``params`` as ``optimizer`` cuts them, those whose gradients (``grads``, one per
+        parameter) land first first (stable: otherwise parameter and offset order)."""
+        pieces = [
+            (grad, ShardPiece(p, lo, hi))
+            for p, grad in zip(params, grads)
+            for lo, hi in optimizer.piece_bounds(p, self.size)
+        ]
+        pieces.sort(key=lambda gp: self.copies.arrival(gp[0][gp[1].lo : gp[1].hi]))
+        return [piece for _, piece in pieces]
 
     def run(
         self,
+        optimizer: ShardOptimizer,
+        params: list[torch.Tensor],
         grads: list[torch.Tensor],
+        runs: Mapping[torch.Tensor, Runs],
         prepare: Callable[[Piece], None],
-        step: Callable[[Piece, Optional[torch.Tensor]], None],
         owned: Mapping[int, torch.Tensor],
     ) -> None:
-        """Step every piece of ``grads`` (each group's host gradient shard, [numel] fp32).
+        """``optimizer``'s step over ``runs`` in pieces of ``params`` (group gi's flat shard parameter at
+        ``params[gi]``, its host gradient ``grads[gi]``, [numel] in the master's dtype).
 
-        ``prepare(piece)`` runs once the piece's gradient has landed; ``step(piece, target)`` updates it,
-        writing the compute-dtype parameters into ``target`` (the group's whole copy-out target: the piece
-        is its [lo, hi)) for the groups in ``owned`` (gi -> the parameter shard they end up in), None for the
-        others (written after the step).
+        ``prepare(piece)`` runs once the piece's gradient has landed, before it is stepped; the
+        optimizer writes the compute-dtype parameters into the copy-out target of the groups in
+        ``owned`` (gi -> the parameter shard they end up in), piece by piece, each sent up as soon as it
+        is written; the other groups' are written after the step.
         """
+        index = {id(p): gi for gi, p in enumerate(params)}
+
+        def begin(piece: ShardPiece) -> Optional[torch.Tensor]:
+            gi, lo, hi = index[id(piece.param)], piece.lo, piece.hi
+            self.copies.settle_range(grads[gi][lo:hi])  # this piece's newest download only
+            prepare(Piece(gi, lo, hi))
+            if gi not in owned:
+                return None
+            return self.copies.writable(gi, owned[gi], lo, hi)
+
+        def end(piece: ShardPiece) -> None:
+            gi = index[id(piece.param)]
+            if gi in owned:
+                self.copies.send_piece(gi, piece.lo, piece.hi)  # travels while the next is stepped
+
         try:
-            for piece in self.order(grads):
-                self.copies.settle_range(
-                    grads[piece.gi][piece.lo : piece.hi]
-                )  # this piece's newest download only
-                prepare(piece)
-                target = None
-                if piece.gi in owned:
-                    target = self.copies.writable(piece.gi, owned[piece.gi], piece.lo, piece.hi)
-                step(piece, target)
-                if target is not None:
-                    self.copies.send_piece(*piece)  # travels while the next piece is stepped
+            optimizer.step_pieces(self.order(optimizer, params, grads), runs, begin, end)
         finally:
             self.copies.pieces_sent()

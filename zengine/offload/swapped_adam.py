@@ -6,6 +6,13 @@ With ``offload_optimizer.device = "nvme"`` the placement (``placement.py``) repl
 CPUAdam by this one. Per chunk of ``sub_group_size`` elements the step reads the record ahead,
 runs the compiled Adam kernel on it and writes it back behind (``StateSwapper.stream``).
 
+Its chunks are its pieces (``piece_bounds``): on a device with side streams the step goes in pieces
+(``step_pipeline.py``), ``step_pieces`` taking the chunks in the order their gradients land, in one
+stream (the reads ahead go on from piece to piece): per chunk the pipeline's ``begin`` waits for that
+chunk's gradient, scales and clips it and gives the staging the kernel writes the compute-dtype
+parameters into, and its ``end`` sends them up while the next chunk is stepped. A step taken whole is
+the same loop in parameter order, ``begin`` giving the copy-out target.
+
 bf16 masters (``bf16.bf16_master_weights_and_grads``) step on ``adam_step_bf16_`` with the rounding,
 key and element index ``CPUAdam`` gives them in memory, over moments of the swapper's dtype (bf16 with
 ``bf16_optimizer_states``): the same bits as the in-memory and CPU-offload steps. Kahan's
@@ -17,10 +24,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from typing import Callable, Optional, Sequence
+
 import torch
 
 from ..ops.adam import COMPENSATION, CPUAdam, adam_step_
 from ..ops.adam_bf16 import LOW_MASTER_DTYPES, adam_step_bf16_
+from ..ops.shard_optimizer import ShardPiece, clip_runs
 from .state_swap import Chunk, StateSwapper, check_intact
 
 
@@ -34,9 +44,7 @@ class SwappedAdam(CPUAdam):
     compensation_in_memory = (
         True  # Kahan's, beside the master in memory (InfinityAdam: in the record)
     )
-    steps_in_pieces = (
-        False  # its step streams the moments chunk by chunk from the file: one call per step
-    )
+    steps_in_pieces = True  # step_pieces: its chunks, in one swap stream (read-ahead goes on)
 
     def __init__(self, param_groups, defaults: dict, swapper: StateSwapper):
         super().__init__(param_groups, **defaults)
@@ -60,28 +68,65 @@ class SwappedAdam(CPUAdam):
         swapped.seed = optimizer.seed
         return swapped
 
+    def piece_bounds(self, param: torch.Tensor, size: int) -> list[tuple[int, int]]:
+        """ShardOptimizer: its pieces are the swap file's chunks of ``param`` (``size`` aside)."""
+        return [(c.lo, c.hi) for c in self.swapper.chunks[self._index[id(param)]]]
+
+    def step_pieces(self, pieces, runs, begin, end) -> None:
+        """ShardOptimizer: the step over ``runs`` in one swap stream over the chunks, in the order of
+        ``pieces`` (``piece_bounds``): the moments are read ahead across pieces as in a step taken
+        whole; ``begin`` and ``end`` run around each chunk's Adam."""
+        self._runs = {id(p): list(r) for p, r in runs.items()}
+        try:
+            self._step_chunks(pieces, begin, end)
+        finally:
+            self._runs = {}
+
     def _step(self, closure, copy_out_by_id: Mapping[int, torch.Tensor]):
-        check_intact(self.swapper.file)
         loss = self._run_closure(closure)
-        due, jobs = {}, []
+        chunks = [ShardPiece(p, c.lo, c.hi) for i, p in enumerate(self._params)
+                  for c in self.swapper.chunks[i]]  # fmt: skip
+        self._step_chunks(chunks, lambda piece: copy_out_by_id.get(id(piece.param)), _no_end)
+        return loss
+
+    def _step_chunks(
+        self,
+        pieces: Sequence[ShardPiece],
+        begin: Callable[[ShardPiece], Optional[torch.Tensor]],
+        end: Callable[[ShardPiece], None],
+    ) -> None:
+        """One step over the chunks ``pieces`` names, in that order (``step_pieces``' ``begin``/``end``
+        around each): the due parameters' in one swap stream, the others' (no gradient) only through
+        ``begin``/``end``; step counts, Kahan's compensation and ``_on_disk`` as a whole step leaves them."""
+        check_intact(self.swapper.file)
+        due = {}
         for group, param, state, runs in self._due():
             if self._compensated(param):
                 state.setdefault(COMPENSATION, torch.zeros_like(param))
-            i = self._index[id(param)]
-            due[i] = (self._hyper(group), runs, param, copy_out_by_id.get(id(param)))
-            jobs += self.swapper.chunks[i]
-        self._stream_step(due, jobs)
+            due[self._index[id(param)]] = (self._hyper(group), runs, param)
+        jobs = []
+        for piece in pieces:
+            i = self._index[id(piece.param)]
+            if i in due:
+                jobs.append((self.swapper.chunk_at(i, piece.lo), piece))
+            else:  # nothing to step: the piece still goes through the caller's hooks
+                begin(piece)
+                end(piece)
+        self._stream_step(due, jobs, begin, end)
         self._on_disk.update(due)
-        return loss
 
-    def _stream_step(self, due: dict, jobs: list[Chunk]) -> None:
-        """Adam over ``jobs`` with the moments streamed through the buffers; parameters in memory. Only the
-        runs are stepped, each at its own step number; the rest of a chunk goes back as it came."""
+    def _stream_step(self, due: dict, jobs: list, begin, end) -> None:
+        """Adam over ``jobs`` ((chunk, its piece) each) with the moments streamed through the buffers;
+        parameters in memory. Only the runs are stepped, each at its own step number; the rest of a
+        chunk goes back as it came."""
+        piece_of = dict(jobs)  # chunk -> the caller's piece
 
         def compute(c: Chunk, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-            hyper, runs, param, out = due[c.index]
+            hyper, runs, param = due[c.index]
+            piece = piece_of[c]
+            out = begin(piece)  # (its gradient landed, scaled and clipped)
             comp = self.state[param].get(COMPENSATION)
-            for lo, hi, step in run_overlaps(runs, c.lo, c.hi):
+            for lo, hi, step in clip_runs(runs, c.lo, c.hi):
                 a, b = lo - c.lo, hi - c.lo
                 self.adam_range(
                     param,
@@ -95,8 +140,10 @@ class SwappedAdam(CPUAdam):
                     comp[lo:hi] if comp is not None else None,
                     out.view(-1)[lo:hi] if out is not None else None,
                 )
+            end(piece)
 
-        self.swapper.stream(jobs, lambda c: c.index not in self._on_disk, compute)
+        chunks = [c for c, _ in jobs]
+        self.swapper.stream(chunks, lambda c: c.index not in self._on_disk, compute)
 
     def _compensated(self, param: torch.Tensor) -> bool:
         """``param`` keeps Kahan's compensation in ``state`` (a bf16 master, Kahan rounding)."""
@@ -173,9 +220,5 @@ class SwappedAdam(CPUAdam):
         return list(self.swapper.buffers)
 
 
-def run_overlaps(runs, lo: int, hi: int):
-    """The parts of runs (a, b, step number) inside [lo, hi)."""
-    for a, b, step in runs:
-        a, b = max(a, lo), min(b, hi)
-        if b > a:
-            yield a, b, step
+def _no_end(piece: ShardPiece) -> None:
+    """A step taken whole: nothing to do after a chunk."""

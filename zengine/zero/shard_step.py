@@ -54,7 +54,7 @@ class ShardStepper:
 
     @property
     def steps_in_pieces(self) -> bool:
-        """One step may be ``step_runs`` calls over disjoint pieces (then ``record_steps``)."""
+        """One step may be taken in the optimizer's pieces (``step_pieces``)."""
         return self.abilities.steps_runs and self.abilities.steps_in_pieces
 
     def runs(self, plans: list[Plan]) -> dict:
