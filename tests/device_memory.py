@@ -25,11 +25,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
+# torch's own code whose storages are named by their line: a peer's (FSDP2's) sharding and
+# collectives, and the optimizers' states
+TORCH_SITES = (f"torch{os.sep}distributed{os.sep}", f"torch{os.sep}optim{os.sep}")
+
+
 def _site() -> str:
-    """file:line of the innermost zengine frame making the storage, else of the innermost test frame."""
+    """file:line of the innermost zengine frame making the storage (or of torch's distributed or
+    optim code, ``torch/...``), else of the innermost test frame."""
     frame, fallback = sys._getframe(3), None
     while frame is not None:
         name = frame.f_code.co_filename
+        torch_site = next((t for t in TORCH_SITES if t in name), None)
+        if torch_site is not None:
+            return (
+                f"torch/{name[name.rindex(torch_site) + len('torch' + os.sep) :]}:{frame.f_lineno}"
+            )
         if (
             f"{os.sep}zengine{os.sep}" in name
             and f"{os.sep}tests{os.sep}" not in name
@@ -62,7 +73,9 @@ class DeviceMemory(TorchDispatchMode):
     """Counts the bytes of live storages on ``device`` (the stand-in ``meta``) and their peak.
 
     ``phase(name)`` starts a named phase: ``peaks`` then holds each phase's own peak (as resetting
-    ``torch.cuda.reset_peak_memory_stats`` between phases would)."""
+    ``torch.cuda.reset_peak_memory_stats`` between phases would). ``mark_kept()`` marks what is
+    live now (after a step: the model states a run keeps from step to step); ``peak_kept`` is how
+    much of the peak those storages were, whoever made them."""
 
     def __init__(self, device: str = "meta"):
         super().__init__()
@@ -73,6 +86,8 @@ class DeviceMemory(TorchDispatchMode):
         self.peaks: dict[str, int] = {}
         self._phase: Optional[str] = None
         self._counts = True  # the current phase counts toward ``peak``
+        self._kept: dict[int, weakref.ref] = {}  # mark_kept(): key -> the storage's reference
+        self.peak_kept = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -106,6 +121,20 @@ class DeviceMemory(TorchDispatchMode):
         if now > self.peak and self._counts:
             self.peak = now
             self._peak_sites = self.by_site()
+            self.peak_kept = self._kept_bytes()
+
+    def mark_kept(self) -> None:
+        """The storages live now are the ones kept from step to step (``peak_kept``)."""
+        self._kept = {key: ref for key, (ref, _) in self._live.items()}
+
+    def _kept_bytes(self) -> int:
+        total = 0
+        for key, ref in self._kept.items():
+            entry = self._live.get(key)
+            storage = ref()
+            if entry is not None and entry[0] is ref and storage is not None:
+                total += storage.nbytes()
+        return total
 
     def by_site(self) -> Counter:
         """Live bytes now, by the line that made each storage."""

@@ -219,10 +219,24 @@ def test_gather_units(bench, tmp_path):
 def test_device_memory(bench, tmp_path):
     out = tmp_path / "device_memory.md"
     bench("bench_device_memory").main(
-        ["--layers", "1", "--d_model", "64", "--contenders", "module,auto", "--out", str(out)]
+        [
+            "--worlds",
+            "2",
+            "--layers",
+            "1",
+            "--d_model",
+            "64",
+            "--contenders",
+            "auto,fsdp2",
+            "--out",
+            str(out),
+        ]
     )
-    rows = [line for line in out.read_text().splitlines() if line.startswith("| module")]
-    assert len(rows) == 1 and float(rows[0].split("|")[2]) > 0, rows
+    lines = out.read_text().splitlines()
+    rows = [line for line in lines if line.startswith("| auto")]  # side by side, then the detail
+    fsdp2 = [line for line in lines if line.startswith("| fsdp2")]
+    assert len(rows) == 2 and float(rows[0].split("|")[2]) > 0, rows
+    assert len(fsdp2) == 1 and rows[0].split("|")[6].strip().endswith("x"), fsdp2
 
 
 def test_zero(bench, tmp_path):
