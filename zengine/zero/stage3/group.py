@@ -1,7 +1,8 @@
 """A stage-3 optimizer param group: the concatenated chunks of its trainable parameters.
 
 It plays the same role as ``FlatParamGroup`` (``zero/flat_group.ParamGroup``,
-as ``zero/optimizer.py`` sees it): this rank's shard in the compute dtype, where each
+as ``zero/optimizer.py`` sees it): this rank's shard (in the compute dtype, or in the masters' when
+the placement makes the shard the master: ``offload/placement.py`` ``shard_dtype``), where each
 parameter's elements sit in it, the part for the global norm, and what to do
 after the step (here: refresh the persistent parameters, which stay whole).
 """
@@ -49,7 +50,7 @@ class ShardedParamGroup:
             offset += round_up(sp.chunk, align)
         self.shard_numel = round_up(offset, align)
         if swap is None:
-            # [sum of chunks] compute dtype; on the host with offload_param (pinned on a GPU machine, sized exactly)
+            # [sum of chunks] in the group's dtype; on the host with offload_param (pinned on a GPU machine, sized exactly)
             self.shard_flat = (
                 pinned.zeros(self.shard_numel, dtype, kind=pinned.PARAMETERS)
                 if pin

@@ -75,7 +75,8 @@ class ZeroParameter(nn.Parameter):
 
     @property
     def ds_tensor(self) -> Optional[torch.Tensor]:
-        """This rank's shard ([chunk], compute dtype)."""
+        """This rank's shard ([chunk]: the compute dtype, or the masters' where the shard is the
+        master, the optimizer being on the device)."""
         return self._sharded().shard
 
     @property
@@ -125,7 +126,7 @@ class ShardedParam:
             0, min(self.chunk, self.numel - rank * self.chunk)
         )  # real elements in my chunk
         self.shard: Optional[torch.Tensor] = (
-            None  # [chunk] compute dtype, a view into its group's shard buffer
+            None  # [chunk], a view into its group's shard buffer (in the group's dtype: group.py)
         )
         # NVMe offload (offload/param_swap.py): the swap that holds the shard, and its first element there; ``shard`` is
         # then None, or a resident copy (max_in_cpu)
