@@ -85,6 +85,23 @@ def test_partial_offload_splits_the_states_by_deepspeeds_sub_groups():
     none = partial(0.0)
     assert none.host_states == 0 and not any(none.host.values())
     assert none.device_states == estimate(PSI, _cfg(3), world).device_states
+    # bf16: the device share's shards are kept in fp32 and are its masters (placement.shard_dtype),
+    # the host share's are bf16 beside host masters
+    low = estimate(
+        PSI,
+        ds_config(
+            3,
+            "bf16",
+            micro_batch=1,
+            lr=None,
+            zero={"offload_optimizer": {"device": "cpu", "ratio": 0.5}, "sub_group_size": sub},
+        ),
+        world,
+    )
+    assert low.device["parameters"] == 4 * on_device + 2 * (shard - on_device), low.device
+    assert "master weights" not in low.device and low.host["master weights"] == 4 * (
+        shard - on_device
+    )
     # with the parameters' sizes, whole parameters make the sub-groups (zero/sub_groups.py)
     # (shards of 300k and 100k: [p0] [p1] [p2] [p3] [p4-p6] [p7-p9] [p10 p11], the first 3 on the device)
     by_param = partial(0.5, [1_200_000] * 4 + [400_000] * 8)

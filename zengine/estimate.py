@@ -172,9 +172,9 @@ def estimate(
     if states_on_host and zero.offload_optimizer.partial:
         host_opt = _partial_host_elements(numels, w, zero)
     device_opt = sharded_opt - host_opt  # partial offload: the device share
-    # stage 3 with shards and masters on the device: one tensor is both, in the masters' dtype (the
-    # gathers cast to the compute dtype; offload/placement.py shard_dtype)
-    shard_is_master = stage == 3 and offload_par == "none" and offload_opt == "none"
+    # stage 3, shards and masters on the device (all, or partial offload's device share): one tensor
+    # is both, in the masters' dtype (the gathers cast; offload/placement.py shard_dtype)
+    shared = device_opt if stage == 3 and offload_par == "none" else 0
     # parameters
     if stage < 3:
         est.device["parameters"] = half * psi
@@ -188,10 +188,9 @@ def estimate(
             )
             est.host["parameters kept in memory"] = half * min(int(par.max_in_cpu), share)
             est.disk["parameter swap file"] = half * share
-        elif shard_is_master:
-            est.device["parameters"] = masters.dtype.itemsize * share
         else:
-            (est.host if offload_par == "cpu" else est.device)["parameters"] = half * share
+            own = half * (share - shared) + masters.dtype.itemsize * shared
+            (est.host if offload_par == "cpu" else est.device)["parameters"] = own
         est.device["persistent parameters"] = whole
     # gradients
     grad_elems = psi if stage < 2 else share
@@ -213,9 +212,9 @@ def estimate(
         pass  # in the swap file, with the moments
     elif states_on_host:
         est.host["master weights"] = masters.master_bytes * host_opt
-        if device_opt and half != masters.dtype.itemsize:
-            est.device["master weights"] = masters.master_bytes * device_opt
-    elif shard_is_master:  # the parameters above; Kahan's compensation beside them
+        if device_opt > shared and half != masters.dtype.itemsize:  # (partial, stages 1-2)
+            est.device["master weights"] = masters.master_bytes * (device_opt - shared)
+    elif shared:  # the parameters above; Kahan's compensation beside them
         if masters.master_bytes > masters.dtype.itemsize:
             est.device["master weights"] = (
                 masters.master_bytes - masters.dtype.itemsize
