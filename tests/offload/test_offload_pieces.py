@@ -92,7 +92,7 @@ class _Loss(nn.Module):
 
 def _train(model_name: str, stage: int, gas: int, clip: float, offload: str, late):
     """(parameters, optimizer states, masters, norms) after STEPS steps; ``late``: polls of the deferred
-    copies, None: the host's own copies (the step taken whole). ``offload``: "cpu", "param", "partial",
+    copies, None: the host's own copies (the step taken whole). ``offload``: "cpu", "param", "param-nvme", "partial",
     "nvme" (the moments swapped, fp32 masters) or "nvme-bf16" (bf16 masters and moments, Kahan)."""
     import zengine.offload.placement as placement
 
@@ -109,6 +109,8 @@ def _train(model_name: str, stage: int, gas: int, clip: float, offload: str, lat
     }
     if offload == "param":
         zero["offload_param"] = {"device": "cpu"}
+    if offload == "param-nvme":  # the shards in a swap file, each piece written as it is stepped
+        zero["offload_param"] = nvme(swap_dir("zpieces_param"), buffer_count=3, buffer_size=4096)
     if offload == "partial":  # half the sub-groups (of 100 elements) stepped by torch's Adam
         zero["offload_optimizer"]["ratio"] = 0.5
     if offload.startswith("nvme"):  # chunks of 1024 (fp32) or 2048 (bf16) elements: several a group
@@ -142,6 +144,7 @@ def _train(model_name: str, stage: int, gas: int, clip: float, offload: str, lat
     assert copies.defers == (late is not None)
     opt = engine.optimizer
     streams = _count_streams(opt.optimizer)
+    written = _count_piece_writes(opt.placement.params)
     norms = []
     for batch in make_batches(STEPS, MICRO * gas * world):
         for m in range(gas):
@@ -162,14 +165,30 @@ def _train(model_name: str, stage: int, gas: int, clip: float, offload: str, lat
             for sp in opt.shard_params
         ]
     masters = [m.clone() for m in opt.masters]
-    # the optimizer's pieces: 100 elements, or the swap file's chunks
-    pieces = sum(len(opt.optimizer.piece_bounds(sp, 100)) for sp in opt.shard_params)
+    # the optimizer's pieces: 100 elements (NVMe shards: whole 4 KiB blocks), or the swap file's chunks
+    size = opt.master_store.piece_size()
+    pieces = sum(len(opt.optimizer.piece_bounds(sp, size)) for sp in opt.shard_params)
     assert pieces >= 3, pieces
     if late is not None:  # a range settled per piece per step, every copy landed and added
         assert copies.ranges_settled >= pieces * STEPS, (copies.ranges_settled, pieces)
         assert not copies.queue and not copies.arrivals.pending
+    if offload == "param-nvme":  # each piece's parameters written to the file as it was stepped
+        assert written == [pieces * STEPS if late is not None else 0], (written, pieces)
     engine.destroy()
     return params, states, masters, norms
+
+
+def _count_piece_writes(params_home) -> list[int]:
+    """[how many pieces the step wrote to the parameters' home as they were stepped], counted."""
+    count = [0]
+    stepped = params_home.piece_stepped
+
+    def counted(*args):
+        count[0] += 1
+        return stepped(*args)
+
+    params_home.piece_stepped = counted
+    return count
 
 
 def _count_streams(optimizer) -> list[int]:
@@ -194,6 +213,9 @@ CASES = [
     ("mlp", 2, 1, 0.0, "cpu"),
     ("mlp", 3, 3, 0.0, "cpu"),
     ("edge", 3, 1, 0.0, "param"),
+    # stage-3 shards on NVMe: pieces of whole 4 KiB blocks (2048 bf16), written to the file as stepped
+    ("mlp", 3, 3, 0.0, "param-nvme"),
+    ("edge", 3, 1, 0.5, "param-nvme"),
     ("mlp", 2, 3, 0.5, "cpu"),
     ("edge", 3, 3, 0.0, "partial"),
     ("mlp", 3, 1, 0.5, "partial"),

@@ -104,8 +104,10 @@ class MasterGradsInPieces:
         world: int,
         copies,
         piece: int,
+        stepped: Callable[[int, int, int], None],
     ):
         self.tensors = tensors  # [owned] fp32 each on the host, pieces landing; not yet scaled
+        self._stepped = stepped  # (gi, lo, hi) after each piece is stepped (the parameters' home)
         self._unscale, self._coef = unscale, None  # the factors still owed to each piece
         self._grads, self._groups, self._world = grads, groups, world
         self._copies, self._piece = copies, piece
@@ -151,7 +153,13 @@ class MasterGradsInPieces:
                 grad.mul_(coef)
 
         StepPipeline(self._copies, self._piece).run(
-            stepper.abilities, stepper.shard_params, grads, stepper.runs(plans), prepare, owned
+            stepper.abilities,
+            stepper.shard_params,
+            grads,
+            stepper.runs(plans),
+            prepare,
+            owned,
+            lambda piece: self._stepped(*piece),
         )
 
 
@@ -202,7 +210,10 @@ class MastersInMemory:
                 self.groups,
                 self.world,
                 copies,
-                self.home.piece,
+                self.piece_size(),
+                lambda gi, lo, hi: self.params.piece_stepped(
+                    self.groups[gi], lo, hi, self.masters[gi]
+                ),
             )
         out, landings = [], []
         for gi, master in enumerate(self.masters):
@@ -231,6 +242,11 @@ class MastersInMemory:
         return WholeMasterGrads(
             [], self.groups, self.world, self.home.master_device(self.device), self.home.copies
         )
+
+    def piece_size(self) -> int:
+        """Elements per piece of a step in pieces: the optimizer home's, rounded as the parameters'
+        home writes them (NVMe: whole aligned blocks)."""
+        return self.params.piece_size(self.home.piece)
 
     def _grad_buffer(self, gi: int) -> torch.Tensor:
         """Group gi's host master gradient when the summed one is on the device (stages 0-1 with
@@ -264,7 +280,7 @@ class MastersInMemory:
                 out.append(summed)
                 continue
             grad = self._grad_buffer(gi)
-            for piece in split([grad.numel()], self.home.piece):
+            for piece in split([grad.numel()], self.piece_size()):
                 # (the summed gradient is rewritten only after the step, which waits for them all)
                 lo, hi = piece.lo, piece.hi
                 self.home.copies.accumulate_async(grad[lo:hi], summed[lo:hi], overwrite=True)

@@ -104,6 +104,12 @@ class ParamsHome(Protocol):
 
     def write_param(self, group: "ParamGroup", pi: int, master: torch.Tensor) -> None: ...
 
+    def piece_size(self, size: int) -> int: ...
+
+    def piece_stepped(
+        self, group: "ParamGroup", lo: int, hi: int, master: torch.Tensor
+    ) -> None: ...
+
     def load(self, group: "ParamGroup", master: torch.Tensor) -> None: ...
 
     def host_buffers(self) -> list[torch.Tensor]: ...
@@ -331,6 +337,14 @@ class ParamsInMemory:
         """After ``safe_set_full_fp32_param`` set parameter ``pi``'s part of ``master``: nothing more to
         write (the caller copied it into the shard)."""
 
+    def piece_size(self, size: int) -> int:
+        """Elements per piece of a step taken in pieces, from the optimizer home's ``size``."""
+        return size
+
+    def piece_stepped(self, group, lo: int, hi: int, master: torch.Tensor) -> None:
+        """A step in pieces updated ``master[lo:hi]``: nothing to do (the optimizer wrote the shard,
+        or it is written after the step)."""
+
     def load(self, group, master: torch.Tensor) -> None:
         """The fp32 ``master`` from the compute-dtype shard (after the shard was written)."""
         if master.data_ptr() != group.owned_params().data_ptr():
@@ -359,6 +373,9 @@ class ParamsOnNVMe(ParamsInMemory):
     ):
         super().__init__(offload_cfg, device)
         self.swap = ParamSwap(offload_cfg, dtype, make_aio(aio_cfg), device, sizes)
+        self._written: set[int] = (
+            set()
+        )  # groups whose pieces a step in pieces wrote (piece_stepped)
 
     def alignment(self, dtype: torch.dtype, optimizer_alignment: int) -> int:
         return align_elems(dtype)
@@ -369,7 +386,21 @@ class ParamsOnNVMe(ParamsInMemory):
         return master
 
     def write_params(self, group, master: torch.Tensor, copied: bool) -> None:
+        if id(group) in self._written:  # the step in pieces wrote each piece behind: they land
+            self._written.discard(id(group))
+            group.swap.flush()
+            return
         group.write_from(master, WRITE_CHUNK)
+
+    def piece_size(self, size: int) -> int:
+        """Whole O_DIRECT blocks, so that each piece is written on its own."""
+        return round_up(size, self.swap.align)
+
+    def piece_stepped(self, group, lo: int, hi: int, master: torch.Tensor) -> None:
+        """The piece's parameters go to the swap file behind, while the next piece is stepped (the
+        pieces cover the shard, so ``write_params`` then only waits for them)."""
+        group.swap.write_range(group.base, lo, hi, master[lo:hi], group.resident())
+        self._written.add(id(group))
 
     def write_param(self, group, pi: int, master: torch.Tensor) -> None:
         sp, off = group.sharded[pi], group.offsets[pi]

@@ -14,7 +14,8 @@ their gradients land, and around each piece:
    and writes the compute-dtype parameters there;
 2. ``end``: sends that piece up on the up stream (``copies.send_piece``); the optimizer goes on with
    the next piece while it travels (``SwappedAdam``: its moments read ahead from the file meanwhile, one
-   swap stream for the whole step);
+   swap stream for the whole step); with stage-3 shards on NVMe (``offload_param``) the piece's
+   parameters are written to their swap file behind instead (``ParamsOnNVMe.piece_stepped``);
 
 and at the end makes the compute stream wait (on the device) for the last upload (``pieces_sent``).
 The host waits only in 1 and, in ``writable``, for the upload a step ago that read the same staging
@@ -85,6 +86,7 @@ class StepPipeline:
         runs: Mapping[torch.Tensor, Runs],
         prepare: Callable[[Piece], None],
         owned: Mapping[int, torch.Tensor],
+        stepped: Callable[[Piece], None] = lambda piece: None,
     ) -> None:
         """``optimizer``'s step over ``runs`` in pieces of ``params`` (group gi's flat shard parameter at
         ``params[gi]``, its host gradient ``grads[gi]``, [numel] in the master's dtype).
@@ -92,7 +94,8 @@ class StepPipeline:
         ``prepare(piece)`` runs once the piece's gradient has landed, before it is stepped; the
         optimizer writes the compute-dtype parameters into the copy-out target of the groups in
         ``owned`` (gi -> the parameter shard they end up in), piece by piece, each sent up as soon as it
-        is written; the other groups' are written after the step.
+        is written; the other groups' are written after the step. ``stepped(piece)`` runs after each
+        piece is stepped (stage-3 shards on NVMe: its parameters are written to their file behind).
         """
         index = {id(p): gi for gi, p in enumerate(params)}
 
@@ -108,6 +111,7 @@ class StepPipeline:
             gi = index[id(piece.param)]
             if gi in owned:
                 self.copies.send_piece(gi, piece.lo, piece.hi)  # travels while the next is stepped
+            stepped(Piece(gi, piece.lo, piece.hi))
 
         try:
             optimizer.step_pieces(self.order(optimizer, params, grads), runs, begin, end)
