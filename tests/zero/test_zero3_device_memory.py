@@ -44,15 +44,16 @@ def test_auto_units_hold_a_window_of_parameters_and_gradients_not_the_model():
     assert saved >= 0.5 * half, (module, auto)
 
 
-def test_stage3_holds_fsdp2s_states_plus_its_gradient_shard_beside_fsdp2():
+def test_stage3_keeps_fsdp2s_states_and_peaks_near_fsdp2():
     """Against FSDP2 counted the same way (``measure_fsdp2``: per block, bf16 parameters, fp32
     reduce, gradients set to None), on a 4-block GPT of d_model 256 at W = 2, DeepSpeed's defaults.
     With the optimizer on the device the fp32 shard is the master (the gathers cast it to bf16):
-    16 bytes a parameter over the ranks, as FSDP2's fp32 sharded parameters, gradients and moments
-    (was 18: a bf16 shard beside the fp32 master); a gather's staging is freed, not pooled. What
-    remains above FSDP2's peak is the fp32 gradient shard kept from step to step (DeepSpeed's
-    layout; FSDP2 frees its gradients at zero_grad and makes them block by block in backward):
-    measured 12.97 against 10.79 bytes a parameter, 2.0 of it that shard (14.59 before)."""
+    16 bytes a parameter over the ranks while training, as FSDP2's fp32 sharded parameters,
+    gradients and moments (was 18: a bf16 shard beside the fp32 master); a gather's staging is
+    freed, not pooled; the gradient shard is made at a window's first reduction and dropped at
+    zero_grad (offload/landing.py), as FSDP2 sets its gradients to None. So what is kept from step
+    to step is FSDP2's (6.62 bytes a parameter here), and the peak 11.83 against FSDP2's 10.79 (14.59
+    before these three, 12.97 with the gradient shard kept)."""
     from bench_device_memory import measure_fsdp2
 
     d_model = 256
@@ -60,11 +61,11 @@ def test_stage3_holds_fsdp2s_states_plus_its_gradient_shard_beside_fsdp2():
     ours = run_on_meta(measure, WORLD, LAYERS, d_model, window, {})
     fsdp2 = run_on_meta(measure_fsdp2, WORLD, LAYERS, d_model, window, {})
     n, groups = ours["numel"], ours["groups"]
-    # the states at the peak: [owned] fp32 shard (= master), fp32 gradient shard, two fp32 moments
-    assert groups["parameters"] == groups["grads+masters"], groups
+    # the states: [owned] fp32 shard (= master) and two fp32 moments; no gradient shard between steps
     assert groups["moments"] == 2 * groups["parameters"], groups
     assert 0.95 * 4 * n / WORLD <= groups["parameters"] <= 1.05 * 4 * n / WORLD, (groups, n)
-    # above FSDP2: that gradient shard (4/W bytes a parameter) and at most a quarter of FSDP2's
-    # transients (gathered blocks, buckets, activations: the peaks fall at other moments)
+    assert ours["kept"] <= 1.01 * fsdp2["kept"], (ours, fsdp2)
+    # the peak: within a third of FSDP2's transients (gathered blocks, buckets, activations, its
+    # gradients) of FSDP2's (the two peak at other moments of backward)
     transients = fsdp2["peak"] - fsdp2["kept"]
-    assert ours["peak"] - fsdp2["peak"] <= 4 * n / WORLD + 0.25 * transients, (ours, fsdp2)
+    assert ours["peak"] - fsdp2["peak"] <= transients / 3, (ours, fsdp2)

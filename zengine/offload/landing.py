@@ -14,6 +14,13 @@ writes, fixed by the bucket layout) and answers the step's reads. Two players:
 Zeroing the gradients costs no fill: a region written by no piece since ``zero()`` is *fresh*, its
 first piece is copied in rather than added (5 GB of host memory written per step for a 1.3B model
 with offload), and a region still fresh when its shard is read is zeroed then.
+
+A shard on a device with a caching allocator is not kept from step to step: it is made when the
+window's first piece lands in it (or when it is read) and dropped when the gradients are zeroed, as
+FSDP2 sets its gradients to None, so the next forward and the start of backward run without it
+(``kept_between_steps``; 4/W bytes a parameter off the stage-3 peak of a GPT, ``bench_device_memory.py``).
+Host shards stay: pinned offload buffers are costly to make, and the host's allocator would fault a
+large block in again at every step.
 """
 
 from __future__ import annotations
@@ -87,14 +94,24 @@ class RegionSquares:
         self.known[key] = sum_of_squares(whole) if whole is not None else None
 
 
+def kept_between_steps(shard: torch.Tensor) -> bool:
+    """Whether a gradient shard is kept from step to step: in host memory yes, on a device with a
+    caching allocator no (module doc)."""
+    return shard.device.type == "cpu"
+
+
 class ShardsInMemory:
     """Shards in memory (``shards[gi]``: this rank's part of group gi, on the host when offloaded),
-    each bucket's pieces added into its region (``regions[gi][b]``) through ``copies``."""
+    each bucket's pieces added into its region (``regions[gi][b]``) through ``copies``; a shard on a
+    device exists only from the window's first piece to ``zero()`` (module doc)."""
 
     def __init__(
         self, shards: list[torch.Tensor], regions: Sequence[Sequence[Region]], copies: HostCopies
     ):
-        self.shards = shards
+        # each shard, or None while a dropped one is not made again (made by _shard, as _specs say)
+        self._shards: list[Optional[torch.Tensor]] = list(shards)
+        self._specs = [(t.numel(), t.dtype, t.device) for t in shards]
+        self._kept = [kept_between_steps(t) for t in shards]
         self.regions = regions
         self.copies = copies  # adds the pieces into the shards, wherever they live
         # Offload on a device with side streams: the sums of squares of the pieces that are their
@@ -107,9 +124,23 @@ class ShardsInMemory:
         if self.squares is not None:
             self.zero()
 
+    @property
+    def shards(self) -> list[torch.Tensor]:
+        """Every group's shard (made where dropped)."""
+        return [self._shard(gi) for gi in range(len(self._shards))]
+
+    def _shard(self, gi: int) -> torch.Tensor:
+        """Group gi's shard, made zeroed if it was dropped (its regions are fresh: their first pieces
+        are copied in)."""
+        shard = self._shards[gi]
+        if shard is None:
+            numel, dtype, device = self._specs[gi]
+            shard = self._shards[gi] = torch.zeros(numel, dtype=dtype, device=device)
+        return shard
+
     def _region(self, gi: int, b: int) -> torch.Tensor:
         lo, hi = self.regions[gi][b]
-        return self.shards[gi][lo:hi]
+        return self._shard(gi)[lo:hi]
 
     def add(self, gi: int, b: int, piece: torch.Tensor) -> None:
         fresh = (gi, b) in self._fresh
@@ -124,10 +155,10 @@ class ShardsInMemory:
 
     def landing_grad(self, gi: int) -> torch.Tensor:
         self._zero_unwritten(gi)  # (no copy lands in these: zeroed on the host now)
-        return self.shards[gi]
+        return self._shard(gi)
 
     def landing_squares(self, gi: int, lo: int, hi: int) -> tuple[list[torch.Tensor], float]:
-        shard = self.shards[gi]
+        shard = self._shard(gi)
         if shard.device.type != "cpu":  # a shard on the device (partial offload): summed there
             return [sum_of_squares(shard[lo:hi])], 0.0
         if self.squares is None or (lo, hi) != (0, shard.numel()):
@@ -149,7 +180,7 @@ class ShardsInMemory:
     def swapped_sq(self) -> torch.Tensor:
         self.copies.settle()
         total = torch.zeros((), dtype=torch.float64)
-        for gi in range(len(self.shards)):
+        for gi in range(len(self._shards)):
             total += sum_of_squares(self.landing_grad(gi)).to(torch.float64).cpu()
         return total
 
@@ -161,6 +192,8 @@ class ShardsInMemory:
         # first pieces, which land in the shards directly (nothing to wait for after a step: it read
         # them all).
         self.copies.settle()
+        # dropped; the caller's step has let go of them (sp.grad = None: Stage3/ZeroOptimizer.zero_grad)
+        self._shards = [t if kept else None for t, kept in zip(self._shards, self._kept)]
         self._fresh = {
             (gi, b)
             for gi, regions in enumerate(self.regions)
@@ -179,7 +212,7 @@ class ShardsInMemory:
                 self._region(gi, b).zero_()
 
     def tensors(self) -> list[torch.Tensor]:
-        return list(self.shards)
+        return [t for t in self._shards if t is not None]  # (a dropped shard holds nothing)
 
 
 class ShardsInSwap:
