@@ -109,13 +109,16 @@ def test_peak_gpu_memory_is_recorded(gpu):
 def test_peak_gpu_memory_follows_the_formula(gpu, case):
     """torch.cuda.max_memory_allocated over build, initialize and 3 steps, in units of the fp32 model: at
     world size 1 every stage holds 4 units (parameters, gradients, Adam's two moments); the peak is
-    that plus the documented transients (the memory issue's targets) and within 10% of zengine.estimate."""
+    that plus the documented transients (the memory issue's targets) and within 10% of zengine.estimate.
+    Counted after the steps, stages 2-3 hold 3: their gradient shards on a GPU exist from a window's
+    first reduction to zero_grad (offload/landing.py), as FSDP2's gradients are set to None."""
     result = gpu["memory"][case_id(case)]
     _assert_ok(result)
     stage = case[0]
     formula = 4.0
     report = f"{case_id(case)}: {result}"
-    assert result["counted"] == pytest.approx(formula, rel=1e-3), report
+    kept = formula - (1.0 if stage >= 2 else 0.0)
+    assert result["counted"] == pytest.approx(kept, rel=1e-3), report
     bound = formula + 0.25 if stage == 3 else formula * 1.10 + 0.15
     assert result["peak"] <= bound, report
     assert result["peak"] == pytest.approx(result["estimate"], rel=0.10), report
