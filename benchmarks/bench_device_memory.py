@@ -41,7 +41,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the stand-in device lives with the tests
 
 GROUPS = (  # zengine's storages by the code that made them
-    ("grads+masters", ("offload/placement",)),  # gradient shards; masters that are not the shard
+    # gradient shards (made where a window's first piece lands, on a device), masters not the shard
+    ("grads+masters", ("offload/placement", "offload/landing")),
     ("moments", ("zero/step_counts", "torch/optim")),
     # stage-3 shards (with fp32 masters on the device: the masters themselves), stage 2's parameters
     ("parameters", ("zero/stage3/group", "zero/flat_group")),
