@@ -6,7 +6,7 @@ chooses the one this process computes on. ``zengine.accelerator`` is DeepSpeed's
 this package (``deepspeed.accelerator``); code inside zengine imports from here.
 """
 
-from .base import Accelerator
+from .base import Accelerator, reuses_freed_blocks
 from .cuda import CudaAccelerator
 from .current import get_accelerator, set_accelerator
 from .host import CpuAccelerator, HostEvent, HostStream
@@ -19,4 +19,5 @@ __all__ = [
     "HostStream",
     "get_accelerator",
     "set_accelerator",
+    "reuses_freed_blocks",
 ]

@@ -97,3 +97,11 @@ class Accelerator:
 
     def range_pop(self) -> None:
         """Close the innermost profiler range."""
+
+
+def reuses_freed_blocks(device: torch.device) -> bool:
+    """Whether ``device``'s allocator keeps freed blocks for the next allocations (a GPU's caching
+    allocator, counted by ``max_memory_allocated`` only while in use), so that zengine need not pool
+    its own buffers there; the host's returns large blocks to the system and faults every page in
+    again on the next use, so buffers that come back every step are kept there."""
+    return device.type != "cpu"

@@ -30,6 +30,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
+from ..device import reuses_freed_blocks
 from ..ops.grad import sum_of_squares
 from .copies import HostCopies
 from .state_swap import GradSwap
@@ -98,7 +99,7 @@ class RegionSquares:
 def kept_between_steps(shard: torch.Tensor) -> bool:
     """Whether a gradient shard is kept from step to step: in host memory yes, on a device with a
     caching allocator no (module doc)."""
-    return shard.device.type == "cpu"
+    return not reuses_freed_blocks(shard.device)
 
 
 class ShardsInMemory:

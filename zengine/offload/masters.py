@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..ops.grad import sum_of_squares
-from .step_pipeline import StepPipeline, split
+from .step_pipeline import Piece, StepPipeline, split
 
 if TYPE_CHECKING:  # offload/ never imports zero/ at run time (zero/ builds on offload/)
     from ..zero.flat_group import ParamGroup
@@ -104,10 +104,10 @@ class MasterGradsInPieces:
         world: int,
         copies,
         piece: int,
-        stepped: Callable[[int, int, int], None],
+        stepped: Callable[[Piece], None],
     ):
         self.tensors = tensors  # [owned] fp32 each on the host, pieces landing; not yet scaled
-        self._stepped = stepped  # (gi, lo, hi) after each piece is stepped (the parameters' home)
+        self._stepped = stepped  # after each piece is stepped (the parameters' home)
         self._unscale, self._coef = unscale, None  # the factors still owed to each piece
         self._grads, self._groups, self._world = grads, groups, world
         self._copies, self._piece = copies, piece
@@ -159,7 +159,7 @@ class MasterGradsInPieces:
             stepper.runs(plans),
             prepare,
             owned,
-            lambda piece: self._stepped(*piece),
+            self._stepped,
         )
 
 
@@ -211,8 +211,8 @@ class MastersInMemory:
                 self.world,
                 copies,
                 self.piece_size(),
-                lambda gi, lo, hi: self.params.piece_stepped(
-                    self.groups[gi], lo, hi, self.masters[gi]
+                lambda p: self.params.piece_stepped(
+                    self.groups[p.gi], p.lo, p.hi, self.masters[p.gi]
                 ),
             )
         out, landings = [], []

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from ..device import reuses_freed_blocks
 from ..offload.copies import HostCopies
 
 Key = tuple[int, int]  # (group, bucket index)
@@ -109,7 +110,7 @@ class BucketBuffers:
         the largest ``keep`` released buffers stay, what a backward in the settled order holds at
         once."""
         host = sorted(
-            (entry for entry in self._free if entry[0].device.type == "cpu"),
+            (entry for entry in self._free if not reuses_freed_blocks(entry[0].device)),
             key=lambda e: -e[0].numel(),
         )
         self._free = host[:keep]

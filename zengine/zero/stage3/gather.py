@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
+from ...device import reuses_freed_blocks
 from ...distributed import collectives
 from .fetch_check import TAG, FetchCheck, gather_failed
 from .param import ShardedParam
@@ -150,7 +151,7 @@ class FreedStaging(StagingPool):
 
 def staging_pool(device: torch.device) -> StagingPool:
     """The staging pool for gathers on ``device``: kept storage on the host, freed on a device."""
-    return StagingPool() if device.type == "cpu" else FreedStaging()
+    return FreedStaging() if reuses_freed_blocks(device) else StagingPool()
 
 
 def copy_in(
