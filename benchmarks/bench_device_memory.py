@@ -169,6 +169,8 @@ def _measure_on_host(world: int, layers: int, d_model: int, prepare) -> dict:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from device_memory import DeviceMemory
     from zengine.models.gpt import GPT, GPTConfig
 
@@ -186,7 +188,9 @@ def _measure_on_host(world: int, layers: int, d_model: int, prepare) -> dict:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
             def forward(x, y):
-                with context():
+                # attention as the stand-in runs it (``meta`` has only the math path, which keeps
+                # the attention weights for backward): the same activations for every contender
+                with context(), sdpa_kernel(SDPBackend.MATH):
                     return module(x, y)
 
             def step():

@@ -260,7 +260,7 @@ def estimate(
     # (stage 3 "auto": about a block's bucket, zero/stage3/units.py)
     units = GatherUnits.from_config(zero)
     bucket = min(units.reduce_bucket if stage == 3 else int(zero.reduce_bucket_size), psi)
-    in_flight = buckets_in_flight(zero.overlap_comm)
+    in_flight = buckets_in_flight(zero.overlap_comm, w)
     if stage < 2 and dtypes.reduce != dtypes.accumulate:
         # converted copies of the full buffer's buckets: those in flight and the one launching
         est.transients["gradient buckets"] = wire * bucket * (in_flight + 1)

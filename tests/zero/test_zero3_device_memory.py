@@ -15,6 +15,8 @@ time, as FSDP2: the peak drops by both, and the values stay those of 'module'
 import os
 import sys
 
+import pytest
+
 from device_guard import run_on_meta
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
@@ -44,28 +46,28 @@ def test_auto_units_hold_a_window_of_parameters_and_gradients_not_the_model():
     assert saved >= 0.5 * half, (module, auto)
 
 
-def test_stage3_keeps_fsdp2s_states_and_peaks_near_fsdp2():
+@pytest.mark.parametrize("world,layers", [(2, 4), (1, 8)])
+def test_stage3_keeps_fsdp2s_states_and_peaks_at_fsdp2s(world, layers):
     """Against FSDP2 counted the same way (``measure_fsdp2``: per block, bf16 parameters, fp32
-    reduce, gradients set to None), on a 4-block GPT of d_model 256 at W = 2, DeepSpeed's defaults.
-    With the optimizer on the device the fp32 shard is the master (the gathers cast it to bf16):
-    16 bytes a parameter over the ranks while training, as FSDP2's fp32 sharded parameters,
+    reduce, gradients set to None, the same attention path), on a GPT of d_model 256, DeepSpeed's
+    defaults. With the optimizer on the device the fp32 shard is the master (the gathers cast it to
+    bf16): 16 bytes a parameter over the ranks while training, as FSDP2's fp32 sharded parameters,
     gradients and moments (was 18: a bf16 shard beside the fp32 master); a gather's staging is
-    freed, not pooled; the gradient shard is made at a window's first reduction and dropped at
-    zero_grad (offload/landing.py), as FSDP2 sets its gradients to None. So what is kept from step
-    to step is FSDP2's (6.62 bytes a parameter here), and the peak 11.83 against FSDP2's 10.79 (14.59
-    before these three, 12.97 with the gradient shard kept)."""
+    freed, not pooled; the groups are the gradient buckets (``zero/sub_groups.py``), each group's
+    gradient shard made when its bucket lands and dropped at zero_grad (offload/landing.py), as FSDP2
+    makes each block's sharded gradients at its reduce-scatter and sets them to None. So what is kept
+    from step to step is FSDP2's, and the peak within 5% of FSDP2's (measured 1.017x at W=2 and 4
+    blocks, 0.998x at W=1 and 8; 1.10x and 1.16x with the whole gradient shard made at the first
+    reduction, 1.35x at W=2 before the shard was the master)."""
     from bench_device_memory import measure_fsdp2
 
     d_model = 256
     window = block_elements(d_model)
-    ours = run_on_meta(measure, WORLD, LAYERS, d_model, window, {})
-    fsdp2 = run_on_meta(measure_fsdp2, WORLD, LAYERS, d_model, window, {})
+    ours = run_on_meta(measure, world, layers, d_model, window, {})
+    fsdp2 = run_on_meta(measure_fsdp2, world, layers, d_model, window, {})
     n, groups = ours["numel"], ours["groups"]
     # the states: [owned] fp32 shard (= master) and two fp32 moments; no gradient shard between steps
     assert groups["moments"] == 2 * groups["parameters"], groups
-    assert 0.95 * 4 * n / WORLD <= groups["parameters"] <= 1.05 * 4 * n / WORLD, (groups, n)
+    assert 0.95 * 4 * n / world <= groups["parameters"] <= 1.05 * 4 * n / world, (groups, n)
     assert ours["kept"] <= 1.01 * fsdp2["kept"], (ours, fsdp2)
-    # the peak: within a third of FSDP2's transients (gathered blocks, buckets, activations, its
-    # gradients) of FSDP2's (the two peak at other moments of backward)
-    transients = fsdp2["peak"] - fsdp2["kept"]
-    assert ours["peak"] - fsdp2["peak"] <= transients / 3, (ours, fsdp2)
+    assert ours["peak"] <= 1.05 * fsdp2["peak"], (ours["peak"] / n, fsdp2["peak"] / n)

@@ -220,6 +220,7 @@ class ZeroOptimizer(ZeROOptimizer):
             self.step_counts,
             placement.optimizer.copies,
             placement.copies_out,
+            self.group_map,
         )
         self.abilities = self.stepper.abilities  # what it can do beyond torch.optim.Optimizer
         self.run_stepper = self.stepper.run_stepper

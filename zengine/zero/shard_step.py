@@ -16,6 +16,7 @@ import torch
 from ..ops.shard_optimizer import abilities
 from .flat_group import ParamGroup
 from .step_counts import Plan, RunStepper, StepCounts
+from .sub_groups import GroupMap
 
 
 def shard_runs(groups: list[ParamGroup], shard_params: list, plans: list[Plan]) -> dict:
@@ -31,8 +32,8 @@ def shard_runs(groups: list[ParamGroup], shard_params: list, plans: list[Plan]) 
 
 
 class ShardStepper:
-    """The wrapped optimizer over ``shard_params`` (one flat fp32 parameter per group), its declared
-    abilities, and how it is stepped."""
+    """The wrapped optimizer over ``shard_params`` (one flat fp32 parameter per group, sitting in the
+    param groups ``group_map`` says), its declared abilities, and how it is stepped."""
 
     def __init__(
         self,
@@ -42,13 +43,14 @@ class ShardStepper:
         counts: StepCounts,
         copies,
         copies_out: bool,
+        group_map: GroupMap,
     ):
         self.groups = groups
         self.shard_params = shard_params
         self.optimizer = optimizer
         self.abilities = abilities(optimizer)  # what it can do beyond torch.optim.Optimizer
         # steps any torch optimizer by runs when counts differ
-        self.run_stepper = RunStepper(counts)
+        self.run_stepper = RunStepper(counts, group_map.owner)
         self.copies = copies  # the placement's copies (offload/copies.py)
         self.copies_out = copies_out  # the placement lets the step write the parameters as it goes
 

@@ -90,7 +90,7 @@ def build_zero_optimizer(
         FlatParamGroup(named, hyper, num_shards, ranks.rank, dtype, ranks.device)
         for named, hyper in named_groups
     ]
-    in_flight = buckets_in_flight(zero_cfg.overlap_comm)
+    in_flight = buckets_in_flight(zero_cfg.overlap_comm, ranks.dp_world)
     positions = registration_positions(module, groups)  # the buckets' launch order over the groups
     if zero_cfg.stage == 2:
         grads = sharded_gradients(

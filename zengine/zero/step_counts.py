@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -114,9 +114,11 @@ class RunStepper:
     are kept here, ``scalars[gi][count]``.
     """
 
-    def __init__(self, counts: StepCounts):
+    def __init__(self, counts: StepCounts, owner: Optional[Sequence[int]] = None):
         self.counts = counts
         n = len(counts.groups)
+        # the wrapped optimizer's param group each group's shard sits in (sub_groups.GroupMap)
+        self.owner = list(owner) if owner is not None else list(range(n))
         self.flat_count: list[int] = [
             0
         ] * n  # the count the flat state's non-element entries belong to
@@ -126,24 +128,31 @@ class RunStepper:
         self, optimizer: torch.optim.Optimizer, shards: list[torch.Tensor], plans: list[Plan]
     ) -> None:
         """One ``optimizer.step()`` over every group: whole where the plan is uniform, else by runs."""
+        held = {pg: [shards[gi] for gi, o in enumerate(self.owner) if o == pg] for pg in self.owner}
+        for pg, expected in held.items():
+            params = optimizer.param_groups[pg]["params"]
+            if len(params) != len(expected) or any(p is not s for p, s in zip(params, expected)):
+                raise RuntimeError(
+                    f"zengine: the wrapped optimizer's param group {pg} does not hold its flat shards"
+                )
+        stepped: dict[int, list[torch.Tensor]] = {pg: [] for pg in held}
         swapped = []
         for gi, (shard, plan) in enumerate(zip(shards, plans)):
-            group = optimizer.param_groups[gi]
-            if len(group["params"]) != 1 or group["params"][0] is not shard:
-                raise RuntimeError(
-                    f"zengine: the wrapped optimizer's param group {gi} does not hold its flat shard"
-                )
             if plan.uniform is not None:
                 self._prepare_whole(optimizer, gi, shard, plan.uniform)
+                stepped[self.owner[gi]].append(shard)
             else:
                 views = self._views(optimizer, gi, shard, plan.runs)
-                group["params"] = [v for _, v in views]
+                stepped[self.owner[gi]] += [v for _, v in views]
                 swapped.append((gi, shard, views))
+        for pg, params in stepped.items():
+            optimizer.param_groups[pg]["params"] = params
         try:
             optimizer.step()
         finally:
+            for pg, params in held.items():
+                optimizer.param_groups[pg]["params"] = params
             for gi, shard, views in swapped:
-                optimizer.param_groups[gi]["params"] = [shard]
                 self._absorb(optimizer, gi, shard, views)
         for gi, plan in enumerate(plans):
             if plan.uniform is not None:
@@ -190,7 +199,9 @@ class RunStepper:
             optimizer.state.pop(shard, None)
         else:
             scalars = _placed(
-                optimizer.param_groups[gi], shard, self.scalars_of(optimizer, gi, shard, count)
+                optimizer.param_groups[self.owner[gi]],
+                shard,
+                self.scalars_of(optimizer, gi, shard, count),
             )
             state = optimizer.state[shard]
             for k in [k for k, v in state.items() if not is_elementwise(v, shard)]:
@@ -209,7 +220,7 @@ class RunStepper:
                 state = {k: t[run.lo : run.hi] for k, t in elementwise.items()}
                 state.update(
                     _placed(
-                        optimizer.param_groups[gi],
+                        optimizer.param_groups[self.owner[gi]],
                         shard,
                         self.scalars_of(optimizer, gi, shard, run.count),
                     )

@@ -1,21 +1,30 @@
 """DeepSpeed's optimizer sub-groups, and which param group of the wrapped optimizer each ZeRO group
 belongs to.
 
-A ZeRO group is the unit the step treats alike: one flat master shard, one home for its states.
-Usually it is one of the user's param groups. Partial offload (``offload/partial.py``) needs finer
-units: stage 3 then cuts each param group into DeepSpeed's sub-groups (``split_sub_groups``: whole
-parameters, each sub-group closed once it holds ``sub_group_size`` shard elements) and makes each a
-group, which the placement puts on the device or the host. The user still sees their own param groups
-(the schedule sets their ``lr``, ``engine.get_lr()`` lists them, checkpoints keep their records):
-``GroupMap`` says which one each group's shard parameter sits in.
+A ZeRO group is the unit the step treats alike: one flat master shard, one gradient shard, one home
+for its states. Usually it is one of the user's param groups. Two stage-3 cases need finer units, and
+cut each param group into sub-groups of whole parameters, each made a group:
+
+- partial offload (``offload/partial.py``): DeepSpeed's sub-groups (``split_sub_groups``: each closed
+  once it holds ``sub_group_size`` shard elements), which the placement puts on the device or the host;
+- the optimizer on a device with a caching allocator: the gradient buckets (``bucket_sub_groups``), so
+  that each group's gradient shard is made when its bucket's reduction lands (``offload/landing.py``)
+  and the shards grow as backward goes, as FSDP2 makes each block's sharded gradients when its
+  reduce-scatter ends, not all at the first reduction while every activation is still held.
+
+The user still sees their own param groups (the schedule sets their ``lr``, ``engine.get_lr()`` lists
+them, checkpoints keep their records): ``GroupMap`` says which one each group's shard parameter sits
+in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Hashable, Optional, Sequence
 
 import torch
+
+from .layout import FlatLayout, gradient_buckets
 
 
 def split_sub_groups(numels: Sequence[int], size: int) -> list[list[int]]:
@@ -32,6 +41,19 @@ def split_sub_groups(numels: Sequence[int], size: int) -> list[list[int]]:
             out.append(run)
             run, held = [], 0
     return out
+
+
+def bucket_sub_groups(
+    numels: Sequence[int], size: int, kinds: Optional[Sequence[Hashable]] = None
+) -> list[list[int]]:
+    """The indices of ``numels`` (each parameter's shard elements, in order) cut as the gradient
+    buckets of ``size`` shard elements cut them (``layout.gradient_buckets``: from the last parameter
+    back, at most ``size`` each unless one parameter is larger, one ``kinds`` each), in order: so that
+    a group's buckets are one bucket."""
+    if not numels:
+        return [[]]
+    layout = FlatLayout([str(i) for i in range(len(numels))], [(n,) for n in numels], 1)
+    return [list(b.params) for b in reversed(gradient_buckets(layout, size, kinds))]
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,12 @@ build each part with what it needs, in dependency order.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
+from ...device import reuses_freed_blocks
 from ...offload.placement import make_placement
 from ...precision.grad_factor import GradFactor
 from ...precision.masters import MasterPrecision
@@ -24,7 +25,7 @@ from ..grads import buckets_in_flight
 from ..init import warn_lost_writes
 from ..mics import MicsConfigError
 from ..optimizer import ShardGroup, StepRules
-from ..sub_groups import GroupMap, split_sub_groups
+from ..sub_groups import GroupMap, bucket_sub_groups, split_sub_groups
 from .fetcher import Fetcher, compute_codec
 from .hierarchical import secondary_partition
 from .trace import read_ahead_for
@@ -70,21 +71,54 @@ def shard_parameters(
     return out
 
 
+# At most this many groups per param group when cut into gradient buckets: each group costs the step
+# its own kernels and bookkeeping, and a thirty-second of the gradient shard at a time is fine enough.
+MAX_BUCKET_UNITS = 32
+
+
 def optimizer_units(
-    members: list[list[ShardedParam]], hypers: list[dict], zero_cfg: ZeroConfig
+    members: list[list[ShardedParam]],
+    hypers: list[dict],
+    cut: Optional[Callable[[list[ShardedParam]], list[list[int]]]],
 ) -> tuple[list[list[ShardedParam]], list[dict], GroupMap]:
-    """The groups the optimizer steps and their param groups: the param groups themselves, or with
-    partial offload (``offload_optimizer.ratio`` below 1) DeepSpeed's sub-groups of each
-    (``sub_groups.py``), which the placement splits between device and host."""
-    if not zero_cfg.offload_optimizer.partial:
+    """The groups the optimizer steps and their param groups: the param groups themselves, or each
+    cut into sub-groups (``cut(params)``: the indices of each, ``unit_cut``)."""
+    if cut is None:
         return members, hypers, GroupMap.identity(len(members))
     units, unit_hypers, owner = [], [], []
     for pg, (sps, hyper) in enumerate(zip(members, hypers)):
-        for run in split_sub_groups([sp.chunk for sp in sps], int(zero_cfg.sub_group_size)):
+        for run in cut(sps):
             units.append([sps[i] for i in run])
             unit_hypers.append(hyper)
             owner.append(pg)
     return units, unit_hypers, GroupMap(tuple(owner))
+
+
+def unit_cut(
+    zero_cfg: ZeroConfig, ranks: ShardGroup, dtypes: GradDtypes
+) -> Optional[Callable[[list[ShardedParam]], list[list[int]]]]:
+    """How the param groups are cut into the groups the optimizer steps (``sub_groups.py``): with
+    partial offload (``offload_optimizer.ratio`` below 1) into DeepSpeed's sub-groups, which the
+    placement splits between device and host; with the optimizer on a device that reuses freed
+    blocks, into the gradient buckets, so that the gradient shards are made bucket by bucket as
+    backward goes; else not (None)."""
+    offload = zero_cfg.offload_optimizer
+    if offload.partial:
+        size = int(zero_cfg.sub_group_size)
+        return lambda sps: split_sub_groups([sp.chunk for sp in sps], size)
+    if offload.device == "none" and reuses_freed_blocks(ranks.device):
+        bucket = max(
+            1, GatherUnits.from_config(zero_cfg).reduce_bucket // ranks.world
+        )  # RankMajor's
+
+        def cut(sps: list[ShardedParam]) -> list[list[int]]:
+            chunks = [sp.chunk for sp in sps]
+            # buckets taken together where they are many (Hugging Face's "auto" bucket is d^2)
+            size = max(bucket, -(-sum(chunks) // MAX_BUCKET_UNITS))
+            return bucket_sub_groups(chunks, size, dtypes.wires([sp.param for sp in sps]))
+
+        return cut
+    return None
 
 
 def build_stage3_optimizer(
@@ -107,7 +141,7 @@ def build_stage3_optimizer(
     )  # (ModuleHooks, made by the optimizer, reads the marks)
     members = [[lookup(p) for _, p in named] for named, _ in named_groups]
     members, hypers, group_map = optimizer_units(
-        members, [hyper for _, hyper in named_groups], zero_cfg
+        members, [hyper for _, hyper in named_groups], unit_cut(zero_cfg, ranks, dtypes)
     )
     chunks = [[sp.chunk for sp in sps] for sps in members]
     precision = MasterPrecision.from_config(config)
@@ -154,7 +188,7 @@ def build_stage3_optimizer(
         after_grad=lambda sp: fetcher.release([sp], force=True),
         dtypes=dtypes,
         comm_group=ranks.group,
-        in_flight=buckets_in_flight(zero_cfg.overlap_comm),
+        in_flight=buckets_in_flight(zero_cfg.overlap_comm, ranks.dp_world),
         quantized_bits=zero_cfg.zero_quantized_gradients_bits
         if zero_cfg.zero_quantized_gradients
         else 0,
