@@ -287,6 +287,24 @@ def side_streams_on_meta(streams=None):
         pinned.RUNTIME = runtime
 
 
+@contextlib.contextmanager
+def caching_allocator_on_host():
+    """The host taken for a device with a caching allocator where stage 3 decides its optimizer
+    groups (cut into the gradient buckets: ``zero/sub_groups.py``) and where the landing drops
+    gradient shards between steps (``offload/landing.py``), for engines built inside: their values
+    on the host, where CI can check them against torch."""
+    import zengine.offload.landing as landing
+    import zengine.zero.stage3.build as build
+
+    saved = build.reuses_freed_blocks, landing.kept_between_steps
+    build.reuses_freed_blocks = lambda device: True
+    landing.kept_between_steps = lambda shard: False
+    try:
+        yield
+    finally:
+        build.reuses_freed_blocks, landing.kept_between_steps = saved
+
+
 def _sites(depth: int = 2) -> str:
     """The innermost ``depth`` zengine frames of the caller, as "file.py:function < file.py:function"."""
     out, frame = [], sys._getframe(2)

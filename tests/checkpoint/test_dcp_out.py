@@ -10,6 +10,7 @@ import torch
 import dcp_runs as R
 import zengine
 from checkpoint_runs import LR, BufferedNet
+from device_guard import caching_allocator_on_host
 from harness import spawn
 from models import edge_param_groups
 from zengine.checkpoint.export import convert
@@ -18,7 +19,7 @@ TOL = 1e-5
 # saving world size -> (stage, how) of each save in its one spawn; FSDP2 loads at another world size
 SAVES = {
     1: [(1, "sync"), (3, "async")],
-    2: [(2, "async"), (3, "convert"), (3, "partial")],
+    2: [(2, "async"), (3, "convert"), (3, "partial"), (3, "cut")],
     3: [(2, "sync"), (3, "async")],
 }
 LOADER = {1: 2, 2: 3, 3: 1}
@@ -26,7 +27,13 @@ LOADER = {1: 2, 2: 3, 3: 1}
 
 def make_engine(stage: int, seed: int, how: str):
     """``partial``: partial optimizer offload, whose sub-groups cut each param group in pieces and whose
-    CPU Adam keeps fewer group keys than torch's AdamW."""
+    CPU Adam keeps fewer group keys than torch's AdamW; ``cut``: stage 3 as on a GPU, each param group
+    cut into the gradient buckets (the unused layer's sub-group has no state: zeros are written)."""
+    if how == "cut":
+        with caching_allocator_on_host():
+            engine = R.make_engine(stage, seed)
+        assert len(engine.optimizer.groups) > engine.optimizer.group_map.count == 2
+        return engine
     if how != "partial":
         return R.make_engine(stage, seed)
     cfg = R.zengine_config(stage)

@@ -2,7 +2,7 @@
 (``zero/sub_groups.py`` ``bucket_sub_groups``), so that a group's gradient shard is made when its
 bucket's reduction lands and the shards grow as backward goes (FSDP2's order), not all at the first
 reduction while every activation is held. CI has no such device, so the cut and the dropped shards are
-made on the host here (``cut_on_host``): the run matches the single-process torch reference, each
+made on the host here (``device_guard.caching_allocator_on_host``): the run matches the single-process torch reference, each
 group is one bucket, the user sees their own two param groups (their ``lr``), and a checkpoint written
 cut loads into an uncut run and back, every state equal. The memory side is counted on the stand-in
 device (``test_zero3_device_memory.py``)."""
@@ -15,29 +15,14 @@ import pytest
 import torch.distributed as dist
 
 from checkpoint.checkpoint_runs import batches, config, make_engine, train
+from device_guard import caching_allocator_on_host
 from harness import spawn
 from models import micro_batch, whole_states
 from zero.test_zero_parity import check_parity
 
 
-@contextlib.contextmanager
-def cut_on_host():
-    """The host taken for a device with a caching allocator where stage 3 decides its units and
-    where the landing drops gradient shards between steps."""
-    import zengine.offload.landing as landing
-    import zengine.zero.stage3.build as build
-
-    saved = build.reuses_freed_blocks, landing.kept_between_steps
-    build.reuses_freed_blocks = lambda device: True
-    landing.kept_between_steps = lambda shard: False
-    try:
-        yield
-    finally:
-        build.reuses_freed_blocks, landing.kept_between_steps = saved
-
-
 def _parity(precision: str, gas: int):
-    with cut_on_host():
+    with caching_allocator_on_host():
         return check_parity(3, precision, gas)
 
 
@@ -49,7 +34,7 @@ def test_bucket_units_match_torch(world, precision, gas):
 
 
 def _units(world: int):
-    with cut_on_host():
+    with caching_allocator_on_host():
         engine = make_engine(config(3), seed=0)
         opt = engine.optimizer
         buckets = [len(q.buckets) for q in opt.grads.layout.queues]
@@ -74,38 +59,43 @@ def test_groups_are_the_buckets_and_the_param_groups_the_users(world):
         assert dropped == 0  # and dropped at zero_grad
 
 
-def _resume(path: str, cut_first: bool):
-    """Train 2 steps (cut or not), save, load into the other kind, train 2 more; and the same 4
-    steps without the checkpoint. Returns (states after loading, states the writer had), losses."""
-    first = cut_on_host() if cut_first else contextlib.nullcontext()
-    second = contextlib.nullcontext() if cut_first else cut_on_host()
+def _resume(path: str, writer_cut: bool, reader_cut: bool):
+    """Train 2 steps (cut or not), save, load into a run cut or not, train 2 more; and the writer
+    the same 2 more. Returns (states after loading, states the writer had), the same after the
+    2 steps, their losses, the groups of each."""
+
+    def cut(yes: bool):
+        return caching_allocator_on_host() if yes else contextlib.nullcontext()
+
     data = batches(4)
-    with first:
+    with cut(writer_cut):
         writer = make_engine(config(3), seed=0)
         train(writer, data[:2])
         writer.save_checkpoint(path, tag="t")
         written = whole_states(writer)
-        cut = len(writer.optimizer.groups)
+        groups = [len(writer.optimizer.groups)]
         more = train(writer, data[2:])
         after_writer = whole_states(writer)
     dist.barrier()
-    with second:
+    with cut(reader_cut):
         reader = make_engine(config(3), seed=1)
         reader.load_checkpoint(path, tag="t")
         loaded = whole_states(reader)
-        other = len(reader.optimizer.groups)
+        groups.append(len(reader.optimizer.groups))
         more_reader = train(reader, data[2:])
         after_reader = whole_states(reader)
-    return (loaded, written), (after_reader, after_writer), (more_reader, more), (cut, other)
+    return (loaded, written), (after_reader, after_writer), (more_reader, more), groups
 
 
-@pytest.mark.parametrize("cut_first", [True, False])
-def test_checkpoint_crosses_the_cut(tmp_path, cut_first):
+@pytest.mark.parametrize("writer_cut,reader_cut", [(True, False), (False, True), (True, True)])
+def test_checkpoint_crosses_the_cut(tmp_path, writer_cut, reader_cut):
     for (loaded, written), (after_r, after_w), (more_r, more_w), groups in spawn(
-        _resume, 2, str(tmp_path / "ckpt"), cut_first
+        _resume, 2, str(tmp_path / "ckpt"), writer_cut, reader_cut
     ):
-        assert min(groups) == 2 and max(groups) > 4, groups  # one side cut, the other not
+        # uncut: the two param groups; cut: the buckets
+        assert groups == [6 if writer_cut else 2, 6 if reader_cut else 2], groups
         assert loaded == written  # masters, moments, parameters: the same values
+        # the steps after it alike (a fused optimizer's step counts are one tensor each)
         assert more_r == pytest.approx(more_w, rel=1e-6)
         for name, value in after_w.items():
             assert after_r[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name

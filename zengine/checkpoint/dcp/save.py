@@ -128,7 +128,7 @@ def engine_entries(engine) -> list[DcpEntry]:
                     out.append(DcpEntry(f"{OPTIM}state.{p.name}.{k}", shapes[p.name], box, state))
 
     for gi, master in enumerate(holdings.masters(opt, world, saving=True)):
-        add(master, holdings.elementwise_state(opt, gi))
+        add(master, holdings.param_group_state(opt, gi))
     for held in holdings.untrained(engine.module, opt, rank, world, saving=True):
         add(held, {})
     if rank == 0:

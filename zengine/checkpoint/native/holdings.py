@@ -69,6 +69,20 @@ def elementwise_state(optimizer, gi: int) -> dict[str, torch.Tensor]:
     }
 
 
+def param_group_state(optimizer, gi: int) -> dict[str, torch.Tensor]:
+    """``elementwise_state(optimizer, gi)``, with zeros for the keys other groups of its param group
+    hold and it lacks: a sub-group whose parameters never stepped (no gradient yet) has no state,
+    where one flat shard over the param group holds zeros for them; a reader of every parameter's
+    state (DCP into FSDP2's optimizer) finds them either way."""
+    own = elementwise_state(optimizer, gi)
+    shard = optimizer.shard_params[gi]
+    for other in optimizer.group_map.members(optimizer.group_map.owner[gi]):
+        for key, value in elementwise_state(optimizer, other).items():
+            if key not in own:
+                own[key] = torch.zeros(shard.shape, dtype=value.dtype, device=shard.device)
+    return own
+
+
 def masters(optimizer, world: int, saving: bool) -> list[Holding]:
     """One Holding per group: its fp32 master, with the pieces this rank saves (or, loading, all it holds)."""
     return [

@@ -277,7 +277,9 @@ def _load_optimizer_group(
         if key in saved["scalars"]:
             value = saved["scalars"][key]
             if torch.is_tensor(value):
-                value = value.to(master.buffer.device) if on_device else value.clone()
+                # a copy each: a param group's record serves each of its sub-groups, and a fused
+                # optimizer adds one to every ``step`` tensor it holds
+                value = value.to(master.buffer.device, copy=True) if on_device else value.clone()
             state[key] = value
         else:  # read in place into the tensor the optimizer has, else into a new one
             # in the dtype this optimizer keeps it in (bf16 masters: bf16 or fp32 moments), cast

@@ -107,9 +107,8 @@ def unit_cut(
         size = int(zero_cfg.sub_group_size)
         return lambda sps: split_sub_groups([sp.chunk for sp in sps], size)
     if offload.device == "none" and reuses_freed_blocks(ranks.device):
-        bucket = max(
-            1, GatherUnits.from_config(zero_cfg).reduce_bucket // ranks.world
-        )  # RankMajor's
+        # shard elements a bucket holds, as RankMajor counts them
+        bucket = max(1, GatherUnits.from_config(zero_cfg).reduce_bucket // ranks.world)
 
         def cut(sps: list[ShardedParam]) -> list[list[int]]:
             chunks = [sp.chunk for sp in sps]
