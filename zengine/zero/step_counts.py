@@ -128,7 +128,9 @@ class RunStepper:
         self, optimizer: torch.optim.Optimizer, shards: list[torch.Tensor], plans: list[Plan]
     ) -> None:
         """One ``optimizer.step()`` over every group: whole where the plan is uniform, else by runs."""
-        held = {pg: [shards[gi] for gi, o in enumerate(self.owner) if o == pg] for pg in self.owner}
+        held: dict[int, list[torch.Tensor]] = {}  # param group -> its groups' shards, in order
+        for gi, pg in enumerate(self.owner):
+            held.setdefault(pg, []).append(shards[gi])
         for pg, expected in held.items():
             params = optimizer.param_groups[pg]["params"]
             if len(params) != len(expected) or any(p is not s for p, s in zip(params, expected)):
