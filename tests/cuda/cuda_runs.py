@@ -220,6 +220,16 @@ def check_placement(engine, device: torch.device, offload: str, errors: list, wh
         flat = getattr(g, "shard_flat", None)
         if flat is not None and flat.device != shard_dev:
             errors.append(f"{when}: stage-3 parameter shard on {flat.device}, expected {shard_dev}")
+    # stage 3 with the optimizer on a GPU: each param group cut into the gradient buckets
+    # (zero/sub_groups.py), so that the gradient shards are made bucket by bucket
+    if engine.zero_optimization_stage() == 3 and offload == "none" and device.type == "cuda":
+        from zengine.zero.stage3.build import MAX_BUCKET_UNITS
+
+        for pg in range(opt.group_map.count):
+            members = opt.group_map.members(pg)
+            buckets = [len(opt.grads.layout.queues[gi].buckets) for gi in members]
+            if len(members) < MAX_BUCKET_UNITS and max(buckets) > 1:
+                errors.append(f"{when}: param group {pg}'s groups hold {buckets} buckets, not one")
 
 
 class ForwardWatch:
