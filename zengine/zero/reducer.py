@@ -4,8 +4,8 @@ Each gradient is copied into a bucket buffer as soon as autograd produces it and
 bucket is reduced across ranks and each rank adds only its part into its shard. At most
 ``in_flight`` buckets are still being reduced while backward goes on (``grads.buckets_in_flight``),
 so no rank ever holds the whole gradient: the gradient transient of a step is ``in_flight + 1``
-buckets and ``in_flight`` reduced outputs. Every micro-step reduces except under ``no_sync``, where autograd keeps accumulating into
-``.grad`` until the next synchronised backward.
+buckets and ``max(1, in_flight)`` reduced outputs. Every micro-step reduces except under
+``no_sync``, where autograd keeps accumulating into ``.grad`` until the next synchronised backward.
 
 The reducer is composed of three parts, one per role, chosen by the stage's builder:
 
@@ -192,8 +192,8 @@ class ShardReducer(GradientStore):
             written = [pi for pi in bucket.params if (gi, pi) in self.copied]
             self._zero_unwritten(gi, bucket, buf, written)
         # the oldest completes before the next launches, as FSDP2 waits for the last reduce-scatter:
-        # at most ``in_flight`` outputs beside the buckets (on a GPU the wait orders the streams, and
-        # the collectives run in launch order anyway)
+        # at most max(1, in_flight) outputs beside the buckets (on a GPU the wait orders the
+        # streams, and the collectives run in launch order anyway)
         while len(self.in_flight) >= max(1, self.in_flight_limit):
             self._complete(*self.in_flight.popleft())
         self.in_flight.append((gi, bucket, self.codec.launch(gi, bucket, buf)))
