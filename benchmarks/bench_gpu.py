@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -428,27 +429,24 @@ def report(results: list[dict], args) -> str:
     return "\n".join(lines)
 
 
-_MACHINE: dict = {}  # the host's Adam and the link, as _bound_lines measured them
+@functools.cache
+def _machine(device: str) -> tuple:
+    """(the host's Adam s/element, the link's bytes/s), measured once: the report is written after
+    every contender."""
+    from offload_bound import host_adam_seconds_per_element, link_bytes_per_second
+
+    return host_adam_seconds_per_element(), link_bytes_per_second(torch.device(device))
 
 
 def _bound_lines(results: list[dict], by: dict, args) -> list[str]:
     """The offload rows against the step's bound (``offload_bound.py``): device work, host Adam over the
     offloaded share and the link's least traffic, measured on this machine after the contenders ran."""
-    from offload_bound import (
-        device_row,
-        host_adam_seconds_per_element,
-        link_bytes_per_second,
-        offload_bound,
-        offload_share,
-    )
+    from offload_bound import device_row, offload_bound, offload_share
 
     rows = [r for r in results if "error" not in r and offload_share(r["name"]) is not None]
     if not rows:
         return []
-    if not _MACHINE:  # measured once (the report is written after every contender)
-        device = torch.device(args.device if args.device != "cuda" else "cuda:0")
-        _MACHINE.update(adam=host_adam_seconds_per_element(), link=link_bytes_per_second(device))
-    adam, link = _MACHINE["adam"], _MACHINE["link"]
+    adam, link = _machine(args.device if args.device != "cuda" else "cuda:0")
     compute_bytes = 4 if args.dtype == "fp32" else 2
     lines = [
         "",

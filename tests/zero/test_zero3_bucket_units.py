@@ -14,7 +14,7 @@ import contextlib
 import pytest
 import torch.distributed as dist
 
-from checkpoint.checkpoint_runs import batches, config, make_engine, train
+from checkpoint.checkpoint_runs import GLOBAL_BATCH, batches, config, make_engine, train
 from device_guard import caching_allocator_on_host
 from harness import spawn
 from models import micro_batch, whole_states
@@ -41,7 +41,7 @@ def _units(world: int):
         owners = list(opt.group_map.owner)
         lrs = [g["lr"] for g in opt.optimizer.param_groups]
         train(engine, batches(1))
-        x, y = micro_batch(batches(1)[0], dist.get_rank(), world, 6 // world, 0)
+        x, y = micro_batch(batches(1)[0], dist.get_rank(), world, GLOBAL_BATCH // world, 0)
         engine.backward(engine(x, y))
         held = [t.numel() for t in opt.grads.landing.tensors()]
         engine.step()  # (zeroes the gradients)
